@@ -1,0 +1,25 @@
+"""te_passes: a torch.compile backend for Transformer Engine graphs.
+
+``torch.compile(model, backend="te_inductor")`` (no import needed: the backend is a
+``torch_dynamo_backends`` entry point) runs TE-aware FX passes on the traced graphs, then
+Inductor. Layout, in pipeline order:
+
+* :mod:`te_passes.backend` — the entry: ``te_inductor`` and its Inductor hooks;
+* :mod:`te_passes.te` — TE knowledge: the TE graph model, TE state (UB, recipes), version;
+* :mod:`te_passes.passes` — the pass interface, registry, manager and the passes;
+* :mod:`te_passes.analyses` — liveness, memory estimate and other graph analyses;
+* :mod:`te_passes.debug` — TE-aware printing, dumps and the ``te-passes`` CLI;
+* :mod:`te_passes.testing` — real TE graph capture without a GPU, test backends.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "te_inductor"]
+
+
+def __getattr__(name):
+    if name == "te_inductor":
+        from te_passes.backend import te_inductor
+
+        return te_inductor
+    raise AttributeError(name)

@@ -1,0 +1,170 @@
+"""The ``te_inductor`` torch.compile backend: TE-aware passes, then Inductor.
+
+Registered as the ``torch_dynamo_backends`` entry point ``te_inductor`` (pyproject.toml), so
+``torch.compile(model, backend="te_inductor", mode=..., options=...)`` works with no import.
+
+Pipeline for one Dynamo graph::
+
+    Dynamo graph ── passes[stage=dynamo] ──► compile_fx(config_patches=...)
+                                               ├─ joint graph ── passes[stage=joint]
+                                               │    (Inductor joint_custom_pre_pass)
+                                               ├─ post-grad fwd ── passes[stage=post_grad_fwd]
+                                               └─ post-grad bwd ── passes[stage=post_grad_bwd]
+                                                    (Inductor post_grad_custom_pre_pass)
+
+Mirrors ``torch._TorchCompileInductorWrapper`` (torch 2.14): ``mode`` maps to Inductor config
+through ``torch._inductor.list_mode_options``; non-``te_passes.*`` options are Inductor config
+keys, validated the same way; everything is applied as ``compile_fx(config_patches=...)``, so
+the process-global Inductor config is never mutated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomInferenceAwareGraphPass
+
+from te_passes._logging import get_logger
+from te_passes.config import TePassesOptions
+from te_passes.passes.base import PassContext, Stage
+from te_passes.passes.manager import PassManager
+from te_passes.passes.registry import pass_names
+from te_passes.report import CompileReport, new_compile_report
+from te_passes.te.state import TEState
+
+log = get_logger()
+
+_HOOKS = {Stage.JOINT: "joint_custom_pre_pass", Stage.POST_GRAD_FWD: "post_grad_custom_pre_pass"}
+
+
+def pipeline_uuid(manager: PassManager, options: TePassesOptions, te_state: TEState) -> dict[str, Any]:
+    """What the pass pipeline's cache identity is built from, plus its hash under ``"uuid"``.
+
+    Covers every pass's :meth:`~te_passes.passes.base.TEPass.uuid` (source + config), the
+    option values that change what passes do, and the TE state fingerprint.
+    """
+    parts = {
+        "passes": {p.name: p.uuid() for p in manager.passes},
+        "options": options.fingerprint_data(),
+        "te_state": te_state.fingerprint(),
+    }
+    parts["uuid"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return parts
+
+
+class _StagePass(CustomInferenceAwareGraphPass):
+    """Runs the manager's AOT-stage passes inside Inductor (one instance per compilation).
+
+    Installed as ``joint_custom_pre_pass`` (stage ``joint``) and ``post_grad_custom_pre_pass``
+    (``post_grad_fwd`` / ``post_grad_bwd``: a post-grad graph with ``tangents_*`` placeholders
+    is a backward graph). ``uuid()`` is the pipeline uuid, so Inductor's FX graph cache hits
+    only when passes, their config and the TE state they read are unchanged.
+    """
+
+    def __init__(self, manager: PassManager, options: TePassesOptions, te_state: TEState,
+                 report: CompileReport, joint: bool) -> None:
+        self.manager, self.options, self.te_state, self.report = manager, options, te_state, report
+        self.joint = joint
+        self._uuid = report.uuid["uuid"]
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
+        gm = graph.owning_module
+        if gm is None:  # pragma: no cover - Inductor always passes an owned graph
+            log.warning("te_passes: post-grad graph without owning module; passes skipped")
+            return
+        if self.joint:
+            stage = Stage.JOINT
+        else:
+            is_bwd = any(n.op == "placeholder" and str(n.target).startswith("tangents")
+                         for n in graph.find_nodes(op="placeholder"))
+            stage = Stage.POST_GRAD_BWD if is_bwd else Stage.POST_GRAD_FWD
+        suffix = {Stage.JOINT: "joint", Stage.POST_GRAD_FWD: "fwd", Stage.POST_GRAD_BWD: "bwd"}[stage]
+        ctx = PassContext(stage, self.options, self.te_state, None, f"{self.report.graph_id}.{suffix}")
+        t0 = time.perf_counter()
+        self.report.stages.append(self.manager.run(gm, ctx))
+        self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+def _inductor_config_patches(mode: str | None, inductor_options: dict[str, Any]) -> dict[str, Any]:
+    """Map ``mode`` + Inductor ``options`` to config patches exactly as ``torch.compile`` does.
+
+    Raises:
+        RuntimeError: unknown mode, unknown Inductor option or wrong value type (Inductor's
+            own messages).
+    """
+    wrapper = torch._TorchCompileInductorWrapper(mode, inductor_options, dynamic=None)
+    return dict(wrapper.config)
+
+
+def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                options: dict[str, Any] | None = None):
+    """Compile a Dynamo graph with te_passes' TE-aware passes, then Inductor.
+
+    Args:
+        gm: the graph Dynamo captured (``torch.fx.GraphModule``).
+        example_inputs: its example inputs (fake tensors / SymInts), as Dynamo passes them.
+        mode: a ``torch.compile`` mode (``None``/``"default"``, ``"reduce-overhead"``,
+            ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``, ``"lite"``); mapped as for
+            ``backend="inductor"``. ``"reduce-overhead"`` uses CUDA graph trees on CUDA graphs
+            (on CPU, Inductor skips cudagraphs as it does for ``backend="inductor"``).
+        options: Inductor config overrides plus ``te_passes.*`` keys
+            (:data:`te_passes.config.OPTION_SPECS`). A user-given ``joint_custom_pre_pass`` /
+            ``post_grad_custom_pre_pass`` runs before ours.
+
+    Returns:
+        The compiled callable (Inductor's), possibly wrapped by a TE-state guard.
+
+    Raises:
+        te_passes.config.TePassesOptionError: unknown ``te_passes.*`` key / bad value / pass name.
+        RuntimeError: unknown mode or Inductor option (from Inductor).
+        te_passes.passes.manager.TePassError: a pass failed with ``te_passes.strict``.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    t_start = time.perf_counter()
+    opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()))
+    config_patches = _inductor_config_patches(mode, inductor_options)
+    te_state = TEState.capture(ub_snapshot=opts.ub_snapshot)
+
+    observers = []
+    if opts.dump_dir:
+        from te_passes.debug.dump import DumpWriter
+        observers.append(DumpWriter.for_dir(opts.dump_dir))
+    manager = PassManager(observers=observers)
+    report = new_compile_report(mode)
+    report.uuid = pipeline_uuid(manager, opts, te_state)
+    report.te_state = te_state.to_json()
+
+    t0 = time.perf_counter()
+    report.stages.append(manager.run(gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs,
+                                                     report.graph_id)))
+    report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+
+    for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
+        ours = _StagePass(manager, opts, te_state, report, joint=joint)
+        user = config_patches.get(key)
+        config_patches[key] = ours if user is None else [*(user if isinstance(user, (list, tuple)) else [user]), ours]
+
+    compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
+    for obs in observers:
+        if hasattr(obs, "finish"):
+            obs.finish(report)
+    report.time_ms_total = (time.perf_counter() - t_start) * 1e3
+    return _maybe_guard(compiled, report, te_state, opts)
+
+
+def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions):
+    """Wrap ``compiled`` with a TE-state guard when a pass specialised it on UB state."""
+    try:
+        from te_passes.te.guards import wrap_with_te_state_guard
+    except ImportError:
+        return compiled
+    return wrap_with_te_state_guard(compiled, report, te_state, opts)

@@ -1,0 +1,143 @@
+"""te_passes options: the ``te_passes.*`` namespace inside ``torch.compile(..., options=...)``.
+
+``torch.compile(model, backend="te_inductor", options={...})`` receives one dict. Keys starting
+with ``te_passes.`` are ours and parsed here into :class:`TePassesOptions`; every other key is
+an Inductor config key and goes to Inductor unchanged (Inductor itself rejects unknown ones).
+An unknown ``te_passes.*`` key raises :class:`TePassesOptionError` listing the valid keys.
+
+Environment variables (read when options are parsed; an explicit option wins):
+
+* ``TE_PASSES_DISABLE`` — comma-separated pass names to disable (added to ``te_passes.disable``);
+* ``TE_PASSES_STRICT`` — ``1`` makes every pass failure / finding an error;
+* ``TE_PASSES_DUMP_DIR`` — write per-pass dumps there (same as ``te_passes.dump_dir``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping
+
+PREFIX = "te_passes."
+
+
+class TePassesOptionError(ValueError):
+    """A ``te_passes.*`` option key or value is invalid; the message names it and the valid ones."""
+
+
+def _as_name_list(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise TePassesOptionError(f"option {PREFIX}{key} must be a list of pass names, got {value!r}")
+    return tuple(v.strip() for v in value)
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off", ""}:
+        return value.lower() in {"1", "true", "yes", "on"}
+    raise TePassesOptionError(f"option {PREFIX}{key} must be a bool, got {value!r}")
+
+
+def _as_opt_path(key: str, value: Any) -> str | None:
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return None if value is None else os.fspath(value)
+    raise TePassesOptionError(f"option {PREFIX}{key} must be a path (str), got {value!r}")
+
+
+def _as_any(key: str, value: Any) -> Any:
+    return value
+
+
+def _as_choice(*choices: str) -> Callable[[str, Any], str]:
+    def conv(key: str, value: Any) -> str:
+        if value not in choices:
+            raise TePassesOptionError(f"option {PREFIX}{key} must be one of {list(choices)}, got {value!r}")
+        return value
+    return conv
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    convert: Callable[[str, Any], Any]
+    doc: str
+    env: str | None = None
+
+
+#: Every valid ``te_passes.*`` key (without the prefix), its converter and its one-line doc.
+#: Add new options here; :class:`TePassesOptions` must get a field of the same name.
+OPTION_SPECS: dict[str, _Spec] = {
+    "disable": _Spec(_as_name_list, "pass names to skip (also TE_PASSES_DISABLE=a,b)", "TE_PASSES_DISABLE"),
+    "strict": _Spec(_as_bool, "raise instead of warn when a pass fails or a check finds a problem",
+                    "TE_PASSES_STRICT"),
+    "dump_dir": _Spec(_as_opt_path, "write per-pass before/after graphs, diffs and report.json here",
+                      "TE_PASSES_DUMP_DIR"),
+    "ub_snapshot": _Spec(_as_any, "UB state to fold against instead of TE's live registry: a "
+                         "UbSnapshot, a dict, or a JSON file path"),
+    "ub_on_change": _Spec(_as_choice("recompile", "error"),
+                          "what a UB-dependent compiled graph does when the UB state changed"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TePassesOptions:
+    """Parsed ``te_passes.*`` options (defaults shown). Immutable; build with :meth:`parse`."""
+
+    disable: tuple[str, ...] = ()
+    strict: bool = False
+    dump_dir: str | None = None
+    ub_snapshot: Any = None
+    ub_on_change: str = "recompile"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,
+              environ: Mapping[str, str] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
+        """Split ``options`` into our options and Inductor's.
+
+        Args:
+            options: the dict given to ``torch.compile(options=...)`` (may be ``None``).
+            known_passes: valid pass names; ``disable`` entries outside it raise.
+            environ: environment to read ``TE_PASSES_*`` from (default ``os.environ``).
+
+        Returns:
+            ``(TePassesOptions, inductor_options)``; ``inductor_options`` holds every key that
+            does not start with ``te_passes.``, unchanged.
+
+        Raises:
+            TePassesOptionError: unknown ``te_passes.*`` key, bad value, unknown pass name.
+        """
+        environ = os.environ if environ is None else environ
+        ours: dict[str, Any] = {}
+        inductor: dict[str, Any] = {}
+        for key, value in (options or {}).items():
+            if not isinstance(key, str) or not key.startswith(PREFIX):
+                inductor[key] = value
+                continue
+            short = key[len(PREFIX):]
+            spec = OPTION_SPECS.get(short)
+            if spec is None:
+                valid = ", ".join(PREFIX + k for k in OPTION_SPECS)
+                raise TePassesOptionError(f"unknown te_inductor option {key!r}; valid te_passes options: {valid}")
+            ours[short] = spec.convert(short, value)
+        for short, spec in OPTION_SPECS.items():
+            if spec.env and environ.get(spec.env) and short not in ours:
+                ours[short] = spec.convert(short, environ[spec.env])
+            elif spec.env == "TE_PASSES_DISABLE" and environ.get(spec.env):
+                ours[short] = tuple(ours[short]) + _as_name_list(short, environ[spec.env])
+        parsed = cls(**ours)
+        if known_passes is not None:
+            unknown = [p for p in parsed.disable if p not in known_passes]
+            if unknown:
+                raise TePassesOptionError(
+                    f"unknown pass name(s) in {PREFIX}disable: {unknown}; known passes: {sorted(known_passes)}")
+        return parsed, inductor
+
+    def fingerprint_data(self) -> dict[str, Any]:
+        """The options that change what passes do (everything but where dumps go)."""
+        from te_passes.passes.base import jsonable
+
+        d = dataclasses.asdict(self)
+        d.pop("dump_dir")
+        return jsonable(d)

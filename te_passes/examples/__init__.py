@@ -1,0 +1,1 @@
+"""te_passes.examples."""

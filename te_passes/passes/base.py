@@ -1,0 +1,202 @@
+"""The one pass interface every te_passes pass implements.
+
+A pass is a class with a ``name``, the ``stages`` it runs at, a one-line ``description`` and a
+``run(gm, ctx)`` method that rewrites ``gm`` in place and returns a :class:`TEPassResult`:
+whether it changed the graph plus structured :class:`PassRecord`\\ s of what it did (folded
+constants, inserted frees, findings, and the reasons for every rewrite it refused).
+
+Modelled on ``torch.fx.passes.infra.pass_base.PassBase`` (torch 2.14) — :class:`TEPass` is one —
+and on vLLM's ``InductorPass`` (``uuid()`` hashes the pass's source and config, so Inductor's FX
+graph cache misses exactly when a pass or its configuration changed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import inspect
+import json
+import sys
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from te_passes.config import TePassesOptions
+    from te_passes.te.state import TEState
+
+
+class Stage(str, enum.Enum):
+    """Where in the torch.compile pipeline a pass runs.
+
+    * ``DYNAMO`` — on the graph Dynamo hands to the backend (torch-level ops, ``call_method``
+      nodes, TE ops as ``transformer_engine_compile.<op>`` OpOverloadPackets);
+    * ``JOINT`` — on AOTAutograd's joint forward+backward graph (Inductor's
+      ``joint_custom_pre_pass`` hook);
+    * ``POST_GRAD_FWD`` / ``POST_GRAD_BWD`` — on the partitioned, functionalized ATen forward /
+      backward graphs (Inductor's ``post_grad_custom_pre_pass`` hook).
+    """
+
+    DYNAMO = "dynamo"
+    JOINT = "joint"
+    POST_GRAD_FWD = "post_grad_fwd"
+    POST_GRAD_BWD = "post_grad_bwd"
+
+    @property
+    def is_aten(self) -> bool:
+        """True for stages whose graphs hold ATen ``OpOverload``\\ s (everything after Dynamo)."""
+        return self is not Stage.DYNAMO
+
+
+ALL_STAGES: frozenset[Stage] = frozenset(Stage)
+AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """One structured fact a pass reports: what it folded, freed, found, or refused to do.
+
+    ``kind`` is a short word naming the record type (``"folded"``, ``"hoisted"``, ``"free"``,
+    ``"check"``, ``"pool_leak"``, ``"skipped"``, ...); ``node`` the FX node name it concerns
+    (``None`` for graph-level facts); ``data`` JSON-serialisable details (values are rendered
+    with ``repr`` when they are not JSON types). Dump reports (``report.json``) list records
+    grouped by ``kind``.
+    """
+
+    kind: str
+    node: str | None = None
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict: ``{"kind", "node", **data}`` with non-JSON values repr'd."""
+        out: dict[str, Any] = {"kind": self.kind, "node": self.node}
+        for k, v in self.data.items():
+            out[k] = jsonable(v)
+        return out
+
+
+def jsonable(value: Any) -> Any:
+    """Map ``value`` onto JSON types: containers recursively, enums by value, others by repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    return repr(value)
+
+
+@dataclasses.dataclass
+class TEPassResult(PassResult):
+    """A ``torch.fx.passes.infra.pass_base.PassResult`` plus the pass's records.
+
+    Fields: ``graph_module`` (the same module, rewritten in place), ``modified`` (bool),
+    ``records`` (list of :class:`PassRecord`).
+    """
+
+    def __init__(self, graph_module: torch.fx.GraphModule, modified: bool,
+                 records: list[PassRecord] | None = None) -> None:
+        super().__init__(graph_module, modified)
+        self.records = list(records or [])
+
+
+class PassSkipped(Exception):
+    """Raised by a pass that cannot prove its rewrite safe *before* touching the graph.
+
+    The manager records it as a ``"skipped"`` record with the message (never a warning: the
+    graph is intact and the refusal is part of the design).
+    """
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass may read besides the graph.
+
+    * ``stage`` — the :class:`Stage` being run;
+    * ``options`` — the parsed ``te_passes.*`` options (:class:`te_passes.config.TePassesOptions`);
+    * ``te_state`` — the TE state snapshot taken for this compilation
+      (:class:`te_passes.te.state.TEState`: TE version, UB snapshot, active recipe);
+    * ``example_inputs`` — the compiled graph's example inputs (fake tensors / SymInts), or ``None``;
+    * ``graph_id`` — a stable name for the graph being compiled (``"g0"``, ``"g0.fwd"``, ...).
+    """
+
+    stage: Stage
+    options: "TePassesOptions"
+    te_state: "TEState"
+    example_inputs: Any = None
+    graph_id: str = "g0"
+
+
+class TEPass(PassBase):
+    """Base class of every te_passes pass.
+
+    Subclasses set the class attributes ``name`` (snake_case, unique, what ``te-passes list``
+    and ``te_passes.disable`` use), ``stages`` (a frozenset of :class:`Stage`) and
+    ``description`` (one line), and implement :meth:`run`.
+
+    Contract for :meth:`run`:
+      * analyse first, mutate last: raise :class:`PassSkipped` (graph untouched) when the
+        rewrite cannot be proven safe;
+      * mutate ``gm.graph`` in place and return ``TEPassResult(gm, changed, records)``;
+      * never leave a graph that fails ``graph.lint()`` — the manager lints after each pass and
+        restores the pre-pass graph on any exception.
+
+    ``config()`` returns the pass's configuration as JSON-able data; ``uuid()`` hashes the
+    source file of the pass's class together with it (vLLM ``InductorPass.uuid`` style), so it
+    can key Inductor's FX graph cache.
+    """
+
+    name: ClassVar[str] = ""
+    stages: ClassVar[frozenset[Stage]] = frozenset()
+    description: ClassVar[str] = ""
+    #: Whether the pass only analyses (never mutates the graph). Analysis passes run even
+    #: when a rewrite pass before them failed, and never trigger a rollback copy.
+    analysis_only: ClassVar[bool] = False
+
+    def __init__(self, **config: Any) -> None:
+        self._config = dict(config)
+
+    def config(self) -> dict[str, Any]:
+        """The pass's configuration (JSON-able), part of :meth:`uuid`."""
+        return dict(self._config)
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        """Rewrite ``gm`` in place; see the class docstring for the contract."""
+        raise NotImplementedError
+
+    # torch.fx.passes.infra.pass_base.PassBase protocol (lets a TEPass run in torch's own
+    # PassManager too; the stage defaults to DYNAMO there and TE state is taken live).
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        from te_passes.config import TePassesOptions
+        from te_passes.te.state import TEState
+
+        stage = next(iter(sorted(self.stages, key=lambda s: s.value)), Stage.DYNAMO)
+        return self.run(graph_module, PassContext(stage, TePassesOptions(), TEState.capture()))
+
+    @classmethod
+    def source_hash(cls) -> str:
+        """sha256 of the source files of ``cls`` and its bases up to :class:`TEPass`."""
+        h = hashlib.sha256()
+        for klass in cls.__mro__:
+            if klass is PassBase or klass is object:
+                break
+            mod = sys.modules.get(klass.__module__)
+            try:
+                src = inspect.getsource(mod) if mod is not None else klass.__qualname__
+            except (OSError, TypeError):
+                src = klass.__qualname__
+            h.update(src.encode())
+        return h.hexdigest()
+
+    def uuid(self) -> str:
+        """Stable id of this pass: source hash + config; changes when either changes."""
+        payload = json.dumps({"name": self.name, "src": self.source_hash(),
+                              "config": jsonable(self.config())}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, stages={sorted(s.value for s in self.stages)})"

@@ -1,0 +1,456 @@
+"""The TE graph model: the one module that knows what TE ops and constants look like in FX graphs.
+
+Transformer Engine 2.20 routes its modules through ``torch.library`` custom ops in the
+``transformer_engine_compile`` namespace (``transformer_engine/pytorch/dynamo/custom_op.py``,
+``register_custom_op``): ``linear`` / ``linear_backward`` (wrapper ops seen in graphs) and
+``*_base`` (the real-schema ops under them). Each op flattens an args dataclass
+(``LinearFwdArgs``, ...) onto schema slots; this module decodes those slots **by their schema
+names**, as TE's ``_ArgPlan`` lays them out:
+
+* ``<field>`` (``Tensor``/``Tensor?``) — a plain tensor field, or the tensor part of a
+  tensor-or-quantized field;
+* ``<field>__tensors`` (``Tensor[]``) + ``<field>__meta`` (an ``OpaqueValueBundle`` whose
+  ``__kind__`` is ``_TensorOrQuantizedKind.{NONE,TENSOR,STORAGE}``) — the rest of a
+  tensor-or-quantized field: for ``STORAGE`` the bundle carries the storage's
+  ``__tensor_flatten__`` context (``cls``, ``_inner_names``, ``nontensor_kwargs`` with the
+  quantizer) and ``__tensors`` its buffers, in ``_inner_names`` order;
+* ``_simple_meta`` — the config bundle: every simple field (quantizers, fp8 flags,
+  split-accumulator flags, TP/SP fields, ``ub_name`` and the ``ub_*`` overlap flags, ...).
+
+Nothing outside :mod:`te_passes.te` should match TE op targets, bundle keys or TE class names.
+Unknown TE versions and unknown ``transformer_engine_compile`` ops are *reported*
+(:class:`UnknownTEOp`), never decoded by guesswork.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+
+from te_passes.te.version import is_supported, te_version
+
+TE_OP_NAMESPACE = "transformer_engine_compile"
+
+#: Ops whose slot layout this model was written against (TE 2.20). ``*_base`` ops share the
+#: schema of the op they wrap.
+KNOWN_OPS: frozenset[str] = frozenset({"linear", "linear_backward", "linear_base", "linear_backward_base"})
+
+TQ_TENSORS_SUFFIX = "__tensors"
+TQ_META_SUFFIX = "__meta"
+CONFIG_SLOT = "_simple_meta"
+TQ_KIND_KEY = "__kind__"
+
+
+class UnknownTEOp(Exception):
+    """A ``transformer_engine_compile`` node this model cannot decode (unknown op/TE version or
+    a slot layout it does not recognise). The message names the node, op and TE version."""
+
+
+class SlotKind(str, enum.Enum):
+    """What a schema slot of a TE op carries."""
+
+    TENSOR = "tensor"            # plain Tensor / Tensor? field, or the tensor part of a TQ field
+    TQ_TENSORS = "tq_tensors"    # Tensor[]: a quantized storage's buffers
+    TQ_META = "tq_meta"          # OpaqueValueBundle: __kind__ (+ storage flatten context)
+    CONFIG = "config"            # OpaqueValueBundle: the simple fields (``_simple_meta``)
+    TENSOR_LIST = "tensor_list"  # any other Tensor[] slot
+    OTHER = "other"
+
+
+class BufferRole(str, enum.Enum):
+    """Role of one buffer of a TE quantized tensor (from its ``_INNER_TENSORS`` attribute name)."""
+
+    ROWWISE_DATA = "rowwise_data"
+    COLUMNWISE_DATA = "columnwise_data"          # FP8 ``_transpose``; MXFP8/NVFP4/block ``_columnwise_data``
+    SCALE_INV = "scale_inv"                      # FP8 per-tensor ``_scale_inv``
+    ROWWISE_SCALE_INV = "rowwise_scale_inv"
+    COLUMNWISE_SCALE_INV = "columnwise_scale_inv"
+    AMAX_ROWWISE = "amax_rowwise"
+    AMAX_COLUMNWISE = "amax_columnwise"
+    UNKNOWN = "unknown"
+
+
+#: ``QuantizedTensorStorage._INNER_TENSORS`` attribute names (TE 2.20
+#: ``tensor/storage/*_tensor_storage.py``) -> role.
+INNER_NAME_ROLES: dict[str, BufferRole] = {
+    "_data": BufferRole.ROWWISE_DATA,
+    "_transpose": BufferRole.COLUMNWISE_DATA,
+    "_scale_inv": BufferRole.SCALE_INV,
+    "_rowwise_data": BufferRole.ROWWISE_DATA,
+    "_columnwise_data": BufferRole.COLUMNWISE_DATA,
+    "_rowwise_scale_inv": BufferRole.ROWWISE_SCALE_INV,
+    "_columnwise_scale_inv": BufferRole.COLUMNWISE_SCALE_INV,
+    "_amax_rowwise": BufferRole.AMAX_ROWWISE,
+    "_amax_columnwise": BufferRole.AMAX_COLUMNWISE,
+}
+
+#: Config-bundle keys that name Userbuffers overlap (``LinearFwdArgs``, TE 2.20).
+UB_CONFIG_KEYS: tuple[str, ...] = (
+    "ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
+    "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
+)
+
+
+# --------------------------------------------------------------------------- TE objects
+def _type_module(obj: Any) -> str:
+    t = obj if isinstance(obj, type) else type(obj)
+    return getattr(t, "__module__", "") or ""
+
+
+def is_te_object(obj: Any) -> bool:
+    """Whether ``obj`` (or the class ``obj``) is defined inside ``transformer_engine``."""
+    return _type_module(obj).startswith("transformer_engine")
+
+
+def _mro_names(obj: Any) -> set[str]:
+    t = obj if isinstance(obj, type) else type(obj)
+    return {k.__name__ for k in getattr(t, "__mro__", ())}
+
+
+class TEConstKind(str, enum.Enum):
+    """Kinds of TE Python objects that appear as constants in FX graphs."""
+
+    BUNDLE = "bundle"        # dynamo.custom_op.OpaqueValueBundle
+    QUANTIZER = "quantizer"  # quantized_tensor.Quantizer subclasses (value-opaque constants)
+    STORAGE = "storage"      # QuantizedTensorStorage subclasses (classes, in bundles' ``cls``)
+    RECIPE = "recipe"        # common.recipe.Recipe subclasses
+    ENUM = "enum"            # TE enums (``_TensorOrQuantizedKind``, ``DType``, ...)
+    OTHER = "other"
+
+
+def te_const_kind(obj: Any) -> TEConstKind | None:
+    """Classify a graph constant as a TE object kind, or ``None`` if it is not TE's."""
+    if not is_te_object(obj):
+        return None
+    names = _mro_names(obj)
+    if "OpaqueValueBundle" in names:
+        return TEConstKind.BUNDLE
+    if "Quantizer" in names:
+        return TEConstKind.QUANTIZER
+    if "QuantizedTensorStorage" in names:
+        return TEConstKind.STORAGE
+    if "Recipe" in names:
+        return TEConstKind.RECIPE
+    if isinstance(obj, enum.Enum):
+        return TEConstKind.ENUM
+    return TEConstKind.OTHER
+
+
+def is_bundle(obj: Any) -> bool:
+    """Whether ``obj`` is TE's ``OpaqueValueBundle``."""
+    return te_const_kind(obj) is TEConstKind.BUNDLE
+
+
+def bundle_dict(obj: Any) -> dict[str, Any]:
+    """The ``{name: value}`` mapping inside an ``OpaqueValueBundle`` (a shallow copy).
+
+    Raises:
+        TypeError: ``obj`` is not a bundle.
+    """
+    if not is_bundle(obj):
+        raise TypeError(f"not a TE OpaqueValueBundle: {type(obj).__qualname__}")
+    return obj.as_dict()
+
+
+def quantizer_fields(q: Any) -> dict[str, Any]:
+    """A quantizer's value fields, as TE's value-opaque ``__fx_repr__`` rebuilds it.
+
+    TE 2.20 quantizers render as ``_rebuild_quantizer(Cls, (('field', value), ...))``; this
+    returns that field tuple as a dict, falling back to the public attributes TE quantizers
+    carry. Raises ``TypeError`` for non-quantizers.
+    """
+    if te_const_kind(q) is not TEConstKind.QUANTIZER:
+        raise TypeError(f"not a TE quantizer: {type(q).__qualname__}")
+    get_state = getattr(q, "_opaque_state", None) or getattr(q, "__getstate_fields__", None)
+    if callable(get_state):
+        try:
+            return dict(get_state())
+        except Exception:  # noqa: BLE001 - fall through to attribute scan
+            pass
+    out = {}
+    for k in ("rowwise_usage", "columnwise_usage", "internal", "optimize_for_gemm", "dtype",
+              "with_amax_reduction", "force_pow_2_scales", "amax_epsilon", "block_scaling_dim"):
+        if hasattr(q, k):
+            v = getattr(q, k)
+            out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------- op nodes
+def te_op_name(node: torch.fx.Node) -> str | None:
+    """``"linear"`` for a node calling ``torch.ops.transformer_engine_compile.linear[.default]``,
+    else ``None``."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ns = target.namespace if hasattr(target, "namespace") else None
+        if ns is None:
+            ns = target._qualified_op_name.split("::")[0]
+        if ns != TE_OP_NAMESPACE:
+            return None
+        qual = target._schema.name if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+        return qual.split("::")[1]
+    return None
+
+
+def is_te_op_node(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls any ``transformer_engine_compile`` op."""
+    return te_op_name(node) is not None
+
+
+def _schema_of(target: Any) -> torch._C.FunctionSchema:
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.default._schema
+    return target._schema
+
+
+@dataclasses.dataclass
+class Slot:
+    """One schema argument of a TE op call: ``name`` (schema), ``kind``, ``index`` (position)
+    and ``value`` (the FX argument: a Node, list of Nodes, bundle, or Python constant)."""
+
+    name: str
+    kind: SlotKind
+    index: int
+    value: Any
+
+
+@dataclasses.dataclass
+class QuantizedBuffer:
+    """One buffer of a quantized tensor field: the FX ``node`` producing it, its ``role``, the
+    storage attribute ``inner_name``, the op ``field`` it belongs to and the storage class name."""
+
+    node: torch.fx.Node
+    role: BufferRole
+    inner_name: str
+    field: str
+    storage_cls: str
+
+
+@dataclasses.dataclass
+class TQField:
+    """A decoded tensor-or-quantized field.
+
+    ``kind`` is ``"none"``, ``"tensor"`` or ``"storage"``; for ``"tensor"`` ``tensor`` is the
+    Node; for ``"storage"`` ``buffers`` lists its :class:`QuantizedBuffer`\\ s and ``meta`` is
+    the flatten context (``cls``, ``_inner_names``, ``nontensor_kwargs`` with ``quantizer``,
+    ``fp8_dtype``, ``fake_dtype``, ...).
+    """
+
+    name: str
+    kind: str
+    tensor: torch.fx.Node | None = None
+    buffers: list[QuantizedBuffer] = dataclasses.field(default_factory=list)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def storage_cls(self) -> str | None:
+        cls = self.meta.get("cls")
+        return getattr(cls, "__name__", None) if cls is not None else None
+
+    @property
+    def quantizer(self) -> Any:
+        return self.meta.get("nontensor_kwargs", {}).get("quantizer")
+
+
+@dataclasses.dataclass
+class TEOpCall:
+    """A decoded ``transformer_engine_compile`` op node.
+
+    * ``node`` — the FX node; ``op`` — op name (``"linear"``, ``"linear_backward"``, ...);
+    * ``slots`` — every schema argument in order (:class:`Slot`);
+    * ``tensors`` — plain tensor fields ``{field: Node|None}``;
+    * ``tq_fields`` — tensor-or-quantized fields ``{field: TQField}``;
+    * ``config`` — the config bundle's contents (``{}`` if the op has none) and
+      ``config_slot`` its slot.
+    """
+
+    node: torch.fx.Node
+    op: str
+    slots: list[Slot]
+    tensors: dict[str, torch.fx.Node | None]
+    tq_fields: dict[str, TQField]
+    config: dict[str, Any]
+    config_slot: Slot | None
+
+    @property
+    def is_backward(self) -> bool:
+        return "backward" in self.op
+
+    @property
+    def module_kind(self) -> str:
+        """The TE module the op implements: ``"linear"`` for ``linear``/``linear_backward``."""
+        return self.op.removesuffix("_base").removesuffix("_backward")
+
+    def quantized_buffers(self) -> list[QuantizedBuffer]:
+        """Every quantized-storage buffer the op takes, in slot order."""
+        return [b for f in self.tq_fields.values() for b in f.buffers]
+
+    def quantizers(self) -> dict[str, Any]:
+        """Quantizer objects in the config bundle, ``{field: quantizer}`` (``None`` ones omitted)."""
+        return {k: v for k, v in self.config.items() if te_const_kind(v) is TEConstKind.QUANTIZER}
+
+    def ub_config(self) -> dict[str, Any]:
+        """``ub_name`` and the ``ub_*`` overlap flags from the config bundle (present keys only)."""
+        keys = ("ub_name", *UB_CONFIG_KEYS)
+        return {k: self.config[k] for k in keys if k in self.config}
+
+    def uses_ub(self) -> bool:
+        """Whether any Userbuffers overlap flag is set."""
+        return any(bool(self.config.get(k)) for k in UB_CONFIG_KEYS)
+
+
+def _slot_kind(arg: torch._C.Argument) -> SlotKind:
+    name, t = arg.name, str(arg.type)
+    if name == CONFIG_SLOT:
+        return SlotKind.CONFIG
+    if name.endswith(TQ_META_SUFFIX):
+        return SlotKind.TQ_META
+    if name.endswith(TQ_TENSORS_SUFFIX):
+        return SlotKind.TQ_TENSORS
+    if t in ("Tensor", "Tensor?"):
+        return SlotKind.TENSOR
+    if t.startswith("Tensor[]") or t == "List[Tensor]":
+        return SlotKind.TENSOR_LIST
+    return SlotKind.OTHER
+
+
+def check_te_version() -> None:
+    """Raise :class:`UnknownTEOp` when the installed TE version's op layout is unknown."""
+    v = te_version()
+    if v is not None and not is_supported(v):
+        raise UnknownTEOp(f"TE {v} is not a version te_passes decodes (supported: 2.20.x)")
+
+
+def decode(node: torch.fx.Node) -> TEOpCall:
+    """Decode a ``transformer_engine_compile`` op node into a :class:`TEOpCall`.
+
+    Works on Dynamo graphs (``OpOverloadPacket`` targets) and AOT graphs (``OpOverload``).
+
+    Raises:
+        UnknownTEOp: not a TE op node, an op outside :data:`KNOWN_OPS`, an unsupported TE
+            version, or arguments that do not match the op's schema.
+    """
+    op = te_op_name(node)
+    if op is None:
+        raise UnknownTEOp(f"node {node.name} does not call a {TE_OP_NAMESPACE} op (target {node.target})")
+    check_te_version()
+    if op not in KNOWN_OPS:
+        raise UnknownTEOp(f"node {node.name}: unknown TE op {TE_OP_NAMESPACE}::{op} "
+                          f"(TE {te_version()}); te_passes decodes {sorted(KNOWN_OPS)}")
+    schema = _schema_of(node.target)
+    sargs = list(schema.arguments)
+    if len(node.args) > len(sargs):
+        raise UnknownTEOp(f"node {node.name}: {len(node.args)} args for {op} whose schema has {len(sargs)}")
+    values = list(node.args) + [node.kwargs.get(a.name, a.default_value) for a in sargs[len(node.args):]]
+    slots = [Slot(a.name, _slot_kind(a), i, v) for i, (a, v) in enumerate(zip(sargs, values))]
+    by_name = {s.name: s for s in slots}
+
+    tensors: dict[str, Any] = {}
+    tq: dict[str, TQField] = {}
+    config: dict[str, Any] = {}
+    config_slot = None
+    for s in slots:
+        if s.kind is SlotKind.CONFIG:
+            if not is_bundle(s.value):
+                raise UnknownTEOp(f"node {node.name}: config slot {s.name} holds {type(s.value).__name__}, not a bundle")
+            config, config_slot = bundle_dict(s.value), s
+        elif s.kind is SlotKind.TQ_META:
+            field = s.name[: -len(TQ_META_SUFFIX)]
+            tq[field] = _decode_tq(node, field, by_name, s)
+    for s in slots:
+        if s.kind is SlotKind.TENSOR and s.name not in tq:
+            tensors[s.name] = s.value
+    return TEOpCall(node, op, slots, tensors, tq, config, config_slot)
+
+
+def _decode_tq(node: torch.fx.Node, field: str, by_name: dict[str, Slot], meta_slot: Slot) -> TQField:
+    tslot = by_name.get(field)
+    bslot = by_name.get(field + TQ_TENSORS_SUFFIX)
+    if tslot is None or bslot is None or not is_bundle(meta_slot.value):
+        raise UnknownTEOp(f"node {node.name}: tensor-or-quantized field {field!r} lacks its slot triple")
+    meta = bundle_dict(meta_slot.value)
+    kind_v = meta.get(TQ_KIND_KEY)
+    kind = str(getattr(kind_v, "value", kind_v)).lower()
+    if kind not in ("none", "tensor", "storage"):
+        raise UnknownTEOp(f"node {node.name}: field {field!r} has unknown __kind__ {kind_v!r}")
+    out = TQField(field, kind, meta=meta)
+    if kind == "tensor":
+        out.tensor = tslot.value
+    elif kind == "storage":
+        names = list(meta.get("_inner_names", []))
+        bufs = list(bslot.value or [])
+        if len(names) != len(bufs):
+            raise UnknownTEOp(f"node {node.name}: field {field!r} has {len(bufs)} buffers for inner names {names}")
+        cls_name = out.storage_cls or "?"
+        for n, b in zip(names, bufs):
+            out.buffers.append(QuantizedBuffer(b, INNER_NAME_ROLES.get(n, BufferRole.UNKNOWN), n, field, cls_name))
+    return out
+
+
+def te_op_calls(graph: torch.fx.Graph, *, unknown: list[str] | None = None) -> list[TEOpCall]:
+    """Decode every TE op node of ``graph`` in order.
+
+    Nodes that cannot be decoded are skipped; their :class:`UnknownTEOp` messages are appended
+    to ``unknown`` when given (pass it to report them), else the first one is raised.
+    """
+    out = []
+    for node in graph.nodes:
+        if not is_te_op_node(node):
+            continue
+        try:
+            out.append(decode(node))
+        except UnknownTEOp as e:
+            if unknown is None:
+                raise
+            unknown.append(str(e))
+    return out
+
+
+def output_getitems(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
+    """``{index: getitem node}`` for a multi-output node (TE ops return ``Tensor[]``)."""
+    return {u.args[1]: u for u in node.users
+            if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)}
+
+
+def iter_te_constants(graph: torch.fx.Graph) -> Iterator[tuple[torch.fx.Node, Any, TEConstKind]]:
+    """Every TE Python object used as a constant argument anywhere in ``graph``.
+
+    Yields ``(node, obj, kind)`` for objects found in node args/kwargs (recursing into
+    lists/tuples/dicts and into bundles' contents) and for ``get_attr`` targets' values.
+    """
+    def walk(obj: Any, node: torch.fx.Node, depth: int = 0):
+        if depth > 8:
+            return
+        kind = te_const_kind(obj)
+        if kind is not None:
+            yield node, obj, kind
+            if kind is TEConstKind.BUNDLE:
+                for v in bundle_dict(obj).values():
+                    yield from walk(v, node, depth + 1)
+            return
+        if isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from walk(v, node, depth + 1)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from walk(v, node, depth + 1)
+
+    owner = graph.owning_module
+    for node in graph.nodes:
+        if node.op == "get_attr" and owner is not None:
+            try:
+                val = owner
+                for part in str(node.target).split("."):
+                    val = getattr(val, part)
+            except AttributeError:
+                continue
+            yield from walk(val, node)
+        yield from walk(node.args, node)
+        yield from walk(node.kwargs, node)

@@ -1,0 +1,61 @@
+"""The TE process state that passes read at compile time, captured once per compilation.
+
+Passes must not read TE globals directly: they read a :class:`TEState`, so that
+
+* what a compiled graph was specialised on is explicit and has a fingerprint (part of every
+  post-grad pass's ``uuid()`` and so of Inductor's FX-graph-cache key);
+* the CLI can replay passes offline against a saved state (no GPU, no TE process state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from te_passes.te.version import te_version
+
+
+@dataclasses.dataclass(frozen=True)
+class TEState:
+    """Snapshot of TE state relevant to the passes.
+
+    Fields:
+        te_version: installed TE version string, or ``None`` when TE is not installed.
+        ub: the Userbuffers snapshot (``te_passes.te.ub.UbSnapshot``) or ``None`` when UB is not
+            initialised / not captured.
+        extra: other JSON-able facts a pass recorded about TE's state (e.g. the active recipe).
+    """
+
+    te_version: str | None = None
+    ub: Any = None
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def capture(cls, *, ub_snapshot: Any = None) -> "TEState":
+        """Take the state from the live TE process (or ``ub_snapshot`` when given).
+
+        ``ub_snapshot`` may be a ``UbSnapshot``, a dict, or a JSON file path (offline use).
+        Without TE installed this returns a state with ``te_version=None`` and no UB.
+        """
+        ub = None
+        try:
+            from te_passes.te import ub as ub_mod  # noqa: F401  (optional module)
+        except ImportError:  # pragma: no cover - UB support not built
+            ub_mod = None
+        if ub_mod is not None:
+            ub = ub_mod.UbSnapshot.load(ub_snapshot) if ub_snapshot is not None else ub_mod.UbSnapshot.capture()
+        return cls(te_version=te_version(), ub=ub)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form (used in reports and in :meth:`fingerprint`)."""
+        return {
+            "te_version": self.te_version,
+            "ub": self.ub.to_json() if self.ub is not None else None,
+            "extra": dict(self.extra),
+        }
+
+    def fingerprint(self) -> str:
+        """sha256 over :meth:`to_json` (stable across processes)."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True, default=repr).encode()).hexdigest()
