@@ -166,12 +166,13 @@ def quantizer_fields(q: Any) -> dict[str, Any]:
     """
     if te_const_kind(q) is not TEConstKind.QUANTIZER:
         raise TypeError(f"not a TE quantizer: {type(q).__qualname__}")
-    get_state = getattr(q, "_opaque_state", None) or getattr(q, "__getstate_fields__", None)
-    if callable(get_state):
-        try:
-            return dict(get_state())
-        except Exception:  # noqa: BLE001 - fall through to attribute scan
-            pass
+    # TE 2.20 value quantizers (dynamo/quantizer_opaque.py register_value_opaque_quantizer):
+    # the class's annotated value fields, stored as ``_value_field_names``; read each with
+    # getattr so ``dtype`` stays TE's ``DType`` enum (``_value_key`` stores it as an int).
+    value_fields = getattr(q, "_value_fields", None)
+    names = value_fields() if callable(value_fields) else None
+    if names:
+        return {k: getattr(q, k) for k in names if hasattr(q, k)}
     out = {}
     for k in ("rowwise_usage", "columnwise_usage", "internal", "optimize_for_gemm", "dtype",
               "with_amax_reduction", "force_pow_2_scales", "amax_epsilon", "block_scaling_dim"):
@@ -179,6 +180,46 @@ def quantizer_fields(q: Any) -> dict[str, Any]:
             v = getattr(q, k)
             out[k] = v
     return out
+
+
+#: TE module each ``transformer_engine_compile`` op implements (TE 2.20 ``module/*.py``).
+TE_OP_MODULES: dict[str, str] = {"linear": "te.Linear"}
+
+#: Config-bundle field groups, in display order (``LinearFwdArgs`` / ``LinearBwdArgs``, TE
+#: 2.20 ``module/linear.py``). Fields ending in ``_quantizer`` are quantizers; fields not
+#: listed fall into ``"other"``.
+CONFIG_FIELD_GROUPS: dict[str, tuple[str, ...]] = {
+    "quantizers": (),
+    "precision": ("activation_dtype", "fp8", "fp8_calibration", "fp8_output", "custom", "debug",
+                  "dgrad_use_split_accumulator", "wgrad_use_split_accumulator",
+                  "backward_override", "is_weight_param_quantized", "save_original_input",
+                  "reduce_and_update_bwd_fp8_tensors"),
+    "autograd": ("input_requires_grad", "weight_requires_grad", "bias_requires_grad",
+                 "requires_dgrad", "requires_wgrad", "use_bias", "is_grad_enabled", "owns_input",
+                 "inp_shape"),
+    "weights": ("is_first_microbatch", "cache_weight", "skip_fp8_weight_update",
+                "fuse_wgrad_accumulation", "origin_weight_overwrites_main_grad", "cpu_offloading"),
+    "parallel": ("parallel_mode", "tp_group", "tp_size", "tensor_parallel", "sequence_parallel",
+                 "symmetric_ar_type", "backward_input_needs_gather", "is_fsdp2"),
+    "userbuffers": ("ub_name", "ub_overlap_ag", *UB_CONFIG_KEYS),
+}
+
+
+def config_field_group(field: str) -> str:
+    """The :data:`CONFIG_FIELD_GROUPS` group of a config-bundle field (``"other"`` if unknown)."""
+    if field.endswith("_quantizer"):
+        return "quantizers"
+    for group, names in CONFIG_FIELD_GROUPS.items():
+        if field in names:
+            return group
+    return "other"
+
+
+def te_op_module(op: str) -> str:
+    """``"te.Linear"`` for ``"linear"``/``"linear_backward"``/``"linear_base"``; the op name
+    itself for ops outside :data:`TE_OP_MODULES`."""
+    base = op.removesuffix("_base").removesuffix("_backward")
+    return TE_OP_MODULES.get(base, op)
 
 
 # --------------------------------------------------------------------------- op nodes
