@@ -1,0 +1,414 @@
+#!/usr/bin/env python3
+"""GPU benchmark: TE eager vs Inductor vs te_inductor vs TE's make_graphed_callables, one run.
+
+One command (on a CUDA machine with torch 2.14.1 + TE 2.20.2)::
+
+    python3 benchmarks/bench_gpu.py --out OUT_DIR
+
+Model: "stack4" = 4 × ``te.Linear(4096, 4096)`` (bf16 params, bias) with ``torch.nn.GELU`` between
+(te_passes/testing/gpu.py ``build_stack``); input ``[tokens, 4096]`` bf16 with ``requires_grad``.
+One step = ``p.grad = None`` for every parameter, forward, ``backward(dy)``.
+
+Variants, measured one after the other in the same process on the same weights and inputs
+(``torch._dynamo.reset()`` and ``torch.cuda.empty_cache()`` between them):
+
+============== ===========================================================================
+eager          TE eager
+inductor       ``torch.compile(backend="inductor")``
+inductor-ro    ``torch.compile(backend="inductor", mode="reduce-overhead")`` (cudagraph trees)
+te_inductor    ``torch.compile(backend="te_inductor")``
+te_inductor-ro ``torch.compile(backend="te_inductor", mode="reduce-overhead")``
+mgc            ``te.make_graphed_callables(model, (x,), enabled=fp8, recipe=recipe)`` (TE's own
+               CUDA-graph capture; default ``clone_param_grads_on_return=True``)
+mgc-noclone    the same with ``clone_param_grads_on_return=False`` (opt-in: ``--variants``)
+============== ===========================================================================
+
+Per variant and configuration (tokens × precision) it reports: the median of per-step times
+from CUDA events (ms; host time is included, since the end event is enqueued after the step's
+last launch), the back-to-back mean, the speed-up against TE eager (eager ms / variant ms, >1 is
+faster), ``torch.cuda.max_memory_allocated`` over the whole variant (first call included) and
+its excess over the memory allocated before it started, Dynamo graphs / graph breaks /
+recompiles / cudagraph skips, first-call wall time (compile + capture + one step), te_passes'
+pass time against te_inductor's total compile time (``te_passes.report.compile_reports()``:
+``time_ms_passes`` / ``time_ms_total``), and the first step's relative error against eager.
+
+Writes ``bench_gpu.json`` (after every variant, so a killed run keeps what it measured) and
+``bench_gpu.md`` under ``--out``; prints the markdown table and the goal checks of
+shared GOALS / issue 7. ``--dry-run`` exercises the table and goal logic on made-up numbers
+without a GPU (it is labelled as such everywhere it prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402  (import torch before transformer_engine)
+
+ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-ro", "mgc", "mgc-noclone")
+DEFAULT_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-ro", "mgc")
+#: Configurations in the order they run: the launch-bound fp8 row first (the goals' key row).
+DEFAULT_CONFIGS = ("256:fp8", "8192:fp8", "256:bf16", "8192:bf16")
+
+
+@dataclasses.dataclass
+class Row:
+    """One variant × configuration measurement (units in the field names; None = not measured)."""
+
+    tokens: int
+    precision: str
+    variant: str
+    status: str = "ok"            # "ok" | "failed: <error>" | "not run: <reason>"
+    median_ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    b2b_ms: float | None = None
+    speedup_vs_eager: float | None = None
+    peak_mib: float | None = None
+    start_mib: float | None = None
+    graphs: int | None = None
+    graph_breaks: int | None = None
+    recompiles: int | None = None
+    cudagraph_skips: int | None = None
+    cudagraph_recordings: int | None = None
+    first_call_s: float | None = None
+    passes_ms: float | None = None
+    te_compile_ms: float | None = None
+    max_rel_err: float | None = None
+    iters: int = 0
+
+    @property
+    def excess_mib(self) -> float | None:
+        return None if self.peak_mib is None or self.start_mib is None else self.peak_mib - self.start_mib
+
+
+# --------------------------------------------------------------------------------------------- GPU
+def _variant_fn(variant: str, model, precision: str, recipe, x):
+    """Return ``(fn, mark_step)`` for ``variant``; builds (but does not call) the compiled function."""
+    from te_passes.testing.gpu import forward_fn
+
+    base = forward_fn(model, precision, recipe)
+    if variant == "eager":
+        return base, False
+    if variant in ("inductor", "inductor-ro", "te_inductor", "te_inductor-ro"):
+        backend = "te_inductor" if variant.startswith("te_") else "inductor"
+        mode = "reduce-overhead" if variant.endswith("-ro") else None
+        return torch.compile(base, backend=backend, mode=mode), mode is not None
+    if variant in ("mgc", "mgc-noclone"):
+        import transformer_engine.pytorch as te
+
+        te.make_graphed_callables(model, (x,), num_warmup_iters=3, enabled=precision == "fp8", recipe=recipe,
+                                  clone_param_grads_on_return=variant == "mgc")
+        return base, False  # make_graphed_callables replaced model.forward with the graph replay
+    raise ValueError(f"unknown variant {variant!r}; known: {ALL_VARIANTS}")
+
+
+def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_out, args) -> Row:
+    from te_passes.report import clear_compile_reports, compile_reports
+    from te_passes.testing.gpu import (CompileWatch, build_stack, copy_params, fresh_compile_state,
+                                       grads_of, make_recipe, rel_err, train_step)
+
+    row = Row(tokens, precision, variant)
+    with fresh_compile_state():
+        model = build_stack(args.layers, args.hidden, seed=0)
+        copy_params(ref_model, model)
+        params = list(model.parameters())
+        recipe = make_recipe(precision)
+        clear_compile_reports()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        row.start_mib = torch.cuda.memory_allocated() / 2**20
+        with CompileWatch() as watch:
+            t0 = time.perf_counter()
+            fn, mark = _variant_fn(variant, model, precision, recipe, x)
+            y = train_step(fn, x, dy, params, mark_step=mark)
+            torch.cuda.synchronize()
+            row.first_call_s = time.perf_counter() - t0
+            got = {"y": y.detach().clone(), **grads_of(x, model)}
+            row.max_rel_err = max(rel_err(got[k], ref_out[k]) for k in ref_out)
+            del got, y
+            for _ in range(args.warmup):
+                train_step(fn, x, dy, params, mark_step=mark)
+            torch.cuda.synchronize()
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+            for i in range(args.iters):
+                starts[i].record()
+                train_step(fn, x, dy, params, mark_step=mark)
+                ends[i].record()
+            torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        row.iters = len(times)
+        row.median_ms = statistics.median(times)
+        row.p10_ms = times[int(0.1 * (len(times) - 1))]
+        row.p90_ms = times[int(0.9 * (len(times) - 1))]
+        row.b2b_ms = starts[0].elapsed_time(ends[-1]) / len(times)
+        row.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+        st = watch.stats
+        row.graphs, row.graph_breaks, row.recompiles = st.graphs, st.graph_breaks, st.recompiles
+        row.cudagraph_skips, row.cudagraph_recordings = st.cudagraph_skips, st.cudagraph_recordings
+        if variant.startswith("te_inductor"):
+            reps = compile_reports()
+            row.passes_ms = sum(r.time_ms_passes for r in reps)
+            row.te_compile_ms = sum(r.time_ms_total for r in reps)
+            failed = [(r.graph_id, run.name, run.error) for r in reps for s in r.stages for run in s.runs
+                      if run.status == "failed"]
+            if failed:
+                row.status = f"ok, but te_passes pass(es) failed: {failed}"
+        x.grad = None
+        del fn, model, params
+    return row
+
+
+def _eager_reference(ref_model, x, dy, precision):
+    from te_passes.testing.gpu import forward_fn, grads_of, make_recipe, train_step
+
+    fn = forward_fn(ref_model, precision, make_recipe(precision))
+    y = train_step(fn, x, dy, list(ref_model.parameters()))
+    out = {"y": y.detach().clone(), **grads_of(x, ref_model)}
+    for p in ref_model.parameters():
+        p.grad = None
+    x.grad = None
+    return out
+
+
+def run_gpu(args, rows: list[Row], meta: dict[str, Any], save) -> None:
+    from te_passes.testing.gpu import build_stack, ensure_te_inductor_backend, gpu_skip_reason
+
+    reason = gpu_skip_reason()
+    if reason:
+        sys.exit(f"bench_gpu: cannot run: {reason}")
+    meta["te_inductor_backend"] = ensure_te_inductor_backend()
+    t_start = time.perf_counter()
+    for cfg in args.configs:
+        tokens_s, precision = cfg.split(":")
+        tokens = int(tokens_s)
+        torch.manual_seed(0)
+        ref_model = build_stack(args.layers, args.hidden, seed=0)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        dy = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref_out = _eager_reference(ref_model, x, dy, precision)
+        for variant in args.variants:
+            elapsed = time.perf_counter() - t_start
+            if elapsed > args.budget_s:
+                rows.append(Row(tokens, precision, variant, status=f"not run: time budget {args.budget_s:.0f}s spent"))
+                save()
+                continue
+            print(f"[bench +{elapsed:5.0f}s] {tokens} tokens {precision} {variant} ...", flush=True)
+            try:
+                row = _measure(variant, tokens, precision, ref_model, x, dy, ref_out, args)
+            except Exception as exc:  # one variant failing must not lose the others; reported as failed
+                import traceback
+
+                traceback.print_exc()
+                row = Row(tokens, precision, variant, status=f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+                torch._dynamo.reset()
+            rows.append(row)
+            _fill_speedups(rows)
+            save()
+            print(f"    -> {row.status}; median {_f(row.median_ms)} ms, first call {_f(row.first_call_s, 1)} s, "
+                  f"peak {_f(row.peak_mib, 0)} MiB, graphs {row.graphs} breaks {row.graph_breaks} "
+                  f"recompiles {row.recompiles} cg-skips {row.cudagraph_skips} max rel err {_f(row.max_rel_err, 4)}",
+                  flush=True)
+        del ref_model, x, dy, ref_out
+        torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------- reporting
+def _f(v, nd: int = 2) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+
+def _fill_speedups(rows: list[Row]) -> None:
+    eager = {(r.tokens, r.precision): r.median_ms for r in rows if r.variant == "eager" and r.median_ms}
+    for r in rows:
+        e = eager.get((r.tokens, r.precision))
+        r.speedup_vs_eager = e / r.median_ms if e and r.median_ms else None
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The results as one markdown table, rows grouped by configuration."""
+    head = ("| tokens | precision | variant | median ms | × eager | b2b ms | p10–p90 ms | peak MiB | "
+            "excess MiB | graphs | breaks | recompiles | cg skips | first call s | passes ms / te_inductor ms | "
+            "max rel err | status |")
+    sep = "|" + "---|" * (head.count("|") - 1)
+    lines = [head, sep]
+    for r in rows:
+        share = (f"{r.passes_ms:.1f} / {r.te_compile_ms:.0f} ({100 * r.passes_ms / r.te_compile_ms:.2f}%)"
+                 if r.passes_ms is not None and r.te_compile_ms else "-")
+        spread = f"{_f(r.p10_ms)}–{_f(r.p90_ms)}" if r.p10_ms is not None else "-"
+        lines.append(
+            f"| {r.tokens} | {r.precision} | {r.variant} | {_f(r.median_ms)} | {_f(r.speedup_vs_eager)}× | "
+            f"{_f(r.b2b_ms)} | {spread} | {_f(r.peak_mib, 0)} | {_f(r.excess_mib, 0)} | "
+            f"{_v(r.graphs)} | {_v(r.graph_breaks)} | {_v(r.recompiles)} | {_v(r.cudagraph_skips)} | "
+            f"{_f(r.first_call_s, 1)} | {share} | {_f(r.max_rel_err, 4)} | {r.status} |")
+    return "\n".join(lines)
+
+
+def _v(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def goal_checks(rows: list[Row]) -> list[tuple[str, str, str]]:
+    """``(goal, verdict, measured)`` for issue 7's goals; verdict is MET / NOT MET / NOT MEASURED."""
+    by = {(r.tokens, r.precision, r.variant): r for r in rows if r.median_ms is not None}
+    out: list[tuple[str, str, str]] = []
+
+    def verdict(ok: bool | None) -> str:
+        return "NOT MEASURED" if ok is None else ("MET" if ok else "NOT MET")
+
+    cfgs = sorted({(r.tokens, r.precision) for r in rows})
+    # te_inductor default >= 1.0x TE eager on every row
+    vals = [(t, p, by[(t, p, "te_inductor")].speedup_vs_eager) for t, p in cfgs
+            if (t, p, "te_inductor") in by and by[(t, p, "te_inductor")].speedup_vs_eager]
+    ok = None if len(vals) < len(cfgs) or not vals else all(v >= 1.0 for _, _, v in vals)
+    out.append(("te_inductor default ≥ 1.0× TE eager on every row", verdict(ok),
+                ", ".join(f"{t}/{p}: {v:.2f}×" for t, p, v in vals) or "-"))
+    for tokens, need in ((256, 3.5), (8192, 1.3)):
+        r = by.get((tokens, "fp8", "te_inductor-ro"))
+        s = r.speedup_vs_eager if r else None
+        out.append((f"te_inductor reduce-overhead ≥ {need}× TE eager, {tokens}-token fp8 stack",
+                    verdict(None if s is None else s >= need), "-" if s is None else f"{s:.2f}×"))
+    # vs TE's make_graphed_callables on the launch-bound rows, and never slower on large shapes
+    for t, p in cfgs:
+        a, b = by.get((t, p, "te_inductor-ro")), by.get((t, p, "mgc"))
+        if a and b:
+            ratio = b.median_ms / a.median_ms
+            out.append((f"te_inductor-ro at least as fast as make_graphed_callables, {t}/{p}",
+                        verdict(ratio >= 1.0), f"mgc {b.median_ms:.2f} ms / te_inductor-ro {a.median_ms:.2f} ms "
+                        f"= {ratio:.2f}×"))
+    # peak memory <= eager (te_inductor variants), and <= inductor reduce-overhead (ro)
+    for t, p in cfgs:
+        e = by.get((t, p, "eager"))
+        for v in ("te_inductor", "te_inductor-ro"):
+            r = by.get((t, p, v))
+            if e and r and r.peak_mib is not None and e.peak_mib is not None:
+                out.append((f"{v} peak memory ≤ TE eager, {t}/{p}", verdict(r.peak_mib <= e.peak_mib),
+                            f"{r.peak_mib:.0f} vs {e.peak_mib:.0f} MiB"))
+        a, b = by.get((t, p, "te_inductor-ro")), by.get((t, p, "inductor-ro"))
+        if a and b and a.peak_mib is not None and b.peak_mib is not None:
+            out.append((f"te_inductor-ro peak memory ≤ inductor-ro, {t}/{p}", verdict(a.peak_mib <= b.peak_mib),
+                        f"{a.peak_mib:.0f} vs {b.peak_mib:.0f} MiB"))
+    shares = [r.passes_ms / r.te_compile_ms for r in rows if r.passes_ms is not None and r.te_compile_ms]
+    out.append(("te_passes passes ≤ 5% of te_inductor compile time",
+                verdict(None if not shares else max(shares) <= 0.05),
+                "-" if not shares else f"max {100 * max(shares):.2f}% over {len(shares)} compiles"))
+    breaks = [(r.tokens, r.precision, r.variant, r.graph_breaks, r.cudagraph_skips) for r in rows
+              if r.variant.startswith(("inductor", "te_inductor")) and r.graphs is not None]
+    out.append(("compiled rows: 0 graph breaks, 0 cudagraph skips",
+                verdict(None if not breaks else all(b == 0 and (s or 0) == 0 for *_, b, s in breaks)),
+                "; ".join(f"{t}/{p}/{v}: {b} breaks, {s} skips" for t, p, v, b, s in breaks if b or s) or "all zero"))
+    return out
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "commit": os.environ.get("TE_PASSES_COMMIT")}
+    try:
+        import transformer_engine
+
+        out["transformer_engine"] = transformer_engine.__version__
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden
+        out["transformer_engine"] = f"not importable ({type(exc).__name__})"
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        out["triton"] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def _fake_rows(args) -> list[Row]:
+    """Made-up numbers for --dry-run (exercise formatting and goal logic only)."""
+    rows = []
+    for cfg in args.configs:
+        t, p = cfg.split(":")
+        for i, v in enumerate(args.variants):
+            ms = 4.0 / (1 + i) if int(t) == 256 else 5.0 - 0.2 * i
+            rows.append(Row(int(t), p, v, median_ms=ms, p10_ms=ms * 0.95, p90_ms=ms * 1.1, b2b_ms=ms,
+                            peak_mib=500 + 10 * i, start_mib=300.0, graphs=0 if v in ("eager", "mgc") else 2,
+                            graph_breaks=0, recompiles=0 if v in ("eager", "mgc") else 1, cudagraph_skips=0,
+                            first_call_s=0.1 * i, passes_ms=1.5 if v.startswith("te_") else None,
+                            te_compile_ms=3000.0 if v.startswith("te_") else None, max_rel_err=0.0, iters=args.iters))
+    _fill_speedups(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
+                    help="TOKENS:PRECISION (precision bf16 or fp8), run in this order")
+    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=ALL_VARIANTS)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps after the first call")
+    ap.add_argument("--iters", type=int, default=50, help="timed steps (median of per-step CUDA-event times)")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="stop starting new variants after this many seconds (they are listed as not run)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="directory for bench_gpu.json/.md")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: made-up numbers through the reporting code")
+    args = ap.parse_args(argv)
+    for cfg in args.configs:
+        t, _, p = cfg.partition(":")
+        if not t.isdigit() or p not in ("bf16", "fp8"):
+            ap.error(f"bad --configs entry {cfg!r}: want TOKENS:bf16 or TOKENS:fp8")
+    if "eager" not in args.variants:
+        ap.error("--variants must include eager (speed-ups are against it)")
+    if args.iters < 1 or args.warmup < 0:
+        ap.error("--iters must be >= 1 and --warmup >= 0")
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    meta: dict[str, Any] = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(), "hidden": args.hidden, "layers": args.layers, "warmup": args.warmup,
+        "iters": args.iters, "dry_run": args.dry_run,
+    }
+
+    def save() -> None:
+        doc = {"meta": meta, "rows": [{**dataclasses.asdict(r), "excess_mib": r.excess_mib} for r in rows],
+               "goals": [dict(zip(("goal", "verdict", "measured"), g)) for g in goal_checks(rows)]}
+        (out_dir / "bench_gpu.json").write_text(json.dumps(doc, indent=1))
+
+    if args.dry_run:
+        rows.extend(_fake_rows(args))
+        save()
+    else:
+        run_gpu(args, rows, meta, save)
+    _fill_speedups(rows)
+    save()
+    label = "DRY RUN (made-up numbers) — " if args.dry_run else ""
+    md = [f"# {label}te_passes GPU benchmark", "",
+          f"`{meta['command']}` — {meta['date_utc']}", "",
+          "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
+          f"stack{args.layers}: {args.layers} × te.Linear({args.hidden}, {args.hidden}) + GELU; one step = fwd + bwd; "
+          f"median of {args.iters} per-step CUDA-event times after {args.warmup} warm-up steps.", "",
+          markdown_table(rows), "", "## Goals", "", "| goal | verdict | measured |", "|---|---|---|"]
+    md += [f"| {g} | {v} | {m} |" for g, v, m in goal_checks(rows)]
+    text = "\n".join(md) + "\n"
+    (out_dir / "bench_gpu.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""GPU harness: real TE modules on a CUDA device, compiled against TE eager.
+
+Shared by the GPU test suite (``tests/gpu/``, ``pytest -m gpu``) and the GPU benchmark
+(``benchmarks/bench_gpu.py``). Nothing here runs a TE kernel at import time; every function
+that touches TE imports it lazily, so the module imports on a machine without a GPU or TE.
+
+What it provides:
+
+* :func:`gpu_skip_reason` — why TE-on-GPU work cannot run here (no CUDA device, TE missing,
+  TE's torch.compile custom-op path switched off), or ``None``;
+* :func:`build_stack` / :func:`build_linear` / :func:`copy_params` — the models the suite and
+  the benchmark use (``te.Linear`` and a stack of ``te.Linear`` with ``torch.nn.GELU`` between);
+* :func:`forward_fn` — ``x -> model(x)`` inside ``te.autocast`` for fp8 (the recipe is built once,
+  outside the compiled function, as TE requires);
+* :func:`train_step` — one forward + backward with ``param.grad = None`` first (what a training
+  loop's ``zero_grad(set_to_none=True)`` does);
+* :class:`CompileWatch` — Dynamo / Inductor counters over a region: graphs, graph breaks (with
+  reasons), recompiles, cudagraph skips, cudagraph recordings, lazy backward compiles;
+* :func:`rel_err` / :data:`REL_TOL` — numerics against eager.
+
+Torch sources mirrored (torch 2.14.1): ``torch._dynamo.utils.counters`` (``stats.unique_graphs``,
+``graph_break``, ``inductor.cudagraph_skips``), ``torch._dynamo.callback.CallbackTrigger``
+(compile ids ``"<frame>/<frame_compile>"``: a frame compile id > 0 is a recompile), and
+``torch._inductor.cudagraph_trees.get_manager``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+#: The precisions the suite and the benchmark run: ``"bf16"`` (bf16 params and activations, no
+#: quantization) and ``"fp8"`` (``transformer_engine.common.recipe.Float8CurrentScaling``).
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
+
+#: Relative Frobenius-norm error ``||a - b|| / ||b||`` allowed between compiled and eager tensors.
+#: bf16: 2^-8 is bf16's unit roundoff; compiled and eager run the same TE GEMMs, so only the
+#: Inductor-generated elementwise code (GELU, adds) may round differently -> 1e-2 leaves room for
+#: a few ulps on every element. fp8 (E4M3, 3 mantissa bits): one flipped rounding of a GELU output
+#: before the next layer's cast moves that element by up to 2^-4 relative -> 5e-2. A wrong scale,
+#: a stale quantizer or a missing transpose gives errors of order 1.
+REL_TOL: dict[str, float] = {"bf16": 1e-2, "fp8": 5e-2}
+
+
+def gpu_skip_reason() -> str | None:
+    """Why real TE cannot be compiled on a GPU in this process, or ``None`` when it can.
+
+    Checks, in order: a CUDA device is visible (``torch.cuda.is_available()``); TE imports
+    (``transformer_engine.pytorch``; torch is imported first, as TE requires); TE's torch.compile
+    custom-op path is on (``transformer_engine.pytorch.utils._compile_disabled_reason is None``,
+    TE 2.20.2: it is switched off on torch versions without the opaque-object API, and then every
+    TE module graph-breaks).
+
+    Returns:
+        A one-line reason (for ``pytest.skip``), or ``None``.
+    """
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch.utils as te_utils
+    except Exception as exc:  # ImportError, or TE's own load errors (missing libs)
+        return f"transformer_engine.pytorch does not import: {type(exc).__name__}: {exc}"
+    reason = getattr(te_utils, "_compile_disabled_reason", "TE has no _compile_disabled_reason (not TE 2.20?)")
+    if reason is not None:
+        return f"TE's torch.compile custom-op path is off: {reason}"
+    return None
+
+
+def make_recipe(precision: str):
+    """The TE recipe for ``precision``: ``None`` for ``"bf16"``, ``Float8CurrentScaling()`` for ``"fp8"``.
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`PRECISIONS`.
+    """
+    if precision == "bf16":
+        return None
+    if precision == "fp8":
+        from transformer_engine.common.recipe import Float8CurrentScaling
+
+        return Float8CurrentScaling()
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def build_linear(hidden: int, *, out_features: int | None = None, bias: bool = True, seed: int = 0,
+                 device: str = "cuda") -> torch.nn.Module:
+    """One ``te.Linear(hidden, out_features or hidden)`` with bf16 parameters on ``device``.
+
+    Weights come from TE's default init under ``torch.manual_seed(seed)``.
+    """
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(seed)
+    return te.Linear(hidden, out_features or hidden, bias=bias, params_dtype=torch.bfloat16, device=device)
+
+
+def build_stack(layers: int, hidden: int, *, bias: bool = True, seed: int = 0,
+                device: str = "cuda") -> torch.nn.Sequential:
+    """``layers`` × ``te.Linear(hidden, hidden)`` (bf16 params) with ``torch.nn.GELU()`` between.
+
+    ``layers=4`` is the benchmark's "stack4": Linear, GELU, Linear, GELU, Linear, GELU, Linear.
+
+    Raises:
+        ValueError: ``layers < 1``.
+    """
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(seed)
+    mods: list[torch.nn.Module] = []
+    for i in range(layers):
+        if i:
+            mods.append(torch.nn.GELU())
+        mods.append(te.Linear(hidden, hidden, bias=bias, params_dtype=torch.bfloat16, device=device))
+    return torch.nn.Sequential(*mods)
+
+
+def copy_params(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy every parameter of ``src`` into ``dst`` (same architecture), in place, no autograd.
+
+    Raises:
+        ValueError: the two modules' parameter names or shapes differ.
+    """
+    s, d = dict(src.named_parameters()), dict(dst.named_parameters())
+    if s.keys() != d.keys() or any(s[k].shape != d[k].shape for k in s):
+        raise ValueError("copy_params: modules differ in parameter names or shapes")
+    with torch.no_grad():
+        for k, p in s.items():
+            d[k].copy_(p)
+
+
+def forward_fn(model: torch.nn.Module, precision: str, recipe: Any = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> model(x)``; for ``"fp8"`` inside ``te.autocast(enabled=True, recipe=recipe)``.
+
+    The recipe must be built outside the function that is compiled (``make_recipe``), so Dynamo
+    sees one constant recipe object (a new recipe per call would recompile).
+
+    Raises:
+        ValueError: ``precision`` is ``"fp8"`` and ``recipe`` is ``None``, or an unknown precision.
+    """
+    if precision == "bf16":
+        def fwd(x):
+            return model(x)
+        return fwd
+    if precision != "fp8":
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if recipe is None:
+        raise ValueError("forward_fn: precision 'fp8' needs a recipe (make_recipe('fp8'))")
+    import transformer_engine.pytorch as te
+
+    def fwd_fp8(x):
+        with te.autocast(enabled=True, recipe=recipe):
+            return model(x)
+    return fwd_fp8
+
+
+def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
+               params: Sequence[torch.nn.Parameter], *, mark_step: bool = False) -> torch.Tensor:
+    """One forward + backward: ``p.grad = None`` for ``params`` and ``x``, ``y = fn(x)``, ``y.backward(dy)``.
+
+    Args:
+        fn: the (compiled or eager) forward.
+        x: input, ``requires_grad=True`` (its ``.grad`` is the dgrad of the first layer).
+        dy: upstream gradient, same shape/dtype as ``fn(x)``.
+        params: the parameters whose ``.grad`` is reset first.
+        mark_step: call ``torch.compiler.cudagraph_mark_step_begin()`` first (reduce-overhead: tells
+            cudagraph trees a new iteration starts, so last step's outputs may be overwritten).
+
+    Returns:
+        ``y`` (for reduce-overhead: memory owned by the cudagraph pool, valid until the next step;
+        clone it to keep it).
+    """
+    if mark_step:
+        torch.compiler.cudagraph_mark_step_begin()
+    for p in params:
+        p.grad = None
+    x.grad = None
+    y = fn(x)
+    y.backward(dy)
+    return y
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected||_F / max(||expected||_F, tiny)`` in fp32 (a float).
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    if actual.shape != expected.shape:
+        raise ValueError(f"rel_err: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    a, e = actual.detach().float(), expected.detach().float()
+    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+def grads_of(x: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{"x": x.grad, "<param name>": p.grad, ...}`` cloned (``None`` grads are left out)."""
+    out = {"x": x.grad.detach().clone()} if x.grad is not None else {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            out[name] = p.grad.detach().clone()
+    return out
+
+
+_COMPILE_ID = re.compile(r"^(\d+)/(\d+)")
+
+
+@dataclasses.dataclass
+class CompileStats:
+    """Counts over one :class:`CompileWatch` region.
+
+    ``graphs``: Dynamo graphs compiled (``counters["stats"]["unique_graphs"]``, recompiles
+    included); ``graph_breaks``: total graph breaks, ``break_reasons`` their messages with counts;
+    ``recompiles``: Dynamo compilations of a frame that was compiled before (compile id
+    ``F/C`` with ``C > 0``); ``cudagraph_skips``: ``counters["inductor"]["cudagraph_skips"]``;
+    ``cudagraph_recordings``: cudagraph-tree recordings started; ``lazy_backward_compiles``:
+    AOTAutograd backward compilations deferred to the first backward.
+    """
+
+    graphs: int = 0
+    graph_breaks: int = 0
+    break_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    recompiles: int = 0
+    cudagraph_skips: int = 0
+    cudagraph_recordings: int = 0
+    lazy_backward_compiles: int = 0
+    compile_ids: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class CompileWatch:
+    """Context manager: clears ``torch._dynamo.utils.counters`` on entry, reads them on exit.
+
+    Also registers a Dynamo compile-start callback (``torch._dynamo.callback_handler``) to count
+    recompiles, cudagraph recordings and lazy backward compiles. ``stats`` is filled on exit
+    and may be read (live) inside the region through :meth:`snapshot`.
+    """
+
+    def __init__(self) -> None:
+        self.stats = CompileStats()
+        self._events: list[tuple[str, str]] = []
+
+    def _on_start(self, args) -> None:
+        self._events.append((args.callback_trigger.name, str(args.compile_id)))
+
+    def __enter__(self) -> "CompileWatch":
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        torch._dynamo.callback_handler.register_start_callback(self._on_start)
+        return self
+
+    def snapshot(self) -> CompileStats:
+        """The counts so far (also what ``__exit__`` stores in ``stats``)."""
+        from torch._dynamo.utils import counters
+
+        st = CompileStats()
+        st.graphs = int(counters["stats"].get("unique_graphs", 0))
+        st.break_reasons = {str(k): int(v) for k, v in counters["graph_break"].items()}
+        st.graph_breaks = sum(st.break_reasons.values())
+        st.cudagraph_skips = int(counters["inductor"].get("cudagraph_skips", 0))
+        seen: set[str] = set()
+        for trigger, cid in self._events:
+            if trigger == "DYNAMO":
+                m = _COMPILE_ID.match(cid)
+                key = m.group(0) if m else cid
+                if key in seen:  # a retried attempt ("0/1_1") of the same compile
+                    continue
+                seen.add(key)
+                st.compile_ids.append(cid)
+                if m and int(m.group(2)) > 0:
+                    st.recompiles += 1
+            elif trigger == "CUDAGRAPH_RECORDING":
+                st.cudagraph_recordings += 1
+            elif trigger == "LAZY_BACKWARD":
+                st.lazy_backward_compiles += 1
+        return st
+
+    def __exit__(self, *exc) -> None:
+        self.stats = self.snapshot()
+        try:
+            torch._dynamo.callback_handler.remove_start_callback(self._on_start)
+        except ValueError:  # torch._dynamo.reset() inside the region already cleared the callbacks
+            pass
+
+
+def cudagraph_tree_nodes(device_index: int | None = None) -> int:
+    """Number of recorded CUDA graphs in the cudagraph tree of ``device_index`` (0 when none).
+
+    Mirrors ``torch._inductor.cudagraph_trees.CUDAGraphTreeManager.roots`` / ``CUDAGraphNode.children``
+    (torch 2.14.1).
+    """
+    from torch._inductor import cudagraph_trees
+
+    mgr = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    if mgr is None:
+        return 0
+
+    def count(nodes) -> int:
+        return sum(1 + count([c for cs in n.children.values() for c in cs]) for n in nodes)
+
+    return count([n for ns in mgr.roots.values() for n in ns])
+
+
+def ensure_te_inductor_backend() -> str:
+    """Make ``backend="te_inductor"`` resolvable; return how it resolves.
+
+    Returns ``"entry point"`` when the installed distribution's ``torch_dynamo_backends`` entry
+    point provides it (the normal case: ``pip install -e .``), ``"registered"`` when this process
+    had to register :func:`te_passes.backend.te_inductor` by hand (a checkout on ``PYTHONPATH``
+    without the package installed).
+    """
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, list_backends
+
+    list_backends(exclude_tags=())  # runs entry-point discovery
+    if "te_inductor" in _BACKENDS or "te_inductor" in _COMPILER_FNS:
+        return "entry point"
+    from te_passes.backend import te_inductor
+
+    torch._dynamo.register_backend(te_inductor, name="te_inductor")
+    return "registered"
+
+
+@contextlib.contextmanager
+def fresh_compile_state() -> Iterator[None]:
+    """``torch._dynamo.reset()`` (drops compiled code and cudagraph trees) before and after, and
+    frees cached GPU memory after, so one configuration's compiled graphs and pools do not leak
+    into the next one's timings or peak memory."""
+    import gc
+
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

@@ -1,0 +1,119 @@
+"""CPU checks of the GPU harness (te_passes/testing/gpu.py) and the GPU benchmark's reporting.
+
+The GPU suite and benchmark only run on the H200; what they count and how they judge the goals
+must be right before device time is spent, so it is tested here on CPU with ``backend="eager"``
+graphs and hand-made benchmark rows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from te_passes.testing.gpu import CompileWatch, forward_fn, gpu_skip_reason, make_recipe, rel_err
+
+
+def _f(x, n):
+    y = x.sin()
+    if n > 0:
+        torch._dynamo.graph_break()
+    return y.cos() * n
+
+
+def test_compile_watch_counts_graphs_breaks_and_recompiles():
+    torch._dynamo.reset()
+    cf = torch.compile(_f, backend="eager")
+    with CompileWatch() as w:
+        cf(torch.randn(3), 1)
+        mid = w.snapshot()
+        cf(torch.randn(3), 2)  # int specialisation fails its guard: both frames recompile (n dynamic)
+        cf(torch.randn(3), 3)  # dynamic now: no further compile
+    torch._dynamo.reset()
+    assert (mid.graphs, mid.graph_breaks, mid.recompiles) == (2, 1, 0)
+    assert (w.stats.graphs, w.stats.graph_breaks, w.stats.recompiles) == (4, 2, 2)
+    assert w.stats.compile_ids == ["0/0", "1/0", "0/1", "1/1"]
+    assert all("graph_break()" in k for k in w.stats.break_reasons)
+    assert w.stats.cudagraph_skips == 0
+
+
+def test_compile_watch_survives_dynamo_reset_inside_region():
+    with CompileWatch() as w:
+        torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+        torch._dynamo.reset()  # clears Dynamo's callbacks: exit must not raise
+    assert w.stats.graphs == 1
+
+
+def test_rel_err_and_shape_check():
+    e = torch.tensor([3.0, 4.0])
+    assert rel_err(e, e) == 0.0
+    assert rel_err(torch.tensor([3.0, 4.5]), e) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="shape"):
+        rel_err(torch.zeros(3), e)
+
+
+def test_precision_arguments_are_checked():
+    with pytest.raises(ValueError, match="precision"):
+        make_recipe("fp16")
+    with pytest.raises(ValueError, match="needs a recipe"):
+        forward_fn(torch.nn.Identity(), "fp8", None)
+    assert make_recipe("bf16") is None
+
+
+def test_gpu_skip_reason_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("this check is about machines without a GPU")
+    assert "no CUDA device" in gpu_skip_reason()
+
+
+def _bench():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_goal_checks_judge_measured_rows():
+    b = _bench()
+    R = b.Row
+    rows = [R(256, "fp8", "eager", median_ms=4.0, peak_mib=500, start_mib=300),
+            R(256, "fp8", "te_inductor", median_ms=5.0, peak_mib=490, start_mib=300, passes_ms=10.0,
+              te_compile_ms=1000.0, graphs=2, graph_breaks=0, cudagraph_skips=0),
+            R(256, "fp8", "te_inductor-ro", median_ms=1.0, peak_mib=600, start_mib=300, graphs=2, graph_breaks=0,
+              cudagraph_skips=0),
+            R(256, "fp8", "inductor-ro", median_ms=1.2, peak_mib=650, start_mib=300, graphs=2, graph_breaks=1,
+              cudagraph_skips=0),
+            R(256, "fp8", "mgc", median_ms=0.8, peak_mib=520, start_mib=300)]
+    b._fill_speedups(rows)
+    assert rows[1].speedup_vs_eager == pytest.approx(0.8)
+    goals = {g: (v, m) for g, v, m in b.goal_checks(rows)}
+    assert goals["te_inductor default ≥ 1.0× TE eager on every row"][0] == "NOT MET"
+    assert goals["te_inductor reduce-overhead ≥ 3.5× TE eager, 256-token fp8 stack"] == ("MET", "4.00×")
+    assert goals["te_inductor reduce-overhead ≥ 1.3× TE eager, 8192-token fp8 stack"][0] == "NOT MEASURED"
+    assert goals["te_inductor-ro at least as fast as make_graphed_callables, 256/fp8"][0] == "NOT MET"
+    assert goals["te_inductor peak memory ≤ TE eager, 256/fp8"][0] == "MET"
+    assert goals["te_inductor-ro peak memory ≤ TE eager, 256/fp8"][0] == "NOT MET"
+    assert goals["te_inductor-ro peak memory ≤ inductor-ro, 256/fp8"][0] == "MET"
+    assert goals["te_passes passes ≤ 5% of te_inductor compile time"][0] == "MET"
+    assert goals["compiled rows: 0 graph breaks, 0 cudagraph skips"][0] == "NOT MET"
+    table = b.markdown_table(rows)
+    assert "| 256 | fp8 | te_inductor | 5.00 | 0.80× |" in table
+    assert "10.0 / 1000 (1.00%)" in table
+
+
+def test_bench_dry_run_writes_json_and_markdown(tmp_path):
+    b = _bench()
+    assert b.main(["--dry-run", "--out", str(tmp_path), "--configs", "256:fp8", "--iters", "3"]) == 0
+    md = (tmp_path / "bench_gpu.md").read_text()
+    assert md.startswith("# DRY RUN (made-up numbers)")
+    import json
+
+    doc = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert doc["meta"]["dry_run"] is True and len(doc["rows"]) == 6
+    with pytest.raises(SystemExit):
+        b.main(["--dry-run", "--out", str(tmp_path), "--configs", "256:fp16"])
