@@ -182,6 +182,29 @@ def quantizer_fields(q: Any) -> dict[str, Any]:
     return out
 
 
+def te_reduce(obj: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """A pickle ``__reduce__`` pair ``(rebuild, args)`` that rebuilds a TE graph constant by value.
+
+    * ``OpaqueValueBundle`` -> ``(OpaqueValueBundle, (contents,))`` (TE 2.20
+      ``dynamo/custom_op.py``; its cached ``_hash`` is process-specific, so it is rebuilt);
+    * value quantizers -> ``(_rebuild_quantizer, (cls, value items))``, exactly what TE's own
+      ``__fx_repr__`` emits (``dynamo/quantizer_opaque.py``; no process groups, no tensors).
+
+    Returns ``None`` for everything else (pickle it normally).
+    """
+    if isinstance(obj, type):  # classes pickle by reference
+        return None
+    kind = te_const_kind(obj)
+    if kind is TEConstKind.BUNDLE:
+        return type(obj), (bundle_dict(obj),)
+    if kind is TEConstKind.QUANTIZER and callable(getattr(obj, "_value_key", None)) \
+            and getattr(obj, "_value_fields", lambda: None)() is not None:
+        from transformer_engine.pytorch.dynamo.quantizer_opaque import _rebuild_quantizer
+
+        return _rebuild_quantizer, (type(obj), tuple(obj._value_key()[1]))
+    return None
+
+
 #: TE module each ``transformer_engine_compile`` op implements (TE 2.20 ``module/*.py``).
 TE_OP_MODULES: dict[str, str] = {"linear": "te.Linear"}
 

@@ -1,0 +1,327 @@
+"""TE-aware FX graph printing: TE op calls, bundles, quantizers and storages as readable fields.
+
+``str(gm.graph)`` prints Transformer Engine's op arguments as
+``<OpaqueValueBundle object at 0x...>``; ``gm.print_readable()`` prints each bundle as one
+1-4 kB line of ``OpaqueValueBundle({...})`` with quantizers as ``_rebuild_quantizer(Cls,
+(('rowwise_usage', True), ...))``. Neither lets a person (or ``diff``) see which field of which
+TE op changed. :func:`format_graph` prints the graph as Python-like code in the layout of
+``GraphModule.print_readable`` (torch 2.14 ``torch/fx/graph_module.py``), except that
+
+* every ``transformer_engine_compile`` op call is printed with one keyword argument per
+  *logical* field of TE's args dataclass (``LinearFwdArgs`` / ``LinearBwdArgs``, TE 2.20
+  ``module/linear.py``): a tensor-or-quantized field's three schema slots (``<f>``,
+  ``<f>__tensors``, ``<f>__meta``) become one ``f=`` argument, a quantized storage is printed
+  as ``Float8TensorStorage(_data=..., _transpose=..., _scale_inv=..., fp8_dtype=..., ...)``
+  with each buffer's role, and the config bundle (``_simple_meta``) as ``config={...}``, one
+  field per line, grouped (quantizers, precision, autograd, parallel, userbuffers, ...);
+* quantizers print as ``Float8CurrentScalingQuantizer(dtype=DType.kFloat8E4M3, ...)`` with
+  their value fields; TE enums as ``DType.kFloat8E4M3``; ``torch.dtype`` as ``torch.bfloat16``;
+* each node may carry ``# <- ...`` notes (the dump writer puts the pass records there).
+
+Field-per-line output makes a unified diff of two printouts field-level;
+:func:`node_fields` gives the same fields as a flat ``{path: text}`` mapping for structured
+diffs (:mod:`te_passes.debug.diff`). All TE knowledge (slot layout, buffer roles, config
+groups, value fields) comes from :mod:`te_passes.te.graph_model`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import operator
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.fx
+from torch.utils._dtype_abbrs import dtype_abbrs
+
+from te_passes.te import graph_model as gmod
+
+INDENT = "    "
+
+
+# --------------------------------------------------------------------------- values
+def format_tensor_type(val: Any) -> str | None:
+    """``"bf16[32, 64]"`` for a (fake) tensor ``val`` (symbolic sizes print as their
+    expression, e.g. ``"bf16[s0, 64]"``); ``None`` for anything else."""
+    if isinstance(val, torch.Tensor):
+        shape = ", ".join(str(s) for s in val.shape)
+        return f"{dtype_abbrs.get(val.dtype, str(val.dtype))}[{shape}]"
+    return None
+
+
+def node_type(node: torch.fx.Node) -> str | None:
+    """The tensor type of ``node.meta['val']`` (:func:`format_tensor_type`), or ``None``."""
+    return format_tensor_type(node.meta.get("val"))
+
+
+def format_quantizer(q: Any) -> str:
+    """``Float8CurrentScalingQuantizer(dtype=DType.kFloat8E4M3, rowwise_usage=True, ...)``: the
+    quantizer's class and its value fields (:func:`te_passes.te.graph_model.quantizer_fields`)."""
+    try:
+        fields = gmod.quantizer_fields(q)
+    except TypeError:
+        return repr(q)
+    body = ", ".join(f"{k}={format_value(v)}" for k, v in fields.items())
+    return f"{type(q).__name__}({body})"
+
+
+def format_value(v: Any) -> str:
+    """One-line text for an FX argument: nodes by name, TE objects by their fields, containers
+    recursively, ``torch.dtype`` as ``torch.bfloat16``, enums as ``Type.MEMBER``, classes by
+    name, everything else by ``repr``."""
+    if isinstance(v, torch.fx.Node):
+        return v.name
+    kind = gmod.te_const_kind(v)
+    if kind is gmod.TEConstKind.QUANTIZER:
+        return format_quantizer(v)
+    if kind is gmod.TEConstKind.BUNDLE:
+        body = ", ".join(f"{k}={format_value(x)}" for k, x in gmod.bundle_dict(v).items())
+        return f"Bundle({body})"
+    if isinstance(v, type):
+        return v.__name__
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__name__}.{v.name}"
+    if isinstance(v, torch.dtype):
+        return str(v)
+    if isinstance(v, (torch.device, torch.Size)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(format_value(x) for x in v) + "]"
+    if isinstance(v, tuple):
+        inner = ", ".join(format_value(x) for x in v)
+        return f"({inner},)" if len(v) == 1 else f"({inner})"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k!r}: {format_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, slice):
+        return f"{format_value(v.start) if v.start is not None else ''}:" \
+               f"{format_value(v.stop) if v.stop is not None else ''}" + \
+               (f":{format_value(v.step)}" if v.step is not None else "")
+    return repr(v)
+
+
+def format_target(node: torch.fx.Node) -> str:
+    """The callable a node calls, as source text: ``torch.ops.aten.detach.default``,
+    ``operator.add``, a method name for ``call_method``, ``self.<path>`` for modules/attrs."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        ns, name = t._schema.name.split("::")
+        return f"torch.ops.{ns}.{name}.{t._overloadname}"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return "torch.ops." + t._qualified_op_name.replace("::", ".")
+    if isinstance(t, str):
+        return t if node.op == "call_method" else f"self.{t}"
+    if getattr(builtins, getattr(t, "__name__", ""), None) is t:
+        return t.__name__
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t)
+    if mod in ("_operator", "operator"):
+        mod = "operator"
+    return f"{mod}.{name}" if mod else name
+
+
+# --------------------------------------------------------------------------- TE op fields
+def _storage_lines(field: gmod.TQField) -> list[tuple[str, str, str | None]]:
+    """``(sub-field, value text, comment)`` rows of a quantized-storage field."""
+    rows: list[tuple[str, str, str | None]] = []
+    for b in field.buffers:
+        t = node_type(b.node) if isinstance(b.node, torch.fx.Node) else None
+        comment = b.role.value + (f" {t}" if t else "")
+        rows.append((b.inner_name, format_value(b.node), comment))
+    kw = dict(field.meta.get("nontensor_kwargs", {}) or {})
+    for k, v in kw.items():
+        rows.append((k, format_value(v), None))
+    for k, v in field.meta.items():
+        if k in ("cls", "_inner_names", "nontensor_kwargs", gmod.TQ_KIND_KEY):
+            continue
+        rows.append((k, format_value(v), None))
+    return rows
+
+
+def _te_op_fields(call: gmod.TEOpCall) -> list[tuple[str, Any]]:
+    """Logical fields of a decoded op call, in schema order:
+    ``(name, ("tensor", value) | ("tq", TQField) | ("config", dict) | ("slot", value))``."""
+    out: list[tuple[str, Any]] = []
+    tq_slot_names = {f + suf for f in call.tq_fields for suf in (gmod.TQ_TENSORS_SUFFIX, gmod.TQ_META_SUFFIX)}
+    for s in call.slots:
+        if s.name in tq_slot_names:
+            continue
+        if s.name in call.tq_fields:
+            out.append((s.name, ("tq", call.tq_fields[s.name])))
+        elif s.kind is gmod.SlotKind.CONFIG:
+            out.append(("config", ("config", call.config)))
+        else:
+            out.append((s.name, ("slot", s.value)))
+    return out
+
+
+def _grouped_config(config: Mapping[str, Any]) -> list[tuple[str, list[tuple[str, Any]]]]:
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    order = [*gmod.CONFIG_FIELD_GROUPS, "other"]
+    for k, v in config.items():
+        groups.setdefault(gmod.config_field_group(k), []).append((k, v))
+    return [(g, groups[g]) for g in order if g in groups]
+
+
+def node_fields(node: torch.fx.Node) -> dict[str, str]:
+    """A node's printed fields as a flat ``{path: text}`` map (the unit of structured diffs).
+
+    For a decodable TE op node: ``"<field>"`` for tensor / ``None`` fields,
+    ``"<field>.<inner or kwarg>"`` for each part of a quantized storage (``"<field>"`` itself
+    holds ``"<StorageClass>"``), ``"config.<key>"`` per config-bundle field. For other nodes:
+    ``"op"``, ``"target"``, ``"args"``, ``"kwargs"``.
+    """
+    out: dict[str, str] = {"op": node.op, "target": format_target(node) if node.op != "output" else "output"}
+    call = _try_decode(node)
+    if call is None:
+        out["args"] = format_value(tuple(node.args))
+        out["kwargs"] = format_value(dict(node.kwargs))
+        return out
+    for name, (what, val) in _te_op_fields(call):
+        if what == "config":
+            for k, v in val.items():
+                out[f"config.{k}"] = format_value(v)
+        elif what == "tq":
+            if val.kind == "storage":
+                out[name] = val.storage_cls or "storage"
+                for sub, text, _ in _storage_lines(val):
+                    out[f"{name}.{sub}"] = text
+            elif val.kind == "tensor":
+                out[name] = format_value(val.tensor)
+            else:
+                out[name] = "None"
+        else:
+            out[name] = format_value(val)
+    return out
+
+
+def _try_decode(node: torch.fx.Node) -> gmod.TEOpCall | None:
+    if not gmod.is_te_op_node(node):
+        return None
+    try:
+        return gmod.decode(node)
+    except gmod.UnknownTEOp:
+        return None
+
+
+# --------------------------------------------------------------------------- graph
+def _lhs(node: torch.fx.Node) -> str:
+    t = node_type(node)
+    return f'{node.name}: "{t}"' if t else node.name
+
+
+def _with_comment(line: str, comment: str | None, width: int = 60) -> str:
+    if not comment:
+        return line
+    return f"{line.ljust(width)}  # {comment}"
+
+
+def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
+    """Source lines (unindented) for one non-placeholder node; see the module docstring."""
+    lines = [f"# <- {n}" for n in notes]
+    if node.op == "output":
+        lines.append(f"return {format_value(node.args[0])}")
+        return lines
+    if node.op == "get_attr":
+        lines.append(f"{_lhs(node)} = self.{node.target}")
+        return lines
+    call = _try_decode(node) if node.op == "call_function" else None
+    if call is not None:
+        lines.extend(_format_te_call(node, call))
+        return lines
+    if gmod.is_te_op_node(node):
+        try:
+            gmod.decode(node)
+        except gmod.UnknownTEOp as e:
+            lines.append(f"# te_passes: not decoded ({e})")
+    args = [format_value(a) for a in node.args]
+    args += [f"{k}={format_value(v)}" for k, v in node.kwargs.items()]
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 \
+            and not node.kwargs:
+        rhs = f"{args[0]}[{args[1]}]"
+    elif node.op == "call_method":
+        rhs = f"{args[0]}.{node.target}({', '.join(args[1:])})"
+    else:
+        rhs = f"{format_target(node)}({', '.join(args)})"
+    lines.append(f"{_lhs(node)} = {rhs}")
+    return lines
+
+
+def _format_te_call(node: torch.fx.Node, call: gmod.TEOpCall) -> list[str]:
+    direction = "backward" if call.is_backward else "forward"
+    lines = [f"# {gmod.te_op_module(call.op)} {direction} ({gmod.TE_OP_NAMESPACE}::{call.op})",
+             f"{_lhs(node)} = {format_target(node)}("]
+    ind = INDENT
+    for name, (what, val) in _te_op_fields(call):
+        if what == "config":
+            lines.append(f"{ind}config={{")
+            for group, items in _grouped_config(val):
+                lines.append(f"{ind}{INDENT}# {group}")
+                for k, v in items:
+                    lines.append(f"{ind}{INDENT}{k}={format_value(v)},")
+            lines.append(f"{ind}}},")
+        elif what == "tq":
+            if val.kind == "storage":
+                lines.append(f"{ind}{name}={val.storage_cls or 'QuantizedStorage'}(")
+                for sub, text, comment in _storage_lines(val):
+                    lines.append(_with_comment(f"{ind}{INDENT}{sub}={text},", comment))
+                lines.append(f"{ind}),")
+            elif val.kind == "tensor":
+                t = node_type(val.tensor) if isinstance(val.tensor, torch.fx.Node) else None
+                lines.append(_with_comment(f"{ind}{name}={format_value(val.tensor)},",
+                                           f"tensor {t}" if t else "tensor"))
+            else:
+                lines.append(f"{ind}{name}=None,")
+        else:
+            t = node_type(val) if isinstance(val, torch.fx.Node) else None
+            lines.append(_with_comment(f"{ind}{name}={format_value(val)},", t))
+    lines.append(")")
+    return lines
+
+
+def format_graph(gm: torch.fx.GraphModule | torch.fx.Graph, *, name: str = "GraphModule",
+                 notes: Mapping[str, Iterable[str]] | None = None) -> str:
+    """The whole graph as TE-aware Python-like source (see the module docstring).
+
+    Args:
+        gm: a ``GraphModule`` or a bare ``Graph``.
+        name: the class name printed in the header.
+        notes: ``{node name: [note, ...]}`` printed as ``# <- note`` above the node.
+
+    Returns:
+        The text, ending with a newline. Never raises for undecodable TE ops: they are printed
+        generically with a ``# te_passes: not decoded (...)`` comment.
+    """
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    notes = notes or {}
+    params = []
+    for node in graph.find_nodes(op="placeholder"):
+        t = node_type(node)
+        params.append(f'{node.name}: "{t}"' if t else node.name)
+    out = [f"class {name}(torch.nn.Module):", f"{INDENT}def forward(self, {', '.join(params)}):"]
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            for n in notes.get(node.name, ()):
+                out.append(f"{INDENT * 2}# <- {node.name}: {n}")
+            continue
+        for line in format_node(node, notes.get(node.name, ())):
+            out.append(INDENT * 2 + line)
+    return "\n".join(out) + "\n"
+
+
+def summarize_te_ops(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[dict[str, Any]]:
+    """One row per TE op node: ``node``, ``op``, ``module``, ``quantized`` (``{field:
+    storage class}``), ``quantizers`` (``{config key: class}``), ``ub`` (set UB flags)."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    rows = []
+    for node in graph.nodes:
+        call = _try_decode(node)
+        if call is None:
+            continue
+        rows.append({
+            "node": node.name, "op": call.op, "module": gmod.te_op_module(call.op),
+            "quantized": {f: t.storage_cls for f, t in call.tq_fields.items() if t.kind == "storage"},
+            "quantizers": {k: type(q).__name__ for k, q in call.quantizers().items()},
+            "ub": {k: v for k, v in call.ub_config().items() if v},
+        })
+    return rows
