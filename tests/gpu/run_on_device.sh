@@ -1,0 +1,43 @@
+#!/bin/bash
+# Run the GPU suite / benchmark on the device machine, after the ../shared/gpu-kit bring-up
+# (which leaves torch 2.14.1 + TE 2.20.2 in /root/tek; `.gpu/s` must be carried).
+#   bash tests/gpu/run_on_device.sh suite   # pytest -m gpu tests/  (every gpu-marked test of the repo)
+#   bash tests/gpu/run_on_device.sh bench   # benchmarks/bench_gpu.py (extra args are passed on)
+#   bash tests/gpu/run_on_device.sh ub      # benchmarks/ub_tp2.sh (2-GPU machine)
+# Logs and results go to $OUT (default /tmp/gpu_out). te_passes is installed editable (no deps,
+# offline) so backend="te_inductor" resolves through its entry point, as for users.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:?usage: run_on_device.sh suite|bench|ub [args...]}; shift
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+source .gpu/s/env.sh
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+if ! python3 -c "import importlib.metadata as m; m.distribution('te-passes')" 2>/dev/null; then
+  if python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pip_install.log 2>&1; then
+    echo "te_passes: editable install done"
+  else
+    echo "te_passes: editable install FAILED (tail of /tmp/pip_install.log below); the harness registers the backend by hand"
+    tail -5 /tmp/pip_install.log
+  fi
+fi
+python3 - <<'PY'
+import torch, transformer_engine, transformer_engine.pytorch.utils as u
+from te_passes.testing.gpu import ensure_te_inductor_backend
+print(f"torch {torch.__version__} cuda {torch.version.cuda} | TE {transformer_engine.__version__} | "
+      f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} | TE compile path "
+      f"{'ON' if u._compile_disabled_reason is None else 'OFF: ' + str(u._compile_disabled_reason)} | "
+      f"te_inductor via {ensure_te_inductor_backend()}")
+PY
+case "$what" in
+  suite)
+    python3 -m pytest -m gpu tests/ -v -rA -p no:cacheprovider --timeout 400 \
+      --junitxml="$OUT/gpu_suite.xml" "$@" 2>&1 | tee "$OUT/gpu_suite.log"
+    exit "${PIPESTATUS[0]}" ;;
+  bench)
+    python3 benchmarks/bench_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+    exit "${PIPESTATUS[0]}" ;;
+  ub)
+    bash benchmarks/ub_tp2.sh "$OUT" "$@" 2>&1 | tee "$OUT/ub_tp2.log"
+    exit "${PIPESTATUS[0]}" ;;
+  *) echo "unknown: $what" >&2; exit 2 ;;
+esac
