@@ -150,6 +150,8 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
                 train_step(fn, x, dy, params, mark_step=mark)
                 ends[i].record()
             torch.cuda.synchronize()
+            if f"{tokens}:{precision}:{variant}" in args.profile:
+                _profile_host(fn, x, dy, params, mark, f"{tokens}:{precision}:{variant}", args)
         times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
         row.iters = len(times)
         row.median_ms = statistics.median(times)
@@ -171,6 +173,29 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
         x.grad = None
         del fn, model, params
     return row
+
+
+def _profile_host(fn, x, dy, params, mark, tag: str, args) -> None:
+    """cProfile 20 steps (host side: where the Python time of one step goes); top 30 by own time
+    to stdout and ``profile_<tag>.txt`` under --out."""
+    import cProfile
+    import io
+    import pstats
+
+    from te_passes.testing.gpu import train_step
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(20):
+        train_step(fn, x, dy, params, mark_step=mark)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    text = f"host profile, 20 steps, {tag}\n" + buf.getvalue()
+    print(text)
+    (Path(args.out) / f"profile_{tag.replace(':', '_')}.txt").write_text(text)
 
 
 def _eager_reference(ref_model, x, dy, precision):
@@ -363,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="stop starting new variants after this many seconds (they are listed as not run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="directory for bench_gpu.json/.md")
+    ap.add_argument("--profile", nargs="*", default=["256:fp8:te_inductor", "256:fp8:eager"],
+                    help="TOKENS:PRECISION:VARIANT to cProfile for 20 extra (untimed) steps")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: made-up numbers through the reporting code")
     args = ap.parse_args(argv)
     for cfg in args.configs:
