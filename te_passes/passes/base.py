@@ -90,7 +90,6 @@ def jsonable(value: Any) -> Any:
     return repr(value)
 
 
-@dataclasses.dataclass
 class TEPassResult(PassResult):
     """A ``torch.fx.passes.infra.pass_base.PassResult`` plus the pass's records.
 
@@ -98,10 +97,11 @@ class TEPassResult(PassResult):
     ``records`` (list of :class:`PassRecord`).
     """
 
-    def __init__(self, graph_module: torch.fx.GraphModule, modified: bool,
-                 records: list[PassRecord] | None = None) -> None:
-        super().__init__(graph_module, modified)
+    def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool,
+                records: list[PassRecord] | None = None) -> "TEPassResult":
+        self = super().__new__(cls, graph_module, modified)
         self.records = list(records or [])
+        return self
 
 
 class PassSkipped(Exception):

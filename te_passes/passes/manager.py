@@ -53,9 +53,14 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
 
 def restore_graph(graph: torch.fx.Graph, backup: torch.fx.Graph) -> None:
     """Make ``graph`` (in place: Inductor holds the object) equal to ``backup``."""
-    for node in reversed(list(graph.nodes)):
-        node.users.clear()
+    nodes = list(graph.nodes)
+    for node in nodes:  # drop all edges first: the broken graph may hold cycles
+        node.args, node.kwargs = (), {}
+    for node in reversed(nodes):
         graph.erase_node(node)
+    # Erased names stay reserved in the graph's namespace; start a fresh one so the restored
+    # nodes keep their original names (records and dumps refer to nodes by name).
+    graph._graph_namespace = torch.fx.graph._Namespace()
     val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     out = graph.graph_copy(backup, val_map, return_output_node=True)
     if out is not None:
