@@ -61,7 +61,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && have te-passes '*'; the
   step 5/5 "te_passes installed (editable) from $ROOT"
 else
   step 5/5 "installing te_passes (editable) from $ROOT"
-  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >"$VENV/.te_passes_install.log" 2>&1 || { cat "$VENV/.te_passes_install.log" >&2; exit 1; }
   have te-passes '*' || { echo "setup: editable install of te_passes failed" >&2; exit 1; }
   echo "$WANT" > "$STAMP"
 fi
