@@ -1,0 +1,491 @@
+"""Per-pass dumps: TE-aware graphs before/after every pass, diffs, report.json, index.md.
+
+The backend creates one :class:`DumpWriter` per ``te_inductor`` call when
+``options={"te_passes.dump_dir": DIR}`` (or ``TE_PASSES_DUMP_DIR``) is given, or when tlparse
+tracing (``TORCH_TRACE``) is on, and registers it as a pass-manager observer. Layout of ``DIR``::
+
+    index.md                      links to everything below, summary tables
+    report.json                   all graphs in DIR: passes[], folded[], frees[], memory,
+                                  pool_check[], skipped[], graph_breaks[], eager_fallbacks[],
+                                  recompiles[], uuid (see build_summary)
+    g0/                           one directory per compiled Dynamo graph (CompileReport.graph_id)
+      report.json                 CompileReport.to_json() (every PassRun with its records)
+      te_state.json               TEState.to_json() the passes read (replay uses it)
+      dynamo/                     one directory per stage the passes ran at
+        input.py                  the stage's input graph, TE-aware (printer.format_graph)
+        input.tegraph             the same graph, loadable offline (graph_io; te-passes replay)
+        01_<pass>/before.py       graph before the pass
+        01_<pass>/after.py        graph after it, with the pass's records as "# <- ..." notes
+        01_<pass>/diff.patch      unified diff before.py -> after.py
+        01_<pass>/changes.txt     field-level changes (nodes added/removed, TE fields changed)
+        output.py                 the stage's output graph
+      post_grad_fwd/ ...          (g0.fwd), post_grad_bwd/ (g0.bwd), joint/ (g0.joint)
+
+With ``TORCH_TRACE`` set, every file is also emitted as a tlparse artifact named
+``te_passes_<graph>_<stage>_<file>`` (:func:`te_passes._logging.trace_artifact`), whether or
+not a directory was given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any, Iterable
+
+import torch.fx
+
+from te_passes._logging import get_logger, trace_artifact
+from te_passes.debug.diff import GraphSnapshot, format_changes, graph_changes, unified_diff
+from te_passes.debug.printer import format_graph
+
+log = get_logger()
+
+SCHEMA = "te_passes.dump/1"
+#: Record kinds listed in the summary's ``folded[]`` section.
+FOLDED_KINDS = ("folded", "hoisted")
+#: Record kinds listed in ``frees[]``.
+FREE_KINDS = ("free",)
+#: Record kinds listed in ``pool_check[]`` (besides any kind starting with ``pool``).
+POOL_KINDS = ("pool_leak", "pool_check", "pool_ok")
+
+
+class DumpDirError(OSError):
+    """The dump directory cannot be created or written (the message names it and why)."""
+
+
+def tracing_enabled() -> bool:
+    """Whether tlparse structured tracing (``TORCH_TRACE``) is on in this process."""
+    try:
+        from torch._logging._internal import trace_log
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(trace_log.handlers)
+
+
+def ensure_writable_dir(path: str | os.PathLike) -> str:
+    """Create ``path`` (and parents) and check a file can be written there.
+
+    Raises:
+        DumpDirError: it exists as a file, cannot be created, or is not writable.
+    """
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DumpDirError(f"dump directory {path} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".te_passes_write_test_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as e:
+        raise DumpDirError(f"dump directory {path} is not writable: {e.strerror or e}") from e
+    return path
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)
+
+
+def _records_notes(run: Any) -> dict[str, list[str]]:
+    notes: dict[str, list[str]] = {}
+    for r in getattr(run, "records", ()):
+        if r.node is None:
+            continue
+        data = ", ".join(f"{k}={v!r}" for k, v in r.to_json().items() if k not in ("kind", "node"))
+        notes.setdefault(r.node, []).append(f"{run.name}: {r.kind}" + (f" ({data})" if data else ""))
+    return notes
+
+
+class DumpWriter:
+    """Pass-manager observer writing the dump of one ``te_inductor`` call (see module docstring).
+
+    Build with :meth:`for_dir`. Hooks (called by :class:`te_passes.passes.manager.PassManager`
+    and :mod:`te_passes.backend`): :meth:`before_stage`, :meth:`before_pass`,
+    :meth:`after_pass`, :meth:`after_stage`, :meth:`finish`. Never raises from a hook: a dump
+    failure is logged and the compilation goes on (only :meth:`for_dir` raises).
+    """
+
+    def __init__(self, root: str | None) -> None:
+        self.root = root
+        self._stage_dirs: dict[str, str] = {}
+        self._pass_index: dict[str, int] = {}
+        self._snapshot: GraphSnapshot | None = None
+        self._stage_started: set[str] = set()
+        self._report: Any = None
+        self.files: list[str] = []
+
+    @classmethod
+    def for_dir(cls, path: str | os.PathLike | None) -> "DumpWriter":
+        """A writer for dump directory ``path`` (created if needed), or a tlparse-only writer
+        when ``path`` is ``None``.
+
+        Raises:
+            DumpDirError: ``path`` cannot be created or written.
+        """
+        return cls(ensure_writable_dir(path) if path is not None else None)
+
+    # ------------------------------------------------------------------ paths & output
+    @staticmethod
+    def _base_id(graph_id: str) -> str:
+        return graph_id.split(".")[0]
+
+    def _stage_key(self, ctx: Any) -> str:
+        return f"{ctx.graph_id}/{ctx.stage.value}"
+
+    def _stage_dir(self, ctx: Any) -> str:
+        key = self._stage_key(ctx)
+        if key not in self._stage_dirs:
+            rel = os.path.join(_slug(self._base_id(ctx.graph_id)), ctx.stage.value)
+            n = 2
+            while self.root is not None and os.path.exists(os.path.join(self.root, rel)) \
+                    and rel not in self._stage_dirs.values():
+                rel = os.path.join(_slug(self._base_id(ctx.graph_id)), f"{ctx.stage.value}_{n}")
+                n += 1
+            self._stage_dirs[key] = rel
+        return self._stage_dirs[key]
+
+    def _write(self, rel: str, text: str | bytes, artifact: str | None = None) -> None:
+        if artifact is not None and isinstance(text, str):
+            trace_artifact("te_passes_" + _slug(artifact), lambda: text)
+        if self.root is None:
+            return
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb" if isinstance(text, bytes) else "w") as f:
+            f.write(text)
+        self.files.append(rel)
+
+    def _safe(self, what: str, fn, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - a dump must never break compilation
+            log.warning("te_passes dump: %s failed: %s: %s", what, type(e).__name__, e)
+
+    # ------------------------------------------------------------------ hooks
+    def before_stage(self, gm: torch.fx.GraphModule, ctx: Any) -> None:
+        """Save the stage's input graph: ``input.py`` and replayable ``input.tegraph``."""
+        key = self._stage_key(ctx)
+        if key in self._stage_started:
+            return
+        self._stage_started.add(key)
+        self._safe("before_stage", self._before_stage, gm, ctx)
+
+    def _before_stage(self, gm: torch.fx.GraphModule, ctx: Any) -> None:
+        d = self._stage_dir(ctx)
+        self._write(os.path.join(d, "input.py"), format_graph(gm), f"{ctx.graph_id}_{ctx.stage.value}_input")
+        if self.root is not None:
+            from te_passes.debug.graph_io import save_graph
+
+            info = {"stage": ctx.stage.value, "graph_id": ctx.graph_id,
+                    "te_state": ctx.te_state.to_json(),
+                    "options": {"disable": list(ctx.options.disable), "strict": ctx.options.strict,
+                                "ub_on_change": ctx.options.ub_on_change},
+                    "example_inputs": list(ctx.example_inputs) if ctx.example_inputs is not None else None}
+            save_graph(os.path.join(self.root, d, "input.tegraph"), gm, **info)
+            self.files.append(os.path.join(d, "input.tegraph"))
+
+    def before_pass(self, gm: torch.fx.GraphModule, tepass: Any, ctx: Any) -> None:
+        """Snapshot the graph (printout + fields) before ``tepass`` runs."""
+        self.before_stage(gm, ctx)
+        try:
+            self._snapshot = GraphSnapshot.take(gm)
+        except Exception as e:  # noqa: BLE001
+            self._snapshot = None
+            log.warning("te_passes dump: snapshot before %s failed: %s", tepass.name, e)
+
+    def after_pass(self, gm: torch.fx.GraphModule, tepass: Any, ctx: Any, run: Any) -> None:
+        """Write ``NN_<pass>/{before.py, after.py, diff.patch, changes.txt}``."""
+        self._safe(f"after_pass {tepass.name}", self._after_pass, gm, tepass, ctx, run)
+
+    def _after_pass(self, gm: torch.fx.GraphModule, tepass: Any, ctx: Any, run: Any) -> None:
+        key = self._stage_key(ctx)
+        self._pass_index[key] = self._pass_index.get(key, 0) + 1
+        pdir = os.path.join(self._stage_dir(ctx), f"{self._pass_index[key]:02d}_{_slug(tepass.name)}")
+        run.dump_dir = pdir  # PassRun gets where its dump lives (read by the summary)
+        before = self._snapshot
+        after = GraphSnapshot.take(gm, notes=_records_notes(run))
+        plain_after = GraphSnapshot.take(gm) if before is not None else after
+        art = f"{ctx.graph_id}_{ctx.stage.value}_{self._pass_index[key]:02d}_{tepass.name}"
+        if before is not None:
+            self._write(os.path.join(pdir, "before.py"), before.text, None)
+        self._write(os.path.join(pdir, "after.py"), after.text, f"{art}_after" if run.changed else None)
+        if before is not None:
+            patch = unified_diff(before.text, plain_after.text, f"a/{pdir}/before.py", f"b/{pdir}/after.py")
+            changes = graph_changes(before, plain_after)
+            self._write(os.path.join(pdir, "diff.patch"), patch, f"{art}_diff" if patch else None)
+            header = (f"# {tepass.name} at {ctx.stage.value} on {ctx.graph_id}: status={run.status} "
+                      f"changed={run.changed} nodes {run.nodes_before} -> {run.nodes_after} "
+                      f"({len(changes['added'])} added, {len(changes['removed'])} removed, "
+                      f"{len(changes['changed'])} fields changed)\n")
+            self._write(os.path.join(pdir, "changes.txt"), header + format_changes(changes), None)
+            run_changes = {k: len(v) for k, v in changes.items()}
+            run.dump_changes = run_changes
+        self._snapshot = None
+
+    def after_stage(self, gm: torch.fx.GraphModule, ctx: Any, stage_report: Any = None) -> None:
+        """Write the stage's ``output.py``; refresh the reports when :meth:`finish` already ran
+        (AOTAutograd compiles the backward lazily, after ``te_inductor`` returned)."""
+        self._safe("after_stage", lambda: self._write(
+            os.path.join(self._stage_dir(ctx), "output.py"), format_graph(gm),
+            f"{ctx.graph_id}_{ctx.stage.value}_output"))
+        if self._report is not None:
+            self._safe("late finish", self._finish, self._report)
+
+    def finish(self, report: Any) -> None:
+        """Write ``<graph>/report.json`` and ``te_state.json``, then refresh ``DIR/report.json``
+        and ``DIR/index.md`` over every graph in the directory."""
+        self._safe("finish", self._finish, report)
+
+    def _finish(self, report: Any) -> None:
+        self._report = report
+        data = report_json(report, self._stage_dirs)
+        gdir = _slug(report.graph_id)
+        text = json.dumps(data, indent=2, sort_keys=False)
+        self._write(os.path.join(gdir, "report.json"), text, f"{report.graph_id}_report")
+        self._write(os.path.join(gdir, "te_state.json"), json.dumps(report.te_state, indent=2), None)
+        if self.root is not None:
+            write_summary(self.root)
+
+
+# --------------------------------------------------------------------------- reports
+def report_json(report: Any, stage_dirs: dict[str, str] | None = None) -> dict[str, Any]:
+    """``CompileReport.to_json()`` plus, per stage, the dump directory (``"dir"``) and per run
+    its dump directory and change counts (``"dump"``, ``"changes"``)."""
+    data = report.to_json()
+    stage_dirs = stage_dirs or {}
+    for sj, s in zip(data["stages"], report.stages):
+        sj["dir"] = stage_dirs.get(f"{s.graph_id}/{s.stage}")
+        for rj, r in zip(sj["runs"], s.runs):
+            rj["dump"] = getattr(r, "dump_dir", None)
+            rj["changes"] = getattr(r, "dump_changes", None)
+    return data
+
+
+def _graph_reports(root: str) -> list[dict[str, Any]]:
+    out = []
+    for name in os.listdir(root):
+        p = os.path.join(root, name, "report.json")
+        if os.path.isfile(p):
+            try:
+                with open(p) as f:
+                    out.append(json.load(f))
+            except (OSError, json.JSONDecodeError):
+                continue
+    return sorted(out, key=lambda d: int(re.sub(r"\D", "", d.get("graph_id", "0")) or 0))
+
+
+def _memory_entry(graph_id: str, stage: str, mem: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {"graph_id": graph_id, "stage": stage}
+    if isinstance(mem, dict):
+        entry.update(mem)
+    else:
+        entry["value"] = mem
+    for k in ("peak_before", "peak_after"):
+        entry.setdefault(k, None)
+    return entry
+
+
+def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The top-level ``report.json``: flat, per-kind views over every graph's pass records.
+
+    Sections (each entry also carries ``graph_id``, ``stage`` and ``pass``):
+
+    * ``passes[]``: ``name``, ``stage``, ``status``, ``changed``, ``time_ms``, ``nodes_before``,
+      ``nodes_after``, ``records`` (count), ``dump`` (directory);
+    * ``folded[]``: records of kind ``folded``/``hoisted``: ``kind``, ``source``, ``args``,
+      ``value``, ``node`` (+ the record's other data);
+    * ``frees[]``: records of kind ``free``: ``node``, ``role``, ``bytes`` (+ data);
+    * ``pool_check[]``: records of kind ``pool_*``; ``skipped[]``: refusals with reasons;
+      ``failed[]``: passes that raised (graph restored);
+    * ``memory``: ``{"stages": [per-stage StageReport.facts["memory"] with graph_id/stage],
+      "peak_before", "peak_after"}`` (largest concrete peaks, bytes);
+    * ``graph_breaks[]``, ``eager_fallbacks[]``, ``recompiles[]``, ``frames[]`` from ``extra``
+      (:class:`te_passes.debug.graph_breaks.CompileEvents`);
+    * ``uuid``: ``{graph_id: {"uuid", "passes", "options", "te_state"}}`` — what each graph's
+      pass-pipeline uuid was built from; ``graphs[]``: id, mode, stage list, time.
+    """
+    graphs = list(graphs)
+    s: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                         "versions": _versions(), "graphs": [], "passes": [], "folded": [], "frees": [],
+                         "pool_check": [], "skipped": [], "failed": [], "other_records": [],
+                         "memory": {"stages": [], "peak_before": None, "peak_after": None},
+                         "graph_breaks": [], "eager_fallbacks": [], "recompiles": [], "frames": [],
+                         "uuid": {}}
+    for g in graphs:
+        gid = g.get("graph_id")
+        s["graphs"].append({"graph_id": gid, "mode": g.get("mode"),
+                            "stages": [f"{st['graph_id']}:{st['stage']}" for st in g.get("stages", [])],
+                            "time_ms_passes": g.get("time_ms_passes"), "time_ms_total": g.get("time_ms_total"),
+                            "te_version": (g.get("te_state") or {}).get("te_version")})
+        s["uuid"][gid] = g.get("uuid", {})
+        for st in g.get("stages", []):
+            where = {"graph_id": st["graph_id"], "stage": st["stage"]}
+            mem = (st.get("facts") or {}).get("memory")
+            if mem is not None:
+                s["memory"]["stages"].append(_memory_entry(st["graph_id"], st["stage"], mem))
+            for run in st.get("runs", []):
+                s["passes"].append({**where, "name": run["name"], "status": run["status"],
+                                    "changed": run["changed"], "time_ms": run["time_ms"],
+                                    "nodes_before": run["nodes_before"], "nodes_after": run["nodes_after"],
+                                    "records": len(run.get("records", [])), "dump": run.get("dump"),
+                                    "error": run.get("error")})
+                if run["status"] == "failed":
+                    s["failed"].append({**where, "pass": run["name"], "error": run.get("error")})
+                for rec in run.get("records", []):
+                    kind = rec.get("kind")
+                    entry = {**where, "pass": run["name"], **rec}
+                    if kind in FOLDED_KINDS:
+                        for k in ("source", "args", "value"):
+                            entry.setdefault(k, None)
+                        s["folded"].append(entry)
+                    elif kind in FREE_KINDS:
+                        for k in ("role", "bytes"):
+                            entry.setdefault(k, None)
+                        s["frees"].append(entry)
+                    elif kind in POOL_KINDS or str(kind).startswith("pool"):
+                        s["pool_check"].append(entry)
+                    elif kind == "skipped":
+                        s["skipped"].append(entry)
+                    else:
+                        s["other_records"].append(entry)
+    peaks = {"peak_before": [], "peak_after": []}
+    for m in s["memory"]["stages"]:
+        for k in peaks:
+            v = m.get(k)
+            v = v.get("concrete") if isinstance(v, dict) else v
+            if isinstance(v, (int, float)):
+                peaks[k].append(v)
+    for k, vals in peaks.items():
+        s["memory"][k] = max(vals) if vals else None
+    for k, v in (extra or {}).items():
+        s[k] = v
+    return s
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    from te_passes import __version__
+    from te_passes.te.version import te_version
+
+    return {"te_passes": __version__, "torch": torch.__version__, "transformer_engine": te_version()}
+
+
+def write_summary(root: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """(Re)write ``root/report.json`` and ``root/index.md`` from every ``root/*/report.json``.
+
+    ``extra`` entries (graph breaks, target, ...) are merged in and kept in
+    ``root/session.json`` so later refreshes (another graph finishing) keep them.
+    """
+    session_path = os.path.join(root, "session.json")
+    if extra is not None:
+        with open(session_path, "w") as f:
+            json.dump(extra, f, indent=2, default=repr)
+    elif os.path.isfile(session_path):
+        with open(session_path) as f:
+            extra = json.load(f)
+    summary = build_summary(_graph_reports(root), extra)
+    with open(os.path.join(root, "report.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=repr)
+    with open(os.path.join(root, "index.md"), "w") as f:
+        f.write(render_index(summary, root))
+    trace_artifact("te_passes_report", lambda: json.dumps(summary, default=repr), encoding="json")
+    return summary
+
+
+def _md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return str("" if v is None else v).replace("|", "\\|").replace("\n", " ")
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _link(root: str, rel: str | None, text: str) -> str:
+    if not rel:
+        return text
+    return f"[{text}]({rel})" if os.path.exists(os.path.join(root, rel)) else text
+
+
+def render_index(summary: dict[str, Any], root: str) -> str:
+    """``index.md``: what was compiled, per-pass table with links to before/after/diff, folded
+    constants, early frees, memory, pool check, skipped rewrites, graph breaks and TE eager
+    islands, recompiles, uuid."""
+    v = summary["versions"]
+    L = [f"# te_passes dump\n",
+         f"te_passes {v['te_passes']} · torch {v['torch']} · Transformer Engine {v['transformer_engine']} · "
+         f"{summary['created']}\n"]
+    tgt = summary.get("target")
+    if tgt:
+        L.append(f"Target: `{tgt}`  ")
+    for key in ("precision", "mode", "compile_path"):
+        if summary.get(key):
+            L.append(f"{key.replace('_', ' ').capitalize()}: {summary[key]}  ")
+    if summary.get("note"):
+        L.append(f"\n> {summary['note']}\n")
+    L.append("\nMachine-readable: [report.json](report.json) · per graph: " +
+             ", ".join(_link(root, f"{g['graph_id']}/report.json", g["graph_id"]) for g in summary["graphs"]) + "\n")
+
+    L.append("\n## Graphs and stages\n")
+    rows = []
+    for g in summary["graphs"]:
+        gid = g["graph_id"]
+        stage_links = []
+        for st in g["stages"]:
+            sgid, stage = st.split(":")
+            d = next((p.get("dump") for p in summary["passes"] if p["graph_id"] == sgid and p["stage"] == stage
+                      and p.get("dump")), None)
+            sdir = os.path.dirname(d) if d else f"{gid}/{stage}"
+            stage_links.append(f"{_link(root, f'{sdir}/input.py', stage)} "
+                               f"({_link(root, f'{sdir}/input.tegraph', 'tegraph')})")
+        rows.append([gid, g["mode"] or "default", ", ".join(stage_links),
+                     g["time_ms_passes"], g["time_ms_total"]])
+    L.append(_md_table(["graph", "mode", "stages (input graph, replayable file)", "passes ms", "total ms"], rows))
+
+    L.append("\n## Passes\n")
+    rows = []
+    for p in summary["passes"]:
+        d = p.get("dump")
+        links = " · ".join(_link(root, f"{d}/{f}", f.split('.')[0]) for f in ("before.py", "after.py", "diff.patch",
+                                                                              "changes.txt")) if d else ""
+        rows.append([p["graph_id"], p["stage"], p["name"], p["status"], "yes" if p["changed"] else "no",
+                     f"{p['time_ms']:.2f}", f"{p['nodes_before']} → {p['nodes_after']}", p["records"], links])
+    L.append(_md_table(["graph", "stage", "pass", "status", "changed", "ms", "nodes", "records", "dump"], rows)
+             if rows else "No passes ran (none registered for these stages).\n")
+
+    def section(title: str, key: str, cols: list[str], empty: str) -> None:
+        L.append(f"\n## {title}\n")
+        items = summary.get(key) or []
+        if not items:
+            L.append(empty + "\n")
+            return
+        L.append(_md_table(cols, [[it.get(c) for c in cols] for it in items]))
+
+    section("Folded and hoisted constants", "folded", ["graph_id", "stage", "pass", "kind", "node", "source",
+                                                        "args", "value"], "None.")
+    section("Early frees", "frees", ["graph_id", "stage", "pass", "node", "role", "bytes"], "None.")
+    L.append("\n## Memory estimate\n")
+    mem = summary["memory"]
+    if mem["stages"]:
+        cols = sorted({k for m in mem["stages"] for k in m} - {"graph_id", "stage"})
+        L.append(_md_table(["graph_id", "stage", *cols],
+                           [[m["graph_id"], m["stage"], *[json.dumps(m.get(c), default=repr) for c in cols]]
+                            for m in mem["stages"]]))
+    else:
+        L.append("No memory estimate was recorded.\n")
+    section("Cudagraph pool check", "pool_check", ["graph_id", "stage", "pass", "kind", "node"], "No findings.")
+    section("Rewrites refused (skipped)", "skipped", ["graph_id", "stage", "pass", "node", "reason"], "None.")
+    section("Failed passes (graph restored)", "failed", ["graph_id", "stage", "pass", "error"], "None.")
+    section("TE eager islands and fallbacks", "eager_fallbacks", ["module", "kind", "reason", "location", "count"],
+            "None recorded.")
+    section("Graph breaks", "graph_breaks", ["reason", "location", "count"], "None recorded.")
+    section("Recompiles", "recompiles", ["compile_id", "function", "reason"], "None recorded.")
+    L.append("\n## Pipeline uuid (Inductor FX-graph-cache key part)\n")
+    rows = [[gid, (u or {}).get("uuid", "")[:16], ", ".join(f"{k}={str(h)[:8]}" for k, h in
+                                                          ((u or {}).get("passes") or {}).items()),
+             json.dumps((u or {}).get("options")), str((u or {}).get("te_state", ""))[:16]]
+            for gid, u in summary["uuid"].items()]
+    L.append(_md_table(["graph", "uuid", "passes (source+config hash)", "options", "te_state"], rows))
+    return "\n".join(L)

@@ -1,0 +1,160 @@
+"""Graph breaks, TE eager islands (with reasons) and recompiles of a torch.compile run.
+
+Sources (torch 2.14 / TE 2.20.2):
+
+* ``torch._dynamo.utils.graph_break_reasons`` — one ``GraphCompileReason(reason, user_stack)``
+  per graph break Dynamo took (``torch/_dynamo/output_graph.py``); ``counters["graph_break"]``
+  counts them by message;
+* ``torch._dynamo.utils.get_compilation_metrics()`` — one ``CompilationMetrics`` per frame
+  compile: ``compile_id`` (``"<frame>/<n>"``; ``n > 0`` is a recompile), ``co_name``,
+  ``recompile_reason`` (the failed guard), ``num_graph_breaks``, ``fail_reason``;
+* TE's own fallback reasons — its graph-break messages and its ``Falling back to eager
+  execution under torch.compile: ...`` warnings, attributed to TE modules by
+  :func:`te_passes.te.fallbacks.classify_graph_break`.
+
+:class:`CompileEvents` records all of it over a region (``with CompileEvents() as ev: ...``);
+:func:`current_events` reads what the process has seen so far (the backend-only dump path).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any
+
+from te_passes.te.fallbacks import classify_graph_break, fallback_reason_from_warning
+
+
+def _short_reason(reason: str) -> str:
+    """The first line plus Dynamo's ``Explanation:`` line of a graph-break text."""
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+    head = lines[0] if lines else reason
+    expl = next((ln[len("Explanation:"):].strip() for ln in lines if ln.startswith("Explanation:")), None)
+    return f"{head}: {expl}" if expl else head
+
+
+def _location(user_stack: list[Any]) -> str | None:
+    if not user_stack:
+        return None
+    fs = user_stack[-1]
+    return f"{fs.filename}:{fs.lineno} ({fs.name})"
+
+
+def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
+    """One ``graph_breaks[]`` entry: ``reason`` (short), ``location`` (innermost user frame),
+    ``user_stack`` (``file:line (func)`` strings, outermost first), ``te`` (``{"module",
+    "kind", "reason"}`` when the break is a TE eager island, else ``None``), ``full_reason``."""
+    te = classify_graph_break(reason)
+    return {
+        "reason": _short_reason(reason),
+        "location": _location(user_stack),
+        "user_stack": [f"{fs.filename}:{fs.lineno} ({fs.name})" for fs in user_stack],
+        "te": dataclasses.asdict(te) if te else None,
+        "full_reason": reason,
+    }
+
+
+def _metrics_entry(m: Any) -> dict[str, Any]:
+    return {"compile_id": m.compile_id, "function": m.co_name,
+            "location": f"{m.co_filename}:{m.co_firstlineno}" if m.co_filename else None,
+            "graph_op_count": m.graph_op_count, "num_graph_breaks": m.num_graph_breaks,
+            "recompile_reason": m.recompile_reason, "fail_reason": m.fail_reason}
+
+
+class CompileEvents:
+    """Context manager recording what torch.compile did inside it.
+
+    After the ``with`` block: :attr:`graph_breaks` (list of :func:`graph_break_entry` dicts,
+    identical breaks merged with a ``count``), :attr:`eager_fallbacks` (TE eager islands:
+    ``{"module", "kind", "reason", "location", "count"}``), :attr:`recompiles` (``{"compile_id",
+    "function", "location", "reason"}``), :attr:`frames` (every frame compile) and
+    :attr:`te_warnings` (TE's fallback warnings' reasons). ``record_warnings=True`` also
+    captures ``warnings`` inside the block (they are re-emitted afterwards).
+    """
+
+    def __init__(self, *, record_warnings: bool = True) -> None:
+        self.record_warnings = record_warnings
+        self.graph_breaks: list[dict[str, Any]] = []
+        self.eager_fallbacks: list[dict[str, Any]] = []
+        self.recompiles: list[dict[str, Any]] = []
+        self.frames: list[dict[str, Any]] = []
+        self.te_warnings: list[str] = []
+        self._warn_ctx = None
+        self._caught: list[warnings.WarningMessage] | None = None
+
+    def __enter__(self) -> "CompileEvents":
+        from torch._dynamo import utils as du
+
+        self._n_breaks = len(du.graph_break_reasons)
+        self._seen_metrics = {id(m) for m in du.get_compilation_metrics()}
+        if self.record_warnings:
+            self._warn_ctx = warnings.catch_warnings(record=True)
+            self._caught = self._warn_ctx.__enter__()
+            warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch._dynamo import utils as du
+
+        if self._warn_ctx is not None:
+            self._warn_ctx.__exit__(None, None, None)
+            for w in self._caught or ():
+                reason = fallback_reason_from_warning(str(w.message))
+                if reason is not None and reason not in self.te_warnings:
+                    self.te_warnings.append(reason)
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        breaks = du.graph_break_reasons[self._n_breaks:]
+        metrics = [m for m in du.get_compilation_metrics() if id(m) not in self._seen_metrics]
+        self._fill(breaks, metrics)
+
+    def _fill(self, breaks: list[Any], metrics: list[Any]) -> None:
+        merged: dict[tuple[str, str | None], dict[str, Any]] = {}
+        for b in breaks:
+            e = graph_break_entry(b.reason, list(b.user_stack))
+            key = (e["full_reason"], e["location"])
+            if key in merged:
+                merged[key]["count"] += 1
+            else:
+                e["count"] = 1
+                merged[key] = e
+        self.graph_breaks = list(merged.values())
+        fallbacks: dict[tuple[str, str, str | None], dict[str, Any]] = collections.OrderedDict()
+        for e in self.graph_breaks:
+            te = e["te"]
+            if te is None:
+                continue
+            reason = te["reason"]
+            if te["kind"] == "conditional" and self.te_warnings:
+                reason = "; ".join(self.te_warnings)
+            key = (te["module"], reason, e["location"])
+            if key in fallbacks:
+                fallbacks[key]["count"] += e["count"]
+            else:
+                fallbacks[key] = {"module": te["module"], "kind": te["kind"], "reason": reason,
+                                  "location": e["location"], "count": e["count"]}
+        known = {f["reason"] for f in fallbacks.values()}
+        for w in self.te_warnings:  # warnings whose break Dynamo did not record separately
+            if not any(w in k for k in known):
+                fallbacks[("te", w, None)] = {"module": "te", "kind": "warning", "reason": w,
+                                              "location": None, "count": 1}
+        self.eager_fallbacks = list(fallbacks.values())
+        self.frames = [_metrics_entry(m) for m in metrics]
+        self.recompiles = [{"compile_id": f["compile_id"], "function": f["function"],
+                            "location": f["location"], "reason": f["recompile_reason"]}
+                           for f in self.frames if f["recompile_reason"]]
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"graph_breaks", "eager_fallbacks", "recompiles", "frames"}`` (JSON-ready)."""
+        return {"graph_breaks": self.graph_breaks, "eager_fallbacks": self.eager_fallbacks,
+                "recompiles": self.recompiles, "frames": self.frames}
+
+
+def current_events() -> CompileEvents:
+    """Everything the process's Dynamo has recorded so far (no warnings), as a filled
+    :class:`CompileEvents`."""
+    from torch._dynamo import utils as du
+
+    ev = CompileEvents(record_warnings=False)
+    ev._fill(list(du.graph_break_reasons), list(du.get_compilation_metrics()))
+    return ev

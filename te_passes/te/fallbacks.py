@@ -1,0 +1,86 @@
+"""Where and why Transformer Engine runs eagerly under torch.compile (TE 2.20.2).
+
+TE leaves the compiled graph in three ways; Dynamo reports each as a graph break whose text this
+module recognises (``torch._dynamo`` 2.14 graph-break messages):
+
+1. **Disabled forwards** — methods decorated ``@no_torch_dynamo()`` (``transformer_engine/
+   pytorch/jit.py``: ``torch._dynamo.disable``): Dynamo says ``Skip inlining function
+   <function LayerNormLinear.forward at 0x...> since it was wrapped with
+   `torch.compiler.disable```. :data:`DISABLED_FORWARDS` names each one with the TE module and why.
+2. **Configuration fallbacks of te.Linear** — ``Linear.forward`` calls
+   ``warn_compile_eager_fallback(reason)`` then ``torch._dynamo.graph_break(msg="te.Linear
+   falling back to eager: <reason>")``; the reason comes from
+   ``Linear._compile_eager_fallback_reason`` / ``LinearFwdArgs.compile_unsupported_reason``
+   (``module/linear.py``). Dynamo says ``User-inserted graph break. Message: <msg>``.
+3. **Conditional disables** — ``@no_torch_dynamo(when=...)`` (``DotProductAttention.forward``
+   with ``_needs_eager_dpa``, linear-attention modules): the ``report_and_run`` wrapper is
+   disabled and TE warns ``Falling back to eager execution under torch.compile: <reason> is
+   unsupported on the compiled path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+#: ``qualname`` of a ``@no_torch_dynamo()`` TE function -> (TE module, why it is eager).
+DISABLED_FORWARDS: dict[str, tuple[str, str]] = {
+    "LayerNormLinear.forward": ("te.LayerNormLinear", "LayerNormLinear.forward is @no_torch_dynamo "
+                                "(torch.compiler.disable) in TE 2.20: no compiled custom op yet"),
+    "LayerNormMLP.forward": ("te.LayerNormMLP", "LayerNormMLP.forward is @no_torch_dynamo "
+                             "(torch.compiler.disable) in TE 2.20: no compiled custom op yet"),
+    "GroupedLinear.forward": ("te.GroupedLinear", "GroupedLinear.forward is @no_torch_dynamo "
+                              "(torch.compiler.disable) in TE 2.20: no compiled custom op yet"),
+    "FusedAttention.forward": ("te.FusedAttention", "FusedAttention.forward is @no_torch_dynamo "
+                               "(torch.compiler.disable) in TE 2.20: fused attention kernels run eagerly"),
+    "UnfusedDotProductAttention._forward_eager": ("te.UnfusedDotProductAttention",
+                                                  "UnfusedDotProductAttention._forward_eager is "
+                                                  "@no_torch_dynamo in TE 2.20"),
+    "Fp8Padding.forward": ("te.Fp8Padding", "Fp8Padding.forward is @no_torch_dynamo in TE 2.20"),
+    "Fp8Unpadding.forward": ("te.Fp8Unpadding", "Fp8Unpadding.forward is @no_torch_dynamo in TE 2.20"),
+    "_linear_eager": ("te.Linear", "te.Linear's eager implementation (_linear_eager, @no_torch_dynamo) "
+                      "ran inside the compiled region"),
+}
+
+#: Prefix of te.Linear's own graph-break message (``module/linear.py``).
+LINEAR_FALLBACK_PREFIX = "te.Linear falling back to eager: "
+#: TE's eager-fallback warning (``utils.warn_compile_eager_fallback`` / ``jit.no_torch_dynamo``).
+FALLBACK_WARNING_RE = re.compile(r"Falling back to eager execution under torch\.compile: (?P<reason>.*?) is "
+                                 r"unsupported on the compiled path")
+
+_DISABLED_RE = re.compile(r"Skip (?:inlining|calling) (?:function )?<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>"
+                          r"|Skip (?:inlining|calling) function (?P<qual2>[\w.<>]+)")
+_USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
+
+
+@dataclasses.dataclass
+class TEFallback:
+    """A graph break attributed to TE: ``module`` (``"te.LayerNormLinear"``), ``kind``
+    (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``), ``reason`` (one line)."""
+
+    module: str
+    kind: str
+    reason: str
+
+
+def classify_graph_break(reason: str) -> TEFallback | None:
+    """The TE eager island a Dynamo graph-break ``reason`` text stands for, or ``None``."""
+    m = _USER_BREAK_RE.search(reason)
+    if m and m.group("msg").startswith(LINEAR_FALLBACK_PREFIX):
+        return TEFallback("te.Linear", "linear_config", m.group("msg")[len(LINEAR_FALLBACK_PREFIX):].strip())
+    m = _DISABLED_RE.search(reason)
+    if m:
+        qual = m.group("qual") or m.group("qual2") or ""
+        if qual in DISABLED_FORWARDS:
+            mod, why = DISABLED_FORWARDS[qual]
+            return TEFallback(mod, "disabled_forward", why)
+        if "report_and_run" in qual:
+            return TEFallback("te (no_torch_dynamo(when=...))", "conditional",
+                              "conditionally disabled TE forward; see the TE warning for the reason")
+    return None
+
+
+def fallback_reason_from_warning(message: str) -> str | None:
+    """The reason inside TE's ``Falling back to eager execution under torch.compile`` warning."""
+    m = FALLBACK_WARNING_RE.search(message)
+    return m.group("reason") if m else None
