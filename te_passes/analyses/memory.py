@@ -1,0 +1,190 @@
+"""Peak live bytes of an FX graph, from node metadata: symbolic with dynamic shapes, concrete
+for given sizes.
+
+Model (the reference-counting lifetime of :mod:`te_passes.analyses.liveness`): a buffer
+allocated by a node is live from that node through the last node that uses any alias of it;
+graph outputs and escaping buffers stay live to the end; graph inputs and constants are live
+for the whole call (the caller holds them) and are reported separately (``input_bytes``) as
+well as included in ``peak``. At each node the live set includes the node's inputs *and* its
+outputs (both exist while it runs). Sizes come from ``meta['val']``
+(``compute_required_storage_length × element_size``); buffers without metadata count 0 bytes
+and are listed in ``unknown_size``.
+
+With ``SymInt`` sizes every byte count is a ``sympy.Expr`` in the shape symbols (``s0``, ...)
+and the peak is ``sympy.Max`` of the per-node sums (sympy drops dominated terms); pass
+``sizes`` (or rely on the shape environment's hints) to get a concrete number.
+
+What the model leaves out: allocator rounding/caching (the CUDA caching allocator rounds to
+512 B and keeps freed blocks), workspaces allocated *inside* opaque ops (TE's GEMM workspaces,
+a quantized ``grad_output`` made and freed inside ``linear_backward``), and references kept by
+code outside the graph. It is a lower bound on the allocator's peak for the graph's own values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+import sympy
+import torch
+import torch.fx
+
+from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, live_intervals
+
+__all__ = ["MemoryEstimate", "estimate", "estimate_graph", "shape_hints"]
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Peak live bytes of one graph.
+
+    * ``peak`` — bytes (``int``, or ``sympy.Expr`` when sizes are symbolic), inputs included;
+    * ``peak_concrete`` — ``peak`` evaluated at the given / hinted sizes (``int``; ``None``
+      if a symbol has no value);
+    * ``peak_node`` — name of the node where the concrete peak is reached;
+    * ``input_bytes`` — bytes of placeholders and constants (held by the caller);
+    * ``quantized_bytes_at_peak`` — bytes of quantized buffers live at ``peak_node``;
+    * ``timeline`` — ``[(node name, live bytes)]`` per node (concrete when possible);
+    * ``symbols`` — ``{symbol name: value used}`` for the concrete evaluation;
+    * ``unknown_size`` — buffers without size metadata (counted as 0 bytes).
+    """
+
+    peak: Any
+    peak_concrete: int | None
+    peak_node: str | None
+    input_bytes: Any
+    quantized_bytes_at_peak: int | None
+    timeline: list[tuple[str, Any]]
+    symbols: dict[str, int]
+    unknown_size: list[str]
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether ``peak`` depends on shape symbols."""
+        return isinstance(self.peak, sympy.Basic) and bool(self.peak.free_symbols)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready summary (the timeline is left out; symbolic values as strings)."""
+        return {"peak": _jsonable_bytes(self.peak), "peak_concrete": self.peak_concrete,
+                "peak_node": self.peak_node, "input_bytes": _jsonable_bytes(self.input_bytes),
+                "quantized_bytes_at_peak": self.quantized_bytes_at_peak,
+                "symbolic": self.symbolic, "symbols": dict(self.symbols),
+                "unknown_size": list(self.unknown_size)}
+
+
+def _jsonable_bytes(v: Any) -> Any:
+    if isinstance(v, sympy.Basic):
+        return int(v) if v.is_Integer else str(v)
+    return v
+
+
+def shape_hints(graph: torch.fx.Graph) -> dict[sympy.Symbol, int]:
+    """``{symbol: example value}`` from the ``ShapeEnv`` of the graph's fake tensors
+    (``shape_env.var_to_val``), or ``{}`` with static shapes / no metadata."""
+    for node in graph.nodes:
+        for v in _flat_vals(node.meta.get("val")):
+            fm = getattr(v, "fake_mode", None)
+            env = getattr(fm, "shape_env", None) if fm is not None else None
+            if env is not None and getattr(env, "var_to_val", None):
+                return {k: int(val) for k, val in env.var_to_val.items()}
+    return {}
+
+
+def _flat_vals(v: Any) -> Iterable[Any]:
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _flat_vals(x)
+    elif v is not None:
+        yield v
+
+
+def _as_expr(n: Any) -> sympy.Expr:
+    return sympy.Integer(n) if isinstance(n, int) else n
+
+
+def _subs(expr: Any, sizes: Mapping[sympy.Symbol, int]) -> int | None:
+    if isinstance(expr, int):
+        return expr
+    e = sympy.sympify(expr)
+    if e.free_symbols:
+        e = e.subs({s: sizes[s] for s in e.free_symbols if s in sizes})
+    return int(e) if e.is_number else None
+
+
+def estimate(lv: Liveness, *, sizes: Mapping[str | sympy.Symbol, int] | None = None) -> MemoryEstimate:
+    """Peak live bytes of the graph ``lv`` was computed on.
+
+    Args:
+        lv: :func:`te_passes.analyses.liveness.analyze` of the graph.
+        sizes: values for shape symbols (``{"s0": 4096}`` or ``{Symbol: int}``) to evaluate a
+            symbolic peak; missing symbols fall back to the shape environment's hints.
+
+    Returns:
+        :class:`MemoryEstimate`.
+    """
+    nodes = list(lv.order)
+    n = len(nodes)
+    hints = shape_hints(lv.graph)
+    if sizes:
+        by_name = {str(k): v for k, v in sizes.items()}
+        syms = {s for b in lv.buffers for s in getattr(_as_expr(b.nbytes() or 0), "free_symbols", ())}
+        syms |= set(hints)
+        for s in syms:
+            if str(s) in by_name:
+                hints[s] = int(by_name[str(s)])
+    intervals = live_intervals(lv)
+    delta: list[list[Any]] = [[] for _ in range(n + 1)]
+    input_bytes: Any = 0
+    unknown: list[str] = []
+    for b, (lo, hi) in intervals.items():
+        nb = b.nbytes()
+        if nb is None:
+            if b.val is None:
+                unknown.append(b.name)
+            continue
+        delta[lo].append(nb)
+        delta[hi + 1].append(-nb)
+        if b.origin is not BufferOrigin.ALLOCATED:
+            input_bytes = input_bytes + nb
+    live: Any = 0
+    per_node: list[Any] = []
+    for i in range(n):
+        if delta[i]:
+            live = sympy.expand(live + sympy.Add(*[_as_expr(d) for d in delta[i]])) \
+                if any(not isinstance(d, int) for d in delta[i]) or not isinstance(live, int) \
+                else live + sum(delta[i])
+        per_node.append(live)
+    candidates = list(dict.fromkeys(per_node)) or [0]
+    if all(isinstance(c, int) or (isinstance(c, sympy.Basic) and c.is_Integer) for c in candidates):
+        peak: Any = int(max(int(c) for c in candidates))
+    else:
+        peak = sympy.Max(*[_as_expr(c) for c in candidates])
+    concrete = [_subs(c, hints) for c in per_node]
+    peak_concrete = None
+    peak_node = None
+    q_at_peak = None
+    if concrete and all(c is not None for c in concrete):
+        idx = max(range(n), key=lambda i: concrete[i])
+        peak_concrete = int(concrete[idx])
+        peak_node = nodes[idx].name
+        q_at_peak = 0
+        for b, (lo, hi) in intervals.items():
+            if b.quantized is not None and lo <= idx <= hi:
+                q_at_peak += _subs(b.nbytes() or 0, hints) or 0
+    timeline = [(nodes[i].name, concrete[i] if concrete[i] is not None else per_node[i]) for i in range(n)]
+    return MemoryEstimate(
+        peak=peak,
+        peak_concrete=peak_concrete,
+        peak_node=peak_node,
+        input_bytes=input_bytes if isinstance(input_bytes, int) else sympy.expand(input_bytes),
+        quantized_bytes_at_peak=q_at_peak,
+        timeline=timeline,
+        symbols={str(k): v for k, v in hints.items()},
+        unknown_size=unknown,
+    )
+
+
+def estimate_graph(graph_or_gm, *, stage: str | None = None,
+                   sizes: Mapping[str | sympy.Symbol, int] | None = None) -> MemoryEstimate:
+    """:func:`estimate` of :func:`~te_passes.analyses.liveness.analyze` (convenience)."""
+    return estimate(analyze(graph_or_gm, stage=stage), sizes=sizes)

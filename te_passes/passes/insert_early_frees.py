@@ -1,0 +1,179 @@
+"""Pass ``insert_early_frees``: free each quantized buffer right after its last use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze
+from te_passes.analyses.memory import MemoryEstimate, estimate
+from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.te import free_op
+
+POLICIES = ("opaque", "all")
+
+
+class InsertEarlyFrees(TEPass):
+    """Insert ``te_passes.free_storage(buf)`` after the last use of quantized buffers.
+
+    Runs on Inductor's post-grad forward and backward graphs (``post_grad_custom_pre_pass``),
+    after functionalization — an in-place op inserted at the Dynamo stage would be
+    functionalized away (``auto_functionalized``, then dead-code eliminated; measured on torch
+    2.14). A buffer is freed only when all of these hold (each refusal is a ``"kept"`` record
+    with its reason):
+
+    * it is part of a quantized tensor (:mod:`te_passes.te.quantized`: TE storage slots,
+      casts to float8/float4 dtypes, a TE forward op's saved outputs);
+    * the graph allocated it (never a graph input: the caller owns inputs; in an AOT backward
+      the saved quantized buffers are inputs — AOTAutograd passes them with
+      ``steal_args=True`` and Inductor already drops them at their last use when
+      ``retain_graph=False``, while with ``retain_graph=True`` the autograd graph still holds
+      them for the next backward, so an in-graph free would break it);
+    * no graph output aliases it (saved-for-backward values are forward outputs) and it does
+      not escape (:class:`~te_passes.analyses.liveness.Escape`);
+    * a node holds it as a whole tensor (``getitem`` or single-output op), so there is a
+      handle to free;
+    * policy ``"opaque"`` (default): an opaque op (a custom op such as TE's
+      ``transformer_engine_compile.*``, a higher-order op) uses it. Opaque callees can keep
+      Python references to their arguments — the reason TE frees by hand with
+      ``clear_tensor_data`` — while a buffer that only ATen/Inductor kernels read is
+      already released by Inductor's wrapper (``del buf``) at its last use, so a free there
+      would only add a host call per step. Policy ``"all"`` frees every eligible buffer.
+
+    The free goes right after the last node that uses *any* alias of the buffer (alias-aware
+    liveness: views, ``getitem``\\ s of multi-output ops, ``set_``). ``free_storage``
+    rebinds the tensor to an empty storage (TE's ``clear_tensor_data`` semantics, see
+    :mod:`te_passes.te.free_op`), and its Inductor lowering keeps Inductor from reusing the
+    freed buffer's memory.
+
+    Example (``policy="all"``; an opaque op consuming an FP8 cast)::
+
+        before                                           after
+        q = aten._to_copy(x, dtype=float8_e4m3fn)        q = aten._to_copy(x, dtype=float8_e4m3fn)
+        y = mylib.fp8_gemm(q, w)                         y = mylib.fp8_gemm(q, w)
+                                                         te_passes.free_storage(q)
+        z = aten.relu(y)                                 z = aten.relu(y)
+        return (z,)                                      return (z,)
+
+    On TE 2.20.2 ``te.Linear`` graphs nothing qualifies: every quantized buffer that crosses
+    an op boundary is a saved tensor (a forward output / a backward input), and the quantized
+    ``grad_output`` is created and freed inside ``linear_backward``; the records say so per
+    buffer.
+
+    Records: ``"free"`` (node = the freed value, data: ``role``, ``bytes``, ``after``,
+    ``source``, ``field``, ``op``); ``"kept"`` (node, ``role``, ``bytes``, ``reason``);
+    ``"memory"`` (graph level: ``peak_before``, ``peak_after``, ``peak_before_concrete``,
+    ``peak_after_concrete``, ``symbolic``, ``input_bytes``, ``peak_node``).
+    """
+
+    name = "insert_early_frees"
+    stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    description = "free quantized buffers (FP8/MXFP8 data, transposes, scales) right after their last use"
+
+    def __init__(self, policy: str = "opaque", **config: Any) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"insert_early_frees: policy must be one of {POLICIES}, got {policy!r}")
+        super().__init__(policy=policy, **config)
+        self.policy = policy
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        if not free_op.register_inductor_lowering():
+            raise PassSkipped("cannot register the Inductor lowering of te_passes::free_storage "
+                              f"({free_op.lowering_error()}); without it Inductor could reuse a freed buffer")
+        graph = gm.graph
+        lv = analyze(graph, stage=ctx.stage.value)
+        before = estimate(lv)
+        plan, records = self.plan(lv, ctx.stage)
+        inserted: list[torch.fx.Node] = []
+        last_inserted: dict[torch.fx.Node, torch.fx.Node] = {}
+        for buf, after in plan:
+            anchor = last_inserted.get(after, after)
+            with graph.inserting_after(anchor):
+                free = graph.call_function(free_op.free_storage, (buf.handle,))
+            free.meta["val"] = None
+            free.meta["te_passes"] = {"pass": self.name, "role": buf.quantized.role if buf.quantized else None}
+            last_inserted[after] = free
+            inserted.append(free)
+        if inserted:
+            self._verify(graph, plan)
+        lv_after = analyze(graph, stage=ctx.stage.value) if inserted else lv
+        after_est = estimate(lv_after)
+        records.append(PassRecord("memory", None, memory_record(before, after_est)))
+        return TEPassResult(gm, bool(inserted), records)
+
+    # ------------------------------------------------------------------ analysis
+    def plan(self, lv: Liveness, stage: Stage) -> tuple[list[tuple[Buffer, torch.fx.Node]], list[PassRecord]]:
+        """Decide what to free: ``([(buffer, insert-after node)], records)``; no mutation."""
+        plan: list[tuple[Buffer, torch.fx.Node]] = []
+        records: list[PassRecord] = []
+        for buf in lv.quantized_buffers():
+            reason = self._refusal(lv, buf, stage)
+            info = buf.quantized
+            nbytes = buf.nbytes()
+            if reason is not None:
+                records.append(PassRecord("kept", buf.name, {
+                    "role": info.role, "bytes": nbytes, "reason": reason, "source": info.source}))
+                continue
+            last = lv.last_use[buf]
+            plan.append((buf, last))
+            records.append(PassRecord("free", buf.handle.name, {
+                "role": info.role, "bytes": nbytes, "after": last.name, "source": info.source,
+                "field": info.field, "op": info.op}))
+        return plan, records
+
+    def _refusal(self, lv: Liveness, buf: Buffer, stage: Stage) -> str | None:
+        if buf.origin is BufferOrigin.INPUT:
+            if buf.node in lv.saved_inputs:
+                return ("saved tensor (backward graph input): AOTAutograd passes it with steal_args and "
+                        "Inductor drops it at its last use; under retain_graph=True the autograd graph "
+                        "still holds it, so the graph must not free it")
+            return "graph input: owned by the caller"
+        if buf.origin is BufferOrigin.CONSTANT:
+            return "constant: owned by the GraphModule"
+        if lv.is_output(buf):
+            saved = stage is Stage.POST_GRAD_FWD and buf.quantized is not None and \
+                buf.quantized.source in ("te_forward_output", "paired_backward")
+            return "graph output (saved for backward)" if saved else "graph output"
+        esc = lv.escaped(buf)
+        if esc:
+            return f"escapes the graph at {esc[0].node.name}: {esc[0].how}"
+        if buf.handle is None:
+            return "no node extracts this output of a multi-output op; it dies with the op's result tuple"
+        last = lv.last_use[buf]
+        if free_op.is_free_node(last) or any(free_op.is_free_node(u) for u in lv.users_of(buf)):
+            return "already freed by a free_storage node"
+        if last.op == "output":
+            return "graph output"
+        if self.policy == "opaque" and not lv.opaque_uses.get(buf):
+            return (f"only ATen/Inductor kernels use it: Inductor's wrapper releases it after its last "
+                    f"use ({last.name}) without a free")
+        return None
+
+    @staticmethod
+    def _verify(graph: torch.fx.Graph, plan: list[tuple[Buffer, torch.fx.Node]]) -> None:
+        """Re-run liveness on the rewritten graph: each free must be the last use of its buffer.
+
+        Raises:
+            AssertionError: a free precedes a use of its buffer (the manager restores the graph).
+        """
+        lv = analyze(graph)
+        for node in graph.nodes:
+            if not free_op.is_free_node(node):
+                continue
+            for b in lv.buffers_of(node.args[0]):
+                if lv.last_use[b] is not node:
+                    raise AssertionError(f"insert_early_frees: {node.name} frees {b.name} but "
+                                         f"{lv.last_use[b].name} uses it later")
+
+
+def memory_record(before: MemoryEstimate, after: MemoryEstimate) -> dict[str, Any]:
+    """The ``"memory"`` record's data: peaks before/after (symbolic as strings), concrete peaks,
+    input bytes, where the peak is, and the symbol values used."""
+    b, a = before.to_json(), after.to_json()
+    return {"peak_before": b["peak"], "peak_after": a["peak"],
+            "peak_before_concrete": b["peak_concrete"], "peak_after_concrete": a["peak_concrete"],
+            "peak_node_before": b["peak_node"], "peak_node_after": a["peak_node"],
+            "input_bytes": b["input_bytes"], "symbolic": before.symbolic, "symbols": b["symbols"],
+            "unknown_size": b["unknown_size"]}

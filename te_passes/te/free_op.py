@@ -1,0 +1,127 @@
+"""The early-free op: ``torch.ops.te_passes.free_storage(t)`` releases ``t``'s memory in a graph.
+
+What it does — TE's ``clear_tensor_data`` semantics
+---------------------------------------------------
+``transformer_engine/pytorch/utils.py`` (TE 2.20.2) ``clear_tensor_data(*tensors)`` frees a
+tensor by *rebinding* it to an empty tensor (``t.data = _empty_tensor()``; quantized storages'
+``clear()`` rebinds their ``_data`` / ``_transpose`` the same way). The memory goes back to
+the caching allocator as soon as no other tensor shares the storage; a tensor object that
+another holder references (TE's autograd ``ctx``, a quantized-storage wrapper) is emptied for
+that holder too, which is why TE can free tensors that ``del`` cannot.
+
+``free_storage`` does exactly that with the dispatcher's ``aten::set_(Tensor(a!) self)``
+("set to an empty tensor"): the tensor object keeps its dtype and device, its storage becomes a
+fresh empty one and the old ``StorageImpl`` loses this reference.
+
+Why not ``t.untyped_storage().resize_(0)`` (FSDP2's ``inductor.resize_storage_bytes_``)? It
+frees the storage under *every* alias, including aliases the FX graph cannot see: a view kept
+by an opaque op, or a ``_scale_inv`` that TE shares between several FP8 tensors (the reason
+TE's ``Float8TensorStorage.clear()`` leaves ``_scale_inv`` alone). A later read through such
+an alias would read freed memory. Rebinding frees only what nothing else holds, so the
+liveness proof over the graph's own references is enough for safety.
+
+Inductor: why the op has a lowering
+-----------------------------------
+The schema ``free_storage(Tensor(a!) t) -> ()`` marks ``t`` mutated, so Inductor keeps the
+call in place (a mutating op is never dead code, and the scheduler orders it after every
+earlier reader of ``t``). Inductor's wrapper may also *reuse* a dead buffer's memory for a
+later buffer of the same size (``AllocateLine`` -> ``ReuseLine``); reusing a buffer whose
+storage we emptied would hand the later kernel an empty storage. The lowering registered by
+:func:`register_inductor_lowering` therefore adds the freed buffer to
+``V.graph.never_reuse_buffers`` — what Inductor's own ``ResizeStorageBytes`` does
+(``torch/_inductor/ir.py``, torch 2.14) — and emits a plain fallback call.
+
+CUDA graphs (``mode="reduce-overhead"``, cudagraph trees)
+---------------------------------------------------------
+The op launches no kernel and never synchronises; it only drops a host-side reference. While a
+CUDA graph is being captured, a storage allocated during the capture goes back to the graph's
+private memory pool when its last reference drops — the same thing that happens to every
+Inductor buffer at its ``del`` — and later allocations of the same capture may reuse the
+block (replay re-runs kernels in recorded order, so that reuse is valid on every replay).
+Replays do not run the op at all (only kernels are replayed). The op is therefore not tagged
+``torch.Tag.cudagraph_unsafe``. It must never receive a graph input: cudagraph trees treat
+mutated inputs as a reason to skip CUDA graphs, and inputs belong to the caller; the pass
+never frees them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+OP_NAMESPACE = "te_passes"
+OP_NAME = "free_storage"
+QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
+
+_lib = torch.library.Library(OP_NAMESPACE, "FRAGMENT")  # noqa: TOR901 - we define the op below
+_lib.define(f"{OP_NAME}(Tensor(a!) t) -> ()")
+
+
+def _free_storage_impl(t: torch.Tensor) -> None:
+    # aten::set_(self) -> self: a fresh empty storage of t's dtype/device; the old storage is
+    # released when no other tensor references it. no_grad: the tensor may be a leaf that
+    # required grad in a user-level graph.
+    with torch.no_grad():
+        t.set_()
+
+
+def _free_storage_fake(t: torch.Tensor) -> None:
+    # Data-free: FakeTensor / meta tracing only needs to know the op returns nothing.
+    return None
+
+
+_lib.impl(OP_NAME, _free_storage_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(QUALNAME, _free_storage_fake, lib=_lib)
+
+#: The op overload inserted into graphs.
+free_storage: torch._ops.OpOverload = torch.ops.te_passes.free_storage.default
+
+
+def is_free_node(node: torch.fx.Node) -> bool:
+    """Whether FX ``node`` calls :data:`free_storage`."""
+    return node.op == "call_function" and node.target is free_storage
+
+
+_lowering_lock = threading.Lock()
+_lowering_registered: bool | None = None
+_lowering_error: str | None = None
+
+
+def register_inductor_lowering() -> bool:
+    """Register :data:`free_storage`'s Inductor lowering (idempotent); True when registered.
+
+    The lowering realizes the argument, emits Inductor's generic fallback call for the op
+    (``torch._inductor.lowering.fallback_handler``) and adds the argument's buffer to
+    ``V.graph.never_reuse_buffers`` so Inductor's wrapper never reuses the freed memory for a
+    later buffer. Uses ``torch._inductor.lowering.register_lowering`` (torch 2.14); when that
+    internal API is unavailable it returns False and :func:`lowering_error` says why — the
+    ``insert_early_frees`` pass then refuses to insert frees into graphs Inductor will compile.
+    """
+    global _lowering_registered, _lowering_error
+    with _lowering_lock:
+        if _lowering_registered is not None:
+            return _lowering_registered
+        try:
+            from torch._inductor import lowering as L
+            from torch._inductor.virtualized import V
+
+            if free_storage not in L.lowerings:
+                fallback = L.fallback_handler(free_storage, add_to_fallback_set=False)
+
+                @L.register_lowering(free_storage, type_promotion_kind=None)
+                def _lower_free_storage(t):
+                    t.realize()
+                    V.graph.never_reuse_buffers.add(t.get_name())
+                    return fallback(t)
+
+            _lowering_registered = True
+        except Exception as e:  # noqa: BLE001 - report any API drift as "not registered"
+            _lowering_registered = False
+            _lowering_error = f"{type(e).__name__}: {e}"
+        return _lowering_registered
+
+
+def lowering_error() -> str | None:
+    """Why :func:`register_inductor_lowering` failed (``None`` if it did not fail)."""
+    return _lowering_error

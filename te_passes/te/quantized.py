@@ -1,0 +1,182 @@
+"""Which graph values are (parts of) TE quantized tensors, and the role of each buffer.
+
+A TE quantized tensor (``Float8TensorStorage``, ``MXFP8TensorStorage``, ``NVFP4TensorStorage``,
+``Float8BlockwiseQTensorStorage``; TE 2.20.2 ``pytorch/tensor/storage/``) crosses a TE custom
+op boundary as its flat inner buffers — FP8 data / transpose (``uint8``), scale-inverses
+(``float32``; ``uint8`` E8M0 for MXFP8), amaxes — listed in the storage's ``_inner_names``.
+Sources of truth, strongest first (``QuantizedInfo.confidence``):
+
+3. a TE op's storage slot (``<field>__tensors`` + the ``__meta`` bundle's ``_inner_names``,
+   decoded by :func:`te_passes.te.graph_model.decode`): exact role per buffer; and roles
+   linked from the paired AOT backward graph (:func:`link_saved_roles`): the forward's saved
+   outputs keep their node names as the backward's placeholders (AOTAutograd, torch 2.14);
+2. a quantize op: an ATen cast to a ``float8_*`` / ``float4_*`` dtype (``aten._to_copy``,
+   ``prims.convert_element_type``): rowwise data;
+1. dtype only: a TE forward op's saved output (flat index >= 1: index 0 is the user output of
+   ``linear``) in an FP8 configuration, or any value of a ``float8_*`` / ``float4_*`` / E8M0
+   dtype: quantized, role ``unknown``.
+
+Nothing here matches TE classes by anything but :mod:`te_passes.te.graph_model`'s decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from te_passes.te.graph_model import (BufferRole, UnknownTEOp, decode, is_te_op_node,
+                                      output_getitems)
+
+__all__ = ["QuantizedInfo", "QUANTIZED_DTYPES", "classify_quantized", "link_saved_roles",
+           "forward_saved_outputs"]
+
+#: torch dtypes that only quantized tensors use (float8 families, packed fp4, E8M0 scales).
+QUANTIZED_DTYPES: frozenset[torch.dtype] = frozenset(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                "float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n))
+
+_CAST_TARGETS = ("aten::_to_copy", "prims::convert_element_type", "aten::to", "aten::_to_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedInfo:
+    """What is known about one quantized buffer.
+
+    * ``role`` — :class:`~te_passes.te.graph_model.BufferRole` value (``"rowwise_data"``,
+      ``"columnwise_data"``, ``"scale_inv"``, ..., ``"unknown"``);
+    * ``source`` — how it was classified: ``"te_storage_slot"``, ``"paired_backward"``,
+      ``"quantize_op"``, ``"te_forward_output"``, ``"dtype"``;
+    * ``confidence`` — 3 (exact, from TE's own metadata) .. 1 (dtype only);
+    * ``field`` / ``storage_cls`` / ``inner_name`` / ``op`` — the TE op field (e.g.
+      ``"inputmat"``), storage class name, ``_inner_names`` entry and the TE op node name,
+      when known.
+    """
+
+    role: str
+    source: str
+    confidence: int
+    field: str | None = None
+    storage_cls: str | None = None
+    inner_name: str | None = None
+    op: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _val(node: torch.fx.Node) -> Any:
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype | None:
+    v = _val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def forward_saved_outputs(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
+    """``{flat index: getitem}`` of a TE *forward* op's saved-for-backward outputs.
+
+    TE's ``_OutputPlan`` (``dynamo/custom_op.py``, TE 2.20.2) lays the flat ``Tensor[]``
+    return out as user outputs first, saved tensors after; ``linear`` has one user output
+    (flat index 0). Returns ``{}`` for non-TE / backward / undecodable ops.
+    """
+    try:
+        call = decode(node)
+    except UnknownTEOp:
+        return {}
+    if call.is_backward or call.module_kind != "linear":
+        return {}
+    return {i: g for i, g in output_getitems(node).items() if i >= 1}
+
+
+def classify_quantized(graph: torch.fx.Graph, *,
+                       saved_roles: dict[str, QuantizedInfo] | None = None) -> dict[torch.fx.Node, QuantizedInfo]:
+    """Classify the quantized values of ``graph``: ``{node: QuantizedInfo}``.
+
+    The node is the one *using* the role (e.g. a ``detach`` in a TE storage slot); liveness
+    moves the role onto the storage it aliases. Undecodable TE ops are skipped (their
+    outputs may still be found by dtype).
+    """
+    out: dict[torch.fx.Node, QuantizedInfo] = {}
+
+    def put(node, info):
+        if not isinstance(node, torch.fx.Node):
+            return
+        old = out.get(node)
+        if old is None or old.confidence < info.confidence:
+            out[node] = info
+
+    for node in graph.nodes:
+        if is_te_op_node(node):
+            try:
+                call = decode(node)
+            except UnknownTEOp:
+                continue
+            for qb in call.quantized_buffers():
+                put(qb.node, QuantizedInfo(qb.role.value, "te_storage_slot", 3, qb.field, qb.storage_cls,
+                                           qb.inner_name, node.name))
+            if not call.is_backward and bool(call.config.get("fp8")):
+                for i, g in forward_saved_outputs(node).items():
+                    dt = _dtype(g)
+                    if dt is None or dt == torch.uint8 or dt == torch.float32 or dt in QUANTIZED_DTYPES:
+                        put(g, QuantizedInfo(BufferRole.UNKNOWN.value, "te_forward_output", 1, op=node.name))
+            continue
+        dt = _dtype(node)
+        if dt in QUANTIZED_DTYPES:
+            t = node.target
+            qual = t._schema.name if isinstance(t, torch._ops.OpOverload) else ""
+            if qual in _CAST_TARGETS:
+                role = (BufferRole.ROWWISE_SCALE_INV if dt == getattr(torch, "float8_e8m0fnu", None)
+                        else BufferRole.ROWWISE_DATA)
+                put(node, QuantizedInfo(role.value, "quantize_op", 2, op=node.name))
+            else:
+                put(node, QuantizedInfo(BufferRole.UNKNOWN.value, "dtype", 1))
+    if saved_roles:
+        for node in graph.nodes:
+            info = saved_roles.get(node.name)
+            if info is not None:
+                put(node, info)
+    return out
+
+
+def _through_views(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow single-input view ops (``detach``, ``view``, ``alias``) back to their base."""
+    seen = 0
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target.is_view and node.args and isinstance(node.args[0], torch.fx.Node) and seen < 64):
+        node = node.args[0]
+        seen += 1
+    return node
+
+
+def link_saved_roles(fwd: torch.fx.Graph, bwd: torch.fx.Graph) -> dict[str, QuantizedInfo]:
+    """Roles of the forward's saved quantized outputs, read from the backward's TE storage slots.
+
+    AOTAutograd (torch 2.14) names each backward placeholder after the forward node it saves
+    (``getitem_2``, ``detach``, ...). For every TE storage-slot buffer of the backward whose
+    value is (a view of) a placeholder that the forward returns, the forward node gets the
+    slot's role (source ``"paired_backward"``). Returns ``{forward node name: QuantizedInfo}``.
+    """
+    fwd_out = next((n for n in reversed(fwd.nodes) if n.op == "output"), None)
+    fwd_names: set[str] = set()
+    if fwd_out is not None:
+        torch.fx.node.map_arg(fwd_out.args, lambda n: fwd_names.add(n.name) or n)
+    roles: dict[str, QuantizedInfo] = {}
+    for node, info in classify_quantized(bwd).items():
+        if info.source != "te_storage_slot":
+            continue
+        base = _through_views(node)
+        if base.op == "placeholder" and base.name in fwd_names:
+            roles[base.name] = dataclasses.replace(info, source="paired_backward")
+    # The forward may return a view (detach) of the op output: give the base the role too.
+    if fwd_out is not None:
+        for n in fwd.nodes:
+            if n.name in roles:
+                base = _through_views(n)
+                if base is not n and base.op == "call_function" and base.target is operator.getitem:
+                    roles.setdefault(base.name, roles[n.name])
+    return roles
