@@ -159,15 +159,19 @@ def test_lint_failure_rolls_back():
     gm.graph.lint()
 
 
+def _has_mul(gm):
+    return any(n.target is operator.mul for n in gm.graph.nodes)
+
+
 def test_observers_see_before_and_after():
     seen = []
 
     class Obs:
         def before_pass(self, gm, p, ctx):
-            seen.append(("before", p.name, "mul" in gm.code))
+            seen.append(("before", p.name, _has_mul(gm)))
 
         def after_pass(self, gm, p, ctx, run):
-            seen.append(("after", p.name, "mul" in gm.code, run.changed))
+            seen.append(("after", p.name, _has_mul(gm), run.changed))
 
     PassManager([MulToAdd()], observers=[Obs()]).run(_gm(), _ctx())
     assert seen == [("before", "mul_to_add", True), ("after", "mul_to_add", False, True)]
@@ -230,3 +234,29 @@ def test_trace_structured_artifact_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
     assert "te_passes_g0_dynamo_mul_to_add" in text
+
+
+class LazyRewrite(MulToAdd):
+    """Checkpoints only when it has something to rewrite."""
+
+    name = "lazy_rewrite"
+    checkpoints_itself = True
+
+    def run(self, gm, ctx):
+        if any(n.target is operator.mul for n in gm.graph.nodes):
+            ctx.checkpoint()
+            return super().run(gm, ctx)
+        return TEPassResult(gm, False)
+
+
+def test_lazy_checkpoint_copies_only_when_rewriting(monkeypatch):
+    import te_passes.passes.manager as mgr
+
+    copies = []
+    real = mgr.copy_graph
+    monkeypatch.setattr(mgr, "copy_graph", lambda g: copies.append(1) or real(g))
+    gm = _gm()
+    PassManager([LazyRewrite(), LazyRewrite()]).run(gm, _ctx())  # 2nd run finds nothing
+    assert len(copies) == 1
+    PassManager([MulToAdd()]).run(_gm(), _ctx())  # not self-checkpointing: copies up front
+    assert len(copies) == 2

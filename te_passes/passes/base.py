@@ -18,7 +18,7 @@ import hashlib
 import inspect
 import json
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -129,6 +129,9 @@ class PassContext:
     te_state: "TEState"
     example_inputs: Any = None
     graph_id: str = "g0"
+    #: Call before the first mutation (passes with ``checkpoints_itself = True``): the manager
+    #: then takes its rollback copy only when a pass really rewrites (set by the manager).
+    checkpoint: Callable[[], None] = lambda: None
 
 
 class TEPass(PassBase):
@@ -156,6 +159,10 @@ class TEPass(PassBase):
     #: Whether the pass only analyses (never mutates the graph). Analysis passes run even
     #: when a rewrite pass before them failed, and never trigger a rollback copy.
     analysis_only: ClassVar[bool] = False
+    #: Whether the pass calls ``ctx.checkpoint()`` right before its first mutation. Then the
+    #: manager copies the graph (for rollback) only when the pass rewrites something; otherwise
+    #: it copies before every run (O(nodes), ~30 us/node).
+    checkpoints_itself: ClassVar[bool] = False
 
     def __init__(self, **config: Any) -> None:
         self._config = dict(config)

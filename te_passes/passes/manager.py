@@ -4,8 +4,10 @@ For each pass registered for the stage, in registry order (Inductor ``fx_passes`
 vLLM ``PostGradPassManager`` style):
 
 1. disabled (``te_passes.disable`` / ``TE_PASSES_DISABLE``)? record ``status="disabled"``;
-2. time it; rewrite passes get a backup copy of the graph first (``Graph.graph_copy``);
-3. ``graph.lint()`` after it; ``gm.recompile()`` if it changed the graph;
+2. time it; rewrite passes get a backup copy of the graph (``Graph.graph_copy``) before they
+   mutate — up front, or lazily at ``ctx.checkpoint()`` for passes that call it;
+3. ``graph.lint()`` after each pass that changed the graph; one ``gm.recompile()`` at the end
+   of the stage if any did;
 4. on :class:`PassSkipped`: ``status="skipped"`` with the reason, graph untouched;
    on any other exception: restore the backup, warn with the reason (``te_passes.strict``:
    re-raise);
@@ -15,6 +17,7 @@ vLLM ``PostGradPassManager`` style):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Iterable, Protocol, Sequence
@@ -96,6 +99,8 @@ class PassManager:
         report = StageReport(graph_id=ctx.graph_id, stage=ctx.stage.value)
         for tepass in self.passes_for(ctx.stage):
             report.runs.append(self._run_one(gm, tepass, ctx))
+        if any(r.changed for r in report.runs):
+            gm.recompile()
         return report
 
     def _run_one(self, gm: torch.fx.GraphModule, tepass: TEPass, ctx: PassContext) -> PassRun:
@@ -109,28 +114,34 @@ class PassManager:
         for obs in self.observers:
             if hasattr(obs, "before_pass"):
                 obs.before_pass(gm, tepass, ctx)
-        backup = None if tepass.analysis_only else copy_graph(graph)
+        backup: list[torch.fx.Graph] = []
+
+        def checkpoint() -> None:
+            if not backup:
+                backup.append(copy_graph(graph))
+
         t0 = time.perf_counter()
+        if not tepass.analysis_only and not tepass.checkpoints_itself:
+            checkpoint()
         try:
-            result = tepass.run(gm, ctx)
+            result = tepass.run(gm, dataclasses.replace(ctx, checkpoint=checkpoint))
             if not isinstance(result, TEPassResult):
                 raise TypeError(f"pass {tepass.name} returned {type(result).__name__}, not TEPassResult")
-            gm.graph.lint()
             if result.modified:
-                gm.recompile()
+                gm.graph.lint()
             run.changed = bool(result.modified)
             run.records = result.records
         except PassSkipped as e:
             run.status = "skipped"
             run.records = [PassRecord("skipped", None, {"reason": str(e)})]
-            if backup is not None and _graph_changed(gm.graph, backup):
-                restore_graph(gm.graph, backup)
+            if backup and _graph_changed(gm.graph, backup[0]):
+                restore_graph(gm.graph, backup[0])
                 gm.recompile()
         except Exception as e:  # noqa: BLE001 - any pass failure must leave the graph intact
             run.status = "failed"
             run.error = f"{type(e).__name__}: {e}"
-            if backup is not None:
-                restore_graph(gm.graph, backup)
+            if backup:
+                restore_graph(gm.graph, backup[0])
                 gm.recompile()
             msg = (f"te_passes: pass {tepass.name!r} failed on graph {ctx.graph_id} at stage "
                    f"{ctx.stage.value} ({run.error}); the graph was left as it was")
