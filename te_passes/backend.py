@@ -86,26 +86,11 @@ class _StagePass(CustomInferenceAwareGraphPass):
         suffix = {Stage.JOINT: "joint", Stage.POST_GRAD_FWD: "fwd", Stage.POST_GRAD_BWD: "bwd"}[stage]
         ctx = PassContext(stage, self.options, self.te_state, None, f"{self.report.graph_id}.{suffix}")
         t0 = time.perf_counter()
-        _run_stage(self.manager, gm, ctx, self.report)
+        self.report.stages.append(self.manager.run(gm, ctx))
         self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
 
     def uuid(self) -> str:
         return self._uuid
-
-
-def _run_stage(manager: PassManager, gm: torch.fx.GraphModule, ctx: PassContext, report: CompileReport):
-    """``manager.run(gm, ctx)``, its stage report appended to ``report``, between the observers'
-    optional ``before_stage(gm, ctx)`` / ``after_stage(gm, ctx, stage_report)`` hooks (the dump
-    writer saves each stage's input and output graph there, also for stages with no pass)."""
-    for obs in manager.observers:
-        if hasattr(obs, "before_stage"):
-            obs.before_stage(gm, ctx)
-    stage_report = manager.run(gm, ctx)
-    report.stages.append(stage_report)
-    for obs in manager.observers:
-        if hasattr(obs, "after_stage"):
-            obs.after_stage(gm, ctx, stage_report)
-    return stage_report
 
 
 def _inductor_config_patches(mode: str | None, inductor_options: dict[str, Any]) -> dict[str, Any]:
@@ -150,8 +135,8 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     te_state = TEState.capture(ub_snapshot=opts.ub_snapshot)
 
     observers = []
-    from te_passes.debug.dump import DumpWriter, tracing_enabled
-    if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
+    if opts.dump_dir:
+        from te_passes.debug.dump import DumpWriter
         observers.append(DumpWriter.for_dir(opts.dump_dir))
     manager = PassManager(observers=observers)
     report = new_compile_report(mode)
@@ -159,7 +144,8 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     report.te_state = te_state.to_json()
 
     t0 = time.perf_counter()
-    _run_stage(manager, gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs, report.graph_id), report)
+    report.stages.append(manager.run(gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs,
+                                                     report.graph_id)))
     report.time_ms_passes += (time.perf_counter() - t0) * 1e3
 
     for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
@@ -168,17 +154,35 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
         config_patches[key] = ours if user is None else [*(user if isinstance(user, (list, tuple)) else [user]), ours]
 
     compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
-    report.time_ms_total = (time.perf_counter() - t_start) * 1e3
     for obs in observers:
         if hasattr(obs, "finish"):
             obs.finish(report)
-    return _maybe_guard(compiled, report, te_state, opts)
+    report.time_ms_total = (time.perf_counter() - t_start) * 1e3
+    return _maybe_guard(compiled, report, te_state, opts,
+                        recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options))
 
 
-def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions):
-    """Wrap ``compiled`` with a TE-state guard when a pass specialised it on UB state."""
+def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions, recompile=None):
+    """Wrap ``compiled`` with a TE-state guard when a pass specialised it on UB state.
+
+    ``recompile(gm, args)`` recompiles a pre-pass copy of the graph with the same mode/options
+    (used by the UB guard when the UB state changed; see :mod:`te_passes.te.guards`).
+    """
     try:
         from te_passes.te.guards import wrap_with_te_state_guard
     except ImportError:
         return compiled
-    return wrap_with_te_state_guard(compiled, report, te_state, opts)
+    return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile)
+
+
+def _install_ub_hooks() -> None:
+    """Hook TE's UB functions (guarded ``get_ub_is_fp8``; generation bump on ``initialize_ub`` /
+    ``destroy_ub``) as soon as the backend is looked up, i.e. before Dynamo's first trace."""
+    try:
+        from te_passes.te.guards import install_te_ub_hooks
+    except ImportError:  # pragma: no cover
+        return
+    install_te_ub_hooks()
+
+
+_install_ub_hooks()

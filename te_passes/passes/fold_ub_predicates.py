@@ -1,0 +1,304 @@
+"""``fold_ub_predicates``: Userbuffers (UB) queries become guarded compile-time constants.
+
+See :class:`FoldUbPredicates` and docs/passes/fold_ub_predicates.md.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+
+from te_passes.passes.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.te import graph_model as gmod
+from te_passes.te import guards
+from te_passes.te.ub import (UB_PREDICATE_METHODS, UbConfigError, UbSnapshot, check_linear_ub_config,
+                             ub_flags_set, ub_query_function)
+
+#: Pure functions whose call nodes are folded once all their arguments are constants (so
+#: ``not get_ub_is_fp8(...)``, ``a and b``, ``x == 2`` disappear with the query).
+_PURE_FOLDABLE = frozenset({
+    operator.not_, operator.truth, operator.eq, operator.ne, operator.and_, operator.or_,
+    operator.xor, operator.lt, operator.le, operator.gt, operator.ge, operator.is_,
+    operator.is_not, operator.getitem, operator.add, operator.sub, operator.mul,
+    operator.floordiv, operator.mod, bool, int, float, str, max, min, all, any,
+})
+
+# Argument names of the folded TE functions (TE 2.20.2 module/base.py signatures).
+_SIGNATURES = {
+    "get_ub_is_fp8": ("name", "use_fp8"),
+    "get_ub": ("name", "use_fp8"),
+    "is_ub_initialized": (),
+    "using_cublasmp_backend": (),
+    "ub_query": ("name", "use_fp8", "method"),
+}
+
+
+class _NotConstant(Exception):
+    pass
+
+
+def _bind(node: torch.fx.Node, fn_name: str) -> tuple:
+    """Positional argument tuple of a UB call node, all constants (defaults filled for ub_query)."""
+    params = _SIGNATURES[fn_name]
+    values = list(node.args)
+    if len(values) > len(params):
+        raise _NotConstant(f"{len(values)} arguments for {fn_name}{params}")
+    for p in params[len(values):]:
+        if p in node.kwargs:
+            values.append(node.kwargs[p])
+        elif fn_name == "ub_query" and p == "method":
+            values.append("is_fp8_ubuf")
+        else:
+            raise _NotConstant(f"missing argument {p!r} of {fn_name}")
+    extra = set(node.kwargs) - set(params)
+    if extra:
+        raise _NotConstant(f"unexpected keyword arguments {sorted(extra)} for {fn_name}")
+    for p, v in zip(params, values):
+        if isinstance(v, torch.fx.Node) or not isinstance(v, (str, bool, int)):
+            raise _NotConstant(f"argument {p}={v!r} is not a compile-time constant")
+    return tuple(values)
+
+
+class FoldUbPredicates(TEPass):
+    """Fold UB predicates to constants against the UB snapshot; check TE ops' UB configs.
+
+    **Query nodes** (graphs from ``torch.fx.symbolic_trace`` with TE functions as leaves,
+    hand-built graphs, users' modules): ``call_function`` nodes of TE's ``get_ub_is_fp8``,
+    ``is_ub_initialized``, ``using_cublasmp_backend`` (``transformer_engine.pytorch.module.base``,
+    TE 2.20.2) and :func:`te_passes.te.guards.ub_query`, and ``call_method`` nodes
+    ``is_fp8_ubuf`` / ``with_cublasmp`` / ``is_atomic_gemm`` / ``is_p2p_overlap`` / ``get_tp_size``
+    on a ``get_ub(name, use_fp8)`` node, all with constant arguments, are replaced by their value
+    in the snapshot; pure ``operator`` nodes that then have only constant inputs are folded too,
+    and the nodes left without users (the queries, ``get_ub``) are erased. Before::
+
+        graph():
+            %x : [num_users=1] = placeholder[target=x]
+            %get_ub : [num_users=2] = call_function[target=transformer_engine.pytorch.module.base.get_ub](args = (proj_fprop, True))
+            %is_fp8_ubuf : [num_users=1] = call_method[target=is_fp8_ubuf](args = (%get_ub,))
+            %with_cublasmp : [num_users=1] = call_method[target=with_cublasmp](args = (%get_ub,))
+            %not_ : [num_users=1] = call_function[target=operator.not_](args = (%with_cublasmp,))
+            %gemm : [num_users=1] = call_function[target=my_ub_gemm](args = (%x, %is_fp8_ubuf, %not_))
+            return gemm
+
+    After (snapshot: ``proj_fprop[fp8]`` is an FP8 buffer, Userbuffers backend)::
+
+        graph():
+            %x : [num_users=1] = placeholder[target=x]
+            %gemm : [num_users=1] = call_function[target=my_ub_gemm](args = (%x, True, True))
+            return gemm
+
+    **Trace-time folds**: in graphs Dynamo traced from TE's Python (``Linear.forward`` calls
+    ``get_ub_is_fp8``), te_passes' hook already folded the query during tracing, guarded on
+    the UB state token (:mod:`te_passes.te.guards`); the pass records those folds and checks
+    them against the snapshot the graph is compiled with.
+
+    **TE op checks**: for every ``transformer_engine_compile.linear[_backward]`` node whose
+    config bundle sets a UB overlap flag, :func:`te_passes.te.ub.check_linear_ub_config` checks
+    that every buffer the op will fetch (``{ub_name}_fprop|_dgrad|_wgrad`` in mode
+    ``fp8``/``none``) exists, tp sizes agree, and fp8-dependent fields (``fp8_output`` for an FP8
+    reduce-scatter ``_fprop`` buffer, ``grad_input_quantizer`` for an FP8 RS ``_dgrad`` buffer)
+    agree. A mismatch is a ``"ub_mismatch"`` record; ``te_inductor`` raises
+    :class:`~te_passes.te.ub.UbConfigError` for it before returning the compiled graph
+    (under ``te_passes.strict`` the pass raises at once).
+
+    Every dependence (folded values, checked configs, a pre-pass copy of the graph when nodes
+    were folded) is registered with :mod:`te_passes.te.guards`, which guards the compiled graph.
+
+    Records: ``"folded"`` (``api``, ``args``, ``value``, ``source`` = ``"fx"`` /
+    ``"dynamo_trace"``), ``"const_folded"`` (operator nodes folded after them), ``"removed"``
+    (erased nodes), ``"ub_check"`` (per TE op: ``ub_name``, ``flags``, ``buffers``),
+    ``"ub_mismatch"`` (``ub_name``, ``buffer``, ``message``), ``"skipped"`` (a query node that
+    could not be folded, with the reason).
+    """
+
+    name = "fold_ub_predicates"
+    stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    description = "fold Userbuffers queries to guarded constants; check TE ops' UB buffers against the UB state"
+
+    # ------------------------------------------------------------------ analysis
+    def _find_queries(self, graph: torch.fx.Graph, records: list[PassRecord]) -> list[tuple[torch.fx.Node, str, tuple]]:
+        out = []
+        for node in graph.nodes:
+            try:
+                if node.op == "call_function":
+                    fn = ub_query_function(node.target)
+                    if fn in ("get_ub_is_fp8", "is_ub_initialized", "using_cublasmp_backend"):
+                        out.append((node, fn, _bind(node, fn)))
+                    elif fn == "ub_query":
+                        name, use_fp8, method = _bind(node, fn)
+                        if method not in UB_PREDICATE_METHODS:
+                            raise _NotConstant(f"method {method!r} is not one of {list(UB_PREDICATE_METHODS)}")
+                        out.append((node, f"get_ub.{method}", (name, bool(use_fp8))))
+                elif node.op == "call_method" and node.target in UB_PREDICATE_METHODS:
+                    recv = node.args[0] if node.args else None
+                    if isinstance(recv, torch.fx.Node) and recv.op == "call_function" \
+                            and ub_query_function(recv.target) == "get_ub":
+                        if len(node.args) != 1 or node.kwargs:
+                            raise _NotConstant(f"{node.target}() takes no arguments, got {node.args[1:]} {node.kwargs}")
+                        name, use_fp8 = _bind(recv, "get_ub")
+                        out.append((node, f"get_ub.{node.target}", (name, bool(use_fp8))))
+            except _NotConstant as e:
+                records.append(PassRecord("skipped", node.name, {"reason": f"UB query not folded: {e}"}))
+        return out
+
+    def _check_te_ops(self, gm: torch.fx.GraphModule, snap: UbSnapshot, records: list[PassRecord],
+                      checks: list[guards.UbCheckSpec]) -> None:
+        unknown: list[str] = []
+        for call in gmod.te_op_calls(gm.graph, unknown=unknown):
+            if call.module_kind != "linear":
+                if any(call.config.get(k) for k in gmod.UB_CONFIG_KEYS):
+                    records.append(PassRecord("skipped", call.node.name, {
+                        "reason": f"no UB buffer rules for TE op {call.op}; its UB configuration is not checked"}))
+                continue
+            flags = ub_flags_set(call.op, call.config)
+            if not flags:
+                continue
+            res = check_linear_ub_config(call.op, call.config, snap)
+            checks.append(guards.UbCheckSpec(call.op, dict(call.config), call.node.name))
+            buffers = []
+            for use in res.uses:
+                key = f"{use.buffer}[{'fp8' if use.use_fp8 else 'none'}]"
+                b = res.found.get(key)
+                buffers.append({**use.to_json(), "mode": "fp8" if use.use_fp8 else "none",
+                                "registered": b is not None,
+                                "is_fp8_ubuf": None if b is None else b.is_fp8_ubuf,
+                                "with_cublasmp": None if b is None else b.with_cublasmp,
+                                "tp_size": None if b is None else b.tp_size})
+            records.append(PassRecord("ub_check", call.node.name, {
+                "op": call.op, "ub_name": res.ub_name, "flags": flags, "buffers": buffers,
+                "status": "ok" if res.ok else "mismatch"}))
+            for buf, msg in res.problems:
+                records.append(PassRecord("ub_mismatch", call.node.name,
+                                          {"ub_name": res.ub_name, "buffer": buf or None, "message": msg}))
+        for msg in unknown:
+            records.append(PassRecord("skipped", None, {"reason": f"TE op not decoded, UB not checked: {msg}"}))
+
+    # ------------------------------------------------------------------ run
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        snap = getattr(ctx.te_state, "ub", None)
+        if snap is None:
+            snap = UbSnapshot(source="absent")
+        records: list[PassRecord] = []
+        folds: list[guards.UbFold] = []
+        checks: list[guards.UbCheckSpec] = []
+
+        # 1. folds Dynamo made while tracing this graph (TE's get_ub_is_fp8 under our hook).
+        if ctx.stage is Stage.DYNAMO:
+            self._record_trace_folds(snap, ctx, records, folds)
+
+        # 2. query nodes and their values.
+        queries = self._find_queries(gm.graph, records)
+        values: dict[torch.fx.Node, Any] = {}
+        for node, api, args in queries:
+            try:
+                values[node] = snap.query(api, args)
+            except UbConfigError as e:
+                records.append(PassRecord("ub_mismatch", node.name, {
+                    "ub_name": None, "buffer": args[0] if args else None,
+                    "message": f"node {node.name}: {e}"}))
+
+        # 3. TE op UB configurations.
+        self._check_te_ops(gm, snap, records, checks)
+
+        mismatches = [r for r in records if r.kind == "ub_mismatch"]
+        if mismatches and ctx.options.strict:
+            raise UbConfigError("; ".join(str(r.data["message"]) for r in mismatches))
+
+        # 4. mutate: keep a pre-pass copy for recompiles, then fold.
+        pristine = guards.pristine_copy(gm) if values and ctx.stage is Stage.DYNAMO else None
+        modified = False
+        if values:
+            modified = True
+            self._fold(gm.graph, values, records, folds)
+        if folds or checks:
+            guards.register_dependence(ctx.graph_id, folds=folds, checks=checks, pristine=pristine)
+        return TEPassResult(gm, modified, records)
+
+    def _record_trace_folds(self, snap: UbSnapshot, ctx: PassContext, records: list[PassRecord],
+                            folds: list[guards.UbFold]) -> None:
+        trace_folds = guards.drain_trace_folds()
+        for f in trace_folds:
+            folds.append(f)
+            records.append(PassRecord("folded", None, {"api": f.api, "args": list(f.args), "value": f.value,
+                                                       "source": f.source}))
+            try:
+                now = snap.query(f.api, f.args)
+            except UbConfigError as e:
+                now = f"<error: {e}>"
+            if now != f.value:
+                records.append(PassRecord("ub_mismatch", None, {
+                    "ub_name": None, "buffer": f.args[0] if f.args else None,
+                    "message": (f"{f.api}{f.args!r} was folded to {f.value!r} while Dynamo traced, but the UB "
+                                f"state compiled against ({snap.source}) gives {now!r}")}))
+        if not trace_folds:
+            return
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        prev = guards.note_frame_token(getattr(compile_id, "frame_id", None), guards.UB_STATE_TOKEN)
+        if prev is not None and ctx.options.ub_on_change == "error":
+            records.append(PassRecord("ub_mismatch", None, {
+                "ub_name": None, "buffer": None,
+                "message": (f"Dynamo frame {compile_id} is being re-traced because the UB state changed "
+                            f"(token {prev} -> {guards.UB_STATE_TOKEN}) and te_passes.ub_on_change='error'")}))
+
+    def _fold(self, graph: torch.fx.Graph, values: dict[torch.fx.Node, Any], records: list[PassRecord],
+              folds: list[guards.UbFold]) -> None:
+        for node, value in values.items():
+            api, args = self._describe(node)
+            folds.append(guards.UbFold(api, args, value, node.name, "fx"))
+            records.append(PassRecord("folded", node.name, {"api": api, "args": list(args), "value": value,
+                                                            "source": "fx"}))
+        # substitute, then propagate through pure operator nodes
+        const: dict[torch.fx.Node, Any] = dict(values)
+        work = list(values)
+        while work:
+            node = work.pop(0)
+            value = const[node]
+            for user in list(node.users):
+                user.args = map_arg(user.args, lambda n: value if n is node else n)
+                user.kwargs = map_arg(user.kwargs, lambda n: value if n is node else n)
+                if (user.op == "call_function" and user.target in _PURE_FOLDABLE and user not in const
+                        and not any(isinstance(a, torch.fx.Node) for a in (*user.args, *user.kwargs.values()))):
+                    try:
+                        const[user] = user.target(*user.args, **user.kwargs)
+                    except Exception as e:  # noqa: BLE001 - leave it as a call on constants
+                        records.append(PassRecord("skipped", user.name, {"reason": f"not folded: {e}"}))
+                        continue
+                    records.append(PassRecord("const_folded", user.name, {
+                        "target": getattr(user.target, "__name__", str(user.target)),
+                        "args": list(user.args), "value": const[user]}))
+                    work.append(user)
+        # erase what became dead: folded nodes, then the get_ub nodes they queried
+        removed: list[str] = []
+        candidates = list(const) + [n.args[0] for n in values if n.op == "call_method"]
+        erased: set[torch.fx.Node] = set()
+        changed = True
+        while changed:
+            changed = False
+            for n in candidates:
+                if n not in erased and not n.users:
+                    graph.erase_node(n)
+                    erased.add(n)
+                    removed.append(n.name)
+                    changed = True
+        if removed:
+            records.append(PassRecord("removed", None, {"nodes": removed}))
+
+    @staticmethod
+    def _describe(node: torch.fx.Node) -> tuple[str, tuple]:
+        if node.op == "call_method":
+            name, use_fp8 = _bind(node.args[0], "get_ub")
+            return f"get_ub.{node.target}", (name, bool(use_fp8))
+        fn = ub_query_function(node.target)
+        args = _bind(node, fn)
+        if fn == "ub_query":
+            return f"get_ub.{args[2]}", (args[0], bool(args[1]))
+        if fn == "get_ub_is_fp8":
+            return fn, (args[0], bool(args[1]))
+        return fn, args
+
+
+__all__ = ["FoldUbPredicates"]

@@ -1,0 +1,78 @@
+"""Stand-in Userbuffers communicators for tests and offline demos (no GPU, no process group).
+
+Real UB communicators (``transformer_engine_torch.CommOverlap`` / ``CommOverlapP2P``) need GPUs
+and a process group. :class:`StandInCommunicator` exposes the same query methods
+(``is_fp8_ubuf``, ``with_cublasmp``, ``is_atomic_gemm``, ``is_p2p_overlap``, ``get_tp_size``);
+:func:`ub_registry` installs a set of them into TE's registry
+(``transformer_engine.pytorch.module.base._ub_communicators`` / ``_ub_initialized`` /
+``_ub_with_cublasmp``), notifies te_passes' UB guard, and restores everything on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Mapping
+
+
+@dataclasses.dataclass
+class StandInCommunicator:
+    """Answers a UB communicator's query methods with fixed values (TE 2.20.2 method names)."""
+
+    fp8_ubuf: bool = False
+    cublasmp: bool = False
+    atomic_gemm: bool = False
+    p2p_overlap: bool = False
+    tp_size: int = 2
+
+    def is_fp8_ubuf(self) -> bool:
+        return self.fp8_ubuf
+
+    def with_cublasmp(self) -> bool:
+        return self.cublasmp
+
+    def is_atomic_gemm(self) -> bool:
+        return self.atomic_gemm
+
+    def is_p2p_overlap(self) -> bool:
+        return self.p2p_overlap
+
+    def get_tp_size(self) -> int:
+        return self.tp_size
+
+
+def set_ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | None, *,
+                    with_cublasmp: bool = False) -> None:
+    """Replace TE's UB registry: ``buffers`` maps ``(name, "none"|"fp8")`` to communicators;
+    ``None`` means UB not initialised (as after ``destroy_ub()``). Notifies te_passes."""
+    import torch  # noqa: F401  (TE needs torch first)
+    from transformer_engine.pytorch.module import base
+
+    from te_passes.te import guards
+
+    modes = {"none": base.UserBufferQuantizationMode.NONE, "fp8": base.UserBufferQuantizationMode.FP8}
+    if buffers is None:
+        base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp = None, False, False
+    else:
+        base._ub_communicators = {(n, modes[m]): c for (n, m), c in buffers.items()}
+        base._ub_initialized = True
+        base._ub_with_cublasmp = with_cublasmp
+    guards.install_te_ub_hooks()
+    guards.on_ub_state_changed()
+
+
+@contextlib.contextmanager
+def ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | None, *,
+                with_cublasmp: bool = False) -> Iterator[None]:
+    """:func:`set_ub_registry` for the duration of the block, then restore TE's previous registry."""
+    from transformer_engine.pytorch.module import base
+
+    from te_passes.te import guards
+
+    saved = (base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp)
+    set_ub_registry(buffers, with_cublasmp=with_cublasmp)
+    try:
+        yield
+    finally:
+        base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp = saved
+        guards.on_ub_state_changed()
