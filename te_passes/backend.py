@@ -86,11 +86,26 @@ class _StagePass(CustomInferenceAwareGraphPass):
         suffix = {Stage.JOINT: "joint", Stage.POST_GRAD_FWD: "fwd", Stage.POST_GRAD_BWD: "bwd"}[stage]
         ctx = PassContext(stage, self.options, self.te_state, None, f"{self.report.graph_id}.{suffix}")
         t0 = time.perf_counter()
-        self.report.stages.append(self.manager.run(gm, ctx))
+        _run_stage(self.manager, gm, ctx, self.report)
         self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
 
     def uuid(self) -> str:
         return self._uuid
+
+
+def _run_stage(manager: PassManager, gm: torch.fx.GraphModule, ctx: PassContext, report: CompileReport):
+    """``manager.run(gm, ctx)``, its stage report appended to ``report``, between the observers'
+    optional ``before_stage(gm, ctx)`` / ``after_stage(gm, ctx, stage_report)`` hooks (the dump
+    writer saves each stage's input and output graph there, also for stages with no pass)."""
+    for obs in manager.observers:
+        if hasattr(obs, "before_stage"):
+            obs.before_stage(gm, ctx)
+    stage_report = manager.run(gm, ctx)
+    report.stages.append(stage_report)
+    for obs in manager.observers:
+        if hasattr(obs, "after_stage"):
+            obs.after_stage(gm, ctx, stage_report)
+    return stage_report
 
 
 def _inductor_config_patches(mode: str | None, inductor_options: dict[str, Any]) -> dict[str, Any]:
@@ -135,8 +150,8 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     te_state = TEState.capture(ub_snapshot=opts.ub_snapshot)
 
     observers = []
-    if opts.dump_dir:
-        from te_passes.debug.dump import DumpWriter
+    from te_passes.debug.dump import DumpWriter, tracing_enabled
+    if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
         observers.append(DumpWriter.for_dir(opts.dump_dir))
     manager = PassManager(observers=observers)
     report = new_compile_report(mode)
@@ -144,8 +159,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     report.te_state = te_state.to_json()
 
     t0 = time.perf_counter()
-    report.stages.append(manager.run(gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs,
-                                                     report.graph_id)))
+    _run_stage(manager, gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs, report.graph_id), report)
     report.time_ms_passes += (time.perf_counter() - t0) * 1e3
 
     for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
@@ -154,10 +168,10 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
         config_patches[key] = ours if user is None else [*(user if isinstance(user, (list, tuple)) else [user]), ours]
 
     compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
+    report.time_ms_total = (time.perf_counter() - t_start) * 1e3
     for obs in observers:
         if hasattr(obs, "finish"):
             obs.finish(report)
-    report.time_ms_total = (time.perf_counter() - t_start) * 1e3
     return _maybe_guard(compiled, report, te_state, opts,
                         recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options))
 
