@@ -1,0 +1,518 @@
+"""Pass ``hoist_recipe_lookups``: fp8 recipe lookups become plain constants, resolved once.
+
+TE's fp8 recipes are Python objects read at run time (``FP8GlobalStateManager.get_fp8_recipe()``,
+``recipe.fp8_gemm_dgrad.use_split_accumulator``, ...). In traced graphs they leave three kinds
+of residue, each handled here:
+
+1. **Lookups** (``symbolic_trace``'d, hand-built and user graphs; Dynamo inlines them itself):
+   ``call_function`` nodes of ``FP8GlobalStateManager.get_fp8_recipe`` / ``is_fp8_enabled`` /
+   ``is_fp8_calibration`` / ``with_fp8_parameters`` / ``get_fp8_group``, attribute chains on
+   recipe objects (``getattr`` ``call_function`` nodes, recipe ``get_attr`` s, recipe constants),
+   ``hasattr`` / ``isinstance`` / recipe predicates (``recipe.float8_current_scaling()``),
+   ``is None`` tests and TE's pure recipe functions (``get_fp8_te_dtype``, ...). Each chain is
+   evaluated at compile time (values from :mod:`te_passes.te.recipes`) and its plain result
+   (bool / int / float / str / None / dtype) replaces the node's uses. Intermediate objects
+   (the recipe, ``MMParams``, a process group) are dropped once nothing uses them; where a
+   consumer takes the object itself, it is left in place and a ``"kept"`` record names it.
+2. **``__setattr__`` residue** (Dynamo graphs of fp8 TE modules): side-effect-only
+   ``call_method __setattr__`` nodes whose receiver is a quantizer constant. A group of
+   setattrs on one receiver object (identity, ``id``) is removed when it provably has no effect:
+   the receiver is not observed by any other node (not in an op bundle, not an output), or
+   every write stores the value the constant already holds (a no-op under any execution
+   order). Otherwise the nodes stay and a ``"kept"`` record gives the observer and the field
+   that would change. The op bundles' quantizers are checked unchanged (identity and value)
+   after the rewrite; a change aborts the pass (the manager restores the graph).
+3. **Per-call construction of TE constants** (post-grad graphs): Inductor's Python wrapper
+   re-evaluates every value-opaque constant's ``__fx_repr__`` (``OpaqueValueBundle({...})``,
+   ``_rebuild_quantizer(...)``) inline on every call
+   (``torch/_inductor/codegen/wrapper.py`` ``PythonWrapperCodegen.val_to_arg_str``,
+   ``ir.OpaqueValueTypeConstant`` for outputs; torch 2.14.1). Lifting each such constant to a
+   ``get_attr`` of the graph module makes Inductor treat it as a named constant
+   (``GraphLowering.get_attr``: custom-class values become ``TorchBindObject`` s stored in
+   ``torchbind_constants``, which the wrapper module receives as globals when it is loaded), so
+   it is built once at compile time. Constants are lifted one attribute per *object*: equal but
+   distinct quantizers stay distinct objects (TE ops update a quantizer's usage flags in place,
+   as TE's eager modules do with their persistent quantizers), so no two slots start sharing
+   mutable state.
+
+Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for
+``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
+
+    # before
+    setattr_1 = Q(<input q>).__setattr__('force_pow_2_scales', False)     # 23 such nodes
+    ...
+    linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
+                 OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))
+    # after
+    linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
+                 OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))   # same objects
+
+Lookups (``symbolic_trace`` of ``f(x) = gemm(x, split=FP8GlobalStateManager.get_fp8_recipe()
+.fp8_gemm_fprop.use_split_accumulator)`` under Float8CurrentScaling)::
+
+    # before
+    get_fp8_recipe = transformer_engine...FP8GlobalStateManager.get_fp8_recipe()
+    getattr_1 = getattr(get_fp8_recipe, 'fp8_gemm_fprop')
+    getattr_2 = getattr(getattr_1, 'use_split_accumulator')
+    gemm = gemm(x, split = getattr_2)
+    # after
+    gemm = gemm(x, split = False)
+
+Post-grad (what the Inductor wrapper then calls)::
+
+    # before: rebuilt on every call
+    torch.ops.transformer_engine_compile.linear.default(..., OpaqueValueBundle({... Q(...) ...}))
+    # after: _te_const_0 is an attribute of the graph module, a wrapper global built once
+    _te_const_0 = self._te_const_0
+    torch.ops.transformer_engine_compile.linear.default(..., _te_const_0)
+
+Safety: lookups are folded to the TE autocast state the graph is compiled under
+(:class:`te_passes.te.recipes.Fp8State`, captured at compile time or given as the pass's
+``fp8_state`` config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built
+otherwise (``symbolic_trace``) are specialised by this pass and every folded value is recorded.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import enum
+import operator
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+
+from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.te import recipes
+from te_passes.te.graph_model import TEConstKind, bundle_dict, is_te_op_node, quantizer_fields, te_const_kind
+
+_UNKNOWN = object()
+
+#: Prefix of the graph-module attributes that hold lifted TE constants.
+CONST_ATTR_PREFIX = "_te_const_"
+
+
+# --------------------------------------------------------------------------- object scans
+def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
+    """Yield ``(path, value)`` for every value inside ``obj`` (args/kwargs), recursing into
+    lists/tuples/dicts and TE bundles."""
+    if depth > 10:
+        return
+    yield path, obj
+    if isinstance(obj, torch.fx.Node):
+        return
+    if te_const_kind(obj) is TEConstKind.BUNDLE:
+        for k, v in bundle_dict(obj).items():
+            yield from _walk(v, path + (k,), depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, path + (i,), depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, path + (k,), depth + 1)
+
+
+def _is_object_constant(v: Any) -> bool:
+    return (not isinstance(v, (torch.fx.Node, bool, int, float, str, type(None), torch.dtype, torch.device,
+                                enum.Enum, type, list, tuple, dict)))
+
+
+def object_occurrences(graph: torch.fx.Graph) -> dict[int, list[tuple[torch.fx.Node, tuple]]]:
+    """``{id(obj): [(node, path), ...]}`` for every non-primitive constant object used by a node
+    (args, kwargs, inside bundles) or held by a ``get_attr`` target. Identity, not equality."""
+    occ: dict[int, list[tuple[torch.fx.Node, tuple]]] = {}
+    owner = graph.owning_module
+    for node in graph.nodes:
+        roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
+        if node.op == "get_attr" and owner is not None:
+            val = _get_attr(owner, str(node.target))
+            if val is not _UNKNOWN:
+                roots.append((("get_attr",), val))
+        for base, root in roots:
+            for path, v in _walk(root, base):
+                if _is_object_constant(v):
+                    occ.setdefault(id(v), []).append((node, path))
+    return occ
+
+
+def _get_attr(owner: torch.nn.Module, target: str) -> Any:
+    val: Any = owner
+    try:
+        for part in target.split("."):
+            val = getattr(val, part)
+    except AttributeError:
+        return _UNKNOWN
+    return val
+
+
+def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:
+    """Every recipe / recipe-part / process-group object left in ``gm``'s graph, as
+    ``(node name, path, type name)``: constants in node args/kwargs (inside bundles too) and
+    ``get_attr`` values. An empty list is what the pass guarantees for TE module graphs."""
+    out = []
+    for node in gm.graph.nodes:
+        roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
+        if node.op == "get_attr":
+            roots.append((("get_attr",), _get_attr(gm, str(node.target))))
+        for base, root in roots:
+            for path, v in _walk(root, base):
+                if recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v):
+                    out.append((node.name, "/".join(map(str, path)), type(v).__name__))
+    return out
+
+
+def _bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]:
+    """``(node, path, quantizer object, value key)`` for every quantizer inside a TE op's args."""
+    out = []
+    for node in graph.nodes:
+        if not is_te_op_node(node):
+            continue
+        for path, v in _walk(node.args, ("args",)):
+            if te_const_kind(v) is TEConstKind.QUANTIZER:
+                out.append((node.name, "/".join(map(str, path)), v, tuple(sorted(
+                    (k, repr(x)) for k, x in quantizer_fields(v).items()))))
+    return out
+
+
+# --------------------------------------------------------------------------- lookup evaluation
+@dataclasses.dataclass
+class _Known:
+    value: Any
+    lookup: str  # the source expression, e.g. "FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_dgrad"
+
+
+def _replace_with_constant(node: torch.fx.Node, value: Any) -> list[str]:
+    """Replace every use of ``node`` by the literal ``value``; return the users' names."""
+    users = list(node.users)
+    for user in users:
+        user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+    return [u.name for u in users]
+
+
+def _describe_user(u: torch.fx.Node) -> str:
+    tgt = u.target if isinstance(u.target, str) else getattr(u.target, "__qualname__", None) or str(u.target)
+    return f"{u.name} ({u.op} {tgt})"
+
+
+class HoistRecipeLookups(TEPass):
+    """Fold fp8 recipe lookups and recipe ``__setattr__`` residue into constants; build TE
+    constants once per compilation instead of once per call.
+
+    See the module docstring for the graphs before and after. Configuration (keyword args):
+
+    * ``fp8_state`` — a :class:`te_passes.te.recipes.Fp8State` to fold lookups against (default:
+      TE's live autocast state at compile time, :meth:`Fp8State.capture`);
+    * ``hoist_constants`` — lift value-opaque TE constants to ``get_attr`` s at the post-grad
+      stages (default ``True``).
+
+    Records (``PassRecord.kind``): ``"hoisted"`` (a lookup folded: ``lookup``, ``value``,
+    ``users``), ``"folded_setattr"`` (a removed ``__setattr__``: ``receiver``, ``field``,
+    ``value``, ``reason``), ``"kept"`` (a lookup / setattr / object left in place, with
+    ``reason``), ``"hoisted_constant"`` (a lifted constant: ``attr``, ``const_kind``, ``users``).
+    """
+
+    name = "hoist_recipe_lookups"
+    stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    description = ("fold fp8 recipe/autocast lookups and quantizer __setattr__ residue to constants; "
+                   "build TE constants once at compile time")
+
+    def __init__(self, *, fp8_state: recipes.Fp8State | None = None, hoist_constants: bool = True) -> None:
+        if fp8_state is not None and not isinstance(fp8_state, recipes.Fp8State):
+            raise TypeError(f"fp8_state must be a te_passes.te.recipes.Fp8State, got {type(fp8_state).__name__}")
+        super().__init__(hoist_constants=bool(hoist_constants),
+                         **({"fp8_state": fp8_state} if fp8_state is not None else {}))
+        self._fp8_state = fp8_state
+        self._hoist_constants = bool(hoist_constants)
+
+    def config(self) -> dict[str, Any]:
+        cfg = {"hoist_constants": self._hoist_constants}
+        if self._fp8_state is not None:
+            s = self._fp8_state
+            cfg["fp8_state"] = {"fp8_enabled": s.fp8_enabled, "fp8_calibration": s.fp8_calibration,
+                                "fp8_parameters": s.fp8_parameters, "recipe": repr(s.recipe),
+                                "fp8_group": None if s.fp8_group is None else type(s.fp8_group).__name__}
+        return cfg
+
+    # ------------------------------------------------------------------ entry
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        """Stage ``dynamo``: fold lookups and setattr residue; post-grad stages: lift TE
+        constants to ``get_attr`` s (when ``hoist_constants``). See the class docstring."""
+        if ctx.stage is Stage.DYNAMO:
+            records: list[PassRecord] = []
+            changed = self._fold_lookups(gm, records)
+            changed |= self._fold_setattrs(gm, records)
+            for node_name, path, tname in find_recipe_and_pg_objects(gm):
+                records.append(PassRecord("kept", node_name, {
+                    "object": tname, "path": path,
+                    "reason": "the consumer takes the object itself (not a boolean this pass can resolve)"}))
+            return TEPassResult(gm, changed, records)
+        if ctx.stage in (Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD):
+            if not self._hoist_constants:
+                raise PassSkipped("hoist_constants=False: TE constants are left inline")
+            records = []
+            changed = self._lift_constants(gm, records)
+            return TEPassResult(gm, changed, records)
+        raise PassSkipped(f"nothing to do at stage {ctx.stage.value}")
+
+    # ------------------------------------------------------------------ 1. lookups
+    def _state(self) -> recipes.Fp8State | None:
+        if self._fp8_state is not None:
+            return self._fp8_state
+        try:
+            return recipes.Fp8State.capture()
+        except ImportError:
+            return None
+
+    def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord]) -> bool:
+        graph = gm.graph
+        state: recipes.Fp8State | None | object = _UNKNOWN  # captured lazily, once
+        known: dict[torch.fx.Node, _Known] = {}
+
+        def value_of(a: Any) -> tuple[Any, str] | None:
+            if isinstance(a, torch.fx.Node):
+                k = known.get(a)
+                return None if k is None else (k.value, k.lookup)
+            if any(isinstance(x, torch.fx.Node) for _, x in _walk(a, ())):
+                return None
+            return a, repr(a) if not recipes.is_recipe(a) else f"<{type(a).__name__} constant>"
+
+        for node in list(graph.nodes):
+            try:
+                res = self._evaluate(node, value_of, lambda: state)
+            except _NeedState:
+                if state is _UNKNOWN:
+                    state = self._state()
+                try:
+                    res = self._evaluate(node, value_of, lambda: state)
+                except _NotFoldable as e:
+                    records.append(PassRecord("kept", node.name, {"reason": str(e)}))
+                    continue
+            except _NotFoldable as e:
+                records.append(PassRecord("kept", node.name, {"reason": str(e)}))
+                continue
+            if res is not None:
+                known[node] = _Known(*res)
+
+        changed = False
+        # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
+        for node, k in known.items():
+            if recipes.is_plain_constant(k.value) and node.users:
+                users = _replace_with_constant(node, k.value)
+                records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
+                                                                 "users": users}))
+                changed = True
+        for node in reversed(list(known)):
+            if not node.users and node.op != "placeholder":
+                graph.erase_node(node)
+                changed = True
+        alive = set(graph.nodes)
+        for node, k in known.items():
+            if node in alive and node.users and not recipes.is_plain_constant(k.value):
+                if True:
+                    records.append(PassRecord("kept", node.name, {
+                        "lookup": k.lookup, "object": type(k.value).__name__,
+                        "reason": "the object is observed by " + ", ".join(_describe_user(u) for u in node.users)
+                                  + "; a consumer that takes the object cannot be given a constant"}))
+        return changed
+
+    def _evaluate(self, node: torch.fx.Node, value_of: Callable, get_state: Callable) -> tuple[Any, str] | None:
+        """Compile-time value of ``node`` as ``(value, lookup text)``, ``None`` if ``node`` is not a
+        recipe lookup. Raises :class:`_NotFoldable` for a lookup that cannot be evaluated and
+        :class:`_NeedState` when TE's autocast state is needed but not yet captured."""
+        if node.op == "get_attr":
+            owner = node.graph.owning_module
+            val = _get_attr(owner, str(node.target)) if owner is not None else _UNKNOWN
+            if val is not _UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)):
+                return val, f"self.{node.target}"
+            return None
+        if node.op == "call_function":
+            lookup = recipes.state_lookup_name(node.target)
+            if lookup is not None:
+                if node.args or node.kwargs:
+                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup} called with arguments")
+                state = get_state()
+                if state is _UNKNOWN:
+                    raise _NeedState()
+                if state is None:
+                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): TE is not importable here "
+                                       "and no fp8_state was given")
+                val = state.lookup(lookup)
+                if lookup == "get_fp8_recipe" and val is None:
+                    raise _NotFoldable("FP8GlobalStateManager.get_fp8_recipe(): no recipe is active and TE's "
+                                       "default recipe depends on the GPU; give fp8_state")
+                return val, f"FP8GlobalStateManager.{lookup}()"
+            tgt = node.target
+            if tgt is builtins.getattr and len(node.args) in (2, 3) and isinstance(node.args[1], str):
+                src = value_of(node.args[0])
+                if src is None or not (recipes.is_recipe(src[0]) or recipes.is_recipe_part(src[0])):
+                    return None
+                try:
+                    val = recipes.read_recipe_attr(src[0], node.args[1])
+                except AttributeError:
+                    if len(node.args) == 3:
+                        d = value_of(node.args[2])
+                        if d is None:
+                            raise _NotFoldable(f"getattr default of {src[1]}.{node.args[1]} is not constant")
+                        return d[0], f"getattr({src[1]}, {node.args[1]!r}, {d[1]})"
+                    raise _NotFoldable(f"{src[1]} has no attribute {node.args[1]!r} (TE would raise)")
+                except recipes.RecipeResolutionError as e:
+                    raise _NotFoldable(str(e)) from None
+                return val, f"{src[1]}.{node.args[1]}"
+            if tgt is builtins.hasattr and len(node.args) == 2 and isinstance(node.args[1], str):
+                src = value_of(node.args[0])
+                if src is None or not (recipes.is_recipe(src[0]) or recipes.is_recipe_part(src[0])):
+                    return None
+                return hasattr(src[0], node.args[1]), f"hasattr({src[1]}, {node.args[1]!r})"
+            if tgt is builtins.isinstance and len(node.args) == 2:
+                src = value_of(node.args[0])
+                pred = recipes.recipe_predicate(node.args[1])
+                if src is None or pred is None or not (recipes.is_recipe(src[0]) or src[0] is None):
+                    return None
+                return pred(src[0]), f"isinstance({src[1]}, {node.args[1].__name__})"
+            if tgt in (operator.is_, operator.is_not) and len(node.args) == 2:
+                a, b = value_of(node.args[0]), value_of(node.args[1])
+                if a is None or b is None:
+                    return None
+                if not any(recipes.is_recipe(x[0]) or recipes.is_process_group(x[0]) or recipes.is_recipe_part(x[0])
+                           for x in (a, b)) or not any(x[0] is None for x in (a, b)):
+                    return None
+                same = a[0] is b[0]
+                op = "is" if tgt is operator.is_ else "is not"
+                return (same if tgt is operator.is_ else not same), f"({a[1]} {op} {b[1]})"
+            fname = recipes.pure_recipe_function_name(tgt)
+            if fname is not None:
+                vals = [value_of(a) for a in node.args]
+                if node.kwargs or any(v is None for v in vals) or not vals or not recipes.is_recipe(vals[0][0]):
+                    raise _NotFoldable(f"{fname}: arguments are not all compile-time constants")
+                return (recipes.call_recipe_function(fname, tuple(v[0] for v in vals)),
+                        f"{fname}({', '.join(v[1] for v in vals)})")
+            return None
+        if node.op == "call_method" and node.target in recipes.RECIPE_PREDICATES and len(node.args) == 1:
+            src = value_of(node.args[0])
+            if src is None or not recipes.is_recipe(src[0]):
+                return None
+            return bool(getattr(src[0], node.target)()), f"{src[1]}.{node.target}()"
+        return None
+
+    # ------------------------------------------------------------------ 2. setattr residue
+    def _fold_setattrs(self, gm: torch.fx.GraphModule, records: list[PassRecord]) -> bool:
+        graph = gm.graph
+        groups: dict[int, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            if (node.op == "call_method" and node.target == "__setattr__" and len(node.args) == 3
+                    and te_const_kind(node.args[0]) is TEConstKind.QUANTIZER):
+                groups.setdefault(id(node.args[0]), []).append(node)
+        if not groups:
+            return False
+        before = _bundle_quantizers(graph)
+        occ = object_occurrences(graph)
+        to_erase: list[torch.fx.Node] = []
+        for rid, nodes in groups.items():
+            recv = nodes[0].args[0]
+            cls = type(recv).__name__
+            own = set(nodes)
+            observers = sorted({n.name for n, _ in occ.get(rid, []) if n not in own})
+            bad = [n for n in nodes if n.users or n.kwargs or not isinstance(n.args[1], str)
+                   or any(isinstance(x, torch.fx.Node) for _, x in _walk(n.args[2], ()))]
+            if bad:
+                for n in nodes:
+                    records.append(PassRecord("kept", n.name, {
+                        "receiver": cls, "reason": f"{bad[0].name} is used, takes kwargs or writes a "
+                                                   "non-constant value: not side-effect-only"}))
+                continue
+            noop = all(hasattr(recv, n.args[1]) and type(getattr(recv, n.args[1])) is type(n.args[2])
+                       and getattr(recv, n.args[1]) == n.args[2] for n in nodes)
+            if observers and not noop:
+                changing = next(n for n in nodes if not (hasattr(recv, n.args[1])
+                                                         and getattr(recv, n.args[1]) == n.args[2]))
+                for n in nodes:
+                    records.append(PassRecord("kept", n.name, {
+                        "receiver": cls, "field": n.args[1], "value": n.args[2],
+                        "reason": f"receiver is also used by {', '.join(observers)} and {changing.name} changes "
+                                  f"{changing.args[1]} from {getattr(recv, changing.args[1], '<unset>')!r} to "
+                                  f"{changing.args[2]!r}"}))
+                continue
+            reason = ("no-op: writes the value the constant already holds (receiver also used by "
+                      + ", ".join(observers) + ")") if observers else "receiver is not observed by any other node"
+            for n in nodes:
+                records.append(PassRecord("folded_setattr", n.name, {
+                    "receiver": cls, "field": n.args[1], "value": n.args[2], "reason": reason}))
+                to_erase.append(n)
+        for n in to_erase:
+            graph.erase_node(n)
+        after = _bundle_quantizers(graph)
+        if [(a[0], a[1], id(a[2]), a[3]) for a in before] != [(a[0], a[1], id(a[2]), a[3]) for a in after]:
+            raise RuntimeError("hoist_recipe_lookups: op bundle quantizers changed while folding __setattr__ "
+                               "residue (identity or value); refusing the rewrite")
+        return bool(to_erase)
+
+    # ------------------------------------------------------------------ 3. build constants once
+    def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord]) -> bool:
+        from torch._library.opaque_object import is_opaque_constant_type
+
+        graph = gm.graph
+        attrs: dict[int, torch.fx.Node] = {}
+        users: dict[str, list[str]] = {}
+        insert_before = next((n for n in graph.nodes if n.op != "placeholder"), None)
+        if insert_before is None:
+            raise PassSkipped("graph has no nodes besides placeholders")
+
+        def liftable(v: Any) -> bool:
+            return (not isinstance(v, (torch.fx.Node, enum.Enum, type))
+                    and te_const_kind(v) in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER)
+                    and is_opaque_constant_type(type(v)))
+
+        def lift(v: Any, user: torch.fx.Node) -> Any:
+            if not liftable(v):
+                return v
+            n = attrs.get(id(v))
+            if n is None:
+                i = len(attrs)
+                while hasattr(gm, f"{CONST_ATTR_PREFIX}{i}"):
+                    i += 1
+                name = f"{CONST_ATTR_PREFIX}{i}"
+                setattr(gm, name, v)
+                with graph.inserting_before(insert_before):
+                    n = graph.get_attr(name)
+                n.meta["val"] = v
+                attrs[id(v)] = n
+                users[name] = []
+            users[str(n.target)].append(user.name)
+            return n
+
+        changed = False
+        for node in list(graph.nodes):
+            if node.op not in ("call_function", "output"):
+                continue
+            new_args = tuple(_lift_top(a, lambda v, u=node: lift(v, u)) for a in node.args)
+            new_kwargs = {k: _lift_top(a, lambda v, u=node: lift(v, u)) for k, a in node.kwargs.items()}
+            if new_args != node.args or new_kwargs != node.kwargs:
+                node.args, node.kwargs = new_args, new_kwargs
+                changed = True
+        for id_, n in attrs.items():
+            v = getattr(gm, str(n.target))
+            records.append(PassRecord("hoisted_constant", n.name, {
+                "attr": str(n.target), "const_kind": te_const_kind(v).value, "type": type(v).__name__,
+                "users": users[str(n.target)]}))
+        return changed
+
+
+def _lift_top(a: Any, lift: Callable[[Any], Any]) -> Any:
+    """Apply ``lift`` to ``a`` and, for list/tuple args (the output node's tuple), to their
+    elements; bundles are lifted whole (their quantizers travel inside them)."""
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        out = [lift(x) for x in a]
+        if all(x is y for x, y in zip(out, a)):
+            return a
+        return type(a)(out)
+    return lift(a)
+
+
+class _NotFoldable(Exception):
+    pass
+
+
+class _NeedState(Exception):
+    pass
