@@ -378,7 +378,8 @@ def _slot_kind(arg: torch._C.Argument) -> SlotKind:
         return SlotKind.TQ_META
     if name.endswith(TQ_TENSORS_SUFFIX):
         return SlotKind.TQ_TENSORS
-    if t in ("Tensor", "Tensor?"):
+    # str(arg.type) spells an optional tensor "Optional[Tensor]" (torch 2.14), "Tensor?" in schemas.
+    if t in ("Tensor", "Tensor?", "Optional[Tensor]"):
         return SlotKind.TENSOR
     if t.startswith("Tensor[]") or t == "List[Tensor]":
         return SlotKind.TENSOR_LIST
