@@ -219,8 +219,12 @@ def _name_alias_kind(name: str) -> str:
     kinds = set()
     for ov in pkt.overloads():
         op = getattr(pkt, ov)
+        if any(a.is_out for a in op._schema.arguments):
+            continue  # out= variants alias their out argument, not the inputs
         srcs, maybe = _schema_alias_sources(op, None)  # type: ignore[arg-type]
         kinds.add("maybe" if maybe else ("alias" if any(srcs) else "fresh"))
+    if not kinds:
+        return "maybe"
     if kinds == {"alias"}:
         return "alias"
     if kinds == {"fresh"}:
