@@ -393,6 +393,21 @@ def check_te_version() -> None:
         raise UnknownTEOp(f"TE {v} is not a version te_passes decodes (supported: 2.20.x)")
 
 
+def slot_constant(value: Any) -> Any:
+    """A slot's constant value: ``value`` itself, or for a ``get_attr`` node (a constant hoisted
+    onto the graph module, e.g. by ``hoist_recipe_lookups`` at post-grad stages) the attribute it
+    reads; other nodes are returned unchanged."""
+    if isinstance(value, torch.fx.Node) and value.op == "get_attr":
+        obj: Any = value.graph.owning_module
+        try:
+            for part in str(value.target).split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            return value
+        return obj
+    return value
+
+
 def decode(node: torch.fx.Node) -> TEOpCall:
     """Decode a ``transformer_engine_compile`` op node into a :class:`TEOpCall`.
 
@@ -423,9 +438,10 @@ def decode(node: torch.fx.Node) -> TEOpCall:
     config_slot = None
     for s in slots:
         if s.kind is SlotKind.CONFIG:
-            if not is_bundle(s.value):
-                raise UnknownTEOp(f"node {node.name}: config slot {s.name} holds {type(s.value).__name__}, not a bundle")
-            config, config_slot = bundle_dict(s.value), s
+            cfg = slot_constant(s.value)
+            if not is_bundle(cfg):
+                raise UnknownTEOp(f"node {node.name}: config slot {s.name} holds {type(cfg).__name__}, not a bundle")
+            config, config_slot = bundle_dict(cfg), s
         elif s.kind is SlotKind.TQ_META:
             field = s.name[: -len(TQ_META_SUFFIX)]
             tq[field] = _decode_tq(node, field, by_name, s)
@@ -438,9 +454,10 @@ def decode(node: torch.fx.Node) -> TEOpCall:
 def _decode_tq(node: torch.fx.Node, field: str, by_name: dict[str, Slot], meta_slot: Slot) -> TQField:
     tslot = by_name.get(field)
     bslot = by_name.get(field + TQ_TENSORS_SUFFIX)
-    if tslot is None or bslot is None or not is_bundle(meta_slot.value):
+    meta_value = slot_constant(meta_slot.value)
+    if tslot is None or bslot is None or not is_bundle(meta_value):
         raise UnknownTEOp(f"node {node.name}: tensor-or-quantized field {field!r} lacks its slot triple")
-    meta = bundle_dict(meta_slot.value)
+    meta = bundle_dict(meta_value)
     kind_v = meta.get(TQ_KIND_KEY)
     kind = str(getattr(kind_v, "value", kind_v)).lower()
     if kind not in ("none", "tensor", "storage"):
