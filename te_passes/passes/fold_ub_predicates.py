@@ -118,6 +118,7 @@ class FoldUbPredicates(TEPass):
     name = "fold_ub_predicates"
     stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "fold Userbuffers queries to guarded constants; check TE ops' UB buffers against the UB state"
+    checkpoints_itself = True
 
     # ------------------------------------------------------------------ analysis
     def _find_queries(self, graph: torch.fx.Graph, records: list[PassRecord]) -> list[tuple[torch.fx.Node, str, tuple]]:
@@ -213,6 +214,7 @@ class FoldUbPredicates(TEPass):
         modified = False
         if values:
             modified = True
+            ctx.checkpoint()
             self._fold(gm.graph, values, records, folds)
         if folds or checks:
             guards.register_dependence(ctx.graph_id, folds=folds, checks=checks, pristine=pristine)
