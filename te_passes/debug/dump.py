@@ -43,12 +43,21 @@ from te_passes.debug.printer import format_graph
 log = get_logger()
 
 SCHEMA = "te_passes.dump/1"
-#: Record kinds listed in the summary's ``folded[]`` section.
-FOLDED_KINDS = ("folded", "hoisted")
-#: Record kinds listed in ``frees[]``.
+#: Record kinds listed in the summary's ``folded[]`` section: UB predicates folded
+#: (``fold_ub_predicates``: ``folded``, ``const_folded``), recipe lookups hoisted
+#: (``hoist_recipe_lookups``: ``hoisted``, ``hoisted_constant``, ``folded_setattr``).
+FOLDED_KINDS = ("folded", "const_folded", "hoisted", "hoisted_constant", "folded_setattr")
+#: Record kinds listed in ``frees[]`` (``insert_early_frees``).
 FREE_KINDS = ("free",)
-#: Record kinds listed in ``pool_check[]`` (besides any kind starting with ``pool``).
-POOL_KINDS = ("pool_leak", "pool_check", "pool_ok")
+#: Record kinds listed in ``pool_check[]`` (``check_cudagraph_pool``; any kind ``pool*``).
+POOL_KINDS = ("pool_leak", "pool_check")
+#: Record kinds listed in ``skipped[]``: refused rewrites with their reasons.
+SKIPPED_KINDS = ("skipped", "kept")
+#: Record kind carrying a memory estimate (``insert_early_frees``: ``peak_before``/``peak_after``
+#: symbolic, ``*_concrete`` in bytes); ``StageReport.facts["memory"]`` is read as well.
+MEMORY_KINDS = ("memory",)
+#: Record fields that say *what* was folded/hoisted, in preference order (for ``expr``).
+_WHAT_KEYS = ("api", "lookup", "field", "attr")
 
 
 class DumpDirError(OSError):
@@ -276,6 +285,23 @@ def _graph_reports(root: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: int(re.sub(r"\D", "", d.get("graph_id", "0")) or 0))
 
 
+def _folded_expr(rec: dict[str, Any]) -> str | None:
+    """``"get_ub_is_fp8('proj_fprop', True)"`` / ``"recipe.fp8_gemm_fprop.use_split_accumulator"``:
+    the folded expression as text, from the record's own fields."""
+    if rec.get("receiver") is not None and rec.get("field") is not None:
+        return f"{rec['receiver']}.{rec['field']} = {rec.get('value')!r}"
+    attr = rec.get("attr") or rec.get("name")
+    if attr is not None and rec.get("type") is not None:
+        return f"self.{attr}: {rec['type']}"
+    what = next((rec[k] for k in _WHAT_KEYS if rec.get(k) is not None), None)
+    if what is None:
+        return None
+    args = rec.get("args")
+    if isinstance(args, list):
+        return f"{what}({', '.join(repr(a) for a in args)})"
+    return str(what)
+
+
 def _memory_entry(graph_id: str, stage: str, mem: Any) -> dict[str, Any]:
     entry: dict[str, Any] = {"graph_id": graph_id, "stage": stage}
     if isinstance(mem, dict):
@@ -339,6 +365,7 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
                     if kind in FOLDED_KINDS:
                         for k in ("source", "args", "value"):
                             entry.setdefault(k, None)
+                        entry["expr"] = _folded_expr(rec)
                         s["folded"].append(entry)
                     elif kind in FREE_KINDS:
                         for k in ("role", "bytes"):
@@ -346,16 +373,21 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
                         s["frees"].append(entry)
                     elif kind in POOL_KINDS or str(kind).startswith("pool"):
                         s["pool_check"].append(entry)
-                    elif kind == "skipped":
+                    elif kind in SKIPPED_KINDS:
                         s["skipped"].append(entry)
+                    elif kind in MEMORY_KINDS:
+                        s["memory"]["stages"].append(_memory_entry(st["graph_id"], st["stage"],
+                                                                   {"pass": run["name"], **rec}))
                     else:
                         s["other_records"].append(entry)
-    peaks = {"peak_before": [], "peak_after": []}
+    peaks: dict[str, list[float]] = {"peak_before": [], "peak_after": []}
     for m in s["memory"]["stages"]:
+        m.pop("kind", None)
+        m.pop("node", None)
         for k in peaks:
-            v = m.get(k)
+            v = m.get(f"{k}_concrete", m.get(k))
             v = v.get("concrete") if isinstance(v, dict) else v
-            if isinstance(v, (int, float)):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
                 peaks[k].append(v)
     for k, vals in peaks.items():
         s["memory"][k] = max(vals) if vals else None
@@ -463,20 +495,26 @@ def render_index(summary: dict[str, Any], root: str) -> str:
             return
         L.append(_md_table(cols, [[it.get(c) for c in cols] for it in items]))
 
-    section("Folded and hoisted constants", "folded", ["graph_id", "stage", "pass", "kind", "node", "source",
-                                                        "args", "value"], "None.")
-    section("Early frees", "frees", ["graph_id", "stage", "pass", "node", "role", "bytes"], "None.")
+    section("Folded and hoisted constants", "folded", ["graph_id", "stage", "pass", "kind", "node", "expr",
+                                                        "value", "source"], "None.")
+    section("Early frees", "frees", ["graph_id", "stage", "pass", "node", "role", "bytes", "after"], "None.")
     L.append("\n## Memory estimate\n")
     mem = summary["memory"]
     if mem["stages"]:
-        cols = sorted({k for m in mem["stages"] for k in m} - {"graph_id", "stage"})
+        want = ("pass", "peak_before", "peak_after", "peak_before_concrete", "peak_after_concrete",
+                "peak_node_before", "peak_node_after", "input_bytes")
+        present = {k for m in mem["stages"] for k in m}
+        cols = [c for c in want if c in present] or sorted(present - {"graph_id", "stage"})
         L.append(_md_table(["graph_id", "stage", *cols],
                            [[m["graph_id"], m["stage"], *[json.dumps(m.get(c), default=repr) for c in cols]]
                             for m in mem["stages"]]))
     else:
         L.append("No memory estimate was recorded.\n")
-    section("Cudagraph pool check", "pool_check", ["graph_id", "stage", "pass", "kind", "node"], "No findings.")
-    section("Rewrites refused (skipped)", "skipped", ["graph_id", "stage", "pass", "node", "reason"], "None.")
+    section("Cudagraph pool check", "pool_check", ["graph_id", "stage", "pass", "kind", "node", "findings",
+                                                   "message"], "Not run.")
+    section("Rewrites refused (skipped / kept)", "skipped", ["graph_id", "stage", "pass", "kind", "node", "reason"],
+            "None.")
+    section("Other records", "other_records", ["graph_id", "stage", "pass", "kind", "node", "message"], "None.")
     section("Failed passes (graph restored)", "failed", ["graph_id", "stage", "pass", "error"], "None.")
     section("TE eager islands and fallbacks", "eager_fallbacks", ["module", "kind", "reason", "location", "count"],
             "None recorded.")

@@ -70,11 +70,14 @@ class CompileEvents:
     ``{"module", "kind", "reason", "location", "count"}``), :attr:`recompiles` (``{"compile_id",
     "function", "location", "reason"}``), :attr:`frames` (every frame compile) and
     :attr:`te_warnings` (TE's fallback warnings' reasons). ``record_warnings=True`` also
-    captures ``warnings`` inside the block (they are re-emitted afterwards).
+    captures ``warnings`` inside the block into :attr:`warnings` (distinct ``{"category",
+    "message", "location"}``); they are re-emitted afterwards unless ``reemit_warnings=False``.
     """
 
-    def __init__(self, *, record_warnings: bool = True) -> None:
+    def __init__(self, *, record_warnings: bool = True, reemit_warnings: bool = True) -> None:
         self.record_warnings = record_warnings
+        self.reemit_warnings = reemit_warnings
+        self.warnings: list[dict[str, str]] = []
         self.graph_breaks: list[dict[str, Any]] = []
         self.eager_fallbacks: list[dict[str, Any]] = []
         self.recompiles: list[dict[str, Any]] = []
@@ -99,11 +102,19 @@ class CompileEvents:
 
         if self._warn_ctx is not None:
             self._warn_ctx.__exit__(None, None, None)
+            seen: set[tuple[str, str]] = set()
             for w in self._caught or ():
-                reason = fallback_reason_from_warning(str(w.message))
+                msg = str(w.message)
+                reason = fallback_reason_from_warning(msg)
                 if reason is not None and reason not in self.te_warnings:
                     self.te_warnings.append(reason)
-                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+                key = (w.category.__name__, msg)
+                if key not in seen:
+                    seen.add(key)
+                    self.warnings.append({"category": w.category.__name__, "message": msg.strip().splitlines()[0]
+                                          if msg.strip() else "", "location": f"{w.filename}:{w.lineno}"})
+                if self.reemit_warnings:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         breaks = du.graph_break_reasons[self._n_breaks:]
         metrics = [m for m in du.get_compilation_metrics() if id(m) not in self._seen_metrics]
         self._fill(breaks, metrics)
@@ -147,7 +158,7 @@ class CompileEvents:
     def to_json(self) -> dict[str, Any]:
         """``{"graph_breaks", "eager_fallbacks", "recompiles", "frames"}`` (JSON-ready)."""
         return {"graph_breaks": self.graph_breaks, "eager_fallbacks": self.eager_fallbacks,
-                "recompiles": self.recompiles, "frames": self.frames}
+                "recompiles": self.recompiles, "frames": self.frames, "warnings": self.warnings}
 
 
 def current_events() -> CompileEvents:

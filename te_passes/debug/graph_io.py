@@ -170,6 +170,8 @@ def graph_payload(gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> dic
     nodes = []
     for n in graph.nodes:
         meta = {"val": encode_val(n.meta.get("val"))}
+        if "example_value" in n.meta:  # Dynamo graphs keep fake values here
+            meta["example_value"] = encode_val(n.meta["example_value"])
         for k in ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten"):
             if k in n.meta:
                 meta[k] = n.meta[k] if k == "stack_trace" else repr(n.meta[k])
@@ -305,9 +307,11 @@ def build_graph_module(payload: dict[str, Any]) -> tuple[torch.fx.GraphModule, l
             if node.name != rec["name"]:
                 raise GraphFileError(f"node name {rec['name']} could not be preserved (got {node.name})")
         meta = dict(rec.get("meta", {}))
-        val = b.val(meta.pop("val", None))
-        if val is not None:
-            node.meta["val"] = val
+        for key in ("val", "example_value"):
+            if key in meta:
+                val = b.val(meta.pop(key))
+                if val is not None:
+                    node.meta[key] = val
         node.meta.update({k: v for k, v in meta.items() if k == "stack_trace"})
         env[node.name] = node
     root = torch.nn.Module()

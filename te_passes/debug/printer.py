@@ -50,9 +50,16 @@ def format_tensor_type(val: Any) -> str | None:
     return None
 
 
+def node_value(node: torch.fx.Node) -> Any:
+    """``node.meta['val']`` (AOT/Inductor graphs) or ``node.meta['example_value']`` (Dynamo
+    graphs), or ``None``."""
+    val = node.meta.get("val")
+    return node.meta.get("example_value") if val is None else val
+
+
 def node_type(node: torch.fx.Node) -> str | None:
-    """The tensor type of ``node.meta['val']`` (:func:`format_tensor_type`), or ``None``."""
-    return format_tensor_type(node.meta.get("val"))
+    """The tensor type of the node's value (:func:`node_value`, :func:`format_tensor_type`)."""
+    return format_tensor_type(node_value(node))
 
 
 def format_quantizer(q: Any) -> str:
@@ -172,6 +179,8 @@ def node_fields(node: torch.fx.Node) -> dict[str, str]:
     ``"op"``, ``"target"``, ``"args"``, ``"kwargs"``.
     """
     out: dict[str, str] = {"op": node.op, "target": format_target(node) if node.op != "output" else "output"}
+    if node.op == "get_attr":
+        out["value"] = format_value(_attr_value(node))
     call = _try_decode(node)
     if call is None:
         out["args"] = format_value(tuple(node.args))
@@ -193,6 +202,16 @@ def node_fields(node: torch.fx.Node) -> dict[str, str]:
         else:
             out[name] = format_value(val)
     return out
+
+
+def _attr_value(node: torch.fx.Node) -> Any:
+    obj: Any = node.graph.owning_module
+    try:
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        return None
+    return obj
 
 
 def _try_decode(node: torch.fx.Node) -> gmod.TEOpCall | None:
@@ -223,7 +242,9 @@ def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
         lines.append(f"return {format_value(node.args[0])}")
         return lines
     if node.op == "get_attr":
-        lines.append(f"{_lhs(node)} = self.{node.target}")
+        value = _attr_value(node)
+        comment = format_value(value) if gmod.te_const_kind(value) is not None else None
+        lines.append(_with_comment(f"{_lhs(node)} = self.{node.target}", comment, 0))
         return lines
     call = _try_decode(node) if node.op == "call_function" else None
     if call is not None:
@@ -254,7 +275,9 @@ def _format_te_call(node: torch.fx.Node, call: gmod.TEOpCall) -> list[str]:
     ind = INDENT
     for name, (what, val) in _te_op_fields(call):
         if what == "config":
-            lines.append(f"{ind}config={{")
+            src = call.config_slot.value if call.config_slot is not None else None
+            hoisted = f"  # {src.name} (hoisted constant)" if isinstance(src, torch.fx.Node) else ""
+            lines.append(f"{ind}config={{{hoisted}")
             for group, items in _grouped_config(val):
                 lines.append(f"{ind}{INDENT}# {group}")
                 for k, v in items:

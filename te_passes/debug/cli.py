@@ -1,0 +1,587 @@
+"""``te-passes``: dumps, tables and offline replay of what te_passes did to TE graphs.
+
+Subcommands::
+
+    te-passes dump TARGET [--out DIR] [--mode MODE] [--precision P] [--disable PASS ...]
+    te-passes dump --example NAME [--out DIR] [--mode MODE] [--precision P] [--disable PASS ...]
+    te-passes list
+    te-passes show DIR
+    te-passes replay PATH [--disable PASS ...] [--out DIR] [--check] [--json]
+
+``TARGET`` is a Python file (run as ``__main__``), ``module:function`` or ``file.py:function``
+(a callable that builds a model and runs it under ``torch.compile(backend="te_inductor")``;
+it receives ``mode=`` / ``precision=`` when its signature takes them). The dump directory holds
+per-graph, per-stage, per-pass TE-aware graphs, diffs, ``report.json`` and ``index.md``
+(:mod:`te_passes.debug.dump`); graph breaks, TE eager islands and recompiles come from
+:mod:`te_passes.debug.graph_breaks`.
+
+Output is rich tables on a terminal and plain aligned text otherwise (pipes, CI logs). Bad
+input — a missing file, a target that raises or compiles nothing, an unknown pass or example
+name, an unwritable output directory — prints one ``te-passes: error: ...`` line on stderr and
+exits non-zero (2 for bad arguments, 1 for a failing target or a replay mismatch with
+``--check``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import os
+import sys
+import traceback
+from typing import Any, Callable, Iterable, Sequence
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DEFAULT_OUT = "te_passes_dump"
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------- output
+class Out:
+    """Terminal output: rich tables/spinner on a TTY, plain aligned text otherwise."""
+
+    def __init__(self, *, plain: bool | None = None) -> None:
+        self.rich = None
+        if plain is None:
+            plain = not sys.stdout.isatty() or os.environ.get("TERM") == "dumb"
+        if not plain:
+            try:
+                from rich.console import Console
+
+                self.rich = Console(highlight=False)
+            except ImportError:  # pragma: no cover - rich is a dependency
+                self.rich = None
+
+    def line(self, text: str = "") -> None:
+        if self.rich is not None:
+            self.rich.print(text, markup=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    def heading(self, text: str) -> None:
+        if self.rich is not None:
+            self.rich.rule(f"[bold]{text}")
+        else:
+            print(f"\n== {text} ==", flush=True)
+
+    def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
+              limit: int | None = 60) -> None:
+        rows = [["" if v is None else str(v) for v in r] for r in rows]
+        more = 0
+        if limit is not None and len(rows) > limit:
+            more = len(rows) - limit
+            rows = rows[:limit]
+        if self.rich is not None:
+            from rich.table import Table
+
+            t = Table(title=title, title_justify="left", show_lines=False)
+            for c in columns:
+                t.add_column(c, overflow="fold")
+            for r in rows:
+                t.add_row(*r)
+            self.rich.print(t)
+        else:
+            if title:
+                print(f"\n{title}")
+            widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+            widths = [min(w, 80) for w in widths]
+            print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+            print("  ".join("-" * w for w in widths))
+            for r in rows:
+                print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        if more:
+            self.line(f"... {more} more rows (see report.json)")
+
+    @contextlib.contextmanager
+    def status(self, text: str):
+        """A spinner on a TTY (stderr); a ``» text`` line otherwise."""
+        if self.rich is not None:
+            from rich.console import Console
+
+            with Console(stderr=True).status(text):
+                yield
+        else:
+            print(f"» {text}", flush=True)
+            yield
+
+
+def _error(msg: str) -> None:
+    first = " ".join(str(msg).split("\n")[0].split())
+    print(f"te-passes: error: {first}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- helpers
+def _registry() -> tuple[list[str], list[Any]]:
+    from te_passes.passes.registry import pass_classes, pass_names
+
+    try:
+        return pass_names(), list(pass_classes())
+    except Exception as e:  # noqa: BLE001 - a broken registry entry is a clear error too
+        raise CliError(f"the pass registry does not import: {type(e).__name__}: {e}", EXIT_FAIL) from e
+
+
+def _check_pass_names(names: Iterable[str], where: str) -> list[str]:
+    known, _ = _registry()
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise CliError(f"unknown pass name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "
+                       f"known passes: {', '.join(known) or '(none registered)'}")
+    return names
+
+
+def _check_mode(mode: str | None) -> None:
+    if mode is None:
+        return
+    from te_passes.backend import _inductor_config_patches
+
+    try:
+        _inductor_config_patches(mode, {})
+    except Exception as e:  # noqa: BLE001 - Inductor's own message names the valid modes
+        raise CliError(f"unknown --mode {mode!r}: {e}") from e
+
+
+def _prepare_out_dir(path: str) -> str:
+    from te_passes.debug.dump import DumpDirError, ensure_writable_dir
+
+    try:
+        path = ensure_writable_dir(path)
+    except DumpDirError as e:
+        raise CliError(str(e)) from e
+    _clear_old_dump(path)
+    return path
+
+
+def _clear_old_dump(path: str) -> None:
+    """Remove a previous te_passes dump in ``path`` (only files this tool writes)."""
+    import shutil
+
+    from te_passes.debug.dump import SCHEMA
+
+    rp = os.path.join(path, "report.json")
+    if not os.path.isfile(rp):
+        return
+    try:
+        with open(rp) as f:
+            if json.load(f).get("schema") != SCHEMA:
+                return
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and os.path.isfile(os.path.join(p, "report.json")) and name.startswith("g"):
+            shutil.rmtree(p)
+        elif name in ("report.json", "index.md", "session.json"):
+            os.remove(p)
+
+
+def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | None]:
+    """``(kind, callable or None, file)`` for a TARGET string; see the module docstring."""
+    import importlib
+    import runpy
+
+    path, sep, func = target.rpartition(":") if ":" in target else (target, "", "")
+    if sep and (path.endswith(".py") or os.sep in path):
+        if not os.path.isfile(path):
+            raise CliError(f"target file not found: {path}")
+        try:
+            ns = runpy.run_path(path, run_name="te_passes_target")
+        except Exception as e:  # noqa: BLE001
+            raise CliError(f"target file {path} raised {type(e).__name__} while loading: {e}", EXIT_FAIL) from e
+        fn = ns.get(func)
+        if not callable(fn):
+            raise CliError(f"target file {path} has no function {func!r}")
+        return "callable", fn, path
+    if sep:
+        sys.path.insert(0, os.getcwd())
+        try:
+            mod = importlib.import_module(path)
+        except ModuleNotFoundError as e:
+            raise CliError(f"cannot import target module {path!r}: {e}") from e
+        except Exception as e:  # noqa: BLE001
+            raise CliError(f"target module {path} raised {type(e).__name__} while importing: {e}", EXIT_FAIL) from e
+        fn = getattr(mod, func, None)
+        if not callable(fn):
+            raise CliError(f"target module {path} has no function {func!r}")
+        return "callable", fn, None
+    if not os.path.isfile(target):
+        raise CliError(f"target file not found: {target}")
+    return "file", None, target
+
+
+def _call_target(kind: str, fn: Callable[..., Any] | None, file: str | None, mode: str | None,
+                 precision: str | None, target: str) -> None:
+    import runpy
+
+    if kind == "file":
+        if mode is not None or precision is not None:
+            raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
+                           "sets its own torch.compile(mode=...)")
+        argv = sys.argv
+        sys.argv = [file or target]
+        try:
+            runpy.run_path(file or target, run_name="__main__")
+        finally:
+            sys.argv = argv
+        return
+    assert fn is not None
+    kwargs: dict[str, Any] = {}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name, value in (("mode", mode), ("precision", precision)):
+        if value is None:
+            continue
+        if name in params or takes_kw:
+            kwargs[name] = value
+        else:
+            raise CliError(f"target {target} does not take {name}=; give it a '{name}' parameter or drop --{name}")
+    fn(**kwargs)
+
+
+def _run_target(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
+    kind, fn, file = _load_target(target)
+    try:
+        _call_target(kind, fn, file, mode, precision, target)
+    except CliError:
+        raise
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise CliError(f"target {target} exited with status {e.code}", EXIT_FAIL) from e
+    except BaseException as e:  # noqa: BLE001 - any failure of user code is reported in one line
+        if verbose:
+            traceback.print_exc()
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CliError(f"target {target} raised {type(e).__name__}: {msg}", EXIT_FAIL) from e
+
+
+# --------------------------------------------------------------------------- dump
+def cmd_dump(args: argparse.Namespace, out: Out) -> int:
+    if (args.target is None) == (args.example is None):
+        raise CliError("give exactly one of TARGET or --example NAME")
+    from te_passes.examples import EXAMPLES, PRECISIONS
+
+    if args.example is not None and args.example not in EXAMPLES:
+        raise CliError(f"unknown example {args.example!r}; examples: {', '.join(EXAMPLES)}")
+    if args.precision is not None and args.precision not in PRECISIONS:
+        raise CliError(f"unknown --precision {args.precision!r}; expected one of {', '.join(PRECISIONS)}")
+    disable = _check_pass_names(args.disable or [], "--disable")
+    env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
+    _check_pass_names(env_disable, "TE_PASSES_DISABLE")
+    if args.target is not None:
+        _load_target_precheck(args.target)
+    _check_mode(args.mode)
+    root = _prepare_out_dir(args.out)
+
+    import torch
+
+    from te_passes.debug.dump import write_summary
+    from te_passes.debug.graph_breaks import CompileEvents
+    from te_passes.report import compile_reports
+
+    torch._inductor.config.force_disable_caches = True  # every stage must run to be dumped
+    n_before = len(compile_reports())
+    extra: dict[str, Any] = {"mode": args.mode or "default", "disabled": disable + env_disable}
+    events = CompileEvents(reemit_warnings=args.verbose)
+    if args.example is not None:
+        from te_passes.examples import run_example
+
+        ex = EXAMPLES[args.example]
+        extra.update(target=f"--example {args.example} ({ex.description})",
+                     precision=args.precision or ex.precision)
+        try:
+            with events:
+                result = run_example(args.example, precision=args.precision, mode=args.mode, dump_dir=root,
+                                     disable=disable, status=lambda m: out.line(f"» {m}") if out.rich is None
+                                     else None)
+        except Exception as e:  # noqa: BLE001
+            if args.verbose:
+                traceback.print_exc()
+            raise CliError(f"example {args.example} failed: {type(e).__name__}: {e}", EXIT_FAIL) from e
+        extra.update(compile_path=result.compile_path, note=result.note)
+    else:
+        extra.update(target=args.target, precision=args.precision,
+                     compile_path="torch.compile(backend='te_inductor') in this process")
+        env = {"TE_PASSES_DUMP_DIR": root}
+        if disable:
+            env["TE_PASSES_DISABLE"] = ",".join(disable + env_disable)
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with out.status(f"running {args.target}"), events:
+                _run_target(args.target, args.mode, args.precision, args.verbose)
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    new_reports = compile_reports()[n_before:]
+    if not new_reports:
+        raise CliError(f"{extra['target']} compiled nothing with backend 'te_inductor' (no te_inductor call: "
+                       f"did it run a function compiled with torch.compile(..., backend='te_inductor')?)",
+                       EXIT_FAIL)
+    extra.update(events.to_json())
+    summary = write_summary(root, extra)
+    _print_summary(out, summary, root)
+    return EXIT_OK
+
+
+def _load_target_precheck(target: str) -> None:
+    """Fail fast on a missing target file (before torch is imported)."""
+    path, sep, _ = target.rpartition(":") if ":" in target else (target, "", "")
+    if sep and (path.endswith(".py") or os.sep in path) and not os.path.isfile(path):
+        raise CliError(f"target file not found: {path}")
+    if not sep and not os.path.isfile(target):
+        raise CliError(f"target file not found: {target}")
+
+
+# --------------------------------------------------------------------------- show
+def _fmt_bytes(v: Any) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "" if v is None else str(v)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024 or unit == "GiB":
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return str(v)
+
+
+def _short(v: Any, n: int = 70) -> str:
+    s = "" if v is None else (v if isinstance(v, str) else repr(v) if isinstance(v, (bool, int, float))
+                              else json.dumps(v, default=repr))
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
+    v = s.get("versions", {})
+    out.heading("te_passes dump")
+    out.line(f"target:       {s.get('target', '')}")
+    if s.get("precision"):
+        out.line(f"precision:    {s['precision']}")
+    out.line(f"mode:         {s.get('mode') or 'default'}")
+    if s.get("compile_path"):
+        out.line(f"compile path: {s['compile_path']}")
+    out.line(f"versions:     te_passes {v.get('te_passes')}, torch {v.get('torch')}, "
+             f"Transformer Engine {v.get('transformer_engine')}")
+    if s.get("note"):
+        out.line(f"note:         {s['note']}")
+    out.table("Graphs", ["graph", "mode", "stages", "passes ms", "uuid"],
+              [[g["graph_id"], g.get("mode") or "default", " ".join(x.split(":")[1] for x in g["stages"]),
+                g.get("time_ms_passes"), ((s.get("uuid") or {}).get(g["graph_id"]) or {}).get("uuid", "")[:16]]
+               for g in s.get("graphs", [])])
+    out.table("Passes", ["graph", "stage", "pass", "status", "changed", "ms", "nodes", "records"],
+              [[p["graph_id"], p["stage"], p["name"], p["status"], "yes" if p["changed"] else "no",
+                f"{p['time_ms']:.2f}", f"{p['nodes_before']} -> {p['nodes_after']}", p["records"]]
+               for p in s.get("passes", [])], limit=None)
+    if s.get("folded"):
+        out.table(f"Folded / hoisted constants ({len(s['folded'])})", ["graph", "pass", "kind", "node", "what", "value"],
+                  [[f["graph_id"], f["pass"], f["kind"], f.get("node"), _short(f.get("expr"), 60),
+                    _short(f.get("value"), 30)] for f in s["folded"]], limit=25)
+    if s.get("frees"):
+        out.table(f"Early frees ({len(s['frees'])})", ["graph", "node", "role", "bytes", "after"],
+                  [[f["graph_id"], f.get("node"), f.get("role"), _fmt_bytes(f.get("bytes")), f.get("after")]
+                   for f in s["frees"]])
+    mem = s.get("memory") or {}
+    if mem.get("stages"):
+        out.table("Memory estimate (peak of live tensors)", ["graph", "stage", "before", "after", "before (bytes)",
+                                                            "after (bytes)"],
+                  [[m["graph_id"], m["stage"], _short(m.get("peak_before"), 40), _short(m.get("peak_after"), 40),
+                    _fmt_bytes(m.get("peak_before_concrete")), _fmt_bytes(m.get("peak_after_concrete"))]
+                   for m in mem["stages"]])
+    if s.get("pool_check"):
+        out.table("Cudagraph pool check", ["graph", "kind", "node", "detail"],
+                  [[p["graph_id"], p["kind"], p.get("node"), _short(p.get("message") or
+                                                                   {k: p.get(k) for k in ("findings", "cudagraphs")}, 80)]
+                   for p in s["pool_check"]])
+    if s.get("skipped"):
+        out.table(f"Rewrites refused ({len(s['skipped'])})", ["graph", "pass", "kind", "node", "reason"],
+                  [[k["graph_id"], k["pass"], k["kind"], k.get("node"), _short(k.get("reason"), 90)]
+                   for k in s["skipped"]], limit=20)
+    if s.get("failed"):
+        out.table("Failed passes (graph restored)", ["graph", "stage", "pass", "error"],
+                  [[f["graph_id"], f["stage"], f["pass"], _short(f.get("error"), 90)] for f in s["failed"]])
+    out.table("TE eager islands and fallbacks", ["module", "reason", "where", "count"],
+              [[e["module"], _short(e["reason"], 90), _short(e.get("location"), 50), e.get("count")]
+               for e in s.get("eager_fallbacks", [])]) if s.get("eager_fallbacks") else \
+        out.line("\nTE eager islands: none (every TE module ran in the compiled graph)")
+    if s.get("graph_breaks"):
+        out.table(f"Graph breaks ({len(s['graph_breaks'])})", ["reason", "where", "count"],
+                  [[_short(g["reason"], 90), _short(g.get("location"), 50), g.get("count")] for g in s["graph_breaks"]])
+    else:
+        out.line("graph breaks: none recorded")
+    if s.get("recompiles"):
+        out.table(f"Recompiles ({len(s['recompiles'])})", ["compile id", "function", "reason"],
+                  [[r["compile_id"], r["function"], _short(r["reason"], 90)] for r in s["recompiles"]])
+    else:
+        out.line("recompiles: none recorded")
+    out.line(f"\ndump: {os.path.join(root, 'index.md')}  (report: {os.path.join(root, 'report.json')})")
+
+
+def cmd_show(args: argparse.Namespace, out: Out) -> int:
+    path = args.dir
+    rp = os.path.join(path, "report.json") if os.path.isdir(path) else path
+    if not os.path.isfile(rp):
+        raise CliError(f"no te_passes dump at {path} (no report.json); create one with te-passes dump")
+    try:
+        with open(rp) as f:
+            s = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CliError(f"cannot read {rp}: {e}") from e
+    if "passes" not in s or "graphs" not in s:
+        raise CliError(f"{rp} is not a te_passes dump summary (no passes[]/graphs[])")
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        _print_summary(out, s, os.path.dirname(rp) or ".")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- list
+def cmd_list(args: argparse.Namespace, out: Out) -> int:
+    names, classes = _registry()
+    env_disable = {n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()}
+    rows = []
+    for cls in classes:
+        stages = ", ".join(sorted(s.value for s in cls.stages))
+        enabled = "no (TE_PASSES_DISABLE)" if cls.name in env_disable else "yes"
+        rows.append([cls.name, stages, "analysis" if cls.analysis_only else "rewrite", enabled, cls.description])
+    if args.json:
+        print(json.dumps([dict(zip(["name", "stages", "kind", "enabled", "description"], r)) for r in rows], indent=2))
+        return EXIT_OK
+    out.table(f"te_passes pipeline ({len(rows)} passes, in order)", ["pass", "stages", "kind", "enabled",
+                                                                     "description"], rows, limit=None)
+    unknown = sorted(env_disable - set(names))
+    if unknown:
+        out.line(f"warning: TE_PASSES_DISABLE names unknown passes: {', '.join(unknown)}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- replay
+def cmd_replay(args: argparse.Namespace, out: Out) -> int:
+    if not os.path.exists(args.path):
+        raise CliError(f"no such graph file or dump directory: {args.path}")
+    disable = _check_pass_names(args.disable, "--disable") if args.disable is not None else None
+    dump_dir = _prepare_out_dir(args.out) if args.out else None
+    from te_passes.debug.offline import ReplayError, compare_reports, replay
+
+    try:
+        with out.status(f"replaying {args.path}"):
+            results = replay(args.path, disable=disable, dump_dir=dump_dir)
+    except ReplayError as e:
+        raise CliError(str(e)) from e
+    if dump_dir is not None:
+        from te_passes.debug.dump import write_summary
+
+        write_summary(dump_dir, {"target": f"replay {args.path}", "compile_path": "offline replay of saved graphs"})
+    mismatches = 0
+    payload = []
+    for report, saved in results:
+        rj = report.to_json()
+        diffs = compare_reports(rj, saved) if saved is not None else None
+        payload.append({"report": rj, "differences": diffs})
+        if args.json:
+            continue
+        out.heading(f"replay of {report.graph_id} ({len(report.stages)} stages)")
+        out.table(None, ["stage", "pass", "status", "changed", "ms", "nodes", "records"],
+                  [[st.stage, r.name, r.status, "yes" if r.changed else "no", f"{r.time_ms:.2f}",
+                    f"{r.nodes_before} -> {r.nodes_after}", len(r.records)] for st in report.stages for r in st.runs],
+                  limit=None)
+        if diffs is None:
+            out.line("no saved report.json next to the graphs: nothing to compare with")
+        elif diffs:
+            mismatches += 1
+            out.line(f"differs from the saved report ({len(diffs)} differences):")
+            for d in diffs[:40]:
+                out.line(f"  {d}")
+        else:
+            out.line("reproduces the saved report: same passes, statuses, node counts and records")
+    if args.json:
+        print(json.dumps(payload, indent=2, default=repr))
+    if args.check and mismatches:
+        raise CliError(f"replay differs from the saved report for {mismatches} graph(s)", EXIT_FAIL)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    """The ``te-passes`` argument parser (subcommands ``dump``, ``list``, ``show``, ``replay``)."""
+    p = argparse.ArgumentParser(
+        prog="te-passes",
+        description="Show what te_passes (the te_inductor torch.compile backend) did to Transformer Engine "
+                    "graphs: per-pass TE-aware dumps, diffs, reports, offline replay.",
+        epilog="Examples:\n  te-passes dump --example linear-fp8 --out te_passes_dump\n"
+               "  te-passes dump train.py:main --mode reduce-overhead --disable insert_early_frees\n"
+               "  te-passes show te_passes_dump\n  te-passes replay te_passes_dump/g0 --check\n  te-passes list",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plain", action="store_true", help="plain text output even on a terminal")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("dump", help="run a target (or built-in example) and dump every pass",
+                       description="Run TARGET (a Python file, module:function or file.py:function that runs a "
+                                   "model under torch.compile(backend='te_inductor')) or --example NAME, and write "
+                                   "per-graph, per-stage, per-pass TE-aware graphs, diffs, report.json and index.md.")
+    d.add_argument("target", nargs="?", help="FILE.py, module:function or FILE.py:function")
+    d.add_argument("--example", metavar="NAME", help="a built-in example: linear-fp8, linear-bf16, linear-mxfp8, "
+                                                   "stack-fp8")
+    d.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"dump directory (default {DEFAULT_OUT})")
+    d.add_argument("--mode", help="torch.compile mode (default, reduce-overhead, max-autotune, ...)")
+    d.add_argument("--precision", help="bf16, fp8-cs or mxfp8 (examples; callables taking precision=)")
+    d.add_argument("--disable", nargs="+", action="extend", metavar="PASS", default=[],
+                   help="pass names to switch off (also TE_PASSES_DISABLE)")
+    d.add_argument("--verbose", "-v", action="store_true", help="tracebacks and the target's warnings on stderr")
+    d.set_defaults(func=cmd_dump)
+
+    l_ = sub.add_parser("list", help="the pass pipeline: passes, stages, descriptions, enabled")
+    l_.add_argument("--json", action="store_true", help="print JSON")
+    l_.set_defaults(func=cmd_list)
+
+    s = sub.add_parser("show", help="summary tables of a dump directory")
+    s.add_argument("dir", metavar="DIR", help="a dump directory (or its report.json)")
+    s.add_argument("--json", action="store_true", help="print the summary JSON")
+    s.set_defaults(func=cmd_show)
+
+    r = sub.add_parser("replay", help="re-run the passes offline on saved graphs (no GPU)",
+                       description="Load the graphs a dump saved (*.tegraph: a file, a graph directory like "
+                                   "DIR/g0, or a whole dump directory), run the current passes on them with the "
+                                   "saved TE state and options, and compare with the saved report.")
+    r.add_argument("path", metavar="GRAPH_FILE", help="a .tegraph file, a graph directory or a dump directory")
+    r.add_argument("--disable", nargs="+", action="extend", metavar="PASS", default=None,
+                   help="pass names to switch off (replaces the saved list)")
+    r.add_argument("--out", metavar="DIR", help="write a dump of the replay there")
+    r.add_argument("--check", action="store_true", help="exit 1 when the replay differs from the saved report")
+    r.add_argument("--json", action="store_true", help="print the replayed report(s) as JSON")
+    r.set_defaults(func=cmd_replay)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``te-passes`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = Out(plain=True if args.plain else None)
+    try:
+        return args.func(args, out)
+    except CliError as e:
+        _error(str(e))
+        return e.code
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

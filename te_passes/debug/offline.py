@@ -1,0 +1,215 @@
+"""Run the pass pipeline outside torch.compile, exactly as the backend does: examples and replay.
+
+:func:`run_stages` is ``te_passes.backend.te_inductor`` minus Dynamo/Inductor: it takes the
+graphs of the stages (Dynamo, joint, post-grad forward/backward), creates the
+:class:`~te_passes.report.CompileReport` with the same pipeline uuid, runs
+:class:`~te_passes.passes.manager.PassManager` per stage through the backend's own stage runner
+(so a :class:`~te_passes.debug.dump.DumpWriter` sees the same hooks), and finishes the dump.
+
+:func:`replay` loads the ``input.tegraph`` files a dump saved (one file, a graph directory or a
+whole dump directory), runs the *current* passes on them with the saved TE state and options,
+and compares the new report with the saved one (:func:`compare_reports`): same passes, statuses,
+changes, node counts and records means the dump was reproduced.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterable, Sequence
+
+import torch.fx
+
+from te_passes.config import TePassesOptions
+from te_passes.passes.base import PassContext, Stage
+from te_passes.passes.manager import PassManager
+from te_passes.report import CompileReport, new_compile_report
+from te_passes.te.state import TEState
+
+#: Stage order of a compilation (the order the backend runs them in).
+STAGE_ORDER = (Stage.DYNAMO, Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD)
+_SUFFIX = {Stage.DYNAMO: "", Stage.JOINT: ".joint", Stage.POST_GRAD_FWD: ".fwd", Stage.POST_GRAD_BWD: ".bwd"}
+
+
+class ReplayError(Exception):
+    """Nothing replayable at the given path, or a saved graph could not be loaded."""
+
+
+def te_state_from_json(data: dict[str, Any] | None) -> TEState:
+    """Rebuild the :class:`TEState` a dump saved (``TEState.to_json()`` output).
+
+    The UB snapshot goes through ``te_passes.te.ub.UbSnapshot.from_json`` when that module
+    exists; ``extra`` becomes the sorted item tuple :class:`TEState` keeps.
+    """
+    data = data or {}
+    ub = data.get("ub")
+    if ub is not None:
+        try:
+            from te_passes.te.ub import UbSnapshot
+
+            ub = UbSnapshot.load(ub)
+        except ImportError:  # pragma: no cover - UB support missing: keep the JSON
+            pass
+    extra = tuple(sorted((data.get("extra") or {}).items()))
+    return TEState(te_version=data.get("te_version"), ub=ub, extra=extra)
+
+
+def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, options: TePassesOptions | None = None,
+               te_state: TEState | None = None, mode: str | None = None, dump_dir: str | None = None,
+               manager: PassManager | None = None, graph_id: str | None = None) -> CompileReport:
+    """Run the pipeline on ``jobs`` = ``[(stage, gm, example_inputs), ...]`` (graphs rewritten in
+    place) the way ``te_inductor`` does, and return the registered :class:`CompileReport`.
+
+    Args:
+        options: parsed options (default ``TePassesOptions()``); ``options.disable`` applies.
+        te_state: the TE state (default ``TEState.capture()``).
+        mode: recorded in the report only.
+        dump_dir: write a dump there (:class:`~te_passes.debug.dump.DumpWriter`).
+        manager: a ready manager (its observers are kept; default: the registry's passes).
+        graph_id: force the report's graph id (replay uses the saved one); default ``g<N>``.
+
+    Raises:
+        te_passes.debug.dump.DumpDirError: ``dump_dir`` is not writable.
+        te_passes.passes.manager.TePassError: a pass failed under ``options.strict``.
+    """
+    import time
+
+    from te_passes.backend import _run_stage, pipeline_uuid
+    from te_passes.debug.dump import DumpWriter
+
+    options = options or TePassesOptions()
+    te_state = te_state or TEState.capture()
+    manager = manager or PassManager()
+    writer = None
+    if dump_dir is not None:
+        writer = DumpWriter.for_dir(dump_dir)
+        manager.observers.append(writer)
+    t_start = time.perf_counter()
+    report = new_compile_report(mode)
+    if graph_id is not None:
+        report.graph_id = graph_id
+    report.uuid = pipeline_uuid(manager, options, te_state)
+    report.te_state = te_state.to_json()
+    for stage, gm, inputs in sorted(jobs, key=lambda j: STAGE_ORDER.index(j[0])):
+        ctx = PassContext(stage, options, te_state, inputs, report.graph_id + _SUFFIX[stage])
+        t0 = time.perf_counter()
+        _run_stage(manager, gm, ctx, report)
+        report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+    report.time_ms_total = (time.perf_counter() - t_start) * 1e3
+    if writer is not None:
+        writer.finish(report)
+        manager.observers.remove(writer)
+    return report
+
+
+# --------------------------------------------------------------------------- replay
+def find_graph_files(path: str) -> dict[str, list[str]]:
+    """``{graph dir: [input.tegraph files in stage order]}`` under ``path`` (a ``.tegraph``
+    file, a graph directory ``g0/`` or a dump directory).
+
+    Raises:
+        ReplayError: ``path`` does not exist or holds no ``.tegraph`` file.
+    """
+    if not os.path.exists(path):
+        raise ReplayError(f"no such file or directory: {path}")
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "**", "*.tegraph"), recursive=True))
+    if not files:
+        raise ReplayError(f"no saved graphs (*.tegraph) under {path}; dump with te-passes dump or "
+                          f"options={{'te_passes.dump_dir': DIR}} first")
+    out: dict[str, list[str]] = {}
+    for f in files:
+        out.setdefault(os.path.dirname(os.path.dirname(os.path.abspath(f))), []).append(f)
+    return out
+
+
+def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | None = None,
+           strict: bool | None = None) -> list[tuple[CompileReport, dict[str, Any] | None]]:
+    """Re-run the current passes on the graphs saved under ``path``; no GPU needed.
+
+    Each graph directory becomes one :class:`CompileReport` (its stages in the backend's order,
+    graph id, TE state and options as saved; ``disable`` replaces the saved disable list when
+    given). Returns ``[(new report, saved report JSON or None)]``.
+
+    Raises:
+        ReplayError: nothing to replay, or a graph file cannot be loaded (message names it).
+    """
+    from te_passes.debug.graph_io import GraphFileError, load_graph
+
+    results = []
+    for gdir, files in find_graph_files(path).items():
+        jobs = []
+        payloads = []
+        for f in files:
+            try:
+                gm, payload = load_graph(f)
+            except GraphFileError as e:
+                raise ReplayError(str(e)) from e
+            try:
+                stage = Stage(payload.get("stage"))
+            except ValueError as e:
+                raise ReplayError(f"{f}: unknown stage {payload.get('stage')!r}") from e
+            jobs.append((stage, gm, payload.get("example_inputs_fake")))
+            payloads.append(payload)
+        first = payloads[0]
+        saved_opts = dict(first.get("options") or {})
+        if disable is not None:
+            saved_opts["disable"] = list(disable)
+        if strict is not None:
+            saved_opts["strict"] = strict
+        from te_passes.passes.registry import pass_names
+
+        options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()},
+                                           known_passes=set(pass_names()), environ={})
+        graph_id = str(first.get("graph_id", "g0")).split(".")[0]
+        report = run_stages(jobs, options=options, te_state=te_state_from_json(first.get("te_state")),
+                            dump_dir=dump_dir, graph_id=graph_id)
+        saved = None
+        rpath = os.path.join(gdir, "report.json")
+        if os.path.isfile(rpath):
+            with open(rpath) as fh:
+                saved = json.load(fh)
+        results.append((report, saved))
+    return results
+
+
+def _norm_run(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: run.get(k) for k in ("name", "stage", "status", "changed", "nodes_before", "nodes_after",
+                                    "records", "error")}
+
+
+def compare_reports(new: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """Differences between two ``CompileReport.to_json()`` dicts that matter for reproduction:
+    per stage (matched by graph id and stage), each pass run's name, status, changed flag,
+    node counts, error and records (timings ignored). ``[]`` means reproduced.
+
+    Stages present in only one report are reported too, except saved stages that were not
+    replayed because no graph file was saved for them.
+    """
+    diffs: list[str] = []
+    saved_stages = {(s["graph_id"], s["stage"]): s for s in saved.get("stages", [])}
+    new_stages = {(s["graph_id"], s["stage"]): s for s in new.get("stages", [])}
+    for key, ns in new_stages.items():
+        ss = saved_stages.get(key)
+        if ss is None:
+            diffs.append(f"{key[0]}:{key[1]}: stage not in the saved report")
+            continue
+        nr = [_norm_run(r) for r in ns.get("runs", [])]
+        sr = [_norm_run(r) for r in ss.get("runs", [])]
+        if [r["name"] for r in nr] != [r["name"] for r in sr]:
+            diffs.append(f"{key[0]}:{key[1]}: passes {[r['name'] for r in sr]} -> {[r['name'] for r in nr]}")
+            continue
+        for a, b in zip(sr, nr):
+            for field in ("status", "changed", "nodes_before", "nodes_after", "error"):
+                if a[field] != b[field]:
+                    diffs.append(f"{key[0]}:{key[1]}:{a['name']}: {field} {a[field]!r} -> {b[field]!r}")
+            if a["records"] != b["records"]:
+                diffs.append(f"{key[0]}:{key[1]}:{a['name']}: records differ ({len(a['records'])} saved, "
+                             f"{len(b['records'])} replayed)")
+    for key in saved_stages:
+        if key not in new_stages:
+            diffs.append(f"{key[0]}:{key[1]}: saved stage has no replayable graph file")
+    return diffs
