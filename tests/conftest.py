@@ -1,0 +1,43 @@
+"""Shared pytest fixtures.
+
+Real Transformer Engine graphs (no GPU needed), captured once per test session and handed out
+as copies (tests may rewrite them): see ``te_passes/testing/capture.py`` and
+``docs/testing-real-graphs.md``.
+
+* ``te_dynamo_graph(precision="fp8-cs", layers=1, **kw)`` -> ``CapturedGraph`` (the Dynamo graph
+  and its example inputs; ``layers > 1`` is a stack of te.Linear with GELU between);
+* ``te_aot_graphs(precision="fp8-cs", layers=1, **kw)`` -> ``CapturedAOT`` (``.joint``,
+  ``.forward``, ``.backward`` ATen graphs as Inductor's hooks see them).
+
+Both skip the test when TE cannot be imported or its torch.compile path is off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch  # noqa: F401  (TE must be imported after torch)
+
+
+def _te_capture_module():
+    from te_passes.testing import capture
+
+    reason = capture.capture_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return capture
+
+
+@pytest.fixture(scope="session")
+def te_dynamo_graph():
+    """Factory: ``te_dynamo_graph(precision, layers, **capture_dynamo_kwargs)`` -> a fresh copy
+    of a session-cached ``CapturedGraph``."""
+    capture = _te_capture_module()
+    return capture.cached_dynamo
+
+
+@pytest.fixture(scope="session")
+def te_aot_graphs():
+    """Factory: ``te_aot_graphs(precision, layers, **capture_aot_kwargs)`` -> a fresh copy of a
+    session-cached ``CapturedAOT``."""
+    capture = _te_capture_module()
+    return capture.cached_aot
