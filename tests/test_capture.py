@@ -224,7 +224,6 @@ def test_cached_captures_are_independent_copies(te_aot_graphs):
     for n in list(a.backward.graph.nodes):
         if n.op == "call_function" and not n.users:
             a.backward.graph.erase_node(n)
-    a.backward.graph.output  # noqa: B018 - still a graph
     assert len(b.backward.graph.nodes) == n_before
     assert len(te_aot_graphs("bf16", 1).backward.graph.nodes) == n_before
 
@@ -249,7 +248,7 @@ def test_run_pipeline_runs_each_stage_on_its_graph(te_aot_graphs):
     ops = [r.runs[0].records[0].data["ops"] for r in reports]
     assert ops == [["linear"] * 4, ["linear"] * 4 + ["linear_backward"] * 4,
                    ["linear"] * 4, ["linear_backward"] * 4]
-    assert [r.runs[0].status for r in reports][0] == reports[0].runs[0].status
+    assert {run.status for r in reports for run in r.runs} == {"ok"}
     n_inputs = [r.runs[0].records[0].data["n_inputs"] for r in reports]
     assert n_inputs[0] == 9 and n_inputs[2] == len(cap.forward.graph.find_nodes(op="placeholder"))
 
