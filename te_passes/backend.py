@@ -161,6 +161,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     t0 = time.perf_counter()
     _run_stage(manager, gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs, report.graph_id), report)
     report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+    _raise_ub_mismatches(report)
 
     for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
         ours = _StagePass(manager, opts, te_state, report, joint=joint)
@@ -187,6 +188,16 @@ def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePas
     except ImportError:
         return compiled
     return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile)
+
+
+def _raise_ub_mismatches(report: CompileReport) -> None:
+    """Fail the compilation now (before Inductor) when the Dynamo-stage passes found UB
+    configurations the UB state cannot satisfy (:class:`te_passes.te.ub.UbConfigError`)."""
+    try:
+        from te_passes.te.guards import raise_ub_mismatches
+    except ImportError:  # pragma: no cover
+        return
+    raise_ub_mismatches(report)
 
 
 def _install_ub_hooks() -> None:

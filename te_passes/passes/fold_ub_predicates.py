@@ -239,7 +239,7 @@ class FoldUbPredicates(TEPass):
         if not trace_folds:
             return
         compile_id = torch._guards.CompileContext.current_compile_id()
-        prev = guards.note_frame_token(getattr(compile_id, "frame_id", None), guards.UB_STATE_TOKEN)
+        prev = guards.note_frame_token(compile_id, guards.UB_STATE_TOKEN)
         if prev is not None and ctx.options.ub_on_change == "error":
             records.append(PassRecord("ub_mismatch", None, {
                 "ub_name": None, "buffer": None,

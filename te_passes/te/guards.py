@@ -282,13 +282,18 @@ def te_ub_hooks_installed() -> bool:
     return _STATE.hooks_installed
 
 
-def note_frame_token(frame_id: int | None, token: str) -> str | None:
-    """Remember the UB token a Dynamo frame was traced with; return the previous, different one."""
+def note_frame_token(compile_id: Any, token: str) -> str | None:
+    """Remember the UB token a Dynamo frame was traced with (``compile_id``: Dynamo's
+    ``CompileId``); return the earlier, different token when this trace is a *recompile* of the
+    same frame (``frame_compile_id > 0``), else ``None``."""
+    frame_id = getattr(compile_id, "frame_id", None)
     if frame_id is None:
         return None
     with _LOCK:
         prev = _STATE.frame_tokens.get(frame_id)
         _STATE.frame_tokens[frame_id] = token
+    if not getattr(compile_id, "frame_compile_id", 0):
+        return None  # first compile of this frame (frame ids restart after torch._dynamo.reset())
     return prev if prev is not None and prev != token else None
 
 
@@ -398,10 +403,12 @@ class UbGuard:
                 guard_stats["kept"] += 1
                 return
             changed, problems = evaluate_dependence(self.dependence, live)
+            problems += [f"{f.api}{f.args!r}: {new[len('<error: '):-1]}" for f, new in changed
+                         if isinstance(new, str) and new.startswith("<error: ")]
             if problems:
                 guard_stats["errors"] += 1
                 raise UbConfigError(f"te_passes: UB state changed since graph {self.graph_id} was compiled "
-                                    "and its TE ops' UB configuration no longer matches it:\n  - "
+                                    "and no longer satisfies what it was compiled against:\n  - "
                                     + "\n  - ".join(problems))
             if not changed:
                 self.generation, self.fingerprint = gen, fp
@@ -461,6 +468,17 @@ def make_guarded(guard: UbGuard) -> Callable:
     return guarded
 
 
+def raise_ub_mismatches(report: Any) -> None:
+    """Raise :class:`~te_passes.te.ub.UbConfigError` listing every ``"ub_mismatch"`` record of
+    ``report`` (a :class:`te_passes.report.CompileReport`); no-op when there are none."""
+    mismatches = list(report.records("ub_mismatch")) if hasattr(report, "records") else []
+    if mismatches:
+        pop_dependence(getattr(report, "graph_id", "g?"))
+        raise UbConfigError(f"te_passes: graph {getattr(report, 'graph_id', 'g?')}: UB configuration does not "
+                            "match the UB state (fold_ub_predicates):\n  - "
+                            + "\n  - ".join(str(r.data.get("message")) for r in mismatches))
+
+
 def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any,
                              recompile: Callable | None = None) -> Callable:
     """Wrap a ``te_inductor``-compiled graph with a UB-state guard when it depends on UB state.
@@ -486,10 +504,7 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
     install_te_ub_hooks()
     graph_id = getattr(report, "graph_id", "g?")
     dep = pop_dependence(graph_id)
-    mismatches = [r for r in report.records("ub_mismatch")] if hasattr(report, "records") else []
-    if mismatches:
-        raise UbConfigError(f"te_passes: graph {graph_id}: UB configuration does not match the UB state "
-                            "(fold_ub_predicates):\n  - " + "\n  - ".join(str(r.data.get("message")) for r in mismatches))
+    raise_ub_mismatches(report)
     if not dep or getattr(opts, "ub_snapshot", None) is not None:
         return compiled
     ub = getattr(te_state, "ub", None)

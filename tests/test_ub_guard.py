@@ -1,0 +1,302 @@
+"""UB guards: changing the UB state recompiles exactly the graphs that depend on it.
+
+Compiles count with our own counter (one :class:`~te_passes.report.CompileReport` per
+``te_inductor`` call) and Dynamo's ``counters["stats"]["unique_graphs"]``. Models run on CPU;
+TE's UB registry holds stand-in communicators (te_passes.testing.ub).
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.fx
+from torch._dynamo.utils import counters
+
+pytest.importorskip("transformer_engine")
+import transformer_engine.pytorch.module.base as te_base  # noqa: E402
+import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
+
+from te_passes.backend import te_inductor  # noqa: E402
+from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
+from te_passes.te import guards, ub  # noqa: E402
+from te_passes.te.guards import UbCheckSpec, UbDependence, UbGuard, UbStateChanged, make_guarded  # noqa: E402
+from te_passes.te.ub import UbConfigError, UbSnapshot  # noqa: E402
+from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
+
+pytestmark = pytest.mark.te
+
+FP8_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_fprop", "none"): C()}
+BF16_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=False), ("proj_fprop", "none"): C()}
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compile_reports()
+    with ub_registry(FP8_RS):
+        yield
+    torch._dynamo.reset()
+
+
+class UbModel(torch.nn.Module):
+    """Branches on TE's get_ub_is_fp8 (the query te.Linear.forward makes for RS overlap)."""
+
+    def forward(self, x):
+        if te_base.get_ub_is_fp8("proj_fprop", True):
+            return torch.sin(x) * 2
+        return torch.cos(x) - 1
+
+
+class QueryModel(torch.nn.Module):
+    """Asks a communicator property without a graph break (ub_query)."""
+
+    def forward(self, x):
+        tp = guards.ub_query("proj_fprop", False, "get_tp_size")
+        return x * tp
+
+
+class Plain(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) + 1
+
+
+def n_compiles():
+    return len(compile_reports())
+
+
+def test_hooks_installed_in_te_modules():
+    assert guards.te_ub_hooks_installed()
+    assert te_linear.get_ub_is_fp8 is te_base.get_ub_is_fp8
+    assert te_base.get_ub_is_fp8.__te_passes_original__.__module__ == "transformer_engine.pytorch.module.base"
+    assert te_base.destroy_ub.__te_passes_original__.__name__ == "destroy_ub"
+    gen = guards.current_generation()
+    with mock.patch.object(torch.compiler, "reset") as reset:
+        te_base.destroy_ub()  # TE's own destroy_ub: still resets everything, but now also bumps the generation
+    assert reset.call_count == 1 and guards.current_generation() == gen + 1
+    assert UbSnapshot.capture().initialized is False
+
+
+def test_uninstall_restores_te_functions():
+    hooked = te_base.get_ub_is_fp8
+    orig = hooked.__te_passes_original__
+    guards.uninstall_te_ub_hooks()
+    try:
+        assert te_base.get_ub_is_fp8 is orig and te_linear.get_ub_is_fp8 is orig
+        assert getattr(orig, "_dynamo_marked_constant", False)  # TE's assume_constant_result
+    finally:
+        guards.install_te_ub_hooks()
+    assert te_linear.get_ub_is_fp8 is not orig
+
+
+def test_only_the_ub_model_recompiles():
+    ub_model, plain = UbModel(), Plain()
+    cu = torch.compile(ub_model, backend="te_inductor", fullgraph=True)
+    cp = torch.compile(plain, backend="te_inductor", fullgraph=True)
+    x = torch.randn(16)
+    for _ in range(2):
+        torch.testing.assert_close(cu(x), ub_model(x))
+        torch.testing.assert_close(cp(x), plain(x))
+    assert n_compiles() == 2 and counters["stats"]["unique_graphs"] == 2
+    ub_report = compile_reports()[0]
+    assert [r.to_json() for r in ub_report.records("folded")] == [
+        {"kind": "folded", "node": None, "api": "get_ub_is_fp8", "args": ["proj_fprop", True], "value": True,
+         "source": "dynamo_trace"}]
+
+    set_ub_registry(BF16_RS)  # re-initialised: proj_fprop's FP8 buffer is no longer FP8
+    for _ in range(2):
+        torch.testing.assert_close(cu(x), ub_model(x))  # eager now takes the cos branch
+        torch.testing.assert_close(cp(x), plain(x))
+    torch.testing.assert_close(cu(x), torch.cos(x) - 1)
+    assert n_compiles() == 3 and counters["stats"]["unique_graphs"] == 3
+    assert compile_reports()[2].records("folded")[0].data["value"] is False
+
+    # same UB state again (new communicator objects, equal answers): nothing recompiles
+    set_ub_registry(BF16_RS)
+    cu(x), cp(x)
+    assert n_compiles() == 3
+    # back to the first state: Dynamo's first cache entry matches again, still no compile
+    set_ub_registry(FP8_RS)
+    torch.testing.assert_close(cu(x), torch.sin(x) * 2)
+    cp(x)
+    assert n_compiles() == 3
+
+
+def test_ub_query_is_folded_without_graph_break():
+    m = QueryModel()
+    c = torch.compile(m, backend="te_inductor", fullgraph=True)  # fullgraph: a pybind call would fail
+    x = torch.randn(4)
+    with ub_registry({("proj_fprop", "none"): C(tp_size=2)}):
+        torch.testing.assert_close(c(x), x * 2)
+        assert n_compiles() == 1
+    with ub_registry({("proj_fprop", "none"): C(tp_size=4)}):
+        torch.testing.assert_close(c(x), x * 4)
+        torch.testing.assert_close(m(x), x * 4)
+        assert n_compiles() == 2
+
+
+def test_is_ub_initialized_is_guarded_by_dynamo_itself():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if te_base.is_ub_initialized() else x - 1
+
+    m = M()
+    c = torch.compile(m, backend="te_inductor", fullgraph=True)
+    x = torch.zeros(2)
+    torch.testing.assert_close(c(x), x + 1)
+    set_ub_registry(None)
+    torch.testing.assert_close(c(x), x - 1)
+    assert n_compiles() == 2
+
+
+def test_error_mode_refuses_dynamo_retrace():
+    c = torch.compile(UbModel(), backend="te_inductor", options={"te_passes.ub_on_change": "error"})
+    x = torch.randn(3)
+    c(x)
+    set_ub_registry(BF16_RS)
+    with pytest.raises(Exception, match=r"re-traced because the UB state changed .*ub_on_change='error'"):
+        c(x)
+
+
+# --------------------------------------------------------------------------- layer 2: FX graphs
+def consume(x, v):
+    return x * (3.0 if v else 0.5)
+
+
+def ub_graph():
+    """x -> consume(x, get_ub('proj_fprop', True).is_fp8_ubuf()) (a graph with a query node)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    q = g.call_method("is_fp8_ubuf", (g.call_function(te_base.get_ub, ("proj_fprop", True)),))
+    g.output((g.call_function(consume, (x, q)),))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def plain_graph():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(torch.relu, (x,)),))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_fx_graph_recompiles_only_itself():
+    x = torch.randn(8)
+    cu = te_inductor(ub_graph(), [x])
+    cp = te_inductor(plain_graph(), [x])
+    assert hasattr(cu, "te_ub_guard") and not hasattr(cp, "te_ub_guard")  # plain graphs are not wrapped
+    eager_ub = ub_graph()
+    torch.testing.assert_close(cu(x)[0], eager_ub(x)[0])
+    assert n_compiles() == 2
+    before = dict(guards.guard_stats)
+
+    set_ub_registry(BF16_RS)
+    out = cu(x)[0]
+    torch.testing.assert_close(out, eager_ub(x)[0])  # eager re-queries TE live: 0.5 * x
+    torch.testing.assert_close(out, x * 0.5)
+    torch.testing.assert_close(cp(x)[0], torch.relu(x))
+    assert n_compiles() == 3 and cu.te_ub_guard.recompiles == 1
+    assert guards.guard_stats["recompiles"] == before["recompiles"] + 1
+    cu(x)
+    assert n_compiles() == 3  # fast path again
+
+    # a change that does not touch what the graph folded: kept, no recompile
+    set_ub_registry({**BF16_RS, ("fc1_fprop", "fp8"): C(fp8_ubuf=True)})
+    torch.testing.assert_close(cu(x)[0], x * 0.5)
+    assert n_compiles() == 3 and guards.guard_stats["kept"] == before["kept"] + 1
+
+
+def test_fx_graph_error_mode():
+    x = torch.randn(8)
+    cu = te_inductor(ub_graph(), [x], options={"te_passes.ub_on_change": "error"})
+    cu(x)
+    set_ub_registry(BF16_RS)
+    with pytest.raises(UbStateChanged, match=(r"graph g\d+ was compiled against UB state [0-9a-f]{16}, now [0-9a-f]{16}: "
+                                             r"get_ub.is_fp8_ubuf\('proj_fprop', True\): True -> False "
+                                             r"\(te_passes.ub_on_change='error'")):
+        cu(x)
+    assert n_compiles() == 1
+
+
+def test_fx_graph_buffer_gone_is_a_clear_error():
+    x = torch.randn(8)
+    cu = te_inductor(ub_graph(), [x])
+    set_ub_registry({("fc1_fprop", "fp8"): C()})
+    with pytest.raises(UbConfigError, match=r"get_ub.is_fp8_ubuf\('proj_fprop', True\).*no UB buffer \('proj_fprop', fp8\)"):
+        cu(x)
+
+
+def test_te_op_check_is_revalidated():
+    """A graph whose only UB dependence is a checked te.Linear config (the op fetches communicators
+    itself at run time): kept while consistent, a clear error once a buffer it needs is gone."""
+    cfg = dict(ub_name="proj", fp8=False, tp_size=2, ub_overlap_rs_fprop=True, ub_overlap_ag_dgrad=False,
+               is_grad_enabled=False, fp8_output=False, output_quantizer=None)
+    calls = []
+    guard = UbGuard("gX", lambda *a: calls.append(a) or "ran", UbDependence(checks=[UbCheckSpec("linear", cfg, "linear")]),
+                    UbSnapshot.capture().fingerprint(), "recompile", None)
+    fn = make_guarded(guard)
+    assert fn(1) == "ran"
+    set_ub_registry({**FP8_RS, ("qkv_fprop", "fp8"): C()})
+    assert fn(2) == "ran" and guard.recompiles == 0
+    set_ub_registry({("proj_fprop", "fp8"): C(fp8_ubuf=True)})
+    with pytest.raises(UbConfigError, match=(r"(?s)UB state changed since graph gX was compiled.*ub_overlap_rs_fprop needs UB "
+                                             r"buffer 'proj_fprop' in mode 'none'")):
+        fn(3)
+    assert calls == [(1,), (2,)]
+
+
+# --------------------------------------------------------------------------- re-initialising UB
+def test_reinitialize_ub_keeps_unrelated_graphs(monkeypatch):
+    ub_model, plain = UbModel(), Plain()
+    cu = torch.compile(ub_model, backend="te_inductor")
+    cp = torch.compile(plain, backend="te_inductor")
+    x = torch.randn(8)
+    cu(x), cp(x)
+    assert n_compiles() == 2
+
+    def fake_initialize_ub(shape, tp_size, quantization_modes=None, **kw):  # TE's needs GPUs
+        comms = {}
+        for m in quantization_modes:
+            comms[("proj_fprop", m)] = C(fp8_ubuf=False, tp_size=tp_size)
+        te_base._ub_communicators, te_base._ub_initialized = comms, True
+
+    monkeypatch.setattr(te_base, "initialize_ub", guards._wrap_state_change(fake_initialize_ub))
+    with mock.patch.object(torch.compiler, "reset", wraps=torch.compiler.reset) as reset:
+        snap = ub.reinitialize_ub([64, 32], 2, quantization_modes=[te_base.UserBufferQuantizationMode.FP8,
+                                                                   te_base.UserBufferQuantizationMode.NONE])
+    assert reset.call_count == 0
+    assert [(b.name, b.mode, b.is_fp8_ubuf) for b in snap.buffers] == [("proj_fprop", "fp8", False),
+                                                                        ("proj_fprop", "none", False)]
+    torch.testing.assert_close(cu(x), ub_model(x))
+    torch.testing.assert_close(cu(x), torch.cos(x) - 1)
+    torch.testing.assert_close(cp(x), plain(x))
+    assert n_compiles() == 3  # only the UB model recompiled
+
+
+def test_te_destroy_ub_resets_everything_but_keep_compiled_graphs_does_not():
+    plain = Plain()
+    cp = torch.compile(plain, backend="te_inductor")
+    x = torch.randn(4)
+    cp(x)
+    with ub.keep_compiled_graphs():
+        te_base.destroy_ub()
+    cp(x)
+    assert n_compiles() == 1 and UbSnapshot.capture().initialized is False
+    set_ub_registry(FP8_RS)
+    te_base.destroy_ub()  # TE's own: torch.compiler.reset() -> the unrelated graph recompiles
+    cp(x)
+    assert n_compiles() == 2
+
+
+def test_te_inductor_fails_before_inductor_on_missing_buffer():
+    """A query the UB state cannot answer fails the compilation with UbConfigError (not TE's
+    KeyError from inside the graph)."""
+    set_ub_registry({("fc1_fprop", "fp8"): C()})
+    with mock.patch("torch._inductor.compile_fx.compile_fx") as inductor:
+        with pytest.raises(UbConfigError, match=(r"graph g\d+: UB configuration does not match the UB state "
+                                                 r"\(fold_ub_predicates\):\n  - node is_fp8_ubuf: get_ub\('proj_fprop', "
+                                                 r"use_fp8=True\): no UB buffer \('proj_fprop', fp8\) is registered; "
+                                                 r"registered: \['fc1_fprop\[fp8\]'\]")):
+            te_inductor(ub_graph(), [torch.randn(2)])
+    assert inductor.call_count == 0
