@@ -34,10 +34,16 @@ def _short_reason(reason: str) -> str:
     return f"{head}: {expl}" if expl else head
 
 
+_LIBRARY_DIRS = ("site-packages", "dist-packages", "/torch/", "/transformer_engine/")
+
+
 def _location(user_stack: list[Any]) -> str | None:
+    """The innermost frame of the user's own code (not torch / TE / site-packages), else the
+    innermost frame."""
     if not user_stack:
         return None
-    fs = user_stack[-1]
+    fs = next((f for f in reversed(user_stack) if not any(d in f.filename for d in _LIBRARY_DIRS)),
+              user_stack[-1])
     return f"{fs.filename}:{fs.lineno} ({fs.name})"
 
 
@@ -66,8 +72,9 @@ class CompileEvents:
     """Context manager recording what torch.compile did inside it.
 
     After the ``with`` block: :attr:`graph_breaks` (list of :func:`graph_break_entry` dicts,
-    identical breaks merged with a ``count``), :attr:`eager_fallbacks` (TE eager islands:
-    ``{"module", "kind", "reason", "location", "count"}``), :attr:`recompiles` (``{"compile_id",
+    identical breaks merged with a ``count``), :attr:`eager_fallbacks` (TE eager islands, one
+    per module and reason: ``{"module", "kind", "reason", "location" (first), "locations",
+    "count" (graph breaks it caused)}``), :attr:`recompiles` (``{"compile_id",
     "function", "location", "reason"}``), :attr:`frames` (every frame compile) and
     :attr:`te_warnings` (TE's fallback warnings' reasons). ``record_warnings=True`` also
     captures ``warnings`` inside the block into :attr:`warnings` (distinct ``{"category",
@@ -138,17 +145,19 @@ class CompileEvents:
             reason = te["reason"]
             if te["kind"] == "conditional" and self.te_warnings:
                 reason = "; ".join(self.te_warnings)
-            key = (te["module"], reason, e["location"])
+            key = (te["module"], reason, None)  # one island per module and reason, all its breaks
             if key in fallbacks:
                 fallbacks[key]["count"] += e["count"]
+                if e["location"] not in fallbacks[key]["locations"]:
+                    fallbacks[key]["locations"].append(e["location"])
             else:
                 fallbacks[key] = {"module": te["module"], "kind": te["kind"], "reason": reason,
-                                  "location": e["location"], "count": e["count"]}
+                                  "location": e["location"], "locations": [e["location"]], "count": e["count"]}
         known = {f["reason"] for f in fallbacks.values()}
         for w in self.te_warnings:  # warnings whose break Dynamo did not record separately
             if not any(w in k for k in known):
                 fallbacks[("te", w, None)] = {"module": "te", "kind": "warning", "reason": w,
-                                              "location": None, "count": 1}
+                                              "location": None, "locations": [], "count": 1}
         self.eager_fallbacks = list(fallbacks.values())
         self.frames = [_metrics_entry(m) for m in metrics]
         self.recompiles = [{"compile_id": f["compile_id"], "function": f["function"],

@@ -48,8 +48,9 @@ LINEAR_FALLBACK_PREFIX = "te.Linear falling back to eager: "
 FALLBACK_WARNING_RE = re.compile(r"Falling back to eager execution under torch\.compile: (?P<reason>.*?) is "
                                  r"unsupported on the compiled path")
 
-_DISABLED_RE = re.compile(r"Skip (?:inlining|calling) (?:function )?<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>"
-                          r"|Skip (?:inlining|calling) function (?P<qual2>[\w.<>]+)")
+#: Dynamo's text for a call to a ``torch.compiler.disable``d function (torch 2.14 names it
+#: ``<function Qual.name at 0x...>``, with or without backticks, after "Skip inlining/calling").
+_DISABLED_RE = re.compile(r"<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>")
 _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
 
 
@@ -68,9 +69,9 @@ def classify_graph_break(reason: str) -> TEFallback | None:
     m = _USER_BREAK_RE.search(reason)
     if m and m.group("msg").startswith(LINEAR_FALLBACK_PREFIX):
         return TEFallback("te.Linear", "linear_config", m.group("msg")[len(LINEAR_FALLBACK_PREFIX):].strip())
-    m = _DISABLED_RE.search(reason)
+    m = _DISABLED_RE.search(reason) if "torch.compiler.disable" in reason else None
     if m:
-        qual = m.group("qual") or m.group("qual2") or ""
+        qual = m.group("qual")
         if qual in DISABLED_FORWARDS:
             mod, why = DISABLED_FORWARDS[qual]
             return TEFallback(mod, "disabled_forward", why)
