@@ -191,8 +191,10 @@ def main() -> int:
     result["phase1"] = {"steps": args.steps, "max_rel_err": worst, **w1.stats.to_json()}
     reps = compile_reports()
     result["ub_snapshot"] = reps[0].te_state.get("ub") if reps else None
-    result["folded_ub_predicates"] = [r.to_json() for rep in reps for r in rep.records()
-                                      if "ub" in r.kind.lower()]
+    result["folded_ub_predicates"] = [{"graph": rep.graph_id, "stage": str(getattr(st, "value", st)), **rec.to_json()}
+                                      for rep in reps for st_rep in rep.stages for run in st_rep.runs
+                                      if run.name == "fold_ub_predicates"
+                                      for st in (st_rep.stage,) for rec in run.records]
     _log(rank, f"phase 1: {result['phase1']}")
     _log(rank, f"UB snapshot in report: {json.dumps(result['ub_snapshot'])[:800]}")
     _log(rank, f"UB records: {json.dumps(result['folded_ub_predicates'])[:800]}")
