@@ -123,7 +123,12 @@ def find_graph_files(path: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for f in files:
         out.setdefault(os.path.dirname(os.path.dirname(os.path.abspath(f))), []).append(f)
-    return out
+
+    def order(gdir: str) -> tuple[int, str]:  # g2 before g10: the order the graphs were compiled in
+        digits = "".join(ch for ch in os.path.basename(gdir) if ch.isdigit())
+        return (int(digits) if digits else -1, gdir)
+
+    return {k: out[k] for k in sorted(out, key=order)}
 
 
 def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | None = None,

@@ -62,6 +62,24 @@ def node_type(node: torch.fx.Node) -> str | None:
     return format_tensor_type(node_value(node))
 
 
+def constant_name(v: Any) -> str | None:
+    """The global name a value-opaque constant renders as in generated code, when it has one.
+
+    ``torch._library.opaque_object`` constants render through ``__fx_repr__``; TE's own repr is
+    a rebuild expression (``_rebuild_quantizer(...)``, ``OpaqueValueBundle({...})``), while a
+    constant hoisted to a wrapper global (``hoist_recipe_lookups``) renders as a bare name.
+    Returns that name, or ``None``.
+    """
+    fn = getattr(type(v), "__fx_repr__", None)
+    if fn is None:
+        return None
+    try:
+        expr = fn(v)[0]
+    except Exception:  # noqa: BLE001 - a repr that fails is no name
+        return None
+    return expr if isinstance(expr, str) and expr.isidentifier() else None
+
+
 def format_quantizer(q: Any) -> str:
     """``Float8CurrentScalingQuantizer(dtype=DType.kFloat8E4M3, rowwise_usage=True, ...)``: the
     quantizer's class and its value fields (:func:`te_passes.te.graph_model.quantizer_fields`)."""
@@ -70,7 +88,8 @@ def format_quantizer(q: Any) -> str:
     except TypeError:
         return repr(q)
     body = ", ".join(f"{k}={format_value(v)}" for k, v in fields.items())
-    return f"{type(q).__name__}({body})"
+    name = constant_name(q)
+    return f"{type(q).__name__}({body})" + (f" as {name}" if name else "")
 
 
 def format_value(v: Any) -> str:
@@ -84,7 +103,8 @@ def format_value(v: Any) -> str:
         return format_quantizer(v)
     if kind is gmod.TEConstKind.BUNDLE:
         body = ", ".join(f"{k}={format_value(x)}" for k, x in gmod.bundle_dict(v).items())
-        return f"Bundle({body})"
+        name = constant_name(v)
+        return f"Bundle({body})" + (f" as {name}" if name else "")
     if isinstance(v, type):
         return v.__name__
     if isinstance(v, enum.Enum):
@@ -181,11 +201,19 @@ def node_fields(node: torch.fx.Node) -> dict[str, str]:
     out: dict[str, str] = {"op": node.op, "target": format_target(node) if node.op != "output" else "output"}
     if node.op == "get_attr":
         out["value"] = format_value(_attr_value(node))
+    if node.op == "output" and isinstance(node.args[0], (tuple, list)):
+        for i, v in enumerate(node.args[0]):
+            out[f"return[{i}]"] = format_value(v)
+        return out
     call = _try_decode(node)
     if call is None:
         out["args"] = format_value(tuple(node.args))
         out["kwargs"] = format_value(dict(node.kwargs))
         return out
+    for s in call.slots:
+        if s.kind in (gmod.SlotKind.CONFIG, gmod.SlotKind.TQ_META):
+            cname = constant_name(s.value) if not isinstance(s.value, torch.fx.Node) else s.value.name
+            out[f"{s.name}.<constant>"] = cname or "inline"
     for name, (what, val) in _te_op_fields(call):
         if what == "config":
             for k, v in val.items():
@@ -277,6 +305,8 @@ def _format_te_call(node: torch.fx.Node, call: gmod.TEOpCall) -> list[str]:
         if what == "config":
             src = call.config_slot.value if call.config_slot is not None else None
             hoisted = f"  # {src.name} (hoisted constant)" if isinstance(src, torch.fx.Node) else ""
+            if not hoisted and constant_name(src):
+                hoisted = f"  # bundle hoisted as {constant_name(src)}"
             lines.append(f"{ind}config={{{hoisted}")
             for group, items in _grouped_config(val):
                 lines.append(f"{ind}{INDENT}# {group}")
@@ -285,7 +315,10 @@ def _format_te_call(node: torch.fx.Node, call: gmod.TEOpCall) -> list[str]:
             lines.append(f"{ind}}},")
         elif what == "tq":
             if val.kind == "storage":
-                lines.append(f"{ind}{name}={val.storage_cls or 'QuantizedStorage'}(")
+                meta_slot = next((sl for sl in call.slots if sl.name == name + gmod.TQ_META_SUFFIX), None)
+                cname = constant_name(meta_slot.value) if meta_slot is not None else None
+                lines.append(f"{ind}{name}={val.storage_cls or 'QuantizedStorage'}(" +
+                             (f"  # meta bundle hoisted as {cname}" if cname else ""))
                 for sub, text, comment in _storage_lines(val):
                     lines.append(_with_comment(f"{ind}{INDENT}{sub}={text},", comment))
                 lines.append(f"{ind}),")
