@@ -42,7 +42,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from te_passes.te.quantized import QuantizedInfo, classify_quantized
+from te_passes.te.graph_model import BufferRole
+from te_passes.te.quantized import QUANTIZED_DTYPES, QuantizedInfo, classify_quantized
 
 __all__ = ["Buffer", "BufferOrigin", "Escape", "Liveness", "analyze", "tensor_nbytes", "is_opaque_call"]
 
@@ -537,6 +538,9 @@ def _link_holders(node, dst: frozenset[Buffer], src: frozenset[Buffer], holders,
             if d is s:
                 continue
             holders.setdefault(s, set()).add(d)
+            # d now points at s's storage: each keeps the other's storage reachable (a free of
+            # either would release the shared storage under storage-level semantics).
+            holders.setdefault(d, set()).add(s)
             if d.origin is not BufferOrigin.ALLOCATED:
                 escapes.append(Escape(s, node, f"set_ into graph {d.origin.value} {d.node.name}"))
 
@@ -548,6 +552,10 @@ def _attach_quantized(lv: Liveness, saved_roles: dict[str, QuantizedInfo] | None
             # A slot node may be a view (detach) of the buffer: the role belongs to the storage.
             if b.quantized is None or b.quantized.confidence < info.confidence:
                 b.quantized = info
+    # Elements of multi-output ops that no node extracts: classify by their own dtype.
+    for b in lv.buffers:
+        if b.quantized is None and isinstance(b.val, torch.Tensor) and b.val.dtype in QUANTIZED_DTYPES:
+            b.quantized = QuantizedInfo(BufferRole.UNKNOWN.value, "dtype", 1)
 
 
 def live_intervals(lv: Liveness, buffers: Iterable[Buffer] | None = None) -> dict[Buffer, tuple[int, int]]:

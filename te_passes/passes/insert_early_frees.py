@@ -139,6 +139,9 @@ class InsertEarlyFrees(TEPass):
         esc = lv.escaped(buf)
         if esc:
             return f"escapes the graph at {esc[0].node.name}: {esc[0].how}"
+        holders = sorted(h.name for h in lv.holders.get(buf, ()))
+        if holders:
+            return f"its storage is shared with {', '.join(holders)} (set_); left to reference counting"
         if buf.handle is None:
             return "no node extracts this output of a multi-output op; it dies with the op's result tuple"
         last = lv.last_use[buf]
