@@ -20,7 +20,8 @@ te_inductor    ``torch.compile(backend="te_inductor")``
 te_inductor-ro ``torch.compile(backend="te_inductor", mode="reduce-overhead")``
 mgc            ``te.make_graphed_callables(model, (x,), enabled=fp8, recipe=recipe)`` (TE's own
                CUDA-graph capture; default ``clone_param_grads_on_return=True``)
-mgc-noclone    the same with ``clone_param_grads_on_return=False`` (opt-in: ``--variants``)
+mgc-noclone    the same with ``clone_param_grads_on_return=False`` (returned parameter grads alias
+               the graph's static buffers)
 ============== ===========================================================================
 
 Per variant and configuration (tokens × precision) it reports: the median of per-step times
@@ -59,7 +60,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402  (import torch before transformer_engine)
 
 ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-ro", "mgc", "mgc-noclone")
-DEFAULT_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-ro", "mgc")
+DEFAULT_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-ro", "mgc", "mgc-noclone")
 #: Configurations in the order they run: the launch-bound fp8 row first (the goals' key row).
 DEFAULT_CONFIGS = ("256:fp8", "8192:fp8", "256:bf16", "8192:bf16")
 
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="stop starting new variants after this many seconds (they are listed as not run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="directory for bench_gpu.json/.md")
-    ap.add_argument("--profile", nargs="*", default=["256:fp8:te_inductor", "256:fp8:eager"],
+    ap.add_argument("--profile", nargs="*", default=["256:fp8:eager", "256:fp8:te_inductor", "256:fp8:te_inductor-ro", "256:fp8:mgc"],
                     help="TOKENS:PRECISION:VARIANT to cProfile for 20 extra (untimed) steps")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: made-up numbers through the reporting code")
     args = ap.parse_args(argv)
