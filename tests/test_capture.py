@@ -254,6 +254,40 @@ def test_run_pipeline_runs_each_stage_on_its_graph(te_aot_graphs):
 
     only = run_pipeline(cap.dynamo, stages=["dynamo"], passes=[CountTEOps()])
     assert [r.stage for r in only] == ["dynamo"]
+    independent = run_pipeline(cap, passes=[CountTEOps()], relower=False)
+    assert [r.runs[0].records[0].data["ops"] for r in independent] == ops
+
+
+def test_run_pipeline_relower_carries_rewrites_forward(te_aot_graphs):
+    """As in the backend: a JOINT-stage rewrite reaches the partitioned forward/backward graphs
+    (the joint hook runs before partitioning), and the cached capture is untouched."""
+    from te_passes.passes.base import Stage, TEPass, TEPassResult, PassRecord
+    from te_passes.testing.capture import run_pipeline
+
+    class MarkJoint(TEPass):
+        name = "mark_joint"
+        stages = frozenset({Stage.JOINT})
+
+        def run(self, gm, ctx):
+            for n in gm.graph.nodes:
+                if gmod.is_te_op_node(n):
+                    n.meta["marked_at_joint"] = True
+            return TEPassResult(gm, True)
+
+    class SeeMark(TEPass):
+        name = "see_mark"
+        stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+        analysis_only = True
+
+        def run(self, gm, ctx):
+            marks = [bool(n.meta.get("marked_at_joint")) for n in gm.graph.nodes if gmod.is_te_op_node(n)]
+            return TEPassResult(gm, False, [PassRecord("marks", None, {"marks": marks})])
+
+    cap = te_aot_graphs("mxfp8", 1)
+    reports = run_pipeline(cap, passes=[MarkJoint(), SeeMark()])
+    assert [r.stage for r in reports] == ["dynamo", "joint", "post_grad_fwd", "post_grad_bwd"]
+    assert [r.runs[0].records[0].data["marks"] for r in reports[2:]] == [[True], [True]]
+    assert not any(n.meta.get("marked_at_joint") for g in cap.graphs().values() for n in g.graph.nodes)
 
 
 def test_run_pipeline_with_registry_passes(te_aot_graphs):
@@ -313,3 +347,24 @@ def test_inference_capture(te_aot_graphs):
     assert te_op_names(cap.forward) == ["linear"]
     (call,) = _te_calls(cap.forward)
     assert call.config["is_grad_enabled"] is False
+
+
+def test_run_pipeline_strict_failure_propagates(te_aot_graphs):
+    from te_passes.config import TePassesOptions
+    from te_passes.passes.base import Stage, TEPass
+    from te_passes.passes.manager import TePassError
+    from te_passes.testing.capture import run_pipeline
+
+    class Boom(TEPass):
+        name = "boom"
+        stages = frozenset({Stage.POST_GRAD_BWD})
+
+        def run(self, gm, ctx):
+            raise ValueError("boom at bwd")
+
+    with pytest.raises(TePassError, match="boom.*post_grad_bwd"):
+        run_pipeline(te_aot_graphs("bf16", 1), passes=[Boom()], options=TePassesOptions(strict=True))
+    with pytest.warns(RuntimeWarning, match="boom at bwd"):
+        reports = run_pipeline(te_aot_graphs("bf16", 1), passes=[Boom()])
+    assert [(r.stage, [run.status for run in r.runs]) for r in reports] == [
+        ("dynamo", []), ("joint", []), ("post_grad_fwd", []), ("post_grad_bwd", ["failed"])]

@@ -613,16 +613,41 @@ def _repropagate_cuda(gm: torch.fx.GraphModule, mode) -> list[Any]:
     return inputs
 
 
+class _HookError(Exception):
+    """Wraps an exception raised by a ``stage_hook`` (re-raised unwrapped by :func:`capture_aot`)."""
+
+
+def _reraise_hook_error(e: BaseException) -> None:
+    """Re-raise the ``stage_hook``'s own exception if ``e`` wraps one (at any depth)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _HookError) and e.__cause__ is not None:
+            raise e.__cause__
+        e = e.__cause__ or e.__context__
+
+
 class _StopAtHook(Exception):
     """Raised by the recording ``post_grad_custom_pre_pass``: nothing after the hook runs."""
 
 
-def _recording_pass(sink: dict, key: str, stop: bool):
+#: ``stage_hook(stage, gm, example_inputs)``: called where Inductor's custom-pass hooks run, on
+#: the live graph (it may rewrite it in place, as the backend's passes do); ``stage`` is
+#: ``"joint"``, ``"post_grad_fwd"`` or ``"post_grad_bwd"``.
+StageHook = Callable[[str, torch.fx.GraphModule, list[Any]], None]
+
+
+def _recording_pass(sink: dict, key: str, stop: bool, hook: Callable[[torch.fx.GraphModule], None] | None = None):
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class _Record(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
+            if hook is not None:
+                try:
+                    hook(gm)
+                except Exception as e:  # noqa: BLE001 - re-raised by capture_aot
+                    raise _HookError() from e
             sink[key] = gm if stop else _copy_gm(gm)
             if stop:
                 raise _StopAtHook()
@@ -633,20 +658,22 @@ def _recording_pass(sink: dict, key: str, stop: bool):
     return _Record()
 
 
-def _post_grad_prefix(gm: torch.fx.GraphModule, mode, is_inference: bool) -> tuple[torch.fx.GraphModule, list[Any]]:
+def _post_grad_prefix(gm: torch.fx.GraphModule, mode, is_inference: bool, stage: str,
+                      stage_hook: StageHook | None = None) -> tuple[torch.fx.GraphModule, list[Any]]:
     """Bring a partitioned graph to the state Inductor's ``post_grad_custom_pre_pass`` sees it
     in: ``view_to_reshape``, fake-tensor propagation (on fake ``cuda`` inputs), then
     ``post_grad_passes`` up to the custom pre-pass hook (``eliminate_dead_code``, ...), where a
-    recording pass stops it (torch 2.14 ``compile_fx._compile_fx_inner`` →
-    ``fx_codegen_and_compile``)."""
+    recording pass (after ``stage_hook``) stops it (torch 2.14 ``compile_fx._compile_fx_inner``
+    → ``fx_codegen_and_compile``)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.fx_passes.post_grad import post_grad_passes, view_to_reshape
 
     view_to_reshape(gm)
     inputs = _repropagate_cuda(gm, mode)
     sink: dict[str, Any] = {}
+    hook = None if stage_hook is None else (lambda g: stage_hook(stage, g, inputs))
     try:
-        with inductor_config.patch(post_grad_custom_pre_pass=_recording_pass(sink, "post_grad", stop=True)):
+        with inductor_config.patch(post_grad_custom_pre_pass=_recording_pass(sink, "post_grad", True, hook)):
             post_grad_passes(gm, is_inference=is_inference)
     except _StopAtHook:
         pass
@@ -669,7 +696,8 @@ def _unflatten_like(structure: Any, flat: list[Any]) -> Any:
 def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers: int = 1,
                 tokens: int = 32, hidden: int = 64, out_features: int | None = None, *,
                 training: bool = True, partitioner: str = "min_cut",
-                dynamo: CapturedGraph | None = None, **kwargs: Any) -> CapturedAOT:
+                dynamo: CapturedGraph | None = None, stage_hook: StageHook | None = None,
+                **kwargs: Any) -> CapturedAOT:
     """Capture the AOTAutograd graphs (joint, forward, backward) of a TE model without a GPU.
 
     Mirrors what ``compile_fx`` (torch 2.14.1, ``torch._inductor.compile_fx``) feeds Inductor's
@@ -691,6 +719,11 @@ def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers:
             backward then re-runs a dead ``linear.default``, TE ops being side-effecting).
         dynamo: an existing :class:`CapturedGraph` to lower instead of capturing a new one (it
             is not modified).
+        stage_hook: ``stage_hook(stage, gm, example_inputs)`` is called on the live graph where
+            ``joint_custom_pre_pass`` (``"joint"``, before partitioning) and
+            ``post_grad_custom_pre_pass`` (``"post_grad_fwd"`` / ``"post_grad_bwd"``) run, and
+            may rewrite it in place — what the backend's passes do (:func:`run_pipeline` uses
+            it). The recorded graphs are taken after the hook.
 
     Returns:
         :class:`CapturedAOT` (``backward`` / ``joint`` are ``None`` for ``training=False``).
@@ -714,6 +747,10 @@ def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers:
 
     rec: dict[str, Any] = {}
 
+    def joint_hook(gm):
+        if stage_hook is not None:
+            stage_hook("joint", gm, rec["joint_inputs"])
+
     def partition_fn(joint, joint_inputs, **kw):
         # Inductor's joint passes must see cuda values: its constant folder treats any
         # meta-device value as a known constant and would replace TE op outputs.
@@ -736,27 +773,29 @@ def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers:
         meta_inputs = [_to_device(t, mode, "meta") for t in dynamo.example_inputs]
         try:
             with mode, (contextlib.nullcontext() if training else torch.no_grad()), \
-                    inductor_config.patch(joint_custom_pre_pass=_recording_pass(rec, "joint", stop=False)):
+                    inductor_config.patch(joint_custom_pre_pass=_recording_pass(rec, "joint", False, joint_hook)):
                 aot_module_simplified(gm, meta_inputs, fw_compiler=lambda g, _: g.forward,
                                       bw_compiler=lambda g, _: g.forward,
                                       inference_compiler=inference_compiler, partition_fn=partition_fn,
                                       decompositions=select_decomp_table(),
                                       keep_inference_input_mutations=True)
         except Exception as e:  # noqa: BLE001
+            _reraise_hook_error(e)
             raise CaptureError(f"AOTAutograd on {dynamo.model} x{dynamo.layers} {dynamo.precision} failed: "
                                f"{type(e).__name__}: {_first_line(e)}") from e
         fw, bw, joint = rec.get("forward"), rec.get("backward"), rec.get("joint")
         if fw is None:
             raise CaptureError("AOTAutograd produced no forward graph")
         try:
-            fw, fw_inputs = _post_grad_prefix(fw, mode, is_inference=bw is None)
+            fw, fw_inputs = _post_grad_prefix(fw, mode, bw is None, "post_grad_fwd", stage_hook)
             bw_inputs: list[Any] = []
             if bw is not None:
-                bw, bw_inputs = _post_grad_prefix(bw, mode, is_inference=False)
+                bw, bw_inputs = _post_grad_prefix(bw, mode, False, "post_grad_bwd", stage_hook)
             joint_inputs = _repropagate_cuda(joint, mode) if joint is not None else []
         except CaptureError:
             raise
         except Exception as e:  # noqa: BLE001
+            _reraise_hook_error(e)
             raise CaptureError(f"post-grad preparation of {dynamo.model} x{dynamo.layers} {dynamo.precision} "
                                f"failed: {type(e).__name__}: {_first_line(e)}") from e
     return CapturedAOT(forward=fw, backward=bw, joint=joint, forward_inputs=fw_inputs,
@@ -832,65 +871,83 @@ def cached_aot(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> Cap
 # --------------------------------------------------------------------------- pipeline
 def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | None = None, *,
                  passes: Sequence[Any] | None = None, options: Any = None, te_state: Any = None,
-                 copy: bool = True, graph_id: str = "g0") -> list[Any]:
+                 relower: bool = True, copy: bool = True, graph_id: str = "g0") -> list[Any]:
     """Run te_passes' pass pipeline on captured graphs, stage by stage, as the backend does.
 
-    :class:`CapturedGraph` → ``Stage.DYNAMO`` on ``gm`` (with its example inputs);
-    :class:`CapturedAOT` → ``Stage.DYNAMO`` on its Dynamo graph, ``Stage.JOINT`` on ``joint``,
-    ``Stage.POST_GRAD_FWD`` on ``forward``, ``Stage.POST_GRAD_BWD`` on ``backward``.
+    :class:`CapturedGraph` → ``Stage.DYNAMO`` on ``gm`` (with its example inputs).
+
+    :class:`CapturedAOT` with ``relower`` (default) — the backend's order exactly: the DYNAMO
+    passes rewrite (a copy of) the Dynamo graph, which is then lowered again by
+    :func:`capture_aot` with the JOINT passes run at the ``joint_custom_pre_pass`` point (before
+    partitioning, so their rewrites reach the forward/backward graphs) and the POST_GRAD_FWD /
+    POST_GRAD_BWD passes at the ``post_grad_custom_pre_pass`` point. Costs one AOT trace
+    (~1–2 s). Without ``relower`` each stage's passes run on the captured graph of that stage
+    independently (cheaper; later stages do not see earlier stages' rewrites).
 
     Args:
         captured: what :func:`capture_dynamo` / :func:`capture_aot` returned.
-        stages: the :class:`~te_passes.passes.base.Stage`\\ s (or their values) to run; default all
-            the captured graphs allow.
+        stages: the :class:`~te_passes.passes.base.Stage`\\ s (or their values) whose passes
+            run; default all. Unselected stages' graphs are still produced (relower).
         passes: pass instances (default: the registry's, ``PassManager()``; an empty registry
             gives reports with no runs).
         options: ``TePassesOptions`` (default: ``TePassesOptions()``).
         te_state: ``TEState`` (default: ``TEState.capture()``).
+        relower: see above (``CapturedAOT`` only).
         copy: rewrite copies (default) so ``captured`` — e.g. a cached fixture — stays intact;
-            ``False`` rewrites ``captured``'s graphs in place.
+            ``False`` rewrites ``captured``'s graphs in place (without ``relower`` only).
         graph_id: the id stage reports carry (``"g0"``, ``"g0.joint"``, ``"g0.fwd"``, ``"g0.bwd"``).
 
     Returns:
-        ``list[StageReport]`` in stage order; when ``copy`` is set, the rewritten graph modules are
-        attached to each report as ``report.gm`` for inspection.
+        ``list[StageReport]`` in stage order; each report's ``gm`` attribute is the graph the
+        passes ran on (after them).
+
+    Raises:
+        te_passes.passes.manager.TePassError: a pass failed under ``options.strict``.
     """
     from te_passes.config import TePassesOptions
     from te_passes.passes.base import PassContext, Stage
     from te_passes.passes.manager import PassManager
     from te_passes.te.state import TEState
 
-    if copy:
-        captured = captured.copy()
+    if not isinstance(captured, (CapturedGraph, CapturedAOT)):
+        raise TypeError(f"run_pipeline takes a CapturedGraph or CapturedAOT, not {type(captured).__name__}")
     manager = PassManager(passes=passes)
     options = TePassesOptions() if options is None else options
     te_state = TEState.capture() if te_state is None else te_state
     wanted = None if stages is None else {Stage(s) for s in stages}
+    suffix = {Stage.DYNAMO: "", Stage.JOINT: ".joint", Stage.POST_GRAD_FWD: ".fwd", Stage.POST_GRAD_BWD: ".bwd"}
+    reports: list[Any] = []
 
-    jobs: list[tuple[Any, torch.fx.GraphModule, list[Any], str]] = []
+    def run(stage: Stage, gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
+        if wanted is not None and stage not in wanted:
+            return
+        report = manager.run(gm, PassContext(stage, options, te_state, inputs, graph_id + suffix[stage]))
+        report.gm = gm  # type: ignore[attr-defined]
+        reports.append(report)
+
+    if isinstance(captured, CapturedAOT) and relower:
+        dyn = captured.dynamo.copy()
+        with _quiet(), fake_gpu(dyn.precision):
+            run(Stage.DYNAMO, dyn.gm, dyn.example_inputs)
+        capture_aot(dynamo=dyn, partitioner=captured.partitioner,
+                    stage_hook=lambda stage, gm, inputs: run(Stage(stage), gm, inputs))
+        return reports
+
+    if copy:
+        captured = captured.copy()
     if isinstance(captured, CapturedAOT):
         d = captured.dynamo
-        jobs.append((Stage.DYNAMO, d.gm, d.example_inputs, graph_id))
+        jobs = [(Stage.DYNAMO, d.gm, d.example_inputs)]
         if captured.joint is not None:
-            jobs.append((Stage.JOINT, captured.joint, captured.joint_inputs, f"{graph_id}.joint"))
-        jobs.append((Stage.POST_GRAD_FWD, captured.forward, captured.forward_inputs, f"{graph_id}.fwd"))
+            jobs.append((Stage.JOINT, captured.joint, captured.joint_inputs))
+        jobs.append((Stage.POST_GRAD_FWD, captured.forward, captured.forward_inputs))
         if captured.backward is not None:
-            jobs.append((Stage.POST_GRAD_BWD, captured.backward, captured.backward_inputs, f"{graph_id}.bwd"))
-    elif isinstance(captured, CapturedGraph):
-        jobs.append((Stage.DYNAMO, captured.gm, captured.example_inputs, graph_id))
+            jobs.append((Stage.POST_GRAD_BWD, captured.backward, captured.backward_inputs))
     else:
-        raise TypeError(f"run_pipeline takes a CapturedGraph or CapturedAOT, not {type(captured).__name__}")
-
-    reports = []
-    for stage, gm, inputs, gid in jobs:
-        if wanted is not None and stage not in wanted:
-            continue
-        report = manager.run(gm, PassContext(stage, options, te_state, inputs, gid))
-        try:
-            report.gm = gm  # type: ignore[attr-defined]
-        except AttributeError:  # pragma: no cover - slotted report class
-            pass
-        reports.append(report)
+        jobs = [(Stage.DYNAMO, captured.gm, captured.example_inputs)]
+    with _quiet(), fake_gpu(captured.precision):
+        for stage, gm, inputs in jobs:
+            run(stage, gm, inputs)
     return reports
 
 
