@@ -174,20 +174,23 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
         if hasattr(obs, "finish"):
             obs.finish(report)
     return _maybe_guard(compiled, report, te_state, opts,
-                        recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options))
+                        recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options),
+                        cudagraphs=bool(config_patches.get("triton.cudagraphs")))
 
 
-def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions, recompile=None):
+def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions, recompile=None,
+                 cudagraphs: bool = False):
     """Wrap ``compiled`` with a TE-state guard when a pass specialised it on UB state.
 
     ``recompile(gm, args)`` recompiles a pre-pass copy of the graph with the same mode/options
-    (used by the UB guard when the UB state changed; see :mod:`te_passes.te.guards`).
+    (used by the UB guard when the UB state changed; see :mod:`te_passes.te.guards`);
+    ``cudagraphs``: the graph is replayed as a CUDA graph (UB buffers recorded into it).
     """
     try:
         from te_passes.te.guards import wrap_with_te_state_guard
     except ImportError:
         return compiled
-    return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile)
+    return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile, cudagraphs=cudagraphs)
 
 
 def _raise_ub_mismatches(report: CompileReport) -> None:

@@ -300,3 +300,64 @@ def test_te_inductor_fails_before_inductor_on_missing_buffer():
                                                  r"registered: \['fc1_fprop\[fp8\]'\]")):
             te_inductor(ub_graph(), [torch.randn(2)])
     assert inductor.call_count == 0
+
+
+LINEAR_CFG = dict(ub_name="proj", fp8=False, tp_size=2, ub_overlap_rs_fprop=True, ub_overlap_ag_dgrad=False,
+                  is_grad_enabled=False, fp8_output=False, output_quantizer=None)
+
+
+def _report(graph_id):
+    from te_passes.report import CompileReport
+    return CompileReport(graph_id)
+
+
+def test_trace_time_folds_only_need_no_runtime_wrapper():
+    """Dynamo's token guard covers values folded while tracing: the compiled graph is returned as is."""
+    from te_passes.config import TePassesOptions
+    from te_passes.te.state import TEState
+
+    def compiled(*a):
+        return a
+
+    guards.register_dependence("g900", folds=[guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, None,
+                                                            "dynamo_trace")])
+    assert guards.wrap_with_te_state_guard(compiled, _report("g900"), TEState.capture(), TePassesOptions()) is compiled
+    guards.register_dependence("g901", checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")])
+    wrapped = guards.wrap_with_te_state_guard(compiled, _report("g901"), TEState.capture(), TePassesOptions())
+    assert wrapped is not compiled and wrapped.te_ub_guard.dependence.checks[0].config == LINEAR_CFG
+    # an explicit offline snapshot is not guarded against the live registry
+    guards.register_dependence("g902", checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")])
+    assert guards.wrap_with_te_state_guard(compiled, _report("g902"), TEState.capture(),
+                                           TePassesOptions(ub_snapshot={"initialized": False})) is compiled
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_ub_op_graph_rerecords_under_cudagraphs(cudagraphs):
+    """Re-initialising UB with an *equal* configuration frees the old communicators' buffers: a graph
+    with UB TE ops replayed as a CUDA graph must be recompiled (re-recorded); without CUDA graphs the
+    op fetches the communicators at run time and the compiled code is kept."""
+    pristine = plain_graph()
+    recompiled = []
+
+    def recompile(gm, args):
+        recompiled.append(([n.op for n in gm.graph.nodes], args))
+        return lambda *a: "new"
+
+    guard = UbGuard("gY", lambda *a: "old", UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
+                                                          pristine=pristine),
+                    UbSnapshot.capture().fingerprint(), "recompile", recompile, cudagraphs=cudagraphs)
+    fn = make_guarded(guard)
+    assert fn(1) == "old"
+    set_ub_registry(dict(FP8_RS))  # new communicator objects, same answers, same fingerprint
+    assert fn(2) == ("new" if cudagraphs else "old")
+    assert recompiled == ([(["placeholder", "call_function", "output"], [2])] if cudagraphs else [])
+    err = UbGuard("gZ", lambda *a: "old", UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
+                                                        pristine=pristine),
+                  UbSnapshot.capture().fingerprint(), "error", recompile, cudagraphs=cudagraphs)
+    fn = make_guarded(err)
+    set_ub_registry(dict(FP8_RS))
+    if cudagraphs:
+        with pytest.raises(UbStateChanged, match="replays TE ops with UB overlap as a CUDA graph"):
+            fn(3)
+    else:
+        assert fn(3) == "old"

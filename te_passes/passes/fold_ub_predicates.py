@@ -210,7 +210,7 @@ class FoldUbPredicates(TEPass):
             raise UbConfigError("; ".join(str(r.data["message"]) for r in mismatches))
 
         # 4. mutate: keep a pre-pass copy for recompiles, then fold.
-        pristine = guards.pristine_copy(gm) if values and ctx.stage is Stage.DYNAMO else None
+        pristine = guards.pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
         modified = False
         if values:
             modified = True

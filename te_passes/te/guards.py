@@ -373,32 +373,42 @@ class UbGuard:
     """
 
     def __init__(self, graph_id: str, compiled: Callable, dependence: UbDependence, fingerprint: str,
-                 on_change: str, recompile: Callable | None) -> None:
+                 on_change: str, recompile: Callable | None, cudagraphs: bool = False) -> None:
         self.graph_id = graph_id
         self.compiled = compiled
         self.dependence = dependence
         self.fingerprint = fingerprint
         self.on_change = on_change
         self.recompile = recompile
+        self.cudagraphs = cudagraphs
         self.recompiles = 0
         live = live_snapshot()
         # UB changed while this graph compiled: examine on the first call.
         self.generation = _STATE.generation if live.fingerprint() == fingerprint else -1
 
+    @property
+    def rerecord_on_any_change(self) -> bool:
+        """Whether every UB re-initialisation invalidates the compiled code: the graph runs TE ops
+        with UB overlap and is replayed as a CUDA graph, whose recorded kernels hold the addresses
+        of the communicators' buffers (``destroy_ub`` frees them), even when the new UB state
+        answers every query the same."""
+        return self.cudagraphs and bool(self.dependence.checks)
+
     def revalidate(self, args: list) -> None:
         """Slow path, after the UB generation changed (see the module docstring).
 
         Raises:
-            UbConfigError: a TE op's UB configuration no longer matches the UB state.
-            UbStateChanged: folded values changed and ``on_change="error"``, or they changed in
-                a way only a Dynamo re-trace can fix.
+            UbConfigError: the UB state no longer satisfies a TE op's UB configuration or a
+                folded query (its buffer is gone).
+            UbStateChanged: the graph must be recompiled and ``on_change="error"``, or it cannot
+                be recompiled here (values folded by Dynamo at trace time, no pre-pass copy).
         """
         with _LOCK:
             guard_stats["slow_checks"] += 1
             gen = _STATE.generation
             live = live_snapshot()
             fp = live.fingerprint()
-            if fp == self.fingerprint:
+            if fp == self.fingerprint and not self.rerecord_on_any_change:
                 self.generation = gen
                 guard_stats["kept"] += 1
                 return
@@ -410,11 +420,15 @@ class UbGuard:
                 raise UbConfigError(f"te_passes: UB state changed since graph {self.graph_id} was compiled "
                                     "and no longer satisfies what it was compiled against:\n  - "
                                     + "\n  - ".join(problems))
-            if not changed:
+            if not changed and not self.rerecord_on_any_change:
                 self.generation, self.fingerprint = gen, fp
                 guard_stats["kept"] += 1
                 return
-            diff = "; ".join(f"{f.api}{f.args!r}: {f.value!r} -> {new!r}" for f, new in changed)
+            if changed:
+                diff = "; ".join(f"{f.api}{f.args!r}: {f.value!r} -> {new!r}" for f, new in changed)
+            else:
+                diff = ("UB was re-initialised and the graph replays TE ops with UB overlap as a CUDA graph "
+                        "(its recorded kernels use the old communicators' buffers)")
             where = (f"graph {self.graph_id} was compiled against UB state {self.fingerprint[:16]}, "
                      f"now {fp[:16]}: {diff}")
             if self.on_change == "error":
@@ -480,7 +494,7 @@ def raise_ub_mismatches(report: Any) -> None:
 
 
 def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any,
-                             recompile: Callable | None = None) -> Callable:
+                             recompile: Callable | None = None, cudagraphs: bool = False) -> Callable:
     """Wrap a ``te_inductor``-compiled graph with a UB-state guard when it depends on UB state.
 
     Args:
@@ -491,11 +505,15 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
         opts: :class:`te_passes.config.TePassesOptions` (``ub_on_change``, ``ub_snapshot``).
         recompile: ``(gm, args) -> compiled`` used to recompile the pre-pass graph (the backend
             passes ``te_inductor`` with the same mode/options).
+        cudagraphs: the graph is replayed as a CUDA graph (``triton.cudagraphs``, e.g.
+            ``mode="reduce-overhead"``): graphs with UB TE ops then recompile on *every* UB
+            re-initialisation (see :attr:`UbGuard.rerecord_on_any_change`).
 
     Returns:
-        ``compiled`` itself when no pass recorded a UB dependence, or when an explicit
-        ``te_passes.ub_snapshot`` was given (offline use); else the guarded callable (``fn(*args)``,
-        attribute ``te_ub_guard``: :class:`UbGuard`).
+        ``compiled`` itself when the graph needs no run-time UB guard — no UB dependence, only
+        values Dynamo folded while tracing (Dynamo's own guard on :data:`UB_STATE_TOKEN` covers
+        them), or an explicit ``te_passes.ub_snapshot`` (offline use) — else the guarded callable
+        (``fn(*args)``, attribute ``te_ub_guard``: :class:`UbGuard`).
 
     Raises:
         UbConfigError: the passes found TE op UB configurations that the UB state cannot
@@ -505,9 +523,12 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
     graph_id = getattr(report, "graph_id", "g?")
     dep = pop_dependence(graph_id)
     raise_ub_mismatches(report)
-    if not dep or getattr(opts, "ub_snapshot", None) is not None:
+    if getattr(opts, "ub_snapshot", None) is not None:
+        return compiled
+    if not dep.checks and all(f.source == "dynamo_trace" for f in dep.folds):
         return compiled
     ub = getattr(te_state, "ub", None)
     fingerprint = ub.fingerprint() if ub is not None else live_snapshot().fingerprint()
-    guard = UbGuard(graph_id, compiled, dep, fingerprint, getattr(opts, "ub_on_change", "recompile"), recompile)
+    guard = UbGuard(graph_id, compiled, dep, fingerprint, getattr(opts, "ub_on_change", "recompile"), recompile,
+                    cudagraphs=cudagraphs)
     return make_guarded(guard)

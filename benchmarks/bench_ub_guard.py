@@ -1,0 +1,137 @@
+"""Per-call cost of te_passes' UB guards, measured side by side in one process.
+
+What is timed (median over ``--repeats`` runs of ``--calls`` back-to-back calls, ns per call):
+
+* ``trivial call``            — ``f(x)`` where ``f`` returns ``x`` (the floor of any Python call);
+* ``UB-guarded trivial call`` — the same ``f`` behind :func:`te_passes.te.guards.make_guarded`
+  (layer 2, fast path: one integer compare per call);
+* ``compiled graph``          — a ``te_inductor``-compiled graph (CPU, 16 floats) called directly,
+  and the same compiled callable behind the UB guard;
+* ``torch.compile'd module``  — a module whose forward reads ``get_ub_is_fp8`` (layer 1: Dynamo
+  guards the UB state token) vs the same module without the query (needs TE; stand-in UB);
+* ``CUDA graph replay``       — ``torch.cuda.CUDAGraph.replay()`` of one small kernel, when a GPU
+  is present: the reference the guard must be negligible against.
+
+Run: ``PYTHONPATH=. python benchmarks/bench_ub_guard.py [--calls 200000] [--repeats 7]``.
+The guard's cost is reported as the difference to its unguarded twin and as a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def per_call_ns(fn, arg, calls: int, repeats: int) -> float:
+    """Median ns per call of ``fn(arg)`` over ``repeats`` runs of ``calls`` calls."""
+    for _ in range(min(calls, 1000)):
+        fn(arg)
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn(arg)
+        runs.append((time.perf_counter_ns() - t0) / calls)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    calls, reps = args.calls, args.repeats
+
+    from te_passes.te import guards
+    from te_passes.te.guards import UbDependence, UbFold, UbGuard, make_guarded
+
+    rows: list[tuple[str, float, str]] = []
+
+    def trivial(x):
+        return x
+
+    dep = UbDependence(folds=[UbFold("is_ub_initialized", (), False)])
+    fp = guards.live_snapshot().fingerprint()
+    g_trivial = make_guarded(UbGuard("bench", trivial, dep, fp, "recompile", None))
+    x = torch.zeros(16)
+    t_triv = per_call_ns(trivial, x, calls, reps)
+    t_gtriv = per_call_ns(g_trivial, x, calls, reps)
+    rows += [("trivial call", t_triv, "1.00x"),
+             ("UB-guarded trivial call", t_gtriv, f"{t_gtriv / t_triv:.2f}x  (+{t_gtriv - t_triv:.0f} ns)")]
+
+    # layer 2 around a real te_inductor-compiled graph
+    c_calls = max(calls // 20, 1000)
+    try:
+        from te_passes.backend import te_inductor
+
+        gm = torch.fx.symbolic_trace(lambda t: t + 1)
+        compiled = te_inductor(gm, [x])
+    except Exception as e:  # noqa: BLE001 - e.g. a torch without what te_inductor needs
+        rows.append((f"compiled graph: skipped ({type(e).__name__}: {str(e)[:60]})", float("nan"), ""))
+    else:
+        g_compiled = make_guarded(UbGuard("bench2", compiled, dep, fp, "recompile", None))
+        t_comp = per_call_ns(compiled, x, c_calls, reps)
+        t_gcomp = per_call_ns(g_compiled, x, c_calls, reps)
+        rows += [("compiled graph (te_inductor, CPU)", t_comp, "1.00x"),
+                 ("  + UB guard", t_gcomp, f"{t_gcomp / t_comp:.3f}x  (+{t_gcomp - t_comp:.0f} ns)")]
+
+    # layer 1: Dynamo guard on the UB state token
+    try:
+        import transformer_engine.pytorch.module.base as te_base
+
+        from te_passes.testing.ub import StandInCommunicator, ub_registry
+    except Exception as e:  # noqa: BLE001 - TE not installed here
+        rows.append((f"torch.compile'd module with get_ub_is_fp8: skipped ({type(e).__name__})", float("nan"), ""))
+    else:
+        class WithQuery(torch.nn.Module):
+            def forward(self, t):
+                return t + 1 if te_base.get_ub_is_fp8("proj_fprop", True) else t - 1
+
+        class Without(torch.nn.Module):
+            def forward(self, t):
+                return t + 1
+
+        with ub_registry({("proj_fprop", "fp8"): StandInCommunicator(fp8_ubuf=True)}):
+            cw = torch.compile(WithQuery(), backend="te_inductor")
+            co = torch.compile(Without(), backend="te_inductor")
+            cw(x), co(x)
+            t_o = per_call_ns(co, x, c_calls, reps)
+            t_w = per_call_ns(cw, x, c_calls, reps)
+        rows += [("torch.compile'd module, no UB query", t_o, "1.00x"),
+                 ("torch.compile'd module, get_ub_is_fp8 (token guard)", t_w,
+                  f"{t_w / t_o:.3f}x  (+{t_w - t_o:.0f} ns)")]
+
+    if torch.cuda.is_available():
+        s = torch.cuda.Stream()
+        y = torch.zeros(1024, device="cuda")
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                y.add_(1)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y.add_(1)
+
+        def replay(_):
+            graph.replay()
+
+        t_rep = per_call_ns(replay, None, max(calls // 20, 1000), reps)
+        torch.cuda.synchronize()
+        guard_ns = t_gtriv - t_triv
+        rows += [("CUDA graph replay (1 kernel, host side)", t_rep, "1.00x"),
+                 ("  UB guard cost / replay", guard_ns, f"{guard_ns / t_rep:.4f}x")]
+    else:
+        rows.append(("CUDA graph replay: skipped (no GPU)", float("nan"), ""))
+
+    width = max(len(r[0]) for r in rows)
+    print(f"torch {torch.__version__}; {calls} calls x {reps} repeats (compiled rows: {c_calls} calls)")
+    print(f"{'what':<{width}}  {'ns/call':>10}  ratio")
+    for name, ns, ratio in rows:
+        print(f"{name:<{width}}  {ns:>10.0f}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()
