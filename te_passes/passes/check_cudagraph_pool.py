@@ -1,0 +1,120 @@
+"""Pass ``check_cudagraph_pool``: find values that would stay in the CUDA-graph pool after a step."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.fx
+
+from te_passes.analyses.liveness import BufferOrigin, Liveness, analyze
+from te_passes.passes.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+
+
+class CudagraphPoolLeakError(RuntimeError):
+    """A graph leaves values allocated inside it referenced after it returns, without returning
+    them (raised under ``te_passes.strict``; the message names every node)."""
+
+
+class CudagraphPoolWarning(UserWarning):
+    """Warning category of ``check_cudagraph_pool`` findings (filter it with ``warnings``)."""
+
+
+def pool_findings(lv: Liveness) -> list[dict[str, Any]]:
+    """Values allocated inside the graph that are still referenced when it returns, without
+    being graph outputs: ``[{"node", "role", "bytes", "at", "how"}]`` in graph order.
+
+    ``node`` is the FX node that allocated the value (its ``getitem`` for a multi-output op),
+    ``role`` its TE quantized-buffer role (``None`` when it is not part of a quantized
+    tensor), ``at`` the node where the reference escapes and ``how`` in what way (``set_``
+    into a graph input, stored into a Python object, ...).
+    """
+    out = []
+    for buf in lv.buffers:
+        if buf.origin is not BufferOrigin.ALLOCATED or lv.is_output(buf):
+            continue
+        esc = lv.escaped(buf)
+        if not esc:
+            continue
+        nb = buf.nbytes()
+        out.append({"node": buf.name, "role": buf.quantized.role if buf.quantized else None,
+                    "bytes": nb, "at": esc[0].node.name, "how": esc[0].how,
+                    "source": buf.quantized.source if buf.quantized else None})
+    return out
+
+
+def _cudagraphs_enabled() -> bool:
+    try:
+        from torch._inductor import config as inductor_config
+
+        return bool(inductor_config.triton.cudagraphs)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def format_findings(graph_id: str, findings: list[dict[str, Any]]) -> str:
+    """One message naming every finding's node, role, size and escape point."""
+    lines = [f"te_passes check_cudagraph_pool: graph {graph_id}: {len(findings)} value(s) allocated inside "
+             f"the graph stay referenced after it returns without being graph outputs. Under "
+             f"mode='reduce-overhead' CUDA graph trees would fail with \"Detected {len(findings)} "
+             f"tensor(s) in the cudagraph pool not tracked as outputs\":"]
+    for f in findings:
+        role = f"quantized {f['role']}" if f["role"] else "not quantized"
+        size = f"{f['bytes']} B" if f["bytes"] is not None else "size unknown"
+        lines.append(f"  - node {f['node']!r} ({role}, {size}) escapes at node {f['at']!r}: {f['how']}")
+    lines.append("  Return the value from the graph, copy it instead of aliasing it, or free it before the "
+                 "graph ends (docs/passes/check_cudagraph_pool.md).")
+    return "\n".join(lines)
+
+
+class CheckCudagraphPool(TEPass):
+    """Static CUDA-graph pool check (analysis only; never changes the graph).
+
+    CUDA graph trees (``mode="reduce-overhead"``; ``torch/_inductor/cudagraph_trees.py``,
+    torch 2.14) record each graph into a private memory pool and, after recording, check that
+    every storage still allocated in that pool belongs to a graph output; otherwise the step
+    fails with "Detected N tensor(s) in the cudagraph pool not tracked as outputs". This pass
+    finds the same condition in the FX graph before Inductor runs: a value allocated inside
+    the graph that is still referenced when the graph returns but is not an output
+    (alias-aware liveness, :mod:`te_passes.analyses.liveness`): a ``set_`` that makes a graph
+    input hold an internal buffer, a Python-level store (``setattr``, ``setitem``,
+    ``list.append``) in a Dynamo graph. Each finding names the FX node that allocated the value
+    and its TE role (``rowwise_data``, ``columnwise_data``, ``scale_inv``, ...).
+
+    A finding is a ``"pool_leak"`` record and a :class:`CudagraphPoolWarning`; under
+    ``te_passes.strict`` a :class:`CudagraphPoolLeakError` (the pass manager turns it into a
+    ``TePassError``). A clean graph gives one ``"pool_check"`` record with ``findings=0``.
+
+    Example (a planted leak: an FP8 temporary stashed into a graph input)::
+
+        q = aten._to_copy(x, dtype=float8_e4m3fn)      # allocated in the pool
+        set_ = aten.set_.source_Tensor(cache, q)       # cache (an input) now holds q's storage
+        y = mylib.fp8_gemm(q, w)
+        return (y,)                                    # q is not an output
+        -> pool_leak: node '_to_copy' (quantized rowwise_data, 64 B) escapes at node 'set_'
+
+    Not visible to a static check: references kept *inside* opaque ops (a TE op caching a
+    workspace it allocated); those need the run-time check cudagraph trees make.
+    """
+
+    name = "check_cudagraph_pool"
+    stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    description = "find values allocated in the graph that outlive it without being outputs (cudagraph pool leaks)"
+    analysis_only = True
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        lv = analyze(gm.graph, stage=ctx.stage.value)
+        findings = pool_findings(lv)
+        cudagraphs = _cudagraphs_enabled()
+        records = [PassRecord("pool_leak", f["node"], {**f, "cudagraphs": cudagraphs}) for f in findings]
+        records.append(PassRecord("pool_check", None, {
+            "findings": len(findings), "cudagraphs": cudagraphs,
+            "allocated_values": sum(1 for b in lv.buffers if b.origin is BufferOrigin.ALLOCATED),
+            "conservative_alias_nodes": [n.name for n in lv.unknown_alias_nodes]}))
+        if findings:
+            msg = format_findings(ctx.graph_id, findings)
+            if ctx.options.strict:
+                raise CudagraphPoolLeakError(msg)
+            warnings.warn(msg, CudagraphPoolWarning, stacklevel=2)
+        return TEPassResult(gm, False, records)
