@@ -9,6 +9,7 @@ What is timed (median over ``--repeats`` runs of ``--calls`` back-to-back calls,
   and the same compiled callable behind the UB guard;
 * ``torch.compile'd module``  — a module whose forward reads ``get_ub_is_fp8`` (layer 1: Dynamo
   guards the UB state token) vs the same module without the query (needs TE; stand-in UB);
+* (pairs are timed interleaved, a/b/a/b, so machine noise hits both alike)
 * ``CUDA graph replay``       — ``torch.cuda.CUDAGraph.replay()`` of one small kernel, when a GPU
   is present: the reference the guard must be negligible against.
 
@@ -27,15 +28,23 @@ import torch
 
 def per_call_ns(fn, arg, calls: int, repeats: int) -> float:
     """Median ns per call of ``fn(arg)`` over ``repeats`` runs of ``calls`` calls."""
-    for _ in range(min(calls, 1000)):
-        fn(arg)
-    runs = []
+    return pair_ns(fn, fn, arg, calls, repeats)[0]
+
+
+def pair_ns(fa, fb, arg, calls: int, repeats: int) -> tuple[float, float]:
+    """Median ns per call of ``fa(arg)`` and ``fb(arg)``, runs interleaved (a, b, a, b, ...) so
+    that machine noise hits both alike."""
+    for f in (fa, fb):
+        for _ in range(min(calls, 1000)):
+            f(arg)
+    runs: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            fn(arg)
-        runs.append((time.perf_counter_ns() - t0) / calls)
-    return statistics.median(runs)
+        for i, f in enumerate((fa, fb)):
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                f(arg)
+            runs[i].append((time.perf_counter_ns() - t0) / calls)
+    return statistics.median(runs[0]), statistics.median(runs[1])
 
 
 def main() -> None:
@@ -57,8 +66,7 @@ def main() -> None:
     fp = guards.live_snapshot().fingerprint()
     g_trivial = make_guarded(UbGuard("bench", trivial, dep, fp, "recompile", None))
     x = torch.zeros(16)
-    t_triv = per_call_ns(trivial, x, calls, reps)
-    t_gtriv = per_call_ns(g_trivial, x, calls, reps)
+    t_triv, t_gtriv = pair_ns(trivial, g_trivial, x, calls, reps)
     rows += [("trivial call", t_triv, "1.00x"),
              ("UB-guarded trivial call", t_gtriv, f"{t_gtriv / t_triv:.2f}x  (+{t_gtriv - t_triv:.0f} ns)")]
 
@@ -73,8 +81,7 @@ def main() -> None:
         rows.append((f"compiled graph: skipped ({type(e).__name__}: {str(e)[:60]})", float("nan"), ""))
     else:
         g_compiled = make_guarded(UbGuard("bench2", compiled, dep, fp, "recompile", None))
-        t_comp = per_call_ns(compiled, x, c_calls, reps)
-        t_gcomp = per_call_ns(g_compiled, x, c_calls, reps)
+        t_comp, t_gcomp = pair_ns(compiled, g_compiled, x, c_calls, reps)
         rows += [("compiled graph (te_inductor, CPU)", t_comp, "1.00x"),
                  ("  + UB guard", t_gcomp, f"{t_gcomp / t_comp:.3f}x  (+{t_gcomp - t_comp:.0f} ns)")]
 
@@ -98,8 +105,7 @@ def main() -> None:
             cw = torch.compile(WithQuery(), backend="te_inductor")
             co = torch.compile(Without(), backend="te_inductor")
             cw(x), co(x)
-            t_o = per_call_ns(co, x, c_calls, reps)
-            t_w = per_call_ns(cw, x, c_calls, reps)
+            t_o, t_w = pair_ns(co, cw, x, c_calls, reps)
         rows += [("torch.compile'd module, no UB query", t_o, "1.00x"),
                  ("torch.compile'd module, get_ub_is_fp8 (token guard)", t_w,
                   f"{t_w / t_o:.3f}x  (+{t_w - t_o:.0f} ns)")]
