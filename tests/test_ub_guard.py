@@ -361,3 +361,81 @@ def test_ub_op_graph_rerecords_under_cudagraphs(cudagraphs):
             fn(3)
     else:
         assert fn(3) == "old"
+
+
+# --------------------------------------------------------------------------- real te.Linear
+@pytest.mark.parametrize("hooked", [True, False], ids=["te_passes_hooks", "te_unguarded"])
+def test_real_te_linear_recompiles_only_when_its_ub_answer_changes(hooked):
+    """Two real te.Linear (fake CUDA tensors, CPU): a row-parallel one with reduce-scatter UB
+    overlap (its forward asks get_ub_is_fp8) and a plain one. Changing the UB state re-traces only
+    the UB one; TE's answer baked into it (fp8_output) follows the new state. Control: with TE's
+    own unguarded get_ub_is_fp8 the stale answer stays compiled in."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import transformer_engine.pytorch as te
+    from te_passes.te import graph_model as gmod
+    from te_passes.testing.capture import _make_recipe, fake_gpu
+
+    class NeverRun(Exception):
+        pass
+
+    recipe = _make_recipe("fp8-cs")
+    seen: dict[str, list] = {"ub": [], "plain": []}
+
+    def backend_for(key):
+        def backend(gm, example_inputs):
+            call = gmod.decode(next(n for n in gm.graph.nodes if gmod.is_te_op_node(n)))
+            seen[key].append((call.config["fp8_output"], guards.drain_trace_folds()))
+
+            def never_run(*a):
+                raise NeverRun()
+            return never_run
+        return backend
+
+    fp8_rs = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_dgrad", "fp8"): C(fp8_ubuf=True)}
+    if not hooked:
+        guards.uninstall_te_ub_hooks()
+    with contextlib.ExitStack() as restore:
+        restore.callback(guards.install_te_ub_hooks)
+        restore.enter_context(fake_gpu("fp8-cs"))
+        restore.enter_context(ub_registry(fp8_rs))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, mock.patch.object(torch.cuda, "is_available", lambda: True):
+            ub_lin = te.Linear(64, 128, params_dtype=torch.bfloat16, device="cuda", bias=False, ub_name="proj",
+                               parallel_mode="row", sequence_parallel=True, tp_size=2, ub_overlap_rs=True)
+            ub_lin.set_tensor_parallel_group(None)
+            plain_lin = te.Linear(64, 128, params_dtype=torch.bfloat16, device="cuda", bias=False)
+            x_ub = torch.randn(32, 32, dtype=torch.bfloat16, device="cuda")
+            x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+
+        def run_ub(inp):
+            with te.autocast(enabled=True, recipe=recipe):
+                return ub_lin(inp)
+
+        def run_plain(inp):
+            with te.autocast(enabled=True, recipe=recipe):
+                return plain_lin(inp)
+
+        c_ub = torch.compile(run_ub, backend=backend_for("ub"), fullgraph=True, dynamic=False)
+        c_plain = torch.compile(run_plain, backend=backend_for("plain"), fullgraph=True, dynamic=False)
+
+        def call_both():
+            with mode, torch.no_grad():
+                for fn, inp in ((c_ub, x_ub), (c_plain, x)):
+                    with pytest.raises(NeverRun):
+                        fn(inp)
+
+        call_both()
+        call_both()
+        set_ub_registry({("proj_fprop", "fp8"): C(fp8_ubuf=False), ("proj_dgrad", "fp8"): C(fp8_ubuf=False)})
+        call_both()
+        call_both()
+    assert len(seen["plain"]) == 1  # the plain te.Linear keeps its graph
+    if not hooked:  # TE 2.20.2 alone: no guard, the stale fp8_output=True graph keeps running
+        assert [s[0] for s in seen["ub"]] == [True]
+        return
+    assert [s[0] for s in seen["ub"]] == [True, False]  # fp8_output follows get_ub_is_fp8
+    assert [[(f.api, f.args, f.value) for f in s[1]] for s in seen["ub"]] == [
+        [("get_ub_is_fp8", ("proj_fprop", True), True)], [("get_ub_is_fp8", ("proj_fprop", True), False)]]

@@ -44,7 +44,8 @@ class StandInCommunicator:
 def set_ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | None, *,
                     with_cublasmp: bool = False) -> None:
     """Replace TE's UB registry: ``buffers`` maps ``(name, "none"|"fp8")`` to communicators;
-    ``None`` means UB not initialised (as after ``destroy_ub()``). Notifies te_passes."""
+    ``None`` means UB not initialised (as after ``destroy_ub()``). Notifies te_passes (as its
+    hooks on ``initialize_ub``/``destroy_ub`` would); does not install the hooks."""
     import torch  # noqa: F401  (TE needs torch first)
     from transformer_engine.pytorch.module import base
 
@@ -57,7 +58,6 @@ def set_ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | Non
         base._ub_communicators = {(n, modes[m]): c for (n, m), c in buffers.items()}
         base._ub_initialized = True
         base._ub_with_cublasmp = with_cublasmp
-    guards.install_te_ub_hooks()
     guards.on_ub_state_changed()
 
 
