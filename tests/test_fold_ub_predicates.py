@@ -328,6 +328,7 @@ def capture_ub_linear(precision="bf16", *, training=True, in_features=64, out_fe
                 return lin(inp)
 
         def backend(gm, example_inputs):
+            _LAST_EXAMPLE_INPUTS[:] = [list(example_inputs)]
             recorded.append(gm)
             # what te_inductor runs first: the Dynamo-stage passes (inside the same compile id)
             ctx = _pass_ctx(graph_id="gcap")
@@ -350,6 +351,7 @@ def capture_ub_linear(precision="bf16", *, training=True, in_features=64, out_fe
 
 
 _CAPTURES: list = []
+_LAST_EXAMPLE_INPUTS: list = []
 
 QKV = {("qkv_fprop", "fp8"): C(fp8_ubuf=True), ("qkv_dgrad", "fp8"): C(fp8_ubuf=True),
        ("qkv_wgrad", "fp8"): C(fp8_ubuf=False)}
@@ -522,3 +524,34 @@ def test_strict_mode_raises_through_manager():
         with pytest.raises(TePassError, match=r"fold_ub_predicates.*no UB buffer \('nope_fprop', fp8\)"):
             PassManager([FoldUbPredicates()]).run(gm, _pass_ctx(strict=True))
     guards.pop_dependence("gtest")
+
+
+def test_real_linear_aot_graphs_checked_at_post_grad():
+    """The same te.Linear lowered by AOTAutograd: the post-grad forward's linear.default and the
+    backward's linear_backward.default (LinearBwdArgs: ub_overlap_ag, ub_bulk_*) are checked."""
+    from te_passes.testing.capture import CapturedGraph, capture_aot
+
+    with ub_registry(QKV):
+        gm, _, _ = capture_ub_linear("fp8-cs", **COLUMN)
+        cg = CapturedGraph(gm=gm, example_inputs=_LAST_EXAMPLE_INPUTS[0], precision="fp8-cs", model="linear",
+                           layers=1, tokens=32, hidden=64, out_features=64, linear_kwargs=dict(COLUMN))
+        aot = capture_aot(dynamo=cg)
+        fwd, _ = run_pass(aot.forward, stage=Stage.POST_GRAD_FWD)
+        bwd, dep = run_pass(aot.backward, stage=Stage.POST_GRAD_BWD)
+    assert [(r["kind"], r["node"], r["op"], r["flags"], [b["buffer"] for b in r["buffers"]], r["status"])
+            for r in records(fwd)] == [
+        ("ub_check", "linear", "linear", ["ub_overlap_ag_fprop", "ub_bulk_dgrad", "ub_bulk_wgrad"],
+         ["qkv_fprop", "qkv_dgrad", "qkv_wgrad"], "ok")]
+    assert records(bwd) == [{
+        "kind": "ub_check", "node": "linear_backward", "op": "linear_backward", "ub_name": "qkv",
+        "flags": ["ub_bulk_dgrad", "ub_bulk_wgrad"],
+        "buffers": [_buf("qkv_dgrad", "fp8", "dgrad", "bulk AG", "ub_bulk_dgrad", True, fp8ubuf=True),
+                    _buf("qkv_wgrad", "fp8", "wgrad", "bulk RS", "ub_bulk_wgrad", True, fp8ubuf=False)],
+        "status": "ok"}]
+    assert [c.op for c in dep.checks] == ["linear_backward"]
+    # and against a UB state without the wgrad buffer
+    with ub_registry({k: v for k, v in QKV.items() if k[0] != "qkv_wgrad"}):
+        bad, _ = run_pass(aot.backward, stage=Stage.POST_GRAD_BWD)
+    assert [r["message"] for r in records(bad) if r["kind"] == "ub_mismatch"] == [
+        "TE linear_backward op with ub_name='qkv': ub_bulk_wgrad needs UB buffer 'qkv_wgrad' in mode 'fp8' "
+        "(wgrad bulk RS) but it is not registered; registered: ['qkv_dgrad[fp8]', 'qkv_fprop[fp8]']"]

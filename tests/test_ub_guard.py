@@ -439,3 +439,15 @@ def test_real_te_linear_recompiles_only_when_its_ub_answer_changes(hooked):
     assert [s[0] for s in seen["ub"]] == [True, False]  # fp8_output follows get_ub_is_fp8
     assert [[(f.api, f.args, f.value) for f in s[1]] for s in seen["ub"]] == [
         [("get_ub_is_fp8", ("proj_fprop", True), True)], [("get_ub_is_fp8", ("proj_fprop", True), False)]]
+
+
+def test_registry_replaced_without_notify_is_seen_at_trace_time():
+    """Code that assigns TE's registry directly (no initialize_ub): the next trace re-captures it."""
+    modes = te_base.UserBufferQuantizationMode
+    te_base._ub_communicators = {("proj_fprop", modes.FP8): C(fp8_ubuf=False)}  # no notify_ub_changed()
+    m = UbModel()
+    c = torch.compile(m, backend="te_inductor", fullgraph=True)
+    x = torch.randn(4)
+    torch.testing.assert_close(c(x), torch.cos(x) - 1)
+    assert compile_reports()[-1].records("folded")[0].data["value"] is False
+    assert compile_reports()[-1].records("ub_mismatch") == []

@@ -69,11 +69,13 @@ class UbStateChanged(RuntimeError):
 
 # --------------------------------------------------------------------------- global UB state
 class _UbGlobalState:
-    __slots__ = ("generation", "snapshot", "hooks_installed", "originals", "replacements", "frame_tokens")
+    __slots__ = ("generation", "snapshot", "registry_key", "hooks_installed", "originals", "replacements",
+                 "frame_tokens")
 
     def __init__(self) -> None:
         self.generation = 0
         self.snapshot: UbSnapshot | None = None
+        self.registry_key: tuple | None = None
         self.hooks_installed = False
         self.originals: dict[str, Callable] = {}
         self.replacements: dict[str, Callable] = {}
@@ -93,6 +95,16 @@ def _token_for(snap: UbSnapshot) -> str:
     return "ub-" + snap.fingerprint()[:16]
 
 
+def _registry_key() -> tuple | None:
+    """Cheap identity of TE's registry: (id of the dict, its size, initialized, cuBLASMp)."""
+    base = sys.modules.get(TE_UB_MODULE)
+    if base is None:
+        return None
+    comms = getattr(base, "_ub_communicators", None)
+    return (id(comms), len(comms) if comms else 0, bool(getattr(base, "_ub_initialized", False)),
+            bool(getattr(base, "_ub_with_cublasmp", False)))
+
+
 def live_snapshot() -> UbSnapshot:
     """The live UB snapshot, captured once per UB generation (cached until the next change)."""
     global UB_STATE_TOKEN
@@ -101,6 +113,7 @@ def live_snapshot() -> UbSnapshot:
         with _LOCK:
             snap = _STATE.snapshot
             if snap is None:
+                _STATE.registry_key = _registry_key()
                 snap = UbSnapshot.capture()
                 _STATE.snapshot = snap
                 UB_STATE_TOKEN = _token_for(snap)
@@ -119,9 +132,21 @@ def on_ub_state_changed() -> None:
         _STATE.generation += 1
         _STATE.snapshot = None
         guard_stats["generation_changes"] += 1
+        _STATE.registry_key = _registry_key()
         snap = UbSnapshot.capture()
         _STATE.snapshot = snap
         UB_STATE_TOKEN = _token_for(snap)
+
+
+@torch.compiler.assume_constant_result
+def sync_ub_state() -> bool:
+    """Re-capture when TE's registry was replaced or resized behind te_passes' back (code that
+    assigns ``module/base.py``'s ``_ub_communicators`` directly instead of calling
+    ``initialize_ub``). Called while Dynamo traces, *before* :data:`UB_STATE_TOKEN` is read, so
+    the guard is installed on the current token. Returns ``True`` (a trace-time constant)."""
+    if _STATE.snapshot is None or _registry_key() != _STATE.registry_key:
+        on_ub_state_changed()
+    return True
 
 
 # --------------------------------------------------------------------------- trace-time folds
@@ -152,13 +177,31 @@ def _compile_key() -> str:
 def _trace_time_query(token: str, api: str, name: str, use_fp8: bool) -> Any:
     """Evaluate a UB query on the live snapshot while Dynamo traces (``token`` only ties the
     call to the guarded global). Records the fold for ``fold_ub_predicates``' report."""
-    value = live_snapshot().query(api, (name, bool(use_fp8)))
+    try:
+        value = live_snapshot().query(api, (name, bool(use_fp8)))
+    except UbConfigError:
+        # A registry that creates communicators on first lookup (a dict subclass with
+        # __missing__, as test harnesses use) is not in the snapshot: ask TE, then re-capture.
+        value = _live_query(api, name, bool(use_fp8))
+        on_ub_state_changed()
     fold = UbFold(api, (name, bool(use_fp8)), value, None, "dynamo_trace")
     with _LOCK:
         pending = _PENDING_TRACE_FOLDS.setdefault(_compile_key(), [])
         if fold not in pending:
             pending.append(fold)
     return value
+
+
+def _live_query(api: str, name: str, use_fp8: bool) -> Any:
+    base = sys.modules.get(TE_UB_MODULE)
+    get_ub = getattr(base, "get_ub", None)
+    if get_ub is None:
+        raise UbConfigError(f"{api}({name!r}, {use_fp8}): Transformer Engine is not loaded")
+    method = "is_fp8_ubuf" if api == "get_ub_is_fp8" else api.split(".", 1)[1]
+    try:
+        return getattr(get_ub(name, use_fp8), method)()
+    except (RuntimeError, KeyError) as e:
+        raise UbConfigError(f"{api}({name!r}, use_fp8={use_fp8}): {e}") from None
 
 
 def drain_trace_folds() -> list[UbFold]:
@@ -182,7 +225,7 @@ def _make_guarded_get_ub_is_fp8(orig: Callable) -> Callable:
     TE's ``RuntimeError``/``KeyError`` in eager, when the buffer does not exist.
     """
     def get_ub_is_fp8(name: str, use_fp8: bool) -> bool:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and sync_ub_state():
             return _trace_time_query(UB_STATE_TOKEN, "get_ub_is_fp8", name, use_fp8)
         return orig(name, use_fp8)
 
@@ -199,7 +242,7 @@ def ub_query(name: str, use_fp8: bool, method: str = "is_fp8_ubuf") -> Any:
     this returns the same value with a guard instead. ``method`` is one of
     :data:`te_passes.te.ub.UB_PREDICATE_METHODS`.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and sync_ub_state():
         return _trace_time_query(UB_STATE_TOKEN, f"get_ub.{method}", name, use_fp8)
     from transformer_engine.pytorch.module import base
 
