@@ -75,8 +75,10 @@ otherwise (``symbolic_trace``) are specialised by this pass and every folded val
 from __future__ import annotations
 
 import builtins
+import copy
 import dataclasses
 import enum
+import itertools
 import operator
 from typing import Any, Callable, Iterator
 
@@ -89,7 +91,7 @@ from te_passes.te.graph_model import TEConstKind, bundle_dict, is_te_op_node, qu
 
 _UNKNOWN = object()
 
-#: Prefix of the graph-module attributes that hold lifted TE constants.
+#: Prefix of the wrapper-module globals that hold hoisted TE constants.
 CONST_ATTR_PREFIX = "_te_const_"
 
 
@@ -324,7 +326,8 @@ class HoistRecipeLookups(TEPass):
         if node.op == "get_attr":
             owner = node.graph.owning_module
             val = _get_attr(owner, str(node.target)) if owner is not None else _UNKNOWN
-            if val is not _UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)):
+            if val is not _UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)
+                                        or recipes.recipe_predicate(val) is not None):
                 return val, f"self.{node.target}"
             return None
         if node.op == "call_function":
@@ -366,11 +369,11 @@ class HoistRecipeLookups(TEPass):
                     return None
                 return hasattr(src[0], node.args[1]), f"hasattr({src[1]}, {node.args[1]!r})"
             if tgt is builtins.isinstance and len(node.args) == 2:
-                src = value_of(node.args[0])
-                pred = recipes.recipe_predicate(node.args[1])
+                src, cls = value_of(node.args[0]), value_of(node.args[1])
+                pred = recipes.recipe_predicate(cls[0]) if cls is not None else None
                 if src is None or pred is None or not (recipes.is_recipe(src[0]) or src[0] is None):
                     return None
-                return pred(src[0]), f"isinstance({src[1]}, {node.args[1].__name__})"
+                return pred(src[0]), f"isinstance({src[1]}, {cls[0].__name__})"
             if tgt in (operator.is_, operator.is_not) and len(node.args) == 2:
                 a, b = value_of(node.args[0]), value_of(node.args[1])
                 if a is None or b is None:
@@ -450,64 +453,132 @@ class HoistRecipeLookups(TEPass):
 
     # ------------------------------------------------------------------ 3. build constants once
     def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord]) -> bool:
-        from torch._library.opaque_object import is_opaque_constant_type
-
         graph = gm.graph
-        attrs: dict[int, torch.fx.Node] = {}
-        users: dict[str, list[str]] = {}
-        insert_before = next((n for n in graph.nodes if n.op != "placeholder"), None)
-        if insert_before is None:
-            raise PassSkipped("graph has no nodes besides placeholders")
+        count = 0
 
-        def liftable(v: Any) -> bool:
-            return (not isinstance(v, (torch.fx.Node, enum.Enum, type))
-                    and te_const_kind(v) in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER)
-                    and is_opaque_constant_type(type(v)))
-
-        def lift(v: Any, user: torch.fx.Node) -> Any:
-            if not liftable(v):
+        def lift(v: Any, user: torch.fx.Node, slot: str) -> Any:
+            nonlocal count
+            if not is_liftable_constant(v):
                 return v
-            n = attrs.get(id(v))
-            if n is None:
-                i = len(attrs)
-                while hasattr(gm, f"{CONST_ATTR_PREFIX}{i}"):
-                    i += 1
-                name = f"{CONST_ATTR_PREFIX}{i}"
-                setattr(gm, name, v)
-                with graph.inserting_before(insert_before):
-                    n = graph.get_attr(name)
-                n.meta["val"] = v
-                attrs[id(v)] = n
-                users[name] = []
-            users[str(n.target)].append(user.name)
-            return n
+            # One object per *occurrence*, built exactly as the wrapper would build it on each
+            # call: no two slots (or graphs) share an object they did not share before, and the
+            # graph's original objects (possibly shared with the Dynamo graph) are not touched.
+            fresh = rebuild_constant(v)
+            name = f"{CONST_ATTR_PREFIX}{next(_CONST_COUNTER)}"
+            name_constant(fresh, name)
+            count += 1
+            records.append(PassRecord("hoisted_constant", user.name, {
+                "name": name, "slot": slot, "const_kind": te_const_kind(fresh).value,
+                "type": type(fresh).__name__}))
+            return fresh
 
-        changed = False
         for node in list(graph.nodes):
             if node.op not in ("call_function", "output"):
                 continue
-            new_args = tuple(_lift_top(a, lambda v, u=node: lift(v, u)) for a in node.args)
-            new_kwargs = {k: _lift_top(a, lambda v, u=node: lift(v, u)) for k, a in node.kwargs.items()}
-            if new_args != node.args or new_kwargs != node.kwargs:
+            new_args = tuple(_lift_top(a, lambda v, j, u=node, i=i: lift(v, u, f"args[{i}]{j}"))
+                             for i, a in enumerate(node.args))
+            new_kwargs = {k: _lift_top(a, lambda v, j, u=node, k=k: lift(v, u, f"{k}{j}"))
+                          for k, a in node.kwargs.items()}
+            if any(x is not y for x, y in zip(new_args, node.args)) or any(
+                    new_kwargs[k] is not node.kwargs[k] for k in node.kwargs):
                 node.args, node.kwargs = new_args, new_kwargs
-                changed = True
-        for id_, n in attrs.items():
-            v = getattr(gm, str(n.target))
-            records.append(PassRecord("hoisted_constant", n.name, {
-                "attr": str(n.target), "const_kind": te_const_kind(v).value, "type": type(v).__name__,
-                "users": users[str(n.target)]}))
-        return changed
+        return count > 0
 
 
-def _lift_top(a: Any, lift: Callable[[Any], Any]) -> Any:
-    """Apply ``lift`` to ``a`` and, for list/tuple args (the output node's tuple), to their
-    elements; bundles are lifted whole (their quantizers travel inside them)."""
+def rebuild_constant(v: Any) -> Any:
+    """A new object equal to the value-opaque constant ``v``, built by evaluating ``v``'s own
+    ``__fx_repr__`` expression with its globals — exactly what Inductor's wrapper evaluates on
+    every call (``_rebuild_quantizer(...)`` / ``OpaqueValueBundle({...})``).
+
+    Raises:
+        RuntimeError: the rebuilt object does not compare equal to ``v``.
+    """
+    expr, env = type(v).__fx_repr__(v) if hoisted_name(v) is None else _original_fx_repr(v)
+    fresh = eval(expr, dict(env))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
+    if type(fresh) is not type(v) or fresh != v:
+        raise RuntimeError(f"rebuilding {type(v).__name__} from its __fx_repr__ gave a different value")
+    return fresh
+
+
+def _original_fx_repr(v: Any) -> tuple[str, dict[str, Any]]:
+    fn = type(v).__fx_repr__
+    orig = fn.__defaults__[0] if getattr(fn, _WRAPPED_FLAG, False) else fn
+    return orig(v)
+
+
+# --------------------------------------------------------------------------- named constants
+_CONST_COUNTER = itertools.count()
+_HOISTED_ATTR = "_te_passes_hoisted"
+_WRAPPED_FLAG = "_te_passes_named_fx_repr"
+
+
+def is_liftable_constant(v: Any) -> bool:
+    """Whether ``v`` is a TE value-opaque constant (``OpaqueValueBundle`` or a quantizer, a
+    ``torch._library.opaque_object`` constant type) that Inductor would rebuild per call."""
+    if isinstance(v, (torch.fx.Node, enum.Enum, type)):
+        return False
+    if te_const_kind(v) not in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER):
+        return False
+    from torch._library.opaque_object import is_opaque_constant_type
+
+    return is_opaque_constant_type(type(v)) and hasattr(v, "__dict__")
+
+
+def hoisted_name(v: Any) -> str | None:
+    """The wrapper-global name ``v`` renders as (set by :func:`name_constant`), or ``None``.
+
+    A copy of a named object (``copy.copy`` / pickling) is *not* named: the mark records the
+    object's ``id``."""
+    mark = getattr(v, "__dict__", {}).get(_HOISTED_ATTR)
+    return mark[1] if mark is not None and mark[0] == id(v) else None
+
+
+def name_constant(v: Any, name: str) -> None:
+    """Make ``v``'s FX / Inductor repr the bare name ``name``, with ``{name: v}`` as its globals.
+
+    ``__fx_repr__`` (``torch._library.opaque_object.get_opaque_obj_repr``) is how FX codegen and
+    Inductor's Python wrapper (``PythonWrapperCodegen.val_to_arg_str``,
+    ``ir.OpaqueValueTypeConstant.codegen_reference``) render a value-opaque constant: the
+    returned expression is emitted inline and the globals are recorded in
+    ``GraphLowering.opaque_value_type_classes``, which the wrapper module receives as module
+    globals when it is loaded — also on an FX-graph-cache hit (``CompiledFxGraphConstants.unwrap``),
+    where the pickled objects come back with the cache entry. So a named constant is built once,
+    when the wrapper module is loaded, and every call passes that object.
+
+    The class's ``__fx_repr__`` is wrapped once (idempotent, process-wide) to answer the name
+    for marked instances; every other instance renders exactly as before.
+    """
+    cls = type(v)
+    orig = cls.__dict__.get("__fx_repr__")
+    if orig is None:
+        for klass in cls.__mro__:
+            if "__fx_repr__" in klass.__dict__:
+                orig = klass.__dict__["__fx_repr__"]
+                break
+    if orig is None:
+        raise TypeError(f"{cls.__name__} has no __fx_repr__: not a value-opaque constant")
+    if not getattr(orig, _WRAPPED_FLAG, False):
+        def __fx_repr__(self, _orig=orig):  # noqa: N807 - the protocol name
+            mark = self.__dict__.get(_HOISTED_ATTR)
+            if mark is not None and mark[0] == id(self):
+                return mark[1], {mark[1]: self}
+            return _orig(self)
+
+        setattr(__fx_repr__, _WRAPPED_FLAG, True)
+        __fx_repr__.__doc__ = getattr(orig, "__doc__", None)
+        cls.__fx_repr__ = __fx_repr__
+    v.__dict__[_HOISTED_ATTR] = (id(v), name)
+
+
+def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:
+    """Apply ``lift(value, sub-slot)`` to ``a`` and, for list/tuple args (the output node's
+    tuple), to their elements; bundles are lifted whole (their quantizers travel inside them)."""
     if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
-        out = [lift(x) for x in a]
+        out = [lift(x, f"[{j}]") for j, x in enumerate(a)]
         if all(x is y for x, y in zip(out, a)):
             return a
         return type(a)(out)
-    return lift(a)
+    return lift(a, "")
 
 
 class _NotFoldable(Exception):

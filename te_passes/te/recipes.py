@@ -397,6 +397,8 @@ def read_recipe_attr(obj: Any, name: str) -> Any:
             not a plain data field of it.
         AttributeError: the object has no such attribute.
     """
+    if (is_recipe(obj) or is_recipe_part(obj)) and not hasattr(obj, name):
+        raise AttributeError(f"{type(obj).__name__} has no attribute {name!r}")
     if is_recipe(obj):
         if name not in recipe_field_names(obj) and name not in RECIPE_PREDICATES:
             raise RecipeResolutionError(
