@@ -555,3 +555,16 @@ def test_real_linear_aot_graphs_checked_at_post_grad():
     assert [r["message"] for r in records(bad) if r["kind"] == "ub_mismatch"] == [
         "TE linear_backward op with ub_name='qkv': ub_bulk_wgrad needs UB buffer 'qkv_wgrad' in mode 'fp8' "
         "(wgrad bulk RS) but it is not registered; registered: ['qkv_dgrad[fp8]', 'qkv_fprop[fp8]']"]
+
+
+def test_warns_when_traced_before_hooks_were_installed():
+    with ub_registry(QKV):
+        gm, _, _ = capture_ub_linear("fp8-cs", **COLUMN)
+        guards.uninstall_te_ub_hooks()
+        try:
+            with pytest.warns(RuntimeWarning, match="UB hooks were not installed when Dynamo traced this graph"):
+                res, _ = run_pass(gm)
+            assert guards.te_ub_hooks_installed()  # installed for later traces
+        finally:
+            guards.install_te_ub_hooks()
+    assert [r["kind"] for r in records(res)] == ["ub_check", "skipped"]

@@ -6,6 +6,7 @@ See :class:`FoldUbPredicates` and docs/passes/fold_ub_predicates.md.
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any
 
 import torch
@@ -204,6 +205,15 @@ class FoldUbPredicates(TEPass):
 
         # 3. TE op UB configurations.
         self._check_te_ops(gm, snap, records, checks)
+        if checks and ctx.stage is Stage.DYNAMO and not guards.te_ub_hooks_installed():
+            # TE was imported after te_inductor was looked up: Linear.forward's get_ub_is_fp8 ran
+            # unguarded in this trace. Install the hooks for every later trace and say so.
+            guards.install_te_ub_hooks()
+            reason = ("TE's UB hooks were not installed when Dynamo traced this graph (transformer_engine "
+                      "was imported after torch.compile(backend='te_inductor') was called): get_ub_is_fp8 "
+                      "values folded by TE in this frame are not guarded; import transformer_engine first")
+            warnings.warn(f"te_passes: graph {ctx.graph_id}: {reason}", RuntimeWarning, stacklevel=2)
+            records.append(PassRecord("skipped", None, {"reason": reason}))
 
         mismatches = [r for r in records if r.kind == "ub_mismatch"]
         if mismatches and ctx.options.strict:
