@@ -49,8 +49,9 @@ class CliError(Exception):
 class Out:
     """Terminal output: rich tables/spinner on a TTY, plain aligned text otherwise."""
 
-    def __init__(self, *, plain: bool | None = None) -> None:
+    def __init__(self, *, plain: bool | None = None, quiet: bool = False) -> None:
         self.rich = None
+        self.quiet = quiet
         if plain is None:
             plain = not sys.stdout.isatty() or os.environ.get("TERM") == "dumb"
         if not plain:
@@ -103,8 +104,10 @@ class Out:
 
     @contextlib.contextmanager
     def status(self, text: str):
-        """A spinner on a TTY (stderr); a ``» text`` line otherwise."""
-        if self.rich is not None:
+        """A spinner on a TTY (stderr); a ``» text`` line otherwise; nothing when quiet."""
+        if self.quiet:
+            yield
+        elif self.rich is not None:
             from rich.console import Console
 
             with Console(stderr=True).status(text):
@@ -490,7 +493,7 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     payload = []
     for report, saved in results:
         rj = report.to_json()
-        diffs = compare_reports(rj, saved) if saved is not None else None
+        diffs = compare_reports(rj, saved, require_all=os.path.isdir(args.path)) if saved is not None else None
         payload.append({"report": rj, "differences": diffs})
         if args.json:
             continue
@@ -572,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``te-passes`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    out = Out(plain=True if args.plain else None)
+    out = Out(plain=True if args.plain else None, quiet=bool(getattr(args, "json", False)))
     try:
         return args.func(args, out)
     except CliError as e:

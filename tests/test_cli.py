@@ -1,0 +1,375 @@
+"""The ``te-passes`` CLI end to end, in subprocesses, on real TE graphs (CPU capture).
+
+* ``dump --example linear-fp8``: the report's sections are checked against the records of an
+  independent in-process run of the same passes on the same captured graphs
+  (``te_passes.testing.capture.run_pipeline``, which does not use the dump code), and against
+  the pass registry as it is at test time (every registered pass appears at exactly its stages);
+* the dumped graphs are TE-aware (storages, buffer roles, config fields) and every file
+  ``index.md`` links exists;
+* ``replay`` of the saved graphs reproduces the report; with a pass disabled it does not, and
+  ``--check`` says so;
+* a real ``torch.compile(backend="te_inductor")`` target on CPU: a TE eager island
+  (``te.Fp8Padding`` is ``@no_torch_dynamo``) named with its reason, a recompile with its guard;
+* TORCH_TRACE gets the dump as tlparse artifacts;
+* each bad input prints one ``te-passes: error:`` line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("dynamo", "joint", "post_grad_fwd", "post_grad_bwd")
+
+
+def run_cli(*args: str, cwd: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop("TE_PASSES_DISABLE", None)
+    e.pop("TE_PASSES_DUMP_DIR", None)
+    e.pop("TORCH_TRACE", None)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "te_passes.debug.cli", *args], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def registered():
+    from te_passes.passes.registry import pass_classes
+
+    return list(pass_classes())
+
+
+def expected_passes(stage: str) -> list[str]:
+    return [c.name for c in registered() if stage in {s.value for s in c.stages}]
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def fp8_dump(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dump")
+    proc = run_cli("dump", "--example", "linear-fp8", "--out", str(out / "d"), cwd=str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "d" / "report.json") as f:
+        report = json.load(f)
+    return out / "d", report, proc
+
+
+@pytest.fixture(scope="module")
+def independent_run():
+    """The same passes on the same real graphs, run in this process without the dump code."""
+    from te_passes.testing.capture import capture_aot, fake_gpu, run_pipeline
+
+    aot = capture_aot("linear", "fp8-cs", 1, 32, 64, 128)
+    with fake_gpu("fp8-cs"):
+        reports = run_pipeline(aot, graph_id="g0")
+    return {r.stage: r for r in reports}
+
+
+# --------------------------------------------------------------------------- dump
+def test_dump_lists_every_registered_pass_at_its_stages(fp8_dump):
+    d, report, _ = fp8_dump
+    assert report["schema"] == "te_passes.dump/1"
+    assert [g["graph_id"] for g in report["graphs"]] == ["g0"]
+    assert report["graphs"][0]["stages"] == ["g0:dynamo", "g0.joint:joint", "g0.fwd:post_grad_fwd", "g0.bwd:post_grad_bwd"]
+    for stage in STAGES:
+        rows = [p for p in report["passes"] if p["stage"] == stage]
+        assert [p["name"] for p in rows] == expected_passes(stage), stage
+        for p in rows:
+            assert set(p) >= {"name", "stage", "changed", "time_ms", "nodes_before", "nodes_after", "status"}
+            assert p["status"] in ("ok", "skipped", "disabled"), p
+            assert p["time_ms"] >= 0
+    assert "compile path" not in report  # sanity: key names are snake_case
+    assert report["compile_path"].startswith("offline pass pipeline")
+    assert "No GPU here" in report["note"]
+
+
+def test_dump_records_match_an_independent_run(fp8_dump, independent_run):
+    """Every pass run in report.json equals the same pass run in process: status, changed,
+    node counts and records (timings aside); the flat sections are exactly those records."""
+    d, report, _ = fp8_dump
+    with open(d / "g0" / "report.json") as f:
+        graph = json.load(f)
+    assert [s["stage"] for s in graph["stages"]] == list(STAGES)
+    all_records = []
+    for st in graph["stages"]:
+        mine = independent_run[st["stage"]]
+        assert [r["name"] for r in st["runs"]] == [r.name for r in mine.runs]
+        for rj, r in zip(st["runs"], mine.runs):
+            assert (rj["status"], rj["changed"], rj["nodes_before"], rj["nodes_after"]) == \
+                (r.status, r.changed, r.nodes_before, r.nodes_after), (st["stage"], r.name)
+            assert rj["records"] == [x.to_json() for x in r.records], (st["stage"], r.name)
+            all_records += [(st["graph_id"], r.name, x) for x in rj["records"]]
+
+    def section(kinds):
+        return [(g, p, rec["kind"], rec["node"]) for g, p, rec in all_records if rec["kind"] in kinds]
+
+    from te_passes.debug.dump import FOLDED_KINDS, FREE_KINDS, SKIPPED_KINDS
+
+    assert [(f["graph_id"], f["pass"], f["kind"], f["node"]) for f in report["folded"]] == section(FOLDED_KINDS)
+    assert [(f["graph_id"], f["pass"], f["kind"], f["node"]) for f in report["frees"]] == section(FREE_KINDS)
+    assert [(f["graph_id"], f["pass"], f["kind"], f["node"]) for f in report["skipped"]] == section(SKIPPED_KINDS)
+    for f in report["folded"]:
+        assert {"kind", "source", "args", "value", "node"} <= set(f)
+    for f in report["frees"]:
+        assert {"node", "role", "bytes"} <= set(f)
+        assert isinstance(f["bytes"], int) and f["bytes"] > 0
+    pool = [(g, p, rec["kind"]) for g, p, rec in all_records if str(rec["kind"]).startswith("pool")]
+    assert [(x["graph_id"], x["pass"], x["kind"]) for x in report["pool_check"]] == pool
+    mem = [rec for _, _, rec in all_records if rec["kind"] == "memory"]
+    assert len(report["memory"]["stages"]) == len(mem)
+    for m, rec in zip(report["memory"]["stages"], mem):
+        assert m["peak_before"] == rec["peak_before"] and m["peak_after"] == rec["peak_after"]
+    if mem:
+        assert report["memory"]["peak_before"] == max(r["peak_before_concrete"] for r in mem)
+        assert report["memory"]["peak_after"] == max(r["peak_after_concrete"] for r in mem)
+    # strict about the passes that exist: what each does on a real fp8 te.Linear
+    names = {c.name for c in registered()}
+    if "hoist_recipe_lookups" in names:  # the 23 __setattr__ residue calls of the fp8 Dynamo graph
+        setattrs = [f for f in report["folded"] if f["kind"] == "folded_setattr"]
+        assert len(setattrs) == 23 and all(f["graph_id"] == "g0" for f in setattrs)
+        assert all(f["expr"].startswith("Float8CurrentScalingQuantizer.") for f in setattrs)
+    if "insert_early_frees" in names:
+        # one te.Linear: every quantized buffer is a forward output saved for backward, or a saved
+        # tensor the backward receives; each one is either freed or kept with a reason
+        decided = [x for x in report["frees"] + report["skipped"] if x["pass"] == "insert_early_frees"]
+        assert {x["stage"] for x in decided} == {"post_grad_fwd", "post_grad_bwd"}
+        assert all(x["kind"] == "free" or x["reason"] for x in decided)
+        assert [m["stage"] for m in report["memory"]["stages"]] == ["post_grad_fwd", "post_grad_bwd"]
+        assert all(m["peak_after"] <= m["peak_before"] for m in report["memory"]["stages"])
+    if "check_cudagraph_pool" in names:
+        assert {x["stage"] for x in report["pool_check"] if x["kind"] == "pool_check"} == {"post_grad_fwd",
+                                                                                            "post_grad_bwd"}
+
+
+def test_dump_uuid_and_te_state(fp8_dump):
+    d, report, _ = fp8_dump
+    u = report["uuid"]["g0"]
+    assert set(u) == {"passes", "options", "te_state", "uuid"}
+    assert list(u["passes"]) == [c.name for c in registered()]
+    with open(d / "g0" / "te_state.json") as f:
+        te_state = json.load(f)
+    from te_passes.te.state import TEState
+
+    from te_passes.debug.offline import te_state_from_json
+
+    assert te_state_from_json(te_state).fingerprint() == u["te_state"]
+    assert te_state["te_version"] == "2.20.2"
+
+
+def test_dump_files_are_te_aware_and_linked(fp8_dump):
+    d, report, _ = fp8_dump
+    bwd = (d / "g0" / "post_grad_bwd" / "input.py").read_text()
+    assert "OpaqueValueBundle object" not in bwd and "_rebuild_quantizer" not in bwd
+    # the saved fp8 input of the backward: one storage, its two buffers with roles, quantizer fields
+    assert re.search(r"inputmat=Float8TensorStorage\(\n\s+_transpose=\w+,\s+# columnwise_data u8\[64, 32\]\n"
+                     r"\s+_scale_inv=\w+,\s+# scale_inv f32\[1\]", bwd), bwd[:2000]
+    assert "# te.Linear backward (transformer_engine_compile::linear_backward)" in bwd
+    assert "fp8_dtype=DType.kFloat8E4M3" in bwd and "config={" in bwd and "# userbuffers" in bwd
+    dyn = (d / "g0" / "dynamo" / "input.py").read_text()
+    assert 'l_inp_: "bf16[32, 64]"' in dyn
+    assert "dtype=DType.kFloat8E5M2" in dyn  # grad_output_quantizer
+    # every pass that ran has its dump; unchanged passes have empty diffs, changed ones do not
+    for p in report["passes"]:
+        pdir = d / p["dump"]
+        for f in ("before.py", "after.py", "diff.patch", "changes.txt"):
+            assert (pdir / f).is_file(), (p, f)
+        patch = (pdir / "diff.patch").read_text()
+        assert bool(patch) == p["changed"], p
+        head = (pdir / "changes.txt").read_text().splitlines()[0]
+        m = re.search(r"nodes (\d+) -> (\d+) \((\d+) added, (\d+) removed", head)
+        assert (int(m[1]), int(m[2])) == (p["nodes_before"], p["nodes_after"])
+        assert int(m[2]) - int(m[1]) == int(m[3]) - int(m[4])
+    index = (d / "index.md").read_text()
+    links = re.findall(r"\]\(([^)]+)\)", index)
+    assert len(links) > 10
+    for link in links:
+        assert (d / link).exists(), link
+
+
+def test_dump_field_level_changes_name_the_removed_residue(fp8_dump):
+    d, report, _ = fp8_dump
+    if "hoist_recipe_lookups" not in {c.name for c in registered()}:
+        pytest.skip("hoist_recipe_lookups not registered")
+    run = next(p for p in report["passes"] if p["stage"] == "dynamo" and p["name"] == "hoist_recipe_lookups")
+    changes = (d / run["dump"] / "changes.txt").read_text()
+    removed = set(re.findall(r"^- node (\w+)$", changes, re.M))
+    folded = {f["node"] for f in report["folded"] if f["kind"] == "folded_setattr"}
+    assert removed == folded
+    patch = (d / run["dump"] / "diff.patch").read_text()
+    assert sum(1 for ln in patch.splitlines() if ln.startswith("-        setattr_")) == len(folded)
+
+
+def test_show_prints_the_tables(fp8_dump):
+    d, report, _ = fp8_dump
+    proc = run_cli("show", str(d), cwd=str(d))
+    assert proc.returncode == 0, proc.stderr
+    assert "Passes" in proc.stdout and "compile path:" in proc.stdout
+    for p in report["passes"]:
+        assert p["name"] in proc.stdout
+    proc = run_cli("show", str(d), "--json", cwd=str(d))
+    assert json.loads(proc.stdout)["passes"] == report["passes"]
+
+
+# --------------------------------------------------------------------------- replay
+def test_replay_reproduces_the_report(fp8_dump, tmp_path):
+    d, report, _ = fp8_dump
+    proc = run_cli("replay", str(d), "--check", "--json", "--out", str(tmp_path / "r"), cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (res,) = json.loads(proc.stdout)
+    assert res["differences"] == []
+    with open(d / "g0" / "report.json") as f:
+        saved = json.load(f)
+
+    def strip(stages):
+        return [[{k: v for k, v in r.items() if k not in ("time_ms", "dump", "changes")} for r in s["runs"]]
+                for s in stages]
+
+    assert strip(res["report"]["stages"]) == strip(saved["stages"])
+    assert res["report"]["uuid"] == saved["uuid"]
+    with open(tmp_path / "r" / "report.json") as f:
+        replayed = json.load(f)
+    assert [(f["node"], f["kind"]) for f in replayed["folded"]] == [(f["node"], f["kind"]) for f in report["folded"]]
+    # one saved graph file on its own (the forward: hoist_recipe_lookups numbers the constants it
+    # hoists process-wide, so a backward replayed without its forward gets other names)
+    one = run_cli("replay", str(d / "g0" / "post_grad_fwd" / "input.tegraph"), "--check", cwd=str(tmp_path))
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert "reproduces the saved report" in one.stdout
+
+
+def test_replay_check_fails_when_the_passes_differ(fp8_dump, tmp_path):
+    d, report, _ = fp8_dump
+    changing = [p["name"] for p in report["passes"] if p["changed"]]
+    if not changing:
+        pytest.skip("no registered pass changes the fp8 graphs")
+    proc = run_cli("replay", str(d), "--check", "--disable", changing[0], cwd=str(tmp_path))
+    assert proc.returncode == 1
+    assert f"{changing[0]}: status 'ok' -> 'disabled'" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("te-passes: error: replay differs")
+
+
+# --------------------------------------------------------------------------- real target
+REAL_TARGET = '''
+import torch
+
+
+def main(mode=None):
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    pad = te.Fp8Padding(1, align_size=16)  # forward is @no_torch_dynamo in TE 2.20; no GPU needed here
+
+    def step(x):
+        y = lin(x)
+        y, _ = pad(y, [x.shape[0]])
+        return torch.relu(y) * 2
+
+    compiled = torch.compile(step, backend="te_inductor", mode=mode, dynamic=False)
+    compiled(torch.randn(16, 16))
+    compiled(torch.randn(32, 16))  # new shape: recompile
+'''
+
+
+def test_dump_of_a_real_te_inductor_target(tmp_path):
+    (tmp_path / "target.py").write_text(REAL_TARGET)
+    proc = run_cli("dump", "target.py:main", "--out", "out", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "out" / "report.json") as f:
+        report = json.load(f)
+    # 2 graphs around the TE island, each compiled twice (recompile on the new shape)
+    assert [g["graph_id"] for g in report["graphs"]] == ["g0", "g1", "g2", "g3"]
+    for g in report["graphs"]:
+        assert g["stages"][0].endswith(":dynamo") and len(g["stages"]) == 3  # inference: no backward
+    (island,) = report["eager_fallbacks"]
+    assert island["module"] == "te.Fp8Padding" and island["kind"] == "disabled_forward"
+    assert "@no_torch_dynamo" in island["reason"]
+    line = next(i for i, ln in enumerate(REAL_TARGET.splitlines(), 1) if "pad(y, [" in ln)
+    assert any(loc.endswith(f"target.py:{line} (step)") for loc in island["locations"]), island
+    assert all(b["te"]["module"] == "te.Fp8Padding" for b in report["graph_breaks"])
+    assert any("size mismatch at index 0. expected 16, actual 32" in r["reason"] for r in report["recompiles"])
+    assert "te.Fp8Padding" in proc.stdout and "Recompiles" in proc.stdout
+    for g in report["graphs"]:
+        gid = g["graph_id"]
+        assert (tmp_path / "out" / gid / "dynamo" / "input.tegraph").is_file()
+
+
+def test_torch_trace_gets_the_dump_as_artifacts(tmp_path):
+    proc = run_cli("dump", "--example", "linear-bf16", "--out", "d", cwd=str(tmp_path),
+                   env={"TORCH_TRACE": str(tmp_path / "trace")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = "".join(p.read_text() for p in (tmp_path / "trace").iterdir())
+    names = set(re.findall(r'"name": "(te_passes_[^"]+)"', text))
+    for stage, gid in zip(STAGES, ("g0", "g0.joint", "g0.fwd", "g0.bwd")):
+        assert f"te_passes_{gid}_{stage}_input" in names
+        assert f"te_passes_{gid}_{stage}_output" in names
+    assert "te_passes_g0_report" in names and "te_passes_report" in names
+
+
+# --------------------------------------------------------------------------- list / help
+def test_list_shows_the_registry_and_te_passes_disable(tmp_path):
+    classes = registered()
+    proc = run_cli("list", "--json", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["name"] for r in rows] == [c.name for c in classes]
+    assert [r["description"] for r in rows] == [c.description for c in classes]
+    assert all(r["enabled"] == "yes" for r in rows)
+    if classes:
+        proc = run_cli("list", cwd=str(tmp_path), env={"TE_PASSES_DISABLE": classes[0].name})
+        assert re.search(rf"{classes[0].name}\s.*no \(TE_PASSES_DISABLE\)", proc.stdout)
+
+
+def test_help(tmp_path):
+    proc = run_cli("--help", cwd=str(tmp_path))
+    assert proc.returncode == 0
+    for cmd in ("dump", "list", "show", "replay"):
+        assert cmd in proc.stdout
+
+
+# --------------------------------------------------------------------------- bad input
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("te-passes: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", ["missing_file", "raises", "compiles_nothing", "unknown_pass", "unknown_pass_env",
+                                  "out_is_a_file", "out_under_a_file", "unknown_example", "replay_missing",
+                                  "replay_not_a_graph", "show_missing", "file_with_mode"])
+def test_bad_input_gets_one_clear_line(case, tmp_path):
+    (tmp_path / "raises.py").write_text("def main():\n    raise ValueError('boom: bad config')\n")
+    (tmp_path / "nothing.py").write_text("import torch\n\ndef main():\n    return torch.ones(2) + 1\n")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "junk.tegraph").write_bytes(b"not a pickle")
+    args, env, code, expect = {
+        "missing_file": (["dump", "nope.py"], {}, 2, "target file not found: nope.py"),
+        "raises": (["dump", "raises.py:main"], {}, 1, "target raises.py:main raised ValueError: boom: bad config"),
+        "compiles_nothing": (["dump", "nothing.py:main"], {}, 1, "compiled nothing with backend 'te_inductor'"),
+        "unknown_pass": (["dump", "--example", "linear-fp8", "--disable", "no_such_pass"], {}, 2,
+                         "unknown pass name no_such_pass in --disable"),
+        "unknown_pass_env": (["dump", "--example", "linear-fp8"], {"TE_PASSES_DISABLE": "nope_pass"}, 2,
+                             "unknown pass name nope_pass in TE_PASSES_DISABLE"),
+        "out_is_a_file": (["dump", "--example", "linear-fp8", "--out", "afile"], {}, 2,
+                          "dump directory afile exists and is not a directory"),
+        "out_under_a_file": (["dump", "--example", "linear-fp8", "--out", "afile/sub"], {}, 2,
+                             "dump directory afile/sub is not writable"),
+        "unknown_example": (["dump", "--example", "nope"], {}, 2, "unknown example 'nope'"),
+        "replay_missing": (["replay", "nothing/here"], {}, 2, "no such graph file or dump directory"),
+        "replay_not_a_graph": (["replay", "junk.tegraph"], {}, 2, "is not a te_passes graph file"),
+        "show_missing": (["show", "nowhere"], {}, 2, "no te_passes dump at nowhere"),
+        "file_with_mode": (["dump", "nothing.py", "--mode", "reduce-overhead"], {}, 2,
+                           "--mode/--precision apply to module:function targets"),
+    }[case]
+    proc = run_cli(*args, cwd=str(tmp_path), env=env)
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    line = _one_error_line(proc)
+    assert expect in line, line
+    assert "Traceback" not in proc.stderr + proc.stdout
