@@ -36,6 +36,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import enum
+import functools
 import operator
 from typing import Any, Iterable, Sequence
 
@@ -206,6 +207,7 @@ def _aten_packet_for_name(name: str):
     return getattr(torch.ops.aten, name, None) if hasattr(torch.ops.aten, name) else None
 
 
+@functools.lru_cache(maxsize=4096)
 def _name_alias_kind(name: str) -> str:
     """``"alias"`` (pure view / in-place), ``"fresh"`` or ``"maybe"`` for a torch-level name."""
     if name in ("contiguous", "reshape", "flatten", "reshape_as", "to", "type", "type_as", "cuda",

@@ -85,8 +85,9 @@ def shape_hints(graph: torch.fx.Graph) -> dict[sympy.Symbol, int]:
         for v in _flat_vals(node.meta.get("val")):
             fm = getattr(v, "fake_mode", None)
             env = getattr(fm, "shape_env", None) if fm is not None else None
-            table = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", None) \
-                if env is not None else None
+            if env is None:
+                continue
+            table = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else getattr(env, "var_to_val", None)
             if table:
                 return {k: int(val) for k, val in table.items()}
     return {}

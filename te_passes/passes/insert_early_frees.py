@@ -96,10 +96,11 @@ class InsertEarlyFrees(TEPass):
             free.meta["te_passes"] = {"pass": self.name, "role": buf.quantized.role if buf.quantized else None}
             last_inserted[after] = free
             inserted.append(free)
+        after_est = before
         if inserted:
-            self._verify(graph, plan)
-        lv_after = analyze(graph, stage=ctx.stage.value) if inserted else lv
-        after_est = estimate(lv_after)
+            lv_after = analyze(graph, stage=ctx.stage.value)
+            self._verify(lv_after)
+            after_est = estimate(lv_after)
         records.append(PassRecord("memory", None, memory_record(before, after_est)))
         return TEPassResult(gm, bool(inserted), records)
 
@@ -145,7 +146,7 @@ class InsertEarlyFrees(TEPass):
         if buf.handle is None:
             return "no node extracts this output of a multi-output op; it dies with the op's result tuple"
         last = lv.last_use[buf]
-        if free_op.is_free_node(last) or any(free_op.is_free_node(u) for u in lv.users_of(buf)):
+        if buf in self._already_freed(lv):
             return "already freed by a free_storage node"
         if last.op == "output":
             return "graph output"
@@ -155,14 +156,24 @@ class InsertEarlyFrees(TEPass):
         return None
 
     @staticmethod
-    def _verify(graph: torch.fx.Graph, plan: list[tuple[Buffer, torch.fx.Node]]) -> None:
-        """Re-run liveness on the rewritten graph: each free must be the last use of its buffer.
+    def _already_freed(lv: Liveness) -> frozenset[Buffer]:
+        """Buffers an existing ``free_storage`` node already frees (computed once per graph)."""
+        cached = getattr(lv, "_te_freed", None)
+        if cached is None:
+            cached = frozenset(b for n in lv.order if free_op.is_free_node(n) and n.args
+                               for b in lv.buffers_of(n.args[0]))
+            lv._te_freed = cached  # type: ignore[attr-defined]
+        return cached
+
+    @staticmethod
+    def _verify(lv: Liveness) -> None:
+        """Check the rewritten graph (liveness ``lv`` recomputed on it): every free must be the
+        last use of its buffer.
 
         Raises:
             AssertionError: a free precedes a use of its buffer (the manager restores the graph).
         """
-        lv = analyze(graph)
-        for node in graph.nodes:
+        for node in lv.order:
             if not free_op.is_free_node(node):
                 continue
             for b in lv.buffers_of(node.args[0]):
