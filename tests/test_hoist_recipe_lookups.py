@@ -33,7 +33,7 @@ from te_passes.passes.hoist_recipe_lookups import (  # noqa: E402
     HoistRecipeLookups, find_recipe_and_pg_objects, hoisted_name, object_occurrences)
 from te_passes.passes.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
-from te_passes.te.graph_model import TEConstKind, bundle_dict, quantizer_fields, te_const_kind  # noqa: E402
+from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 
 

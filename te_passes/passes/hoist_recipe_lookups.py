@@ -26,14 +26,19 @@ of residue, each handled here:
    re-evaluates every value-opaque constant's ``__fx_repr__`` (``OpaqueValueBundle({...})``,
    ``_rebuild_quantizer(...)``) inline on every call
    (``torch/_inductor/codegen/wrapper.py`` ``PythonWrapperCodegen.val_to_arg_str``,
-   ``ir.OpaqueValueTypeConstant`` for outputs; torch 2.14.1). Lifting each such constant to a
-   ``get_attr`` of the graph module makes Inductor treat it as a named constant
-   (``GraphLowering.get_attr``: custom-class values become ``TorchBindObject`` s stored in
-   ``torchbind_constants``, which the wrapper module receives as globals when it is loaded), so
-   it is built once at compile time. Constants are lifted one attribute per *object*: equal but
-   distinct quantizers stay distinct objects (TE ops update a quantizer's usage flags in place,
-   as TE's eager modules do with their persistent quantizers), so no two slots start sharing
-   mutable state.
+   ``ir.OpaqueValueTypeConstant`` for outputs; torch 2.14.1): 52 quantizer rebuilds per
+   forward+backward step of a 4-layer fp8 stack. Each such constant (op arguments and graph
+   outputs) is replaced by a fresh, equal object built once at compile time from its own
+   ``__fx_repr__`` and *named*: its ``__fx_repr__`` answers a bare name ``_te_const_<n>`` with
+   ``{name: object}`` as globals (:func:`name_constant`). Inductor records those globals in
+   ``GraphLowering.opaque_value_type_classes``, which become globals of the wrapper module when
+   it is loaded — also on an FX-graph-cache hit, where they come back pickled with the cache
+   entry (``CompiledFxGraphConstants.unwrap``). The call path then passes module globals.
+   (A ``get_attr`` lift would use Inductor's ``torchbind_constants`` instead, which a cache hit
+   does not restore.) One object per *slot*: equal but distinct constants stay distinct objects
+   (TE ops update a quantizer's usage flags in place, as TE's eager modules do with their
+   persistent quantizers), and the graph's original objects — possibly shared with the Dynamo
+   graph — are never touched.
 
 Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for
 ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
@@ -58,13 +63,16 @@ Lookups (``symbolic_trace`` of ``f(x) = gemm(x, split=FP8GlobalStateManager.get_
     # after
     gemm = gemm(x, split = False)
 
-Post-grad (what the Inductor wrapper then calls)::
+Post-grad graph, as Inductor's wrapper calls it::
 
     # before: rebuilt on every call
-    torch.ops.transformer_engine_compile.linear.default(..., OpaqueValueBundle({... Q(...) ...}))
-    # after: _te_const_0 is an attribute of the graph module, a wrapper global built once
-    _te_const_0 = self._te_const_0
-    torch.ops.transformer_engine_compile.linear.default(..., _te_const_0)
+    buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [],
+        OpaqueValueBundle({'__kind__': ...}), ..., OpaqueValueBundle({... Q(...) ...}))
+    return (buf1, Q(...), Q(...), ...)
+    # after: wrapper-module globals, built once when the module is loaded
+    buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0, ...,
+        _te_const_2)
+    return (buf1, _te_const_3, _te_const_4, ...)
 
 Safety: lookups are folded to the TE autocast state the graph is compiled under
 (:class:`te_passes.te.recipes.Fp8State`, captured at compile time or given as the pass's
@@ -75,7 +83,6 @@ otherwise (``symbolic_trace``) are specialised by this pass and every folded val
 from __future__ import annotations
 
 import builtins
-import copy
 import dataclasses
 import enum
 import itertools
@@ -206,13 +213,14 @@ class HoistRecipeLookups(TEPass):
 
     * ``fp8_state`` — a :class:`te_passes.te.recipes.Fp8State` to fold lookups against (default:
       TE's live autocast state at compile time, :meth:`Fp8State.capture`);
-    * ``hoist_constants`` — lift value-opaque TE constants to ``get_attr`` s at the post-grad
-      stages (default ``True``).
+    * ``hoist_constants`` — build value-opaque TE constants once (named wrapper globals) at the
+      post-grad stages (default ``True``).
 
     Records (``PassRecord.kind``): ``"hoisted"`` (a lookup folded: ``lookup``, ``value``,
     ``users``), ``"folded_setattr"`` (a removed ``__setattr__``: ``receiver``, ``field``,
     ``value``, ``reason``), ``"kept"`` (a lookup / setattr / object left in place, with
-    ``reason``), ``"hoisted_constant"`` (a lifted constant: ``attr``, ``const_kind``, ``users``).
+    ``reason``), ``"hoisted_constant"`` (a constant built once: ``name``, ``slot``,
+    ``const_kind``, ``type``; ``node`` is the op or output using it).
     """
 
     name = "hoist_recipe_lookups"
@@ -239,8 +247,8 @@ class HoistRecipeLookups(TEPass):
 
     # ------------------------------------------------------------------ entry
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        """Stage ``dynamo``: fold lookups and setattr residue; post-grad stages: lift TE
-        constants to ``get_attr`` s (when ``hoist_constants``). See the class docstring."""
+        """Stage ``dynamo``: fold lookups and setattr residue; post-grad stages: build TE
+        constants once (when ``hoist_constants``). See the class docstring."""
         if ctx.stage is Stage.DYNAMO:
             records: list[PassRecord] = []
             changed = self._fold_lookups(gm, records)
