@@ -85,8 +85,11 @@ class Out:
             from rich.table import Table
 
             t = Table(title=title, title_justify="left", show_lines=False)
-            for c in columns:
-                t.add_column(c, overflow="fold")
+            for i, c in enumerate(columns):  # names stay whole; the last column wraps
+                last = i == len(columns) - 1
+                whole = min(max([len(c)] + [len(r[i]) for r in rows]), 32)
+                t.add_column(c, overflow="fold", no_wrap=i == 0, min_width=whole if i == 0 else None,
+                             ratio=2 if last else None)
             for r in rows:
                 t.add_row(*r)
             self.rich.print(t)
@@ -368,6 +371,14 @@ def _short(v: Any, n: int = 70) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
+def _grouped(items: list[dict[str, Any]], key: Callable[[dict[str, Any]], tuple]) -> list[list[Any]]:
+    """Rows ``[*key, count, nodes]`` grouping ``items`` with equal ``key`` (first-seen order)."""
+    groups: dict[tuple, list[str]] = {}
+    for it in items:
+        groups.setdefault(key(it), []).append(str(it.get("node")))
+    return [[*k, len(nodes), _short(", ".join(nodes), 50)] for k, nodes in groups.items()]
+
+
 def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     v = s.get("versions", {})
     out.heading("te_passes dump")
@@ -390,29 +401,39 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
                 f"{p['time_ms']:.2f}", f"{p['nodes_before']} -> {p['nodes_after']}", p["records"]]
                for p in s.get("passes", [])], limit=None)
     if s.get("folded"):
-        out.table(f"Folded / hoisted constants ({len(s['folded'])})", ["graph", "pass", "kind", "node", "what", "value"],
-                  [[f["graph_id"], f["pass"], f["kind"], f.get("node"), _short(f.get("expr"), 60),
-                    _short(f.get("value"), 30)] for f in s["folded"]], limit=25)
+        rows = _grouped(s["folded"], lambda f: (f["graph_id"], f["pass"], f["kind"], _short(f.get("expr"), 60),
+                                                _short(f.get("value"), 30)))
+        out.table(f"Folded / hoisted constants ({len(s['folded'])} records)",
+                  ["graph", "pass", "kind", "what", "value", "n", "nodes"], rows, limit=25)
     if s.get("frees"):
         out.table(f"Early frees ({len(s['frees'])})", ["graph", "node", "role", "bytes", "after"],
                   [[f["graph_id"], f.get("node"), f.get("role"), _fmt_bytes(f.get("bytes")), f.get("after")]
                    for f in s["frees"]])
     mem = s.get("memory") or {}
     if mem.get("stages"):
-        out.table("Memory estimate (peak of live tensors)", ["graph", "stage", "before", "after", "before (bytes)",
-                                                            "after (bytes)"],
-                  [[m["graph_id"], m["stage"], _short(m.get("peak_before"), 40), _short(m.get("peak_after"), 40),
-                    _fmt_bytes(m.get("peak_before_concrete")), _fmt_bytes(m.get("peak_after_concrete"))]
-                   for m in mem["stages"]])
+        rows = []
+        for m in mem["stages"]:
+            b, a = m.get("peak_before_concrete", m.get("peak_before")), m.get("peak_after_concrete", m.get("peak_after"))
+            saved = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
+            sym = "" if not m.get("symbolic") else f"{_short(m.get('peak_before'), 30)} -> {_short(m.get('peak_after'), 30)}"
+            rows.append([m["graph_id"], m["stage"], _fmt_bytes(b), _fmt_bytes(a), _fmt_bytes(saved), m.get("peak_node_after"),
+                         sym])
+        out.table("Memory estimate (peak bytes of live tensors)", ["graph", "stage", "before", "after", "saved",
+                                                                  "peak at", "symbolic"], rows)
     if s.get("pool_check"):
-        out.table("Cudagraph pool check", ["graph", "kind", "node", "detail"],
-                  [[p["graph_id"], p["kind"], p.get("node"), _short(p.get("message") or
-                                                                   {k: p.get(k) for k in ("findings", "cudagraphs")}, 80)]
-                   for p in s["pool_check"]])
+        rows = []
+        for p in s["pool_check"]:
+            if p["kind"] == "pool_check":
+                detail = (f"{p.get('findings', 0)} findings, {p.get('allocated_values', '?')} allocated values, "
+                          f"cudagraphs {'on' if p.get('cudagraphs') else 'off'}")
+            else:
+                detail = _short(p.get("message") or p.get("reason") or p, 90)
+            rows.append([p["graph_id"], p["kind"], p.get("node"), detail])
+        out.table("Cudagraph pool check", ["graph", "kind", "node", "detail"], rows)
     if s.get("skipped"):
-        out.table(f"Rewrites refused ({len(s['skipped'])})", ["graph", "pass", "kind", "node", "reason"],
-                  [[k["graph_id"], k["pass"], k["kind"], k.get("node"), _short(k.get("reason"), 90)]
-                   for k in s["skipped"]], limit=20)
+        rows = _grouped(s["skipped"], lambda k: (k["graph_id"], k["pass"], k["kind"], _short(k.get("reason"), 80)))
+        out.table(f"Rewrites refused ({len(s['skipped'])} records)", ["graph", "pass", "kind", "reason", "n", "nodes"],
+                  rows, limit=20)
     if s.get("failed"):
         out.table("Failed passes (graph restored)", ["graph", "stage", "pass", "error"],
                   [[f["graph_id"], f["stage"], f["pass"], _short(f.get("error"), 90)] for f in s["failed"]])
@@ -458,7 +479,8 @@ def cmd_list(args: argparse.Namespace, out: Out) -> int:
     env_disable = {n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()}
     rows = []
     for cls in classes:
-        stages = ", ".join(sorted(s.value for s in cls.stages))
+        order = {"dynamo": 0, "joint": 1, "post_grad_fwd": 2, "post_grad_bwd": 3}
+        stages = ", ".join(sorted((s.value for s in cls.stages), key=order.get))
         enabled = "no (TE_PASSES_DISABLE)" if cls.name in env_disable else "yes"
         rows.append([cls.name, stages, "analysis" if cls.analysis_only else "rewrite", enabled, cls.description])
     if args.json:
