@@ -35,6 +35,11 @@ def test_printer_shows_storages_roles_and_config_fields(te_aot_graphs):
     for key in call.config:
         assert len(re.findall(rf"^\s+{key}=", text, re.M)) == 1, key
     assert "grad_output_quantizer=Float8CurrentScalingQuantizer(" in text and "dtype=DType.kFloat8E5M2" in text
+    # the saved input's quantizer (columnwise only): True flags by name, False ones left out
+    q = call.tq_fields["inputmat"].quantizer
+    assert (q.rowwise_usage, q.columnwise_usage) == (False, True)
+    assert ("quantizer=Float8CurrentScalingQuantizer(columnwise_usage, internal, optimize_for_gemm, "
+            "dtype=DType.kFloat8E4M3, amax_epsilon=0.0),") in text
 
 
 def test_node_fields_and_diff_find_one_flipped_config_field(te_dynamo_graph):

@@ -14,8 +14,10 @@ TE op changed. :func:`format_graph` prints the graph as Python-like code in the 
   as ``Float8TensorStorage(_data=..., _transpose=..., _scale_inv=..., fp8_dtype=..., ...)``
   with each buffer's role, and the config bundle (``_simple_meta``) as ``config={...}``, one
   field per line, grouped (quantizers, precision, autograd, parallel, userbuffers, ...);
-* quantizers print as ``Float8CurrentScalingQuantizer(dtype=DType.kFloat8E4M3, ...)`` with
-  their value fields; TE enums as ``DType.kFloat8E4M3``; ``torch.dtype`` as ``torch.bfloat16``;
+* quantizers print as ``Float8CurrentScalingQuantizer(rowwise_usage, internal,
+  dtype=DType.kFloat8E4M3, amax_epsilon=0.0)``: their value fields, boolean ones listed by name
+  when ``True`` and left out when ``False``; TE enums as ``DType.kFloat8E4M3``; ``torch.dtype`` as
+  ``torch.bfloat16``;
 * each node may carry ``# <- ...`` notes (the dump writer puts the pass records there).
 
 Field-per-line output makes a unified diff of two printouts field-level;
@@ -81,13 +83,21 @@ def constant_name(v: Any) -> str | None:
 
 
 def format_quantizer(q: Any) -> str:
-    """``Float8CurrentScalingQuantizer(dtype=DType.kFloat8E4M3, rowwise_usage=True, ...)``: the
-    quantizer's class and its value fields (:func:`te_passes.te.graph_model.quantizer_fields`)."""
+    """``Float8CurrentScalingQuantizer(rowwise_usage, internal, dtype=DType.kFloat8E4M3,
+    amax_epsilon=0.0)``: the quantizer's class and its value fields
+    (:func:`te_passes.te.graph_model.quantizer_fields`); boolean fields that are ``True`` are
+    listed by name, ``False`` ones are left out, the others print as ``name=value``."""
     try:
         fields = gmod.quantizer_fields(q)
     except TypeError:
         return repr(q)
-    body = ", ".join(f"{k}={format_value(v)}" for k, v in fields.items())
+    parts = []
+    for k, v in fields.items():
+        if v is True:
+            parts.append(k)
+        elif v is not False:
+            parts.append(f"{k}={format_value(v)}")
+    body = ", ".join(parts)
     name = constant_name(q)
     return f"{type(q).__name__}({body})" + (f" as {name}" if name else "")
 
@@ -354,7 +364,8 @@ def format_graph(gm: torch.fx.GraphModule | torch.fx.Graph, *, name: str = "Grap
     for node in graph.find_nodes(op="placeholder"):
         t = node_type(node)
         params.append(f'{node.name}: "{t}"' if t else node.name)
-    out = [f"class {name}(torch.nn.Module):", f"{INDENT}def forward(self, {', '.join(params)}):"]
+    out = [f"# te_passes TE-aware printout: quantizers list their True flags by name (flags not listed are "
+           f"False)", f"class {name}(torch.nn.Module):", f"{INDENT}def forward(self, {', '.join(params)}):"]
     for node in graph.nodes:
         if node.op == "placeholder":
             for n in notes.get(node.name, ()):
