@@ -122,6 +122,13 @@ def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
             yield from _walk(v, path + (k,), depth + 1)
 
 
+_PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+#: ``call_function`` targets that can be part of a recipe lookup (besides TE's own functions).
+_LOOKUP_BUILTINS = frozenset({builtins.getattr, builtins.hasattr, builtins.isinstance, operator.is_,
+                              operator.is_not})
+
+
 def _is_object_constant(v: Any) -> bool:
     return (not isinstance(v, (torch.fx.Node, bool, int, float, str, type(None), torch.dtype, torch.device,
                                 enum.Enum, type, list, tuple, dict)))
@@ -165,10 +172,31 @@ def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str,
         if node.op == "get_attr":
             roots.append((("get_attr",), _get_attr(gm, str(node.target))))
         for base, root in roots:
+            if not _has_objects(root):
+                continue
             for path, v in _walk(root, base):
+                if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
+                    continue
                 if recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v):
                     out.append((node.name, "/".join(map(str, path)), type(v).__name__))
     return out
+
+
+def _may_be_te_lookup(target: Any) -> bool:
+    """Cheap filter: a classmethod of a class (``FP8GlobalStateManager.*``) or a function defined
+    in ``transformer_engine`` (the pure recipe functions)."""
+    if isinstance(getattr(target, "__self__", None), type):
+        return True
+    return (getattr(target, "__module__", None) or "").startswith("transformer_engine")
+
+
+def _has_objects(root: Any) -> bool:
+    """Fast pre-check: whether args/kwargs ``root`` hold anything besides nodes and plain values."""
+    if isinstance(root, (tuple, list)):
+        return any(_has_objects(a) for a in root)
+    if isinstance(root, dict):
+        return any(_has_objects(a) for a in root.values())
+    return not (isinstance(root, _PLAIN_TYPES) or isinstance(root, torch.fx.Node))
 
 
 def _bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]:
@@ -339,6 +367,9 @@ class HoistRecipeLookups(TEPass):
                 return val, f"self.{node.target}"
             return None
         if node.op == "call_function":
+            tgt = node.target
+            if tgt not in _LOOKUP_BUILTINS and not _may_be_te_lookup(tgt):
+                return None
             lookup = recipes.state_lookup_name(node.target)
             if lookup is not None:
                 if node.args or node.kwargs:
@@ -400,7 +431,9 @@ class HoistRecipeLookups(TEPass):
                 return (recipes.call_recipe_function(fname, tuple(v[0] for v in vals)),
                         f"{fname}({', '.join(v[1] for v in vals)})")
             return None
-        if node.op == "call_method" and node.target in recipes.RECIPE_PREDICATES and len(node.args) == 1:
+        if node.op != "call_method" or node.target not in recipes.RECIPE_PREDICATES:
+            return None
+        if len(node.args) == 1:
             src = value_of(node.args[0])
             if src is None or not recipes.is_recipe(src[0]):
                 return None
@@ -523,7 +556,7 @@ _WRAPPED_FLAG = "_te_passes_named_fx_repr"
 def is_liftable_constant(v: Any) -> bool:
     """Whether ``v`` is a TE value-opaque constant (``OpaqueValueBundle`` or a quantizer, a
     ``torch._library.opaque_object`` constant type) that Inductor would rebuild per call."""
-    if isinstance(v, (torch.fx.Node, enum.Enum, type)):
+    if isinstance(v, (torch.fx.Node, enum.Enum, type, list, tuple, dict)) or isinstance(v, _PLAIN_TYPES):
         return False
     if te_const_kind(v) not in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER):
         return False
@@ -582,11 +615,10 @@ def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:
     """Apply ``lift(value, sub-slot)`` to ``a`` and, for list/tuple args (the output node's
     tuple), to their elements; bundles are lifted whole (their quantizers travel inside them)."""
     if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
-        out = [lift(x, f"[{j}]") for j, x in enumerate(a)]
-        if all(x is y for x, y in zip(out, a)):
+        if not any(is_liftable_constant(x) for x in a):
             return a
-        return type(a)(out)
-    return lift(a, "")
+        return type(a)(lift(x, f"[{j}]") if is_liftable_constant(x) else x for j, x in enumerate(a))
+    return lift(a, "") if is_liftable_constant(a) else a
 
 
 class _NotFoldable(Exception):
