@@ -277,7 +277,14 @@ def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
     """Source lines (unindented) for one non-placeholder node; see the module docstring."""
     lines = [f"# <- {n}" for n in notes]
     if node.op == "output":
-        lines.append(f"return {format_value(node.args[0])}")
+        ret = node.args[0]
+        text = f"return {format_value(ret)}"
+        if len(text) > 120 and isinstance(ret, (tuple, list)):  # one returned value per line
+            lines.append("return (")
+            lines.extend(f"{INDENT}{format_value(v)}," for v in ret)
+            lines.append(")")
+        else:
+            lines.append(text)
         return lines
     if node.op == "get_attr":
         value = _attr_value(node)
