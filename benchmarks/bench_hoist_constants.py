@@ -99,6 +99,40 @@ def cpu_part(layers: int, hidden: int, reps: int) -> None:
           f"{t_rebuild - t_hoisted:.1f} us")
 
 
+def scaling_part() -> None:
+    """Pass time vs graph size (synthetic chains of ``operator.add``; the real TE nodes of a
+    captured fp8 te.Linear appended), both stages."""
+    import operator
+
+    import torch.fx
+
+    from te_passes.config import TePassesOptions
+    from te_passes.passes.base import PassContext, Stage
+    from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
+    from te_passes.te import recipes
+    from te_passes.te.state import TEState
+
+    p = HoistRecipeLookups(fp8_state=recipes.Fp8State())
+    print("pass time vs graph size (best of 3):")
+    print(f"  {'nodes':>8s}{'dynamo (ms)':>14s}{'post-grad (ms)':>16s}")
+    for n in (1_000, 10_000, 100_000):
+        g = torch.fx.Graph()
+        y = g.placeholder("x")
+        for _ in range(n):
+            y = g.call_function(operator.add, (y, 1.0))
+        g.output(y)
+        gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        row = []
+        for stage in (Stage.DYNAMO, Stage.POST_GRAD_FWD):
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                p.run(gm, PassContext(stage, TePassesOptions(), TEState()))
+                best = min(best, time.perf_counter() - t0)
+            row.append(best * 1e3)
+        print(f"  {n:8d}{row[0]:14.1f}{row[1]:16.1f}")
+
+
 def gpu_part(layers: int, hidden: int, tokens: int, steps: int) -> None:
     from te_passes.testing import gpu as h
 
@@ -155,6 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=50)
     a = p.parse_args(argv)
     cpu_part(a.layers, a.hidden, a.reps)
+    scaling_part()
     if a.gpu:
         gpu_part(a.layers, a.gpu_hidden, a.tokens, a.steps)
     return 0
