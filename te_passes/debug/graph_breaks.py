@@ -37,6 +37,25 @@ def _short_reason(reason: str) -> str:
 _LIBRARY_DIRS = ("site-packages", "dist-packages", "/torch/", "/transformer_engine/")
 
 
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when inside it, from the package on for
+    installed libraries (``transformer_engine/pytorch/jit.py``), else unchanged."""
+    import os
+
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def _frame(fs: Any) -> str:
+    return f"{short_path(fs.filename)}:{fs.lineno} ({fs.name})"
+
+
 def _location(user_stack: list[Any]) -> str | None:
     """The innermost frame of the user's own code (not torch / TE / site-packages), else the
     innermost frame."""
@@ -44,7 +63,7 @@ def _location(user_stack: list[Any]) -> str | None:
         return None
     fs = next((f for f in reversed(user_stack) if not any(d in f.filename for d in _LIBRARY_DIRS)),
               user_stack[-1])
-    return f"{fs.filename}:{fs.lineno} ({fs.name})"
+    return _frame(fs)
 
 
 def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
@@ -55,7 +74,7 @@ def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
     return {
         "reason": _short_reason(reason),
         "location": _location(user_stack),
-        "user_stack": [f"{fs.filename}:{fs.lineno} ({fs.name})" for fs in user_stack],
+        "user_stack": [_frame(fs) for fs in user_stack],
         "te": dataclasses.asdict(te) if te else None,
         "full_reason": reason,
     }
@@ -63,7 +82,7 @@ def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
 
 def _metrics_entry(m: Any) -> dict[str, Any]:
     return {"compile_id": m.compile_id, "function": m.co_name,
-            "location": f"{m.co_filename}:{m.co_firstlineno}" if m.co_filename else None,
+            "location": f"{short_path(m.co_filename)}:{m.co_firstlineno}" if m.co_filename else None,
             "graph_op_count": m.graph_op_count, "num_graph_breaks": m.num_graph_breaks,
             "recompile_reason": m.recompile_reason, "fail_reason": m.fail_reason}
 
