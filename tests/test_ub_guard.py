@@ -451,3 +451,74 @@ def test_registry_replaced_without_notify_is_seen_at_trace_time():
     torch.testing.assert_close(c(x), torch.cos(x) - 1)
     assert compile_reports()[-1].records("folded")[0].data["value"] is False
     assert compile_reports()[-1].records("ub_mismatch") == []
+
+
+# --------------------------------------------------------------------------- CUDA graph trees (H200)
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _cudagraph_stats():
+    return {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_dynamo_layer_under_cudagraph_trees():
+    """reduce-overhead: the UB model is re-traced (new cudagraph-tree function) after a UB change
+    and never replays its stale recording; the plain model keeps replaying its own."""
+    from te_passes.testing.gpu import ensure_te_inductor_backend
+
+    ensure_te_inductor_backend()
+    ub_model, plain = UbModel(), Plain()
+    cu = torch.compile(ub_model, backend="te_inductor", mode="reduce-overhead")
+    cp = torch.compile(plain, backend="te_inductor", mode="reduce-overhead")
+    x = torch.randn(4096, device="cuda")
+    for _ in range(4):  # warm-up, record, replay
+        torch.testing.assert_close(cu(x).clone(), torch.sin(x) * 2)
+        torch.testing.assert_close(cp(x).clone(), torch.relu(x) + 1)
+    assert n_compiles() == 2
+    set_ub_registry(BF16_RS)
+    for _ in range(4):
+        torch.testing.assert_close(cu(x).clone(), torch.cos(x) - 1)
+        torch.testing.assert_close(cp(x).clone(), torch.relu(x) + 1)
+    assert n_compiles() == 3
+    assert counters["inductor"]["cudagraph_skips"] == 0, _cudagraph_stats()
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_graph_guard_recompiles_under_cudagraph_trees():
+    """Layer 2 under reduce-overhead: a graph with a folded query is recompiled (re-recorded)
+    from its pre-pass copy after a UB change; a graph with UB TE-op checks re-records on an
+    equal-answer re-initialisation; the plain graph keeps its recording."""
+    x = torch.randn(4096, device="cuda")
+    cu = te_inductor(ub_graph(), [x], mode="reduce-overhead")
+    cp = te_inductor(plain_graph(), [x], mode="reduce-overhead")
+    assert cu.te_ub_guard.cudagraphs is True
+    for _ in range(4):
+        torch.testing.assert_close(cu(x)[0].clone(), x * 3.0)
+        torch.testing.assert_close(cp(x)[0].clone(), torch.relu(x))
+    set_ub_registry(BF16_RS)
+    for _ in range(4):
+        torch.testing.assert_close(cu(x)[0].clone(), x * 0.5)
+        torch.testing.assert_close(cp(x)[0].clone(), torch.relu(x))
+    assert cu.te_ub_guard.recompiles == 1 and n_compiles() == 3
+
+    # a graph with a UB TE-op check (stand-in: the plain graph + the linear config) re-records on
+    # an equal-answer re-initialisation
+    guards.register_dependence("g_cg", checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
+                               pristine=guards.pristine_copy(plain_graph()))
+    from te_passes.config import TePassesOptions
+    from te_passes.te.state import TEState
+
+    inner = te_inductor(plain_graph(), [x], mode="reduce-overhead")
+    fn = guards.wrap_with_te_state_guard(inner, _report("g_cg"), TEState.capture(), TePassesOptions(),
+                                         recompile=lambda g, a: te_inductor(g, a, mode="reduce-overhead"),
+                                         cudagraphs=True)
+    for _ in range(3):
+        torch.testing.assert_close(fn(x)[0].clone(), torch.relu(x))
+    set_ub_registry(dict(BF16_RS))  # same answers, new communicators
+    for _ in range(3):
+        torch.testing.assert_close(fn(x)[0].clone(), torch.relu(x))
+    assert fn.te_ub_guard.recompiles == 1
+    assert counters["inductor"]["cudagraph_skips"] == 0, _cudagraph_stats()
