@@ -123,3 +123,17 @@ def test_graph_break_texts_name_te_eager_islands():
     assert fallback_reason_from_warning("Falling back to eager execution under torch.compile: FP8 attention is "
                                         "unsupported on the compiled path (graph-breaks under fullgraph=True).") \
         == "FP8 attention"
+
+
+def test_tegraph_keeps_symbolic_sizes(tmp_path):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, w: torch.relu(x @ w).sum(0), tracing_mode="symbolic")(torch.randn(8, 4), torch.randn(4, 3))
+    text = format_graph(gm)
+    assert re.search(r'"f32\[s\d+, s\d+\]"', text), text
+    save_graph(tmp_path / "sym.tegraph", gm, stage="dynamo", graph_id="g0")
+    gm2, _ = load_graph(tmp_path / "sym.tegraph")
+    assert format_graph(gm2) == text
+    mm = next(n for n in gm2.graph.nodes if n.name.startswith("mm"))
+    assert isinstance(mm.meta["val"].shape[0], torch.SymInt)
+    assert mm.meta["val"].shape[0].node.hint == 8

@@ -28,6 +28,7 @@ import importlib
 import io
 import os
 import pickle
+import warnings
 from typing import Any
 
 import torch
@@ -210,14 +211,28 @@ def save_graph(path: str | os.PathLike, gm: torch.fx.GraphModule | torch.fx.Grap
 
 
 # --------------------------------------------------------------------------- load
+def _has_sym(v: Any) -> bool:
+    if isinstance(v, SymMeta):
+        return True
+    if isinstance(v, TensorMeta):
+        return any(isinstance(x, SymMeta) for x in (*v.shape, *v.stride))
+    if isinstance(v, (list, tuple)):
+        return any(_has_sym(x) for x in v)
+    if isinstance(v, dict):
+        return any(_has_sym(x) for x in v.values())
+    return False
+
+
 class _Builder:
-    def __init__(self) -> None:
+    """Rebuilds fake values; a ``ShapeEnv`` only when the graph has symbolic sizes (its sympy
+    machinery costs seconds on first use)."""
+
+    def __init__(self, symbolic: bool = True) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        self.shape_env = ShapeEnv()
+        self.shape_env = ShapeEnv() if symbolic else None
         self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
-        self.syms: dict[str, Any] = {}
 
     def sym(self, s: Any) -> Any:
         if not isinstance(s, SymMeta):
@@ -232,7 +247,9 @@ class _Builder:
 
     def val(self, v: Any) -> Any:
         if isinstance(v, TensorMeta):
-            with self.mode:
+            with self.mode, warnings.catch_warnings():
+                # TE's None sentinel outputs are complex32 (custom_op._NONE_SENTINEL_DTYPE)
+                warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
                 t = torch.empty_strided([self.sym(x) for x in v.shape], [self.sym(x) for x in v.stride],
                                         dtype=v.dtype, device=v.device)
             if v.requires_grad and (t.is_floating_point() or t.is_complex()):
@@ -283,7 +300,8 @@ def build_graph_module(payload: dict[str, Any]) -> tuple[torch.fx.GraphModule, l
     Raises:
         GraphFileError: an op is not registered here or a node refers to an unknown node.
     """
-    b = _Builder()
+    b = _Builder(symbolic=any(_has_sym(rec.get("meta")) for rec in payload["nodes"])
+                 or _has_sym(payload.get("example_inputs")))
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
 
