@@ -254,8 +254,8 @@ def test_run_pipeline_runs_each_stage_on_its_graph(te_aot_graphs):
 
     only = run_pipeline(cap.dynamo, stages=["dynamo"], passes=[CountTEOps()])
     assert [r.stage for r in only] == ["dynamo"]
-    independent = run_pipeline(cap, passes=[CountTEOps()], relower=False)
-    assert [r.runs[0].records[0].data["ops"] for r in independent] == ops
+    relowered = run_pipeline(cap, passes=[CountTEOps()], relower=True)
+    assert [r.runs[0].records[0].data["ops"] for r in relowered] == ops
 
 
 def test_run_pipeline_relower_carries_rewrites_forward(te_aot_graphs):
@@ -284,22 +284,38 @@ def test_run_pipeline_relower_carries_rewrites_forward(te_aot_graphs):
             return TEPassResult(gm, False, [PassRecord("marks", None, {"marks": marks})])
 
     cap = te_aot_graphs("mxfp8", 1)
-    reports = run_pipeline(cap, passes=[MarkJoint(), SeeMark()])
+    reports = run_pipeline(cap, passes=[MarkJoint(), SeeMark()], relower=True)
+    # independently, the captured forward/backward never saw the joint rewrite
+    independent = run_pipeline(cap, passes=[MarkJoint(), SeeMark()])
+    assert [r.runs[0].records[0].data["marks"] for r in independent[2:]] == [[False], [False]]
     assert [r.stage for r in reports] == ["dynamo", "joint", "post_grad_fwd", "post_grad_bwd"]
     assert [r.runs[0].records[0].data["marks"] for r in reports[2:]] == [[True], [True]]
     assert not any(n.meta.get("marked_at_joint") for g in cap.graphs().values() for n in g.graph.nodes)
 
 
-def test_run_pipeline_with_registry_passes(te_aot_graphs):
+def test_run_pipeline_with_registry_passes(te_aot_graphs, monkeypatch):
     """The default pipeline (whatever the registry holds, maybe nothing) runs on real graphs
     without failing a pass, and leaves the cached capture untouched."""
+    import itertools
+    import sys
+
     from te_passes.testing.capture import run_pipeline
+
+    # hoist_recipe_lookups names constants from a process-global counter; keep this test from
+    # shifting the names later tests (test_cli) compare against a fresh subprocess's.
+    from te_passes.passes.registry import pass_classes
+
+    pass_classes()  # imports every registered pass module
+    hoist = sys.modules.get("te_passes.passes.hoist_recipe_lookups")
+    if hoist is not None and hasattr(hoist, "_CONST_COUNTER"):
+        monkeypatch.setattr(hoist, "_CONST_COUNTER", itertools.count(10_000))
 
     cap = te_aot_graphs("fp8-cs", 1)
     before = [len(g.graph.nodes) for g in cap.graphs().values()]
-    reports = run_pipeline(cap)
-    assert [r.stage for r in reports] == ["dynamo", "joint", "post_grad_fwd", "post_grad_bwd"]
-    failed = [(r.stage, run.name, run.error) for r in reports for run in r.runs if run.status == "failed"]
+    for relower in (False, True):
+        reports = run_pipeline(cap, relower=relower)
+        assert [r.stage for r in reports] == ["dynamo", "joint", "post_grad_fwd", "post_grad_bwd"]
+        failed = [(r.stage, run.name, run.error) for r in reports for run in r.runs if run.status == "failed"]
     assert failed == []
     assert [len(g.graph.nodes) for g in cap.graphs().values()] == before
     assert all(hasattr(r, "gm") for r in reports)
@@ -362,8 +378,10 @@ def test_run_pipeline_strict_failure_propagates(te_aot_graphs):
         def run(self, gm, ctx):
             raise ValueError("boom at bwd")
 
-    with pytest.raises(TePassError, match="boom.*post_grad_bwd"):
-        run_pipeline(te_aot_graphs("bf16", 1), passes=[Boom()], options=TePassesOptions(strict=True))
+    for relower in (False, True):
+        with pytest.raises(TePassError, match="boom.*post_grad_bwd"):
+            run_pipeline(te_aot_graphs("bf16", 1), passes=[Boom()], options=TePassesOptions(strict=True),
+                         relower=relower)
     with pytest.warns(RuntimeWarning, match="boom at bwd"):
         reports = run_pipeline(te_aot_graphs("bf16", 1), passes=[Boom()])
     assert [(r.stage, [run.status for run in r.runs]) for r in reports] == [

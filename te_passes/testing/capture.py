@@ -871,18 +871,21 @@ def cached_aot(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> Cap
 # --------------------------------------------------------------------------- pipeline
 def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | None = None, *,
                  passes: Sequence[Any] | None = None, options: Any = None, te_state: Any = None,
-                 relower: bool = True, copy: bool = True, graph_id: str = "g0") -> list[Any]:
+                 relower: bool = False, copy: bool = True, graph_id: str = "g0") -> list[Any]:
     """Run te_passes' pass pipeline on captured graphs, stage by stage, as the backend does.
 
     :class:`CapturedGraph` → ``Stage.DYNAMO`` on ``gm`` (with its example inputs).
 
-    :class:`CapturedAOT` with ``relower`` (default) — the backend's order exactly: the DYNAMO
-    passes rewrite (a copy of) the Dynamo graph, which is then lowered again by
-    :func:`capture_aot` with the JOINT passes run at the ``joint_custom_pre_pass`` point (before
-    partitioning, so their rewrites reach the forward/backward graphs) and the POST_GRAD_FWD /
-    POST_GRAD_BWD passes at the ``post_grad_custom_pre_pass`` point. Costs one AOT trace
-    (~1–2 s). Without ``relower`` each stage's passes run on the captured graph of that stage
-    independently (cheaper; later stages do not see earlier stages' rewrites).
+    :class:`CapturedAOT` (default) — each stage's passes run on (a copy of) the captured graph
+    of that stage, independently: DYNAMO on the Dynamo graph, JOINT on ``joint``,
+    POST_GRAD_FWD on ``forward``, POST_GRAD_BWD on ``backward``; later stages do not see
+    earlier stages' rewrites (what ``te-passes dump --example`` does offline).
+
+    :class:`CapturedAOT` with ``relower=True`` — the backend's order exactly: the DYNAMO passes
+    rewrite (a copy of) the Dynamo graph, which is then lowered again by :func:`capture_aot`
+    with the JOINT passes run at the ``joint_custom_pre_pass`` point (before partitioning, so
+    their rewrites reach the forward/backward graphs) and the POST_GRAD_FWD / POST_GRAD_BWD
+    passes at the ``post_grad_custom_pre_pass`` point. Costs one AOT trace (~1–2 s).
 
     Args:
         captured: what :func:`capture_dynamo` / :func:`capture_aot` returned.
