@@ -568,3 +568,51 @@ def test_warns_when_traced_before_hooks_were_installed():
         finally:
             guards.install_te_ub_hooks()
     assert [r["kind"] for r in records(res)] == ["ub_check", "skipped"]
+
+
+# --------------------------------------------------------------------------- property: snapshot == TE
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_NAMES = ["qkv_fprop", "qkv_dgrad", "proj_fprop", "fc1_wgrad"]
+_registries = st.dictionaries(
+    st.tuples(st.sampled_from(_NAMES), st.sampled_from(["none", "fp8"])),
+    st.builds(C, fp8_ubuf=st.booleans(), cublasmp=st.booleans(), atomic_gemm=st.booleans(),
+              p2p_overlap=st.booleans(), tp_size=st.sampled_from([1, 2, 4, 8])),
+    max_size=6)
+_queries = st.one_of(
+    st.tuples(st.just("get_ub_is_fp8"), st.tuples(st.sampled_from(_NAMES), st.booleans())),
+    st.tuples(st.sampled_from([f"get_ub.{m}" for m in ("is_fp8_ubuf", "with_cublasmp", "is_atomic_gemm",
+                                                      "is_p2p_overlap", "get_tp_size")]),
+              st.tuples(st.sampled_from(_NAMES), st.booleans())),
+    st.tuples(st.sampled_from(["is_ub_initialized", "using_cublasmp_backend"]), st.just(())))
+
+
+def _te_live(api, args):
+    if api.startswith("get_ub."):
+        return getattr(te_base.get_ub(*args), api.split(".")[1])()
+    if api == "get_ub_is_fp8":
+        return _te_original("get_ub_is_fp8")(*args)
+    return getattr(te_base, api)(*args)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(registry=st.one_of(st.none(), _registries), cublasmp=st.booleans(), queries=st.lists(_queries, max_size=6))
+def test_snapshot_answers_like_te_for_any_registry(registry, cublasmp, queries):
+    """For any registry (or none), every query on the snapshot — also after a JSON round trip —
+    equals TE's live answer, or raises UbConfigError exactly where TE raises."""
+    with ub_registry(registry, with_cublasmp=cublasmp):
+        snap = UbSnapshot.capture()
+        again = UbSnapshot.from_json(json.loads(json.dumps(snap.to_json())))
+        assert again.fingerprint() == snap.fingerprint()
+        for api, args in queries:
+            try:
+                live = _te_live(api, args)
+            except (RuntimeError, KeyError):
+                for s in (snap, again):
+                    with pytest.raises(UbConfigError):
+                        s.query(api, args)
+                continue
+            for s in (snap, again):
+                got = s.query(api, args)
+                assert got == live and type(got) is type(live), (api, args)
