@@ -36,6 +36,8 @@ def test_compile_watch_counts_graphs_breaks_and_recompiles():
     assert (mid.graphs, mid.graph_breaks, mid.recompiles) == (2, 1, 0)
     assert (w.stats.graphs, w.stats.graph_breaks, w.stats.recompiles) == (4, 2, 2)
     assert w.stats.compile_ids == ["0/0", "1/0", "0/1", "1/1"]
+    assert len(w.stats.recompile_reasons) == 2 and all("n == 1" in r for r in w.stats.recompile_reasons), \
+        w.stats.recompile_reasons
     assert all("graph_break()" in k for k in w.stats.break_reasons)
     assert w.stats.cudagraph_skips == 0
 

@@ -229,6 +229,8 @@ class CompileStats:
     cudagraph_recordings: int = 0
     lazy_backward_compiles: int = 0
     compile_ids: list[str] = dataclasses.field(default_factory=list)
+    #: ``"<compile id> <function>: <failed guard>"`` per recompile (Dynamo's ``CompilationMetrics``).
+    recompile_reasons: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,6 +255,7 @@ class CompileWatch:
         from torch._dynamo.utils import counters
 
         counters.clear()
+        self._seen_metrics = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
         torch._dynamo.callback_handler.register_start_callback(self._on_start)
         return self
 
@@ -280,6 +283,9 @@ class CompileWatch:
                 st.cudagraph_recordings += 1
             elif trigger == "LAZY_BACKWARD":
                 st.lazy_backward_compiles += 1
+        st.recompile_reasons = [f"{m.compile_id} {m.co_name}: {m.recompile_reason}"
+                                for m in torch._dynamo.utils.get_compilation_metrics()
+                                if id(m) not in getattr(self, "_seen_metrics", ()) and m.recompile_reason]
         return st
 
     def __exit__(self, *exc) -> None:
