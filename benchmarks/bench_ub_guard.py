@@ -11,7 +11,8 @@ What is timed (median over ``--repeats`` runs of ``--calls`` back-to-back calls,
   guards the UB state token) vs the same module without the query (needs TE; stand-in UB);
 * (pairs are timed interleaved, a/b/a/b, so machine noise hits both alike)
 * ``CUDA graph replay``       — ``torch.cuda.CUDAGraph.replay()`` of one small kernel, when a GPU
-  is present: the reference the guard must be negligible against.
+  is present: the reference the guard must be negligible against;
+* the pass's own time on 1k / 10k / 100k-node graphs without UB (these rows are in ms, not ns).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_ub_guard.py [--calls 200000] [--repeats 7]``.
 The guard's cost is reported as the difference to its unguarded twin and as a ratio.
@@ -156,11 +157,39 @@ def main() -> None:
     else:
         rows.append(("CUDA graph replay: skipped (no GPU)", float("nan"), ""))
 
+    # the pass itself on graphs without UB (what every compile pays): ms per run vs graph size
+    import operator
+
+    from te_passes.config import TePassesOptions
+    from te_passes.passes.base import PassContext, Stage
+    from te_passes.passes.fold_ub_predicates import FoldUbPredicates
+    from te_passes.te.state import TEState
+
+    ctx = PassContext(Stage.DYNAMO, TePassesOptions(), TEState.capture(), None, "gbench")
+    base_ms = None
+    pass_rows: list[tuple[int, float, str]] = []
+    for n in (1_000, 10_000, 100_000):
+        g = torch.fx.Graph()
+        y = g.placeholder("x")
+        for i in range(n):
+            y = g.call_function(torch.relu, (y,)) if i % 2 else g.call_function(operator.add, (y, 1))
+        g.output(y)
+        gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        t0 = time.perf_counter()
+        FoldUbPredicates().run(gm, ctx)
+        ms = (time.perf_counter() - t0) * 1e3
+        base_ms = base_ms or ms
+        pass_rows.append((n, ms, f"{ms / base_ms:.1f}x the 1k-node time, {ms * 1e6 / n:.0f} ns/node"))
+
     width = max(len(r[0]) for r in rows)
     print(f"torch {torch.__version__}; {calls} calls x {reps} repeats (compiled rows: {c_calls} calls)")
     print(f"{'what':<{width}}  {'ns/call':>10}  ratio")
     for name, ns, ratio in rows:
         print(f"{name:<{width}}  {ns:>10.0f}  {ratio}")
+    print()
+    print(f"{'fold_ub_predicates on a graph without UB':<{width}}  {'ms':>10}")
+    for n, ms, ratio in pass_rows:
+        print(f"{f'  {n} nodes':<{width}}  {ms:>10.1f}  {ratio}")
 
 
 if __name__ == "__main__":
