@@ -85,7 +85,6 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import enum
-import itertools
 import operator
 from typing import Any, Callable, Iterator
 
@@ -505,7 +504,9 @@ class HoistRecipeLookups(TEPass):
             # call: no two slots (or graphs) share an object they did not share before, and the
             # graph's original objects (possibly shared with the Dynamo graph) are not touched.
             fresh = rebuild_constant(v)
-            name = f"{CONST_ATTR_PREFIX}{next(_CONST_COUNTER)}"
+            # Unique within this graph, hence within its wrapper module (one module per graph);
+            # deterministic, so reports and dumps are reproducible.
+            name = f"{CONST_ATTR_PREFIX}{count}"
             name_constant(fresh, name)
             count += 1
             records.append(PassRecord("hoisted_constant", user.name, {
@@ -548,7 +549,6 @@ def _original_fx_repr(v: Any) -> tuple[str, dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- named constants
-_CONST_COUNTER = itertools.count()
 _HOISTED_ATTR = "_te_passes_hoisted"
 _WRAPPED_FLAG = "_te_passes_named_fx_repr"
 
