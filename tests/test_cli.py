@@ -360,7 +360,7 @@ def test_bad_input_gets_one_clear_line(case, tmp_path):
         "out_is_a_file": (["dump", "--example", "linear-fp8", "--out", "afile"], {}, 2,
                           "dump directory afile exists and is not a directory"),
         "out_under_a_file": (["dump", "--example", "linear-fp8", "--out", "afile/sub"], {}, 2,
-                             "dump directory afile/sub is not writable"),
+                             "dump directory afile/sub is not writable: afile is not a directory"),
         "unknown_example": (["dump", "--example", "nope"], {}, 2, "unknown example 'nope'"),
         "replay_missing": (["replay", "nothing/here"], {}, 2, "no such graph file or dump directory"),
         "replay_not_a_graph": (["replay", "junk.tegraph"], {}, 2, "is not a te_passes graph file"),

@@ -156,6 +156,22 @@ def _check_mode(mode: str | None) -> None:
         raise CliError(f"unknown --mode {mode!r}: {e}") from e
 
 
+def _check_writable_dir(path: str) -> None:
+    """What :func:`te_passes.debug.dump.ensure_writable_dir` checks, without importing torch."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError(f"dump directory {path} exists and is not a directory")
+    probe_dir = path
+    while not os.path.exists(probe_dir):
+        parent = os.path.dirname(probe_dir) or "."
+        if parent == probe_dir:
+            break
+        probe_dir = parent
+    if not os.path.isdir(probe_dir):
+        raise CliError(f"dump directory {path} is not writable: {probe_dir} is not a directory")
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise CliError(f"dump directory {path} is not writable: no write permission on {probe_dir}")
+
+
 def _prepare_out_dir(path: str) -> str:
     from te_passes.debug.dump import DumpDirError, ensure_writable_dir
 
@@ -282,11 +298,15 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
         raise CliError(f"unknown example {args.example!r}; examples: {', '.join(EXAMPLES)}")
     if args.precision is not None and args.precision not in PRECISIONS:
         raise CliError(f"unknown --precision {args.precision!r}; expected one of {', '.join(PRECISIONS)}")
+    if args.target is not None:
+        _load_target_precheck(args.target)
+        if ":" not in args.target and (args.mode is not None or args.precision is not None):
+            raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
+                           "sets its own torch.compile(mode=...)")
+    _check_writable_dir(args.out)  # the cheap checks first: no torch import yet
     disable = _check_pass_names(args.disable or [], "--disable")
     env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
     _check_pass_names(env_disable, "TE_PASSES_DISABLE")
-    if args.target is not None:
-        _load_target_precheck(args.target)
     _check_mode(args.mode)
     root = _prepare_out_dir(args.out)
 
