@@ -373,3 +373,23 @@ def test_bad_input_gets_one_clear_line(case, tmp_path):
     line = _one_error_line(proc)
     assert expect in line, line
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_backend_emits_tlparse_artifacts_without_a_dump_dir(tmp_path):
+    """TORCH_TRACE alone (no te_passes.dump_dir): the backend's dump writer emits the dump as
+    tlparse artifacts and writes no directory."""
+    code = textwrap.dedent("""
+        import torch
+        f = torch.compile(lambda x: torch.sin(x) + 1, backend="te_inductor")
+        f(torch.randn(8))
+    """)
+    e = dict(os.environ, PYTHONPATH=ROOT, TORCH_TRACE=str(tmp_path / "trace"))
+    e.pop("TE_PASSES_DUMP_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=e, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = "".join(p.read_text() for p in (tmp_path / "trace").iterdir())
+    names = set(re.findall(r'"name": "(te_passes_[^"]+)"', text))
+    assert {"te_passes_g0_dynamo_input", "te_passes_g0_dynamo_output", "te_passes_g0_report"} <= names, names
+    assert "te_passes_g0.fwd_post_grad_fwd_input" in names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace"]
