@@ -29,7 +29,7 @@ import sympy
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, live_intervals
+from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, gc_paused, live_intervals
 
 __all__ = ["MemoryEstimate", "estimate", "estimate_graph", "shape_hints"]
 
@@ -83,13 +83,14 @@ def shape_hints(graph: torch.fx.Graph) -> dict[sympy.Symbol, int]:
     (``shape_env.var_to_val``), or ``{}`` with static shapes / no metadata."""
     for node in graph.nodes:
         for v in _flat_vals(node.meta.get("val")):
+            if not isinstance(v, torch.Tensor):
+                continue
             fm = getattr(v, "fake_mode", None)
             env = getattr(fm, "shape_env", None) if fm is not None else None
             if env is None:
-                continue
+                return {}  # real or static fake tensors: no symbols
             table = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else getattr(env, "var_to_val", None)
-            if table:
-                return {k: int(val) for k, val in table.items()}
+            return {k: int(val) for k, val in (table or {}).items()}
     return {}
 
 
@@ -125,6 +126,11 @@ def estimate(lv: Liveness, *, sizes: Mapping[str | sympy.Symbol, int] | None = N
     Returns:
         :class:`MemoryEstimate`.
     """
+    with gc_paused():
+        return _estimate(lv, sizes)
+
+
+def _estimate(lv: Liveness, sizes) -> MemoryEstimate:
     nodes = list(lv.order)
     n = len(nodes)
     hints = shape_hints(lv.graph)
@@ -136,7 +142,10 @@ def estimate(lv: Liveness, *, sizes: Mapping[str | sympy.Symbol, int] | None = N
             if str(s) in by_name:
                 hints[s] = int(by_name[str(s)])
     intervals = live_intervals(lv)
-    delta: list[list[Any]] = [[] for _ in range(n + 1)]
+    # Static byte counts go into an int list (no per-slot containers); symbolic ones into a
+    # sparse dict of lists.
+    d_int = [0] * (n + 1)
+    d_sym: dict[int, list[Any]] = {}
     input_bytes: Any = 0
     unknown: list[str] = []
     for b, (lo, hi) in intervals.items():
@@ -145,18 +154,25 @@ def estimate(lv: Liveness, *, sizes: Mapping[str | sympy.Symbol, int] | None = N
             if b.val is None:
                 unknown.append(b.name)
             continue
-        delta[lo].append(nb)
-        delta[hi + 1].append(-nb)
+        if isinstance(nb, int):
+            d_int[lo] += nb
+            d_int[hi + 1] -= nb
+        else:
+            d_sym.setdefault(lo, []).append(nb)
+            d_sym.setdefault(hi + 1, []).append(-nb)
         if b.origin is not BufferOrigin.ALLOCATED:
             input_bytes = input_bytes + nb
-    live: Any = 0
+    live_int = 0
+    live_sym: Any = sympy.Integer(0)
     per_node: list[Any] = []
     for i in range(n):
-        if delta[i]:
-            live = sympy.expand(live + sympy.Add(*[_as_expr(d) for d in delta[i]])) \
-                if any(not isinstance(d, int) for d in delta[i]) or not isinstance(live, int) \
-                else live + sum(delta[i])
-        per_node.append(live)
+        live_int += d_int[i]
+        if d_sym:
+            if i in d_sym:
+                live_sym = sympy.expand(live_sym + sympy.Add(*d_sym[i]))
+            per_node.append(live_int + live_sym if live_sym != 0 else live_int)
+        else:
+            per_node.append(live_int)
     candidates = list(dict.fromkeys(per_node)) or [0]
     if all(isinstance(c, int) or (isinstance(c, sympy.Basic) and c.is_Integer) for c in candidates):
         peak: Any = int(max(int(c) for c in candidates))

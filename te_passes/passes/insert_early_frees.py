@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze
+from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, gc_paused
 from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.te import free_op
@@ -82,6 +82,10 @@ class InsertEarlyFrees(TEPass):
         if not free_op.register_inductor_lowering():
             raise PassSkipped("cannot register the Inductor lowering of te_passes::free_storage "
                               f"({free_op.lowering_error()}); without it Inductor could reuse a freed buffer")
+        with gc_paused():
+            return self._run(gm, ctx)
+
+    def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         graph = gm.graph
         lv = analyze(graph, stage=ctx.stage.value)
         before = estimate(lv)

@@ -13,7 +13,8 @@ Sources of truth, strongest first (``QuantizedInfo.confidence``):
 2. a quantize op: an ATen cast to a ``float8_*`` / ``float4_*`` dtype (``aten._to_copy``,
    ``prims.convert_element_type``): rowwise data;
 1. dtype only: a TE forward op's saved output (flat index >= 1: index 0 is the user output of
-   ``linear``) in an FP8 configuration, or any value of a ``float8_*`` / ``float4_*`` / E8M0
+   ``linear``) in an FP8 configuration; and (assigned per storage by
+   :mod:`te_passes.analyses.liveness`) any buffer of a ``float8_*`` / ``float4_*`` / E8M0
    dtype: quantized, role ``unknown``.
 
 Nothing here matches TE classes by anything but :mod:`te_passes.te.graph_model`'s decoding.
@@ -22,13 +23,14 @@ Nothing here matches TE classes by anything but :mod:`te_passes.te.graph_model`'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any
 
 import torch
 import torch.fx
 
-from te_passes.te.graph_model import (BufferRole, UnknownTEOp, decode, is_te_op_node,
+from te_passes.te.graph_model import (TE_OP_NAMESPACE, BufferRole, UnknownTEOp, decode, is_te_op_node,
                                       output_getitems)
 
 __all__ = ["QuantizedInfo", "QUANTIZED_DTYPES", "classify_quantized", "link_saved_roles",
@@ -77,6 +79,26 @@ def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
+_TARGET_KIND: dict[int, tuple[Any, str | None]] = {}
+
+
+def _target_kind(target: Any) -> str | None:
+    """``"te"`` for ``transformer_engine_compile`` ops, ``"cast"`` for dtype casts, else None
+    (cached by identity: ``OpOverload.__hash__`` is Python-level)."""
+    hit = _TARGET_KIND.get(id(target))
+    if hit is not None and hit[0] is target:
+        return hit[1]
+    kind = None
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = target._schema.name if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+        if name.startswith(TE_OP_NAMESPACE + "::"):
+            kind = "te"
+        elif name in _CAST_TARGETS:
+            kind = "cast"
+    _TARGET_KIND[id(target)] = (target, kind)
+    return kind
+
+
 def forward_saved_outputs(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
     """``{flat index: getitem}`` of a TE *forward* op's saved-for-backward outputs.
 
@@ -111,7 +133,10 @@ def classify_quantized(graph: torch.fx.Graph, *,
             out[node] = info
 
     for node in graph.nodes:
-        if is_te_op_node(node):
+        if node.op != "call_function":
+            continue
+        kind = _target_kind(node.target)
+        if kind == "te" and is_te_op_node(node):
             try:
                 call = decode(node)
             except UnknownTEOp:
@@ -124,17 +149,14 @@ def classify_quantized(graph: torch.fx.Graph, *,
                     dt = _dtype(g)
                     if dt is None or dt == torch.uint8 or dt == torch.float32 or dt in QUANTIZED_DTYPES:
                         put(g, QuantizedInfo(BufferRole.UNKNOWN.value, "te_forward_output", 1, op=node.name))
-            continue
-        dt = _dtype(node)
-        if dt in QUANTIZED_DTYPES:
-            t = node.target
-            qual = t._schema.name if isinstance(t, torch._ops.OpOverload) else ""
-            if qual in _CAST_TARGETS:
+        elif kind == "cast":
+            dt = _dtype(node)
+            if dt in QUANTIZED_DTYPES:
                 role = (BufferRole.ROWWISE_SCALE_INV if dt == getattr(torch, "float8_e8m0fnu", None)
                         else BufferRole.ROWWISE_DATA)
                 put(node, QuantizedInfo(role.value, "quantize_op", 2, op=node.name))
-            else:
-                put(node, QuantizedInfo(BufferRole.UNKNOWN.value, "dtype", 1))
+    # Any other value of a quantized-only dtype is classified per storage by the liveness
+    # analysis (``source="dtype"``), which sees every buffer including unextracted outputs.
     if saved_roles:
         for node in graph.nodes:
             info = saved_roles.get(node.name)
