@@ -59,6 +59,18 @@ def test_node_fields_and_diff_find_one_flipped_config_field(te_dynamo_graph):
     ch = graph_changes(before, after)
     assert ch == {"added": [], "removed": [], "changed": [
         {"node": node.name, "field": "config.fp8_output", "before": "False", "after": "True"}]}
+    # a quantizer flag: named down to the field
+    mid = after
+    q = cfg["input_quantizer"]
+    items = dict(q._value_key()[1])
+    items["amax_epsilon"] = 0.5
+    from transformer_engine.pytorch.dynamo.quantizer_opaque import _rebuild_quantizer
+
+    cfg2 = dict(cfg, input_quantizer=_rebuild_quantizer(type(q), tuple(items.items())))
+    args[call.config_slot.index] = bundle_cls(cfg2)
+    node.args = tuple(args)
+    assert graph_changes(mid, GraphSnapshot.take(gm))["changed"] == [
+        {"node": node.name, "field": "config.input_quantizer.amax_epsilon", "before": "0.0", "after": "0.5"}]
     patch = unified_diff(before.text, after.text)
     minus = [ln for ln in patch.splitlines() if ln.startswith("-") and not ln.startswith("---")]
     plus = [ln for ln in patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]

@@ -471,6 +471,9 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
                   [[r["compile_id"], r["function"], _short(r["reason"], 90)] for r in s["recompiles"]])
     else:
         out.line("recompiles: none recorded")
+    if s.get("warnings"):
+        out.line(f"warnings: {len(s['warnings'])} distinct warnings while running the target "
+                 f"(report.json warnings[]; dump --verbose prints them)")
     out.line(f"\ndump: {os.path.join(root, 'index.md')}  (report: {os.path.join(root, 'report.json')})")
 
 

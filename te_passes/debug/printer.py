@@ -227,12 +227,14 @@ def node_fields(node: torch.fx.Node) -> dict[str, str]:
     for name, (what, val) in _te_op_fields(call):
         if what == "config":
             for k, v in val.items():
-                out[f"config.{k}"] = format_value(v)
+                _put_field(out, f"config.{k}", v)
         elif what == "tq":
             if val.kind == "storage":
                 out[name] = val.storage_cls or "storage"
                 for sub, text, _ in _storage_lines(val):
                     out[f"{name}.{sub}"] = text
+                if val.quantizer is not None:
+                    _put_field(out, f"{name}.quantizer", val.quantizer)
             elif val.kind == "tensor":
                 out[name] = format_value(val.tensor)
             else:
@@ -250,6 +252,24 @@ def _attr_value(node: torch.fx.Node) -> Any:
     except AttributeError:
         return None
     return obj
+
+
+def _put_field(out: dict[str, str], path: str, v: Any) -> None:
+    """``out[path]`` = the value's text; a quantizer is split into ``path`` (its class, and
+    ``as <name>`` when hoisted) and one ``path.<value field>`` per field, so a diff names the
+    flipped flag."""
+    if gmod.te_const_kind(v) is gmod.TEConstKind.QUANTIZER:
+        try:
+            fields = gmod.quantizer_fields(v)
+        except TypeError:
+            fields = None
+        if fields:
+            name = constant_name(v)
+            out[path] = type(v).__name__ + (f" as {name}" if name else "")
+            for f, fv in fields.items():
+                out[f"{path}.{f}"] = format_value(fv)
+            return
+    out[path] = format_value(v)
 
 
 def _try_decode(node: torch.fx.Node) -> gmod.TEOpCall | None:
