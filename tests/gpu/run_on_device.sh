@@ -11,6 +11,7 @@ cd "$(dirname "$0")/../.."
 what=${1:?usage: run_on_device.sh suite|bench|ub [args...]}; shift
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 source .gpu/s/env.sh
+export TE_PASSES_COMMIT=${TE_PASSES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 if ! python3 -c "import importlib.metadata as m; m.distribution('te-passes')" 2>/dev/null; then
   if python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pip_install.log 2>&1; then
