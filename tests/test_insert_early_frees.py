@@ -173,7 +173,7 @@ def test_memory_record_and_stages():
     assert mem.data["peak_before"] == mem.data["peak_before_concrete"]
     assert mem.data["peak_after"] <= mem.data["peak_before"]
     assert mem.data["symbolic"] is False
-    assert InsertEarlyFrees.stages == frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    assert InsertEarlyFrees.stages == frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
 
 
 def test_skips_when_the_inductor_lowering_is_unavailable(monkeypatch):
@@ -456,3 +456,62 @@ def test_poison_interpreter_catches_a_misplaced_free():
     gm.recompile()
     with pytest.raises(UseAfterFree, match="reads storage freed by free_storage"):
         PoisonInterpreter(gm).run(*args)
+
+
+def test_te_inductor_end_to_end_frees_after_the_opaque_consumer():
+    """``backend="te_inductor"`` on CPU: the pass runs at post-grad, the free of the FP8
+    temporary that the opaque op reads lands right after that op in Inductor's output code,
+    its buffer is never reused, results equal eager, and the report has the records."""
+    from torch._inductor.utils import run_and_get_code
+
+    from te_passes.report import clear_compile_reports, compile_reports
+
+    def f(x, w):
+        data, sinv = QUANTIZE2(x)
+        y = QGEMM(data, sinv, w)
+        return torch.relu(y) * 2
+
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    torch._dynamo.reset()
+    clear_compile_reports()
+    compiled = torch.compile(f, backend="te_inductor", options={"fx_graph_cache": False})
+    out, (code,) = run_and_get_code(compiled, x, w)
+    torch._dynamo.reset()
+    assert torch.equal(out, f(x, w))
+    lines = [ln.strip() for ln in code.splitlines()]
+    (i_free,) = [i for i, ln in enumerate(lines) if "te_passes.free_storage.default(" in ln]
+    i_gemm = max(i for i, ln in enumerate(lines) if "tpq.qgemm.default(" in ln)
+    assert i_gemm < i_free
+    freed = lines[i_free].split("free_storage.default(")[1].split(")")[0]
+    assert f"= {freed}; del {freed}  # reuse" not in code
+    (rep,) = compile_reports()
+    frees = rep.records("free")
+    assert [(r.data["role"], r.data["source"]) for r in frees] == [("unknown", "dtype")]
+    assert frees[0].data["after"].startswith("qgemm")
+    assert [r.data["findings"] for r in rep.records("pool_check")] == [0]
+
+
+@pytest.mark.te
+@pytest.mark.parametrize("precision,roles", [
+    ("fp8-cs", ["columnwise_data", "scale_inv", "rowwise_data", "columnwise_data", "scale_inv"]),
+    ("mxfp8", ["columnwise_data", "columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv",
+               "columnwise_data", "columnwise_scale_inv"]),
+])
+def test_pipeline_joint_stage_gives_forward_records_exact_roles(precision, roles):
+    """Through the pipeline (joint -> post-grad fwd -> post-grad bwd, as the backend runs it),
+    the forward's kept records carry the roles learnt from the joint graph."""
+    from te_passes.testing.capture import run_pipeline
+
+    c = real_aot(precision, 1)
+    reports = run_pipeline(c, stages=[Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD],
+                           passes=[InsertEarlyFrees()], graph_id="g_roles_" + precision)
+    joint, fwd, bwd = reports
+    (rec,) = joint.runs[0].records
+    assert rec.kind == "saved_roles" and rec.data["count"] == len(roles) and not joint.runs[0].changed
+    kept_fw = [r for r in fwd.runs[0].records if r.kind == "kept"]
+    assert [r.node for r in kept_fw] == [f"getitem_{i}" for i in range(2, 2 + len(roles))]
+    assert [r.data["role"] for r in kept_fw] == roles
+    assert {r.data["source"] for r in kept_fw} == {"paired_backward"}
+    assert {r.data["reason"] for r in kept_fw} == {"graph output (saved for backward)"}
+    kept_bw = [r for r in bwd.runs[0].records if r.kind == "kept"]
+    assert [r.data["role"] for r in kept_bw] == roles

@@ -10,7 +10,7 @@ import torch.fx
 from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, gc_paused
 from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.te import free_op
+from te_passes.te import free_op, quantized
 
 POLICIES = ("opaque", "all")
 
@@ -18,7 +18,7 @@ POLICIES = ("opaque", "all")
 class InsertEarlyFrees(TEPass):
     """Insert ``te_passes.free_storage(buf)`` after the last use of quantized buffers.
 
-    Runs on Inductor's post-grad forward and backward graphs (``post_grad_custom_pre_pass``),
+    Rewrites Inductor's post-grad forward and backward graphs (``post_grad_custom_pre_pass``),
     after functionalization — an in-place op inserted at the Dynamo stage would be
     functionalized away (``auto_functionalized``, then dead-code eliminated; measured on torch
     2.14). A buffer is freed only when all of these hold (each refusal is a ``"kept"`` record
@@ -41,6 +41,12 @@ class InsertEarlyFrees(TEPass):
       ``clear_tensor_data`` — while a buffer that only ATen/Inductor kernels read is
       already released by Inductor's wrapper (``del buf``) at its last use, so a free there
       would only add a host call per step. Policy ``"all"`` frees every eligible buffer.
+
+    At the ``joint`` stage (``joint_custom_pre_pass``) the pass only reads the joint graph,
+    where a TE forward op's saved outputs flow into the backward op's storage slots, and keeps
+    each saved buffer's exact role (:func:`te_passes.te.quantized.joint_saved_roles`) for the
+    forward graph of the same compile (a ``"saved_roles"`` record); the partitioner keeps node
+    names.
 
     The free goes right after the last node that uses *any* alias of the buffer (alias-aware
     liveness: views, ``getitem``\\ s of multi-output ops, ``set_``). ``free_storage``
@@ -69,7 +75,7 @@ class InsertEarlyFrees(TEPass):
     """
 
     name = "insert_early_frees"
-    stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    stages = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "free quantized buffers (FP8/MXFP8 data, transposes, scales) right after their last use"
 
     def __init__(self, policy: str = "opaque", **config: Any) -> None:
@@ -87,7 +93,15 @@ class InsertEarlyFrees(TEPass):
 
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         graph = gm.graph
-        lv = analyze(graph, stage=ctx.stage.value)
+        key = quantized.compile_key(ctx.graph_id)
+        if ctx.stage is Stage.JOINT:
+            # Analysis only: learn the saved buffers' roles where forward and backward meet.
+            roles = quantized.joint_saved_roles(graph)
+            quantized.remember_saved_roles(key, roles)
+            return TEPassResult(gm, False, [PassRecord("saved_roles", None, {
+                "count": len(roles), "roles": {k: v.role for k, v in sorted(roles.items())}})])
+        saved_roles = quantized.recall_saved_roles(key) if ctx.stage is Stage.POST_GRAD_FWD else None
+        lv = analyze(graph, stage=ctx.stage.value, saved_roles=saved_roles)
         before = estimate(lv)
         plan, records = self.plan(lv, ctx.stage)
         inserted: list[torch.fx.Node] = []
@@ -102,7 +116,7 @@ class InsertEarlyFrees(TEPass):
             inserted.append(free)
         after_est = before
         if inserted:
-            lv_after = analyze(graph, stage=ctx.stage.value)
+            lv_after = analyze(graph, stage=ctx.stage.value, saved_roles=saved_roles)
             self._verify(lv_after)
             after_est = estimate(lv_after)
         records.append(PassRecord("memory", None, memory_record(before, after_est)))
