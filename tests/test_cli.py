@@ -393,3 +393,46 @@ def test_backend_emits_tlparse_artifacts_without_a_dump_dir(tmp_path):
     assert {"te_passes_g0_dynamo_input", "te_passes_g0_dynamo_output", "te_passes_g0_report"} <= names, names
     assert "te_passes_g0.fwd_post_grad_fwd_input" in names
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace"]
+
+
+TE_FALLBACK_SCRIPT = '''
+import json, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from te_passes.testing.capture import fake_gpu, _constructing, _import_te
+from te_passes.debug.graph_breaks import CompileEvents
+
+te = _import_te()
+with fake_gpu("bf16"):
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, _constructing():
+        lin = te.Linear(64, 128, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True)
+        lin.weight.main_grad = torch.zeros(128, 64, dtype=torch.float32, device="cuda")
+        x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    f = torch.compile(lambda t: lin(t), backend=lambda gm, ex: gm.forward)
+    with CompileEvents(reemit_warnings=False) as ev:
+        try:
+            with mode:
+                f(x)  # Dynamo breaks the graph; the eager fallback then needs a GPU and raises
+        except Exception:
+            pass
+print("JSON" + json.dumps(ev.to_json()))
+'''
+
+
+def test_real_te_linear_fallback_is_named_with_tes_reason(tmp_path):
+    """te.Linear(fuse_wgrad_accumulation=True) under torch.compile: TE's own
+    ``torch._dynamo.graph_break(msg="te.Linear falling back to eager: <reason>")`` and warning
+    become one te.Linear eager island with TE's reason (Linear._compile_eager_fallback_reason)."""
+    (tmp_path / "fb.py").write_text(TE_FALLBACK_SCRIPT)
+    e = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "fb.py"], cwd=str(tmp_path), env=e, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ev = json.loads(proc.stdout.split("JSON", 1)[1])
+    (island,) = ev["eager_fallbacks"]
+    assert (island["module"], island["kind"], island["reason"]) == \
+        ("te.Linear", "linear_config", "fuse_wgrad_accumulation (main_grad)")
+    line = next(i for i, ln in enumerate(TE_FALLBACK_SCRIPT.splitlines(), 1) if "torch.compile(lambda" in ln)
+    assert island["location"] == f"fb.py:{line} (<lambda>)"
+    assert all(b["te"] is not None and b["te"]["module"] == "te.Linear" for b in ev["graph_breaks"])
+    assert any("_forward_eager_fallback" in b["full_reason"] for b in ev["graph_breaks"])

@@ -172,6 +172,15 @@ class CompileEvents:
             else:
                 fallbacks[key] = {"module": te["module"], "kind": te["kind"], "reason": reason,
                                   "location": e["location"], "locations": [e["location"]], "count": e["count"]}
+        # the eager body of a configuration fallback belongs to that fallback's island
+        for key in [k for k, f in fallbacks.items() if f["kind"] == "eager_body"]:
+            body = fallbacks[key]
+            owner = next((f for f in fallbacks.values() if f["module"] == body["module"]
+                          and f["kind"] in ("linear_config", "conditional")), None)
+            if owner is not None:
+                owner["count"] += body["count"]
+                owner["locations"] += [loc for loc in body["locations"] if loc not in owner["locations"]]
+                del fallbacks[key]
         known = {f["reason"] for f in fallbacks.values()}
         for w in self.te_warnings:  # warnings whose break Dynamo did not record separately
             if not any(w in k for k in known):

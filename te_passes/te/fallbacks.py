@@ -42,6 +42,12 @@ DISABLED_FORWARDS: dict[str, tuple[str, str]] = {
                       "ran inside the compiled region"),
 }
 
+#: ``@no_torch_dynamo`` bodies TE runs *after* a configuration fallback (the eager half of an
+#: island whose reason is the fallback's): qualname -> TE module.
+EAGER_BODIES: dict[str, str] = {
+    "Linear._forward_eager_fallback": "te.Linear",
+}
+
 #: Prefix of te.Linear's own graph-break message (``module/linear.py``).
 LINEAR_FALLBACK_PREFIX = "te.Linear falling back to eager: "
 #: TE's eager-fallback warning (``utils.warn_compile_eager_fallback`` / ``jit.no_torch_dynamo``).
@@ -57,7 +63,8 @@ _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]
 @dataclasses.dataclass
 class TEFallback:
     """A graph break attributed to TE: ``module`` (``"te.LayerNormLinear"``), ``kind``
-    (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``), ``reason`` (one line)."""
+    (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``, ``"eager_body"`` — the
+    eager half of a configuration fallback), ``reason`` (one line)."""
 
     module: str
     kind: str
@@ -75,6 +82,8 @@ def classify_graph_break(reason: str) -> TEFallback | None:
         if qual in DISABLED_FORWARDS:
             mod, why = DISABLED_FORWARDS[qual]
             return TEFallback(mod, "disabled_forward", why)
+        if qual in EAGER_BODIES:
+            return TEFallback(EAGER_BODIES[qual], "eager_body", f"{qual} (@no_torch_dynamo) runs the fallback eagerly")
         if "report_and_run" in qual:
             return TEFallback("te (no_torch_dynamo(when=...))", "conditional",
                               "conditionally disabled TE forward; see the TE warning for the reason")
