@@ -92,6 +92,7 @@ class Row:
     te_compile_ms: float | None = None
     max_rel_err: float | None = None
     iters: int = 0
+    recompile_reasons: list[str] = dataclasses.field(default_factory=list)  # JSON only
 
     @property
     def excess_mib(self) -> float | None:
@@ -170,6 +171,7 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
         st = watch.stats
         row.graphs, row.graph_breaks, row.recompiles = st.graphs, st.graph_breaks, st.recompiles
         row.cudagraph_skips, row.cudagraph_recordings = st.cudagraph_skips, st.cudagraph_recordings
+        row.recompile_reasons = [r.split("\n")[0][:300] for r in st.recompile_reasons]
         if variant.startswith("te_inductor"):
             reps = compile_reports()
             row.passes_ms = sum(r.time_ms_passes for r in reps)
