@@ -304,7 +304,7 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
             raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
                            "sets its own torch.compile(mode=...)")
     _check_writable_dir(args.out)  # the cheap checks first: no torch import yet
-    disable = _check_pass_names(args.disable or [], "--disable")
+    disable = _check_pass_names([n.strip() for a in (args.disable or []) for n in a.split(",")], "--disable")
     env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
     _check_pass_names(env_disable, "TE_PASSES_DISABLE")
     _check_mode(args.mode)
@@ -521,7 +521,8 @@ def cmd_list(args: argparse.Namespace, out: Out) -> int:
 def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     if not os.path.exists(args.path):
         raise CliError(f"no such graph file or dump directory: {args.path}")
-    disable = _check_pass_names(args.disable, "--disable") if args.disable is not None else None
+    disable = _check_pass_names([n.strip() for a in args.disable for n in a.split(",")], "--disable") \
+        if args.disable is not None else None
     dump_dir = _prepare_out_dir(args.out) if args.out else None
     from te_passes.debug.offline import ReplayError, compare_reports, replay
 
@@ -592,15 +593,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pass names to switch off (also TE_PASSES_DISABLE)")
     d.add_argument("--verbose", "-v", action="store_true", help="tracebacks and the target's warnings on stderr")
     d.set_defaults(func=cmd_dump)
+    for sp in (d,):
+        sp.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                        help="plain text output even on a terminal")
 
     l_ = sub.add_parser("list", help="the pass pipeline: passes, stages, descriptions, enabled")
     l_.add_argument("--json", action="store_true", help="print JSON")
     l_.set_defaults(func=cmd_list)
+    l_.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                    help="plain text output even on a terminal")
 
     s = sub.add_parser("show", help="summary tables of a dump directory")
     s.add_argument("dir", metavar="DIR", help="a dump directory (or its report.json)")
     s.add_argument("--json", action="store_true", help="print the summary JSON")
     s.set_defaults(func=cmd_show)
+    s.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                    help="plain text output even on a terminal")
 
     r = sub.add_parser("replay", help="re-run the passes offline on saved graphs (no GPU)",
                        description="Load the graphs a dump saved (*.tegraph: a file, a graph directory like "
@@ -613,6 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="exit 1 when the replay differs from the saved report")
     r.add_argument("--json", action="store_true", help="print the replayed report(s) as JSON")
     r.set_defaults(func=cmd_replay)
+    r.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                    help="plain text output even on a terminal")
     return p
 
 
@@ -629,6 +639,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except BrokenPipeError:  # `te-passes show DIR | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover
