@@ -497,21 +497,23 @@ def test_te_inductor_end_to_end_frees_after_the_opaque_consumer():
     ("mxfp8", ["columnwise_data", "columnwise_scale_inv", "rowwise_data", "rowwise_scale_inv",
                "columnwise_data", "columnwise_scale_inv"]),
 ])
-def test_pipeline_joint_stage_gives_forward_records_exact_roles(precision, roles):
-    """Through the pipeline (joint -> post-grad fwd -> post-grad bwd, as the backend runs it),
-    the forward's kept records carry the roles learnt from the joint graph."""
+def test_pipeline_joint_stage_names_the_forward_saved_buffers(precision, roles):
+    """Through the pipeline (joint -> post-grad fwd -> post-grad bwd, as the backend runs it):
+    the joint stage records the exact role of each saved buffer under its forward node name;
+    the forward's own records (stage-local, replayable) name the same nodes."""
     from te_passes.testing.capture import run_pipeline
 
     c = real_aot(precision, 1)
-    reports = run_pipeline(c, stages=[Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD],
-                           passes=[InsertEarlyFrees()], graph_id="g_roles_" + precision)
-    joint, fwd, bwd = reports
+    joint, fwd, bwd = run_pipeline(c, stages=[Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD],
+                                   passes=[InsertEarlyFrees()])
     (rec,) = joint.runs[0].records
-    assert rec.kind == "saved_roles" and rec.data["count"] == len(roles) and not joint.runs[0].changed
+    assert rec.kind == "saved_roles" and not joint.runs[0].changed
+    names = [f"getitem_{i}" for i in range(2, 2 + len(roles))]
+    assert [rec.data["roles"][n]["role"] for n in names] == roles
+    assert {rec.data["roles"][n]["field"] for n in names} == {"inputmat", "weight_fp8"}
     kept_fw = [r for r in fwd.runs[0].records if r.kind == "kept"]
-    assert [r.node for r in kept_fw] == [f"getitem_{i}" for i in range(2, 2 + len(roles))]
-    assert [r.data["role"] for r in kept_fw] == roles
-    assert {r.data["source"] for r in kept_fw} == {"paired_backward"}
+    assert [r.node for r in kept_fw] == names
+    assert {(r.data["role"], r.data["source"]) for r in kept_fw} == {("unknown", "te_forward_output")}
     assert {r.data["reason"] for r in kept_fw} == {"graph output (saved for backward)"}
     kept_bw = [r for r in bwd.runs[0].records if r.kind == "kept"]
-    assert [r.data["role"] for r in kept_bw] == roles
+    assert [r.node for r in kept_bw] == names and [r.data["role"] for r in kept_bw] == roles

@@ -258,3 +258,28 @@ def test_real_fp8_linear_memory_estimate():
 def test_quantized_dtypes_cover_float8_families():
     assert torch.float8_e4m3fn in QUANTIZED_DTYPES and torch.float8_e5m2 in QUANTIZED_DTYPES
     assert torch.uint8 not in QUANTIZED_DTYPES and torch.bfloat16 not in QUANTIZED_DTYPES
+
+
+def test_higher_order_op_outputs_may_alias_their_inputs():
+    """auto_functionalized's "new" tensors become in-place mutations of its inputs once
+    Inductor decomposes it: freeing the input at its last *direct* use would be a
+    use-after-free through the HOP output."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    @torch.library.custom_op("tpq::scale_", mutates_args=("q",))
+    def scale_(q: torch.Tensor) -> None:
+        q.mul_(1)
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    q = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+    af = g.call_function(auto_functionalized, (torch.ops.tpq.scale_.default,), {"q": q})
+    new_q = g.call_function(operator.getitem, (af, 1))
+    y = g.call_function(aten.relu.default, (new_q,))
+    g.output((y,))
+    gm = torch.fx.GraphModule({}, g)
+    lv = analyze(gm)
+    qb = lv.owned_buffer(q)
+    assert qb in lv.buffers_of(new_q)
+    assert lv.last_use[qb] is y
+    assert af in lv.unknown_alias_nodes

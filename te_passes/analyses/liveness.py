@@ -15,6 +15,9 @@ flat output). Every node's value is mapped to the set of buffers it may alias:
 * ``aten.set_`` makes the mutated tensor hold the source storage: the source lives as long as
   the destination, and a source stored into a graph input *escapes* the graph;
 * other custom ops (TE's included) follow the ``torch.library`` contract: outputs are fresh;
+  higher-order ops (``auto_functionalized``, ``with_effects``, ...) may return (views of) their
+  inputs — ``auto_functionalized``'s new values *are* its inputs once Inductor decomposes it —
+  so their outputs may alias every tensor input;
 * Dynamo-level calls (torch functions, ``call_method``) are mapped to the ATen op of the same
   name; a name with no ATen op is treated conservatively (may alias every tensor argument and
   allocate). Python-level stores of a tensor into an object (``setattr``, ``setitem``,
@@ -570,7 +573,14 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
             aliases[node] = fresh(node, val)
             continue
         if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
-            aliases[node] = fresh(node, val)
+            # auto_functionalized's "new" values become in-place mutations of its inputs once
+            # Inductor decomposes it; with_effects / other HOPs may return inputs: assume any
+            # output may alias any tensor input (and may be fresh).
+            unknown.append(node)
+            aliases[node] = fresh(node, val) | arg_set((node.args, node.kwargs))
+            if node in elements:
+                ins = arg_set((node.args, node.kwargs))
+                elements[node] = [e | ins for e in elements[node]]
             continue
         # --- Dynamo-level torch functions / methods / modules
         name = target if isinstance(target, str) else getattr(target, "__name__", None)

@@ -10,7 +10,6 @@ import torch.fx
 
 from te_passes.analyses.liveness import BufferOrigin, Liveness, analyze
 from te_passes.passes.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
-from te_passes.te.quantized import compile_key, recall_saved_roles
 
 
 class CudagraphPoolLeakError(RuntimeError):
@@ -105,9 +104,7 @@ class CheckCudagraphPool(TEPass):
     analysis_only = True
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        saved_roles = (recall_saved_roles(compile_key(ctx.graph_id))
-                       if ctx.stage is Stage.POST_GRAD_FWD else None)
-        lv = analyze(gm.graph, stage=ctx.stage.value, saved_roles=saved_roles)
+        lv = analyze(gm.graph, stage=ctx.stage.value)
         findings = pool_findings(lv)
         cudagraphs = _cudagraphs_enabled()
         records = [PassRecord("pool_leak", f["node"], {**f, "cudagraphs": cudagraphs}) for f in findings]

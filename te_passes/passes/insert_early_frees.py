@@ -43,10 +43,12 @@ class InsertEarlyFrees(TEPass):
       would only add a host call per step. Policy ``"all"`` frees every eligible buffer.
 
     At the ``joint`` stage (``joint_custom_pre_pass``) the pass only reads the joint graph,
-    where a TE forward op's saved outputs flow into the backward op's storage slots, and keeps
-    each saved buffer's exact role (:func:`te_passes.te.quantized.joint_saved_roles`) for the
-    forward graph of the same compile (a ``"saved_roles"`` record); the partitioner keeps node
-    names.
+    where a TE forward op's saved outputs flow into the backward op's storage slots, and
+    records each saved buffer's exact role (:func:`te_passes.te.quantized.joint_saved_roles`;
+    a ``"saved_roles"`` record keyed by node name — the partitioner keeps names, so they are
+    the forward graph's ``getitem`` nodes). Each stage's records depend on its own graph only (so
+    ``te-passes replay`` of one stage reproduces them): the forward's own records call these
+    buffers quantized with role ``unknown`` (source ``te_forward_output``).
 
     The free goes right after the last node that uses *any* alias of the buffer (alias-aware
     liveness: views, ``getitem``\\ s of multi-output ops, ``set_``). ``free_storage``
@@ -93,15 +95,14 @@ class InsertEarlyFrees(TEPass):
 
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         graph = gm.graph
-        key = quantized.compile_key(ctx.graph_id)
         if ctx.stage is Stage.JOINT:
-            # Analysis only: learn the saved buffers' roles where forward and backward meet.
+            # Analysis only: name the saved buffers' roles where forward and backward meet.
             roles = quantized.joint_saved_roles(graph)
-            quantized.remember_saved_roles(key, roles)
             return TEPassResult(gm, False, [PassRecord("saved_roles", None, {
-                "count": len(roles), "roles": {k: v.role for k, v in sorted(roles.items())}})])
-        saved_roles = quantized.recall_saved_roles(key) if ctx.stage is Stage.POST_GRAD_FWD else None
-        lv = analyze(graph, stage=ctx.stage.value, saved_roles=saved_roles)
+                "count": len(roles),
+                "roles": {k: {"role": v.role, "field": v.field, "inner_name": v.inner_name,
+                              "storage_cls": v.storage_cls} for k, v in sorted(roles.items())}})])
+        lv = analyze(graph, stage=ctx.stage.value)
         before = estimate(lv)
         plan, records = self.plan(lv, ctx.stage)
         inserted: list[torch.fx.Node] = []
@@ -116,7 +117,7 @@ class InsertEarlyFrees(TEPass):
             inserted.append(free)
         after_est = before
         if inserted:
-            lv_after = analyze(graph, stage=ctx.stage.value, saved_roles=saved_roles)
+            lv_after = analyze(graph, stage=ctx.stage.value)
             self._verify(lv_after)
             after_est = estimate(lv_after)
         records.append(PassRecord("memory", None, memory_record(before, after_est)))

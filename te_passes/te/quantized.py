@@ -22,11 +22,9 @@ Nothing here matches TE classes by anything but :mod:`te_passes.te.graph_model`'
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import operator
-import threading
 from typing import Any
 
 import torch
@@ -36,8 +34,7 @@ from te_passes.te.graph_model import (TE_OP_NAMESPACE, BufferRole, UnknownTEOp, 
                                       output_getitems)
 
 __all__ = ["QuantizedInfo", "QUANTIZED_DTYPES", "classify_quantized", "link_saved_roles",
-           "joint_saved_roles", "remember_saved_roles", "recall_saved_roles", "compile_key",
-           "forward_saved_outputs"]
+           "joint_saved_roles", "forward_saved_outputs"]
 
 #: torch dtypes that only quantized tensors use (float8 families, packed fp4, E8M0 scales).
 QUANTIZED_DTYPES: frozenset[torch.dtype] = frozenset(
@@ -213,7 +210,7 @@ def joint_saved_roles(joint: torch.fx.Graph) -> dict[str, QuantizedInfo]:
     In the joint graph a TE forward op's saved outputs (``getitem_2`` ...) flow (possibly
     through ``aten.alias`` / ``detach`` views) into the backward op's storage slots, so each
     gets its exact role. The min-cut partitioner keeps node names, so the result, keyed by the
-    forward ``getitem`` name, applies to the partitioned forward graph (source
+    forward ``getitem`` name, names the partitioned forward graph's saved outputs (source
     ``"paired_backward"``).
     """
     roles: dict[str, QuantizedInfo] = {}
@@ -225,30 +222,3 @@ def joint_saved_roles(joint: torch.fx.Graph) -> dict[str, QuantizedInfo]:
                 isinstance(base.args[0], torch.fx.Node) and is_te_op_node(base.args[0]):
             roles[base.name] = dataclasses.replace(info, source="paired_backward")
     return roles
-
-
-_ROLE_MEMORY: "collections.OrderedDict[str, dict[str, QuantizedInfo]]" = collections.OrderedDict()
-_ROLE_MEMORY_MAX = 64
-_role_lock = threading.Lock()
-
-
-def remember_saved_roles(key: str, roles: dict[str, QuantizedInfo]) -> None:
-    """Keep ``roles`` (from :func:`joint_saved_roles`) for the forward graph of compile ``key``
-    (the ``"g<N>"`` prefix of the stage graph ids); the last 64 compiles are kept."""
-    with _role_lock:
-        _ROLE_MEMORY[key] = dict(roles)
-        _ROLE_MEMORY.move_to_end(key)
-        while len(_ROLE_MEMORY) > _ROLE_MEMORY_MAX:
-            _ROLE_MEMORY.popitem(last=False)
-
-
-def recall_saved_roles(key: str) -> dict[str, QuantizedInfo] | None:
-    """The roles :func:`remember_saved_roles` kept for compile ``key``, or ``None``."""
-    with _role_lock:
-        roles = _ROLE_MEMORY.get(key)
-        return dict(roles) if roles is not None else None
-
-
-def compile_key(graph_id: str) -> str:
-    """``"g3"`` for ``"g3.fwd"`` / ``"g3.joint"`` / ``"g3"``: the compile a stage graph belongs to."""
-    return graph_id.split(".", 1)[0]
