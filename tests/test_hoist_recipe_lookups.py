@@ -558,7 +558,6 @@ def test_te_inductor_backend_end_to_end_and_fx_graph_cache_hit(tmp_path, monkeyp
     from te_passes.testing import capture
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
     recipe = te_recipe.Float8CurrentScaling()
 
     def compile_once():
@@ -583,13 +582,11 @@ def test_te_inductor_backend_end_to_end_and_fx_graph_cache_hit(tmp_path, monkeyp
         return loaded
 
     counters.clear()
-    first = compile_once()
-    assert counters["inductor"]["fxgraph_cache_miss"] == 1
-    from torch._inductor.codecache import PyCodeCache
-
-    PyCodeCache.modules.clear() if hasattr(PyCodeCache, "modules") else None
-    second = compile_once()
-    assert counters["inductor"]["fxgraph_cache_hit"] == 1
+    with torch._inductor.config.patch(fx_graph_cache=True):  # never monkeypatch Inductor's config module
+        first = compile_once()
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1
+        second = compile_once()  # fresh Dynamo state, same graph: served from the FX graph cache
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1
     for loaded in (first, second):
         (src, attrs), = loaded
         body = _call_body(src)

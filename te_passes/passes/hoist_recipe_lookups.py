@@ -40,40 +40,6 @@ of residue, each handled here:
    persistent quantizers), and the graph's original objects — possibly shared with the Dynamo
    graph — are never touched.
 
-Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for
-``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
-
-    # before
-    setattr_1 = Q(<input q>).__setattr__('force_pow_2_scales', False)     # 23 such nodes
-    ...
-    linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
-                 OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))
-    # after
-    linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
-                 OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))   # same objects
-
-Lookups (``symbolic_trace`` of ``f(x) = gemm(x, split=FP8GlobalStateManager.get_fp8_recipe()
-.fp8_gemm_fprop.use_split_accumulator)`` under Float8CurrentScaling)::
-
-    # before
-    get_fp8_recipe = transformer_engine...FP8GlobalStateManager.get_fp8_recipe()
-    getattr_1 = getattr(get_fp8_recipe, 'fp8_gemm_fprop')
-    getattr_2 = getattr(getattr_1, 'use_split_accumulator')
-    gemm = gemm(x, split = getattr_2)
-    # after
-    gemm = gemm(x, split = False)
-
-Post-grad graph, as Inductor's wrapper calls it::
-
-    # before: rebuilt on every call
-    buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [],
-        OpaqueValueBundle({'__kind__': ...}), ..., OpaqueValueBundle({... Q(...) ...}))
-    return (buf1, Q(...), Q(...), ...)
-    # after: wrapper-module globals, built once when the module is loaded
-    buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0, ...,
-        _te_const_2)
-    return (buf1, _te_const_3, _te_const_4, ...)
-
 Safety: lookups are folded to the TE autocast state the graph is compiled under
 (:class:`te_passes.te.recipes.Fp8State`, captured at compile time or given as the pass's
 ``fp8_state`` config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built
@@ -234,9 +200,44 @@ def _describe_user(u: torch.fx.Node) -> str:
 
 class HoistRecipeLookups(TEPass):
     """Fold fp8 recipe lookups and recipe ``__setattr__`` residue into constants; build TE
-    constants once per compilation instead of once per call.
+    constants once per compilation instead of once per call (module docstring: why and how).
 
-    See the module docstring for the graphs before and after. Configuration (keyword args):
+    Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for
+    ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
+
+        # before
+        setattr_1 = Q(<input q>).__setattr__('force_pow_2_scales', False)     # 23 such nodes
+        ...
+        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
+                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))
+        # after
+        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
+                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))   # same objects
+
+    Lookups (a graph computing ``gemm(x, split=FP8GlobalStateManager.get_fp8_recipe()
+    .fp8_gemm_fprop.use_split_accumulator)`` with the lookup as ``call_function`` nodes, e.g. a
+    tracer that leaves ``FP8GlobalStateManager`` calls as leaves; Float8CurrentScaling active)::
+
+        # before
+        get_fp8_recipe = transformer_engine...FP8GlobalStateManager.get_fp8_recipe()
+        getattr_1 = getattr(get_fp8_recipe, 'fp8_gemm_fprop')
+        getattr_2 = getattr(getattr_1, 'use_split_accumulator')
+        gemm = gemm(x, split = getattr_2)
+        # after
+        gemm = gemm(x, split = False)
+
+    Post-grad graph, as Inductor's wrapper calls it::
+
+        # before: rebuilt on every call
+        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [],
+            OpaqueValueBundle({'__kind__': ...}), ..., OpaqueValueBundle({... Q(...) ...}))
+        return (buf1, Q(...), Q(...), ...)
+        # after: wrapper-module globals, built once when the module is loaded
+        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0, ...,
+            _te_const_2)
+        return (buf1, _te_const_3, _te_const_4, ...)
+
+    Configuration (keyword args):
 
     * ``fp8_state`` — a :class:`te_passes.te.recipes.Fp8State` to fold lookups against (default:
       TE's live autocast state at compile time, :meth:`Fp8State.capture`);
