@@ -601,6 +601,7 @@ def test_te_inductor_backend_end_to_end_and_fx_graph_cache_hit(tmp_path, monkeyp
 def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3):
     """Frame compiles of a fresh compiled fp8 te.Linear: ``(warm-up with recipe r1 over
     first_steps calls, further calls with r1, calls with ``second``)``."""
+    from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from te_passes.testing import capture
@@ -626,11 +627,14 @@ def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3)
         cf = torch.compile(capture._fresh_function(f), backend=backend, fullgraph=True)
 
         def steps(n):
-            before = len(compiles)
+            before, graphs_before = len(compiles), counters["stats"]["unique_graphs"]
             with mode:
                 for _ in range(n):
                     cf(x)
-            return len(compiles) - before
+            new = len(compiles) - before
+            # Dynamo's own count agrees with the backend invocations.
+            assert counters["stats"]["unique_graphs"] - graphs_before == new
+            return new
 
         warm = steps(first_steps)
         same = steps(10)
