@@ -454,6 +454,12 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
         rows = _grouped(s["skipped"], lambda k: (k["graph_id"], k["pass"], k["kind"], _short(k.get("reason"), 80)))
         out.table(f"Rewrites refused ({len(s['skipped'])} records)", ["graph", "pass", "kind", "reason", "n", "nodes"],
                   rows, limit=20)
+    if s.get("other_records"):
+        counts: dict[tuple[str, str], int] = {}
+        for r in s["other_records"]:
+            counts[(r["pass"], str(r["kind"]))] = counts.get((r["pass"], str(r["kind"])), 0) + 1
+        out.line("other records: " + ", ".join(f"{p}: {k} x{n}" for (p, k), n in counts.items())
+                 + " (report.json other_records[])")
     if s.get("failed"):
         out.table("Failed passes (graph restored)", ["graph", "stage", "pass", "error"],
                   [[f["graph_id"], f["stage"], f["pass"], _short(f.get("error"), 90)] for f in s["failed"]])
