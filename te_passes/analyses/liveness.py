@@ -180,10 +180,6 @@ def is_opaque_call(node: torch.fx.Node) -> bool:
     return not (mod.startswith("torch") or mod in ("_operator", "operator", "builtins", "math"))
 
 
-def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [a for a in node.all_input_nodes]
-
-
 def _schema_alias_sources(op: torch._ops.OpOverload, node: torch.fx.Node) -> tuple[list[list[int]], bool]:
     """For each return of ``op``: positions (in the flattened schema args) it aliases; and
     whether the op may also allocate (``maybe_aliasing_or_mutating``)."""
@@ -394,7 +390,8 @@ class Liveness:
         return [b for b in self.buffers if b.quantized is not None]
 
     def users_of(self, buf: Buffer) -> list[torch.fx.Node]:
-        """Nodes that use a value aliasing ``buf`` (graph order)."""
+        """Nodes that use a value aliasing ``buf`` (graph order). O(nodes): for reports and
+        tests, not for per-buffer loops."""
         return sorted({u for n, bs in self.aliases.items() if buf in bs for u in n.users},
                       key=self.order.__getitem__)
 
