@@ -442,7 +442,9 @@ class Fp8State:
     """The TE autocast state a graph is compiled under (``FP8GlobalStateManager``).
 
     ``recipe`` is the object ``get_fp8_recipe()`` returns (TE's default recipe when no autocast
-    is active), ``fp8_group`` the amax-reduction process group (``None`` when unset).
+    is active; ``None`` when that default cannot be chosen because no GPU is visible: lookups
+    of it are then not folded), ``fp8_group`` the amax-reduction process group (``None`` when
+    unset).
     """
 
     fp8_enabled: bool = False
