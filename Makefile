@@ -16,3 +16,10 @@ test: setup
 
 test-gpu: setup
 	$(VENV)/bin/python -m pytest -m gpu $(PYTEST_ARGS)
+
+# CPU benchmarks (side-by-side ratios printed in one run); GPU: benchmarks/bench_gpu.py on the H200.
+bench: setup
+	$(VENV)/bin/python benchmarks/bench_pass_scaling.py
+	$(VENV)/bin/python benchmarks/bench_hoist_constants.py
+	$(VENV)/bin/python benchmarks/bench_memory_estimate.py
+	$(VENV)/bin/python benchmarks/bench_ub_guard.py
