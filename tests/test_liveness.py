@@ -283,3 +283,25 @@ def test_higher_order_op_outputs_may_alias_their_inputs():
     assert qb in lv.buffers_of(new_q)
     assert lv.last_use[qb] is y
     assert af in lv.unknown_alias_nodes
+
+
+@pytest.mark.te
+def test_real_dynamo_graph_fp8_stack():
+    """The Dynamo-stage graph of a 2-layer FP8 stack: TE ops (OpOverloadPackets) allocate fresh
+    outputs, the layer-1 output flows through GELU into layer 2, the quantizer ``__setattr__``
+    residue stores no tensor anywhere, and nothing escapes."""
+    from te_passes.testing.capture import capture_dynamo
+
+    c = capture_dynamo("stack", "fp8-cs", layers=2)
+    lv = analyze(c.gm, stage="dynamo")
+    te_nodes = c.te_nodes()
+    assert len(te_nodes) == 2
+    outs = [lv.buffers_of(n) for n in te_nodes]
+    assert all(outs) and not (outs[0] & outs[1])
+    assert all(b.origin is BufferOrigin.ALLOCATED for s in outs for b in s)
+    # layer 1's output (getitem 0) is last used by layer 2's op (through the GELU)
+    first_out = next(g for g in te_nodes[0].users if g.args[1] == 0)
+    (b0,) = lv.buffers_of(first_out)
+    assert lv.last_use[b0].name != "output" and lv.order[lv.last_use[b0]] < lv.order[te_nodes[1]]
+    assert lv.escapes == []
+    assert lv.quantized_buffers() == []  # Dynamo graphs carry no quantized tensors between TE ops

@@ -526,7 +526,7 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
             aliases[node] = EMPTY
             continue
         if node.op == "call_method" and target in _PY_STORE_METHODS and node.args and \
-                not is_tensor_val(node_val(node.args[0])):
+                not (isinstance(node.args[0], torch.fx.Node) and is_tensor_val(node_val(node.args[0]))):
             for b in arg_set(node.args[1:]):
                 escapes.append(Escape(b, node, f"stored into a Python object by .{target}()"))
             aliases[node] = EMPTY
