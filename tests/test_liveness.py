@@ -234,25 +234,41 @@ def test_real_bf16_graphs_have_no_quantized_buffers():
     assert classify_quantized(c.forward.graph) == {}
 
 
+M, K, N = 32, 64, 128  # tokens, hidden, out_features of the captured te.Linear
+BF16, U8, F32 = 2, 1, 4
+#: Saved quantized buffers per precision, in bytes, from TE 2.20.2's storage layouts:
+#: FP8-CS: input transpose u8[K, M], f32[1] scale_inv; weight data u8[N, K], transpose u8[K, N],
+#: f32[1] scale_inv. MXFP8: input columnwise data u8[M, K] + E8M0 scales u8[M/32 -> pad 4,
+#: K -> pad 128]; weight rowwise data u8[N, K] + scales u8[N, K/32 -> pad 4], columnwise data
+#: u8[N, K] + scales u8[N/32 -> pad 4, K -> pad 128].
+SAVED = {
+    "bf16": 0,
+    "fp8-cs": K * M * U8 + F32 + N * K * U8 + K * N * U8 + F32,
+    "mxfp8": M * K * U8 + 4 * 128 + N * K * U8 + N * 4 + N * K * U8 + 4 * 128,
+}
+
+
 @pytest.mark.te
-def test_real_fp8_linear_memory_estimate():
-    c = real_aot("fp8-cs", 1)
-    M, K, N = 32, 64, 128  # tokens, hidden, out_features
-    bf16, u8, f32 = 2, 1, 4
-    inputs_fw = N * K * bf16 + N * bf16 + M * K * bf16
-    linear_outputs = M * N * bf16 + K * M * u8 + f32 + N * K * u8 + K * N * u8 + f32
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs", "mxfp8"])
+def test_real_linear_memory_estimate(precision):
+    c = real_aot(precision, 1)
+    params = N * K * BF16 + N * BF16
+    inputs_fw = params + M * K * BF16
     est = estimate_graph(c.forward, stage="post_grad_fwd")
     assert est.input_bytes == inputs_fw
-    assert est.peak == inputs_fw + linear_outputs
+    # the op allocates its output and every saved quantized buffer at once
+    assert est.peak == inputs_fw + M * N * BF16 + SAVED[precision]
     assert est.peak_node == "linear"
-    # backward: saved buffers + params + tangent, plus the three grads linear_backward makes
-    saved = K * M * u8 + f32 + N * K * u8 + K * N * u8 + f32
-    inputs_bw = N * K * bf16 + N * bf16 + saved + M * N * bf16
-    grads = N * K * bf16 + N * bf16 + M * K * bf16
+    assert est.quantized_bytes_at_peak == SAVED[precision]
+    # backward: params + saved buffers (bf16 saves the input itself) + tangent, plus the three
+    # grads linear_backward makes
+    saved_bw = SAVED[precision] if precision != "bf16" else M * K * BF16
+    inputs_bw = params + saved_bw + M * N * BF16
+    grads = N * K * BF16 + N * BF16 + M * K * BF16
     est_bw = estimate_graph(c.backward, stage="post_grad_bwd")
     assert est_bw.input_bytes == inputs_bw
     assert est_bw.peak == inputs_bw + grads
-    assert est_bw.quantized_bytes_at_peak == saved
+    assert est_bw.quantized_bytes_at_peak == SAVED[precision]
 
 
 def test_quantized_dtypes_cover_float8_families():
