@@ -71,9 +71,14 @@ class InsertEarlyFrees(TEPass):
     buffer.
 
     Records: ``"free"`` (node = the freed value, data: ``role``, ``bytes``, ``after``,
-    ``source``, ``field``, ``op``); ``"kept"`` (node, ``role``, ``bytes``, ``reason``);
-    ``"memory"`` (graph level: ``peak_before``, ``peak_after``, ``peak_before_concrete``,
-    ``peak_after_concrete``, ``symbolic``, ``input_bytes``, ``peak_node``).
+    ``source``, ``field``, ``op``); ``"kept"`` (node, ``role``, ``bytes``, ``reason``,
+    ``source``); ``"memory"`` (graph level, see :func:`memory_record`); at the joint stage one
+    ``"saved_roles"`` (``count``, ``roles``: ``{node: {role, field, inner_name, storage_cls}}``).
+
+    Raises:
+        PassSkipped: the Inductor lowering of ``free_storage`` cannot be registered.
+        AssertionError: the rewritten graph fails the re-analysis (a free before a use); the
+            pass manager then restores the graph.
     """
 
     name = "insert_early_frees"
