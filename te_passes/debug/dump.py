@@ -475,6 +475,13 @@ def render_index(summary: dict[str, Any], root: str) -> str:
         rows.append([gid, g["mode"] or "default", ", ".join(stage_links),
                      g["time_ms_passes"], g["time_ms_total"]])
     L.append(_md_table(["graph", "mode", "stages (input graph, replayable file)", "passes ms", "total ms"], rows))
+    partial = [g["graph_id"] for g in summary["graphs"]
+               if not any(st.endswith(":post_grad_fwd") for st in g["stages"])]
+    if partial:
+        L.append(f"\nNo post-grad stages for {', '.join(partial)}: Inductor's FX-graph / AOTAutograd cache "
+                 f"hit (the passes' uuid and the TE state were unchanged, so the cached result already holds "
+                 f"their rewrites), or the graph was not lowered by AOTAutograd. `te-passes dump` turns the "
+                 f"caches off.\n")
 
     L.append("\n## Passes\n")
     rows = []
