@@ -318,14 +318,15 @@ class PoisonInterpreter(torch.fx.Interpreter):
 
 
 OPS = ("quantize_cast", "quantize_multi", "view_t", "view_detach", "view_u8", "split", "set_internal",
-       "consume_opaque", "consume_aten", "save", "multi_all")
+       "inplace_copy", "consume_opaque", "consume_aten", "save", "multi_all")
 
 
 def build_random_graph(program):
     """Build an ATen-level graph from ``program`` (``[(op, a, b, flag)]``): quantize (casts,
     a multi-output op with some outputs unextracted), views (t, detach, dtype views, split),
-    a ``set_`` into an internal tensor, opaque (``tpq::qgemm``) and ATen consumers, and
-    saved-for-backward values (graph outputs). Returns ``(gm, args)``."""
+    a ``set_`` into an internal tensor, in-place ``copy_`` between quantized values, opaque
+    (``tpq::qgemm``) and ATen consumers, and saved-for-backward values (graph outputs).
+    Returns ``(gm, args)``."""
     import operator
 
     g = torch.fx.Graph()
@@ -368,6 +369,13 @@ def build_random_graph(program):
             tmp = g.call_function(aten.empty.memory_format, ([0],), {"dtype": F8})
             g.call_function(aten.set_.source_Tensor, (tmp, q))
             quants.append((tmp, r))
+        elif op == "inplace_copy":
+            # dst.copy_(src): an in-place write whose result aliases dst
+            # (src: a fresh cast, so it never overlaps dst)
+            dst, r = quants[a % len(quants)]
+            if r == 4:
+                src = g.call_function(aten._to_copy.default, (floats[b % len(floats)],), {"dtype": F8})
+                quants.append((g.call_function(aten.copy_.default, (dst, src)), r))
         elif op == "consume_opaque":
             q, r = quants[a % len(quants)]
             s = scales[b % len(scales)] if scales else g.call_function(aten.ones.default, ([1],))
