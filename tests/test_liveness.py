@@ -321,3 +321,21 @@ def test_real_dynamo_graph_fp8_stack():
     assert lv.last_use[b0].name != "output" and lv.order[lv.last_use[b0]] < lv.order[te_nodes[1]]
     assert lv.escapes == []
     assert lv.quantized_buffers() == []  # Dynamo graphs carry no quantized tensors between TE ops
+
+
+def test_wait_tensor_returns_its_argument():
+    """``_c10d_functional.wait_tensor`` has no alias annotation but returns the tensor it was
+    given: a free of the collective's output after the wait would hit the waited tensor."""
+    import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    q = g.call_function(aten._to_copy.default, (x,), {"dtype": F8})
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (q, "sum", "0"))
+    w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar,))
+    y = g.call_function(aten._to_copy.default, (w,), {"dtype": torch.float32})
+    g.output((y,))
+    lv = analyze(torch.fx.GraphModule({}, g))
+    arb = lv.owned_buffer(ar)
+    assert lv.buffers_of(w) == {arb}
+    assert lv.last_use[arb] is y

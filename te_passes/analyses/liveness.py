@@ -10,7 +10,8 @@ flat output). Every node's value is mapped to the set of buffers it may alias:
 * ATen ``OpOverload``\\ s: torch's own alias annotations in ``OpOverload._schema`` — a return
   ``Tensor(a)`` aliases the arguments annotated ``(a)`` (views, ``detach``, in-place ops'
   ``Tensor(a!)``), list-returning views (``split``, ``unbind``, ``Tensor(a -> *)``) alias
-  ``self``; ``aten._unsafe_view`` (a view without an annotation) aliases ``self``; ops tagged
+  ``self``; ``aten._unsafe_view`` and ``_c10d_functional.wait_tensor`` (which return their
+  argument without an annotation) alias it; ops tagged
   ``torch.Tag.maybe_aliasing_or_mutating`` may alias every tensor argument *and* allocate;
 * ``aten.set_`` makes the mutated tensor hold the source storage: the source lives as long as
   the destination, and a source stored into a graph input *escapes* the graph;
@@ -149,7 +150,10 @@ def tensor_nbytes(val: Any):
 
 
 # --------------------------------------------------------------------------- alias rules
-_VIEW_EXTRA = {"aten::_unsafe_view"}
+#: Ops that return (a view of) their first argument at run time without an alias annotation
+#: in their schema: ``_unsafe_view`` (a view hidden from autograd) and the functional
+#: collectives' ``wait_tensor`` (waits, then returns the very tensor it was given).
+_VIEW_EXTRA = {"aten::_unsafe_view", "_c10d_functional::wait_tensor", "c10d_functional::wait_tensor"}
 _OPAQUE_SAFE_NAMESPACES = frozenset({"aten", "prims", "inductor", "te_passes", "_c10d_functional",
                                      "c10d_functional", "_quantized", "quantized"})
 _PY_STORE_FUNCS = {builtins.setattr, operator.setitem, builtins.object.__setattr__}
