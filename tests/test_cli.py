@@ -437,3 +437,20 @@ def test_real_te_linear_fallback_is_named_with_tes_reason(tmp_path):
     assert island["location"] == f"fb.py:{line} (<lambda>)"
     assert all(b["te"] is not None and b["te"]["module"] == "te.Linear" for b in ev["graph_breaks"])
     assert any("_forward_eager_fallback" in b["full_reason"] for b in ev["graph_breaks"])
+
+
+def test_backend_only_dump_lists_graph_breaks_and_islands(tmp_path):
+    """options-free backend dump (TE_PASSES_DUMP_DIR): the summary carries the process's graph
+    breaks and TE eager islands, so a dump made without the CLI still names them."""
+    e = dict(os.environ, PYTHONPATH=ROOT, TE_PASSES_DUMP_DIR=str(tmp_path / "d"),
+             TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    code = "from te_passes.examples.cpu_island import main; main()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=e, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(tmp_path / "d" / "report.json") as f:
+        report = json.load(f)
+    assert report["owner"] == "backend"
+    assert [g["graph_id"] for g in report["graphs"]] == ["g0", "g1", "g2", "g3"]
+    assert [i["module"] for i in report["eager_fallbacks"]] == ["te.Fp8Padding"]
+    assert report["recompiles"]  # the ones finished before the last graph's dump

@@ -318,7 +318,8 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
 
     torch._inductor.config.force_disable_caches = True  # every stage must run to be dumped
     n_before = len(compile_reports())
-    extra: dict[str, Any] = {"mode": args.mode or "default", "disabled": disable + env_disable}
+    extra: dict[str, Any] = {"owner": "cli", "mode": args.mode or "default", "disabled": disable + env_disable}
+    write_summary(root, extra)  # claims the session: the backend's writers leave it to us
     events = CompileEvents(reemit_warnings=args.verbose)
     if args.example is not None:
         from te_passes.examples import run_example

@@ -255,7 +255,29 @@ class DumpWriter:
         self._write(os.path.join(gdir, "report.json"), text, f"{report.graph_id}_report")
         self._write(os.path.join(gdir, "te_state.json"), json.dumps(report.te_state, indent=2), None)
         if self.root is not None:
-            write_summary(self.root)
+            write_summary(self.root, _backend_session(self.root))
+
+
+def _backend_session(root: str) -> dict[str, Any] | None:
+    """Session facts for a dump written by the backend alone (``te_passes.dump_dir``): the
+    process's graph breaks, TE eager islands and recompiles so far
+    (:func:`te_passes.debug.graph_breaks.current_events`). ``None`` when ``te-passes dump``
+    owns the session (it writes its own, scoped to its target, at the end)."""
+    path = os.path.join(root, "session.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                if json.load(f).get("owner") == "cli":
+                    return None
+        except (OSError, json.JSONDecodeError, AttributeError):
+            pass
+    from te_passes.debug.graph_breaks import current_events
+
+    return {"owner": "backend", "compile_path": "torch.compile(backend='te_inductor', "
+            "options={'te_passes.dump_dir': ...})",
+            "note": "Graph breaks, TE eager islands and recompiles are this process's so far (Dynamo's "
+                    "records), including frames not compiled by te_inductor.",
+            **current_events().to_json()}
 
 
 # --------------------------------------------------------------------------- reports
