@@ -53,7 +53,8 @@ from torch._prims_common import compute_required_storage_length
 from te_passes.te.graph_model import BufferRole
 from te_passes.te.quantized import QUANTIZED_DTYPES, QuantizedInfo, classify_quantized
 
-__all__ = ["Buffer", "BufferOrigin", "Escape", "Liveness", "analyze", "tensor_nbytes", "is_opaque_call"]
+__all__ = ["Buffer", "BufferOrigin", "Escape", "Liveness", "analyze", "analyze_shared", "tensor_nbytes",
+           "is_opaque_call"]
 
 
 _UNSET = object()
@@ -416,6 +417,25 @@ def gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def analyze_shared(graph: torch.fx.Graph, stage: Any, analyses: dict | None) -> Liveness:
+    """:func:`analyze` of ``graph``, shared through ``analyses`` (a pass context's
+    ``PassContext.analyses``, which the pass manager empties whenever a pass changes the graph):
+    the first pass of a stage that needs liveness computes it, later passes reuse it.
+
+    Callers must not mutate the result. ``analyses=None`` always computes afresh.
+    """
+    stage = getattr(stage, "value", stage)
+    if analyses is None:
+        return analyze(graph, stage=stage)
+    key = ("liveness", stage)
+    hit = analyses.get(key)
+    if hit is not None and hit.graph is graph and len(hit.order) == len(graph.nodes):
+        return hit
+    lv = analyze(graph, stage=stage)
+    analyses[key] = lv
+    return lv
 
 
 def analyze(graph_or_gm: torch.fx.Graph | torch.fx.GraphModule, *, stage: str | None = None,

@@ -131,7 +131,14 @@ class PassContext:
     graph_id: str = "g0"
     #: Call before the first mutation (passes with ``checkpoints_itself = True``): the manager
     #: then takes its rollback copy only when a pass really rewrites (set by the manager).
-    checkpoint: Callable[[], None] = lambda: None
+    #: ``checkpoint(undo)`` with a callable instead registers the pass's own undo (e.g. a log
+    #: of the ``args`` it replaced): on rollback the manager calls it instead of restoring a
+    #: copy, so a pass that only rewrites arguments never pays for a graph copy.
+    checkpoint: Callable[..., None] = lambda undo=None: None
+    #: Analyses of the current graph shared between the passes of one stage (e.g. liveness:
+    #: ``{("liveness", stage): Liveness}``). The manager empties it whenever a pass changes (or
+    #: fails on) the graph, so an entry is always an analysis of the graph as it is now.
+    analyses: dict = dataclasses.field(default_factory=dict)
 
 
 class TEPass(PassBase):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import BufferOrigin, Liveness, analyze
+from te_passes.analyses.liveness import BufferOrigin, Liveness, analyze_shared
 from te_passes.passes.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 
 
@@ -104,7 +104,7 @@ class CheckCudagraphPool(TEPass):
     analysis_only = True
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        lv = analyze(gm.graph, stage=ctx.stage.value)
+        lv = analyze_shared(gm.graph, ctx.stage, getattr(ctx, "analyses", None))
         findings = pool_findings(lv)
         cudagraphs = _cudagraphs_enabled()
         records = [PassRecord("pool_leak", f["node"], {**f, "cudagraphs": cudagraphs}) for f in findings]

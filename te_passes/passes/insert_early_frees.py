@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, gc_paused
+from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, analyze_shared, gc_paused
 from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.te import free_op, quantized
@@ -84,6 +84,7 @@ class InsertEarlyFrees(TEPass):
     name = "insert_early_frees"
     stages = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "free quantized buffers (FP8/MXFP8 data, transposes, scales) right after their last use"
+    checkpoints_itself = True
 
     def __init__(self, policy: str = "opaque", **config: Any) -> None:
         if policy not in POLICIES:
@@ -107,19 +108,27 @@ class InsertEarlyFrees(TEPass):
                 "count": len(roles),
                 "roles": {k: {"role": v.role, "field": v.field, "inner_name": v.inner_name,
                               "storage_cls": v.storage_cls} for k, v in sorted(roles.items())}})])
-        lv = analyze(graph, stage=ctx.stage.value)
+        lv = analyze_shared(graph, ctx.stage, getattr(ctx, "analyses", None))
         before = estimate(lv)
         plan, records = self.plan(lv, ctx.stage)
         inserted: list[torch.fx.Node] = []
         last_inserted: dict[torch.fx.Node, torch.fx.Node] = {}
+        if plan:
+            # The rewrite only adds user-less free nodes: erasing them restores the graph, so
+            # the manager needs no copy of it.
+            def undo() -> None:
+                for n in reversed(inserted):
+                    if not n._erased:
+                        graph.erase_node(n)
+            ctx.checkpoint(undo)
         for buf, after in plan:
             anchor = last_inserted.get(after, after)
             with graph.inserting_after(anchor):
                 free = graph.call_function(free_op.free_storage, (buf.handle,))
+            inserted.append(free)
             free.meta["val"] = None
             free.meta["te_passes"] = {"pass": self.name, "role": buf.quantized.role if buf.quantized else None}
             last_inserted[after] = free
-            inserted.append(free)
         after_est = before
         if inserted:
             lv_after = analyze(graph, stage=ctx.stage.value)

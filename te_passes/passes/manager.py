@@ -5,7 +5,10 @@ vLLM ``PostGradPassManager`` style):
 
 1. disabled (``te_passes.disable`` / ``TE_PASSES_DISABLE``)? record ``status="disabled"``;
 2. time it; rewrite passes get a backup copy of the graph (``Graph.graph_copy``) before they
-   mutate — up front, or lazily at ``ctx.checkpoint()`` for passes that call it;
+   mutate — up front, or lazily at ``ctx.checkpoint()`` for passes that call it
+   (``checkpoints_itself``); ``ctx.checkpoint(undo)`` registers the pass's own undo instead
+   of a copy; analyses shared between passes (``ctx.analyses``) are dropped whenever a pass
+   changes the graph;
 3. ``graph.lint()`` after each pass that changed the graph; one ``gm.recompile()`` at the end
    of the stage if any did;
 4. on :class:`PassSkipped`: ``status="skipped"`` with the reason, graph untouched;
@@ -97,8 +100,12 @@ class PassManager:
             TePassError: a pass raised and ``ctx.options.strict`` is set.
         """
         report = StageReport(graph_id=ctx.graph_id, stage=ctx.stage.value)
-        for tepass in self.passes_for(ctx.stage):
-            report.runs.append(self._run_one(gm, tepass, ctx))
+        ctx.analyses.clear()  # a reused context may hold analyses of another graph
+        try:
+            for tepass in self.passes_for(ctx.stage):
+                report.runs.append(self._run_one(gm, tepass, ctx))
+        finally:
+            ctx.analyses.clear()
         if any(r.changed for r in report.runs):
             gm.recompile()
         return report
@@ -115,34 +122,48 @@ class PassManager:
             if hasattr(obs, "before_pass"):
                 obs.before_pass(gm, tepass, ctx)
         backup: list[torch.fx.Graph] = []
+        undos: list = []
 
-        def checkpoint() -> None:
-            if not backup:
+        def checkpoint(undo=None) -> None:
+            if backup or undos:
+                return
+            if undo is not None:
+                undos.append(undo)
+            else:
                 backup.append(copy_graph(graph))
+
+        def rollback() -> None:
+            ctx.analyses.clear()
+            if undos:
+                undos[0]()
+            elif backup:
+                restore_graph(gm.graph, backup[0])
+            else:
+                return
+            gm.recompile()
 
         t0 = time.perf_counter()
         if not tepass.analysis_only and not tepass.checkpoints_itself:
             checkpoint()
         try:
+            # ``analyses`` is shared (same dict) between the passes of this stage.
             result = tepass.run(gm, dataclasses.replace(ctx, checkpoint=checkpoint))
             if not isinstance(result, TEPassResult):
                 raise TypeError(f"pass {tepass.name} returned {type(result).__name__}, not TEPassResult")
             if result.modified:
+                ctx.analyses.clear()
                 gm.graph.lint()
             run.changed = bool(result.modified)
             run.records = result.records
         except PassSkipped as e:
             run.status = "skipped"
             run.records = [PassRecord("skipped", None, {"reason": str(e)})]
-            if backup and _graph_changed(gm.graph, backup[0]):
-                restore_graph(gm.graph, backup[0])
-                gm.recompile()
+            if undos or (backup and _graph_changed(gm.graph, backup[0])):
+                rollback()
         except Exception as e:  # noqa: BLE001 - any pass failure must leave the graph intact
             run.status = "failed"
             run.error = f"{type(e).__name__}: {e}"
-            if backup:
-                restore_graph(gm.graph, backup[0])
-                gm.recompile()
+            rollback()
             msg = (f"te_passes: pass {tepass.name!r} failed on graph {ctx.graph_id} at stage "
                    f"{ctx.stage.value} ({run.error}); the graph was left as it was")
             if ctx.options.strict:
