@@ -51,6 +51,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import enum
+import functools
 import operator
 from typing import Any, Callable, Iterator
 
@@ -255,6 +256,7 @@ class HoistRecipeLookups(TEPass):
     stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = ("fold fp8 recipe/autocast lookups and quantizer __setattr__ residue to constants; "
                    "build TE constants once at compile time")
+    checkpoints_itself = True
 
     def __init__(self, *, fp8_state: recipes.Fp8State | None = None, hoist_constants: bool = True) -> None:
         if fp8_state is not None and not isinstance(fp8_state, recipes.Fp8State):
@@ -279,8 +281,8 @@ class HoistRecipeLookups(TEPass):
         constants once (when ``hoist_constants``). See the class docstring."""
         if ctx.stage is Stage.DYNAMO:
             records: list[PassRecord] = []
-            changed = self._fold_lookups(gm, records)
-            changed |= self._fold_setattrs(gm, records)
+            changed = self._fold_lookups(gm, records, ctx)
+            changed |= self._fold_setattrs(gm, records, ctx)
             for node_name, path, tname in find_recipe_and_pg_objects(gm):
                 records.append(PassRecord("kept", node_name, {
                     "object": tname, "path": path,
@@ -290,7 +292,7 @@ class HoistRecipeLookups(TEPass):
             if not self._hoist_constants:
                 raise PassSkipped("hoist_constants=False: TE constants are left inline")
             records = []
-            changed = self._lift_constants(gm, records)
+            changed = self._lift_constants(gm, records, ctx)
             return TEPassResult(gm, changed, records)
         raise PassSkipped(f"nothing to do at stage {ctx.stage.value}")
 
@@ -303,7 +305,8 @@ class HoistRecipeLookups(TEPass):
         except ImportError:
             return None
 
-    def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord]) -> bool:
+    def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
+                      ctx: PassContext | None = None) -> bool:
         graph = gm.graph
         state: recipes.Fp8State | None | object = _UNKNOWN  # captured lazily, once
         known: dict[torch.fx.Node, _Known] = {}
@@ -337,12 +340,16 @@ class HoistRecipeLookups(TEPass):
         # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
         for node, k in known.items():
             if recipes.is_plain_constant(k.value) and node.users:
+                if ctx is not None and not changed:
+                    ctx.checkpoint()
                 users = _replace_with_constant(node, k.value)
                 records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
                                                                  "users": users}))
                 changed = True
         for node in reversed(list(known)):
             if not node.users and node.op != "placeholder":
+                if ctx is not None and not changed:
+                    ctx.checkpoint()
                 graph.erase_node(node)
                 changed = True
         alive = set(graph.nodes)
@@ -441,7 +448,8 @@ class HoistRecipeLookups(TEPass):
         return None
 
     # ------------------------------------------------------------------ 2. setattr residue
-    def _fold_setattrs(self, gm: torch.fx.GraphModule, records: list[PassRecord]) -> bool:
+    def _fold_setattrs(self, gm: torch.fx.GraphModule, records: list[PassRecord],
+                       ctx: PassContext | None = None) -> bool:
         graph = gm.graph
         groups: dict[int, list[torch.fx.Node]] = {}
         for node in graph.nodes:
@@ -484,6 +492,8 @@ class HoistRecipeLookups(TEPass):
                 records.append(PassRecord("folded_setattr", n.name, {
                     "receiver": cls, "field": n.args[1], "value": n.args[2], "reason": reason}))
                 to_erase.append(n)
+        if to_erase and ctx is not None:
+            ctx.checkpoint()
         for n in to_erase:
             graph.erase_node(n)
         after = _bundle_quantizers(graph)
@@ -493,9 +503,17 @@ class HoistRecipeLookups(TEPass):
         return bool(to_erase)
 
     # ------------------------------------------------------------------ 3. build constants once
-    def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord]) -> bool:
+    def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord],
+                        ctx: PassContext | None = None) -> bool:
         graph = gm.graph
         count = 0
+        # Undo log: the rewrite only replaces nodes' args/kwargs, so restoring them undoes it
+        # (the manager then needs no copy of the graph).
+        replaced: list[tuple[torch.fx.Node, tuple, dict]] = []
+
+        def undo() -> None:
+            for node, args, kwargs in reversed(replaced):
+                node.args, node.kwargs = args, kwargs
 
         def lift(v: Any, user: torch.fx.Node, slot: str) -> Any:
             nonlocal count
@@ -524,6 +542,9 @@ class HoistRecipeLookups(TEPass):
                           for k, a in node.kwargs.items()}
             if any(x is not y for x, y in zip(new_args, node.args)) or any(
                     new_kwargs[k] is not node.kwargs[k] for k in node.kwargs):
+                if not replaced and ctx is not None:
+                    ctx.checkpoint(undo)
+                replaced.append((node, node.args, node.kwargs))
                 node.args, node.kwargs = new_args, new_kwargs
         return count > 0
 
@@ -537,10 +558,17 @@ def rebuild_constant(v: Any) -> Any:
         RuntimeError: the rebuilt object does not compare equal to ``v``.
     """
     expr, env = type(v).__fx_repr__(v) if hoisted_name(v) is None else _original_fx_repr(v)
-    fresh = eval(expr, dict(env))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
+    fresh = eval(_compiled(expr), dict(env))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
     if type(fresh) is not type(v) or fresh != v:
         raise RuntimeError(f"rebuilding {type(v).__name__} from its __fx_repr__ gave a different value")
     return fresh
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(expr: str):
+    """``compile(expr)`` once per distinct expression (a graph repeats the same quantizer and
+    bundle expressions many times; compiling dominated :func:`rebuild_constant`)."""
+    return compile(expr, "<te_passes constant>", "eval")
 
 
 def _original_fx_repr(v: Any) -> tuple[str, dict[str, Any]]:
