@@ -1,0 +1,154 @@
+"""Rollback without graph copies: ``ctx.checkpoint(undo)``, hoist_recipe_lookups' undo log,
+insert_early_frees' undo, and liveness shared between the passes of a stage (``ctx.analyses``)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx
+
+from te_passes.config import TePassesOptions
+from te_passes.passes import PassContext, Stage, TEPass, TEPassResult
+from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
+from te_passes.passes.manager import PassManager
+from te_passes.te.state import TEState
+
+
+def _snapshot(graph: torch.fx.Graph):
+    """Everything rollback must restore: order, names, ops, targets, args (by name), meta keys."""
+    def ref(a):
+        return torch.fx.node.map_arg(a, lambda n: ("node", n.name))
+    return [(n.name, n.op, n.target, repr(ref(n.args)), repr(ref(n.kwargs)), sorted(n.meta))
+            for n in graph.nodes]
+
+
+def _leaf_ids(node):
+    """ids of the non-container values in a node's args (FX rebuilds the containers)."""
+    out = []
+    torch.fx.node.map_aggregate(node.args, lambda a: out.append(id(a)) or a)
+    return out
+
+
+class _FailAfter(TEPass):
+    """Runs ``inner``, then raises: the manager must undo ``inner``'s rewrite."""
+
+    name = "fail_after"
+    stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD})
+    description = "test"
+    checkpoints_itself = True
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def run(self, gm, ctx):
+        res = self.inner.run(gm, ctx)
+        assert res.modified, "the inner pass must rewrite something for this test to mean anything"
+        raise RuntimeError("boom after rewriting")
+
+
+def _run_failing(gm, stage, inner, monkeypatch):
+    import te_passes.passes.manager as mgr
+
+    monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
+    ctx = PassContext(stage, TePassesOptions(), TEState.capture())
+    with pytest.warns(RuntimeWarning, match="boom after rewriting"):
+        rep = PassManager([_FailAfter(inner)]).run(gm, ctx)
+    assert rep.runs[0].status == "failed"
+
+
+def test_hoist_dynamo_undo_restores_graph(te_dynamo_graph, monkeypatch):
+    """fp8 Dynamo graph: the pass erases quantizer __setattr__ residue; undo re-creates it."""
+    cap = te_dynamo_graph(precision="fp8-cs")
+    gm = cap.gm
+    before = _snapshot(gm.graph)
+    assert any(n.op == "call_method" and n.target == "__setattr__" for n in gm.graph.nodes)
+    _run_failing(gm, Stage.DYNAMO, HoistRecipeLookups(), monkeypatch)
+    assert _snapshot(gm.graph) == before
+    gm.graph.lint()
+
+
+def test_hoist_post_grad_undo_restores_args(te_aot_graphs, monkeypatch):
+    aot = te_aot_graphs(precision="fp8-cs")
+    gm = aot.forward
+    before = _snapshot(gm.graph)
+    ids = [_leaf_ids(n) for n in gm.graph.nodes]
+    _run_failing(gm, Stage.POST_GRAD_FWD, HoistRecipeLookups(), monkeypatch)
+    assert _snapshot(gm.graph) == before
+    assert [_leaf_ids(n) for n in gm.graph.nodes] == ids  # the original constant objects
+
+
+def test_undo_recreates_erased_chain():
+    """A chain erased tail-first (b uses a) plus an argument replacement comes back exactly."""
+    from te_passes.passes.hoist_recipe_lookups import _UndoLog
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(operator.add, (x, 1))
+    b = g.call_function(operator.mul, (a, 2))
+    c = g.call_function(operator.sub, (x, b))
+    g.output(c)
+    before = _snapshot(g)
+    log = _UndoLog(g, None)
+    log.set_args(c, (x, 3), {})
+    log.erase(b)
+    log.erase(a)
+    assert [n.name for n in g.nodes] == ["x", "sub", "output"]
+    log.undo()
+    assert _snapshot(g) == before
+    g.lint()
+
+
+def test_liveness_shared_within_stage(te_aot_graphs, monkeypatch):
+    """insert_early_frees and check_cudagraph_pool analyse an unchanged graph once."""
+    import te_passes.analyses.liveness as liveness
+
+    calls = []
+    real = liveness.analyze
+    monkeypatch.setattr(liveness, "analyze", lambda *a, **k: calls.append(1) or real(*a, **k))
+    aot = te_aot_graphs(precision="fp8-cs")
+    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
+    rep = PassManager().run(aot.forward, ctx)
+    by = {r.name: r for r in rep.runs}
+    assert not by["insert_early_frees"].changed  # nothing qualifies on TE 2.20.2 te.Linear graphs
+    assert len(calls) == 1
+    assert ctx.analyses == {}  # dropped when the stage ends
+
+
+def test_analyses_dropped_after_a_change():
+    """A pass that changes the graph invalidates shared analyses."""
+    seen = []
+
+    class Put(TEPass):
+        name = "put"
+        stages = frozenset({Stage.DYNAMO})
+        analysis_only = True
+
+        def run(self, gm, ctx):
+            ctx.analyses["k"] = 1
+            return TEPassResult(gm, False)
+
+    class Change(TEPass):
+        name = "change"
+        stages = frozenset({Stage.DYNAMO})
+
+        def run(self, gm, ctx):
+            seen.append(dict(ctx.analyses))
+            n = next(n for n in gm.graph.nodes if n.op == "call_function")
+            n.args = (n.args[0], n.args[0])
+            return TEPassResult(gm, True)
+
+    class Read(TEPass):
+        name = "read"
+        stages = frozenset({Stage.DYNAMO})
+        analysis_only = True
+
+        def run(self, gm, ctx):
+            seen.append(dict(ctx.analyses))
+            return TEPassResult(gm, False)
+
+    gm = torch.fx.symbolic_trace(lambda x, y: x + y)
+    PassManager([Put(), Change(), Read()]).run(gm, PassContext(Stage.DYNAMO, TePassesOptions(), TEState()))
+    assert seen == [{"k": 1}, {}]
