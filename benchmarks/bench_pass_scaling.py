@@ -7,8 +7,18 @@ captured on this CPU machine by te_passes.testing.capture) are replicated K time
 (placeholders shared, every copy's outputs returned) until it has about N nodes; the full
 PassManager then runs at the stage each graph belongs to (Dynamo graph: ``dynamo``; AOT forward:
 ``post_grad_fwd``; AOT backward: ``post_grad_bwd``). Printed per size: nodes, pass time (sum of the
-passes' own time), manager time (passes + rollback copies + lint), microseconds per node, and the
-ratio of per-node cost to the smallest size's (1.0 = perfectly linear). Goal: 100k nodes < 1 s.
+passes' own time, rollback checkpoints included), manager time (passes + lint + ``recompile``),
+microseconds per node, the ratio of per-node cost to the smallest size's (1.0 = perfectly
+linear), and each pass's own time. Goal: 100k nodes < 1 s.
+
+Graphs are wrapped as torch.compile wraps them: ``_make_graph_module`` under
+``_use_lazy_graph_module(True)`` (Dynamo's and AOTAutograd's default,
+``torch._dynamo.config.use_lazy_graph_module``), so the manager's ``gm.recompile()`` defers
+Python codegen to the first call, as it does inside torch.compile (Inductor lowers post-grad
+graphs from ``gm.graph`` and never calls them; a Dynamo graph is generated once when AOTAutograd
+traces it, with or without te_passes). ``--eager-gm`` measures plain ``torch.fx.GraphModule``\ s
+instead (codegen inside the manager's time). Every stage is run once on the un-replicated graph
+before timing (first-call costs: imports, per-op schema caches).
 
 Part 2 — share of compile time. A torch-only MLP compiled on CPU with ``backend="te_inductor"``:
 ``time_ms_passes / time_ms_total`` from te_passes' compile report (all stages). Goal: <= 5%.
@@ -47,36 +57,60 @@ def replicate(gm: torch.fx.GraphModule, copies: int) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, g)
 
 
-def time_stage(gm: torch.fx.GraphModule, stage: Stage, repeat: int) -> tuple[float, float, int]:
-    """Median (pass ms, manager ms) over ``repeat`` runs on fresh copies; and node count."""
-    pass_ms, total_ms = [], []
+def fresh_module(gm: torch.fx.GraphModule, lazy: bool) -> torch.fx.GraphModule:
+    """A copy of ``gm`` wrapped the way torch.compile wraps its graphs (lazy) or eagerly."""
+    if not lazy:
+        return torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(gm, copy_graph(gm.graph))
+
+
+def time_stage(gm: torch.fx.GraphModule, stage: Stage, repeat: int,
+               lazy: bool = True) -> tuple[float, float, int, dict[str, float]]:
+    """Median (pass ms, manager ms) over ``repeat`` runs on fresh copies; node count; median
+    ms per pass."""
+    pass_ms, total_ms, per = [], [], {}
     for _ in range(repeat):
-        work = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+        work = fresh_module(gm, lazy)
         ctx = PassContext(stage, TePassesOptions(), TEState.capture())
         t0 = time.perf_counter()
         rep = PassManager().run(work, ctx)
         total_ms.append((time.perf_counter() - t0) * 1e3)
         pass_ms.append(sum(r.time_ms for r in rep.runs))
-    return statistics.median(pass_ms), statistics.median(total_ms), len(gm.graph.nodes)
+        for r in rep.runs:
+            per.setdefault(r.name, []).append(r.time_ms)
+    return (statistics.median(pass_ms), statistics.median(total_ms), len(gm.graph.nodes),
+            {k: statistics.median(v) for k, v in per.items()})
 
 
-def part1(sizes: list[int], repeat: int) -> None:
+_SHORT = {"fold_ub_predicates": "fold_ub", "hoist_recipe_lookups": "hoist", "insert_early_frees": "frees",
+          "check_cudagraph_pool": "pool"}
+
+
+def part1(sizes: list[int], repeat: int, lazy: bool = True) -> None:
     from te_passes.testing.capture import capture_aot, capture_dynamo
 
     dyn = capture_dynamo(model="stack", precision="fp8-cs", layers=4)
     aot = capture_aot(model="stack", precision="fp8-cs", layers=4)
     bases = [("dynamo", dyn.gm, Stage.DYNAMO), ("aot fwd", aot.forward, Stage.POST_GRAD_FWD),
              ("aot bwd", aot.backward, Stage.POST_GRAD_BWD)]
-    print(f"{'graph':8} {'nodes':>8} {'passes ms':>10} {'manager ms':>11} {'us/node':>8} {'vs smallest':>11}")
+    print(f"graph modules: {'lazy (as in torch.compile)' if lazy else 'eager (codegen on recompile)'}; "
+          f"per-pass columns: own ms ({', '.join(f'{v} = {k}' for k, v in _SHORT.items())})")
+    print(f"{'graph':8} {'nodes':>8} {'passes ms':>10} {'manager ms':>11} {'us/node':>8} {'vs smallest':>11}  per pass")
     for label, base, stage in bases:
+        time_stage(base, stage, 1, lazy)  # warm-up: first-call costs are not per-node costs
         per = len(base.graph.nodes)
         first = None
         for n in sizes:
             big = replicate(base, max(1, n // per))
-            p_ms, t_ms, nodes = time_stage(big, stage, repeat)
+            p_ms, t_ms, nodes, by_pass = time_stage(big, stage, repeat, lazy)
             us = t_ms * 1e3 / nodes
             first = first or us
-            print(f"{label:8} {nodes:>8} {p_ms:>10.1f} {t_ms:>11.1f} {us:>8.2f} {us / first:>11.2f}")
+            passes = "  ".join(f"{_SHORT.get(k, k)} {v:.0f}" for k, v in by_pass.items())
+            print(f"{label:8} {nodes:>8} {p_ms:>10.1f} {t_ms:>11.1f} {us:>8.2f} {us / first:>11.2f}  {passes}",
+                  flush=True)
 
 
 def part2(repeat: int) -> None:
@@ -103,8 +137,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--eager-gm", action="store_true",
+                    help="plain torch.fx.GraphModules: the manager's recompile generates code at once")
+    ap.add_argument("--skip-compile", action="store_true", help="part 1 only")
     args = ap.parse_args()
-    part1(args.sizes, args.repeat)
+    part1(args.sizes, args.repeat, lazy=not args.eager_gm)
+    if args.skip_compile:
+        return
     part2(args.repeat)
 
 
