@@ -18,7 +18,13 @@ try:
     v = m.version(sys.argv[1])
 except m.PackageNotFoundError:
     sys.exit(1)
-sys.exit(0 if v.split("+")[0] == sys.argv[2] or sys.argv[2] == "*" else 1)
+want = sys.argv[2]
+have = v.split("+")[0]
+# "13.0.3" is satisfied by "13.0.3" and "13.0.3.0" (pip normalises trailing zeros away).
+norm = lambda s: [int(p) if p.isdigit() else p for p in s.split(".")]
+pad = lambda a, n: a + [0] * (n - len(a))
+ok = want == "*" or pad(norm(have), 4) == pad(norm(want), 4)
+sys.exit(0 if ok else 1)
 PYEOF
 }
 

@@ -121,17 +121,28 @@ class TePassesOptions:
                 valid = ", ".join(PREFIX + k for k in OPTION_SPECS)
                 raise TePassesOptionError(f"unknown te_inductor option {key!r}; valid te_passes options: {valid}")
             ours[short] = spec.convert(short, value)
+        from_env: dict[str, tuple[str, ...]] = {}
         for short, spec in OPTION_SPECS.items():
-            if spec.env and environ.get(spec.env) and short not in ours:
-                ours[short] = spec.convert(short, environ[spec.env])
-            elif spec.env == "TE_PASSES_DISABLE" and environ.get(spec.env):
-                ours[short] = tuple(ours[short]) + _as_name_list(short, environ[spec.env])
+            if not (spec.env and environ.get(spec.env)):
+                continue
+            try:
+                value = spec.convert(short, environ[spec.env])
+            except TePassesOptionError as e:
+                raise TePassesOptionError(f"environment variable {spec.env}={environ[spec.env]!r}: {e}") from None
+            if short == "disable":
+                from_env[short] = value
+                ours[short] = tuple(ours.get(short, ())) + value
+            elif short not in ours:
+                ours[short] = value
         parsed = cls(**ours)
         if known_passes is not None:
             unknown = [p for p in parsed.disable if p not in known_passes]
             if unknown:
+                where = " / ".join(
+                    [f"{PREFIX}disable"] * any(p not in from_env.get("disable", ()) for p in unknown)
+                    + ["TE_PASSES_DISABLE"] * any(p in from_env.get("disable", ()) for p in unknown))
                 raise TePassesOptionError(
-                    f"unknown pass name(s) in {PREFIX}disable: {unknown}; known passes: {sorted(known_passes)}")
+                    f"unknown pass name(s) in {where}: {unknown}; known passes: {sorted(known_passes)}")
         return parsed, inductor
 
     def fingerprint_data(self) -> dict[str, Any]:

@@ -173,3 +173,17 @@ def test_dynamo_and_post_grad_passes_see_their_graphs(monkeypatch):
     assert dyn.runs[0].records[0].data["nodes"] == ["add", "add_1"]
     assert fwd.runs[0].records[0].data["nodes"] == ["add", "add_1"]  # aten.add.Tensor nodes
     assert rep.uuid["passes"] == {"count_adds": _CountAdds().uuid()}
+
+
+def test_bad_environment_variables_are_named(monkeypatch):
+    from te_passes.config import TePassesOptions
+
+    monkeypatch.setenv("TE_PASSES_DISABLE", "bogus")
+    with pytest.raises(TePassesOptionError, match=r"unknown pass name\(s\) in TE_PASSES_DISABLE: \['bogus'\]"):
+        TePassesOptions.parse({}, known_passes={"a"})
+    with pytest.raises(TePassesOptionError, match=r"in te_passes.disable / TE_PASSES_DISABLE: \['x', 'bogus'\]"):
+        TePassesOptions.parse({"te_passes.disable": ["x"]}, known_passes={"a"})
+    monkeypatch.delenv("TE_PASSES_DISABLE")
+    monkeypatch.setenv("TE_PASSES_STRICT", "banana")
+    with pytest.raises(TePassesOptionError, match=r"environment variable TE_PASSES_STRICT='banana': .*must be a bool"):
+        TePassesOptions.parse({})
