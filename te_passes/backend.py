@@ -33,7 +33,7 @@ from te_passes._logging import get_logger
 from te_passes.config import TePassesOptions
 from te_passes.passes.base import PassContext, Stage
 from te_passes.passes.manager import PassManager
-from te_passes.passes.registry import pass_names
+from te_passes.passes.registry import configured_passes, pass_names
 from te_passes.report import CompileReport, new_compile_report
 from te_passes.te.state import TEState
 
@@ -153,7 +153,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     from te_passes.debug.dump import DumpWriter, tracing_enabled
     if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
         observers.append(DumpWriter.for_dir(opts.dump_dir))
-    manager = PassManager(observers=observers)
+    manager = PassManager(configured_passes(opts.pass_config), observers=observers)
     report = new_compile_report(mode)
     report.uuid = pipeline_uuid(manager, opts, te_state)
     report.te_state = te_state.to_json()

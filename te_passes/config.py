@@ -51,6 +51,13 @@ def _as_any(key: str, value: Any) -> Any:
     return value
 
 
+def _as_pass_config(key: str, value: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in value.items()):
+        raise TePassesOptionError(f"option {PREFIX}{key} must be a dict {{pass name: {{parameter: value}}}}, "
+                                  f"got {value!r}")
+    return {k: dict(v) for k, v in value.items()}
+
+
 def _as_choice(*choices: str) -> Callable[[str, Any], str]:
     def conv(key: str, value: Any) -> str:
         if value not in choices:
@@ -78,6 +85,7 @@ OPTION_SPECS: dict[str, _Spec] = {
                          "UbSnapshot, a dict, or a JSON file path"),
     "ub_on_change": _Spec(_as_choice("recompile", "error"),
                           "what a UB-dependent compiled graph does when the UB state changed"),
+    "pass_config": _Spec(_as_pass_config, "per-pass constructor arguments: {pass name: {parameter: value}}"),
 }
 
 
@@ -90,6 +98,7 @@ class TePassesOptions:
     dump_dir: str | None = None
     ub_snapshot: Any = None
     ub_on_change: str = "recompile"
+    pass_config: Any = None
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,

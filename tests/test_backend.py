@@ -187,3 +187,26 @@ def test_bad_environment_variables_are_named(monkeypatch):
     monkeypatch.setenv("TE_PASSES_STRICT", "banana")
     with pytest.raises(TePassesOptionError, match=r"environment variable TE_PASSES_STRICT='banana': .*must be a bool"):
         TePassesOptions.parse({})
+
+
+def test_pass_config_reaches_the_passes_and_their_uuid():
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with torch.no_grad():
+        te_inductor(gm, [torch.ones(2)], options={"te_passes.pass_config": {"insert_early_frees": {"policy": "all"}}})
+    (rep,) = compile_reports()
+    from te_passes.passes.registry import configured_passes
+    (frees,) = [p for p in configured_passes({"insert_early_frees": {"policy": "all"}}) if p.name == "insert_early_frees"]
+    assert frees.config()["policy"] == "all"
+    assert rep.uuid["passes"]["insert_early_frees"] == frees.uuid()
+    assert rep.uuid["passes"]["insert_early_frees"] != type(frees)().uuid()
+
+
+@pytest.mark.parametrize("cfg, msg", [
+    ({"no_such_pass": {}}, r"names unknown pass\(es\) \['no_such_pass'\]"),
+    ({"insert_early_frees": {"polcy": "all"}}, r"\['polcy'\]; insert_early_frees takes \['policy'\]"),
+    ({"insert_early_frees": {"policy": "sometimes"}}, r"policy must be one of"),
+    ({"insert_early_frees": "all"}, r"must be a dict"),
+])
+def test_bad_pass_config(cfg, msg):
+    with pytest.raises(TePassesOptionError, match=msg):
+        te_inductor(torch.fx.symbolic_trace(torch.nn.ReLU()), [torch.ones(2)], options={"te_passes.pass_config": cfg})

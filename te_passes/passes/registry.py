@@ -46,3 +46,47 @@ def pass_names() -> list[str]:
 def default_passes() -> list[TEPass]:
     """Fresh instances of every registered pass with its default configuration."""
     return [cls() for cls in pass_classes()]
+
+
+def pass_parameters(cls: type[TEPass]) -> list[str]:
+    """The keyword parameters a pass class's constructor names (what ``te_passes.pass_config``
+    may set for it)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
+    """Every registered pass, constructed with ``pass_config[name]`` keyword arguments.
+
+    Args:
+        pass_config: ``{pass name: {parameter: value}}`` (the ``te_passes.pass_config`` option);
+            ``None``/empty gives :func:`default_passes`.
+
+    Raises:
+        te_passes.config.TePassesOptionError: an unknown pass name, a parameter the pass does
+            not take (the message lists the ones it does), or a value its constructor rejects.
+    """
+    from te_passes.config import TePassesOptionError
+
+    if not pass_config:
+        return default_passes()
+    classes = {cls.name: cls for cls in pass_classes()}
+    unknown = [n for n in pass_config if n not in classes]
+    if unknown:
+        raise TePassesOptionError(f"te_passes.pass_config names unknown pass(es) {unknown}; "
+                                  f"known passes: {sorted(classes)}")
+    out = []
+    for name, cls in classes.items():
+        kwargs = dict(pass_config.get(name) or {})
+        valid = pass_parameters(cls)
+        bad = [k for k in kwargs if k not in valid]
+        if bad:
+            raise TePassesOptionError(f"te_passes.pass_config[{name!r}]: unknown parameter(s) {bad}; "
+                                      f"{name} takes {valid or 'no parameters'}")
+        try:
+            out.append(cls(**kwargs))
+        except (TypeError, ValueError) as e:
+            raise TePassesOptionError(f"te_passes.pass_config[{name!r}]: {e}") from None
+    return out
