@@ -174,14 +174,20 @@ def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str,
         if node.op == "get_attr":
             roots.append((("get_attr",), _get_attr(gm, str(node.target))))
         for base, root in roots:
-            if not _has_objects(root):
-                continue
+            if not _has_objects(root) or not any(_is_recipe_or_pg(v) for v in _values(root)):
+                continue  # the common case, checked without building paths
             for path, v in _walk(root, base):
                 if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
                     continue
                 if recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v):
                     out.append((node.name, "/".join(map(str, path)), type(v).__name__))
     return out
+
+
+def _is_recipe_or_pg(v: Any) -> bool:
+    if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
+        return False
+    return recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
 
 
 def _may_be_te_lookup(target: Any) -> bool:
@@ -556,7 +562,7 @@ class HoistRecipeLookups(TEPass):
             own = set(nodes)
             observers = sorted({n.name for n in users.get(rid, ()) if n not in own})
             bad = [n for n in nodes if n.users or n.kwargs or not isinstance(n.args[1], str)
-                   or any(isinstance(x, torch.fx.Node) for _, x in _walk(n.args[2], ()))]
+                   or any(isinstance(x, torch.fx.Node) for x in _values(n.args[2]))]
             if bad:
                 for n in nodes:
                     records.append(PassRecord("kept", n.name, {
