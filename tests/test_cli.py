@@ -454,3 +454,64 @@ def test_backend_only_dump_lists_graph_breaks_and_islands(tmp_path):
     assert [g["graph_id"] for g in report["graphs"]] == ["g0", "g1", "g2", "g3"]
     assert [i["module"] for i in report["eager_fallbacks"]] == ["te.Fp8Padding"]
     assert report["recompiles"]  # the ones finished before the last graph's dump
+
+
+# --------------------------------------------------------------------------- user data / foreign folders
+def _our_graph_report(gid: str) -> dict:
+    return {"graph_id": gid, "mode": None, "uuid": {}, "te_state": {}, "stages": [], "time_ms_passes": 0.0,
+            "time_ms_total": 0.0}
+
+
+def _fake_old_dump(root) -> None:
+    from te_passes.debug.dump import SCHEMA
+
+    (root / "report.json").write_text(json.dumps({"schema": SCHEMA, "graphs": [], "passes": []}))
+    (root / "g0").mkdir()
+    (root / "g0" / "report.json").write_text(json.dumps(_our_graph_report("g0")))
+    (root / "g0" / "te_state.json").write_text("{}")
+    for name, content in (("golden", "{}"), ("g7", "{}"), ("g8", json.dumps(_our_graph_report("g0"))),
+                          ("graphs", json.dumps(_our_graph_report("graphs")))):
+        (root / name).mkdir()
+        (root / name / "report.json").write_text(content)
+        (root / name / "results.csv").write_text("important\n")
+
+
+def test_clearing_an_old_dump_keeps_user_folders(tmp_path):
+    """Only folders named g<N> whose report.json is our graph report for g<N> are removed."""
+    from te_passes.debug.cli import _clear_old_dump
+
+    _fake_old_dump(tmp_path)
+    _clear_old_dump(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g7", "g8", "golden", "graphs"]
+    for name in ("golden", "g7", "g8", "graphs"):
+        assert (tmp_path / name / "results.csv").read_text() == "important\n"
+
+
+def test_summary_ignores_foreign_report_folders(tmp_path):
+    """A folder in the dump directory holding someone else's report.json is not read as a graph."""
+    from te_passes.debug.dump import write_summary
+
+    _fake_old_dump(tmp_path)
+    (tmp_path / "s3" / "a").mkdir(parents=True)
+    (tmp_path / "s3" / "a" / "report.json").write_text("{}")
+    (tmp_path / "g9").mkdir()
+    (tmp_path / "g9" / "report.json").write_text("[1, 2]")
+    summary = write_summary(str(tmp_path), {"owner": "cli"})
+    assert [g["graph_id"] for g in summary["graphs"]] == ["g0"]
+    assert "g0" in (tmp_path / "index.md").read_text()
+
+
+SIBLING = "def main():\n    raise ValueError('sibling module reached')\n"
+
+
+@pytest.mark.parametrize("target", ["sub/runme.py", "sub/mymod.py:main"])
+def test_file_target_imports_its_siblings(target, tmp_path):
+    """Like ``python sub/runme.py``: the target file's folder is first on sys.path."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "tgt.py").write_text(SIBLING)
+    (tmp_path / "sub" / "runme.py").write_text("from tgt import main\nif __name__ == '__main__':\n    main()\n")
+    (tmp_path / "sub" / "mymod.py").write_text("from tgt import main\n")
+    proc = run_cli("dump", target, "--out", "d", cwd=str(tmp_path))
+    assert proc.returncode == 1, proc.stderr
+    line = _one_error_line(proc)
+    assert "raised ValueError: sibling module reached" in line, line

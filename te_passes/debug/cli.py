@@ -187,7 +187,7 @@ def _clear_old_dump(path: str) -> None:
     """Remove a previous te_passes dump in ``path`` (only files this tool writes)."""
     import shutil
 
-    from te_passes.debug.dump import SCHEMA
+    from te_passes.debug.dump import SCHEMA, read_graph_report
 
     rp = os.path.join(path, "report.json")
     if not os.path.isfile(rp):
@@ -200,9 +200,9 @@ def _clear_old_dump(path: str) -> None:
         return
     for name in os.listdir(path):
         p = os.path.join(path, name)
-        if os.path.isdir(p) and os.path.isfile(os.path.join(p, "report.json")) and name.startswith("g"):
+        if os.path.isdir(p) and not os.path.islink(p) and read_graph_report(path, name) is not None:
             shutil.rmtree(p)
-        elif name in ("report.json", "index.md", "session.json"):
+        elif name in ("report.json", "index.md", "session.json") and os.path.isfile(p):
             os.remove(p)
 
 
@@ -213,8 +213,7 @@ def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | Non
 
     path, sep, func = target.rpartition(":") if ":" in target else (target, "", "")
     if sep and (path.endswith(".py") or os.sep in path):
-        if not os.path.isfile(path):
-            raise CliError(f"target file not found: {path}")
+        _check_target_file(path)
         try:
             ns = runpy.run_path(path, run_name="te_passes_target")
         except Exception as e:  # noqa: BLE001
@@ -224,7 +223,6 @@ def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | Non
             raise CliError(f"target file {path} has no function {func!r}")
         return "callable", fn, path
     if sep:
-        sys.path.insert(0, os.getcwd())
         try:
             mod = importlib.import_module(path)
         except ModuleNotFoundError as e:
@@ -235,9 +233,39 @@ def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | Non
         if not callable(fn):
             raise CliError(f"target module {path} has no function {func!r}")
         return "callable", fn, None
-    if not os.path.isfile(target):
-        raise CliError(f"target file not found: {target}")
+    _check_target_file(target)
     return "file", None, target
+
+
+def _check_target_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise CliError(f"target {path} is a directory, not a Python file (give FILE.py, module:function or "
+                       f"FILE.py:function)")
+    if not os.path.isfile(path):
+        raise CliError(f"target file not found: {path}")
+
+
+def _target_dir(target: str) -> str:
+    """The folder ``python FILE.py`` would put first on ``sys.path`` for ``target``: the file's
+    folder for file targets, the working directory for ``module:function``."""
+    path, sep, _ = target.rpartition(":") if ":" in target else (target, "", "")
+    if sep and not (path.endswith(".py") or os.sep in path):
+        return os.getcwd()
+    return os.path.dirname(os.path.realpath(path if sep else target))
+
+
+@contextlib.contextmanager
+def _first_on_sys_path(folder: str):
+    """``folder`` at ``sys.path[0]`` while the target loads and runs (as ``python FILE.py`` and
+    :mod:`runpy` callers do), removed afterwards."""
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:
+            pass
 
 
 def _call_target(kind: str, fn: Callable[..., Any] | None, file: str | None, mode: str | None,
@@ -273,11 +301,21 @@ def _call_target(kind: str, fn: Callable[..., Any] | None, file: str | None, mod
 
 
 def _run_target(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
-    kind, fn, file = _load_target(target)
+    with _first_on_sys_path(_target_dir(target)):
+        _run_target_on_path(target, mode, precision, verbose)
+
+
+def _run_target_on_path(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
+    try:
+        kind, fn, file = _load_target(target)
+    except KeyboardInterrupt as e:
+        raise CliError(f"target {target} interrupted while loading", 130) from e
     try:
         _call_target(kind, fn, file, mode, precision, target)
     except CliError:
         raise
+    except KeyboardInterrupt as e:
+        raise CliError(f"target {target} interrupted", 130) from e
     except SystemExit as e:
         if e.code not in (None, 0):
             raise CliError(f"target {target} exited with status {e.code}", EXIT_FAIL) from e
@@ -368,10 +406,10 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
 def _load_target_precheck(target: str) -> None:
     """Fail fast on a missing target file (before torch is imported)."""
     path, sep, _ = target.rpartition(":") if ":" in target else (target, "", "")
-    if sep and (path.endswith(".py") or os.sep in path) and not os.path.isfile(path):
-        raise CliError(f"target file not found: {path}")
-    if not sep and not os.path.isfile(target):
-        raise CliError(f"target file not found: {target}")
+    if sep and (path.endswith(".py") or os.sep in path):
+        _check_target_file(path)
+    if not sep:
+        _check_target_file(target)
 
 
 # --------------------------------------------------------------------------- show
@@ -646,6 +684,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except OSError as e:  # an unreadable/unwritable path found late: still one line
+        _error(f"{type(e).__name__}: {e}")
+        return EXIT_FAIL
     except BrokenPipeError:  # `te-passes show DIR | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -294,17 +294,36 @@ def report_json(report: Any, stage_dirs: dict[str, str] | None = None) -> dict[s
     return data
 
 
+GRAPH_DIR_RE = re.compile(r"g\d+")
+
+
+def read_graph_report(root: str, name: str) -> dict[str, Any] | None:
+    """The per-graph ``report.json`` of ``root/name`` when that folder is one this module wrote,
+    else ``None``.
+
+    A graph folder is ours only when its name is exactly ``g<N>`` (:class:`CompileReport`
+    ``graph_id``), its ``report.json`` parses to an object whose ``graph_id`` equals the folder
+    name and whose ``stages`` is a list. Anything else (a user's ``golden/``, a foreign
+    ``report.json``) is never read, listed or deleted by ``te-passes``.
+    """
+    if not GRAPH_DIR_RE.fullmatch(name):
+        return None
+    p = os.path.join(root, name, "report.json")
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("graph_id") != name or not isinstance(data.get("stages"), list):
+        return None
+    return data
+
+
 def _graph_reports(root: str) -> list[dict[str, Any]]:
-    out = []
-    for name in os.listdir(root):
-        p = os.path.join(root, name, "report.json")
-        if os.path.isfile(p):
-            try:
-                with open(p) as f:
-                    out.append(json.load(f))
-            except (OSError, json.JSONDecodeError):
-                continue
-    return sorted(out, key=lambda d: int(re.sub(r"\D", "", d.get("graph_id", "0")) or 0))
+    out = [d for d in (read_graph_report(root, name) for name in os.listdir(root)) if d is not None]
+    return sorted(out, key=lambda d: int(d["graph_id"][1:]))
 
 
 def _folded_expr(rec: dict[str, Any]) -> str | None:
