@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
+from te_passes.analyses.liveness import gc_paused
 from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.te import recipes
 from te_passes.te.graph_model import TEConstKind, bundle_dict, is_te_op_node, quantizer_fields, te_const_kind
@@ -376,6 +377,12 @@ class HoistRecipeLookups(TEPass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         """Stage ``dynamo``: fold lookups and setattr residue; post-grad stages: build TE
         constants once (when ``hoist_constants``). See the class docstring."""
+        # The scans allocate a few objects per constant while the heap holds the whole graph:
+        # automatic collections would rescan it again and again (superlinear on 100k nodes).
+        with gc_paused():
+            return self._run(gm, ctx)
+
+    def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         if ctx.stage is Stage.DYNAMO:
             records: list[PassRecord] = []
             log = _UndoLog(gm.graph, ctx)  # both rewrites share one undo log
