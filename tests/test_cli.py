@@ -320,7 +320,7 @@ def test_list_shows_the_registry_and_te_passes_disable(tmp_path):
     rows = json.loads(proc.stdout)
     assert [r["name"] for r in rows] == [c.name for c in classes]
     assert [r["description"] for r in rows] == [c.description for c in classes]
-    assert all(r["enabled"] == "yes" for r in rows)
+    assert all(r["enabled"] is True for r in rows)
     if classes:
         proc = run_cli("list", cwd=str(tmp_path), env={"TE_PASSES_DISABLE": classes[0].name})
         assert re.search(rf"{classes[0].name}\s.*no \(TE_PASSES_DISABLE\)", proc.stdout)
@@ -515,3 +515,96 @@ def test_file_target_imports_its_siblings(target, tmp_path):
     assert proc.returncode == 1, proc.stderr
     line = _one_error_line(proc)
     assert "raised ValueError: sibling module reached" in line, line
+
+
+STRAY_TARGET = '''
+import torch
+
+
+def main():
+    own = torch.compile(lambda x: torch.sin(x) + 1, backend="te_inductor",
+                        options={"te_passes.dump_dir": "elsewhere"})
+    own(torch.randn(8))
+    plain = torch.compile(lambda x: torch.cos(x) * 2, backend="te_inductor")
+    plain(torch.randn(8))
+'''
+
+
+def test_dump_collects_graphs_with_their_own_dump_dir(tmp_path):
+    """A torch.compile with options={"te_passes.dump_dir": ...} dumps there; te-passes dump copies
+    that graph under --out, lists it and warns where it went. Also: graphs[].mode is "default"
+    (not null) for a compile without mode; no TE op -> "no TE modules"; the dynamo_pgo warning
+    that dump's own force_disable_caches causes is not reported; --disable before TARGET."""
+    (tmp_path / "stray.py").write_text(STRAY_TARGET)
+    proc = run_cli("dump", "--disable", "insert_early_frees", "stray.py:main", "--out", "d", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert [g["graph_id"] for g in report["graphs"]] == ["g0", "g1"]
+    assert report["elsewhere"] == [{"graph_id": "g0", "dump_dir": "elsewhere", "copied": True}]
+    assert (tmp_path / "elsewhere" / "g0" / "report.json").is_file()
+    assert (tmp_path / "d" / "g0" / "dynamo" / "input.tegraph").is_file()
+    assert "g0 was compiled with its own te_passes.dump_dir='elsewhere'" in proc.stdout
+    assert "te_passes.dump_dir='elsewhere'" in (tmp_path / "d" / "index.md").read_text()
+    assert [g["mode"] for g in report["graphs"]] == ["default", "default"]
+    assert [g["te_ops"] for g in report["graphs"]] == [0, 0]
+    assert "TE eager islands: none (no TE modules in the compiled graphs)" in proc.stdout
+    assert not any("dynamo_pgo" in w["message"] for w in report["warnings"]), report["warnings"]
+    assert "warnings:" not in proc.stdout
+    assert report["disabled"] == ["insert_early_frees"]
+
+
+def test_disable_takes_one_value_per_flag(tmp_path):
+    from te_passes.debug.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["dump", "--disable", "a,b", "t.py:main", "--disable", "c"])
+    assert (a.target, a.disable) == ("t.py:main", ["a,b", "c"])
+    a = p.parse_args(["replay", "--disable", "x", "g0"])
+    assert (a.path, a.disable) == ("g0", ["x"])
+
+
+def test_index_md_cells_match_the_terminal(tmp_path):
+    """Memory cells are plain (not JSON-quoted); pool check / other records carry a detail text."""
+    from te_passes.debug.dump import build_summary, render_index
+
+    stage = {"graph_id": "g0.fwd", "stage": "post_grad_fwd", "facts": {}, "runs": [
+        {"name": "check_cudagraph_pool", "status": "ok", "changed": False, "time_ms": 0.1, "nodes_before": 3,
+         "nodes_after": 3, "records": [{"kind": "pool_check", "node": None, "findings": 0, "cudagraphs": False,
+                                        "allocated_values": 9}]},
+        {"name": "insert_early_frees", "status": "ok", "changed": False, "time_ms": 0.1, "nodes_before": 3,
+         "nodes_after": 3, "records": [{"kind": "saved_roles", "node": None, "count": 0, "roles": {}},
+                                       {"kind": "memory", "node": None, "peak_before": 1168, "peak_after": 1168,
+                                        "peak_node_after": "linear"}]}]}
+    g = {**_our_graph_report("g0"), "stages": [stage]}
+    text = render_index(build_summary([g], {}), str(tmp_path))
+    assert "| g0.fwd | post_grad_fwd | insert_early_frees | 1168 | 1168 | linear |" in text, text
+    assert "| check_cudagraph_pool | pool_check |  | 0 findings, 9 allocated values, cudagraphs off |" in text
+    assert "| saved_roles |  | count=0, roles={} |" in text
+    assert '"linear"' not in text
+
+
+def test_location_columns_keep_the_line_number():
+    from te_passes.debug.cli import _short_left
+
+    loc = "/very/long/path/" + "x" * 80 + "/model_file.py:123 (forward)"
+    cut = _short_left(loc, 50)
+    assert len(cut) == 50 and cut.endswith("model_file.py:123 (forward)") and cut.startswith("…")
+
+
+def test_list_json_types(tmp_path):
+    proc = run_cli("list", "--json", cwd=str(tmp_path))
+    rows = json.loads(proc.stdout)
+    for r, c in zip(rows, registered()):
+        assert r["enabled"] is True
+        assert isinstance(r["stages"], list) and set(r["stages"]) == {s.value for s in c.stages}
+
+
+@pytest.mark.parametrize("case", ["dir_target", "interrupt"])
+def test_target_messages(case, tmp_path):
+    (tmp_path / "d_file").mkdir()
+    (tmp_path / "intr.py").write_text("def main():\n    raise KeyboardInterrupt\n")
+    args, code, expect = {"dir_target": (["dump", "d_file"], 2, "target d_file is a directory, not a Python file"),
+                          "interrupt": (["dump", "intr.py:main"], 130, "target intr.py:main interrupted")}[case]
+    proc = run_cli(*args, cwd=str(tmp_path))
+    assert proc.returncode == code, proc.stderr
+    assert expect in _one_error_line(proc)

@@ -2,11 +2,11 @@
 
 Subcommands::
 
-    te-passes dump TARGET [--out DIR] [--mode MODE] [--precision P] [--disable PASS ...]
-    te-passes dump --example NAME [--out DIR] [--mode MODE] [--precision P] [--disable PASS ...]
+    te-passes dump TARGET [--out DIR] [--mode MODE] [--precision P] [--disable PASS[,PASS]] ...
+    te-passes dump --example NAME [--out DIR] [--mode MODE] [--precision P] [--disable PASS[,PASS]] ...
     te-passes list
     te-passes show DIR
-    te-passes replay PATH [--disable PASS ...] [--out DIR] [--check] [--json]
+    te-passes replay PATH [--disable PASS[,PASS]] ... [--out DIR] [--check] [--json]
 
 ``TARGET`` is a Python file (run as ``__main__``), ``module:function`` or ``file.py:function``
 (a callable that builds a model and runs it under ``torch.compile(backend="te_inductor")``;
@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_OUT = "te_passes_dump"
+#: Warnings ``te-passes dump`` itself causes (``force_disable_caches``), left out of the report.
+CLI_CAUSED_WARNINGS = ("dynamo_pgo force disabled by torch.compiler.config.force_disable_caches",)
 
 
 class CliError(Exception):
@@ -358,7 +360,7 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
     n_before = len(compile_reports())
     extra: dict[str, Any] = {"owner": "cli", "mode": args.mode or "default", "disabled": disable + env_disable}
     write_summary(root, extra)  # claims the session: the backend's writers leave it to us
-    events = CompileEvents(reemit_warnings=args.verbose)
+    events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
     if args.example is not None:
         from te_passes.examples import run_example
 
@@ -398,9 +400,40 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
                        f"did it run a function compiled with torch.compile(..., backend='te_inductor')?)",
                        EXIT_FAIL)
     extra.update(events.to_json())
+    extra["elsewhere"] = _collect_strays(root, new_reports)
     summary = write_summary(root, extra)
     _print_summary(out, summary, root)
     return EXIT_OK
+
+
+def _collect_strays(root: str, reports: Sequence[Any]) -> list[dict[str, Any]]:
+    """Graphs of this run whose dump is not under ``root``: their ``torch.compile`` set its own
+    ``options={"te_passes.dump_dir": ...}``, which wins over the ``TE_PASSES_DUMP_DIR`` the CLI
+    sets. Their graph folder is copied into ``root`` (or, with no dump anywhere, their report is
+    written there) so the summary lists them; the returned entries (``graph_id``, ``dump_dir``,
+    ``copied``) become ``report.json`` ``elsewhere[]`` and a warning."""
+    import shutil
+
+    from te_passes.debug.dump import read_graph_report, report_json
+
+    strays = []
+    for r in reports:
+        gid = r.graph_id
+        if read_graph_report(root, gid) is not None:
+            continue
+        other = getattr(r, "dump_dir", None)
+        entry = {"graph_id": gid, "dump_dir": other, "copied": False}
+        dest = os.path.join(root, gid)
+        if not os.path.exists(dest):
+            if other and read_graph_report(other, gid) is not None:
+                shutil.copytree(os.path.join(other, gid), dest)
+                entry["copied"] = True
+            else:
+                os.makedirs(dest)
+                with open(os.path.join(dest, "report.json"), "w") as f:
+                    json.dump(report_json(r), f, indent=2, default=repr)
+        strays.append(entry)
+    return strays
 
 
 def _load_target_precheck(target: str) -> None:
@@ -430,6 +463,20 @@ def _short(v: Any, n: int = 70) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
+def _short_left(v: Any, n: int = 50) -> str:
+    """Like :func:`_short` but cut from the left, keeping the end (``file.py:LINE (fn)``)."""
+    s = _short(v, 10**9)
+    return s if len(s) <= n else "…" + s[len(s) - n + 1:]
+
+
+def no_islands_text(s: dict[str, Any]) -> str:
+    """The 'TE eager islands' line when there are none: whether the compiled graphs held any TE op."""
+    te_ops = [g.get("te_ops") for g in s.get("graphs", [])]
+    if te_ops and all(n == 0 for n in te_ops):
+        return "none (no TE modules in the compiled graphs)"
+    return "none (every TE module ran in the compiled graph)"
+
+
 def _grouped(items: list[dict[str, Any]], key: Callable[[dict[str, Any]], tuple]) -> list[list[Any]]:
     """Rows ``[*key, count, nodes]`` grouping ``items`` with equal ``key`` (first-seen order)."""
     groups: dict[tuple, list[str]] = {}
@@ -451,6 +498,11 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
              f"Transformer Engine {v.get('transformer_engine')}")
     if s.get("note"):
         out.line(f"note:         {s['note']}")
+    if s.get("elsewhere"):
+        from te_passes.debug.dump import elsewhere_warnings
+
+        for w in elsewhere_warnings(s):
+            out.line(f"warning:      {w}")
     out.table("Graphs", ["graph", "mode", "stages", "passes ms", "uuid"],
               [[g["graph_id"], g.get("mode") or "default", " ".join(x.split(":")[1] for x in g["stages"]),
                 g.get("time_ms_passes"), ((s.get("uuid") or {}).get(g["graph_id"]) or {}).get("uuid", "")[:16]]
@@ -480,14 +532,9 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
         out.table("Memory estimate (peak bytes of live tensors)", ["graph", "stage", "before", "after", "saved",
                                                                   "peak at", "symbolic"], rows)
     if s.get("pool_check"):
-        rows = []
-        for p in s["pool_check"]:
-            if p["kind"] == "pool_check":
-                detail = (f"{p.get('findings', 0)} findings, {p.get('allocated_values', '?')} allocated values, "
-                          f"cudagraphs {'on' if p.get('cudagraphs') else 'off'}")
-            else:
-                detail = _short(p.get("message") or p.get("reason") or p, 90)
-            rows.append([p["graph_id"], p["kind"], p.get("node"), detail])
+        from te_passes.debug.dump import record_detail
+
+        rows = [[p["graph_id"], p["kind"], p.get("node"), record_detail(p, 90)] for p in s["pool_check"]]
         out.table("Cudagraph pool check", ["graph", "kind", "node", "detail"], rows)
     if s.get("skipped"):
         rows = _grouped(s["skipped"], lambda k: (k["graph_id"], k["pass"], k["kind"], _short(k.get("reason"), 80)))
@@ -502,13 +549,16 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     if s.get("failed"):
         out.table("Failed passes (graph restored)", ["graph", "stage", "pass", "error"],
                   [[f["graph_id"], f["stage"], f["pass"], _short(f.get("error"), 90)] for f in s["failed"]])
-    out.table("TE eager islands and fallbacks", ["module", "reason", "where", "count"],
-              [[e["module"], _short(e["reason"], 90), _short(e.get("location"), 50), e.get("count")]
-               for e in s.get("eager_fallbacks", [])]) if s.get("eager_fallbacks") else \
-        out.line("\nTE eager islands: none (every TE module ran in the compiled graph)")
+    if s.get("eager_fallbacks"):
+        out.table("TE eager islands and fallbacks", ["module", "reason", "where", "count"],
+                  [[e["module"], _short(e["reason"], 90), _short_left(e.get("location"), 50), e.get("count")]
+                   for e in s["eager_fallbacks"]])
+    else:
+        out.line(f"\nTE eager islands: {no_islands_text(s)}")
     if s.get("graph_breaks"):
         out.table(f"Graph breaks ({len(s['graph_breaks'])})", ["reason", "where", "count"],
-                  [[_short(g["reason"], 90), _short(g.get("location"), 50), g.get("count")] for g in s["graph_breaks"]])
+                  [[_short(g["reason"], 90), _short_left(g.get("location"), 50), g.get("count")]
+                   for g in s["graph_breaks"]])
     else:
         out.line("graph breaks: none recorded")
     if s.get("recompiles"):
@@ -548,12 +598,13 @@ def cmd_list(args: argparse.Namespace, out: Out) -> int:
     rows = []
     for cls in classes:
         order = {"dynamo": 0, "joint": 1, "post_grad_fwd": 2, "post_grad_bwd": 3}
-        stages = ", ".join(sorted((s.value for s in cls.stages), key=order.get))
-        enabled = "no (TE_PASSES_DISABLE)" if cls.name in env_disable else "yes"
-        rows.append([cls.name, stages, "analysis" if cls.analysis_only else "rewrite", enabled, cls.description])
-    if args.json:
+        stages = sorted((s.value for s in cls.stages), key=order.get)
+        rows.append([cls.name, stages, "analysis" if cls.analysis_only else "rewrite", cls.name not in env_disable,
+                     cls.description])
+    if args.json:  # stages: a list; enabled: a bool (False when TE_PASSES_DISABLE names the pass)
         print(json.dumps([dict(zip(["name", "stages", "kind", "enabled", "description"], r)) for r in rows], indent=2))
         return EXIT_OK
+    rows = [[n, ", ".join(st), k, "yes" if en else "no (TE_PASSES_DISABLE)", d] for n, st, k, en, d in rows]
     out.table(f"te_passes pipeline ({len(rows)} passes, in order)", ["pass", "stages", "kind", "enabled",
                                                                      "description"], rows, limit=None)
     unknown = sorted(env_disable - set(names))
@@ -634,8 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"dump directory (default {DEFAULT_OUT})")
     d.add_argument("--mode", help="torch.compile mode (default, reduce-overhead, max-autotune, ...)")
     d.add_argument("--precision", help="bf16, fp8-cs or mxfp8 (examples; callables taking precision=)")
-    d.add_argument("--disable", nargs="+", action="extend", metavar="PASS", default=[],
-                   help="pass names to switch off (also TE_PASSES_DISABLE)")
+    d.add_argument("--disable", action="append", metavar="PASS[,PASS...]", default=[],
+                   help="pass name(s) to switch off, comma-separated; repeatable (also TE_PASSES_DISABLE)")
     d.add_argument("--verbose", "-v", action="store_true", help="tracebacks and the target's warnings on stderr")
     d.set_defaults(func=cmd_dump)
     for sp in (d,):
@@ -660,8 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "DIR/g0, or a whole dump directory), run the current passes on them with the "
                                    "saved TE state and options, and compare with the saved report.")
     r.add_argument("path", metavar="GRAPH_FILE", help="a .tegraph file, a graph directory or a dump directory")
-    r.add_argument("--disable", nargs="+", action="extend", metavar="PASS", default=None,
-                   help="pass names to switch off (replaces the saved list)")
+    r.add_argument("--disable", action="append", metavar="PASS[,PASS...]", default=None,
+                   help="pass name(s) to switch off, comma-separated; repeatable (replaces the saved list)")
     r.add_argument("--out", metavar="DIR", help="write a dump of the replay there")
     r.add_argument("--check", action="store_true", help="exit 1 when the replay differs from the saved report")
     r.add_argument("--json", action="store_true", help="print the replayed report(s) as JSON")

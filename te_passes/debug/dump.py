@@ -123,6 +123,7 @@ class DumpWriter:
         self._snapshot: GraphSnapshot | None = None
         self._stage_started: set[str] = set()
         self._report: Any = None
+        self._te_ops: int | None = None
         self.files: list[str] = []
 
     @classmethod
@@ -183,6 +184,10 @@ class DumpWriter:
 
     def _before_stage(self, gm: torch.fx.GraphModule, ctx: Any) -> None:
         d = self._stage_dir(ctx)
+        if ctx.stage.value == "dynamo":
+            from te_passes.te.graph_model import is_te_op_node
+
+            self._te_ops = sum(1 for n in gm.graph.nodes if is_te_op_node(n))
         self._write(os.path.join(d, "input.py"), format_graph(gm), f"{ctx.graph_id}_{ctx.stage.value}_input")
         if self.root is not None:
             from te_passes.debug.graph_io import save_graph
@@ -249,7 +254,9 @@ class DumpWriter:
 
     def _finish(self, report: Any) -> None:
         self._report = report
+        report.dump_dir = self.root  # where this graph's dump went (te-passes dump collects strays)
         data = report_json(report, self._stage_dirs)
+        data["te_ops"] = self._te_ops  # TE op nodes in the Dynamo graph (None: stage not seen)
         gdir = _slug(report.graph_id)
         text = json.dumps(data, indent=2, sort_keys=False)
         self._write(os.path.join(gdir, "report.json"), text, f"{report.graph_id}_report")
@@ -382,7 +389,7 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
                          "uuid": {}}
     for g in graphs:
         gid = g.get("graph_id")
-        s["graphs"].append({"graph_id": gid, "mode": g.get("mode"),
+        s["graphs"].append({"graph_id": gid, "mode": g.get("mode") or "default", "te_ops": g.get("te_ops"),
                             "stages": [f"{st['graph_id']}:{st['stage']}" for st in g.get("stages", [])],
                             "time_ms_passes": g.get("time_ms_passes"), "time_ms_total": g.get("time_ms_total"),
                             "te_version": (g.get("te_state") or {}).get("te_version")})
@@ -468,6 +475,45 @@ def write_summary(root: str, extra: dict[str, Any] | None = None) -> dict[str, A
     return summary
 
 
+_ENTRY_KEYS = ("graph_id", "stage", "pass", "kind", "node")
+
+
+def record_detail(entry: dict[str, Any], n: int = 120) -> str:
+    """One-line text for a pool-check or other record (what ``te-passes show`` and ``index.md``
+    print): ``"0 findings, 9 allocated values, cudagraphs off"`` for a ``pool_check`` summary,
+    else the record's ``message``/``reason``, else its other fields as ``key=value``."""
+    if entry.get("kind") == "pool_check":
+        return (f"{entry.get('findings', 0)} findings, {entry.get('allocated_values', '?')} allocated values, "
+                f"cudagraphs {'on' if entry.get('cudagraphs') else 'off'}")
+    text = entry.get("message") or entry.get("reason")
+    if not text:
+        text = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v, default=repr)}"
+                         for k, v in entry.items() if k not in _ENTRY_KEYS)
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _cell(v: Any) -> Any:
+    """A table cell: strings and numbers as they are, other values as JSON."""
+    return v if v is None or isinstance(v, (str, int, float)) else json.dumps(v, default=repr)
+
+
+def elsewhere_warnings(summary: dict[str, Any]) -> list[str]:
+    """One sentence per graph whose ``torch.compile`` set its own ``te_passes.dump_dir``
+    (``summary["elsewhere"]``, written by ``te-passes dump``)."""
+    out = []
+    for e in summary.get("elsewhere") or []:
+        where = e.get("dump_dir")
+        if where:
+            copy = "copied here" if e.get("copied") else "its report only is here"
+            out.append(f"{e['graph_id']} was compiled with its own te_passes.dump_dir={where!r}: its dump went "
+                       f"there ({copy})")
+        else:
+            out.append(f"{e['graph_id']} was compiled without a dump directory (its te_passes.dump_dir option "
+                       f"overrode TE_PASSES_DUMP_DIR): its report only is here, no graph files")
+    return out
+
+
 def _md_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
         return str("" if v is None else v).replace("|", "\\|").replace("\n", " ")
@@ -498,6 +544,8 @@ def render_index(summary: dict[str, Any], root: str) -> str:
             L.append(f"{key.replace('_', ' ').capitalize()}: {summary[key]}  ")
     if summary.get("note"):
         L.append(f"\n> {summary['note']}\n")
+    for w in elsewhere_warnings(summary):
+        L.append(f"\n> **Warning:** {w}\n")
     L.append("\nMachine-readable: [report.json](report.json) · per graph: " +
              ", ".join(_link(root, f"{g['graph_id']}/report.json", g["graph_id"]) for g in summary["graphs"]) + "\n")
 
@@ -554,18 +602,21 @@ def render_index(summary: dict[str, Any], root: str) -> str:
         present = {k for m in mem["stages"] for k in m}
         cols = [c for c in want if c in present] or sorted(present - {"graph_id", "stage"})
         L.append(_md_table(["graph_id", "stage", *cols],
-                           [[m["graph_id"], m["stage"], *[json.dumps(m.get(c), default=repr) for c in cols]]
+                           [[m["graph_id"], m["stage"], *[_cell(m.get(c)) for c in cols]]
                             for m in mem["stages"]]))
     else:
         L.append("No memory estimate was recorded.\n")
-    section("Cudagraph pool check", "pool_check", ["graph_id", "stage", "pass", "kind", "node", "findings",
-                                                   "message"], "Not run.")
+    for key in ("pool_check", "other_records"):
+        summary = {**summary, key: [{**e, "detail": record_detail(e)} for e in summary.get(key) or []]}
+    section("Cudagraph pool check", "pool_check", ["graph_id", "stage", "pass", "kind", "node", "detail"], "Not run.")
     section("Rewrites refused (skipped / kept)", "skipped", ["graph_id", "stage", "pass", "kind", "node", "reason"],
             "None.")
-    section("Other records", "other_records", ["graph_id", "stage", "pass", "kind", "node", "message"], "None.")
+    section("Other records", "other_records", ["graph_id", "stage", "pass", "kind", "node", "detail"], "None.")
     section("Failed passes (graph restored)", "failed", ["graph_id", "stage", "pass", "error"], "None.")
+    from te_passes.debug.cli import no_islands_text
+
     section("TE eager islands and fallbacks", "eager_fallbacks", ["module", "kind", "reason", "location", "count"],
-            "None recorded.")
+            no_islands_text(summary).capitalize() + ".")
     section("Graph breaks", "graph_breaks", ["reason", "location", "count"], "None recorded.")
     section("Recompiles", "recompiles", ["compile_id", "function", "reason"], "None recorded.")
     L.append("\n## Pipeline uuid (Inductor FX-graph-cache key part)\n")

@@ -98,11 +98,16 @@ class CompileEvents:
     :attr:`te_warnings` (TE's fallback warnings' reasons). ``record_warnings=True`` also
     captures ``warnings`` inside the block into :attr:`warnings` (distinct ``{"category",
     "message", "location"}``); they are re-emitted afterwards unless ``reemit_warnings=False``.
+    ``ignore_warnings``: message prefixes of warnings the caller itself causes (e.g. the
+    ``dynamo_pgo force disabled`` warning of ``force_disable_caches``): neither recorded nor
+    re-emitted.
     """
 
-    def __init__(self, *, record_warnings: bool = True, reemit_warnings: bool = True) -> None:
+    def __init__(self, *, record_warnings: bool = True, reemit_warnings: bool = True,
+                 ignore_warnings: tuple[str, ...] = ()) -> None:
         self.record_warnings = record_warnings
         self.reemit_warnings = reemit_warnings
+        self.ignore_warnings = tuple(ignore_warnings)
         self.warnings: list[dict[str, str]] = []
         self.graph_breaks: list[dict[str, Any]] = []
         self.eager_fallbacks: list[dict[str, Any]] = []
@@ -131,6 +136,8 @@ class CompileEvents:
             seen: set[tuple[str, str]] = set()
             for w in self._caught or ():
                 msg = str(w.message)
+                if self.ignore_warnings and msg.startswith(self.ignore_warnings):
+                    continue
                 reason = fallback_reason_from_warning(msg)
                 if reason is not None and reason not in self.te_warnings:
                     self.te_warnings.append(reason)
