@@ -609,3 +609,13 @@ def test_target_messages(case, tmp_path):
     proc = run_cli(*args, cwd=str(tmp_path))
     assert proc.returncode == code, proc.stderr
     assert expect in _one_error_line(proc)
+
+
+@pytest.mark.parametrize("foreign", ["report.json", "index.md"])
+def test_dump_does_not_overwrite_foreign_top_level_files(foreign, tmp_path):
+    from te_passes.debug.cli import CliError, _clear_old_dump
+
+    (tmp_path / foreign).write_text("{}")
+    with pytest.raises(CliError, match="not overwriting"):
+        _clear_old_dump(str(tmp_path))
+    assert (tmp_path / foreign).read_text() == "{}"

@@ -192,14 +192,21 @@ def _clear_old_dump(path: str) -> None:
     from te_passes.debug.dump import SCHEMA, read_graph_report
 
     rp = os.path.join(path, "report.json")
+    ours = ("report.json", "index.md", "session.json")
     if not os.path.isfile(rp):
+        clash = [n for n in ours if os.path.exists(os.path.join(path, n))]
+        if clash:
+            raise CliError(f"{path} holds {', '.join(clash)} but no te_passes report.json; not overwriting "
+                           f"them: choose another --out")
         return
     try:
         with open(rp) as f:
-            if json.load(f).get("schema") != SCHEMA:
-                return
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise CliError(f"{path} holds a report.json that is not a te_passes dump; not overwriting it: choose "
+                       f"another --out")
     for name in os.listdir(path):
         p = os.path.join(path, name)
         if os.path.isdir(p) and not os.path.islink(p) and read_graph_report(path, name) is not None:
