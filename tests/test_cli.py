@@ -619,3 +619,16 @@ def test_dump_does_not_overwrite_foreign_top_level_files(foreign, tmp_path):
     with pytest.raises(CliError, match="not overwriting"):
         _clear_old_dump(str(tmp_path))
     assert (tmp_path / foreign).read_text() == "{}"
+
+
+def test_stray_graph_whose_own_dump_failed_gets_its_report(tmp_path):
+    from te_passes.debug.cli import _collect_strays
+    from te_passes.debug.dump import elsewhere_warnings, read_graph_report
+    from te_passes.report import CompileReport
+
+    rep = CompileReport(graph_id="g5")
+    rep.dump_dir = str(tmp_path)  # our writer was given --out but wrote nothing (its failure is logged)
+    strays = _collect_strays(str(tmp_path), [rep])
+    assert strays == [{"graph_id": "g5", "dump_dir": None, "copied": False, "dump_failed": True}]
+    assert read_graph_report(str(tmp_path), "g5")["graph_id"] == "g5"
+    assert "writing its dump failed" in elsewhere_warnings({"elsewhere": strays})[0]

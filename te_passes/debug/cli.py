@@ -430,6 +430,9 @@ def _collect_strays(root: str, reports: Sequence[Any]) -> list[dict[str, Any]]:
             continue
         other = getattr(r, "dump_dir", None)
         entry = {"graph_id": gid, "dump_dir": other, "copied": False}
+        if other and os.path.realpath(other) == os.path.realpath(root):
+            entry.update(dump_dir=None, dump_failed=True)  # our own writer failed (logged by the backend)
+            other = None
         dest = os.path.join(root, gid)
         if not os.path.exists(dest):
             if other and read_graph_report(other, gid) is not None:

@@ -504,7 +504,9 @@ def elsewhere_warnings(summary: dict[str, Any]) -> list[str]:
     out = []
     for e in summary.get("elsewhere") or []:
         where = e.get("dump_dir")
-        if where:
+        if e.get("dump_failed"):
+            out.append(f"{e['graph_id']}: writing its dump failed (see the te_passes log); its report only is here")
+        elif where:
             copy = "copied here" if e.get("copied") else "its report only is here"
             out.append(f"{e['graph_id']} was compiled with its own te_passes.dump_dir={where!r}: its dump went "
                        f"there ({copy})")
