@@ -245,13 +245,9 @@ def node_fields(node: torch.fx.Node) -> dict[str, str]:
 
 
 def _attr_value(node: torch.fx.Node) -> Any:
-    obj: Any = node.graph.owning_module
-    try:
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
-        return None
-    return obj
+    """The value a ``get_attr`` node reads, or ``None`` when the module lacks it."""
+    value = gmod.slot_constant(node)
+    return None if value is node else value
 
 
 def _put_field(out: dict[str, str], path: str, v: Any) -> None:
