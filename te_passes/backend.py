@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, CustomInferenceAwareGraphPass
+from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
 from te_passes._logging import get_logger
 from te_passes.config import TePassesOptions
@@ -35,6 +35,7 @@ from te_passes.passes.base import PassContext, Stage
 from te_passes.passes.manager import PassManager
 from te_passes.passes.registry import configured_passes, pass_names
 from te_passes.report import CompileReport, new_compile_report
+from te_passes.te.guards import install_te_ub_hooks, raise_ub_mismatches, wrap_with_te_state_guard
 from te_passes.te.state import TEState
 
 log = get_logger()
@@ -186,30 +187,18 @@ def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePas
     (used by the UB guard when the UB state changed; see :mod:`te_passes.te.guards`);
     ``cudagraphs``: the graph is replayed as a CUDA graph (UB buffers recorded into it).
     """
-    try:
-        from te_passes.te.guards import wrap_with_te_state_guard
-    except ImportError:
-        return compiled
     return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile, cudagraphs=cudagraphs)
 
 
 def _raise_ub_mismatches(report: CompileReport) -> None:
     """Fail the compilation now (before Inductor) when the Dynamo-stage passes found UB
     configurations the UB state cannot satisfy (:class:`te_passes.te.ub.UbConfigError`)."""
-    try:
-        from te_passes.te.guards import raise_ub_mismatches
-    except ImportError:  # pragma: no cover
-        return
     raise_ub_mismatches(report)
 
 
 def _install_ub_hooks() -> None:
     """Hook TE's UB functions (guarded ``get_ub_is_fp8``; generation bump on ``initialize_ub`` /
     ``destroy_ub``) as soon as the backend is looked up, i.e. before Dynamo's first trace."""
-    try:
-        from te_passes.te.guards import install_te_ub_hooks
-    except ImportError:  # pragma: no cover
-        return
     install_te_ub_hooks()
 
 

@@ -39,13 +39,9 @@ class TEState:
         ``ub_snapshot`` may be a ``UbSnapshot``, a dict, or a JSON file path (offline use).
         Without TE installed this returns a state with ``te_version=None`` and no UB.
         """
-        ub = None
-        try:
-            from te_passes.te import ub as ub_mod  # noqa: F401  (optional module)
-        except ImportError:  # pragma: no cover - UB support not built
-            ub_mod = None
-        if ub_mod is not None:
-            ub = ub_mod.UbSnapshot.load(ub_snapshot) if ub_snapshot is not None else ub_mod.UbSnapshot.capture()
+        from te_passes.te.ub import UbSnapshot  # te.ub imports TE lazily
+
+        ub = UbSnapshot.load(ub_snapshot) if ub_snapshot is not None else UbSnapshot.capture()
         return cls(te_version=te_version(), ub=ub)
 
     def to_json(self) -> dict[str, Any]:
