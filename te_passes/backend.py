@@ -35,6 +35,7 @@ from te_passes.passes.base import PassContext, Stage
 from te_passes.passes.manager import PassManager
 from te_passes.passes.registry import configured_passes, pass_names
 from te_passes.report import CompileReport, new_compile_report
+from te_passes.te.amax_groups import install_amax_group_hooks
 from te_passes.te.guards import install_te_ub_hooks, raise_ub_mismatches, wrap_with_te_state_guard
 from te_passes.te.state import TEState
 
@@ -196,10 +197,35 @@ def _raise_ub_mismatches(report: CompileReport) -> None:
     raise_ub_mismatches(report)
 
 
+def _install_te_hooks(*_args: Any) -> bool:
+    """Install te_passes' TE integration hooks (idempotent; returns whether all are in place):
+
+    * :func:`te_passes.te.guards.install_te_ub_hooks` — guarded ``get_ub_is_fp8``, generation
+      bump on ``initialize_ub`` / ``destroy_ub``;
+    * :func:`te_passes.te.amax_groups.install_amax_group_hooks` — TE Linear's per-call amax
+      reduction groups released after each eager call, and a one-time sweep of live modules, so
+      the first trace after an eager step of a sequence-parallel fp8 te.Linear compiles (issue 8).
+
+    Called when the backend is looked up (this module's import, i.e. ``torch.compile``), at the
+    start of every Dynamo compile (a start callback, for TE imported after te_passes) and on every
+    ``te_inductor`` call. Both need TE imported; until then they are no-ops.
+    """
+    return install_te_ub_hooks() & install_amax_group_hooks()
+
+
+def _on_dynamo_compile_start(_args: Any) -> None:
+    if not _install_te_hooks():
+        return
+    try:  # everything in place: stop paying for the callback
+        torch._dynamo.callback_handler.remove_start_callback(_on_dynamo_compile_start)
+    except ValueError:  # pragma: no cover - already removed
+        pass
+
+
 def _install_ub_hooks() -> None:
-    """Hook TE's UB functions (guarded ``get_ub_is_fp8``; generation bump on ``initialize_ub`` /
-    ``destroy_ub``) as soon as the backend is looked up, i.e. before Dynamo's first trace."""
-    install_te_ub_hooks()
+    """Backwards-compatible name for :func:`_install_te_hooks` (UB hooks are among them)."""
+    _install_te_hooks()
 
 
-_install_ub_hooks()
+if not _install_te_hooks():
+    torch._dynamo.callback_handler.register_start_callback(_on_dynamo_compile_start)

@@ -1,0 +1,280 @@
+"""Per-call amax-reduction groups: keep them off TE's persistent quantizers (TE 2.20).
+
+The problem (issue 8, measured on two H200s and reproduced on CPU in
+``tests/test_amax_groups.py``)::
+
+    eager step of a sequence-parallel fp8 te.Linear
+      _linear_forward_impl   set_quantizer_amax_reduction_group(input_quantizer, tp_group)   # linear.py:448
+      _linear_backward_impl  set_quantizer_amax_reduction_group(grad_output_quantizer, tp_group)  # :1150
+      -> the module's *persistent* quantizer keeps ``amax_reduction_group = <ProcessGroup>``
+
+    next torch.compile trace of the same module (Linear.forward, linear.py:2438-2441)
+      if getattr(q, "amax_reduction_group", None) is not None:    # Dynamo reads the group ...
+          set_quantizer_amax_reduction_group(q, None)             # ... and traces the strip
+      _linear_forward_fake: TensorSpec(quantizer=input_quantizer) -> q.copy()
+          # the copy reads the group through Dynamo's stale view and carries it
+      FX codegen: Float8CurrentScalingQuantizer.__fx_repr__ -> _value_key
+          -> TypeError: ... 'amax_reduction_group' holds a torch.distributed.ProcessGroup
+    (row parallel: the guard on ``quantizers['scaling_bwd'][0].amax_reduction_group.group_name``
+     cannot be built, because the traced strip already ran on the real object)
+
+A second trace works only because the failed one left the real object stripped. Every eager
+step of the same module re-arms the failure (and, once a compile succeeded, turns the guard on
+the group into a recompile).
+
+The fix at the TE-integration depth: the group on those two quantizers is *per-call* state —
+TE's forward and backward impls set it (to ``tp_group`` or ``None``) at their start on every
+call, eager or inside the compiled op (where the group crosses the op boundary as a process-
+group name in the config bundle, ``dynamo/custom_op.py`` ``PROCESS_GROUP``). So te_passes
+
+1. wraps TE's ``_linear_forward_impl`` / ``_linear_backward_impl`` (rebinding the names in
+   ``transformer_engine.pytorch.module.linear``, as :mod:`te_passes.te.guards` does for the UB
+   functions) so that the groups they set for one call are released when the call returns —
+   the module's quantizers look to Dynamo as they did before any eager step; and
+2. when the hooks are installed (when ``te_inductor`` is looked up, i.e. at ``torch.compile``),
+   sweeps the live ``te.Linear`` modules once and releases the groups left by eager steps that
+   ran before te_passes was loaded.
+
+Releasing is safe only because TE re-applies the group on every call; :func:`install_amax_group_hooks`
+checks that (each wrapped impl must call ``set_quantizer_amax_reduction_group`` itself) and
+refuses to install, saying why, when a TE version does not. Groups TE does *not* re-apply per
+call (FSDP2 weight quantizers, ``module/base.py:1862``) are never touched: only the input and
+grad-output quantizers of ``te.Linear`` are.
+
+Once installed the hooks act process-wide, so every backend in the process (plain Inductor
+included) gets the same first-call behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import sys
+import threading
+from typing import Any, Callable, Iterable
+
+from te_passes._logging import get_logger
+
+log = get_logger()
+
+#: TE module holding the Linear impls and (by import) ``set_quantizer_amax_reduction_group``.
+TE_LINEAR_MODULE = "transformer_engine.pytorch.module.linear"
+#: TE's setter (``transformer_engine.pytorch.module._common``, TE 2.20.2).
+SETTER_NAME = "set_quantizer_amax_reduction_group"
+#: impl function name -> the args-dataclass fields whose quantizer the impl gives a group.
+#: Mirrors ``module/linear.py`` (TE 2.20.2): forward line 448 (input), backward 1142/1150.
+PER_CALL_GROUP_FIELDS: dict[str, tuple[str, ...]] = {
+    "_linear_forward_impl": ("input_quantizer",),
+    "_linear_backward_impl": ("input_quantizer", "grad_output_quantizer"),
+}
+#: ``Linear.quantizers`` slots of those quantizers: (dict key, TE constant namespace, index name).
+#: Mirrors ``Linear._get_quantizers`` (linear.py:2589/2597).
+LINEAR_QUANTIZER_SLOTS: tuple[tuple[str, str, str], ...] = (
+    ("scaling_fwd", "FP8FwdTensorIdx", "GEMM1_INPUT"),
+    ("scaling_bwd", "FP8BwdTensorIdx", "GRAD_OUTPUT1"),
+)
+
+
+@dataclasses.dataclass
+class _HookState:
+    installed: bool = False
+    originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    replacements: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    refused: str | None = None      # why the hooks were not installed (TE layout not understood)
+    released_at_install: int = 0    # groups the install-time sweep released
+    released_after_calls: int = 0   # groups released after wrapped impl calls (process total)
+
+
+_STATE = _HookState()
+_LOCK = threading.Lock()
+
+
+def _dist_group_type() -> type | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    if not dist.is_available():
+        return None
+    from torch._C._distributed_c10d import ProcessGroup
+
+    return ProcessGroup
+
+
+def holds_process_group(quantizer: Any) -> bool:
+    """Whether ``quantizer`` (or the ``parent_quantizer`` a TE ``DebugQuantizer`` delegates to)
+    stores a ``torch.distributed.ProcessGroup`` in ``amax_reduction_group`` — the state TE 2.20.2's
+    ``Quantizer._check_value_has_no_process_group`` (``quantized_tensor.py``) rejects in a graph."""
+    if quantizer is None:
+        return False
+    target = getattr(quantizer, "parent_quantizer", quantizer)
+    pg = _dist_group_type()
+    return pg is not None and isinstance(getattr(target, "amax_reduction_group", None), pg)
+
+
+def release_group(quantizer: Any) -> bool:
+    """Clear a per-call amax-reduction group from ``quantizer``; returns whether one was held.
+
+    Uses TE's own ``set_quantizer_amax_reduction_group(quantizer, None)`` (``module/_common.py``,
+    TE 2.20.2: ``with_amax_reduction = False``, ``amax_reduction_group = None``), i.e. exactly the
+    state TE's forward gives the quantizer under ``torch.compile`` (linear.py:2438-2441) and the
+    state of a freshly built quantizer.
+    """
+    if not holds_process_group(quantizer):
+        return False
+    from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
+
+    set_quantizer_amax_reduction_group(quantizer, None)
+    return True
+
+
+def unsafe_reason(linear_module: Any) -> str | None:
+    """Why wrapping ``linear_module``'s impls would not be safe, or ``None`` when it is.
+
+    Safe means: each impl in :data:`PER_CALL_GROUP_FIELDS` exists and itself calls
+    ``set_quantizer_amax_reduction_group`` (so the group is re-applied on every call and
+    releasing it after the call changes nothing TE reads later).
+    """
+    for name in PER_CALL_GROUP_FIELDS:
+        fn = getattr(linear_module, name, None)
+        fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "_te_passes_amax_hook", False) else fn
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return f"{linear_module.__name__}.{name} is missing"
+        if SETTER_NAME not in code.co_names:
+            return (f"{linear_module.__name__}.{name} no longer calls {SETTER_NAME} on every call; "
+                    "releasing the group after a call would drop an amax reduction")
+    if not callable(getattr(linear_module, SETTER_NAME, None)):
+        return f"{linear_module.__name__}.{SETTER_NAME} is missing"
+    return None
+
+
+def _wrap_impl(orig: Callable, fields: tuple[str, ...]) -> Callable:
+    @functools.wraps(orig)
+    def impl(args, *rest, **kwargs):
+        try:
+            return orig(args, *rest, **kwargs)
+        finally:
+            for field in fields:
+                if release_group(getattr(args, field, None)):
+                    _STATE.released_after_calls += 1
+
+    impl._te_passes_amax_hook = True  # type: ignore[attr-defined]
+    return impl
+
+
+def linear_quantizers_with_groups(modules: Iterable[Any]) -> list[Any]:
+    """The per-call quantizers (:data:`LINEAR_QUANTIZER_SLOTS`) of the given ``te.Linear``
+    modules that hold a process group. Other slots (the weight quantizer's FSDP2 group) are not
+    looked at."""
+    import transformer_engine.pytorch.constants as te_constants
+
+    out = []
+    for mod in modules:
+        quantizers = getattr(mod, "quantizers", None)
+        if not isinstance(quantizers, dict):
+            continue
+        for key, ns, idx_name in LINEAR_QUANTIZER_SLOTS:
+            slot = quantizers.get(key) or []
+            idx = getattr(getattr(te_constants, ns), idx_name)
+            if idx < len(slot) and holds_process_group(slot[idx]):
+                out.append(slot[idx])
+    return out
+
+
+def sweep_live_linear_modules(modules: Iterable[Any] | None = None) -> int:
+    """Release per-call groups left on live ``te.Linear`` modules; returns how many.
+
+    ``modules`` defaults to every live ``transformer_engine.pytorch.Linear`` found by
+    ``gc.get_objects()`` (about 0.2 s per 400k tracked objects on a 2-core box; skipped when
+    ``torch.distributed`` is not initialised, since then no group can exist).
+    """
+    if modules is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        linear_mod = sys.modules.get(TE_LINEAR_MODULE)
+        if linear_mod is None:
+            return 0
+        cls = linear_mod.Linear
+        # type(), not isinstance(): a dead weakref.proxy raises on __class__.
+        modules = [o for o in gc.get_objects() if issubclass(type(o), cls)]
+    released = 0
+    for q in linear_quantizers_with_groups(modules):
+        released += release_group(q)
+    return released
+
+
+def install_amax_group_hooks(*, import_te: bool = False) -> bool:
+    """Wrap TE's Linear impls and sweep live modules (idempotent). Returns whether installed.
+
+    Without ``import_te`` does nothing until TE's ``module.linear`` is imported (``te_inductor``
+    calls this on import, at the start of every Dynamo compile and on every compile).
+    Refuses (returns ``False``, logs a warning once, keeps :func:`refused_reason`) when
+    :func:`unsafe_reason` finds the TE layout not as expected.
+    """
+    if _STATE.installed:
+        return True
+    mod = sys.modules.get(TE_LINEAR_MODULE)
+    if mod is None:
+        if not import_te:
+            return False
+        import importlib
+
+        import torch  # noqa: F401  (TE needs torch first)
+        mod = importlib.import_module(TE_LINEAR_MODULE)
+    with _LOCK:
+        if _STATE.installed:
+            return True
+        reason = unsafe_reason(mod)
+        if reason is not None:
+            if _STATE.refused != reason:
+                log.warning("te_passes: not wrapping TE's Linear impls (%s); an eager step before "
+                            "the first compile of a sequence-parallel fp8 te.Linear can make that "
+                            "trace fail", reason)
+            _STATE.refused = reason
+            return False
+        originals = {n: getattr(mod, n) for n in PER_CALL_GROUP_FIELDS}
+        replacements = {n: _wrap_impl(f, PER_CALL_GROUP_FIELDS[n]) for n, f in originals.items()}
+        for n, f in replacements.items():
+            setattr(mod, n, f)
+        _STATE.originals, _STATE.replacements = originals, replacements
+        _STATE.installed, _STATE.refused = True, None
+    _STATE.released_at_install = sweep_live_linear_modules()
+    if _STATE.released_at_install:
+        log.info("te_passes: released %d amax-reduction group(s) left on te.Linear quantizers by "
+                 "earlier eager steps", _STATE.released_at_install)
+    return True
+
+
+def uninstall_amax_group_hooks() -> None:
+    """Restore TE's impls where :func:`install_amax_group_hooks` rebound them (tests, debugging)."""
+    with _LOCK:
+        if not _STATE.installed:
+            return
+        mod = sys.modules.get(TE_LINEAR_MODULE)
+        if mod is not None:
+            for n, orig in _STATE.originals.items():
+                if getattr(mod, n, None) is _STATE.replacements.get(n):
+                    setattr(mod, n, orig)
+        _STATE.installed = False
+        _STATE.originals, _STATE.replacements = {}, {}
+
+
+def amax_group_hooks_installed() -> bool:
+    """Whether :func:`install_amax_group_hooks` is in effect."""
+    return _STATE.installed
+
+
+def refused_reason() -> str | None:
+    """Why the last :func:`install_amax_group_hooks` refused, or ``None``."""
+    return _STATE.refused
+
+
+def hook_stats() -> dict[str, Any]:
+    """``{"installed", "refused", "released_at_install", "released_after_calls"}`` (process totals)."""
+    return {"installed": _STATE.installed, "refused": _STATE.refused,
+            "released_at_install": _STATE.released_at_install,
+            "released_after_calls": _STATE.released_after_calls}
