@@ -21,8 +21,11 @@ What each rank does and prints (rank 0 writes ``ub_tp2.json`` under the output d
    to recompile only the function that reads it) with ``backend="te_inductor",
    mode="reduce-overhead"`` and ``TE_PASSES_DUMP_DIR`` set; numerics against eager every step;
    any exception (a cudagraph-pool error included) is recorded with its message. The first fp8
-   trace with sequence parallelism is known to raise in TE 2.20.2 (``amax_reduction_group`` holds
-   a ProcessGroup; notes/ub-tp2.md): it is recorded and the call retried once, as measured there;
+   trace with sequence parallelism must succeed (issue 8: TE 2.20.2's eager impls leave
+   ``amax_reduction_group`` = a ProcessGroup on the module's quantizers, which made that trace
+   raise, notes/ub-tp2.md; te_passes releases it, ``te_passes.te.amax_groups``). A first call that
+   raises is a failure (``failures`` in the JSON, exit status 1); it is still retried once so the
+   rest of the run gives data, and the retry's outcome is recorded;
 3. the UB snapshot and the folded UB predicates, read from the te_passes compile reports
    (``te_state.ub`` and the records of the ``fold_ub_predicates`` pass, when that pass exists);
 4. UB re-initialised with another FP8-mode config (``--reinit-cfgs``, default
@@ -32,6 +35,9 @@ What each rank does and prints (rank 0 writes ``ub_tp2.json`` under the output d
    recompiles, the column-parallel one does not. TE's own ``destroy_ub()`` ends with a
    process-wide ``torch.compiler.reset()``; when te_passes offers a re-init that avoids it
    (``te_passes.te.ub.reinitialize_ub``) it is used, otherwise TE's and that is reported.
+
+Exit status: 1 when the first compiled call or a later compiled step of phase 1 raised (listed in
+``failures``), else 0 (numerics and phase 2 are recorded, not judged here).
 """
 
 from __future__ import annotations
@@ -54,6 +60,25 @@ import torch.distributed as dist  # noqa: E402
 
 def _log(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", flush=True)
+
+
+def init_tp2(prog: str):
+    """Check the no-multicast environment, bind this rank's GPU and start NCCL for TP=2.
+
+    Requires ``UB_SKIPMC=1`` and ``NCCL_NVLS_ENABLE=0`` (set by ``benchmarks/<prog>.sh``; NVLink
+    multicast must stay off on the H200 hosts, notes/ub-tp2.md) and exactly 2 ranks; exits with a
+    message naming what is wrong otherwise. Returns ``(rank, dist.group.WORLD)``.
+    """
+    for var, want in (("UB_SKIPMC", "1"), ("NCCL_NVLS_ENABLE", "0")):
+        if os.environ.get(var) != want:
+            sys.exit(f"{prog}: {var}={want} is required (NVLink multicast must stay off); use benchmarks/{prog}.sh")
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if dist.get_world_size() != 2:
+        sys.exit(f"{prog}: needs exactly 2 ranks (torchrun --nproc_per_node=2)")
+    return rank, dist.group.WORLD
 
 
 def _init_ub(te_base, tokens: int, hidden: int, cfgs):
@@ -88,17 +113,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "ub_tp2_out"))
     args = ap.parse_args()
 
-    for var, want in (("UB_SKIPMC", "1"), ("NCCL_NVLS_ENABLE", "0")):
-        if os.environ.get(var) != want:
-            sys.exit(f"ub_tp2: {var}={want} is required (NVLink multicast must stay off); use benchmarks/ub_tp2.sh")
-
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    world = dist.group.WORLD
-    if dist.get_world_size() != 2:
-        sys.exit("ub_tp2: needs exactly 2 ranks (torchrun --nproc_per_node=2)")
+    rank, world = init_tp2("ub_tp2")
 
     import transformer_engine.pytorch as te
     import transformer_engine.pytorch.module.base as te_base
@@ -111,7 +126,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     dump_dir = out_dir / f"dump_rank{rank}"
     os.environ["TE_PASSES_DUMP_DIR"] = str(dump_dir)  # mode= and options= cannot be combined in torch.compile
-    result: dict = {"rank": rank, "backend": ensure_te_inductor_backend(), "errors": []}
+    result: dict = {"rank": rank, "backend": ensure_te_inductor_backend(), "errors": [], "failures": []}
 
     t0 = time.perf_counter()
     _init_ub(te_base, args.tokens, args.hidden, None)
@@ -156,15 +171,22 @@ def main() -> int:
         y.backward(dy)
         return y
 
-    def call_with_known_retry(fn, *a):
+    def call_first_with_retry(fn, *a):
         try:
             return fn(*a)
-        except Exception as exc:  # noqa: BLE001 - recorded, then retried once (notes/ub-tp2.md)
+        except Exception as exc:  # noqa: BLE001 - a failure (issue 8); retried once so the run goes on
             msg = f"{type(exc).__name__}: {str(exc)[:400]}"
-            known = "ProcessGroup" in str(exc)
-            result["errors"].append({"where": "first compiled call", "known_te_issue": known, "error": msg})
-            _log(rank, f"first compiled call raised ({'known TE amax_reduction_group issue' if known else 'UNKNOWN'}): {msg}")
-            return fn(*a)
+            issue8 = "holds a torch.distributed.ProcessGroup" in str(exc)
+            result["errors"].append({"where": "first compiled call", "issue8_amax_group": issue8, "error": msg})
+            result["failures"].append(f"first compiled call raised{' (issue 8 regression: amax_reduction_group)' if issue8 else ''}: {msg}")
+            _log(rank, f"FAILURE: first compiled call raised{' (issue 8 regression)' if issue8 else ''}: {msg}")
+            try:
+                out = fn(*a)
+            except Exception as exc2:  # noqa: BLE001
+                result["errors"][-1]["retry"] = f"{type(exc2).__name__}: {str(exc2)[:400]}"
+                raise
+            result["errors"][-1]["retry"] = "ok"
+            return out
 
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     worst = 0.0
@@ -176,12 +198,13 @@ def main() -> int:
             ye = step(f_col_e, f_row_e, xe, dy, (e_col, e_row), False)
             try:
                 if i == 0:
-                    yc = call_with_known_retry(step, f_col_c, f_row_c, xc, dy, (c_col, c_row), True)
+                    yc = call_first_with_retry(step, f_col_c, f_row_c, xc, dy, (c_col, c_row), True)
                 else:
                     yc = step(f_col_c, f_row_c, xc, dy, (c_col, c_row), True)
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 result["errors"].append({"where": f"compiled step {i}", "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
+                result["failures"].append(f"compiled step {i} raised: {type(exc).__name__}: {str(exc)[:300]}")
                 break
             errs = [rel_err(yc.detach(), ye.detach()), rel_err(xc.grad, xe.grad)]
             errs += [rel_err(pc.grad, pe.grad) for m_c, m_e in ((c_col, e_col), (c_row, e_row))
@@ -224,12 +247,13 @@ def main() -> int:
 
     gathered = [None, None]
     dist.all_gather_object(gathered, result)
+    failed = any(r["failures"] for r in gathered)
     if rank == 0:
         (out_dir / "ub_tp2.json").write_text(json.dumps(gathered, indent=1, default=repr))
-        _log(rank, f"wrote {out_dir / 'ub_tp2.json'}")
+        _log(rank, f"wrote {out_dir / 'ub_tp2.json'}; {'FAIL: ' + '; '.join(f for r in gathered for f in r['failures'])[:600] if failed else 'no failures'}")
     te_base.destroy_ub()
     dist.destroy_process_group()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
