@@ -154,7 +154,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     observers = []
     from te_passes.debug.dump import DumpWriter, tracing_enabled
     if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
-        observers.append(DumpWriter.for_dir(opts.dump_dir))
+        observers.append(DumpWriter.for_backend(opts.dump_dir))  # DIR/<session>/ unless te-passes dump owns DIR
     manager = PassManager(configured_passes(opts.pass_config), observers=observers)
     report = new_compile_report(mode)
     report.uuid = pipeline_uuid(manager, opts, te_state)

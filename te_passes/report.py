@@ -64,7 +64,9 @@ class StageReport:
 class CompileReport:
     """Everything te_passes did for one ``te_inductor`` call (one Dynamo graph).
 
-    ``graph_id``: ``"g<N>"`` in call order within the process; ``mode``: the torch.compile mode;
+    ``graph_id``: ``"g<N>"`` in call order within the process; ``mode``: the torch.compile mode,
+    ``"default"`` for ``None`` (``torch.compile`` passes no mode for ``mode="default"``), as in
+    every report, summary and printout;
     ``uuid``: the pass-pipeline uuid and what it was built from; ``te_state``: the TE state
     snapshot (JSON); ``stages``: :class:`StageReport`\\ s in the order they ran.
     """
@@ -76,6 +78,10 @@ class CompileReport:
     stages: list[StageReport] = dataclasses.field(default_factory=list)
     time_ms_passes: float = 0.0
     time_ms_total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "default"
 
     def records(self, kind: str | None = None) -> list[PassRecord]:
         """All records of all runs, optionally only those of ``kind``."""

@@ -449,7 +449,9 @@ def test_backend_only_dump_lists_graph_breaks_and_islands(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=e, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    with open(tmp_path / "d" / "report.json") as f:
+    with open(tmp_path / "d" / "sessions.json") as f:
+        (session,) = json.load(f)["sessions"]  # backend-only dumps go to a per-process session folder
+    with open(tmp_path / "d" / session["dir"] / "report.json") as f:
         report = json.load(f)
     assert report["owner"] == "backend"
     assert [g["graph_id"] for g in report["graphs"]] == ["g0", "g1", "g2", "g3"]
@@ -541,11 +543,13 @@ def test_dump_collects_graphs_with_their_own_dump_dir(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "d" / "report.json").read_text())
     assert [g["graph_id"] for g in report["graphs"]] == ["g0", "g1"]
-    assert report["elsewhere"] == [{"graph_id": "g0", "dump_dir": "elsewhere", "copied": True}]
-    assert (tmp_path / "elsewhere" / "g0" / "report.json").is_file()
+    (session,) = json.loads((tmp_path / "elsewhere" / "sessions.json").read_text())["sessions"]
+    where = os.path.join("elsewhere", session["dir"])  # a backend-only dump: its process's session folder
+    assert report["elsewhere"] == [{"graph_id": "g0", "dump_dir": where, "copied": True}]
+    assert (tmp_path / where / "g0" / "report.json").is_file()
     assert (tmp_path / "d" / "g0" / "dynamo" / "input.tegraph").is_file()
-    assert "g0 was compiled with its own te_passes.dump_dir='elsewhere'" in proc.stdout
-    assert "te_passes.dump_dir='elsewhere'" in (tmp_path / "d" / "index.md").read_text()
+    assert f"g0 was compiled with its own te_passes.dump_dir: its dump went to {where!r} (copied here)" in proc.stdout
+    assert f"its dump went to {where!r}" in (tmp_path / "d" / "index.md").read_text()
     assert [g["mode"] for g in report["graphs"]] == ["default", "default"]
     assert [g["te_ops"] for g in report["graphs"]] == [0, 0]
     assert "TE eager islands: none (no TE modules in the compiled graphs)" in proc.stdout

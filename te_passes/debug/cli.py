@@ -193,6 +193,10 @@ def _clear_old_dump(path: str) -> None:
 
     rp = os.path.join(path, "report.json")
     ours = ("report.json", "index.md", "session.json")
+    if not os.path.isfile(rp) and os.path.isfile(os.path.join(path, "sessions.json")):
+        raise CliError(f"{path} holds te_passes backend dump sessions (te_passes.dump_dir / TE_PASSES_DUMP_DIR; "
+                       f"see {os.path.join(path, 'index.md')}); not mixing a te-passes dump into it: choose another "
+                       f"--out")
     if not os.path.isfile(rp):
         clash = [n for n in ours if os.path.exists(os.path.join(path, n))]
         if clash:
@@ -359,14 +363,15 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
 
     import torch
 
-    from te_passes.debug.dump import write_summary
+    from te_passes.debug.dump import claim_dir, write_summary
     from te_passes.debug.graph_breaks import CompileEvents
     from te_passes.report import compile_reports
 
     torch._inductor.config.force_disable_caches = True  # every stage must run to be dumped
     n_before = len(compile_reports())
     extra: dict[str, Any] = {"owner": "cli", "mode": args.mode or "default", "disabled": disable + env_disable}
-    write_summary(root, extra)  # claims the session: the backend's writers leave it to us
+    claim_dir(root)  # the backend's writers in this process write straight into root (no session folder)
+    write_summary(root, extra)  # the session facts are ours: the backend's writers leave them to us
     events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
     if args.example is not None:
         from te_passes.examples import run_example
@@ -582,8 +587,29 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     out.line(f"\ndump: {os.path.join(root, 'index.md')}  (report: {os.path.join(root, 'report.json')})")
 
 
+def _newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> str:
+    """``path`` itself, or its newest backend dump session folder when ``path`` is a directory
+    of sessions (``te_passes.dump_dir`` without the CLI; :func:`te_passes.debug.dump.read_sessions`),
+    saying which one is used."""
+    if not os.path.isdir(path):
+        return path
+    from te_passes.debug.dump import latest_session_dir, read_sessions
+
+    latest = latest_session_dir(path)
+    if latest is None:
+        return path
+    n = len(read_sessions(path))
+    msg = (f"{path} holds {n} backend dump session{'s' if n != 1 else ''}; {verb} the newest, {latest}"
+           + (f" (others: see {os.path.join(path, 'index.md')})" if n > 1 else ""))
+    if to_stderr:
+        print(msg, file=sys.stderr)
+    else:
+        out.line(msg)
+    return latest
+
+
 def cmd_show(args: argparse.Namespace, out: Out) -> int:
-    path = args.dir
+    path = _newest_session(args.dir, out, "showing", to_stderr=args.json)
     rp = os.path.join(path, "report.json") if os.path.isdir(path) else path
     if not os.path.isfile(rp):
         raise CliError(f"no te_passes dump at {path} (no report.json); create one with te-passes dump")
@@ -630,6 +656,7 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     disable = _check_pass_names([n.strip() for a in args.disable for n in a.split(",")], "--disable") \
         if args.disable is not None else None
     dump_dir = _prepare_out_dir(args.out) if args.out else None
+    args.path = _newest_session(args.path, out, "replaying", to_stderr=args.json)
     from te_passes.debug.offline import ReplayError, compare_reports, replay
 
     try:

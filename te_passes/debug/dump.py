@@ -2,10 +2,11 @@
 
 The backend creates one :class:`DumpWriter` per ``te_inductor`` call when
 ``options={"te_passes.dump_dir": DIR}`` (or ``TE_PASSES_DUMP_DIR``) is given, or when tlparse
-tracing (``TORCH_TRACE``) is on, and registers it as a pass-manager observer. Layout of ``DIR``::
+tracing (``TORCH_TRACE``) is on, and registers it as a pass-manager observer. Layout of a dump (``DIR`` itself under
+``te-passes dump``; ``DIR/<session>`` for a backend-only dump, see below)::
 
     index.md                      links to everything below, summary tables
-    report.json                   all graphs in DIR: passes[], folded[], frees[], memory,
+    report.json                   all graphs of the dump: passes[], folded[], frees[], memory,
                                   pool_check[], skipped[], graph_breaks[], eager_fallbacks[],
                                   recompiles[], uuid (see build_summary)
     g0/                           one directory per compiled Dynamo graph (CompileReport.graph_id)
@@ -21,6 +22,20 @@ tracing (``TORCH_TRACE``) is on, and registers it as a pass-manager observer. La
         output.py                 the stage's output graph
       post_grad_fwd/ ...          (g0.fwd), post_grad_bwd/ (g0.bwd), joint/ (g0.joint)
 
+Where the backend writes (:meth:`DumpWriter.for_backend`): ``te-passes dump`` claims its
+``--out`` directory for its own process (:func:`claim_dir`) and the backend writes the layout
+above straight into it. A backend-only dump (``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR``
+without the CLI) writes it into a per-process *session* folder instead, so that graphs of a
+previous run, or of another rank writing to the same directory at the same time, are never
+overwritten or mixed into this run's summary::
+
+    DIR/
+      index.md                    the sessions in DIR, newest first, linked (written only when DIR
+                                  is not itself a te-passes dump)
+      sessions.json               the same as data (schema te_passes.dump_sessions/1)
+      20261129T213640Z-host-p2499/   one session (session_id()): the layout above, its report.json
+                                  listing every graph this process compiled into DIR, in order
+
 With ``TORCH_TRACE`` set, every file is also emitted as a tlparse artifact named
 ``te_passes_<graph>_<stage>_<file>`` (:func:`te_passes._logging.trace_artifact`), whether or
 not a directory was given.
@@ -31,6 +46,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import sys
+import threading
 import time
 from typing import Any, Iterable
 
@@ -107,17 +125,58 @@ def _records_notes(run: Any) -> dict[str, list[str]]:
     return notes
 
 
+SESSIONS_SCHEMA = "te_passes.dump_sessions/1"
+#: First line of the sessions ``index.md`` the backend writes at the top of a dump directory
+#: (a top-level ``index.md`` without it is someone else's and is never overwritten).
+SESSIONS_INDEX_TITLE = "# te_passes dump sessions"
+_SESSION_LOCK_FILE = ".te_passes_sessions.lock"
+
+_session_lock = threading.Lock()
+_session: dict[str, Any] = {}  # {"pid": int, "id": str, "started": str}
+_claimed: set[str] = set()  # realpaths claimed by te-passes dump in this process
+_warned_foreign_index: set[str] = set()
+
+
+def session_id() -> str:
+    """This process's dump session id, ``<UTC start>-<host>-p<pid>`` (e.g.
+    ``"20261129T213640Z-node01-p2499"``): the folder a backend-only dump writes into under its
+    dump directory. Fixed on first use; a forked child gets its own."""
+    with _session_lock:
+        if _session.get("pid") != os.getpid():
+            now = time.gmtime()
+            _session.update(pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
+                            id=f"{time.strftime('%Y%m%dT%H%M%SZ', now)}-{_slug(socket.gethostname()) or 'host'}"
+                               f"-p{os.getpid()}")
+        return _session["id"]
+
+
+def claim_dir(path: str | os.PathLike) -> None:
+    """Mark ``path`` as written by ``te-passes dump`` in this process: backend writers for it
+    (``TE_PASSES_DUMP_DIR`` set by the CLI) then write straight into it, and the CLI writes the
+    summary, instead of a session folder of their own (:meth:`DumpWriter.for_backend`)."""
+    _claimed.add(os.path.realpath(os.fspath(path)))
+
+
+def is_claimed(path: str | os.PathLike) -> bool:
+    """Whether ``te-passes dump`` in this process owns ``path`` (:func:`claim_dir`)."""
+    return os.path.realpath(os.fspath(path)) in _claimed
+
+
 class DumpWriter:
     """Pass-manager observer writing the dump of one ``te_inductor`` call (see module docstring).
 
-    Build with :meth:`for_dir`. Hooks (called by :class:`te_passes.passes.manager.PassManager`
+    Build with :meth:`for_backend` (``te_inductor``: a per-process session folder unless
+    ``te-passes dump`` claimed the directory) or :meth:`for_dir` (straight into a directory:
+    the CLI, offline runs). Hooks (called by :class:`te_passes.passes.manager.PassManager`
     and :mod:`te_passes.backend`): :meth:`before_stage`, :meth:`before_pass`,
     :meth:`after_pass`, :meth:`after_stage`, :meth:`finish`. Never raises from a hook: a dump
     failure is logged and the compilation goes on (only :meth:`for_dir` raises).
     """
 
-    def __init__(self, root: str | None) -> None:
+    def __init__(self, root: str | None, *, sessions_dir: str | None = None) -> None:
         self.root = root
+        #: The dump directory holding ``root`` as a session folder (backend-only dumps), else None.
+        self.sessions_dir = sessions_dir
         self._stage_dirs: dict[str, str] = {}
         self._pass_index: dict[str, int] = {}
         self._snapshot: GraphSnapshot | None = None
@@ -135,6 +194,27 @@ class DumpWriter:
             DumpDirError: ``path`` cannot be created or written.
         """
         return cls(ensure_writable_dir(path) if path is not None else None)
+
+    @classmethod
+    def for_backend(cls, path: str | os.PathLike | None) -> "DumpWriter":
+        """The writer ``te_inductor`` uses for ``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR``
+        ``path``: straight into ``path`` when ``te-passes dump`` claimed it in this process
+        (:func:`claim_dir`), else into ``path/<session_id()>`` (one session folder per process;
+        see the module docstring), or tlparse-only when ``path`` is ``None``.
+
+        Raises:
+            DumpDirError: ``path`` (or the session folder in it) cannot be created or written.
+        """
+        if path is None or is_claimed(path):
+            return cls.for_dir(path)
+        parent = ensure_writable_dir(path)
+        root = os.path.join(parent, session_id())
+        first = not os.path.isdir(root)
+        writer = cls(ensure_writable_dir(root), sessions_dir=parent)
+        if first:
+            log.info("te_passes: backend dump session %s (this process's graphs; earlier runs in %s are kept)",
+                     root, parent)
+        return writer
 
     # ------------------------------------------------------------------ paths & output
     @staticmethod
@@ -262,29 +342,124 @@ class DumpWriter:
         self._write(os.path.join(gdir, "report.json"), text, f"{report.graph_id}_report")
         self._write(os.path.join(gdir, "te_state.json"), json.dumps(report.te_state, indent=2), None)
         if self.root is not None:
-            write_summary(self.root, _backend_session(self.root))
+            # A session folder (backend-only dump) gets this process's session facts; a directory
+            # written straight into (te-passes dump, replay --out, run_stages) keeps the session.json
+            # its owner wrote.
+            write_summary(self.root, _backend_session() if self.sessions_dir is not None else None)
+            if self.sessions_dir is not None:
+                write_sessions_index(self.sessions_dir)
 
 
-def _backend_session(root: str) -> dict[str, Any] | None:
+def _backend_session() -> dict[str, Any]:
     """Session facts for a dump written by the backend alone (``te_passes.dump_dir``): the
-    process's graph breaks, TE eager islands and recompiles so far
-    (:func:`te_passes.debug.graph_breaks.current_events`). ``None`` when ``te-passes dump``
-    owns the session (it writes its own, scoped to its target, at the end)."""
-    path = os.path.join(root, "session.json")
-    if os.path.isfile(path):
-        try:
-            with open(path) as f:
-                if json.load(f).get("owner") == "cli":
-                    return None
-        except (OSError, json.JSONDecodeError, AttributeError):
-            pass
+    session id, pid, host, start time and command line, and the process's graph breaks, TE
+    eager islands and recompiles so far (:func:`te_passes.debug.graph_breaks.current_events`)."""
     from te_passes.debug.graph_breaks import current_events
 
-    return {"owner": "backend", "compile_path": "torch.compile(backend='te_inductor', "
-            "options={'te_passes.dump_dir': ...})",
+    sid = session_id()
+    return {"owner": "backend", "session": sid, "pid": os.getpid(), "host": socket.gethostname(),
+            "started": _session.get("started"), "argv": list(sys.argv), "target": " ".join(sys.argv),
+            "compile_path": "torch.compile(backend='te_inductor', options={'te_passes.dump_dir': ...})",
             "note": "Graph breaks, TE eager islands and recompiles are this process's so far (Dynamo's "
                     "records), including frames not compiled by te_inductor.",
             **current_events().to_json()}
+
+
+# --------------------------------------------------------------------------- sessions
+def read_sessions(root: str) -> list[dict[str, Any]]:
+    """The backend dump sessions in dump directory ``root``, oldest first: one entry per
+    sub-folder whose ``session.json`` has ``owner == "backend"`` and a ``session`` equal to the
+    folder name — ``session``, ``dir`` (the folder name), ``pid``, ``host``, ``started``,
+    ``argv`` and ``graphs`` (graph ids dumped there, in compile order). Other folders are ignored."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        p = os.path.join(root, name, "session.json")
+        if not os.path.isfile(p):
+            continue
+        try:
+            with open(p) as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if not isinstance(data, dict) or data.get("owner") != "backend" or data.get("session") != name:
+            continue
+        graphs = [g["graph_id"] for g in _graph_reports(os.path.join(root, name))]
+        out.append({"session": name, "dir": name, "pid": data.get("pid"), "host": data.get("host"),
+                    "started": data.get("started"), "argv": data.get("argv"), "graphs": graphs})
+    return sorted(out, key=lambda e: (str(e.get("started") or ""), e["session"]))
+
+
+def latest_session_dir(root: str) -> str | None:
+    """``root/<newest session>`` when ``root`` holds backend dump sessions (:func:`read_sessions`)
+    and no summary of its own (``root/report.json``), else ``None``."""
+    if os.path.isfile(os.path.join(root, "report.json")):
+        return None
+    sessions = read_sessions(root)
+    return os.path.join(root, sessions[-1]["dir"]) if sessions else None
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_sessions_index(root: str) -> list[dict[str, Any]]:
+    """(Re)write ``root/sessions.json`` and, unless ``root`` is itself a te-passes dump or holds
+    someone else's ``index.md``, ``root/index.md``: every backend dump session in ``root``
+    (:func:`read_sessions`). Several processes may share ``root`` (ranks of one job): the listing
+    and the writes run under an ``flock`` on ``root/.te_passes_sessions.lock``, and every file is
+    replaced atomically. Returns the sessions."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux
+        fcntl = None
+    with open(os.path.join(root, _SESSION_LOCK_FILE), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            sessions = read_sessions(root)
+            _atomic_write(os.path.join(root, "sessions.json"),
+                          json.dumps({"schema": SESSIONS_SCHEMA, "sessions": sessions}, indent=2, default=repr))
+            index = os.path.join(root, "index.md")
+            ours = True
+            if os.path.isfile(os.path.join(root, "report.json")):
+                ours = False
+            elif os.path.exists(index):
+                try:
+                    with open(index) as f:
+                        ours = f.readline().rstrip("\n") == SESSIONS_INDEX_TITLE
+                except (OSError, UnicodeDecodeError):
+                    ours = False
+            if ours:
+                _atomic_write(index, render_sessions_index(sessions))
+            elif root not in _warned_foreign_index:
+                _warned_foreign_index.add(root)
+                log.warning("te_passes dump: %s already holds a te-passes dump or an index.md of its own; this "
+                            "process's dump is in %s (the top-level index.md is left alone)",
+                            root, os.path.join(root, session_id()))
+        finally:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    return sessions
+
+
+def render_sessions_index(sessions: list[dict[str, Any]]) -> str:
+    """The top-level ``index.md`` of a directory of backend dump sessions (newest first)."""
+    L = [SESSIONS_INDEX_TITLE, "",
+         "One folder per process that compiled with `torch.compile(backend=\"te_inductor\")` and "
+         "`te_passes.dump_dir` / `TE_PASSES_DUMP_DIR` set to this directory; each is a complete dump "
+         "(`te-passes show <folder>`, `te-passes replay <folder>`). `te-passes show` on this directory "
+         "shows the newest.", ""]
+    rows = [[f"[{e['session']}]({e['dir']}/index.md)", e.get("started"), e.get("host"), e.get("pid"),
+             " ".join(e.get("argv") or []), ", ".join(e["graphs"])] for e in reversed(sessions)]
+    L.append(_md_table(["session", "started (UTC)", "host", "pid", "command", "graphs"], rows))
+    return "\n".join(L)
 
 
 # --------------------------------------------------------------------------- reports
@@ -508,8 +683,8 @@ def elsewhere_warnings(summary: dict[str, Any]) -> list[str]:
             out.append(f"{e['graph_id']}: writing its dump failed (see the te_passes log); its report only is here")
         elif where:
             copy = "copied here" if e.get("copied") else "its report only is here"
-            out.append(f"{e['graph_id']} was compiled with its own te_passes.dump_dir={where!r}: its dump went "
-                       f"there ({copy})")
+            out.append(f"{e['graph_id']} was compiled with its own te_passes.dump_dir: its dump went to {where!r} "
+                       f"({copy})")
         else:
             out.append(f"{e['graph_id']} was compiled without a dump directory (its te_passes.dump_dir option "
                        f"overrode TE_PASSES_DUMP_DIR): its report only is here, no graph files")
@@ -541,6 +716,9 @@ def render_index(summary: dict[str, Any], root: str) -> str:
     tgt = summary.get("target")
     if tgt:
         L.append(f"Target: `{tgt}`  ")
+    if summary.get("session"):
+        L.append(f"Session: {summary['session']} (pid {summary.get('pid')} on {summary.get('host')}, started "
+                 f"{summary.get('started')})  ")
     for key in ("precision", "mode", "compile_path"):
         if summary.get(key):
             L.append(f"{key.replace('_', ' ').capitalize()}: {summary[key]}  ")
