@@ -23,7 +23,10 @@ launch() {  # launch NAME ARGS...
   local name=$1; shift
   echo "=== sp_fp8_tp2 $name: $* ($(date -u +%H:%M:%S))"
   local t0=$SECONDS
-  python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/sp_fp8_tp2.py \
+  # A rank whose compiled call fails while the other's succeeds can leave the other waiting in a
+  # collective: each launch gets a time limit (SP_FP8_TP2_LAUNCH_TIMEOUT_S, default 240 s).
+  timeout -k 15 "${SP_FP8_TP2_LAUNCH_TIMEOUT_S:-240}" \
+    python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/sp_fp8_tp2.py \
       --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== sp_fp8_tp2 $name: exit $rc, $((SECONDS - t0)) s"
