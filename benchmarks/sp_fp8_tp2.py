@@ -431,7 +431,7 @@ def summary_line(scenario: str, rank: int, rec: dict) -> str:
                      f"local={red[k]['compiled_vs_local_amax']:.3g}" for k in ("h", "h.grad") if k in red)
     first = "ok" if not fc.get("raised") else ("issue8-TypeError" if fc.get("issue8_error") else "RAISED")
     return (f"SUMMARY {scenario} rank={rank} mode={rec['mode']} first_call={first} retry={fc.get('retry') or '-'} "
-            f"first_s={fc.get('s')} steps={rec['compiled_steps_ok']} bitwise={rec['all_bitwise_equal']} "
+            f"first_s={fc.get('s')} raised_calls={len(rec['errors'])} steps={rec['compiled_steps_ok']} bitwise={rec['all_bitwise_equal']} "
             f"max_abs={rec['max_abs_diff']} frames={c.get('compiles_per_frame')} recompiles={c.get('recompiles')} "
             f"graphs={c.get('graphs')} breaks={c.get('graph_breaks')} cg_skips={c.get('cudagraph_skips')} "
             f"groups_after_eager={len(rec['groups_after_eager_steps'])} "
