@@ -15,6 +15,7 @@ import collections
 import contextlib
 import operator
 import re
+import types
 from unittest import mock
 
 import pytest
@@ -24,13 +25,14 @@ te_recipe = pytest.importorskip("transformer_engine.common.recipe")
 te = pytest.importorskip("transformer_engine.pytorch")
 
 import torch.fx  # noqa: E402
+from torch._inductor.virtualized import V  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGSM  # noqa: E402
 from transformer_engine.pytorch.quantization import get_fp8_te_dtype  # noqa: E402
 
 from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.passes.base import PassContext, Stage  # noqa: E402
 from te_passes.passes.hoist_recipe_lookups import (  # noqa: E402
-    HoistRecipeLookups, find_recipe_and_pg_objects, hoisted_name, object_occurrences)
+    HoistRecipeLookups, find_recipe_and_pg_objects, hoisted_name, hoisted_owner, object_occurrences)
 from te_passes.passes.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
 from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
@@ -461,14 +463,23 @@ def test_post_grad_constants_are_named_copies(te_aot_graphs, graph):
     res = run_pass(gm, stage=stage)
     hoisted = [r for r in res.records if r.kind == "hoisted_constant"]
     assert len(hoisted) == len(originals) == (8 if graph == "forward" else 4)
-    assert not _INLINE.search(gm.code)
-    names = re.findall(r"_te_const_\d+", gm.code)
-    assert len(set(names)) == len(originals)
+    # The names exist only in the graph's own Inductor lowering (V.graph.module is gm) ...
+    with V.set_graph_handler(types.SimpleNamespace(module=gm)):
+        lowered = gm.graph.python_code("self")
+    assert not _INLINE.search(lowered.src)
+    names = re.findall(r"_te_const_\d+", lowered.src)
+    assert len(set(names)) == len(originals) and set(names) <= set(lowered.globals)
+    # ... everywhere else (this FX code, another graph's lowering) the constants render in full.
+    gm.recompile()
+    assert not re.search(r"_te_const_\d+", gm.code) and len(_INLINE.findall(gm.code)) >= len(originals)
+    with V.set_graph_handler(types.SimpleNamespace(module=torch.fx.GraphModule({}, torch.fx.Graph()))):
+        assert not re.search(r"_te_const_\d+", gm.graph.python_code("self").src)
     for (node_name, i, orig) in originals:
         node = next(n for n in gm.graph.nodes if n.name == node_name)
         new = (node.args if node.op != "output" else node.args[0])[i]
         assert new == orig and new is not orig           # equal value, own object per slot
         assert hoisted_name(new) is not None and hoisted_name(orig) is None
+        assert hoisted_owner(new) is gm
     # Equal-valued constants stay distinct objects (TE ops update quantizer usage in place).
     objs = [a for n in gm.graph.nodes for a in (n.args if n.op != "output" else n.args[0])
             if te_const_kind(a) in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER)]

@@ -65,21 +65,18 @@ def node_type(node: torch.fx.Node) -> str | None:
 
 
 def constant_name(v: Any) -> str | None:
-    """The global name a value-opaque constant renders as in generated code, when it has one.
+    """The wrapper-global name of a TE constant that ``hoist_recipe_lookups`` built once
+    (``_te_const_<n>``), or ``None``.
 
-    ``torch._library.opaque_object`` constants render through ``__fx_repr__``; TE's own repr is
-    a rebuild expression (``_rebuild_quantizer(...)``, ``OpaqueValueBundle({...})``), while a
-    constant hoisted to a wrapper global (``hoist_recipe_lookups``) renders as a bare name.
-    Returns that name, or ``None``.
+    TE's own ``__fx_repr__`` is a rebuild expression (``_rebuild_quantizer(...)``,
+    ``OpaqueValueBundle({...})``); a hoisted constant renders as its bare name only in the
+    Inductor wrapper of the graph it was hoisted in
+    (:func:`te_passes.passes.hoist_recipe_lookups.name_constant`), so the name is read from the
+    pass (:func:`~te_passes.passes.hoist_recipe_lookups.hoisted_name`), not from the repr.
     """
-    fn = getattr(type(v), "__fx_repr__", None)
-    if fn is None:
-        return None
-    try:
-        expr = fn(v)[0]
-    except Exception:  # noqa: BLE001 - a repr that fails is no name
-        return None
-    return expr if isinstance(expr, str) and expr.isidentifier() else None
+    from te_passes.passes.hoist_recipe_lookups import hoisted_name  # lazy: the printer loads without the passes
+
+    return hoisted_name(v)
 
 
 def format_quantizer(q: Any) -> str:

@@ -29,11 +29,15 @@ of residue, each handled here:
    ``ir.OpaqueValueTypeConstant`` for outputs; torch 2.14.1): 52 quantizer rebuilds per
    forward+backward step of a 4-layer fp8 stack. Each such constant (op arguments and graph
    outputs) is replaced by a fresh, equal object built once at compile time from its own
-   ``__fx_repr__`` and *named*: its ``__fx_repr__`` answers a bare name ``_te_const_<n>`` with
-   ``{name: object}`` as globals (:func:`name_constant`). Inductor records those globals in
-   ``GraphLowering.opaque_value_type_classes``, which become globals of the wrapper module when
-   it is loaded — also on an FX-graph-cache hit, where they come back pickled with the cache
-   entry (``CompiledFxGraphConstants.unwrap``). The call path then passes module globals.
+   ``__fx_repr__`` and *named*: while Inductor lowers this graph, its ``__fx_repr__`` answers a
+   bare name ``_te_const_<n>`` with ``{name: object}`` as globals (:func:`name_constant`).
+   Inductor records those globals in ``GraphLowering.opaque_value_type_classes``, which become
+   globals of the wrapper module when it is loaded — also on an FX-graph-cache hit, where they
+   come back pickled with the cache entry (``CompiledFxGraphConstants.unwrap``). The call path
+   then passes module globals. Anywhere else the object renders as TE's rebuild expression, so
+   graphs that meet it later (the forward returns quantizers; Dynamo stores them in the module
+   and the next trace bakes them in) keep content-derived, picklable AOTAutograd / FX graph
+   cache keys.
    (A ``get_attr`` lift would use Inductor's ``torchbind_constants`` instead, which a cache hit
    does not restore.) One object per *slot*: equal but distinct constants stay distinct objects
    (TE ops update a quantizer's usage flags in place, as TE's eager modules do with their
@@ -49,10 +53,14 @@ otherwise (``symbolic_trace``) are specialised by this pass and every folded val
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import enum
 import functools
 import operator
+import sys
+import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -623,7 +631,7 @@ class HoistRecipeLookups(TEPass):
             # Unique within this graph, hence within its wrapper module (one module per graph);
             # deterministic, so reports and dumps are reproducible.
             name = f"{CONST_ATTR_PREFIX}{count}"
-            name_constant(fresh, name)
+            name_constant(fresh, name, gm)
             count += 1
             records.append(PassRecord("hoisted_constant", user.name, {
                 "name": name, "slot": slot, "const_kind": te_const_kind(fresh).value,
@@ -648,10 +656,15 @@ def rebuild_constant(v: Any) -> Any:
     ``__fx_repr__`` expression with its globals — exactly what Inductor's wrapper evaluates on
     every call (``_rebuild_quantizer(...)`` / ``OpaqueValueBundle({...})``).
 
+    The expression is taken in full (:func:`rendered_in_full`): neither ``v`` nor a quantizer
+    nested in a bundle renders as a wrapper-global name here, so the new object shares no
+    quantizer with ``v`` (e.g. with a module-held quantizer an earlier compiled call returned).
+
     Raises:
         RuntimeError: the rebuilt object does not compare equal to ``v``.
     """
-    expr, env = type(v).__fx_repr__(v) if hoisted_name(v) is None else _original_fx_repr(v)
+    with rendered_in_full():
+        expr, env = type(v).__fx_repr__(v)
     fresh = eval(_compiled(expr), dict(env))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
     if type(fresh) is not type(v) or fresh != v:
         raise RuntimeError(f"rebuilding {type(v).__name__} from its __fx_repr__ gave a different value")
@@ -665,14 +678,7 @@ def _compiled(expr: str):
     return compile(expr, "<te_passes constant>", "eval")
 
 
-def _original_fx_repr(v: Any) -> tuple[str, dict[str, Any]]:
-    fn = type(v).__fx_repr__
-    orig = fn.__defaults__[0] if getattr(fn, _WRAPPED_FLAG, False) else fn
-    return orig(v)
-
-
 # --------------------------------------------------------------------------- named constants
-_HOISTED_ATTR = "_te_passes_hoisted"
 _WRAPPED_FLAG = "_te_passes_named_fx_repr"
 
 
@@ -685,20 +691,85 @@ def is_liftable_constant(v: Any) -> bool:
         return False
     from torch._library.opaque_object import is_opaque_constant_type
 
-    return is_opaque_constant_type(type(v)) and hasattr(v, "__dict__")
+    # Names are kept by weak reference (name_constant): the object must support one.
+    return is_opaque_constant_type(type(v)) and type(v).__weakrefoffset__ != 0
+
+
+#: ``id(obj) -> (weakref to obj, name, weakref to the owning post-grad GraphModule)`` for every
+#: object :func:`name_constant` named. Kept outside the objects (not in their ``__dict__``), so
+#: pickled copies (FX-graph-cache entries) carry no name, and nothing here keeps an object or
+#: its graph alive; an entry goes when its object does.
+_NAMED: dict[int, tuple[Any, str, Any]] = {}
+_render = threading.local()
+
+
+def _forget(ref: Any, key: int) -> None:
+    entry = _NAMED.get(key)
+    if entry is not None and entry[0] is ref:  # not a newer object that reuses the id
+        del _NAMED[key]
+
+
+def _entry(v: Any) -> tuple[Any, str, Any] | None:
+    entry = _NAMED.get(id(v))
+    return entry if entry is not None and entry[0]() is v else None
+
+
+@contextlib.contextmanager
+def rendered_in_full() -> Iterator[None]:
+    """Within this context (this thread; nests) every named constant's ``__fx_repr__`` is TE's
+    full rebuild expression, even inside its owner's Inductor lowering."""
+    prev = getattr(_render, "full", False)
+    _render.full = True
+    try:
+        yield
+    finally:
+        _render.full = prev
+
+
+def _current_lowering_module() -> Any:
+    """The ``GraphModule`` Inductor is lowering on this thread (``V.graph.module``;
+    ``torch/_inductor/graph.py`` ``GraphLowering`` is a ``torch.fx.Interpreter`` of it), or
+    ``None`` outside a lowering."""
+    virtualized = sys.modules.get("torch._inductor.virtualized")
+    if virtualized is None:  # Inductor not even imported: nothing is being lowered
+        return None
+    try:
+        graph = virtualized.V.graph  # a NullHandler (no ``module``) when unset
+    except Exception:  # noqa: BLE001 - a poisoned virtual (subprocess compile): not a lowering we named for
+        return None
+    return getattr(graph, "module", None)
+
+
+def _name_in_lowering(v: Any) -> str | None:
+    """``v``'s name if ``v`` is being rendered by its owner's Inductor lowering, else ``None``."""
+    entry = _NAMED.get(id(v))
+    if entry is None or entry[0]() is not v or getattr(_render, "full", False):
+        return None
+    owner = entry[2]()
+    return entry[1] if owner is not None and _current_lowering_module() is owner else None
 
 
 def hoisted_name(v: Any) -> str | None:
-    """The wrapper-global name ``v`` renders as (set by :func:`name_constant`), or ``None``.
+    """The wrapper-global name :func:`name_constant` gave ``v`` (``"_te_const_<n>"``), or
+    ``None``. ``v`` renders as that name only in its owner's Inductor wrapper
+    (:func:`hoisted_owner`).
 
-    A copy of a named object (``copy.copy`` / pickling) is *not* named: the mark records the
-    object's ``id``."""
-    mark = getattr(v, "__dict__", {}).get(_HOISTED_ATTR)
-    return mark[1] if mark is not None and mark[0] == id(v) else None
+    A copy of a named object (``copy.copy`` / pickling) is *not* named: names are kept by
+    object identity."""
+    entry = _entry(v)
+    return entry[1] if entry is not None else None
 
 
-def name_constant(v: Any, name: str) -> None:
-    """Make ``v``'s FX / Inductor repr the bare name ``name``, with ``{name: v}`` as its globals.
+def hoisted_owner(v: Any) -> torch.fx.GraphModule | None:
+    """The post-grad ``GraphModule`` whose Inductor wrapper holds ``v`` as a global, or ``None``
+    (``v`` not named, or that graph is gone)."""
+    entry = _entry(v)
+    return entry[2]() if entry is not None else None
+
+
+def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
+    """Make ``v`` render as the bare name ``name``, with ``{name: v}`` as its globals, in the
+    Python wrapper Inductor generates for the post-grad graph ``owner`` — and only there.
 
     ``__fx_repr__`` (``torch._library.opaque_object.get_opaque_obj_repr``) is how FX codegen and
     Inductor's Python wrapper (``PythonWrapperCodegen.val_to_arg_str``,
@@ -709,9 +780,35 @@ def name_constant(v: Any, name: str) -> None:
     where the pickled objects come back with the cache entry. So a named constant is built once,
     when the wrapper module is loaded, and every call passes that object.
 
-    The class's ``__fx_repr__`` is wrapped once (idempotent, process-wide) to answer the name
-    for marked instances; every other instance renders exactly as before.
+    Everywhere else ``v`` renders as TE's own rebuild expression
+    (``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``): in FX code of any graph, in
+    the bundles that contain it, in :func:`rebuild_constant`, and in the Dynamo graphs that meet
+    it later — the compiled forward returns quantizers, Dynamo stores them back into the
+    module's ``quantizers``, and the next trace of that module (TE's recompile after the first
+    call) bakes them in as constants. A name that is a global of one wrapper means nothing in
+    another graph's code: AOTAutograd's cache key formats every global of the Dynamo graph's
+    code as an import (``autograd_cache.AOTAutogradCachePickler._format_global_for_cache_key``
+    → ``torch.fx.graph_module._format_import_statement`` → ``Importer.get_name``, which needs
+    ``obj.__name__``), so a named quantizer there made every such compile log "Failed to pickle
+    cache key" and bypass the AOTAutograd cache (and the FX graph cache: ``GraphModule.__reduce__``
+    builds the same import block). Rendered in full, those graphs stay content-addressed: equal
+    keys for equal constants, stable across processes.
+
+    "Inductor is lowering ``owner``" is ``V.graph.module is owner``: ``GraphLowering`` is built on
+    the very ``GraphModule`` the ``post_grad_custom_pre_pass`` hook rewrote
+    (``torch/_inductor/compile_fx.py`` ``_InProcessFxCompile.codegen_and_compile``; torch 2.14.1).
+    The name, the object and the owner are held weakly (nothing is kept alive by being named).
+
+    The class's ``__fx_repr__`` is wrapped once (idempotent, process-wide) to answer the name in
+    that one situation; every other call renders exactly as before.
+
+    Raises:
+        TypeError: ``owner`` is not a ``torch.fx.GraphModule``, or ``v``'s class has no
+            ``__fx_repr__`` (not a value-opaque constant) or takes no weak reference.
     """
+    if not isinstance(owner, torch.fx.GraphModule):
+        raise TypeError(f"name_constant: owner must be the post-grad torch.fx.GraphModule whose wrapper holds "
+                        f"{name!r}, got {type(owner).__name__}")
     cls = type(v)
     orig = cls.__dict__.get("__fx_repr__")
     if orig is None:
@@ -721,17 +818,17 @@ def name_constant(v: Any, name: str) -> None:
                 break
     if orig is None:
         raise TypeError(f"{cls.__name__} has no __fx_repr__: not a value-opaque constant")
+    key = id(v)
+    ref = weakref.ref(v, functools.partial(_forget, key=key))  # TypeError: no weak references
     if not getattr(orig, _WRAPPED_FLAG, False):
         def __fx_repr__(self, _orig=orig):  # noqa: N807 - the protocol name
-            mark = self.__dict__.get(_HOISTED_ATTR)
-            if mark is not None and mark[0] == id(self):
-                return mark[1], {mark[1]: self}
-            return _orig(self)
+            name = _name_in_lowering(self)
+            return (name, {name: self}) if name is not None else _orig(self)
 
         setattr(__fx_repr__, _WRAPPED_FLAG, True)
         __fx_repr__.__doc__ = getattr(orig, "__doc__", None)
         cls.__fx_repr__ = __fx_repr__
-    v.__dict__[_HOISTED_ATTR] = (id(v), name)
+    _NAMED[key] = (ref, name, weakref.ref(owner))
 
 
 def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:
