@@ -36,7 +36,7 @@ from te_passes.passes.manager import PassManager
 from te_passes.passes.registry import configured_passes, pass_names
 from te_passes.report import CompileReport, new_compile_report
 from te_passes.te.amax_groups import install_amax_group_hooks
-from te_passes.te.guards import install_te_ub_hooks, raise_ub_mismatches, wrap_with_te_state_guard
+from te_passes.te.guards import install_te_ub_hooks, raise_ub_mismatches, ub_state_reads, wrap_with_te_state_guard
 from te_passes.te.state import TEState
 
 log = get_logger()
@@ -44,18 +44,29 @@ log = get_logger()
 _HOOKS = {Stage.JOINT: "joint_custom_pre_pass", Stage.POST_GRAD_FWD: "post_grad_custom_pre_pass"}
 
 
-def pipeline_uuid(manager: PassManager, options: TePassesOptions, te_state: TEState) -> dict[str, Any]:
+def pipeline_uuid(manager: PassManager, options: TePassesOptions, te_state: TEState,
+                  ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
     """What the pass pipeline's cache identity is built from, plus its hash under ``"uuid"``.
 
     Covers every pass's :meth:`~te_passes.passes.base.TEPass.uuid` (source + config), the
-    option values that change what passes do, and the TE state fingerprint.
+    option values that change what passes do, and the TE state fingerprint
+    (:meth:`TEState.fingerprint`). The UB snapshot is part of that fingerprint only when the
+    graph reads UB state: ``ub_reads`` is :func:`te_passes.te.guards.ub_state_reads` of the
+    graph (reasons; empty: it does not read UB state, so a UB change keeps its FX-graph-cache
+    key), ``None`` when not known (the UB snapshot is then included, the safe default).
+
+    Returns ``{"passes", "options", "te_state", "reads_ub"}``, their sha256 under ``"uuid"``,
+    and ``"ub_reads"`` (the reasons, or ``None``; not hashed: they name graph nodes).
     """
-    parts = {
+    reads_ub = ub_reads is None or bool(ub_reads)
+    parts: dict[str, Any] = {
         "passes": {p.name: p.uuid() for p in manager.passes},
         "options": options.fingerprint_data(),
-        "te_state": te_state.fingerprint(),
+        "te_state": te_state.fingerprint(include_ub=reads_ub),
+        "reads_ub": reads_ub,
     }
     parts["uuid"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    parts["ub_reads"] = list(ub_reads) if ub_reads is not None else None
     return parts
 
 
@@ -65,7 +76,8 @@ class _StagePass(CustomInferenceAwareGraphPass):
     Installed as ``joint_custom_pre_pass`` (stage ``joint``) and ``post_grad_custom_pre_pass``
     (``post_grad_fwd`` / ``post_grad_bwd``: a post-grad graph with ``tangents_*`` placeholders
     is a backward graph). ``uuid()`` is the pipeline uuid, so Inductor's FX graph cache hits
-    only when passes, their config and the TE state they read are unchanged.
+    only when passes, their config and the TE state they read are unchanged (the UB snapshot
+    only for a graph that reads UB state: :func:`pipeline_uuid`).
     """
 
     def __init__(self, manager: PassManager, options: TePassesOptions, te_state: TEState,
@@ -163,6 +175,8 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     t0 = time.perf_counter()
     _run_stage(manager, gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs, report.graph_id), report)
     report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+    # The uuid (FX-graph-cache key part) covers the UB snapshot only if this graph reads UB state.
+    report.uuid = pipeline_uuid(manager, opts, te_state, ub_reads=ub_state_reads(gm, report.graph_id))
     _raise_ub_mismatches(report)
 
     for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):

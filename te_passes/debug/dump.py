@@ -552,8 +552,9 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
       "peak_before", "peak_after"}`` (largest concrete peaks, bytes);
     * ``graph_breaks[]``, ``eager_fallbacks[]``, ``recompiles[]``, ``frames[]`` from ``extra``
       (:class:`te_passes.debug.graph_breaks.CompileEvents`);
-    * ``uuid``: ``{graph_id: {"uuid", "passes", "options", "te_state"}}`` — what each graph's
-      pass-pipeline uuid was built from; ``graphs[]``: id, mode, stage list, time.
+    * ``uuid``: ``{graph_id: {"uuid", "passes", "options", "te_state", "reads_ub", "ub_reads"}}``
+      — what each graph's pass-pipeline uuid was built from (:func:`te_passes.backend.pipeline_uuid`);
+      ``graphs[]``: id, mode, stage list, time.
     """
     graphs = list(graphs)
     s: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -802,7 +803,9 @@ def render_index(summary: dict[str, Any], root: str) -> str:
     L.append("\n## Pipeline uuid (Inductor FX-graph-cache key part)\n")
     rows = [[gid, (u or {}).get("uuid", "")[:16], ", ".join(f"{k}={str(h)[:8]}" for k, h in
                                                           ((u or {}).get("passes") or {}).items()),
-             json.dumps((u or {}).get("options")), str((u or {}).get("te_state", ""))[:16]]
+             json.dumps((u or {}).get("options")), str((u or {}).get("te_state", ""))[:16],
+             {True: "yes", False: "no"}.get((u or {}).get("reads_ub"), "")]
             for gid, u in summary["uuid"].items()]
-    L.append(_md_table(["graph", "uuid", "passes (source+config hash)", "options", "te_state"], rows))
+    L.append(_md_table(["graph", "uuid", "passes (source+config hash)", "options", "te_state",
+                        "reads UB (UB snapshot in te_state)"], rows))
     return "\n".join(L)

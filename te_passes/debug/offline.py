@@ -77,6 +77,7 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
 
     from te_passes.backend import _run_stage, pipeline_uuid
     from te_passes.debug.dump import DumpWriter
+    from te_passes.te.guards import pop_dependence, ub_state_reads
 
     options = options or TePassesOptions()
     te_state = te_state or TEState.capture()
@@ -89,13 +90,16 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
     report = new_compile_report(mode)
     if graph_id is not None:
         report.graph_id = graph_id
-    report.uuid = pipeline_uuid(manager, options, te_state)
+    pop_dependence(report.graph_id)  # UB dependences a previous run of this graph id left (replay)
+    report.uuid = pipeline_uuid(manager, options, te_state)  # UB part not known yet: included
     report.te_state = te_state.to_json()
     for stage, gm, inputs in sorted(jobs, key=lambda j: STAGE_ORDER.index(j[0])):
         ctx = PassContext(stage, options, te_state, inputs, report.graph_id + _SUFFIX[stage])
         t0 = time.perf_counter()
         _run_stage(manager, gm, ctx, report)
         report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+        if stage is Stage.DYNAMO:  # as te_inductor: the UB part of the uuid once the Dynamo stage ran
+            report.uuid = pipeline_uuid(manager, options, te_state, ub_reads=ub_state_reads(gm, report.graph_id))
     report.time_ms_total = (time.perf_counter() - t_start) * 1e3
     if writer is not None:
         writer.finish(report)

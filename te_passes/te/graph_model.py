@@ -89,10 +89,14 @@ INNER_NAME_ROLES: dict[str, BufferRole] = {
     "_amax_columnwise": BufferRole.AMAX_COLUMNWISE,
 }
 
-#: Config-bundle keys that name Userbuffers overlap (``LinearFwdArgs``, TE 2.20).
+#: Config-bundle keys that name Userbuffers overlap flags, TE 2.20.2 ``module/linear.py``:
+#: ``LinearFwdArgs`` (``linear`` op) has the six ``ub_overlap_{ag,rs}_{fprop,dgrad}`` /
+#: ``ub_bulk_{dgrad,wgrad}`` flags; ``LinearBwdArgs`` (``linear_backward`` op) has
+#: ``ub_overlap_ag`` (set from the forward's ``ub_overlap_ag_dgrad``), ``ub_overlap_rs_dgrad``,
+#: ``ub_bulk_dgrad`` and ``ub_bulk_wgrad``.
 UB_CONFIG_KEYS: tuple[str, ...] = (
     "ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
-    "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
+    "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "ub_overlap_ag",
 )
 
 
@@ -241,7 +245,7 @@ CONFIG_FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                 "fuse_wgrad_accumulation", "origin_weight_overwrites_main_grad", "cpu_offloading"),
     "parallel": ("parallel_mode", "tp_group", "tp_size", "tensor_parallel", "sequence_parallel",
                  "symmetric_ar_type", "backward_input_needs_gather", "is_fsdp2"),
-    "userbuffers": ("ub_name", "ub_overlap_ag", *UB_CONFIG_KEYS),
+    "userbuffers": ("ub_name", *UB_CONFIG_KEYS),
 }
 
 

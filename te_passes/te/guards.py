@@ -391,6 +391,62 @@ def pop_dependence(graph_id: str) -> UbDependence:
         return _DEPS.pop(_base_graph_id(graph_id), UbDependence())
 
 
+def ub_state_reads(gm: torch.fx.GraphModule, graph_id: str) -> list[str]:
+    """Why the compilation of Dynamo graph ``graph_id`` reads the UB state, one sentence per
+    reason; empty when it does not. ``te_inductor`` calls it after the Dynamo-stage passes and
+    before ``compile_fx``, and puts the UB snapshot into the pipeline uuid (Inductor's FX graph
+    cache key) only when the list is non-empty (:func:`te_passes.backend.pipeline_uuid`), so a
+    UB change does not make graphs that never look at UB state miss the cache.
+
+    Conservative: any of these counts as a read —
+
+    * a dependence ``fold_ub_predicates`` registered at the Dynamo stage (:func:`register_dependence`:
+      folded query nodes, folds Dynamo made while tracing TE's ``get_ub_is_fp8``, checked TE op
+      UB configurations);
+    * folds Dynamo made while tracing this graph that no pass collected yet (the pass disabled);
+    * a UB query node left in ``gm`` (a later stage could fold it): a ``call_function`` of a TE
+      UB function or :func:`ub_query`, or a ``call_method`` in
+      :data:`te_passes.te.ub.UB_PREDICATE_METHODS` on a ``get_ub`` node;
+    * a TE op whose config bundle sets a UB overlap flag
+      (:data:`te_passes.te.graph_model.UB_CONFIG_KEYS`; ``fold_ub_predicates`` checks its buffers
+      at the post-grad stages too), or a TE op that cannot be decoded (its UB use is unknown).
+
+    Args:
+        gm: the Dynamo graph after the Dynamo-stage passes.
+        graph_id: its :class:`te_passes.report.CompileReport` id (``"g<N>"``).
+    """
+    from te_passes.te import graph_model as gmod
+    from te_passes.te.ub import UB_PREDICATE_METHODS, ub_query_function
+
+    reasons: list[str] = []
+    with _LOCK:
+        dep = _DEPS.get(_base_graph_id(graph_id))
+        pending = list(_PENDING_TRACE_FOLDS.get(_compile_key(), ()))
+    if dep is not None and dep.folds:
+        what = sorted({f"{f.api}{tuple(f.args)!r}" for f in dep.folds})
+        reasons.append(f"fold_ub_predicates folded UB queries: {', '.join(what)}")
+    if dep is not None and dep.checks:
+        reasons.append("fold_ub_predicates checked the UB configuration of TE ops "
+                       + ", ".join(sorted({c.node for c in dep.checks})))
+    if pending:
+        reasons.append(f"Dynamo folded {len(pending)} UB quer{'y' if len(pending) == 1 else 'ies'} while tracing")
+    for node in gm.graph.nodes:
+        fn = ub_query_function(node.target) if node.op == "call_function" else None
+        if fn is not None and fn != "get_ub":
+            reasons.append(f"UB query node {node.name} ({fn})")
+        elif node.op == "call_method" and node.target in UB_PREDICATE_METHODS and node.args \
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "call_function" \
+                and ub_query_function(node.args[0].target) == "get_ub":
+            reasons.append(f"UB query node {node.name} (get_ub.{node.target})")
+    unknown: list[str] = []
+    for call in gmod.te_op_calls(gm.graph, unknown=unknown):
+        flags = [k for k in gmod.UB_CONFIG_KEYS if call.config.get(k)]
+        if flags:
+            reasons.append(f"TE op {call.node.name} ({call.op}) sets {', '.join(flags)}")
+    reasons.extend(f"TE op not decoded, UB use unknown: {msg}" for msg in unknown)
+    return reasons
+
+
 def evaluate_dependence(dep: UbDependence, snap: UbSnapshot) -> tuple[list[tuple[UbFold, Any]], list[str]]:
     """Re-evaluate ``dep`` on ``snap``: ``(changed folds with their new value or error text,
     check problem messages)``."""

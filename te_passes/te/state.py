@@ -3,7 +3,8 @@
 Passes must not read TE globals directly: they read a :class:`TEState`, so that
 
 * what a compiled graph was specialised on is explicit and has a fingerprint (part of every
-  post-grad pass's ``uuid()`` and so of Inductor's FX-graph-cache key);
+  post-grad pass's ``uuid()`` and so of Inductor's FX-graph-cache key; the UB snapshot only for
+  graphs that read UB state);
 * the CLI can replay passes offline against a saved state (no GPU, no TE process state).
 """
 
@@ -52,6 +53,15 @@ class TEState:
             "extra": dict(self.extra),
         }
 
-    def fingerprint(self) -> str:
-        """sha256 over :meth:`to_json` (stable across processes)."""
-        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True, default=repr).encode()).hexdigest()
+    def fingerprint(self, *, include_ub: bool = True) -> str:
+        """sha256 over :meth:`to_json` (stable across processes).
+
+        ``include_ub=False`` leaves the UB snapshot out (hashed as if ``ub`` were ``None``, so
+        for a state without UB both agree): the fingerprint of what a graph that does not read
+        UB state depends on (:func:`te_passes.te.guards.ub_state_reads`,
+        :func:`te_passes.backend.pipeline_uuid`).
+        """
+        data = self.to_json()
+        if not include_ub:
+            data["ub"] = None
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()
