@@ -197,3 +197,37 @@ def test_real_te_linear_dynamo_graphs(ub_linear_aot):
         f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"]
     plain = capture_dynamo("linear", "bf16")
     assert guards.ub_state_reads(plain.gm, "gx_plain") == []
+
+
+@pytest.mark.parametrize("disable", [(), ("fold_ub_predicates",)], ids=["all_passes", "fold_disabled"])
+def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
+    """What te_inductor sees: the fp8 Dynamo graph after the Dynamo-stage passes (constants
+    hoisted, UB config checked) still reads UB state — also with fold_ub_predicates disabled
+    (the TE op's UB flags alone count); the plain fp8 te.Linear's graph does not."""
+    from te_passes.config import TePassesOptions
+    from te_passes.passes.base import Stage
+    from te_passes.testing.capture import capture_dynamo, run_pipeline
+
+    fp8 = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_fprop", "none"): C(), ("proj_dgrad", "fp8"): C(),
+           ("proj_dgrad", "none"): C()}
+    opts = TePassesOptions(disable=tuple(disable))
+    with ub_registry(fp8):
+        ub_cap = capture_dynamo("linear", "fp8-cs", **ROW_UB)
+        (rep,) = run_pipeline(ub_cap, [Stage.DYNAMO], options=opts, graph_id="g_ubdyn")
+        (plain_rep,) = run_pipeline(capture_dynamo("linear", "fp8-cs"), [Stage.DYNAMO], options=opts,
+                                    graph_id="g_plaindyn")
+    try:
+        assert [r.name for r in rep.runs if r.status == "ok"] == \
+            [n for n in ("fold_ub_predicates", "hoist_recipe_lookups") if n not in disable]
+        (call,) = gmod.te_op_calls(rep.gm.graph)
+        reasons = guards.ub_state_reads(rep.gm, "g_ubdyn")
+        flags = f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"
+        if disable:
+            assert reasons == [flags]
+        else:
+            assert reasons[-1] == flags
+            assert f"fold_ub_predicates checked the UB configuration of TE ops {call.node.name}" in reasons
+        assert guards.ub_state_reads(plain_rep.gm, "g_plaindyn") == []
+    finally:
+        guards.pop_dependence("g_ubdyn")
+        guards.pop_dependence("g_plaindyn")
