@@ -189,3 +189,47 @@ def test_cli_refuses_to_dump_into_a_sessions_dir(tmp_path):
     with pytest.raises(CliError, match="holds te_passes backend dump sessions .*choose another --out"):
         _clear_old_dump(str(d))
     assert (d / dump.session_id() / "report.json").is_file()
+
+
+RANK = textwrap.dedent("""
+    import sys, torch
+    opts = {"te_passes.dump_dir": sys.argv[1]}
+    f = torch.compile(lambda x: torch.relu(x) * 2, backend="te_inductor", options=opts)
+    g = torch.compile(lambda x, y: x @ y + 1, backend="te_inductor", options=opts)
+    f(torch.randn(4, 4)); g(torch.randn(4, 4), torch.randn(4, 4))
+""")
+
+
+def test_two_ranks_at_once_each_keep_their_graphs(tmp_path):
+    """Two processes (ranks of one job) writing into one dump directory at the same time: each
+    has its own session with both its graphs; the sessions index lists both, complete."""
+    d = tmp_path / "dumps"
+    e = dict(os.environ, PYTHONPATH=ROOT)
+    e.pop("TE_PASSES_DUMP_DIR", None)
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(d)], cwd=str(tmp_path), env=e,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    pids = sorted(p.pid for p in procs)
+    sessions = _load(d / "sessions.json")["sessions"]
+    assert sorted(s["pid"] for s in sessions) == pids
+    assert [s["graphs"] for s in sessions] == [["g0", "g1"], ["g0", "g1"]]
+    for s in sessions:
+        summary = _load(d / s["dir"] / "report.json")
+        assert summary["pid"] == s["pid"] and [g["graph_id"] for g in summary["graphs"]] == ["g0", "g1"]
+        assert _load(d / s["dir"] / "g1" / "report.json")["graph_id"] == "g1"
+    top = (d / "index.md").read_text()
+    assert all(f"[{s['session']}]({s['dir']}/index.md)" in top for s in sessions)
+
+
+def test_replay_of_a_sessions_dir_replays_the_newest_session(tmp_path, capsys):
+    from te_passes.debug.cli import main
+
+    d = tmp_path / "dumps"
+    gids = _compile_two(d)
+    assert main(["replay", str(d), "--check", "--plain"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{d} holds 1 backend dump session; replaying the newest, {d / dump.session_id()}"
+    assert [ln for ln in out if ln.startswith("reproduces the saved report")] and \
+        len([ln for ln in out if ln.startswith("== replay of ")]) == len(gids)

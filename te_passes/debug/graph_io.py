@@ -70,9 +70,18 @@ class _FnRef:
     qualname: str
 
     def resolve(self) -> Any:
-        obj: Any = importlib.import_module(self.module)
-        for part in self.qualname.split("."):
-            obj = getattr(obj, part)
+        mod: Any = importlib.import_module(self.module)
+        obj = mod
+        try:
+            for part in self.qualname.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            # builtins bound from a C class: torch.relu has __qualname__
+            # "_VariableFunctionsClass.relu" but lives at torch.relu
+            obj = getattr(mod, self.qualname.rsplit(".", 1)[-1], None)
+            if obj is None:
+                raise GraphFileError(f"function {self.module}.{self.qualname} does not exist in this "
+                                     f"process") from None
         return obj
 
 
