@@ -2,8 +2,9 @@
 
 The backend creates one :class:`DumpWriter` per ``te_inductor`` call when
 ``options={"te_passes.dump_dir": DIR}`` (or ``TE_PASSES_DUMP_DIR``) is given, or when tlparse
-tracing (``TORCH_TRACE``) is on, and registers it as a pass-manager observer. Layout of a dump (``DIR`` itself under
-``te-passes dump``; ``DIR/<session>`` for a backend-only dump, see below)::
+tracing (``TORCH_TRACE``) is on, and registers it as a pass-manager observer. Layout of a
+dump (``DIR`` itself under ``te-passes dump``; ``DIR/<session>`` for a backend-only dump, see
+below)::
 
     index.md                      links to everything below, summary tables
     report.json                   all graphs of the dump: passes[], folded[], frees[], memory,
