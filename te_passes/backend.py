@@ -159,6 +159,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     from torch._inductor.compile_fx import compile_fx
 
     t_start = time.perf_counter()
+    _install_te_hooks()
     opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()))
     config_patches = _inductor_config_patches(mode, inductor_options)
     te_state = TEState.capture(ub_snapshot=opts.ub_snapshot)
