@@ -231,3 +231,19 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
     finally:
         guards.pop_dependence("g_ubdyn")
         guards.pop_dependence("g_plaindyn")
+
+
+def test_index_md_says_which_graphs_read_ub_state(tmp_path):
+    from te_passes.debug.dump import session_id
+
+    x = torch.randn(8)
+    te_inductor(plain_graph(), [x], options={"te_passes.dump_dir": str(tmp_path)})
+    te_inductor(ub_graph(), [x], options={"te_passes.dump_dir": str(tmp_path)})
+    plain, ub = compile_reports()
+    index = (tmp_path / session_id() / "index.md").read_text()
+    rows = {ln.split("|")[1].strip(): ln.split("|")[-2].strip() for ln in index.splitlines()
+            if ln.startswith(f"| {plain.graph_id} |") or ln.startswith(f"| {ub.graph_id} |")}
+    assert rows[plain.graph_id] == "no" and rows[ub.graph_id] == "yes"
+    assert (f"- {ub.graph_id}: fold_ub_predicates folded UB queries: get_ub.is_fp8_ubuf('proj_fprop', True)"
+            in index.splitlines())
+    assert f"- {plain.graph_id}:" not in index

@@ -809,4 +809,8 @@ def render_index(summary: dict[str, Any], root: str) -> str:
             for gid, u in summary["uuid"].items()]
     L.append(_md_table(["graph", "uuid", "passes (source+config hash)", "options", "te_state",
                         "reads UB (UB snapshot in te_state)"], rows))
+    reads = [(gid, u["ub_reads"]) for gid, u in summary["uuid"].items() if (u or {}).get("ub_reads")]
+    if reads:
+        L.append("\nWhy a graph reads UB state (a UB change re-keys only these; te_passes.te.guards.ub_state_reads):\n")
+        L.extend(f"- {gid}: " + "; ".join(r) for gid, r in reads)
     return "\n".join(L)
