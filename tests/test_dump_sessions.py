@@ -92,7 +92,7 @@ def test_mode_is_default_everywhere(tmp_path):
     assert rows and rows[0].split("|")[2].strip() == "default"
 
 
-def test_explicit_mode_is_reported_as_given(tmp_path):
+def test_explicit_mode_is_reported_as_given(tmp_path, capsys):
     from te_passes.backend import te_inductor
 
     d = tmp_path / "dumps"
@@ -104,6 +104,10 @@ def test_explicit_mode_is_reported_as_given(tmp_path):
     assert rep.mode == "reduce-overhead"
     assert _load(sdir / rep.graph_id / "report.json")["mode"] == "reduce-overhead"
     assert [g["mode"] for g in _load(sdir / "report.json")["graphs"]] == ["reduce-overhead"]
+    from te_passes.debug.cli import main
+
+    assert main(["show", str(sdir), "--plain"]) == 0
+    assert "mode:         reduce-overhead" in capsys.readouterr().out.splitlines()
 
 
 PREVIOUS_RUN = textwrap.dedent("""

@@ -506,7 +506,9 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     out.line(f"target:       {s.get('target', '')}")
     if s.get("precision"):
         out.line(f"precision:    {s['precision']}")
-    out.line(f"mode:         {s.get('mode') or 'default'}")
+    # a backend session has no mode of its own: its graphs' modes (each "default" when none)
+    modes = s.get("mode") or ", ".join(dict.fromkeys(g.get("mode") or "default" for g in s.get("graphs", [])))
+    out.line(f"mode:         {modes or 'default'}")
     if s.get("compile_path"):
         out.line(f"compile path: {s['compile_path']}")
     out.line(f"versions:     te_passes {v.get('te_passes')}, torch {v.get('torch')}, "
