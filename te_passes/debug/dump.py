@@ -388,10 +388,21 @@ def read_sessions(root: str) -> list[dict[str, Any]]:
             continue
         if not isinstance(data, dict) or data.get("owner") != "backend" or data.get("session") != name:
             continue
-        graphs = [g["graph_id"] for g in _graph_reports(os.path.join(root, name))]
+        graphs = _graph_dir_names(os.path.join(root, name))
         out.append({"session": name, "dir": name, "pid": data.get("pid"), "host": data.get("host"),
                     "started": data.get("started"), "argv": data.get("argv"), "graphs": graphs})
     return sorted(out, key=lambda e: (str(e.get("started") or ""), e["session"]))
+
+
+def _graph_dir_names(root: str) -> list[str]:
+    """``g<N>`` folders of ``root`` holding a ``report.json``, in graph-id order (names only: the
+    sessions index is rewritten after every compiled graph, so no report is parsed here)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    out = [n for n in names if GRAPH_DIR_RE.fullmatch(n) and os.path.isfile(os.path.join(root, n, "report.json"))]
+    return sorted(out, key=lambda n: int(n[1:]))
 
 
 def latest_session_dir(root: str) -> str | None:
