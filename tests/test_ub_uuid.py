@@ -247,3 +247,19 @@ def test_index_md_says_which_graphs_read_ub_state(tmp_path):
     assert (f"- {ub.graph_id}: fold_ub_predicates folded UB queries: get_ub.is_fp8_ubuf('proj_fprop', True)"
             in index.splitlines())
     assert f"- {plain.graph_id}:" not in index
+
+
+def test_query_nodes_left_unfolded_count_as_ub_reads():
+    """fold_ub_predicates disabled everywhere: the query nodes stay in the graph, and the graph
+    still reads UB state (its uuid changes with it)."""
+    off = {"te_passes.disable": ["fold_ub_predicates"]}
+    gm = ub_graph()
+    reasons = guards.ub_state_reads(gm, "g_unfolded")
+    assert reasons == ["UB query node get_ub (get_ub)", "UB query node is_fp8_ubuf (get_ub.is_fp8_ubuf)"]
+    x = torch.randn(8)
+    te_inductor(ub_graph(), [x], options=off)
+    a = compile_reports()[-1].uuid
+    set_ub_registry(FP8_RS_PLUS)
+    te_inductor(ub_graph(), [x], options=off)
+    b = compile_reports()[-1].uuid
+    assert a["ub_reads"] == reasons and a["uuid"] != b["uuid"]

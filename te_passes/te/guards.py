@@ -405,7 +405,7 @@ def ub_state_reads(gm: torch.fx.GraphModule, graph_id: str) -> list[str]:
       UB configurations);
     * folds Dynamo made while tracing this graph that no pass collected yet (the pass disabled);
     * a UB query node left in ``gm`` (a later stage could fold it): a ``call_function`` of a TE
-      UB function or :func:`ub_query`, or a ``call_method`` in
+      UB function (``get_ub`` included) or :func:`ub_query`, or a ``call_method`` in
       :data:`te_passes.te.ub.UB_PREDICATE_METHODS` on a ``get_ub`` node;
     * a TE op whose config bundle sets a UB overlap flag
       (:data:`te_passes.te.graph_model.UB_CONFIG_KEYS`; ``fold_ub_predicates`` checks its buffers
@@ -432,7 +432,7 @@ def ub_state_reads(gm: torch.fx.GraphModule, graph_id: str) -> list[str]:
         reasons.append(f"Dynamo folded {len(pending)} UB quer{'y' if len(pending) == 1 else 'ies'} while tracing")
     for node in gm.graph.nodes:
         fn = ub_query_function(node.target) if node.op == "call_function" else None
-        if fn is not None and fn != "get_ub":
+        if fn is not None:  # get_ub itself too (conservative: a communicator in the graph)
             reasons.append(f"UB query node {node.name} ({fn})")
         elif node.op == "call_method" and node.target in UB_PREDICATE_METHODS and node.args \
                 and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "call_function" \
