@@ -70,7 +70,8 @@ def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
     """One ``graph_breaks[]`` entry: ``reason`` (short), ``location`` (innermost user frame),
     ``user_stack`` (``file:line (func)`` strings, outermost first), ``te`` (``{"module",
     "kind", "reason"}`` when the break is a TE eager island, else ``None``), ``full_reason``."""
-    te = classify_graph_break(reason)
+    inner = (user_stack[-1].filename, user_stack[-1].name) if user_stack else None
+    te = classify_graph_break(reason, inner)
     return {
         "reason": _short_reason(reason),
         "location": _location(user_stack),

@@ -60,19 +60,50 @@ _DISABLED_RE = re.compile(r"<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>")
 _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
 
 
+#: Follow-on breaks: a TE function whose frame Dynamo cannot resume after an island inside it,
+#: keyed by (path suffix of the file, function name) of the innermost frame -> (TE module, why).
+#: ``DotProductAttention.forward`` calls its attention backend (``FusedAttention.forward``,
+#: ``@no_torch_dynamo``) inside ``with self.prepare_forward_ctx(...)``
+#: (``attention/dot_product_attention/dot_product_attention.py``, TE 2.20.2 line 2318): a
+#: generator context manager Dynamo cannot build a resume function inside, so the island's break
+#: becomes "cannot resume" at the ``with`` line and the rest of the forward runs eagerly.
+FOLLOW_ON_BREAKS: dict[tuple[str, str], tuple[str, str]] = {
+    ("transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py", "forward"): (
+        "te.DotProductAttention",
+        "the eager attention backend (FusedAttention.forward, @no_torch_dynamo) is called inside "
+        "`with self.prepare_forward_ctx(...)`, which Dynamo cannot resume in: the rest of "
+        "DotProductAttention.forward runs eagerly"),
+}
+#: Dynamo's texts for a graph break it cannot resume from (torch 2.14 ``symbolic_convert``):
+#: the ``step_unsupported`` marker and "Encountered graph break that we cannot resume from".
+_CANNOT_RESUME_RE = re.compile(r"step_unsupported|cannot resume from", re.IGNORECASE)
+
+
 @dataclasses.dataclass
 class TEFallback:
     """A graph break attributed to TE: ``module`` (``"te.LayerNormLinear"``), ``kind``
     (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``, ``"eager_body"`` — the
-    eager half of a configuration fallback), ``reason`` (one line)."""
+    eager half of a configuration fallback, ``"follow_on"`` — a TE frame Dynamo could not resume
+    after an island inside it), ``reason`` (one line)."""
 
     module: str
     kind: str
     reason: str
 
 
-def classify_graph_break(reason: str) -> TEFallback | None:
-    """The TE eager island a Dynamo graph-break ``reason`` text stands for, or ``None``."""
+def classify_graph_break(reason: str, innermost_frame: tuple[str, str] | None = None) -> TEFallback | None:
+    """The TE eager island a Dynamo graph-break ``reason`` text stands for, or ``None``.
+
+    ``innermost_frame`` — ``(filename, function)`` of the break's innermost user-stack frame —
+    lets a "cannot resume" break inside a TE function of :data:`FOLLOW_ON_BREAKS` be attributed
+    (kind ``"follow_on"``); without it such a break stays unattributed.
+    """
+    if innermost_frame is not None and _CANNOT_RESUME_RE.search(reason):
+        filename, func = innermost_frame
+        norm = filename.replace("\\", "/")
+        for (suffix, fn_name), (mod, why) in FOLLOW_ON_BREAKS.items():
+            if func == fn_name and norm.endswith(suffix):
+                return TEFallback(mod, "follow_on", why)
     m = _USER_BREAK_RE.search(reason)
     if m and m.group("msg").startswith(LINEAR_FALLBACK_PREFIX):
         return TEFallback("te.Linear", "linear_config", m.group("msg")[len(LINEAR_FALLBACK_PREFIX):].strip())
