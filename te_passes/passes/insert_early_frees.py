@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from typing import Any
 
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, analyze_shared, gc_paused
+from te_passes.analyses.liveness import (Buffer, BufferOrigin, Liveness, analyze, analyze_shared, gc_paused,
+                                         is_opaque_call)
 from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.te import free_op, quantized
 
 POLICIES = ("opaque", "all")
+_REALIZE_KEY = "inductor_realize_to_strides"
+_ABSENT = object()
 
 
 class InsertEarlyFrees(TEPass):
@@ -54,7 +59,11 @@ class InsertEarlyFrees(TEPass):
     liveness: views, ``getitem``\\ s of multi-output ops, ``set_``). ``free_storage``
     rebinds the tensor to an empty storage (TE's ``clear_tensor_data`` semantics, see
     :mod:`te_passes.te.free_op`), and its Inductor lowering keeps Inductor from reusing the
-    freed buffer's memory.
+    freed buffer's memory. A freed value an opaque op reads is also marked
+    ``meta["inductor_realize_to_strides"]`` (:func:`te_passes.te.free_op.mark_realize`), so
+    Inductor materializes it once where it is defined and the opaque op and the free receive
+    that same buffer (without it, an ATen cast stays an unrealized ``Pointwise``, the custom
+    op's stride constraint copies it, and the free emptied a second copy).
 
     Example (``policy="all"``; an opaque op consuming an FP8 cast)::
 
@@ -92,6 +101,15 @@ class InsertEarlyFrees(TEPass):
         super().__init__(policy=policy, **config)
         self.policy = policy
 
+    @classmethod
+    def source_hash(cls) -> str:
+        """:meth:`TEPass.source_hash` plus the source of :mod:`te_passes.te.free_op`: its Inductor
+        lowering shapes the output code as much as this file does, so a change there must change
+        :meth:`uuid` (and with it the FX-graph-cache key) too."""
+        h = hashlib.sha256(super().source_hash().encode())
+        h.update(inspect.getsource(free_op).encode())
+        return h.hexdigest()
+
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         if not free_op.register_inductor_lowering():
             raise PassSkipped("cannot register the Inductor lowering of te_passes::free_storage "
@@ -113,15 +131,27 @@ class InsertEarlyFrees(TEPass):
         plan, records = self.plan(lv, ctx.stage)
         inserted: list[torch.fx.Node] = []
         last_inserted: dict[torch.fx.Node, torch.fx.Node] = {}
+        marked: list[tuple[torch.fx.Node, Any]] = []
         if plan:
-            # The rewrite only adds user-less free nodes: erasing them restores the graph, so
-            # the manager needs no copy of it.
+            # The rewrite only adds user-less free nodes and sets one meta flag: erasing them
+            # and restoring the flag restores the graph, so the manager needs no copy of it.
             def undo() -> None:
                 for n in reversed(inserted):
                     if not n._erased:
                         graph.erase_node(n)
+                for n, old in reversed(marked):
+                    if old is _ABSENT:
+                        n.meta.pop(_REALIZE_KEY, None)
+                    else:
+                        n.meta[_REALIZE_KEY] = old
             ctx.checkpoint(undo)
         for buf, after in plan:
+            if lv.opaque_uses.get(buf) and _may_lower_unrealized(buf.handle):
+                # The opaque reader must receive the buffer the free will empty: realize the
+                # value where it is defined (else a custom op's stride constraint copies an
+                # unrealized Pointwise and the op keeps the copy; free_op.is_materialized).
+                marked.append((buf.handle, buf.handle.meta.get(_REALIZE_KEY, _ABSENT)))
+                free_op.mark_realize(buf.handle)
             anchor = last_inserted.get(after, after)
             with graph.inserting_after(anchor):
                 free = graph.call_function(free_op.free_storage, (buf.handle,))
@@ -213,6 +243,14 @@ class InsertEarlyFrees(TEPass):
                 if lv.last_use[b] is not node:
                     raise AssertionError(f"insert_early_frees: {node.name} frees {b.name} but "
                                          f"{lv.last_use[b].name} uses it later")
+
+
+def _may_lower_unrealized(node: torch.fx.Node) -> bool:
+    """Whether Inductor may lower ``node`` to a value without a buffer (a ``Pointwise`` or
+    ``Reduction`` loader): a call of an ATen/prims op. Outputs of opaque ops and their
+    ``getitem``\ s are extern-kernel buffers already."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and not is_opaque_call(node))
 
 
 def memory_record(before: MemoryEstimate, after: MemoryEstimate) -> dict[str, Any]:

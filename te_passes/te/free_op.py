@@ -31,6 +31,16 @@ storage we emptied would hand the later kernel an empty storage. The lowering re
 ``V.graph.never_reuse_buffers`` — what Inductor's own ``ResizeStorageBytes`` does
 (``torch/_inductor/ir.py``, torch 2.14) — and emits a plain fallback call.
 
+The lowering never *realizes* its argument. An ATen cast lowers to an unrealized
+``Pointwise``; a custom op with Inductor's default ``needs_exact_strides`` constraint copies
+such an input into a buffer of its own (``ExternKernel.require_strides`` -> ``copy_input``),
+so realizing the original at the free computed the value a second time, into a buffer made
+only to be freed, while the copy the opaque op kept stayed full (measured: the fused kernel
+wrote ``buf0`` for the op and ``buf2`` for the free). Now ``insert_early_frees`` marks the
+freed value ``inductor_realize_to_strides`` (:func:`mark_realize`) so it is one buffer from its
+definition on, and the lowering emits no call for a value that is still unrealized
+(:func:`is_materialized`): no reader received it, nothing holds it.
+
 CUDA graphs (``mode="reduce-overhead"``, cudagraph trees)
 ---------------------------------------------------------
 The op launches no kernel and never synchronises; it only drops a host-side reference. While a
@@ -91,10 +101,11 @@ _lowering_error: str | None = None
 def register_inductor_lowering() -> bool:
     """Register :data:`free_storage`'s Inductor lowering (idempotent); True when registered.
 
-    The lowering realizes the argument, emits Inductor's generic fallback call for the op
-    (``torch._inductor.lowering.fallback_handler``) and adds the argument's buffer to
-    ``V.graph.never_reuse_buffers`` so Inductor's wrapper never reuses the freed memory for a
-    later buffer. Uses ``torch._inductor.lowering.register_lowering`` (torch 2.14); when that
+    For an argument that already has a buffer (:func:`is_materialized`) the lowering emits
+    Inductor's generic fallback call for the op (``torch._inductor.lowering.fallback_handler``)
+    and adds the buffer to ``V.graph.never_reuse_buffers`` so Inductor's wrapper never reuses
+    the freed memory for a later buffer. For an argument still unrealized (fused into its
+    readers, or copied by them) it emits nothing and creates no buffer. Uses ``torch._inductor.lowering.register_lowering`` (torch 2.14); when that
     internal API is unavailable it returns False and :func:`lowering_error` says why — the
     ``insert_early_frees`` pass then refuses to insert frees into graphs Inductor will compile.
     """
@@ -111,7 +122,12 @@ def register_inductor_lowering() -> bool:
 
                 @L.register_lowering(free_storage, type_promotion_kind=None)
                 def _lower_free_storage(t):
-                    t.realize()
+                    if not is_materialized(t):
+                        # No kernel got this value as a buffer: every reader so far inlined
+                        # it, or (a layout constraint) copied it. Realizing it here would
+                        # compute it once more into a buffer made only to be freed.
+                        _log_dropped_free(t)
+                        return None
                     V.graph.never_reuse_buffers.add(t.get_name())
                     return fallback(t)
 
@@ -120,6 +136,59 @@ def register_inductor_lowering() -> bool:
             _lowering_registered = False
             _lowering_error = f"{type(e).__name__}: {e}"
         return _lowering_registered
+
+
+def is_materialized(t) -> bool:
+    """Whether Inductor IR value ``t`` (the free's argument at lowering time) already has a
+    buffer: a realized ``StorageBox`` (``ComputedBuffer``, an extern kernel's output, an input),
+    possibly seen through views. False for a ``Pointwise``/``Reduction`` that is still only a
+    loader (``torch/_inductor/ir.py`` ``StorageBox.realize``, ``IRNode.is_realized_node``,
+    torch 2.14).
+
+    Why it matters: a free must release the buffer the graph's readers received. An unrealized
+    value at the free means no reader received a buffer of it — Inductor kernels inlined its
+    loader, and an extern kernel with a stride constraint (a custom op's default
+    ``needs_exact_strides``: ``ExternKernel.require_strides`` -> ``copy_input``) got a *copy*.
+    ``insert_early_frees`` marks the freed value ``inductor_realize_to_strides`` so that an
+    opaque reader receives the realized buffer itself (see :func:`mark_realize`).
+    """
+    from torch._inductor import ir
+
+    x = t
+    while True:
+        if isinstance(x, ir.TensorBox) or (isinstance(x, ir.BaseView) and not isinstance(x, ir.ReinterpretView)):
+            x = x.data
+            continue
+        break
+    if isinstance(x, ir.StorageBox):
+        return ir.IRNode.is_realized_node(x.data)
+    return True
+
+
+def mark_realize(node: torch.fx.Node) -> None:
+    """Ask Inductor to realize FX ``node``'s value into a buffer right where it is lowered.
+
+    Sets ``node.meta["inductor_realize_to_strides"] = True``, the flag Inductor's own post-grad
+    passes set for the same purpose (``torch/_inductor/fx_passes/decompose_mem_bound_mm.py``
+    ``realize_inputs``; read in ``GraphLowering.run_node``, torch 2.14): the value becomes a
+    ``ComputedBuffer`` with ``meta['val']``'s stride order before any user is lowered. A later
+    custom op with ``needs_exact_strides`` then freezes that buffer's layout instead of
+    copying an unrealized ``Pointwise`` into a buffer of its own, so the op and the free
+    receive the same buffer. Costs nothing when an extern kernel reads the value anyway (it
+    would be materialized once either way; here it is the same single kernel and buffer).
+    """
+    node.meta["inductor_realize_to_strides"] = True
+
+
+def _log_dropped_free(t) -> None:
+    try:
+        name = t.get_name()
+    except Exception:  # noqa: BLE001 - an unrealized Pointwise has no buffer name
+        name = type(t).__name__
+    from te_passes._logging import get_logger
+
+    get_logger().debug("free_storage lowering: %s was never materialized (inlined or copied by "
+                       "its readers); no buffer to free, none created", name)
 
 
 def lowering_error() -> str | None:

@@ -7,7 +7,10 @@ with "... tensor(s) in the cudagraph pool not tracked as outputs". With ``insert
 the free after the op empties the very tensor object the op kept (TE's ``clear_tensor_data``
 semantics), so the step records and replays cleanly and matches eager.
 
-NOTE: written without GPU access in its session (the device budget was spent); first run pending.
+The free used to empty a duplicate: Inductor copied the unrealized FP8 cast into a buffer of
+its own for the custom op (its ``needs_exact_strides`` constraint) and the free's lowering
+realized the cast a second time (measured on an H200: the pool assertion still fired). The CPU
+counterpart that pins the fix is ``tests/test_early_frees_inductor.py``.
 """
 
 from __future__ import annotations
@@ -61,9 +64,30 @@ def test_free_after_a_retaining_opaque_op_keeps_the_cudagraph_pool_clean():
 
 def test_without_the_free_cudagraph_trees_reject_the_kept_tensor():
     x, w = _inputs()
-    compiled = torch.compile(_f, backend="te_inductor", mode="reduce-overhead",
-                             options={"te_passes.disable": ["insert_early_frees"]})
+    # torch.compile refuses mode= together with options= ("Either mode or options can be
+    # specified"); triton.cudagraphs=True is what mode="reduce-overhead" sets (docs/usage.md).
+    compiled = torch.compile(_f, backend="te_inductor",
+                             options={"triton.cudagraphs": True,
+                                      "te_passes.disable": ["insert_early_frees"]})
     with pytest.raises(Exception, match="not tracked as outputs"):
         for _ in range(5):
             compiled(x, w)
         torch.cuda.synchronize()
+
+
+def test_the_free_and_the_opaque_op_get_the_same_single_fp8_buffer():
+    """The output code (default mode) allocates one float8 buffer, computes the cast once, and
+    passes that buffer to the opaque op and then to the free."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    x, w = _inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(_f, backend="te_inductor", options={"fx_graph_cache": False})
+    out, (code,) = run_and_get_code(compiled, x, w)
+    assert _KEPT and _KEPT[0].numel() == 0
+    assert torch.equal(out, _f(x, w))
+    (buf,) = re.findall(r"^\s*(buf\d+) = empty_strided_cuda\([^\n]*torch\.float8_e4m3fn\)", code, re.M)
+    assert re.findall(r"torch\.ops\.tpq_gpu\.keep_and_gemm\.default\((\w+)", code) == [buf]
+    assert re.findall(r"torch\.ops\.te_passes\.free_storage\.default\((\w+)", code) == [buf]
