@@ -212,3 +212,24 @@ def test_undo_removes_the_frees_and_the_realize_flag():
     undo()
     assert gm.graph.python_code("self").src == before
     assert not any("inductor_realize_to_strides" in n.meta for n in gm.graph.nodes)
+
+
+def test_lowering_warns_when_an_opaque_reader_got_a_copy(monkeypatch, caplog):
+    """If the realize mark is lost (simulated: ``free_op.mark_realize`` does nothing), the
+    custom op gets Inductor's copy; the lowering then emits no free (it would only compute a
+    duplicate) and warns, naming the value and the opaque op."""
+    import logging
+
+    from te_passes._logging import get_logger
+    from te_passes.te import free_op
+
+    monkeypatch.setattr(free_op, "mark_realize", lambda node: None)
+    get_logger()  # registered with torch._logging
+    caplog.set_level(logging.DEBUG, logger="te_passes")
+    x, w = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
+    out, code, frees, kept = _compile_and_code(_f, x, w)
+    assert torch.equal(out, _f(x, w))
+    assert len(frees) == 1 and kept[0].numel() == 64 * 64
+    assert "free_storage" not in code and len(_fp8_allocations(code)) == 1
+    (warn,) = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "te_passes"]
+    assert "is read by opaque op(s) keep_and_gemm" in warn.getMessage()

@@ -181,14 +181,26 @@ def mark_realize(node: torch.fx.Node) -> None:
 
 
 def _log_dropped_free(t) -> None:
-    try:
-        name = t.get_name()
-    except Exception:  # noqa: BLE001 - an unrealized Pointwise has no buffer name
-        name = type(t).__name__
+    """Log a free the lowering drops. Debug level when only Inductor kernels read the value
+    (they inlined it: nothing to free); a warning when an opaque op reads it — then that op got a
+    copy the free cannot reach (the ``inductor_realize_to_strides`` mark was lost, e.g. a later
+    post-grad pass replaced the node)."""
     from te_passes._logging import get_logger
+    from te_passes.analyses.liveness import is_opaque_call
+    from torch._inductor.virtualized import V
 
-    get_logger().debug("free_storage lowering: %s was never materialized (inlined or copied by "
-                       "its readers); no buffer to free, none created", name)
+    node = getattr(V.graph, "current_node", None)
+    arg = node.args[0] if node is not None and node.args else None
+    opaque = sorted(u.name for u in getattr(arg, "users", ()) if u is not node and is_opaque_call(u))
+    name = getattr(arg, "name", type(t).__name__)
+    if opaque:
+        get_logger().warning(
+            "free_storage lowering: %s is read by opaque op(s) %s but Inductor never materialized "
+            "it (it was not marked inductor_realize_to_strides); they received a copy this free "
+            "cannot empty, so no free is emitted", name, ", ".join(opaque))
+    else:
+        get_logger().debug("free_storage lowering: %s was never materialized (its readers inlined "
+                           "it); no buffer to free, none created", name)
 
 
 def lowering_error() -> str | None:
