@@ -48,11 +48,16 @@ def _inputs():
 
 
 def test_free_after_a_retaining_opaque_op_keeps_the_cudagraph_pool_clean():
-    from te_passes.report import compile_reports
+    from te_passes.report import clear_compile_reports, compile_reports
 
     x, w = _inputs()
     expect = _f(x, w)
-    compiled = torch.compile(_f, backend="te_inductor", mode="reduce-overhead")
+    clear_compile_reports()
+    # = mode="reduce-overhead"; FX graph cache off: on a cache hit the passes do not run and
+    # leave no records (so a second run of this file on the same machine would fail below).
+    torch._dynamo.reset()
+    compiled = torch.compile(_f, backend="te_inductor",
+                             options={"triton.cudagraphs": True, "fx_graph_cache": False})
     for _ in range(5):
         out = compiled(x, w)
     torch.cuda.synchronize()
@@ -64,6 +69,7 @@ def test_free_after_a_retaining_opaque_op_keeps_the_cudagraph_pool_clean():
 
 def test_without_the_free_cudagraph_trees_reject_the_kept_tensor():
     x, w = _inputs()
+    torch._dynamo.reset()
     # torch.compile refuses mode= together with options= ("Either mode or options can be
     # specified"); triton.cudagraphs=True is what mode="reduce-overhead" sets (docs/usage.md).
     compiled = torch.compile(_f, backend="te_inductor",
