@@ -41,7 +41,7 @@ def _(q, w):
     return q.new_empty((q.shape[0], w.shape[1]), dtype=w.dtype)
 
 
-def _compile_and_code(fn, *args, **options):
+def _compile_and_code(fn, *args, dynamic=None, **options):
     """``(output, output code, free records, tensors the opaque op kept)`` of one fresh
     ``te_inductor`` compile and call of ``fn`` (FX graph cache off so the passes and the
     lowering really run). The kept tensors are taken right after the compiled call, before
@@ -51,7 +51,8 @@ def _compile_and_code(fn, *args, **options):
     torch._dynamo.reset()
     clear_compile_reports()
     _KEPT.clear()
-    compiled = torch.compile(fn, backend="te_inductor", options={"fx_graph_cache": False, **options})
+    compiled = torch.compile(fn, backend="te_inductor", dynamic=dynamic,
+                             options={"fx_graph_cache": False, **options})
     out, codes = run_and_get_code(compiled, *args)
     torch._dynamo.reset()
     kept = list(_KEPT)
@@ -90,6 +91,18 @@ def test_free_empties_the_tensor_the_opaque_op_kept():
     assert _call_args(code, "tpq_efi.keep_and_gemm") == [buf]
     assert _call_args(code, "te_passes.free_storage") == [buf]
     assert f"= {buf}; del {buf}  # reuse" not in code  # never-reuse protection kept
+
+
+def test_symbolic_shapes_one_buffer_and_the_kept_tensor_emptied():
+    """``dynamic=True`` (symbolic sizes and strides: ``run_node`` realizes but skips the
+    stride-order check): still one FP8 buffer given to the op and to the free."""
+    x, w = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(64, 8, dtype=torch.bfloat16)
+    out, code, frees, kept = _compile_and_code(_f, x, w, dynamic=True)
+    assert torch.equal(out, _f(x, w))
+    assert len(frees) == 1 and kept[0].numel() == 0
+    (buf,) = _fp8_allocations(code)
+    assert _call_args(code, "tpq_efi.keep_and_gemm") == [buf]
+    assert _call_args(code, "te_passes.free_storage") == [buf]
 
 
 def test_free_of_a_non_contiguous_cast_reaches_the_same_buffer():
