@@ -1,7 +1,9 @@
 """The ``te_inductor`` torch.compile backend: TE-aware passes, then Inductor.
 
 Registered as the ``torch_dynamo_backends`` entry point ``te_inductor`` (pyproject.toml), so
-``torch.compile(model, backend="te_inductor", mode=..., options=...)`` works with no import.
+``torch.compile(model, backend="te_inductor", mode=...)`` or ``..., options=...)`` works with no
+import (torch.compile refuses both at once; ``functools.partial(te_inductor, mode=..., options=...)``
+takes both, see docs/usage.md).
 
 Pipeline for one Dynamo graph::
 

@@ -5,8 +5,8 @@ Each example is a small ``te.Linear`` model (``model="linear"``: ``te.Linear(64,
 backward in a given precision. :func:`run_example` takes one of two paths:
 
 * **GPU** (``torch.cuda.is_available()`` and TE's compile path on): the model is built on the
-  GPU and run under ``torch.compile(backend="te_inductor", mode=..., options={"te_passes.
-  dump_dir": ...})`` — the real backend, Inductor and all;
+  GPU and run under ``torch.compile(backend=functools.partial(te_inductor, mode=...,
+  options={"te_passes.dump_dir": ...}))`` — the real backend, Inductor and all;
 * **no GPU** (this project's CI machines): the real Dynamo graph and AOTAutograd joint /
   forward / backward graphs are captured on fake CUDA tensors
   (:mod:`te_passes.testing.capture`) and the full pass pipeline runs on them at every stage,
@@ -17,6 +17,8 @@ backward in a given precision. :func:`run_example` takes one of two paths:
 """
 
 from __future__ import annotations
+
+import functools
 
 import dataclasses
 from typing import Any, Callable, Sequence
@@ -161,7 +163,10 @@ def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | N
     options: dict[str, Any] = {"te_passes.disable": list(disable)}
     if dump_dir is not None:
         options["te_passes.dump_dir"] = dump_dir
-    compiled = torch.compile(step, backend="te_inductor", mode=mode, options=options)
+    # torch.compile refuses mode= together with options= (docs/usage.md): pass both to the backend.
+    from te_passes.backend import te_inductor
+
+    compiled = torch.compile(step, backend=functools.partial(te_inductor, mode=mode, options=options))
     n0 = len(compile_reports())
     say("compiling and running 2 forward+backward steps under torch.compile(backend='te_inductor')")
     for _ in range(2):
