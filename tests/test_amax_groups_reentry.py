@@ -156,6 +156,23 @@ def test_backward_wrapper_releases_both_quantizers_and_counts_them(group, stub_i
     assert amax_groups.hook_stats()["released_after_calls"] == before + 1  # qi was set to None
 
 
+def test_call_never_drops_a_group_the_quantizer_had_before_it(group, stub_impls):
+    """If a group was set outside the impls (a TE that stops re-applying it per call, which
+    ``unsafe_reason``'s name check cannot see, or user code), a wrapped call puts it back rather
+    than dropping it: dropping it would silently skip the amax reduction from the next call on.
+    Here the stand-in sets it again (so the check passes) but the group was there first."""
+    from te_passes.te.amax_groups import holds_process_group
+
+    linear, body = stub_impls
+    q = _quantizer()
+    body["fwd"] = lambda args: args
+    set_quantizer_amax_reduction_group(q, group)
+    linear._linear_forward_impl(types.SimpleNamespace(input_quantizer=q, tp_group=None))
+    assert holds_process_group(q) and q.amax_reduction_group is group and q.with_amax_reduction
+    linear._linear_forward_impl(types.SimpleNamespace(input_quantizer=q, tp_group=group))
+    assert q.amax_reduction_group is group
+
+
 def test_sweep_skips_a_quantizer_a_running_call_holds(group, stub_impls):
     """The install-time sweep can run on the compiling thread while another thread is inside an
     eager impl: it must leave that call's group alone."""
@@ -182,12 +199,12 @@ def test_sweep_skips_a_quantizer_a_running_call_holds(group, stub_impls):
     assert sweep_live_linear_modules([module]) == 1 and not holds_process_group(q)
 
 
-@pytest.mark.parametrize("sequence_parallel,budget_ns", [(True, 3500), (False, 800)])
+@pytest.mark.parametrize("sequence_parallel,budget_ns", [(True, 4000), (False, 800)])
 def test_wrapper_overhead_per_eager_call_is_small(group, sequence_parallel, budget_ns):
     """TE's eager Linear call costs tens of microseconds of Python; the wrappers must stay well
     under that. Before this file's fix the backward wrapper added 5.3 us per call, SP or not
     (``from torch._C._distributed_c10d import ProcessGroup`` ran for every quantizer); after it:
-    ~1.7 us with sequence parallelism, ~0.15 us without (2-core CPU box; budgets leave 2x)."""
+    ~2.1 us with sequence parallelism, ~0.2 us without (2-core CPU box)."""
     from te_passes.te import amax_groups
 
     args = types.SimpleNamespace(input_quantizer=_quantizer(), grad_output_quantizer=_quantizer(),

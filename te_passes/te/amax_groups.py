@@ -30,11 +30,13 @@ group name in the config bundle, ``dynamo/custom_op.py`` ``PROCESS_GROUP``). So 
 1. wraps TE's ``_linear_forward_impl`` / ``_linear_backward_impl`` (rebinding the names in
    ``transformer_engine.pytorch.module.linear``, as :mod:`te_passes.te.guards` does for the UB
    functions) so that the groups they set for one call are released when the call returns —
-   the module's quantizers look to Dynamo as they did before any eager step. A group is released
-   only when the *last* wrapped call running on that quantizer returns (per-quantizer count of
-   calls in flight, all threads): a nested call, or a forward on one thread overlapping a backward
-   of the same module on the autograd engine's device thread, keeps the group until it has
-   quantized (releasing it earlier would silently skip the TP amax reduction); and
+   the module's quantizers look to Dynamo as they did before any eager step. Precisely: when the
+   *last* wrapped call running on a quantizer returns (count of calls in flight, all threads),
+   the quantizer gets back the group it had before the first of them began. So a nested call, or
+   a forward on one thread overlapping a backward of the same module on the autograd engine's
+   device thread, keeps the group until it has quantized (dropping it earlier would silently skip
+   the TP amax reduction), and a group set outside the impls (not TE 2.20's per-call one) is never
+   dropped by a call; and
 2. when the hooks are installed (when ``te_inductor`` is looked up, i.e. at ``torch.compile``),
    sweeps the live ``te.Linear`` modules once and releases the groups left by eager steps that
    ran before te_passes was loaded.
@@ -94,12 +96,14 @@ _STATE = _HookState()
 _LOCK = threading.Lock()
 #: Guards :data:`_IN_FLIGHT` and every release of a per-call group (wrappers and sweep).
 _CALLS_LOCK = threading.Lock()
-#: ``id(quantizer TE's setter writes to)`` -> wrapped impl calls now running with it (all
-#: threads). A call releases the group only when it is the last one running on that quantizer:
-#: TE's impls never release the group themselves, so overlapping calls (a nested call, or the
-#: autograd engine's device thread running a backward while another thread runs a forward of the
-#: same module) rely on it staying set until they have quantized.
-_IN_FLIGHT: dict[int, int] = {}
+#: ``id(quantizer TE's setter writes to)`` -> ``[wrapped impl calls now running with it (all
+#: threads), its amax_reduction_group before the first of them began]``. Only the *last* running
+#: call puts the group back, and it puts back what was there before (``None`` under TE 2.20.2
+#: once the sweep ran): TE's impls never release the group themselves, so overlapping calls (a
+#: nested call, or the autograd engine's device thread running a backward while another thread
+#: runs a forward of the same module) rely on it staying set until they have quantized; and a
+#: group that was on the quantizer before the call (not TE 2.20's per-call one) is never dropped.
+_IN_FLIGHT: dict[int, list] = {}
 _UNSET = object()
 _PG_TYPE: Any = _UNSET   # torch.distributed.ProcessGroup, or None without torch.distributed
 _SETTER: Any = None      # TE's set_quantizer_amax_reduction_group, once imported
@@ -187,10 +191,12 @@ def unsafe_reason(linear_module: Any) -> str | None:
 
 def _wrap_impl(orig: Callable, fields: tuple[str, ...]) -> Callable:
     """``orig`` (a TE impl taking the args dataclass first) that, when the last call running on
-    a quantizer in ``fields`` returns (or raises), releases the group TE set on it.
+    a quantizer in ``fields`` returns (or raises), gives that quantizer back the amax-reduction
+    group it had before the first of those calls began (i.e. releases the group TE set for the
+    call; see :data:`_IN_FLIGHT`).
 
     Overhead per call on this project's 2-core CPU box (``tests/test_amax_groups_reentry.py``):
-    ~0.1 us without sequence parallelism, ~1.2 us (forward) / ~1.7 us (backward) with it.
+    ~0.2 us without sequence parallelism, ~1.5 us (forward) / ~2.1 us (backward) with it.
     """
     @functools.wraps(orig)
     def impl(args, *rest, **kwargs):
@@ -198,33 +204,39 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...]) -> Callable:
             # TE gives a group only to sequence-parallel calls (linear.py:448/1142/1150): a
             # non-SP call sets None itself, so it has nothing to release (and costs ~0.1 us).
             return orig(args, *rest, **kwargs)
-        held = None  # [(quantizer, _group_key(quantizer))]; written for speed (runs per eager call)
+        held = None  # [(quantizer, object TE's setter writes to)]; kept lean: runs per eager call
         for f in fields:
             q = getattr(args, f, None)
             if q is not None:
                 if held is None:
                     held = []
-                held.append((q, id(getattr(q, "parent_quantizer", q))))
+                held.append((q, getattr(q, "parent_quantizer", q)))
         if held is None:
             return orig(args, *rest, **kwargs)
         with _CALLS_LOCK:
-            for _, k in held:
-                _IN_FLIGHT[k] = _IN_FLIGHT.get(k, 0) + 1
+            for _, t in held:
+                entry = _IN_FLIGHT.get(id(t))
+                if entry is None:
+                    _IN_FLIGHT[id(t)] = [1, getattr(t, "amax_reduction_group", None)]
+                else:
+                    entry[0] += 1
         try:
             return orig(args, *rest, **kwargs)
         finally:
-            with _CALLS_LOCK:  # released under the lock: no call can start (and set it) meanwhile
+            with _CALLS_LOCK:  # restored under the lock: no call can start (and set it) meanwhile
                 last = None
-                for q, k in held:  # every count first, so a failing release cannot leak one
-                    n = _IN_FLIGHT[k] - 1
-                    if n:
-                        _IN_FLIGHT[k] = n
-                    else:
-                        del _IN_FLIGHT[k]
-                        last = [q] if last is None else [*last, q]
-                for q in last or ():
-                    if release_group(q):
-                        _STATE.released_after_calls += 1
+                for q, t in held:  # every count first, so a failing restore cannot leak one
+                    entry = _IN_FLIGHT[id(t)]
+                    entry[0] -= 1
+                    if not entry[0]:
+                        del _IN_FLIGHT[id(t)]
+                        last = [(q, t, entry[1])] if last is None else [*last, (q, t, entry[1])]
+                for q, t, before in last or ():
+                    if before is None:
+                        if release_group(q):
+                            _STATE.released_after_calls += 1
+                    elif getattr(t, "amax_reduction_group", None) is not before:
+                        _setter()(q, before)
 
     impl._te_passes_amax_hook = True  # type: ignore[attr-defined]
     return impl
