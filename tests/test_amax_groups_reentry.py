@@ -219,3 +219,64 @@ def test_wrapper_overhead_per_eager_call_is_small(group, sequence_parallel, budg
         return min(timeit.repeat(lambda: fn(args), number=n, repeat=7)) / n
     overhead_ns = (best(wrapped) - best(orig)) * 1e9
     assert overhead_ns < budget_ns, f"backward wrapper adds {overhead_ns:.0f} ns per call"
+
+
+def test_debug_quantizers_of_one_parent_share_the_in_flight_count(group, stub_impls):
+    """TE builds ``DebugQuantizer`` wrappers per call (``_get_debug_quantizers``) around the
+    module's persistent quantizers, and TE's setter writes to ``parent_quantizer``
+    (``module/_common.py``): calls with *different* wrappers of one parent are counted together."""
+    from te_passes.te.amax_groups import holds_process_group
+
+    linear, body = stub_impls
+    parent = _quantizer()
+    outer, inner = (types.SimpleNamespace(parent_quantizer=parent) for _ in range(2))  # DebugQuantizer's shape
+    seen = []
+
+    def fwd(args):
+        if args.input_quantizer is outer:
+            linear._linear_forward_impl(types.SimpleNamespace(input_quantizer=inner, tp_group=group))
+            seen.append(holds_process_group(parent))
+        return args
+    body["fwd"] = fwd
+    linear._linear_forward_impl(types.SimpleNamespace(input_quantizer=outer, tp_group=group))
+    assert seen == [True]
+    assert not holds_process_group(parent) and not holds_process_group(outer)
+
+
+def test_te_imported_after_te_passes_gets_hooks_and_sweep_at_first_dynamo_compile():
+    """te_passes loaded first (no TE yet: nothing to wrap); TE imported, an unwrapped eager call
+    leaves a group; the first Dynamo compile (any backend: backend.py's start callback) wraps the
+    impls and the sweep releases the leftover before the frame is traced."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        import te_passes.backend
+        from te_passes.te import amax_groups as ag
+        assert "transformer_engine.pytorch.module.linear" not in sys.modules
+        assert not ag.amax_group_hooks_installed()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        import transformer_engine.pytorch as te
+        from transformer_engine.pytorch.module import linear
+        from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
+        lin = linear.Linear.__new__(linear.Linear)   # a live te.Linear as the sweep sees it (no GPU
+        torch.nn.Module.__init__(lin)                # here to build one); the slot is the input's
+        lin.quantizers = {"scaling_fwd": [linear.Float8CurrentScalingQuantizer(
+            te.constants.TE_DType[torch.float8_e4m3fn], device=torch.device("cpu"))], "scaling_bwd": []}
+        q = lin.quantizers["scaling_fwd"][0]
+        set_quantizer_amax_reduction_group(q, dist.group.WORLD)   # what linear.py:448 leaves
+        assert not getattr(linear._linear_forward_impl, "_te_passes_amax_hook", False)
+        seen = []
+        def probe(gm, example_inputs):
+            seen.append(ag.holds_process_group(q))
+            return gm
+        torch.compile(lambda x: x + 1, backend=probe)(torch.ones(2))
+        assert getattr(linear._linear_forward_impl, "_te_passes_amax_hook", False)
+        assert seen == [False], seen
+        assert ag.hook_stats()["released_at_install"] == 1, ag.hook_stats()
+        print("OK")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
