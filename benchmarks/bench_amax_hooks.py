@@ -1,0 +1,72 @@
+"""Per-call cost of te_passes' amax-group hooks on TE's eager Linear impls, side by side.
+
+The hooks (:mod:`te_passes.te.amax_groups`) wrap ``_linear_forward_impl`` /
+``_linear_backward_impl`` of TE 2.20.2; every *eager* te.Linear call pays the wrapper. Timed
+here, interleaved (a/b/a/b, so machine noise hits both alike), ns per call, best of
+``--repeats`` runs of ``--calls`` calls:
+
+* ``unwrapped``          — a stand-in impl that returns its args (the floor of a Python call);
+* ``forward wrapper``    — the same stand-in behind the forward wrapper (input quantizer);
+* ``backward wrapper``   — behind the backward wrapper (input + grad-output quantizers);
+
+each with ``sequence_parallel`` True (quantizers hold a fake TP group of size 2 while the call
+runs: the in-flight bookkeeping path) and False (TE sets no group: the fast path). The
+quantizers are TE's real ``Float8CurrentScalingQuantizer`` (constructed on CPU). A real eager
+te.Linear call costs tens of microseconds of Python; the overhead column is what matters.
+
+Run: ``PYTHONPATH=. python benchmarks/bench_amax_hooks.py [--calls 20000] [--repeats 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+import types
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    import transformer_engine.pytorch  # noqa: F401  (torch first, then TE)
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    from te_passes.te import amax_groups
+
+    def quantizer():
+        return Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cpu"))
+
+    print(f"{'case':<40} {'ns/call':>10} {'overhead ns':>12} {'ratio':>7}")
+    for sp in (True, False):
+        a = types.SimpleNamespace(input_quantizer=quantizer(), grad_output_quantizer=quantizer(),
+                                  sequence_parallel=sp)
+
+        def impl(x, _sp=sp):  # like TE's impls: set the group at the start of the call
+            if _sp:
+                set_quantizer_amax_reduction_group(x.input_quantizer, dist.group.WORLD)
+            return x
+        fwd = amax_groups._wrap_impl(impl, ("input_quantizer",))
+        bwd = amax_groups._wrap_impl(impl, ("input_quantizer", "grad_output_quantizer"))
+        best = {"unwrapped": [], "forward wrapper": [], "backward wrapper": []}
+        for _ in range(args.repeats):  # interleaved
+            for name, fn in (("unwrapped", impl), ("forward wrapper", fwd), ("backward wrapper", bwd)):
+                best[name].append(timeit.timeit(lambda fn=fn: fn(a), number=args.calls) / args.calls * 1e9)
+        base = min(best["unwrapped"])
+        for name, ts in best.items():
+            t = min(ts)
+            print(f"{name + (' (SP)' if sp else ' (no SP)'):<40} {t:>10.0f} {t - base:>12.0f} {t / base:>7.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
