@@ -23,3 +23,4 @@ bench: setup
 	$(VENV)/bin/python benchmarks/bench_hoist_constants.py
 	$(VENV)/bin/python benchmarks/bench_memory_estimate.py
 	$(VENV)/bin/python benchmarks/bench_ub_guard.py
+	PYTHONPATH=. $(VENV)/bin/python benchmarks/bench_amax_hooks.py
