@@ -80,21 +80,25 @@ CONST_ATTR_PREFIX = "_te_const_"
 # --------------------------------------------------------------------------- object scans
 def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
     """Yield ``(path, value)`` for every value inside ``obj`` (args/kwargs), recursing into
-    lists/tuples/dicts and TE bundles."""
-    if depth > 10:
-        return
-    yield path, obj
-    if isinstance(obj, torch.fx.Node):
-        return
-    if te_const_kind(obj) is TEConstKind.BUNDLE:
-        for k, v in bundle_dict(obj).items():
-            yield from _walk(v, path + (k,), depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, path + (i,), depth + 1)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, path + (k,), depth + 1)
+    lists/tuples/dicts and TE bundles (pre-order, at most 10 levels deep).
+
+    Iterative (an explicit stack, not nested generators: each level of a recursive generator
+    re-yields every value below it, which dominated scans of 100k-node graphs)."""
+    stack = [(obj, path, depth)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        o, p, d = pop()
+        if d > 10:
+            continue
+        yield p, o
+        if isinstance(o, torch.fx.Node) or isinstance(o, _PLAIN_TYPES):
+            continue  # leaves (a plain value is never a bundle, list or dict)
+        if te_const_kind(o) is TEConstKind.BUNDLE:
+            push([(v, p + (k,), d + 1) for k, v in reversed(list(bundle_dict(o).items()))])
+        elif isinstance(o, (list, tuple)):
+            push([(o[i], p + (i,), d + 1) for i in range(len(o) - 1, -1, -1)])
+        elif isinstance(o, dict):
+            push([(v, p + (k,), d + 1) for k, v in reversed(list(o.items()))])
 
 
 _PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -147,19 +151,31 @@ def _values(obj: Any, depth: int = 0) -> Iterator[Any]:
 
 def _users_of_objects(graph: torch.fx.Graph, ids: set[int]) -> dict[int, set[torch.fx.Node]]:
     """``{id(obj): {node, ...}}`` for the objects whose ids are in ``ids``: the nodes of
-    :func:`object_occurrences` for those objects, computed without paths."""
+    :func:`object_occurrences` for those objects, computed without paths (one explicit stack
+    per node; the same values :func:`_values` visits)."""
     out: dict[int, set[torch.fx.Node]] = {}
     owner = graph.owning_module
+    node_t, plain, seq = torch.fx.Node, _PLAIN_TYPES, (list, tuple)
     for node in graph.nodes:
-        roots = [node.args, node.kwargs]
+        stack: list[tuple[Any, int]] = [(node.args, 0), (node.kwargs, 0)]
         if node.op == "get_attr" and owner is not None:
             val = _get_attr(owner, str(node.target))
             if val is not _UNKNOWN:
-                roots.append(val)
-        for root in roots:
-            for v in _values(root, 0):
-                if id(v) in ids and _is_object_constant(v):
-                    out.setdefault(id(v), set()).add(node)
+                stack.append((val, 0))
+        while stack:
+            o, d = stack.pop()
+            if d > 10:
+                continue
+            if id(o) in ids and _is_object_constant(o):
+                out.setdefault(id(o), set()).add(node)
+            if isinstance(o, node_t) or isinstance(o, plain):
+                continue
+            if isinstance(o, seq):
+                stack.extend([(v, d + 1) for v in o])
+            elif isinstance(o, dict):
+                stack.extend([(v, d + 1) for v in o.values()])
+            elif te_const_kind(o) is TEConstKind.BUNDLE:
+                stack.extend([(v, d + 1) for v in bundle_dict(o).values()])
     return out
 
 
@@ -196,7 +212,21 @@ def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str,
 def _is_recipe_or_pg(v: Any) -> bool:
     if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
         return False
-    return recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
+    if isinstance(v, type):  # a class value: the answer depends on the class itself
+        return recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
+    t = type(v)
+    hit = _RECIPE_OR_PG_TYPES.get(id(t))
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    ans = recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
+    _RECIPE_OR_PG_TYPES[id(t)] = (t, ans)
+    return ans
+
+
+#: ``id(class) -> (class, answer)`` of :func:`_is_recipe_or_pg` for instances: ``is_recipe``,
+#: ``is_recipe_part`` and ``is_process_group`` read only the instance's class (module, MRO
+#: names). The class is kept so its id stays valid.
+_RECIPE_OR_PG_TYPES: dict[int, tuple[type, bool]] = {}
 
 
 def _may_be_te_lookup(target: Any) -> bool:
@@ -219,13 +249,16 @@ def _has_objects(root: Any) -> bool:
 def _bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]:
     """``(node, path, quantizer object, value key)`` for every quantizer inside a TE op's args."""
     out = []
+    keys: dict[int, tuple] = {}  # id(quantizer) -> value key; nothing mutates them during the scan
     for node in graph.nodes:
         if not is_te_op_node(node):
             continue
         for path, v in _walk(node.args, ("args",)):
             if te_const_kind(v) is TEConstKind.QUANTIZER:
-                out.append((node.name, "/".join(map(str, path)), v, tuple(sorted(
-                    (k, repr(x)) for k, x in quantizer_fields(v).items()))))
+                key = keys.get(id(v))
+                if key is None:
+                    key = keys[id(v)] = tuple(sorted((k, repr(x)) for k, x in quantizer_fields(v).items()))
+                out.append((node.name, "/".join(map(str, path)), v, key))
     return out
 
 
@@ -619,6 +652,9 @@ class HoistRecipeLookups(TEPass):
         # The rewrite only replaces nodes' args/kwargs: the undo log restores them (the manager
         # then needs no copy of the graph).
         log = _UndoLog(graph, ctx)
+        # ``id(constant) -> (constant, compiled expression, globals)`` for this run: a constant
+        # used in several slots is rendered once (the constant is held, so its id stays valid).
+        rebuilds: dict[int, tuple[Any, Any, dict]] = {}
 
         def lift(v: Any, user: torch.fx.Node, slot: str) -> Any:
             nonlocal count
@@ -627,7 +663,7 @@ class HoistRecipeLookups(TEPass):
             # One object per *occurrence*, built exactly as the wrapper would build it on each
             # call: no two slots (or graphs) share an object they did not share before, and the
             # graph's original objects (possibly shared with the Dynamo graph) are not touched.
-            fresh = rebuild_constant(v)
+            fresh = _rebuild_cached(v, rebuilds)
             # Unique within this graph, hence within its wrapper module (one module per graph);
             # deterministic, so reports and dumps are reproducible.
             name = f"{CONST_ATTR_PREFIX}{count}"
@@ -663,11 +699,30 @@ def rebuild_constant(v: Any) -> Any:
     Raises:
         RuntimeError: the rebuilt object does not compare equal to ``v``.
     """
-    with rendered_in_full():
+    return _rebuild_cached(v, None)
+
+
+def _rebuild_cached(v: Any, cache: dict[int, tuple[Any, Any, dict]] | None) -> Any:
+    """:func:`rebuild_constant`; with ``cache`` (one pass run's ``{id(v): (v, code, globals)}``)
+    ``v``'s expression is rendered and compiled once per object, and each call still evaluates
+    it into a new object. The equality check runs on the first rebuild of ``v``: later ones
+    evaluate the same code with the same globals (TE's rebuild functions are deterministic in
+    the value), so they equal that first, checked object."""
+    hit = cache.get(id(v)) if cache is not None else None
+    if hit is not None and hit[0] is v:
+        return eval(hit[1], dict(hit[2]))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
+    prev = getattr(_render, "full", False)
+    _render.full = True  # rendered_in_full(), inlined: a context manager per constant showed in profiles
+    try:
         expr, env = type(v).__fx_repr__(v)
-    fresh = eval(_compiled(expr), dict(env))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
+    finally:
+        _render.full = prev
+    code = _compiled(expr)
+    fresh = eval(code, dict(env))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
     if type(fresh) is not type(v) or fresh != v:
         raise RuntimeError(f"rebuilding {type(v).__name__} from its __fx_repr__ gave a different value")
+    if cache is not None:
+        cache[id(v)] = (v, code, env)
     return fresh
 
 
@@ -687,12 +742,31 @@ def is_liftable_constant(v: Any) -> bool:
     ``torch._library.opaque_object`` constant type) that Inductor would rebuild per call."""
     if isinstance(v, (torch.fx.Node, enum.Enum, type, list, tuple, dict)) or isinstance(v, _PLAIN_TYPES):
         return False
+    t = type(v)
+    hit = _LIFTABLE_TYPES.get(id(t))
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    ok = _liftable_type(t, v)
+    if ok:  # only positives: a class may still be registered as value-opaque later
+        _LIFTABLE_TYPES[id(t)] = (t, ok)
+    return ok
+
+
+def _liftable_type(t: type, v: Any) -> bool:
     if te_const_kind(v) not in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER):
         return False
     from torch._library.opaque_object import is_opaque_constant_type
 
     # Names are kept by weak reference (name_constant): the object must support one.
-    return is_opaque_constant_type(type(v)) and type(v).__weakrefoffset__ != 0
+    return is_opaque_constant_type(t) and t.__weakrefoffset__ != 0
+
+
+#: ``id(class) -> (class, True)`` for the classes :func:`is_liftable_constant` accepted: past the
+#: plain-type checks the answer depends only on the class (``te_const_kind`` is per class, and
+#: torch's ``is_opaque_constant_type`` lookup, ~3 us, showed in profiles). Only positive answers
+#: are kept (a class may be registered as value-opaque after a first look). The class is kept
+#: so its id stays valid.
+_LIFTABLE_TYPES: dict[int, tuple[type, bool]] = {}
 
 
 #: ``id(obj) -> (weakref to obj, name, weakref to the owning post-grad GraphModule)`` for every
