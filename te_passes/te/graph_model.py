@@ -391,6 +391,21 @@ class TEOpCall:
         return any(bool(self.config.get(k)) for k in UB_CONFIG_KEYS)
 
 
+#: ``id(schema) -> (schema, ((name, SlotKind, torch._C.Argument), ...))``: a schema's slot layout,
+#: derived once (``str(arg.type)`` per argument per decode showed in 100k-node profiles); the
+#: schema is kept so its id stays valid.
+_SLOTS_CACHE: dict[int, tuple[Any, tuple[tuple[str, "SlotKind", Any], ...]]] = {}
+
+
+def _schema_slots(schema: torch._C.FunctionSchema) -> tuple[tuple[str, "SlotKind", Any], ...]:
+    hit = _SLOTS_CACHE.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    slots = tuple((a.name, _slot_kind(a), a) for a in schema.arguments)
+    _SLOTS_CACHE[id(schema)] = (schema, slots)
+    return slots
+
+
 def _slot_kind(arg: torch._C.Argument) -> SlotKind:
     name, t = arg.name, str(arg.type)
     if name == CONFIG_SLOT:
@@ -445,12 +460,11 @@ def decode(node: torch.fx.Node) -> TEOpCall:
     if op not in KNOWN_OPS:
         raise UnknownTEOp(f"node {node.name}: unknown TE op {TE_OP_NAMESPACE}::{op} "
                           f"(TE {te_version()}); te_passes decodes {sorted(KNOWN_OPS)}")
-    schema = _schema_of(node.target)
-    sargs = list(schema.arguments)
+    sargs = _schema_slots(_schema_of(node.target))
     if len(node.args) > len(sargs):
         raise UnknownTEOp(f"node {node.name}: {len(node.args)} args for {op} whose schema has {len(sargs)}")
-    values = list(node.args) + [node.kwargs.get(a.name, a.default_value) for a in sargs[len(node.args):]]
-    slots = [Slot(a.name, _slot_kind(a), i, v) for i, (a, v) in enumerate(zip(sargs, values))]
+    values = list(node.args) + [node.kwargs.get(name, arg.default_value) for name, _, arg in sargs[len(node.args):]]
+    slots = [Slot(name, kind, i, v) for i, ((name, kind, _), v) in enumerate(zip(sargs, values))]
     by_name = {s.name: s for s in slots}
 
     tensors: dict[str, Any] = {}
