@@ -110,9 +110,14 @@ def forward_saved_outputs(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
         call = decode(node)
     except UnknownTEOp:
         return {}
+    return _saved_outputs_of(call)
+
+
+def _saved_outputs_of(call: Any) -> dict[int, torch.fx.Node]:
+    """:func:`forward_saved_outputs` of an already decoded ``TEOpCall``."""
     if call.is_backward or call.module_kind != "linear":
         return {}
-    return {i: g for i, g in output_getitems(node).items() if i >= 1}
+    return {i: g for i, g in output_getitems(call.node).items() if i >= 1}
 
 
 def classify_quantized(graph: torch.fx.Graph, *,
@@ -145,7 +150,7 @@ def classify_quantized(graph: torch.fx.Graph, *,
                 put(qb.node, QuantizedInfo(qb.role.value, "te_storage_slot", 3, qb.field, qb.storage_cls,
                                            qb.inner_name, node.name))
             if not call.is_backward and bool(call.config.get("fp8")):
-                for i, g in forward_saved_outputs(node).items():
+                for i, g in _saved_outputs_of(call).items():  # decoded once, not twice
                     dt = _dtype(g)
                     if dt is None or dt == torch.uint8 or dt == torch.float32 or dt in QUANTIZED_DTYPES:
                         put(g, QuantizedInfo(BufferRole.UNKNOWN.value, "te_forward_output", 1, op=node.name))
