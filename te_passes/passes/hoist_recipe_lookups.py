@@ -73,6 +73,23 @@ from te_passes.te.graph_model import TEConstKind, bundle_dict, is_te_op_node, qu
 
 _UNKNOWN = object()
 
+#: ``class -> te_const_kind`` of its instances: :func:`te_const_kind` depends only on the class
+#: of a non-class value; this plain dict lookup is the scans' per-value check (they visit every
+#: value of every node). Class values (``isinstance(v, type)``) are never stored, so they always
+#: take :func:`te_const_kind` itself.
+_KIND_BY_TYPE: dict[type, TEConstKind | None] = {}
+
+
+def _kind(v: Any) -> TEConstKind | None:
+    """``te_const_kind(v)``, memoized per class for instances."""
+    t = type(v)
+    k = _KIND_BY_TYPE.get(t, _UNKNOWN)
+    if k is _UNKNOWN:
+        k = te_const_kind(v)
+        if not isinstance(v, type):
+            _KIND_BY_TYPE[t] = k
+    return k
+
 #: Prefix of the wrapper-module globals that hold hoisted TE constants.
 CONST_ATTR_PREFIX = "_te_const_"
 
@@ -93,7 +110,7 @@ def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
         yield p, o
         if isinstance(o, torch.fx.Node) or isinstance(o, _PLAIN_TYPES):
             continue  # leaves (a plain value is never a bundle, list or dict)
-        if te_const_kind(o) is TEConstKind.BUNDLE:
+        if _kind(o) is TEConstKind.BUNDLE:
             push([(v, p + (k,), d + 1) for k, v in reversed(list(bundle_dict(o).items()))])
         elif isinstance(o, (list, tuple)):
             push([(o[i], p + (i,), d + 1) for i in range(len(o) - 1, -1, -1)])
@@ -145,7 +162,7 @@ def _values(obj: Any, depth: int = 0) -> Iterator[Any]:
             stack.extend((v, d + 1) for v in reversed(o))
         elif isinstance(o, dict):
             stack.extend((v, d + 1) for v in reversed(list(o.values())))
-        elif te_const_kind(o) is TEConstKind.BUNDLE:
+        elif _kind(o) is TEConstKind.BUNDLE:
             stack.extend((v, d + 1) for v in reversed(list(bundle_dict(o).values())))
 
 
@@ -174,7 +191,7 @@ def _users_of_objects(graph: torch.fx.Graph, ids: set[int]) -> dict[int, set[tor
                 stack.extend([(v, d + 1) for v in o])
             elif isinstance(o, dict):
                 stack.extend([(v, d + 1) for v in o.values()])
-            elif te_const_kind(o) is TEConstKind.BUNDLE:
+            elif _kind(o) is TEConstKind.BUNDLE:
                 stack.extend([(v, d + 1) for v in bundle_dict(o).values()])
     return out
 
@@ -254,7 +271,7 @@ def _bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]
         if not is_te_op_node(node):
             continue
         for path, v in _walk(node.args, ("args",)):
-            if te_const_kind(v) is TEConstKind.QUANTIZER:
+            if _kind(v) is TEConstKind.QUANTIZER:
                 key = keys.get(id(v))
                 if key is None:
                     key = keys[id(v)] = tuple(sorted((k, repr(x)) for k, x in quantizer_fields(v).items()))
@@ -597,7 +614,7 @@ class HoistRecipeLookups(TEPass):
         groups: dict[int, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             if (node.op == "call_method" and node.target == "__setattr__" and len(node.args) == 3
-                    and te_const_kind(node.args[0]) is TEConstKind.QUANTIZER):
+                    and _kind(node.args[0]) is TEConstKind.QUANTIZER):
                 groups.setdefault(id(node.args[0]), []).append(node)
         if not groups:
             return False
