@@ -627,7 +627,8 @@ class HoistRecipeLookups(TEPass):
             own = set(nodes)
             observers = sorted({n.name for n in users.get(rid, ()) if n not in own})
             bad = [n for n in nodes if n.users or n.kwargs or not isinstance(n.args[1], str)
-                   or any(isinstance(x, torch.fx.Node) for x in _values(n.args[2]))]
+                   or (not isinstance(n.args[2], _PLAIN_TYPES)  # a plain value holds no node
+                       and any(isinstance(x, torch.fx.Node) for x in _values(n.args[2])))]
             if bad:
                 for n in nodes:
                     records.append(PassRecord("kept", n.name, {
