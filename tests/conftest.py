@@ -41,3 +41,20 @@ def te_aot_graphs():
     session-cached ``CapturedAOT``."""
     capture = _te_capture_module()
     return capture.cached_aot
+
+
+@pytest.fixture(scope="module")
+def fake_tp_group():
+    """A tensor-parallel group of size 2 without GPUs: the default ``torch.distributed`` process
+    group on the ``fake`` backend (``FakeStore``, rank 0 of 2), for one test module; destroyed
+    after it. Skips when a default group already exists in the process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

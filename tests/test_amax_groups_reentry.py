@@ -29,17 +29,8 @@ pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(ca
 
 
 @pytest.fixture(scope="module")
-def group():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+def group(fake_tp_group):
+    return fake_tp_group
 
 
 def _quantizer():

@@ -37,17 +37,8 @@ def sp():
 
 
 @pytest.fixture(scope="module")
-def fake_group():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+def fake_group(fake_tp_group):
+    return fake_tp_group
 
 
 class _Q:
