@@ -239,10 +239,5 @@ def _on_dynamo_compile_start(_args: Any) -> None:
         pass
 
 
-def _install_ub_hooks() -> None:
-    """Backwards-compatible name for :func:`_install_te_hooks` (UB hooks are among them)."""
-    _install_te_hooks()
-
-
 if not _install_te_hooks():
     torch._dynamo.callback_handler.register_start_callback(_on_dynamo_compile_start)
