@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
+from _ubgraphs import plain_graph, ub_graph  # noqa: E402
 import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
@@ -161,24 +162,6 @@ def test_error_mode_refuses_dynamo_retrace():
 
 
 # --------------------------------------------------------------------------- layer 2: FX graphs
-def consume(x, v):
-    return x * (3.0 if v else 0.5)
-
-
-def ub_graph():
-    """x -> consume(x, get_ub('proj_fprop', True).is_fp8_ubuf()) (a graph with a query node)."""
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    q = g.call_method("is_fp8_ubuf", (g.call_function(te_base.get_ub, ("proj_fprop", True)),))
-    g.output((g.call_function(consume, (x, q)),))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
-
-
-def plain_graph():
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    g.output((g.call_function(torch.relu, (x,)),))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
 def test_fx_graph_recompiles_only_itself():

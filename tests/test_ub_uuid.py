@@ -20,6 +20,7 @@ from torch._inductor.utils import fresh_cache
 
 pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
+from _ubgraphs import plain_graph, ub_graph  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
 from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
@@ -46,27 +47,6 @@ def fresh():
     torch._dynamo.reset()
 
 
-def consume(x, flag):
-    return x * (2.0 if flag else 0.5)
-
-
-torch.fx.wrap("consume")
-
-
-def ub_graph():
-    """x -> consume(x, get_ub('proj_fprop', True).is_fp8_ubuf()): reads UB state."""
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    q = g.call_method("is_fp8_ubuf", (g.call_function(te_base.get_ub, ("proj_fprop", True)),))
-    g.output((g.call_function(consume, (x, q)),))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
-
-
-def plain_graph():
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    g.output((g.call_function(torch.relu, (x,)),))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
 def _uuid(build):

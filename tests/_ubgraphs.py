@@ -1,0 +1,30 @@
+"""Hand-built FX graphs that do / do not read Userbuffers state (shared by the UB guard and the
+UB-uuid tests). Needs Transformer Engine importable (callers ``importorskip`` it first)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import transformer_engine.pytorch.module.base as te_base
+
+
+def consume(x, v):
+    """``3 * x`` when the UB predicate ``v`` is true, else ``0.5 * x``."""
+    return x * (3.0 if v else 0.5)
+
+
+def ub_graph() -> torch.fx.GraphModule:
+    """x -> consume(x, get_ub('proj_fprop', True).is_fp8_ubuf()) (a graph with a UB query node)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    q = g.call_method("is_fp8_ubuf", (g.call_function(te_base.get_ub, ("proj_fprop", True)),))
+    g.output((g.call_function(consume, (x, q)),))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def plain_graph() -> torch.fx.GraphModule:
+    """x -> relu(x): reads no UB state."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(torch.relu, (x,)),))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
