@@ -25,7 +25,7 @@ import torch
 
 
 def _constants(gm):
-    from te_passes.passes.hoist_recipe_lookups import is_liftable_constant
+    from te_passes.runtime.constants import is_liftable_constant
 
     out = []
     for n in gm.graph.nodes:
@@ -107,7 +107,7 @@ def scaling_part() -> None:
     import torch.fx
 
     from te_passes.config import TePassesOptions
-    from te_passes.passes.base import PassContext, Stage
+    from te_passes.pipeline.base import PassContext, Stage
     from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
     from te_passes.te import recipes
     from te_passes.te.state import TEState

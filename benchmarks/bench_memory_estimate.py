@@ -35,7 +35,7 @@ import torch.fx
 from te_passes.analyses.liveness import analyze
 from te_passes.analyses.memory import estimate
 from te_passes.config import TePassesOptions
-from te_passes.passes.base import PassContext, Stage
+from te_passes.pipeline.base import PassContext, Stage
 from te_passes.passes.check_cudagraph_pool import CheckCudagraphPool
 from te_passes.passes.insert_early_frees import InsertEarlyFrees
 from te_passes.te.state import TEState

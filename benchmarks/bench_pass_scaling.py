@@ -39,8 +39,8 @@ import torch
 import torch.fx
 
 from te_passes.config import TePassesOptions
-from te_passes.passes.base import PassContext, Stage
-from te_passes.passes.manager import PassManager, copy_graph
+from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.manager import PassManager, copy_graph
 from te_passes.te.state import TEState
 
 

@@ -23,7 +23,7 @@ What each rank does and prints (rank 0 writes ``ub_tp2.json`` under the output d
    any exception (a cudagraph-pool error included) is recorded with its message. The first fp8
    trace with sequence parallelism must succeed (issue 8: TE 2.20.2's eager impls leave
    ``amax_reduction_group`` = a ProcessGroup on the module's quantizers, which made that trace
-   raise, notes/ub-tp2.md; te_passes releases it, ``te_passes.te.amax_groups``). A first call that
+   raise, notes/ub-tp2.md; te_passes releases it, ``te_passes.runtime.amax_groups``). A first call that
    raises is a failure (``failures`` in the JSON, exit status 1); it is still retried once so the
    rest of the run gives data, and the retry's outcome is recorded;
 3. the UB snapshot and the folded UB predicates, read from the te_passes compile reports
@@ -34,7 +34,7 @@ What each rank does and prints (rank 0 writes ``ub_tp2.json`` under the output d
    Dynamo compiles of each are counted. Expected with UB folding: the row-parallel function
    recompiles, the column-parallel one does not. TE's own ``destroy_ub()`` ends with a
    process-wide ``torch.compiler.reset()``; when te_passes offers a re-init that avoids it
-   (``te_passes.te.ub.reinitialize_ub``) it is used, otherwise TE's and that is reported.
+   (``te_passes.runtime.ub.reinitialize_ub``) it is used, otherwise TE's and that is reported.
 
 Exit status: 1 when the first compiled call or a later compiled step of phase 1 raised (listed in
 ``failures``), else 0 (numerics and phase 2 are recorded, not judged here).
@@ -90,14 +90,14 @@ def _init_ub(te_base, tokens: int, hidden: int, cfgs):
 def _reinit_ub(te_base, tokens: int, hidden: int, cfgs) -> str:
     """Re-initialise UB; returns which API did it."""
     try:
-        from te_passes.te.ub import reinitialize_ub  # type: ignore[attr-defined]
+        from te_passes.runtime.ub import reinitialize_ub  # type: ignore[attr-defined]
     except ImportError:
         reinitialize_ub = None
     if reinitialize_ub is not None:
         modes = [te_base.UserBufferQuantizationMode.NONE, te_base.UserBufferQuantizationMode.FP8]
         reinitialize_ub(shape=[tokens, hidden], tp_size=2, quantization_modes=modes, dtype=torch.bfloat16,
                         ub_cfgs=cfgs, bootstrap_backend="nccl")
-        return "te_passes.te.ub.reinitialize_ub"
+        return "te_passes.runtime.ub.reinitialize_ub"
     te_base.destroy_ub()  # TE 2.20.2: ends with torch.compiler.reset() (drops every compiled graph)
     _init_ub(te_base, tokens, hidden, cfgs)
     return "transformer_engine destroy_ub() + initialize_ub() (process-wide torch.compiler.reset())"

@@ -2,14 +2,20 @@
 
 ``torch.compile(model, backend="te_inductor")`` (no import needed: the backend is a
 ``torch_dynamo_backends`` entry point) runs TE-aware FX passes on the traced graphs, then
-Inductor. Layout, in pipeline order:
+Inductor. Layers, top to bottom (a module imports only from layers below it; checked by
+``lint-imports``, see docs/design.md):
 
+* :mod:`te_passes.cli` — the ``te-passes`` command; :mod:`te_passes.examples` — built-in models;
+* :mod:`te_passes.testing` — real TE graph capture without a GPU, test backends;
 * :mod:`te_passes.backend` — the entry: ``te_inductor`` and its Inductor hooks;
-* :mod:`te_passes.te` — TE knowledge: the TE graph model, TE state (UB, recipes), version;
-* :mod:`te_passes.passes` — the pass interface, registry, manager and the passes;
+* :mod:`te_passes.debug` — TE-aware printing, dumps, graph-break report, offline replay;
+* :mod:`te_passes.passes` — one module per pass;
+* :mod:`te_passes.pipeline` — the pass interface, manager, registry, compilation driver;
+* :mod:`te_passes.runtime` — process-level integration (TE hooks, the free op, named constants);
 * :mod:`te_passes.analyses` — liveness, memory estimate and other graph analyses;
-* :mod:`te_passes.debug` — TE-aware printing, dumps and the ``te-passes`` CLI;
-* :mod:`te_passes.testing` — real TE graph capture without a GPU, test backends.
+* :mod:`te_passes.te` — TE knowledge: the TE graph model, TE state (UB, recipes), version;
+* :mod:`te_passes.fx` — generic FX helpers;
+* :mod:`te_passes.config`, :mod:`te_passes.report`, ``_logging``, ``_json`` — options, reports.
 """
 
 __version__ = "0.1.0"

@@ -22,8 +22,6 @@ the process-global Inductor config is never mutated.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from typing import Any, Sequence
 
@@ -33,43 +31,20 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
 from te_passes._logging import get_logger
 from te_passes.config import TePassesOptions
-from te_passes.passes.base import PassContext, Stage
-from te_passes.passes.manager import PassManager
-from te_passes.passes.registry import configured_passes, pass_names
+from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
+from te_passes.pipeline.compilation import pipeline_uuid
+from te_passes.pipeline.compilation import run_stage as _run_stage
+from te_passes.pipeline.manager import PassManager
+from te_passes.pipeline.registry import configured_passes, pass_names
 from te_passes.report import CompileReport, new_compile_report
-from te_passes.te.amax_groups import install_amax_group_hooks
-from te_passes.te.guards import install_te_ub_hooks, raise_ub_mismatches, ub_state_reads, wrap_with_te_state_guard
+from te_passes.runtime.install import install as _install_runtime
+from te_passes.runtime.ub_guard import raise_ub_mismatches, ub_state_reads, wrap_with_te_state_guard
 from te_passes.te.state import TEState
 
 log = get_logger()
 
 _HOOKS = {Stage.JOINT: "joint_custom_pre_pass", Stage.POST_GRAD_FWD: "post_grad_custom_pre_pass"}
-
-
-def pipeline_uuid(manager: PassManager, options: TePassesOptions, te_state: TEState,
-                  ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
-    """What the pass pipeline's cache identity is built from, plus its hash under ``"uuid"``.
-
-    Covers every pass's :meth:`~te_passes.passes.base.TEPass.uuid` (source + config), the
-    option values that change what passes do, and the TE state fingerprint
-    (:meth:`TEState.fingerprint`). The UB snapshot is part of that fingerprint only when the
-    graph reads UB state: ``ub_reads`` is :func:`te_passes.te.guards.ub_state_reads` of the
-    graph (reasons; empty: it does not read UB state, so a UB change keeps its FX-graph-cache
-    key), ``None`` when not known (the UB snapshot is then included, the safe default).
-
-    Returns ``{"passes", "options", "te_state", "reads_ub"}``, their sha256 under ``"uuid"``,
-    and ``"ub_reads"`` (the reasons, or ``None``; not hashed: they name graph nodes).
-    """
-    reads_ub = ub_reads is None or bool(ub_reads)
-    parts: dict[str, Any] = {
-        "passes": {p.name: p.uuid() for p in manager.passes},
-        "options": options.fingerprint_data(),
-        "te_state": te_state.fingerprint(include_ub=reads_ub),
-        "reads_ub": reads_ub,
-    }
-    parts["uuid"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-    parts["ub_reads"] = list(ub_reads) if ub_reads is not None else None
-    return parts
 
 
 class _StagePass(CustomInferenceAwareGraphPass):
@@ -109,32 +84,6 @@ class _StagePass(CustomInferenceAwareGraphPass):
         return self._uuid
 
 
-def _run_stage(manager: PassManager, gm: torch.fx.GraphModule, ctx: PassContext, report: CompileReport):
-    """``manager.run(gm, ctx)``, its stage report appended to ``report``, between the observers'
-    optional ``before_stage(gm, ctx)`` / ``after_stage(gm, ctx, stage_report)`` hooks (the dump
-    writer saves each stage's input and output graph there, also for stages with no pass)."""
-    for obs in manager.observers:
-        if hasattr(obs, "before_stage"):
-            obs.before_stage(gm, ctx)
-    stage_report = manager.run(gm, ctx)
-    report.stages.append(stage_report)
-    for obs in manager.observers:
-        if hasattr(obs, "after_stage"):
-            obs.after_stage(gm, ctx, stage_report)
-    return stage_report
-
-
-def _inductor_config_patches(mode: str | None, inductor_options: dict[str, Any]) -> dict[str, Any]:
-    """Map ``mode`` + Inductor ``options`` to config patches exactly as ``torch.compile`` does.
-
-    Raises:
-        RuntimeError: unknown mode, unknown Inductor option or wrong value type (Inductor's
-            own messages).
-    """
-    wrapper = torch._TorchCompileInductorWrapper(mode, inductor_options, dynamic=None)
-    return dict(wrapper.config)
-
-
 def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                 options: dict[str, Any] | None = None):
     """Compile a Dynamo graph with te_passes' TE-aware passes, then Inductor.
@@ -156,7 +105,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     Raises:
         te_passes.config.TePassesOptionError: unknown ``te_passes.*`` key / bad value / pass name.
         RuntimeError: unknown mode or Inductor option (from Inductor).
-        te_passes.passes.manager.TePassError: a pass failed with ``te_passes.strict``.
+        te_passes.pipeline.manager.TePassError: a pass failed with ``te_passes.strict``.
     """
     from torch._inductor.compile_fx import compile_fx
 
@@ -202,7 +151,7 @@ def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePas
     """Wrap ``compiled`` with a TE-state guard when a pass specialised it on UB state.
 
     ``recompile(gm, args)`` recompiles a pre-pass copy of the graph with the same mode/options
-    (used by the UB guard when the UB state changed; see :mod:`te_passes.te.guards`);
+    (used by the UB guard when the UB state changed; see :mod:`te_passes.runtime.ub_guard`);
     ``cudagraphs``: the graph is replayed as a CUDA graph (UB buffers recorded into it).
     """
     return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile, cudagraphs=cudagraphs)
@@ -215,11 +164,12 @@ def _raise_ub_mismatches(report: CompileReport) -> None:
 
 
 def _install_te_hooks(*_args: Any) -> bool:
-    """Install te_passes' TE integration hooks (idempotent; returns whether all are in place):
+    """Install te_passes' TE integration hooks (:func:`te_passes.runtime.install.install`;
+    idempotent; returns whether all are in place):
 
-    * :func:`te_passes.te.guards.install_te_ub_hooks` — guarded ``get_ub_is_fp8``, generation
+    * :func:`te_passes.runtime.ub_guard.install_te_ub_hooks` — guarded ``get_ub_is_fp8``, generation
       bump on ``initialize_ub`` / ``destroy_ub``;
-    * :func:`te_passes.te.amax_groups.install_amax_group_hooks` — TE Linear's per-call amax
+    * :func:`te_passes.runtime.amax_groups.install_amax_group_hooks` — TE Linear's per-call amax
       reduction groups released after each eager call, and a one-time sweep of live modules, so
       the first trace after an eager step of a sequence-parallel fp8 te.Linear compiles (issue 8).
 
@@ -227,7 +177,7 @@ def _install_te_hooks(*_args: Any) -> bool:
     start of every Dynamo compile (a start callback, for TE imported after te_passes) and on every
     ``te_inductor`` call. Both need TE imported; until then they are no-ops.
     """
-    return install_te_ub_hooks() & install_amax_group_hooks()
+    return _install_runtime()
 
 
 def _on_dynamo_compile_start(_args: Any) -> None:

@@ -18,6 +18,8 @@ import dataclasses
 import os
 from typing import Any, Callable, Mapping
 
+from te_passes._json import jsonable
+
 PREFIX = "te_passes."
 
 
@@ -156,8 +158,6 @@ class TePassesOptions:
 
     def fingerprint_data(self) -> dict[str, Any]:
         """The options that change what passes do (everything but where dumps go)."""
-        from te_passes.passes.base import jsonable
-
         d = dataclasses.asdict(self)
         d.pop("dump_dir")
         return jsonable(d)

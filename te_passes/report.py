@@ -14,7 +14,30 @@ import itertools
 import threading
 from typing import Any
 
-from te_passes.passes.base import PassRecord, jsonable
+from te_passes._json import jsonable
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """One structured fact a pass reports: what it folded, freed, found, or refused to do.
+
+    ``kind`` is a short word naming the record type (``"folded"``, ``"hoisted"``, ``"free"``,
+    ``"check"``, ``"pool_leak"``, ``"skipped"``, ...); ``node`` the FX node name it concerns
+    (``None`` for graph-level facts); ``data`` JSON-serialisable details (values are rendered
+    with ``repr`` when they are not JSON types). Dump reports (``report.json``) list records
+    grouped by ``kind``.
+    """
+
+    kind: str
+    node: str | None = None
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict: ``{"kind", "node", **data}`` with non-JSON values repr'd."""
+        out: dict[str, Any] = {"kind": self.kind, "node": self.node}
+        for k, v in self.data.items():
+            out[k] = jsonable(v)
+        return out
 
 
 @dataclasses.dataclass

@@ -43,8 +43,9 @@ import torch.fx  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from torch._inductor.virtualized import V  # noqa: E402
 
-from te_passes.passes.hoist_recipe_lookups import (  # noqa: E402
-    HoistRecipeLookups, hoisted_name, hoisted_owner, name_constant, rebuild_constant, rendered_in_full)
+from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups  # noqa: E402
+from te_passes.runtime.constants import (  # noqa: E402
+    hoisted_name, hoisted_owner, name_constant, rebuild_constant, rendered_in_full)
 from te_passes.te.graph_model import bundle_dict  # noqa: E402
 
 _NAME = re.compile(r"_te_const_\d+")
@@ -72,8 +73,8 @@ def _standin_compiled_forward(gm, example_inputs):
     graph's TE constants hoisted by the pass (``post_grad_fwd`` rewrite) and the graph run by
     ``torch.fx.Interpreter``, so the quantizers it returns are the named objects themselves."""
     from te_passes.config import TePassesOptions
-    from te_passes.passes.base import PassContext, Stage
-    from te_passes.passes.manager import PassManager
+    from te_passes.pipeline.base import PassContext, Stage
+    from te_passes.pipeline.manager import PassManager
     from te_passes.te.state import TEState
     from te_passes.testing import capture
 
@@ -292,7 +293,7 @@ def test_name_renders_only_in_its_owners_lowering():
 def test_names_hold_nothing_alive():
     import weakref
 
-    from te_passes.passes import hoist_recipe_lookups as mod
+    from te_passes.runtime import constants as mod
 
     q, owner = _quantizer(), _owner()
     name_constant(q, "_te_const_0", owner)

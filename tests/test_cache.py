@@ -28,7 +28,7 @@ class Tagger(TEPass):
 
 
 def _compile_once(monkeypatch, **cfg):
-    monkeypatch.setattr("te_passes.passes.registry.default_passes", lambda: [Tagger(**cfg)])
+    monkeypatch.setattr("te_passes.pipeline.registry.default_passes", lambda: [Tagger(**cfg)])
     torch._dynamo.reset()
     with torch.no_grad():
         out = torch.compile(lambda x: torch.sin(x) * 3, backend="te_inductor")(torch.arange(4.0))

@@ -229,7 +229,7 @@ def test_cached_captures_are_independent_copies(te_aot_graphs):
 
 
 def test_run_pipeline_runs_each_stage_on_its_graph(te_aot_graphs):
-    from te_passes.passes.base import Stage, TEPass, TEPassResult, PassRecord
+    from te_passes.pipeline.base import Stage, TEPass, TEPassResult, PassRecord
     from te_passes.testing.capture import run_pipeline
 
     class CountTEOps(TEPass):
@@ -261,7 +261,7 @@ def test_run_pipeline_runs_each_stage_on_its_graph(te_aot_graphs):
 def test_run_pipeline_relower_carries_rewrites_forward(te_aot_graphs):
     """As in the backend: a JOINT-stage rewrite reaches the partitioned forward/backward graphs
     (the joint hook runs before partitioning), and the cached capture is untouched."""
-    from te_passes.passes.base import Stage, TEPass, TEPassResult, PassRecord
+    from te_passes.pipeline.base import Stage, TEPass, TEPassResult, PassRecord
     from te_passes.testing.capture import run_pipeline
 
     class MarkJoint(TEPass):
@@ -303,7 +303,7 @@ def test_run_pipeline_with_registry_passes(te_aot_graphs, monkeypatch):
 
     # hoist_recipe_lookups names constants from a process-global counter; keep this test from
     # shifting the names later tests (test_cli) compare against a fresh subprocess's.
-    from te_passes.passes.registry import pass_classes
+    from te_passes.pipeline.registry import pass_classes
 
     pass_classes()  # imports every registered pass module
     hoist = sys.modules.get("te_passes.passes.hoist_recipe_lookups")
@@ -367,8 +367,8 @@ def test_inference_capture(te_aot_graphs):
 
 def test_run_pipeline_strict_failure_propagates(te_aot_graphs):
     from te_passes.config import TePassesOptions
-    from te_passes.passes.base import Stage, TEPass
-    from te_passes.passes.manager import TePassError
+    from te_passes.pipeline.base import Stage, TEPass
+    from te_passes.pipeline.manager import TePassError
     from te_passes.testing.capture import run_pipeline
 
     class Boom(TEPass):

@@ -9,11 +9,11 @@ import torch
 import torch.fx
 
 from te_passes.config import TePassesOptions
-from te_passes.passes.base import PassContext, Stage
+from te_passes.pipeline.base import PassContext, Stage
 from te_passes.passes.check_cudagraph_pool import (CheckCudagraphPool, CudagraphPoolLeakError,
                                                    CudagraphPoolWarning, pool_findings)
 from te_passes.analyses.liveness import analyze
-from te_passes.passes.manager import PassManager, TePassError
+from te_passes.pipeline.manager import PassManager, TePassError
 from te_passes.te.state import TEState
 
 from _qgraphs import F8, QGEMM, real_aot, record_vals

@@ -36,12 +36,12 @@ def run_cli(*args: str, cwd: str, env: dict[str, str] | None = None, timeout: in
     e.pop("TE_PASSES_DUMP_DIR", None)
     e.pop("TORCH_TRACE", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "te_passes.debug.cli", *args], cwd=cwd, env=e,
+    return subprocess.run([sys.executable, "-m", "te_passes.cli", *args], cwd=cwd, env=e,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def registered():
-    from te_passes.passes.registry import pass_classes
+    from te_passes.pipeline.registry import pass_classes
 
     return list(pass_classes())
 
@@ -482,7 +482,7 @@ def _fake_old_dump(root) -> None:
 
 def test_clearing_an_old_dump_keeps_user_folders(tmp_path):
     """Only folders named g<N> whose report.json is our graph report for g<N> are removed."""
-    from te_passes.debug.cli import _clear_old_dump
+    from te_passes.cli import _clear_old_dump
 
     _fake_old_dump(tmp_path)
     _clear_old_dump(str(tmp_path))
@@ -560,7 +560,7 @@ def test_dump_collects_graphs_with_their_own_dump_dir(tmp_path):
 
 
 def test_disable_takes_one_value_per_flag(tmp_path):
-    from te_passes.debug.cli import build_parser
+    from te_passes.cli import build_parser
 
     p = build_parser()
     a = p.parse_args(["dump", "--disable", "a,b", "t.py:main", "--disable", "c"])
@@ -590,7 +590,7 @@ def test_index_md_cells_match_the_terminal(tmp_path):
 
 
 def test_location_columns_keep_the_line_number():
-    from te_passes.debug.cli import _short_left
+    from te_passes.cli import _short_left
 
     loc = "/very/long/path/" + "x" * 80 + "/model_file.py:123 (forward)"
     cut = _short_left(loc, 50)
@@ -618,7 +618,7 @@ def test_target_messages(case, tmp_path):
 
 @pytest.mark.parametrize("foreign", ["report.json", "index.md"])
 def test_dump_does_not_overwrite_foreign_top_level_files(foreign, tmp_path):
-    from te_passes.debug.cli import CliError, _clear_old_dump
+    from te_passes.cli import CliError, _clear_old_dump
 
     (tmp_path / foreign).write_text("{}")
     with pytest.raises(CliError, match="not overwriting"):
@@ -627,7 +627,7 @@ def test_dump_does_not_overwrite_foreign_top_level_files(foreign, tmp_path):
 
 
 def test_stray_graph_whose_own_dump_failed_gets_its_report(tmp_path):
-    from te_passes.debug.cli import _collect_strays
+    from te_passes.cli import _collect_strays
     from te_passes.debug.dump import elsewhere_warnings, read_graph_report
     from te_passes.report import CompileReport
 

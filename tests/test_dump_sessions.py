@@ -104,7 +104,7 @@ def test_explicit_mode_is_reported_as_given(tmp_path, capsys):
     assert rep.mode == "reduce-overhead"
     assert _load(sdir / rep.graph_id / "report.json")["mode"] == "reduce-overhead"
     assert [g["mode"] for g in _load(sdir / "report.json")["graphs"]] == ["reduce-overhead"]
-    from te_passes.debug.cli import main
+    from te_passes.cli import main
 
     assert main(["show", str(sdir), "--plain"]) == 0
     assert "mode:         reduce-overhead" in capsys.readouterr().out.splitlines()
@@ -147,7 +147,7 @@ def test_previous_process_dump_is_kept(tmp_path):
     assert top.index(want[1][1]) < top.index(want[0][1])  # newest first
 
     # te-passes show on the directory shows the newest session and says so
-    proc_out = subprocess.run([sys.executable, "-m", "te_passes.debug.cli", "show", str(d), "--plain"],
+    proc_out = subprocess.run([sys.executable, "-m", "te_passes.cli", "show", str(d), "--plain"],
                               env=e, capture_output=True, text=True, timeout=300)
     assert proc_out.returncode == 0, proc_out.stderr
     first = proc_out.stdout.splitlines()[0]
@@ -186,7 +186,7 @@ def test_cli_claimed_dir_is_written_directly(tmp_path):
 
 
 def test_cli_refuses_to_dump_into_a_sessions_dir(tmp_path):
-    from te_passes.debug.cli import CliError, _clear_old_dump
+    from te_passes.cli import CliError, _clear_old_dump
 
     d = tmp_path / "dumps"
     _compile_two(d)
@@ -228,7 +228,7 @@ def test_two_ranks_at_once_each_keep_their_graphs(tmp_path):
 
 
 def test_replay_of_a_sessions_dir_replays_the_newest_session(tmp_path, capsys):
-    from te_passes.debug.cli import main
+    from te_passes.cli import main
 
     d = tmp_path / "dumps"
     gids = _compile_two(d)

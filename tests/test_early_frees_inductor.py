@@ -195,7 +195,7 @@ def _cast_graph():
 @pytest.mark.parametrize("policy", ["opaque", "all"])
 def test_pass_marks_only_aten_values_an_opaque_op_reads(policy):
     from te_passes.config import TePassesOptions
-    from te_passes.passes.base import PassContext, Stage
+    from te_passes.pipeline.base import PassContext, Stage
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
     from te_passes.te.state import TEState
 
@@ -210,7 +210,7 @@ def test_pass_marks_only_aten_values_an_opaque_op_reads(policy):
 
 def test_undo_removes_the_frees_and_the_realize_flag():
     from te_passes.config import TePassesOptions
-    from te_passes.passes.base import PassContext, Stage
+    from te_passes.pipeline.base import PassContext, Stage
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
     from te_passes.te.state import TEState
 
@@ -234,7 +234,7 @@ def test_lowering_warns_when_an_opaque_reader_got_a_copy(monkeypatch, caplog):
     import logging
 
     from te_passes._logging import get_logger
-    from te_passes.te import free_op
+    from te_passes.runtime import free_op
 
     monkeypatch.setattr(free_op, "mark_realize", lambda node: None)
     get_logger()  # registered with torch._logging

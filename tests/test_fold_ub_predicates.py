@@ -22,12 +22,12 @@ pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
 
 from te_passes.config import TePassesOptions  # noqa: E402
-from te_passes.passes.base import PassContext, Stage  # noqa: E402
+from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
 from te_passes.passes.fold_ub_predicates import FoldUbPredicates  # noqa: E402
-from te_passes.passes.manager import TePassError  # noqa: E402
-from te_passes.passes.registry import pass_names  # noqa: E402
+from te_passes.pipeline.manager import TePassError  # noqa: E402
+from te_passes.pipeline.registry import pass_names  # noqa: E402
 from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
-from te_passes.te import guards  # noqa: E402
+from te_passes.runtime import ub_guard as guards  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.te.ub import (TE_UB_MODULE, UbConfigError, UbSnapshot, check_linear_ub_config,  # noqa: E402
                              linear_ub_buffer_uses)
@@ -515,7 +515,7 @@ def test_backward_rules_mirror_te():
 
 
 def test_strict_mode_raises_through_manager():
-    from te_passes.passes.manager import PassManager
+    from te_passes.pipeline.manager import PassManager
     g = torch.fx.Graph()
     x = g.placeholder("x")
     g.output(g.call_function(consume, (x, g.call_function(te_base.get_ub_is_fp8, ("nope_fprop", True)))))

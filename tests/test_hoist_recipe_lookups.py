@@ -30,10 +30,11 @@ from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS
 from transformer_engine.pytorch.quantization import get_fp8_te_dtype  # noqa: E402
 
 from te_passes.config import TePassesOptions  # noqa: E402
-from te_passes.passes.base import PassContext, Stage  # noqa: E402
+from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
 from te_passes.passes.hoist_recipe_lookups import (  # noqa: E402
-    HoistRecipeLookups, find_recipe_and_pg_objects, hoisted_name, hoisted_owner, object_occurrences)
-from te_passes.passes.manager import PassManager  # noqa: E402
+    HoistRecipeLookups, find_recipe_and_pg_objects, object_occurrences)
+from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
+from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
 from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402

@@ -14,11 +14,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from te_passes.analyses.liveness import analyze
 from te_passes.config import TePassesOptions
-from te_passes.passes.base import PassContext, PassSkipped, Stage
+from te_passes.pipeline.base import PassContext, PassSkipped, Stage
 from te_passes.passes.insert_early_frees import InsertEarlyFrees
-from te_passes.passes.manager import PassManager
-from te_passes.te import free_op
-from te_passes.te.free_op import free_storage, is_free_node
+from te_passes.pipeline.manager import PassManager
+from te_passes.runtime import free_op
+from te_passes.runtime.free_op import free_storage, is_free_node
 from te_passes.te.state import TEState
 
 from _qgraphs import F8, QGEMM, QUANTIZE2, real_aot, record_vals

@@ -15,7 +15,7 @@ import torch.fx
 
 from te_passes.config import TePassesOptions
 from te_passes.passes import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.passes.manager import PassManager, TePassError, copy_graph, restore_graph
+from te_passes.pipeline.manager import PassManager, TePassError, copy_graph, restore_graph
 from te_passes.te.state import TEState
 
 
@@ -200,7 +200,7 @@ def test_torch_logs_enables_debug_log():
         import torch, torch.fx
         from te_passes.config import TePassesOptions
         from te_passes.passes import PassContext, Stage
-        from te_passes.passes.manager import PassManager
+        from te_passes.pipeline.manager import PassManager
         from te_passes.te.state import TEState
         from tests.test_manager import MulToAdd, _gm
         PassManager([MulToAdd()]).run(_gm(), PassContext(Stage.DYNAMO, TePassesOptions(), TEState()))
@@ -218,7 +218,7 @@ def test_trace_structured_artifact_written(tmp_path):
     code = textwrap.dedent("""
         import torch
         from tests.test_manager import MulToAdd
-        import te_passes.passes.registry as reg
+        import te_passes.pipeline.registry as reg
         reg.default_passes = lambda: [MulToAdd()]
         reg.pass_names = lambda: ["mul_to_add"]
         import te_passes.backend as b
@@ -250,7 +250,7 @@ class LazyRewrite(MulToAdd):
 
 
 def test_lazy_checkpoint_copies_only_when_rewriting(monkeypatch):
-    import te_passes.passes.manager as mgr
+    import te_passes.pipeline.manager as mgr
 
     copies = []
     real = mgr.copy_graph

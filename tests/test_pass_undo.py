@@ -12,7 +12,7 @@ import torch.fx
 from te_passes.config import TePassesOptions
 from te_passes.passes import PassContext, Stage, TEPass, TEPassResult
 from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
-from te_passes.passes.manager import PassManager
+from te_passes.pipeline.manager import PassManager
 from te_passes.te.state import TEState
 
 
@@ -50,7 +50,7 @@ class _FailAfter(TEPass):
 
 
 def _run_failing(gm, stage, inner, monkeypatch):
-    import te_passes.passes.manager as mgr
+    import te_passes.pipeline.manager as mgr
 
     monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
     ctx = PassContext(stage, TePassesOptions(), TEState.capture())

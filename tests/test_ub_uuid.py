@@ -1,5 +1,5 @@
 """The UB snapshot is part of a graph's pipeline uuid (Inductor FX-graph-cache key) only when
-the graph reads UB state (te_passes.te.guards.ub_state_reads, te_passes.backend.pipeline_uuid):
+the graph reads UB state (te_passes.runtime.ub_guard.ub_state_reads, te_passes.backend.pipeline_uuid):
 after a UB change, graphs that never look at UB state keep their uuid and hit the FX graph
 cache; graphs that do still change their key. Also: the backward TE op's ``ub_overlap_ag``
 flag (TE 2.20.2 ``LinearBwdArgs``) counts as UB use (graph_model.UB_CONFIG_KEYS).
@@ -25,7 +25,7 @@ from _ubgraphs import plain_graph, ub_graph  # noqa: E402
 from te_passes.backend import te_inductor  # noqa: E402
 from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
 from te_passes.te import graph_model as gmod  # noqa: E402
-from te_passes.te import guards  # noqa: E402
+from te_passes.runtime import ub_guard as guards  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
 
@@ -74,9 +74,9 @@ def test_non_ub_graph_keeps_its_uuid_across_a_ub_change_ub_graph_does_not():
 
 def test_unknown_ub_use_keeps_the_ub_snapshot_in_the_uuid():
     """pipeline_uuid without ub_reads (offline, not determined) includes the UB snapshot."""
-    from te_passes.backend import pipeline_uuid
+    from te_passes.pipeline.compilation import pipeline_uuid
     from te_passes.config import TePassesOptions
-    from te_passes.passes.manager import PassManager
+    from te_passes.pipeline.manager import PassManager
 
     m, opts = PassManager(), TePassesOptions()
     a = pipeline_uuid(m, opts, TEState.capture())
@@ -185,7 +185,7 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
     hoisted, UB config checked) still reads UB state — also with fold_ub_predicates disabled
     (the TE op's UB flags alone count); the plain fp8 te.Linear's graph does not."""
     from te_passes.config import TePassesOptions
-    from te_passes.passes.base import Stage
+    from te_passes.pipeline.base import Stage
     from te_passes.testing.capture import capture_dynamo, run_pipeline
 
     fp8 = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_fprop", "none"): C(), ("proj_dgrad", "fp8"): C(),

@@ -446,7 +446,7 @@ def analyze(graph_or_gm: torch.fx.Graph | torch.fx.GraphModule, *, stage: str | 
         graph_or_gm: the graph (any stage). Node ``meta['val']`` (fake tensors) gives buffer
             sizes and dtypes; without it buffers are still tracked, with unknown sizes.
         stage: ``"dynamo"``, ``"post_grad_fwd"``, ``"post_grad_bwd"``, ... (a
-            :class:`~te_passes.passes.base.Stage` value); ``"post_grad_bwd"`` marks the
+            :class:`~te_passes.pipeline.base.Stage` value); ``"post_grad_bwd"`` marks the
             non-tangent placeholders as saved tensors.
         saved_roles: ``{placeholder or output name: QuantizedInfo}`` roles learnt elsewhere
             (e.g. from the paired backward graph, :func:`te_passes.te.quantized.link_saved_roles`).

@@ -9,8 +9,9 @@
   observer behind ``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR`` / ``TORCH_TRACE``), report.json
   and index.md;
 * :mod:`~te_passes.debug.graph_breaks` — graph breaks, TE eager islands with reasons, recompiles;
-* :mod:`~te_passes.debug.offline` — the pipeline outside torch.compile (examples, replay);
-* :mod:`~te_passes.debug.cli` — ``te-passes dump | list | show | replay``.
+* :mod:`~te_passes.debug.offline` — the pipeline outside torch.compile (examples, replay).
+
+The ``te-passes dump | list | show | replay`` CLI that drives them is :mod:`te_passes.cli`.
 
 See docs/cli.md.
 """

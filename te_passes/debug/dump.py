@@ -168,7 +168,7 @@ class DumpWriter:
 
     Build with :meth:`for_backend` (``te_inductor``: a per-process session folder unless
     ``te-passes dump`` claimed the directory) or :meth:`for_dir` (straight into a directory:
-    the CLI, offline runs). Hooks (called by :class:`te_passes.passes.manager.PassManager`
+    the CLI, offline runs). Hooks (called by :class:`te_passes.pipeline.manager.PassManager`
     and :mod:`te_passes.backend`): :meth:`before_stage`, :meth:`before_pass`,
     :meth:`after_pass`, :meth:`after_stage`, :meth:`finish`. Never raises from a hook: a dump
     failure is logged and the compilation goes on (only :meth:`for_dir` raises).
@@ -806,7 +806,7 @@ def render_index(summary: dict[str, Any], root: str) -> str:
             "None.")
     section("Other records", "other_records", ["graph_id", "stage", "pass", "kind", "node", "detail"], "None.")
     section("Failed passes (graph restored)", "failed", ["graph_id", "stage", "pass", "error"], "None.")
-    from te_passes.debug.cli import no_islands_text
+    from te_passes.debug.graph_breaks import no_islands_text
 
     section("TE eager islands and fallbacks", "eager_fallbacks", ["module", "kind", "reason", "location", "count"],
             no_islands_text(summary).capitalize() + ".")
@@ -822,6 +822,6 @@ def render_index(summary: dict[str, Any], root: str) -> str:
                         "reads UB (UB snapshot in te_state)"], rows))
     reads = [(gid, u["ub_reads"]) for gid, u in summary["uuid"].items() if (u or {}).get("ub_reads")]
     if reads:
-        L.append("\nWhy a graph reads UB state (a UB change re-keys only these; te_passes.te.guards.ub_state_reads):\n")
+        L.append("\nWhy a graph reads UB state (a UB change re-keys only these; te_passes.runtime.ub_guard.ub_state_reads):\n")
         L.extend(f"- {gid}: " + "; ".join(r) for gid, r in reads)
     return "\n".join(L)

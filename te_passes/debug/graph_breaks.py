@@ -214,3 +214,11 @@ def current_events() -> CompileEvents:
     ev = CompileEvents(record_warnings=False)
     ev._fill(list(du.graph_break_reasons), list(du.get_compilation_metrics()))
     return ev
+
+
+def no_islands_text(s: dict[str, Any]) -> str:
+    """The 'TE eager islands' line when there are none: whether the compiled graphs held any TE op."""
+    te_ops = [g.get("te_ops") for g in s.get("graphs", [])]
+    if te_ops and all(n == 0 for n in te_ops):
+        return "none (no TE modules in the compiled graphs)"
+    return "none (every TE module ran in the compiled graph)"

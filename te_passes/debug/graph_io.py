@@ -38,6 +38,33 @@ from te_passes.te import graph_model as gmod
 
 FORMAT = "te_passes.tegraph/1"
 
+# ------------------------------------------------------------- renamed modules (issue 12 layout)
+#: Old -> new module paths of te_passes modules that moved (issue 12's layered layout). A
+#: ``.tegraph`` saved before a move names the old path (pickled classes/functions, ``_FnRef``
+#: targets); :class:`_Unpickler` and ``_FnRef.resolve`` look the name up here first.
+RENAMED_MODULES: dict[str, str] = {
+    "te_passes.te.guards": "te_passes.runtime.ub_guard",
+    "te_passes.te.amax_groups": "te_passes.runtime.amax_groups",
+    "te_passes.te.free_op": "te_passes.runtime.free_op",
+    "te_passes.passes.base": "te_passes.pipeline.base",
+    "te_passes.passes.manager": "te_passes.pipeline.manager",
+    "te_passes.passes.registry": "te_passes.pipeline.registry",
+    "te_passes.debug.cli": "te_passes.cli",
+}
+
+
+def renamed_module(module: str) -> str:
+    """``module``'s current path (:data:`RENAMED_MODULES`), or ``module`` itself."""
+    return RENAMED_MODULES.get(module, module)
+
+
+class _Unpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that maps moved te_passes modules (:data:`RENAMED_MODULES`)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(renamed_module(module), name)
+# ------------------------------------------------------------- end renamed modules
+
 
 class GraphFileError(Exception):
     """A graph file is missing, unreadable, not a ``.tegraph`` or needs ops not registered here."""
@@ -70,7 +97,7 @@ class _FnRef:
     qualname: str
 
     def resolve(self) -> Any:
-        mod: Any = importlib.import_module(self.module)
+        mod: Any = importlib.import_module(renamed_module(self.module))
         obj = mod
         try:
             for part in self.qualname.split("."):
@@ -295,7 +322,7 @@ def load_payload(path: str | os.PathLike) -> dict[str, Any]:
     if b"transformer_engine" in data:
         _import_te()
     try:
-        payload = pickle.loads(data)
+        payload = _Unpickler(io.BytesIO(data)).load()
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         raise GraphFileError(f"{path} is not a te_passes graph file ({type(e).__name__}: {e})") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:

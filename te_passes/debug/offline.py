@@ -3,7 +3,7 @@
 :func:`run_stages` is ``te_passes.backend.te_inductor`` minus Dynamo/Inductor: it takes the
 graphs of the stages (Dynamo, joint, post-grad forward/backward), creates the
 :class:`~te_passes.report.CompileReport` with the same pipeline uuid, runs
-:class:`~te_passes.passes.manager.PassManager` per stage through the backend's own stage runner
+:class:`~te_passes.pipeline.manager.PassManager` per stage through the backend's own stage runner
 (so a :class:`~te_passes.debug.dump.DumpWriter` sees the same hooks), and finishes the dump.
 
 :func:`replay` loads the ``input.tegraph`` files a dump saved (one file, a graph directory or a
@@ -22,8 +22,8 @@ from typing import Any, Iterable, Sequence
 import torch.fx
 
 from te_passes.config import TePassesOptions
-from te_passes.passes.base import PassContext, Stage
-from te_passes.passes.manager import PassManager
+from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport, new_compile_report
 from te_passes.te.state import TEState
 
@@ -71,13 +71,13 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
 
     Raises:
         te_passes.debug.dump.DumpDirError: ``dump_dir`` is not writable.
-        te_passes.passes.manager.TePassError: a pass failed under ``options.strict``.
+        te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
     import time
 
-    from te_passes.backend import _run_stage, pipeline_uuid
+    from te_passes.pipeline.compilation import pipeline_uuid, run_stage as _run_stage
     from te_passes.debug.dump import DumpWriter
-    from te_passes.te.guards import pop_dependence, ub_state_reads
+    from te_passes.runtime.ub_guard import pop_dependence, ub_state_reads
 
     options = options or TePassesOptions()
     te_state = te_state or TEState.capture()
@@ -169,7 +169,7 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
             saved_opts["disable"] = list(disable)
         if strict is not None:
             saved_opts["strict"] = strict
-        from te_passes.passes.registry import pass_names
+        from te_passes.pipeline.registry import pass_names
 
         options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()},
                                            known_passes=set(pass_names()), environ={})

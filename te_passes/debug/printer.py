@@ -71,10 +71,10 @@ def constant_name(v: Any) -> str | None:
     TE's own ``__fx_repr__`` is a rebuild expression (``_rebuild_quantizer(...)``,
     ``OpaqueValueBundle({...})``); a hoisted constant renders as its bare name only in the
     Inductor wrapper of the graph it was hoisted in
-    (:func:`te_passes.passes.hoist_recipe_lookups.name_constant`), so the name is read from the
-    pass (:func:`~te_passes.passes.hoist_recipe_lookups.hoisted_name`), not from the repr.
+    (:func:`te_passes.runtime.constants.name_constant`), so the name is read from the
+    pass (:func:`~te_passes.runtime.constants.hoisted_name`), not from the repr.
     """
-    from te_passes.passes.hoist_recipe_lookups import hoisted_name  # lazy: the printer loads without the passes
+    from te_passes.runtime.constants import hoisted_name
 
     return hoisted_name(v)
 

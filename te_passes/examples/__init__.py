@@ -103,11 +103,11 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
                  disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
     import torch
 
-    from te_passes.backend import _inductor_config_patches
+    from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
     from te_passes.config import TePassesOptions
     from te_passes.debug.offline import run_stages
-    from te_passes.passes.base import Stage
-    from te_passes.passes.registry import pass_names
+    from te_passes.pipeline.base import Stage
+    from te_passes.pipeline.registry import pass_names
     from te_passes.testing.capture import capture_aot, fake_gpu
 
     opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))

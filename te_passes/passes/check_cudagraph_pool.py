@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from te_passes.analyses.liveness import BufferOrigin, Liveness, analyze_shared
-from te_passes.passes.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 
 
 class CudagraphPoolLeakError(RuntimeError):

@@ -13,9 +13,9 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from te_passes.passes.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
-from te_passes.te import guards
+from te_passes.runtime import ub_guard as guards
 from te_passes.te.ub import (UB_PREDICATE_METHODS, UbConfigError, UbSnapshot, check_linear_ub_config,
                              ub_flags_set, ub_query_function)
 
@@ -70,7 +70,7 @@ class FoldUbPredicates(TEPass):
     **Query nodes** (graphs from ``torch.fx.symbolic_trace`` with TE functions as leaves,
     hand-built graphs, users' modules): ``call_function`` nodes of TE's ``get_ub_is_fp8``,
     ``is_ub_initialized``, ``using_cublasmp_backend`` (``transformer_engine.pytorch.module.base``,
-    TE 2.20.2) and :func:`te_passes.te.guards.ub_query`, and ``call_method`` nodes
+    TE 2.20.2) and :func:`te_passes.runtime.ub_guard.ub_query`, and ``call_method`` nodes
     ``is_fp8_ubuf`` / ``with_cublasmp`` / ``is_atomic_gemm`` / ``is_p2p_overlap`` / ``get_tp_size``
     on a ``get_ub(name, use_fp8)`` node, all with constant arguments, are replaced by their value
     in the snapshot; pure ``operator`` nodes that then have only constant inputs are folded too,
@@ -94,7 +94,7 @@ class FoldUbPredicates(TEPass):
 
     **Trace-time folds**: in graphs Dynamo traced from TE's Python (``Linear.forward`` calls
     ``get_ub_is_fp8``), te_passes' hook already folded the query during tracing, guarded on
-    the UB state token (:mod:`te_passes.te.guards`); the pass records those folds and checks
+    the UB state token (:mod:`te_passes.runtime.ub_guard`); the pass records those folds and checks
     them against the snapshot the graph is compiled with.
 
     **TE op checks**: for every ``transformer_engine_compile.linear[_backward]`` node whose
@@ -107,7 +107,7 @@ class FoldUbPredicates(TEPass):
     (under ``te_passes.strict`` the pass raises at once).
 
     Every dependence (folded values, checked configs, a pre-pass copy of the graph when nodes
-    were folded) is registered with :mod:`te_passes.te.guards`, which guards the compiled graph.
+    were folded) is registered with :mod:`te_passes.runtime.ub_guard`, which guards the compiled graph.
 
     Records: ``"folded"`` (``api``, ``args``, ``value``, ``source`` = ``"fx"`` /
     ``"dynamo_trace"``), ``"const_folded"`` (operator nodes folded after them), ``"removed"``

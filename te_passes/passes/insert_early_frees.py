@@ -12,8 +12,9 @@ import torch.fx
 from te_passes.analyses.liveness import (Buffer, BufferOrigin, Liveness, analyze, analyze_shared, gc_paused,
                                          is_opaque_call)
 from te_passes.analyses.memory import MemoryEstimate, estimate
-from te_passes.passes.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.te import free_op, quantized
+from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.runtime import free_op
+from te_passes.te import quantized
 
 POLICIES = ("opaque", "all")
 _REALIZE_KEY = "inductor_realize_to_strides"
@@ -58,9 +59,9 @@ class InsertEarlyFrees(TEPass):
     The free goes right after the last node that uses *any* alias of the buffer (alias-aware
     liveness: views, ``getitem``\\ s of multi-output ops, ``set_``). ``free_storage``
     rebinds the tensor to an empty storage (TE's ``clear_tensor_data`` semantics, see
-    :mod:`te_passes.te.free_op`), and its Inductor lowering keeps Inductor from reusing the
+    :mod:`te_passes.runtime.free_op`), and its Inductor lowering keeps Inductor from reusing the
     freed buffer's memory. A freed value an opaque op reads is also marked
-    ``meta["inductor_realize_to_strides"]`` (:func:`te_passes.te.free_op.mark_realize`), so
+    ``meta["inductor_realize_to_strides"]`` (:func:`te_passes.runtime.free_op.mark_realize`), so
     Inductor materializes it once where it is defined and the opaque op and the free receive
     that same buffer (without it, an ATen cast stays an unrealized ``Pointwise``, the custom
     op's stride constraint copies it, and the free emptied a second copy).
@@ -103,7 +104,7 @@ class InsertEarlyFrees(TEPass):
 
     @classmethod
     def source_hash(cls) -> str:
-        """:meth:`TEPass.source_hash` plus the source of :mod:`te_passes.te.free_op`: its Inductor
+        """:meth:`TEPass.source_hash` plus the source of :mod:`te_passes.runtime.free_op`: its Inductor
         lowering shapes the output code as much as this file does, so a change there must change
         :meth:`uuid` (and with it the FX-graph-cache key) too."""
         h = hashlib.sha256(super().source_hash().encode())

@@ -24,23 +24,22 @@ while Dynamo traces is a graph break. This module
 * mirrors which buffers a ``te.Linear`` op fetches for given config flags
   (:func:`linear_ub_buffer_uses`, from ``module/linear.py``) and checks a TE op config against
   a snapshot (:func:`check_linear_ub_config`);
-* offers :func:`reinitialize_ub` / :func:`destroy_ub_keep_compiled` to re-initialise UB
-  without TE's process-wide ``torch.compiler.reset()`` (see :mod:`te_passes.te.guards` for
-  why that is safe under ``te_inductor``).
+* (:mod:`te_passes.runtime.ub` offers ``reinitialize_ub`` / ``destroy_ub_keep_compiled`` to
+  re-initialise UB without TE's process-wide ``torch.compiler.reset()``; see
+  :mod:`te_passes.runtime.ub_guard` for why that is safe under ``te_inductor``).
 
 Nothing here needs a GPU: tests populate TE's registry with stand-in objects that expose the
-communicator methods, then call :func:`notify_ub_changed`.
+communicator methods, then call :func:`te_passes.runtime.ub.notify_ub_changed`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import sys
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 #: Module holding TE's UB registry (TE 2.20.2).
 TE_UB_MODULE = "transformer_engine.pytorch.module.base"
@@ -532,101 +531,6 @@ def check_linear_ub_config(op: str, config: Mapping[str, Any], snapshot: UbSnaps
     return UbCheckResult(name, uses, found, problems)
 
 
-# --------------------------------------------------------------------------- re-initialisation
-def notify_ub_changed() -> None:
-    """Tell te_passes that TE's UB registry changed outside ``initialize_ub``/``destroy_ub``.
-
-    ``te_passes`` hooks TE's ``initialize_ub``/``destroy_ub`` (:func:`te_passes.te.guards.install_te_ub_hooks`);
-    code that edits ``module/base.py``'s ``_ub_communicators`` / ``_ub_initialized`` by hand
-    (tests with stand-in communicators) must call this afterwards.
-    """
-    from te_passes.te import guards
-
-    guards.on_ub_state_changed()
-
-
-@contextlib.contextmanager
-def _no_compiler_reset() -> Iterator[None]:
-    import torch
-
-    real = torch.compiler.reset
-
-    def _skip_reset() -> None:  # TE's destroy_ub() calls torch.compiler.reset()
-        return None
-
-    torch.compiler.reset = _skip_reset
-    try:
-        yield
-    finally:
-        torch.compiler.reset = real
-
-
-def destroy_ub_keep_compiled() -> None:
-    """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()``.
-
-    TE 2.20.2 resets every compiled graph in ``destroy_ub`` because ``get_ub_is_fp8`` is folded
-    without a guard. With te_passes' hooks installed, every UB fold is guarded (Dynamo guards
-    the UB state token; ``te_inductor`` graphs carry a UB guard), so graphs that depend on UB
-    recompile when they are next called and all other compiled graphs are kept.
-
-    Raises:
-        ImportError: TE is not installed.
-    """
-    import torch  # noqa: F401  (TE must be imported after torch)
-    from transformer_engine.pytorch.module import base
-
-    from te_passes.te import guards
-
-    guards.install_te_ub_hooks()
-    with _no_compiler_reset():
-        base.destroy_ub()
-    guards.on_ub_state_changed()
-
-
-def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
-    """Destroy TE's UB communicators and initialise them again, keeping compiled graphs.
-
-    ``args``/``kwargs`` go to TE's ``initialize_ub(shape, tp_size, ..., quantization_modes=...,
-    ub_cfgs=..., with_cublasmp=...)`` unchanged. Equivalent to ``destroy_ub(); initialize_ub(...)``
-    minus TE's global ``torch.compiler.reset()``: only graphs compiled against UB state
-    recompile (or raise, under ``te_passes.ub_on_change="error"``) on their next call.
-
-    Returns:
-        The new :class:`UbSnapshot`.
-
-    Raises:
-        Whatever TE's ``initialize_ub`` raises (UB is left destroyed in that case).
-    """
-    from transformer_engine.pytorch.module import base
-
-    destroy_ub_keep_compiled()
-    base.initialize_ub(*args, **kwargs)
-    from te_passes.te import guards
-
-    guards.on_ub_state_changed()
-    return UbSnapshot.capture()
-
-
-@contextlib.contextmanager
-def keep_compiled_graphs() -> Iterator[None]:
-    """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()``.
-
-    For code that calls TE's functions itself::
-
-        with te_passes.te.ub.keep_compiled_graphs():
-            te.module.base.destroy_ub()
-            te.module.base.initialize_ub(shape, tp_size, quantization_modes=[...])
-    """
-    from te_passes.te import guards
-
-    guards.install_te_ub_hooks()
-    with _no_compiler_reset():
-        try:
-            yield
-        finally:
-            guards.on_ub_state_changed()
-
-
 # --------------------------------------------------------------------------- FX query nodes
 def _unwrap(fn: Any) -> Any:
     seen = 0
@@ -643,12 +547,12 @@ def ub_query_function(target: Any) -> str | None:
 
     Returns ``"get_ub_is_fp8"``, ``"is_ub_initialized"``, ``"using_cublasmp_backend"``,
     ``"get_ub"`` (TE 2.20.2 ``module/base.py`` functions, also when rebound by te_passes' hooks)
-    or ``"ub_query"`` (:func:`te_passes.te.guards.ub_query`).
+    or ``"ub_query"`` (:func:`te_passes.runtime.ub_guard.ub_query`).
     """
     fn = _unwrap(target)
     mod, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
     if mod == TE_UB_MODULE and name in (*UB_QUERY_FUNCTIONS, "get_ub"):
         return name
-    if mod == "te_passes.te.guards" and name == "ub_query":
+    if mod == "te_passes.runtime.ub_guard" and name == "ub_query":
         return "ub_query"
     return None

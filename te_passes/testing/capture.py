@@ -10,8 +10,8 @@ What it gives:
   (``joint_custom_pre_pass``) and the partitioned forward / backward graphs
   (``post_grad_custom_pre_pass``) with ``transformer_engine_compile.linear.default`` /
   ``linear_backward.default``;
-* :func:`run_pipeline` — runs te_passes' :class:`~te_passes.passes.manager.PassManager` on
-  captured graphs at the right :class:`~te_passes.passes.base.Stage`.
+* :func:`run_pipeline` — runs te_passes' :class:`~te_passes.pipeline.manager.PassManager` on
+  captured graphs at the right :class:`~te_passes.pipeline.base.Stage`.
 
 How (TE 2.20.2, torch 2.14.1; measured on a CPU-only machine, see docs/testing-real-graphs.md):
 
@@ -173,7 +173,7 @@ def te_op_names(gm: torch.fx.GraphModule) -> list[str]:
 
 def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A node-for-node copy of ``gm`` (TE constants and ``node.meta`` values are shared)."""
-    from te_passes.passes.manager import copy_graph
+    from te_passes.fx.graph import copy_graph
 
     graph = copy_graph(gm.graph)
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
@@ -890,7 +890,7 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
 
     Args:
         captured: what :func:`capture_dynamo` / :func:`capture_aot` returned.
-        stages: the :class:`~te_passes.passes.base.Stage`\\ s (or their values) whose passes
+        stages: the :class:`~te_passes.pipeline.base.Stage`\\ s (or their values) whose passes
             run; default all. Unselected stages' graphs are still produced (relower).
         passes: pass instances (default: the registry's, ``PassManager()``; an empty registry
             gives reports with no runs).
@@ -906,11 +906,11 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
         passes ran on (after them).
 
     Raises:
-        te_passes.passes.manager.TePassError: a pass failed under ``options.strict``.
+        te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
     from te_passes.config import TePassesOptions
-    from te_passes.passes.base import PassContext, Stage
-    from te_passes.passes.manager import PassManager
+    from te_passes.pipeline.base import PassContext, Stage
+    from te_passes.pipeline.manager import PassManager
     from te_passes.te.state import TEState
 
     if not isinstance(captured, (CapturedGraph, CapturedAOT)):

@@ -11,7 +11,7 @@ Layer 1 — Dynamo guards (graphs whose *Python* read UB state while Dynamo trac
     every ``transformer_engine`` module that imported it: ``linear``, ``layernorm_linear``,
     ``layernorm_mlp``) to a guarded version (:func:`_make_guarded_get_ub_is_fp8`). While compiling, that function reads
     the module global :data:`UB_STATE_TOKEN` — Dynamo installs an ``EQUALS_MATCH`` guard
-    ``G['__import_te_passes_dot_te_dot_guards'].UB_STATE_TOKEN == 'ub-…'`` on the frame that
+    ``G['__import_te_passes_dot_runtime_dot_ub_guard'].UB_STATE_TOKEN == 'ub-…'`` on the frame that
     traced it — and returns the value from te_passes' UB snapshot (a constant, recorded for the
     report). The token is derived from the snapshot fingerprint and is renewed by hooks on
     ``initialize_ub``/``destroy_ub`` (:func:`on_ub_state_changed`). A frame whose guard fails
@@ -55,7 +55,10 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot, check_linear_ub_config
+from te_passes.fx.graph import copy_graph
+from te_passes.te import graph_model as gmod
+from te_passes.te.ub import (TE_UB_MODULE, UB_PREDICATE_METHODS, UbConfigError, UbSnapshot, check_linear_ub_config,
+                             ub_query_function)
 
 #: The UB state token Dynamo guards on (``"ub-<fingerprint[:16]>"``); renewed on every UB change.
 UB_STATE_TOKEN: str = "ub-unset"
@@ -269,7 +272,7 @@ def install_te_ub_hooks(*, import_te: bool = False) -> bool:
     ``transformer_engine.*`` module holding the same function object: ``initialize_ub`` and
     ``destroy_ub`` (call TE's, then :func:`on_ub_state_changed`), and ``get_ub_is_fp8``
     (a guarded fold while compiling, TE's function in eager). TE's ``destroy_ub`` still calls ``torch.compiler.reset()``;
-    use :func:`te_passes.te.ub.reinitialize_ub` to avoid it.
+    use :func:`te_passes.runtime.ub.reinitialize_ub` to avoid it.
 
     Without ``import_te``, does nothing unless TE is already imported (``te_inductor`` calls
     this on import and on every compile, so the first trace after TE is imported is covered).
@@ -415,9 +418,6 @@ def ub_state_reads(gm: torch.fx.GraphModule, graph_id: str) -> list[str]:
         gm: the Dynamo graph after the Dynamo-stage passes.
         graph_id: its :class:`te_passes.report.CompileReport` id (``"g<N>"``).
     """
-    from te_passes.te import graph_model as gmod
-    from te_passes.te.ub import UB_PREDICATE_METHODS, ub_query_function
-
     reasons: list[str] = []
     with _LOCK:
         dep = _DEPS.get(_base_graph_id(graph_id))
@@ -552,8 +552,6 @@ class UbGuard:
 
 
 def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    from te_passes.passes.manager import copy_graph
-
     new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     new.meta = dict(getattr(gm, "meta", {}))
     return new

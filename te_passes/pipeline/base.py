@@ -18,14 +18,18 @@ import hashlib
 import inspect
 import json
 import sys
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-if TYPE_CHECKING:  # pragma: no cover
-    from te_passes.config import TePassesOptions
-    from te_passes.te.state import TEState
+from te_passes._json import jsonable
+from te_passes.config import TePassesOptions
+from te_passes.report import PassRecord
+from te_passes.te.state import TEState
+
+__all__ = ["ALL_STAGES", "AOT_STAGES", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass", "TEPassResult",
+           "jsonable"]
 
 
 class Stage(str, enum.Enum):
@@ -52,42 +56,6 @@ class Stage(str, enum.Enum):
 
 ALL_STAGES: frozenset[Stage] = frozenset(Stage)
 AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
-
-
-@dataclasses.dataclass
-class PassRecord:
-    """One structured fact a pass reports: what it folded, freed, found, or refused to do.
-
-    ``kind`` is a short word naming the record type (``"folded"``, ``"hoisted"``, ``"free"``,
-    ``"check"``, ``"pool_leak"``, ``"skipped"``, ...); ``node`` the FX node name it concerns
-    (``None`` for graph-level facts); ``data`` JSON-serialisable details (values are rendered
-    with ``repr`` when they are not JSON types). Dump reports (``report.json``) list records
-    grouped by ``kind``.
-    """
-
-    kind: str
-    node: str | None = None
-    data: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict: ``{"kind", "node", **data}`` with non-JSON values repr'd."""
-        out: dict[str, Any] = {"kind": self.kind, "node": self.node}
-        for k, v in self.data.items():
-            out[k] = jsonable(v)
-        return out
-
-
-def jsonable(value: Any) -> Any:
-    """Map ``value`` onto JSON types: containers recursively, enums by value, others by repr."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
-        return jsonable(value.value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in value]
-    return repr(value)
 
 
 class TEPassResult(PassResult):
@@ -185,9 +153,6 @@ class TEPass(PassBase):
     # torch.fx.passes.infra.pass_base.PassBase protocol (lets a TEPass run in torch's own
     # PassManager too; the stage defaults to DYNAMO there and TE state is taken live).
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        from te_passes.config import TePassesOptions
-        from te_passes.te.state import TEState
-
         stage = next(iter(sorted(self.stages, key=lambda s: s.value)), Stage.DYNAMO)
         return self.run(graph_module, PassContext(stage, TePassesOptions(), TEState.capture()))
 

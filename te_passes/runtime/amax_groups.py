@@ -28,7 +28,7 @@ call, eager or inside the compiled op (where the group crosses the op boundary a
 group name in the config bundle, ``dynamo/custom_op.py`` ``PROCESS_GROUP``). So te_passes
 
 1. wraps TE's ``_linear_forward_impl`` / ``_linear_backward_impl`` (rebinding the names in
-   ``transformer_engine.pytorch.module.linear``, as :mod:`te_passes.te.guards` does for the UB
+   ``transformer_engine.pytorch.module.linear``, as :mod:`te_passes.runtime.ub_guard` does for the UB
    functions) so that the groups they set for one call are released when the call returns —
    the module's quantizers look to Dynamo as they did before any eager step. Precisely: when the
    *last* wrapped call running on a quantizer returns (count of calls in flight, all threads),

@@ -33,6 +33,8 @@ import sys
 import traceback
 from typing import Any, Callable, Iterable, Sequence
 
+from te_passes.debug.graph_breaks import no_islands_text  # torch-free
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_OUT = "te_passes_dump"
 #: Warnings ``te-passes dump`` itself causes (``force_disable_caches``), left out of the report.
@@ -129,7 +131,7 @@ def _error(msg: str) -> None:
 
 # --------------------------------------------------------------------------- helpers
 def _registry() -> tuple[list[str], list[Any]]:
-    from te_passes.passes.registry import pass_classes, pass_names
+    from te_passes.pipeline.registry import pass_classes, pass_names
 
     try:
         return pass_names(), list(pass_classes())
@@ -150,7 +152,7 @@ def _check_pass_names(names: Iterable[str], where: str) -> list[str]:
 def _check_mode(mode: str | None) -> None:
     if mode is None:
         return
-    from te_passes.backend import _inductor_config_patches
+    from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
 
     try:
         _inductor_config_patches(mode, {})
@@ -482,14 +484,6 @@ def _short_left(v: Any, n: int = 50) -> str:
     """Like :func:`_short` but cut from the left, keeping the end (``file.py:LINE (fn)``)."""
     s = _short(v, 10**9)
     return s if len(s) <= n else "…" + s[len(s) - n + 1:]
-
-
-def no_islands_text(s: dict[str, Any]) -> str:
-    """The 'TE eager islands' line when there are none: whether the compiled graphs held any TE op."""
-    te_ops = [g.get("te_ops") for g in s.get("graphs", [])]
-    if te_ops and all(n == 0 for n in te_ops):
-        return "none (no TE modules in the compiled graphs)"
-    return "none (every TE module ran in the compiled graph)"
 
 
 def _grouped(items: list[dict[str, Any]], key: Callable[[dict[str, Any]], tuple]) -> list[list[Any]]:

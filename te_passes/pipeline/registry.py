@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from te_passes.passes.base import TEPass
+from te_passes.pipeline.base import TEPass
 
 #: (pass name, "module:Class"), in pipeline order.
 PASS_REGISTRY: tuple[tuple[str, str], ...] = (

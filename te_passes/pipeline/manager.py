@@ -28,7 +28,8 @@ from typing import Iterable, Protocol, Sequence
 import torch.fx
 
 from te_passes._logging import get_logger, trace_artifact
-from te_passes.passes.base import PassContext, PassRecord, PassSkipped, TEPass, TEPassResult
+from te_passes.fx.graph import copy_graph
+from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, TEPass, TEPassResult
 from te_passes.report import PassRun, StageReport
 
 log = get_logger()
@@ -44,17 +45,6 @@ class PassObserver(Protocol):
     def before_pass(self, gm: torch.fx.GraphModule, tepass: TEPass, ctx: PassContext) -> None: ...
 
     def after_pass(self, gm: torch.fx.GraphModule, tepass: TEPass, ctx: PassContext, run: PassRun) -> None: ...
-
-
-def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """A node-for-node copy of ``graph`` (node meta copied shallowly), for rollback."""
-    new = torch.fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = new.graph_copy(graph, val_map, return_output_node=True)
-    if out is not None:
-        new.output(out[0] if isinstance(out, tuple) else out)
-    new._codegen = graph._codegen
-    return new
 
 
 def restore_graph(graph: torch.fx.Graph, backup: torch.fx.Graph) -> None:
@@ -84,7 +74,7 @@ class PassManager:
     def __init__(self, passes: Sequence[TEPass] | None = None,
                  observers: Iterable[PassObserver] = ()) -> None:
         if passes is None:
-            from te_passes.passes.registry import default_passes
+            from te_passes.pipeline.registry import default_passes
             passes = default_passes()
         self.passes = list(passes)
         self.observers = list(observers)

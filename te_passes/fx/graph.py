@@ -1,0 +1,20 @@
+"""Generic ``torch.fx`` graph helpers (no TE knowledge)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+#: Types of plain FX constants (no node, no object identity that matters).
+PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A node-for-node copy of ``graph`` (node meta copied shallowly), for rollback."""
+    new = torch.fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = new.graph_copy(graph, val_map, return_output_node=True)
+    if out is not None:
+        new.output(out[0] if isinstance(out, tuple) else out)
+    new._codegen = graph._codegen
+    return new

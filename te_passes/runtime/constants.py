@@ -1,0 +1,240 @@
+"""Named TE constants: value-opaque constants built once and rendered as a wrapper-global name
+inside their own graph's Inductor wrapper (process-level: wraps TE classes' ``__fx_repr__``).
+
+Used by the post-grad constant hoisting of ``hoist_recipe_lookups``
+(docs/passes/hoist_recipe_lookups.md §3); the printer reads :func:`hoisted_name`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import sys
+import threading
+import weakref
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+
+from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
+from te_passes.te.graph_model import TEConstKind, te_const_kind
+
+
+def rebuild_constant(v: Any) -> Any:
+    """A new object equal to the value-opaque constant ``v``, built by evaluating ``v``'s own
+    ``__fx_repr__`` expression with its globals — exactly what Inductor's wrapper evaluates on
+    every call (``_rebuild_quantizer(...)`` / ``OpaqueValueBundle({...})``).
+
+    The expression is taken in full (:func:`rendered_in_full`): neither ``v`` nor a quantizer
+    nested in a bundle renders as a wrapper-global name here, so the new object shares no
+    quantizer with ``v`` (e.g. with a module-held quantizer an earlier compiled call returned).
+
+    Raises:
+        RuntimeError: the rebuilt object does not compare equal to ``v``.
+    """
+    return rebuild_cached(v, None)
+
+
+def rebuild_cached(v: Any, cache: dict[int, tuple[Any, Any, dict]] | None) -> Any:
+    """:func:`rebuild_constant`; with ``cache`` (one pass run's ``{id(v): (v, code, globals)}``)
+    ``v``'s expression is rendered and compiled once per object, and each call still evaluates
+    it into a new object. The equality check runs on the first rebuild of ``v``: later ones
+    evaluate the same code with the same globals (TE's rebuild functions are deterministic in
+    the value), so they equal that first, checked object."""
+    hit = cache.get(id(v)) if cache is not None else None
+    if hit is not None and hit[0] is v:
+        return eval(hit[1], dict(hit[2]))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
+    prev = getattr(_render, "full", False)
+    _render.full = True  # rendered_in_full(), inlined: a context manager per constant showed in profiles
+    try:
+        expr, env = type(v).__fx_repr__(v)
+    finally:
+        _render.full = prev
+    code = _compiled(expr)
+    fresh = eval(code, dict(env))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
+    if type(fresh) is not type(v) or fresh != v:
+        raise RuntimeError(f"rebuilding {type(v).__name__} from its __fx_repr__ gave a different value")
+    if cache is not None:
+        cache[id(v)] = (v, code, env)
+    return fresh
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(expr: str):
+    """``compile(expr)`` once per distinct expression (a graph repeats the same quantizer and
+    bundle expressions many times; compiling dominated :func:`rebuild_constant`)."""
+    return compile(expr, "<te_passes constant>", "eval")
+
+
+# --------------------------------------------------------------------------- named constants
+_WRAPPED_FLAG = "_te_passes_named_fx_repr"
+
+
+def is_liftable_constant(v: Any) -> bool:
+    """Whether ``v`` is a TE value-opaque constant (``OpaqueValueBundle`` or a quantizer, a
+    ``torch._library.opaque_object`` constant type) that Inductor would rebuild per call."""
+    if isinstance(v, (torch.fx.Node, enum.Enum, type, list, tuple, dict)) or isinstance(v, _PLAIN_TYPES):
+        return False
+    t = type(v)
+    hit = _LIFTABLE_TYPES.get(id(t))
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    ok = _liftable_type(t, v)
+    if ok:  # only positives: a class may still be registered as value-opaque later
+        _LIFTABLE_TYPES[id(t)] = (t, ok)
+    return ok
+
+
+def _liftable_type(t: type, v: Any) -> bool:
+    if te_const_kind(v) not in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER):
+        return False
+    from torch._library.opaque_object import is_opaque_constant_type
+
+    # Names are kept by weak reference (name_constant): the object must support one.
+    return is_opaque_constant_type(t) and t.__weakrefoffset__ != 0
+
+
+#: ``id(class) -> (class, True)`` for the classes :func:`is_liftable_constant` accepted: past the
+#: plain-type checks the answer depends only on the class (``te_const_kind`` is per class, and
+#: torch's ``is_opaque_constant_type`` lookup, ~3 us, showed in profiles). Only positive answers
+#: are kept (a class may be registered as value-opaque after a first look). The class is kept
+#: so its id stays valid.
+_LIFTABLE_TYPES: dict[int, tuple[type, bool]] = {}
+
+
+#: ``id(obj) -> (weakref to obj, name, weakref to the owning post-grad GraphModule)`` for every
+#: object :func:`name_constant` named. Kept outside the objects (not in their ``__dict__``), so
+#: pickled copies (FX-graph-cache entries) carry no name, and nothing here keeps an object or
+#: its graph alive; an entry goes when its object does.
+_NAMED: dict[int, tuple[Any, str, Any]] = {}
+_render = threading.local()
+
+
+def _forget(ref: Any, key: int) -> None:
+    entry = _NAMED.get(key)
+    if entry is not None and entry[0] is ref:  # not a newer object that reuses the id
+        del _NAMED[key]
+
+
+def _entry(v: Any) -> tuple[Any, str, Any] | None:
+    entry = _NAMED.get(id(v))
+    return entry if entry is not None and entry[0]() is v else None
+
+
+@contextlib.contextmanager
+def rendered_in_full() -> Iterator[None]:
+    """Within this context (this thread; nests) every named constant's ``__fx_repr__`` is TE's
+    full rebuild expression, even inside its owner's Inductor lowering."""
+    prev = getattr(_render, "full", False)
+    _render.full = True
+    try:
+        yield
+    finally:
+        _render.full = prev
+
+
+def _current_lowering_module() -> Any:
+    """The ``GraphModule`` Inductor is lowering on this thread (``V.graph.module``;
+    ``torch/_inductor/graph.py`` ``GraphLowering`` is a ``torch.fx.Interpreter`` of it), or
+    ``None`` outside a lowering."""
+    virtualized = sys.modules.get("torch._inductor.virtualized")
+    if virtualized is None:  # Inductor not even imported: nothing is being lowered
+        return None
+    try:
+        graph = virtualized.V.graph  # a NullHandler (no ``module``) when unset
+    except Exception:  # noqa: BLE001 - a poisoned virtual (subprocess compile): not a lowering we named for
+        return None
+    return getattr(graph, "module", None)
+
+
+def _name_in_lowering(v: Any) -> str | None:
+    """``v``'s name if ``v`` is being rendered by its owner's Inductor lowering, else ``None``."""
+    entry = _NAMED.get(id(v))
+    if entry is None or entry[0]() is not v or getattr(_render, "full", False):
+        return None
+    owner = entry[2]()
+    return entry[1] if owner is not None and _current_lowering_module() is owner else None
+
+
+def hoisted_name(v: Any) -> str | None:
+    """The wrapper-global name :func:`name_constant` gave ``v`` (``"_te_const_<n>"``), or
+    ``None``. ``v`` renders as that name only in its owner's Inductor wrapper
+    (:func:`hoisted_owner`).
+
+    A copy of a named object (``copy.copy`` / pickling) is *not* named: names are kept by
+    object identity."""
+    entry = _entry(v)
+    return entry[1] if entry is not None else None
+
+
+def hoisted_owner(v: Any) -> torch.fx.GraphModule | None:
+    """The post-grad ``GraphModule`` whose Inductor wrapper holds ``v`` as a global, or ``None``
+    (``v`` not named, or that graph is gone)."""
+    entry = _entry(v)
+    return entry[2]() if entry is not None else None
+
+
+def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
+    """Make ``v`` render as the bare name ``name``, with ``{name: v}`` as its globals, in the
+    Python wrapper Inductor generates for the post-grad graph ``owner`` — and only there.
+
+    ``__fx_repr__`` (``torch._library.opaque_object.get_opaque_obj_repr``) is how FX codegen and
+    Inductor's Python wrapper (``PythonWrapperCodegen.val_to_arg_str``,
+    ``ir.OpaqueValueTypeConstant.codegen_reference``) render a value-opaque constant: the
+    returned expression is emitted inline and the globals are recorded in
+    ``GraphLowering.opaque_value_type_classes``, which the wrapper module receives as module
+    globals when it is loaded — also on an FX-graph-cache hit (``CompiledFxGraphConstants.unwrap``),
+    where the pickled objects come back with the cache entry. So a named constant is built once,
+    when the wrapper module is loaded, and every call passes that object.
+
+    Everywhere else ``v`` renders as TE's own rebuild expression
+    (``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``): in FX code of any graph, in
+    the bundles that contain it, in :func:`rebuild_constant`, and in the Dynamo graphs that meet
+    it later — the compiled forward returns quantizers, Dynamo stores them back into the
+    module's ``quantizers``, and the next trace of that module (TE's recompile after the first
+    call) bakes them in as constants. A name that is a global of one wrapper means nothing in
+    another graph's code: AOTAutograd's cache key formats every global of the Dynamo graph's
+    code as an import (``autograd_cache.AOTAutogradCachePickler._format_global_for_cache_key``
+    → ``torch.fx.graph_module._format_import_statement`` → ``Importer.get_name``, which needs
+    ``obj.__name__``), so a named quantizer there made every such compile log "Failed to pickle
+    cache key" and bypass the AOTAutograd cache (and the FX graph cache: ``GraphModule.__reduce__``
+    builds the same import block). Rendered in full, those graphs stay content-addressed: equal
+    keys for equal constants, stable across processes.
+
+    "Inductor is lowering ``owner``" is ``V.graph.module is owner``: ``GraphLowering`` is built on
+    the very ``GraphModule`` the ``post_grad_custom_pre_pass`` hook rewrote
+    (``torch/_inductor/compile_fx.py`` ``_InProcessFxCompile.codegen_and_compile``; torch 2.14.1).
+    The name, the object and the owner are held weakly (nothing is kept alive by being named).
+
+    The class's ``__fx_repr__`` is wrapped once (idempotent, process-wide) to answer the name in
+    that one situation; every other call renders exactly as before.
+
+    Raises:
+        TypeError: ``owner`` is not a ``torch.fx.GraphModule``, or ``v``'s class has no
+            ``__fx_repr__`` (not a value-opaque constant) or takes no weak reference.
+    """
+    if not isinstance(owner, torch.fx.GraphModule):
+        raise TypeError(f"name_constant: owner must be the post-grad torch.fx.GraphModule whose wrapper holds "
+                        f"{name!r}, got {type(owner).__name__}")
+    cls = type(v)
+    orig = cls.__dict__.get("__fx_repr__")
+    if orig is None:
+        for klass in cls.__mro__:
+            if "__fx_repr__" in klass.__dict__:
+                orig = klass.__dict__["__fx_repr__"]
+                break
+    if orig is None:
+        raise TypeError(f"{cls.__name__} has no __fx_repr__: not a value-opaque constant")
+    key = id(v)
+    ref = weakref.ref(v, functools.partial(_forget, key=key))  # TypeError: no weak references
+    if not getattr(orig, _WRAPPED_FLAG, False):
+        def __fx_repr__(self, _orig=orig):  # noqa: N807 - the protocol name
+            name = _name_in_lowering(self)
+            return (name, {name: self}) if name is not None else _orig(self)
+
+        setattr(__fx_repr__, _WRAPPED_FLAG, True)
+        __fx_repr__.__doc__ = getattr(orig, "__doc__", None)
+        cls.__fx_repr__ = __fx_repr__
+    _NAMED[key] = (ref, name, weakref.ref(owner))

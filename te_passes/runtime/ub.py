@@ -1,0 +1,96 @@
+"""Re-initialising Userbuffers under ``te_inductor`` without TE's process-wide
+``torch.compiler.reset()`` (public API; the guards that make it safe are in
+:mod:`te_passes.runtime.ub_guard`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from te_passes.runtime import ub_guard as guards
+from te_passes.te.ub import UbSnapshot
+
+
+def notify_ub_changed() -> None:
+    """Tell te_passes that TE's UB registry changed outside ``initialize_ub``/``destroy_ub``.
+
+    ``te_passes`` hooks TE's ``initialize_ub``/``destroy_ub`` (:func:`te_passes.runtime.ub_guard.install_te_ub_hooks`);
+    code that edits ``module/base.py``'s ``_ub_communicators`` / ``_ub_initialized`` by hand
+    (tests with stand-in communicators) must call this afterwards.
+    """
+    guards.on_ub_state_changed()
+
+
+@contextlib.contextmanager
+def _no_compiler_reset() -> Iterator[None]:
+    real = torch.compiler.reset
+
+    def _skip_reset() -> None:  # TE's destroy_ub() calls torch.compiler.reset()
+        return None
+
+    torch.compiler.reset = _skip_reset
+    try:
+        yield
+    finally:
+        torch.compiler.reset = real
+
+
+def destroy_ub_keep_compiled() -> None:
+    """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()``.
+
+    TE 2.20.2 resets every compiled graph in ``destroy_ub`` because ``get_ub_is_fp8`` is folded
+    without a guard. With te_passes' hooks installed, every UB fold is guarded (Dynamo guards
+    the UB state token; ``te_inductor`` graphs carry a UB guard), so graphs that depend on UB
+    recompile when they are next called and all other compiled graphs are kept.
+
+    Raises:
+        ImportError: TE is not installed.
+    """
+    from transformer_engine.pytorch.module import base
+
+    guards.install_te_ub_hooks()
+    with _no_compiler_reset():
+        base.destroy_ub()
+    guards.on_ub_state_changed()
+
+
+def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
+    """Destroy TE's UB communicators and initialise them again, keeping compiled graphs.
+
+    ``args``/``kwargs`` go to TE's ``initialize_ub(shape, tp_size, ..., quantization_modes=...,
+    ub_cfgs=..., with_cublasmp=...)`` unchanged. Equivalent to ``destroy_ub(); initialize_ub(...)``
+    minus TE's global ``torch.compiler.reset()``: only graphs compiled against UB state
+    recompile (or raise, under ``te_passes.ub_on_change="error"``) on their next call.
+
+    Returns:
+        The new :class:`UbSnapshot`.
+
+    Raises:
+        Whatever TE's ``initialize_ub`` raises (UB is left destroyed in that case).
+    """
+    from transformer_engine.pytorch.module import base
+
+    destroy_ub_keep_compiled()
+    base.initialize_ub(*args, **kwargs)
+    guards.on_ub_state_changed()
+    return UbSnapshot.capture()
+
+
+@contextlib.contextmanager
+def keep_compiled_graphs() -> Iterator[None]:
+    """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()``.
+
+    For code that calls TE's functions itself::
+
+        with te_passes.runtime.ub.keep_compiled_graphs():
+            te.module.base.destroy_ub()
+            te.module.base.initialize_ub(shape, tp_size, quantization_modes=[...])
+    """
+    guards.install_te_ub_hooks()
+    with _no_compiler_reset():
+        try:
+            yield
+        finally:
+            guards.on_ub_state_changed()
