@@ -3,13 +3,17 @@ VENV ?= $(or $(TE_PASSES_VENV),$(HOME)/.cache/te_passes/venv)
 PYTEST_ARGS ?=
 DUMP ?= te_passes_dump
 
-.PHONY: setup demo test test-gpu bench
+.PHONY: setup demo lint test test-gpu bench
 
 setup:
 	@TE_PASSES_VENV=$(VENV) bash scripts/setup_env.sh
 
 demo: setup
 	$(VENV)/bin/te-passes dump --example linear-fp8 --out $(DUMP)
+
+# The layer rule (pyproject.toml [tool.importlinter]; docs/design.md#layers), this checkout's sources.
+lint: setup
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -53,11 +53,11 @@ else
     "${PIP[@]}" --no-build-isolation "transformer-engine[pytorch]==$TE_V" 2>&1 | grep -v "^WARNING: Location"
 fi
 
-if have pytest '*' && have hypothesis '*' && have rich '*' && have pytest-timeout '*'; then
+if have pytest '*' && have hypothesis '*' && have rich '*' && have pytest-timeout '*' && have import-linter '*'; then
   step 4/5 "dev tools present"
 else
-  step 4/5 "installing dev tools (pytest, hypothesis, rich)"
-  "${PIP[@]}" pytest hypothesis rich pytest-timeout 2>&1 | grep -v "^WARNING: Location"
+  step 4/5 "installing dev tools (pytest, hypothesis, rich, import-linter)"
+  "${PIP[@]}" pytest hypothesis rich pytest-timeout import-linter 2>&1 | grep -v "^WARNING: Location"
 fi
 
 # Editable install, re-pointed when this checkout moved (CI clones elsewhere) or pyproject changed.

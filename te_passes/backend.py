@@ -31,6 +31,7 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
 from te_passes._logging import get_logger
 from te_passes.config import TePassesOptions
+from te_passes.debug.dump import DumpWriter, tracing_enabled
 from te_passes.pipeline.base import PassContext, Stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
 from te_passes.pipeline.compilation import pipeline_uuid
@@ -116,7 +117,6 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     te_state = TEState.capture(ub_snapshot=opts.ub_snapshot)
 
     observers = []
-    from te_passes.debug.dump import DumpWriter, tracing_enabled
     if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
         observers.append(DumpWriter.for_backend(opts.dump_dir))  # DIR/<session>/ unless te-passes dump owns DIR
     manager = PassManager(configured_passes(opts.pass_config), observers=observers)

@@ -20,6 +20,10 @@ input — a missing file, a target that raises or compiles nothing, an unknown p
 name, an unwritable output directory — prints one ``te-passes: error: ...`` line on stderr and
 exits non-zero (2 for bad arguments, 1 for a failing target or a replay mismatch with
 ``--check``).
+
+Imports: the CLI sits at the top of the layers (it may import anything). It imports the rest of
+te_passes inside the subcommands, the one place where function-level te_passes imports are kept:
+``te-passes --help``, ``list`` and ``show`` start without importing torch (seconds on a CPU box).
 """
 
 from __future__ import annotations

@@ -55,9 +55,14 @@ from typing import Any, Iterable
 
 import torch.fx
 
+from te_passes import __version__
 from te_passes._logging import get_logger, trace_artifact
 from te_passes.debug.diff import GraphSnapshot, format_changes, graph_changes, unified_diff
+from te_passes.debug.graph_breaks import current_events, no_islands_text
+from te_passes.debug.graph_io import save_graph
 from te_passes.debug.printer import format_graph
+from te_passes.te.graph_model import is_te_op_node
+from te_passes.te.version import te_version
 
 log = get_logger()
 
@@ -266,13 +271,9 @@ class DumpWriter:
     def _before_stage(self, gm: torch.fx.GraphModule, ctx: Any) -> None:
         d = self._stage_dir(ctx)
         if ctx.stage.value == "dynamo":
-            from te_passes.te.graph_model import is_te_op_node
-
             self._te_ops = sum(1 for n in gm.graph.nodes if is_te_op_node(n))
         self._write(os.path.join(d, "input.py"), format_graph(gm), f"{ctx.graph_id}_{ctx.stage.value}_input")
         if self.root is not None:
-            from te_passes.debug.graph_io import save_graph
-
             info = {"stage": ctx.stage.value, "graph_id": ctx.graph_id,
                     "te_state": ctx.te_state.to_json(),
                     "options": {"disable": list(ctx.options.disable), "strict": ctx.options.strict,
@@ -355,8 +356,6 @@ def _backend_session() -> dict[str, Any]:
     """Session facts for a dump written by the backend alone (``te_passes.dump_dir``): the
     session id, pid, host, start time and command line, and the process's graph breaks, TE
     eager islands and recompiles so far (:func:`te_passes.debug.graph_breaks.current_events`)."""
-    from te_passes.debug.graph_breaks import current_events
-
     sid = session_id()
     return {"owner": "backend", "session": sid, "pid": os.getpid(), "host": socket.gethostname(),
             "started": _session.get("started"), "argv": list(sys.argv), "target": " ".join(sys.argv),
@@ -635,9 +634,6 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
 def _versions() -> dict[str, Any]:
     import torch
 
-    from te_passes import __version__
-    from te_passes.te.version import te_version
-
     return {"te_passes": __version__, "torch": torch.__version__, "transformer_engine": te_version()}
 
 
@@ -806,7 +802,6 @@ def render_index(summary: dict[str, Any], root: str) -> str:
             "None.")
     section("Other records", "other_records", ["graph_id", "stage", "pass", "kind", "node", "detail"], "None.")
     section("Failed passes (graph restored)", "failed", ["graph_id", "stage", "pass", "error"], "None.")
-    from te_passes.debug.graph_breaks import no_islands_text
 
     section("TE eager islands and fallbacks", "eager_fallbacks", ["module", "kind", "reason", "location", "count"],
             no_islands_text(summary).capitalize() + ".")

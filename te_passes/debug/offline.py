@@ -22,10 +22,16 @@ from typing import Any, Iterable, Sequence
 import torch.fx
 
 from te_passes.config import TePassesOptions
+from te_passes.debug.dump import DumpWriter
+from te_passes.debug.graph_io import GraphFileError, load_graph
 from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.compilation import pipeline_uuid, run_stage as _run_stage
 from te_passes.pipeline.manager import PassManager
+from te_passes.pipeline.registry import pass_names
 from te_passes.report import CompileReport, new_compile_report
+from te_passes.runtime.ub_guard import pop_dependence, ub_state_reads
 from te_passes.te.state import TEState
+from te_passes.te.ub import UbSnapshot
 
 #: Stage order of a compilation (the order the backend runs them in).
 STAGE_ORDER = (Stage.DYNAMO, Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD)
@@ -46,8 +52,6 @@ def te_state_from_json(data: dict[str, Any] | None) -> TEState:
     ub = data.get("ub")
     if ub is not None:
         try:
-            from te_passes.te.ub import UbSnapshot
-
             ub = UbSnapshot.load(ub)
         except ImportError:  # pragma: no cover - UB support missing: keep the JSON
             pass
@@ -74,10 +78,6 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
         te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
     import time
-
-    from te_passes.pipeline.compilation import pipeline_uuid, run_stage as _run_stage
-    from te_passes.debug.dump import DumpWriter
-    from te_passes.runtime.ub_guard import pop_dependence, ub_state_reads
 
     options = options or TePassesOptions()
     te_state = te_state or TEState.capture()
@@ -146,8 +146,6 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
     Raises:
         ReplayError: nothing to replay, or a graph file cannot be loaded (message names it).
     """
-    from te_passes.debug.graph_io import GraphFileError, load_graph
-
     results = []
     for gdir, files in find_graph_files(path).items():
         jobs = []
@@ -169,7 +167,6 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
             saved_opts["disable"] = list(disable)
         if strict is not None:
             saved_opts["strict"] = strict
-        from te_passes.pipeline.registry import pass_names
 
         options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()},
                                            known_passes=set(pass_names()), environ={})

@@ -37,6 +37,7 @@ import torch
 import torch.fx
 from torch.utils._dtype_abbrs import dtype_abbrs
 
+from te_passes.runtime.constants import hoisted_name
 from te_passes.te import graph_model as gmod
 
 INDENT = "    "
@@ -74,8 +75,6 @@ def constant_name(v: Any) -> str | None:
     (:func:`te_passes.runtime.constants.name_constant`), so the name is read from the
     pass (:func:`~te_passes.runtime.constants.hoisted_name`), not from the repr.
     """
-    from te_passes.runtime.constants import hoisted_name
-
     return hoisted_name(v)
 
 

@@ -23,6 +23,15 @@ import functools
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from te_passes.backend import te_inductor
+from te_passes.config import TePassesOptions
+from te_passes.debug.offline import run_stages
+from te_passes.pipeline.base import Stage
+from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
+from te_passes.pipeline.registry import pass_names
+from te_passes.report import compile_reports
+from te_passes.testing.capture import _make_recipe, capture_aot, fake_gpu
+
 
 @dataclasses.dataclass(frozen=True)
 class Example:
@@ -103,13 +112,6 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
                  disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
     import torch
 
-    from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
-    from te_passes.config import TePassesOptions
-    from te_passes.debug.offline import run_stages
-    from te_passes.pipeline.base import Stage
-    from te_passes.pipeline.registry import pass_names
-    from te_passes.testing.capture import capture_aot, fake_gpu
-
     opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))
     patches = _inductor_config_patches(mode, {})
     say(f"capturing the Dynamo and AOTAutograd graphs of {ex.name} ({precision}) on fake CUDA tensors")
@@ -137,9 +139,6 @@ def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | N
                 disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
     import torch
 
-    from te_passes.report import compile_reports
-    from te_passes.testing.capture import _make_recipe
-
     import transformer_engine.pytorch as te
 
     say(f"building {ex.name} on {torch.cuda.get_device_name()}")
@@ -164,7 +163,6 @@ def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | N
     if dump_dir is not None:
         options["te_passes.dump_dir"] = dump_dir
     # torch.compile refuses mode= together with options= (docs/usage.md): pass both to the backend.
-    from te_passes.backend import te_inductor
 
     compiled = torch.compile(step, backend=functools.partial(te_inductor, mode=mode, options=options))
     n0 = len(compile_reports())

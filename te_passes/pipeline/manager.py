@@ -30,6 +30,7 @@ import torch.fx
 from te_passes._logging import get_logger, trace_artifact
 from te_passes.fx.graph import copy_graph
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, TEPass, TEPassResult
+from te_passes.pipeline.registry import default_passes
 from te_passes.report import PassRun, StageReport
 
 log = get_logger()
@@ -74,7 +75,6 @@ class PassManager:
     def __init__(self, passes: Sequence[TEPass] | None = None,
                  observers: Iterable[PassObserver] = ()) -> None:
         if passes is None:
-            from te_passes.pipeline.registry import default_passes
             passes = default_passes()
         self.passes = list(passes)
         self.observers = list(observers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 
+from te_passes.config import TePassesOptionError
 from te_passes.pipeline.base import TEPass
 
 #: (pass name, "module:Class"), in pipeline order.
@@ -68,8 +69,6 @@ def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
         te_passes.config.TePassesOptionError: an unknown pass name, a parameter the pass does
             not take (the message lists the ones it does), or a value its constructor rejects.
     """
-    from te_passes.config import TePassesOptionError
-
     if not pass_config:
         return default_passes()
     classes = {cls.name: cls for cls in pass_classes()}

@@ -60,6 +60,9 @@ import threading
 
 import torch
 
+from te_passes._logging import get_logger
+from te_passes.analyses.liveness import is_opaque_call
+
 OP_NAMESPACE = "te_passes"
 OP_NAME = "free_storage"
 QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
@@ -185,8 +188,6 @@ def _log_dropped_free(t) -> None:
     (they inlined it: nothing to free); a warning when an opaque op reads it — then that op got a
     copy the free cannot reach (the ``inductor_realize_to_strides`` mark was lost, e.g. a later
     post-grad pass replaced the node)."""
-    from te_passes._logging import get_logger
-    from te_passes.analyses.liveness import is_opaque_call
     from torch._inductor.virtualized import V
 
     node = getattr(V.graph, "current_node", None)

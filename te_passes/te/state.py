@@ -15,6 +15,7 @@ import hashlib
 import json
 from typing import Any
 
+from te_passes.te.ub import UbSnapshot
 from te_passes.te.version import te_version
 
 
@@ -40,8 +41,6 @@ class TEState:
         ``ub_snapshot`` may be a ``UbSnapshot``, a dict, or a JSON file path (offline use).
         Without TE installed this returns a state with ``te_version=None`` and no UB.
         """
-        from te_passes.te.ub import UbSnapshot  # te.ub imports TE lazily
-
         ub = UbSnapshot.load(ub_snapshot) if ub_snapshot is not None else UbSnapshot.capture()
         return cls(te_version=te_version(), ub=ub)
 

@@ -67,6 +67,14 @@ import torch
 import torch.fx
 import torch.utils._pytree
 
+from te_passes.config import TePassesOptions
+from te_passes.fx.graph import copy_graph
+from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.manager import PassManager
+from te_passes.te import graph_model as gmod
+from te_passes.te.state import TEState
+from te_passes.te.version import is_supported, te_version
+
 #: Precisions :func:`capture_dynamo` / :func:`capture_aot` capture: ``"bf16"`` (bf16 params and
 #: activations, no quantization, no ``te.autocast``), ``"fp8-cs"``
 #: (``transformer_engine.common.recipe.Float8CurrentScaling()``, device capability (9, 0)) and
@@ -105,14 +113,10 @@ class CaptureError(RuntimeError):
 
 # --------------------------------------------------------------------------- results
 def _te_version() -> str | None:
-    from te_passes.te.version import te_version
-
     return te_version()
 
 
 def _te_node_summary(gm: torch.fx.GraphModule) -> list[str]:
-    from te_passes.te import graph_model as gmod
-
     out = []
     for node in gm.graph.nodes:
         op = gmod.te_op_name(node)
@@ -166,15 +170,11 @@ def _dtype_abbr(dtype: torch.dtype) -> str:
 
 def te_op_names(gm: torch.fx.GraphModule) -> list[str]:
     """Names (``"linear"``, ``"linear_backward"``, ...) of the TE op nodes of ``gm``, in order."""
-    from te_passes.te import graph_model as gmod
-
     return [op for op in (gmod.te_op_name(n) for n in gm.graph.nodes) if op is not None]
 
 
 def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A node-for-node copy of ``gm`` (TE constants and ``node.meta`` values are shared)."""
-    from te_passes.fx.graph import copy_graph
-
     graph = copy_graph(gm.graph)
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     for old_n, new_n in zip(gm.graph.nodes, new.graph.nodes):
@@ -210,8 +210,6 @@ class CapturedGraph:
 
     def te_nodes(self) -> list[torch.fx.Node]:
         """The ``transformer_engine_compile`` op nodes of :attr:`gm`, in order."""
-        from te_passes.te import graph_model as gmod
-
         return [n for n in self.gm.graph.nodes if gmod.is_te_op_node(n)]
 
     def describe(self) -> str:
@@ -822,7 +820,6 @@ def capture_skip_reason() -> str | None:
     reason = getattr(te_utils, "_compile_disabled_reason", "TE has no _compile_disabled_reason (not TE 2.20?)")
     if reason is not None:
         return f"TE's torch.compile custom-op path is off: {reason}"
-    from te_passes.te.version import is_supported
 
     if not is_supported():
         return f"TE {_te_version()} is not a version te_passes decodes"
@@ -908,11 +905,6 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
     Raises:
         te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
-    from te_passes.config import TePassesOptions
-    from te_passes.pipeline.base import PassContext, Stage
-    from te_passes.pipeline.manager import PassManager
-    from te_passes.te.state import TEState
-
     if not isinstance(captured, (CapturedGraph, CapturedAOT)):
         raise TypeError(f"run_pipeline takes a CapturedGraph or CapturedAOT, not {type(captured).__name__}")
     manager = PassManager(passes=passes)

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 from typing import Iterator, Mapping
 
+from te_passes.runtime import ub_guard as guards
+
 
 @dataclasses.dataclass
 class StandInCommunicator:
@@ -49,8 +51,6 @@ def set_ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | Non
     import torch  # noqa: F401  (TE needs torch first)
     from transformer_engine.pytorch.module import base
 
-    from te_passes.runtime import ub_guard as guards
-
     modes = {"none": base.UserBufferQuantizationMode.NONE, "fp8": base.UserBufferQuantizationMode.FP8}
     if buffers is None:
         base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp = None, False, False
@@ -66,8 +66,6 @@ def ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | None, *
                 with_cublasmp: bool = False) -> Iterator[None]:
     """:func:`set_ub_registry` for the duration of the block, then restore TE's previous registry."""
     from transformer_engine.pytorch.module import base
-
-    from te_passes.runtime import ub_guard as guards
 
     saved = (base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp)
     set_ub_registry(buffers, with_cublasmp=with_cublasmp)
