@@ -20,12 +20,28 @@ Inductor. Layers, top to bottom (a module imports only from layers below it; che
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "te_inductor"]
+__all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
+           "UbConfigError"]
+
+#: Public names and the module each lives in (imported on first access: ``import te_passes``
+#: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
+#: configuration te_inductor refuses; ``TePassError``: a pass failed under
+#: ``te_passes.strict``; ``UbConfigError``: a TE op's Userbuffers configuration the UB state
+#: cannot satisfy. All three reach the caller of a ``torch.compile``\ d function unwrapped
+#: (see docs/usage.md, "Errors").
+_LAZY = {
+    "te_inductor": "te_passes.backend",
+    "te_inductor_backend": "te_passes.backend",
+    "TePassesOptionError": "te_passes.config",
+    "TePassError": "te_passes.pipeline.manager",
+    "UbConfigError": "te_passes.te.ub",
+}
 
 
 def __getattr__(name):
-    if name == "te_inductor":
-        from te_passes.backend import te_inductor
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'te_passes' has no attribute {name!r}")
+    import importlib
 
-        return te_inductor
-    raise AttributeError(name)
+    return getattr(importlib.import_module(mod), name)

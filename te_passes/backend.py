@@ -85,8 +85,130 @@ class _StagePass(CustomInferenceAwareGraphPass):
         return self._uuid
 
 
+# --------------------------------------------------------------------------- errors users meet
+_NON_TREE_CUDAGRAPHS = (
+    "te_inductor refuses triton.cudagraphs=True (an option or the mode) with triton.cudagraph_trees=False: "
+    "non-tree CUDA graphs (torch._inductor.cudagraph_trees off) return the same output tensors on "
+    "every call, overwriting outputs a caller still holds (TE's saved quantized tensors, fp8 outputs "
+    "kept for backward), and with TE fp8 modules the backward crashes inside TE GEMM "
+    "(getGemmOutputShape: Invalid matrix dimensions). Use mode=\"reduce-overhead\" (CUDA graph trees) "
+    "and leave triton.cudagraph_trees at its default (True)")
+
+
+def _refuse_unsupported(config_patches: dict[str, Any]) -> None:
+    """Refuse Inductor configurations te_inductor cannot honour (see :data:`_NON_TREE_CUDAGRAPHS`).
+
+    Raises:
+        TePassesOptionError: ``triton.cudagraphs`` on with ``triton.cudagraph_trees`` off.
+    """
+    from torch._inductor import config as inductor_config
+
+    from te_passes.config import TePassesOptionError
+
+    cudagraphs = config_patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+    trees = config_patches.get("triton.cudagraph_trees", inductor_config.triton.cudagraph_trees)
+    if cudagraphs and not trees:
+        raise TePassesOptionError(_NON_TREE_CUDAGRAPHS)
+
+
+#: Our documented exception classes -> a subclass that Dynamo re-raises unwrapped (see _unwrapped).
+_UNWRAPPED: dict[type, type] = {}
+
+
+def _unwrapped(e: BaseException) -> BaseException:
+    """``e`` as an instance of a subclass of its own class that is also a
+    ``torch._dynamo.exc.ShortenTraceback``, which Dynamo re-raises as it is instead of wrapping
+    it in ``BackendCompilerFailed`` (torch 2.14 ``_dynamo/output_graph.py``
+    ``OutputGraph.call_user_compiler``: ``except (..., ShortenTraceback, ...): raise``). So
+    ``except te_passes.TePassesOptionError`` works around a ``torch.compile``d call; the class
+    keeps the original's name and module, its message and cause."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    if isinstance(e, ShortenTraceback):
+        return e
+    cls = type(e)
+    sub = _UNWRAPPED.get(cls)
+    if sub is None:
+        def __init__(self, *args: Any) -> None:  # noqa: N807 - ShortenTraceback's frame argument
+            Exception.__init__(self, *args)
+            self.first_useful_frame = None
+
+        sub = type(cls.__name__, (cls, ShortenTraceback), {"__init__": __init__, "__module__": cls.__module__,
+                                                           "__qualname__": cls.__qualname__,
+                                                           "__doc__": cls.__doc__})
+        _UNWRAPPED[cls] = sub
+    new = sub(*e.args)
+    new.__cause__ = e.__cause__
+    new.__dict__.update({k: v for k, v in vars(e).items() if k != "first_useful_frame"})
+    return new
+
+
+def _documented_errors() -> tuple[type, ...]:
+    from te_passes.config import TePassesOptionError
+    from te_passes.pipeline.manager import TePassError
+    from te_passes.te.ub import UbConfigError
+
+    return (TePassesOptionError, TePassError, UbConfigError)
+
+
+def _warn_capture_state(where: str) -> bool:
+    """Warn (te_passes logger and ``warnings.warn``) when TE is in CUDA-graph-capture state
+    (:func:`te_passes.te.capture_state.te_capture_state`): Dynamo then cannot trace TE modules
+    and the frame runs eagerly. Returns whether it warned."""
+    from te_passes.te.capture_state import te_capture_state
+
+    reasons = te_capture_state()
+    if not reasons:
+        return False
+    import warnings
+
+    msg = (f"te_passes: Transformer Engine is in CUDA-graph-capture state ({'; '.join(reasons)}) at {where}: "
+           f"torch.compile cannot trace TE modules in this state and the frame falls back to eager (no "
+           f"te_inductor graph). Finish or reset the capture (transformer_engine.pytorch.graph.set_capture_end())"
+           f" before compiling")
+    log.warning("%s", msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return True
+
+
+def te_inductor_backend(*, mode: str | None = None, options: dict[str, Any] | None = None):
+    """``functools.partial(te_inductor, mode=mode, options=options)`` with every option checked
+    now (``torch.compile`` passes them to the backend only at the first call): ``te_passes.*``
+    keys and values, ``pass_config`` types, pass names, the mode and Inductor options, and the
+    refusal of non-tree cudagraphs. Use as ``torch.compile(model, backend=te_inductor_backend(
+    mode="reduce-overhead", options={...}))``.
+
+    Raises:
+        te_passes.config.TePassesOptionError: a ``te_passes.*`` key/value, a pass_config value,
+            a pass name, or an Inductor configuration te_inductor refuses.
+        RuntimeError: unknown mode or Inductor option (Inductor's message).
+    """
+    import functools
+
+    opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()))
+    configured_passes(opts.pass_config)
+    _refuse_unsupported(_inductor_config_patches(mode, inductor_options))
+    return functools.partial(te_inductor, mode=mode, options=options)
+
+
 def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                 options: dict[str, Any] | None = None):
+    """Compile a Dynamo graph with te_passes' TE-aware passes, then Inductor (see
+    :func:`_te_inductor` for arguments, return value and the errors raised).
+
+    ``TePassesOptionError``, ``TePassError`` and ``UbConfigError`` raised while compiling
+    reach the caller of the ``torch.compile``\ d function as themselves (catchable with
+    ``except te_passes.TePassesOptionError``), not wrapped in Dynamo's ``BackendCompilerFailed``
+    (:func:`_unwrapped`).
+    """
+    try:
+        return _te_inductor(gm, example_inputs, mode=mode, options=options)
+    except _documented_errors() as e:
+        raise _unwrapped(e) from e.__cause__
+
+
+def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: dict[str, Any] | None = None):
     """Compile a Dynamo graph with te_passes' TE-aware passes, then Inductor.
 
     Args:
@@ -104,7 +226,8 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
         The compiled callable (Inductor's), possibly wrapped by a TE-state guard.
 
     Raises:
-        te_passes.config.TePassesOptionError: unknown ``te_passes.*`` key / bad value / pass name.
+        te_passes.config.TePassesOptionError: unknown ``te_passes.*`` key / bad value / pass name;
+            non-tree cudagraphs (``triton.cudagraphs`` with ``triton.cudagraph_trees=False``).
         RuntimeError: unknown mode or Inductor option (from Inductor).
         te_passes.pipeline.manager.TePassError: a pass failed with ``te_passes.strict``.
     """
@@ -114,6 +237,8 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     _install_te_hooks()
     opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()))
     config_patches = _inductor_config_patches(mode, inductor_options)
+    _refuse_unsupported(config_patches)
+    _warn_capture_state("te_inductor")
     te_state = TEState.capture(ub_snapshot=opts.ub_snapshot)
 
     observers = []
@@ -189,5 +314,21 @@ def _on_dynamo_compile_start(_args: Any) -> None:
         pass
 
 
+_capture_warned = [False]
+
+
+def _on_dynamo_compile_start_capture(_args: Any) -> None:
+    """Every Dynamo compile: warn once per capture-state episode when TE is in CUDA-graph-capture
+    state (:func:`_warn_capture_state`; te_inductor itself is then never called). Two dict
+    lookups when TE is not capturing."""
+    from te_passes.te.capture_state import te_capture_state
+
+    if not te_capture_state():
+        _capture_warned[0] = False
+    elif not _capture_warned[0]:
+        _capture_warned[0] = _warn_capture_state("the start of a Dynamo compile")
+
+
 if not _install_te_hooks():
     torch._dynamo.callback_handler.register_start_callback(_on_dynamo_compile_start)
+torch._dynamo.callback_handler.register_start_callback(_on_dynamo_compile_start_capture)

@@ -33,6 +33,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import sys
 import traceback
 from typing import Any, Callable, Iterable, Sequence
@@ -180,23 +181,31 @@ def _check_writable_dir(path: str) -> None:
         raise CliError(f"dump directory {path} is not writable: no write permission on {probe_dir}")
 
 
-def _prepare_out_dir(path: str) -> str:
-    from te_passes.debug.dump import DumpDirError, ensure_writable_dir
+#: The list of files a dump wrote into its directory (relative paths): the only files a later
+#: dump or ``replay --out`` into the same directory removes.
+MANIFEST = ".te_passes_manifest.json"
+MANIFEST_SCHEMA = "te_passes.dump_manifest/1"
+_STAGE_DIR = r"(?:dynamo|joint|post_grad_fwd|post_grad_bwd)(?:_\d+)?"
+#: Files a dump written before manifests existed holds inside a ``g<N>/`` folder (the layout of
+#: :mod:`te_passes.debug.dump`): what may be removed from such a dump, nothing else.
+_LEGACY_GRAPH_FILE = re.compile(rf"(?:report\.json|te_state\.json|{_STAGE_DIR}/(?:input\.py|input\.tegraph|"
+                                rf"output\.py|\d\d_[A-Za-z0-9_.-]+/(?:before\.py|after\.py|diff\.patch|"
+                                rf"changes\.txt)))")
 
-    try:
-        path = ensure_writable_dir(path)
-    except DumpDirError as e:
-        raise CliError(str(e)) from e
-    _clear_old_dump(path)
-    return path
 
+def _check_old_dump(path: str) -> list[str] | None:
+    """What a dump into ``path`` may replace: the relative paths of the earlier dump's files
+    (its manifest, or for an older dump the files of :data:`_LEGACY_GRAPH_FILE` layout), ``None``
+    when ``path`` holds no earlier dump. Removes nothing.
 
-def _clear_old_dump(path: str) -> None:
-    """Remove a previous te_passes dump in ``path`` (only files this tool writes)."""
-    import shutil
-
+    Raises:
+        CliError: ``path`` holds backend dump sessions, or top-level files a te_passes dump
+            writes that are not from a te_passes dump (exit 2; nothing is touched).
+    """
     from te_passes.debug.dump import SCHEMA, read_graph_report
 
+    if not os.path.isdir(path):
+        return None
     rp = os.path.join(path, "report.json")
     ours = ("report.json", "index.md", "session.json")
     if not os.path.isfile(rp) and os.path.isfile(os.path.join(path, "sessions.json")):
@@ -208,21 +217,165 @@ def _clear_old_dump(path: str) -> None:
         if clash:
             raise CliError(f"{path} holds {', '.join(clash)} but no te_passes report.json; not overwriting "
                            f"them: choose another --out")
-        return
+        return None
     try:
         with open(rp) as f:
             data = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         data = None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise CliError(f"{path} holds a report.json that is not a te_passes dump; not overwriting it: choose "
-                       f"another --out")
-    for name in os.listdir(path):
-        p = os.path.join(path, name)
-        if os.path.isdir(p) and not os.path.islink(p) and read_graph_report(path, name) is not None:
-            shutil.rmtree(p)
-        elif name in ("report.json", "index.md", "session.json") and os.path.isfile(p):
+        schema = data.get("schema") if isinstance(data, dict) else None
+        what = f"schema {schema!r}, this te_passes writes {SCHEMA!r}" if isinstance(schema, str) else \
+            "not a te_passes dump"
+        raise CliError(f"{path} holds a report.json that is not a te_passes dump of this version ({what}); not "
+                       f"overwriting it: choose another --out")
+    manifest = _read_manifest(path)
+    if manifest is not None:
+        return manifest
+    files = [n for n in ours if os.path.isfile(os.path.join(path, n))]
+    for name in sorted(os.listdir(path)):
+        gdir = os.path.join(path, name)
+        if os.path.isdir(gdir) and not os.path.islink(gdir) and read_graph_report(path, name) is not None:
+            for dirpath, _dirs, names in os.walk(gdir):
+                for n in names:
+                    rel = os.path.relpath(os.path.join(dirpath, n), gdir).replace(os.sep, "/")
+                    if _LEGACY_GRAPH_FILE.fullmatch(rel):
+                        files.append(f"{name}/{rel}")
+    return files
+
+
+def _read_manifest(path: str) -> list[str] | None:
+    p = os.path.join(path, MANIFEST)
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CliError(f"{p} is not readable ({type(e).__name__}: {e}); not overwriting {path}: remove the "
+                       f"manifest or choose another --out") from None
+    files = data.get("files") if isinstance(data, dict) and data.get("schema") == MANIFEST_SCHEMA else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise CliError(f"{p} is not a te_passes dump manifest ({MANIFEST_SCHEMA}); not overwriting {path}: "
+                       f"choose another --out")
+    out = []
+    for f in files:  # never outside the directory
+        norm = os.path.normpath(f)
+        if os.path.isabs(norm) or norm.startswith(".." + os.sep) or norm == "..":
+            raise CliError(f"{p} lists {f!r}, outside {path}; not overwriting it: choose another --out")
+        out.append(norm)
+    return out
+
+
+def _remove_files(path: str, files: Iterable[str]) -> None:
+    """Remove ``path/f`` for each relative ``f`` (plain files only), then the folders they
+    leave empty (never ``path`` itself, never a folder still holding anything)."""
+    dirs: set[str] = set()
+    for rel in files:
+        p = os.path.join(path, rel)
+        if os.path.isfile(p) or os.path.islink(p):
             os.remove(p)
+        d = os.path.dirname(rel)
+        while d:
+            dirs.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(dirs, key=lambda x: x.count(os.sep), reverse=True):
+        try:
+            os.rmdir(os.path.join(path, d))
+        except OSError:  # not empty (a user's file) or already gone
+            pass
+
+
+def _clear_old_dump(path: str) -> None:
+    """Remove the previous te_passes dump in ``path``: only the files it wrote (its manifest,
+    or :data:`_LEGACY_GRAPH_FILE` for older dumps); see :func:`_check_old_dump` for what is refused."""
+    files = _check_old_dump(path)
+    if files is not None:
+        _remove_files(path, files + [MANIFEST])
+
+
+def _commit(stage: str, path: str) -> None:
+    """Move the finished dump in ``stage`` into ``path``: the earlier dump's files are removed
+    (:func:`_clear_old_dump`), every new file is moved in (``os.replace``, same filesystem) and
+    the manifest lists them."""
+    from te_passes.debug.dump import _atomic_write
+
+    new = []
+    for dirpath, _dirs, names in os.walk(stage):
+        for n in names:
+            new.append(os.path.relpath(os.path.join(dirpath, n), stage))
+    _clear_old_dump(path)
+    for rel in sorted(new):
+        dest = os.path.join(path, rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.replace(os.path.join(stage, rel), dest)
+    _atomic_write(os.path.join(path, MANIFEST), json.dumps({"schema": MANIFEST_SCHEMA, "files": sorted(new)},
+                                                           indent=1))
+
+
+def _overlaps(a: str, b: str) -> bool:
+    ra, rb = os.path.realpath(a), os.path.realpath(b)
+    return ra == rb or ra.startswith(rb.rstrip(os.sep) + os.sep) or rb.startswith(ra.rstrip(os.sep) + os.sep)
+
+
+@contextlib.contextmanager
+def _staged_out(path: str, *, sources: Sequence[str] = ()):
+    """Yield a staging folder for a dump into ``path`` (``--out``) and move it into place only
+    if the body succeeds.
+
+    Checks first (nothing touched): ``path`` is writable and holds no foreign files
+    (:func:`_check_old_dump`) and does not overlap any of ``sources`` (the dump being replayed).
+    Then ``path`` is locked for the whole run (:func:`te_passes.debug.dump.dir_lock`, the lock
+    backend dump sessions use) and the body writes into a fresh folder next to it. On success
+    the earlier dump's files (only those) are replaced by the new ones (:func:`_commit`); on any
+    failure — an exception, ``SystemExit``, Ctrl-C — the staging folder is removed and ``path``
+    is exactly as before (a folder this call created is removed again).
+
+    Raises:
+        CliError: overlap with a source, foreign files, not writable, locked by another run.
+    """
+    import shutil
+    import tempfile
+
+    from te_passes.debug.dump import DumpDirError, DumpDirLocked, dir_lock, ensure_writable_dir
+
+    for src in sources:
+        if _overlaps(path, src):
+            raise CliError(f"--out {path} overlaps the dump being replayed ({src}): writing there would replace "
+                           f"what is read; choose another --out")
+    existed = os.path.isdir(path)
+    _check_old_dump(path)
+    try:
+        path = ensure_writable_dir(path)
+    except DumpDirError as e:
+        raise CliError(str(e)) from e
+    lock_file = os.path.join(path, ".te_passes_sessions.lock")
+    lock_existed = os.path.exists(lock_file)
+    stage = None
+    ok = False
+    try:
+        with dir_lock(path, blocking=False):
+            parent = os.path.dirname(os.path.abspath(path))
+            try:
+                stage = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.te_passes-tmp-",
+                                         dir=parent)
+            except OSError:  # a parent we cannot write to: stage inside path (same filesystem)
+                stage = tempfile.mkdtemp(prefix=".te_passes-tmp-", dir=path)
+            yield stage
+            _commit(stage, path)
+            ok = True
+    except DumpDirLocked as e:
+        raise CliError(str(e)) from None
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        if not ok:
+            if not lock_existed:
+                with contextlib.suppress(OSError):
+                    os.remove(lock_file)
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
 
 
 def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | None]:
@@ -365,63 +518,77 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
     env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
     _check_pass_names(env_disable, "TE_PASSES_DISABLE")
     _check_mode(args.mode)
-    root = _prepare_out_dir(args.out)
+    with _staged_out(args.out) as stage:
+        summary = _dump_into(args, out, stage, disable, env_disable)
+    _print_summary(out, summary, args.out)
+    return EXIT_OK
 
+
+def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str],
+               env_disable: list[str]) -> dict[str, Any]:
+    """Run the dump of ``args`` into staging folder ``root`` (see :func:`_staged_out`); return
+    the summary."""
     import torch
 
-    from te_passes.debug.dump import claim_dir, write_summary
+    from te_passes.debug.dump import claim_dir, unclaim_dir, write_summary
     from te_passes.debug.graph_breaks import CompileEvents
+    from te_passes.examples import EXAMPLES
     from te_passes.report import compile_reports
 
     torch._inductor.config.force_disable_caches = True  # every stage must run to be dumped
     n_before = len(compile_reports())
     extra: dict[str, Any] = {"owner": "cli", "mode": args.mode or "default", "disabled": disable + env_disable}
-    claim_dir(root)  # the backend's writers in this process write straight into root (no session folder)
-    write_summary(root, extra)  # the session facts are ours: the backend's writers leave them to us
-    events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
-    if args.example is not None:
-        from te_passes.examples import run_example
+    # the backend's writers in this process, given TE_PASSES_DUMP_DIR=--out (or a torch.compile
+    # option naming --out), write straight into the staging folder (no session folder)
+    claim_dir(args.out, into=root)
+    claim_dir(root)
+    try:
+        write_summary(root, extra)  # the session facts are ours: the backend's writers leave them to us
+        events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
+        if args.example is not None:
+            from te_passes.examples import run_example
 
-        ex = EXAMPLES[args.example]
-        extra.update(target=f"--example {args.example} ({ex.description})",
-                     precision=args.precision or ex.precision)
-        try:
-            with events:
-                result = run_example(args.example, precision=args.precision, mode=args.mode, dump_dir=root,
-                                     disable=disable, status=lambda m: out.line(f"» {m}") if out.rich is None
-                                     else None)
-        except Exception as e:  # noqa: BLE001
-            if args.verbose:
-                traceback.print_exc()
-            raise CliError(f"example {args.example} failed: {type(e).__name__}: {e}", EXIT_FAIL) from e
-        extra.update(compile_path=result.compile_path, note=result.note)
-    else:
-        extra.update(target=args.target, precision=args.precision,
-                     compile_path="torch.compile(backend='te_inductor') in this process")
-        env = {"TE_PASSES_DUMP_DIR": root}
-        if disable:
-            env["TE_PASSES_DISABLE"] = ",".join(disable + env_disable)
-        saved_env = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            with out.status(f"running {args.target}"), events:
-                _run_target(args.target, args.mode, args.precision, args.verbose)
-        finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    new_reports = compile_reports()[n_before:]
-    if not new_reports:
-        raise CliError(f"{extra['target']} compiled nothing with backend 'te_inductor' (no te_inductor call: "
-                       f"did it run a function compiled with torch.compile(..., backend='te_inductor')?)",
-                       EXIT_FAIL)
-    extra.update(events.to_json())
-    extra["elsewhere"] = _collect_strays(root, new_reports)
-    summary = write_summary(root, extra)
-    _print_summary(out, summary, root)
-    return EXIT_OK
+            ex = EXAMPLES[args.example]
+            extra.update(target=f"--example {args.example} ({ex.description})",
+                         precision=args.precision or ex.precision)
+            try:
+                with events:
+                    result = run_example(args.example, precision=args.precision, mode=args.mode, dump_dir=root,
+                                         disable=disable, status=lambda m: out.line(f"» {m}") if out.rich is None
+                                         else None)
+            except Exception as e:  # noqa: BLE001
+                if args.verbose:
+                    traceback.print_exc()
+                raise CliError(f"example {args.example} failed: {type(e).__name__}: {e}", EXIT_FAIL) from e
+            extra.update(compile_path=result.compile_path, note=result.note)
+        else:
+            extra.update(target=args.target, precision=args.precision,
+                         compile_path="torch.compile(backend='te_inductor') in this process")
+            env = {"TE_PASSES_DUMP_DIR": args.out}
+            if disable:
+                env["TE_PASSES_DISABLE"] = ",".join(disable + env_disable)
+            saved_env = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                with out.status(f"running {args.target}"), events:
+                    _run_target(args.target, args.mode, args.precision, args.verbose)
+            finally:
+                for k, v in saved_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        new_reports = compile_reports()[n_before:]
+        if not new_reports:
+            raise CliError(f"{extra['target']} compiled nothing with backend 'te_inductor' (no te_inductor call: "
+                           f"did it run a function compiled with torch.compile(..., backend='te_inductor')?)",
+                           EXIT_FAIL)
+        extra.update(events.to_json())
+        extra["elsewhere"] = _collect_strays(root, new_reports)
+        return write_summary(root, extra)
+    finally:
+        unclaim_dir(args.out)
+        unclaim_dir(root)
 
 
 def _collect_strays(root: str, reports: Sequence[Any]) -> list[dict[str, Any]]:
@@ -613,17 +780,19 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
     rp = os.path.join(path, "report.json") if os.path.isdir(path) else path
     if not os.path.isfile(rp):
         raise CliError(f"no te_passes dump at {path} (no report.json); create one with te-passes dump")
+    from te_passes.debug.dump import DumpFormatError, check_summary, read_json
+
     try:
-        with open(rp) as f:
-            s = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CliError(f"cannot read {rp}: {e}") from e
-    if "passes" not in s or "graphs" not in s:
-        raise CliError(f"{rp} is not a te_passes dump summary (no passes[]/graphs[])")
+        s = check_summary(rp, read_json(rp))
+    except DumpFormatError as e:
+        raise CliError(str(e)) from None
     if args.json:
         print(json.dumps(s, indent=2))
     else:
-        _print_summary(out, s, os.path.dirname(rp) or ".")
+        try:
+            _print_summary(out, s, os.path.dirname(rp) or ".")
+        except (TypeError, AttributeError, KeyError, ValueError, IndexError) as e:  # a field check_summary lets by
+            raise CliError(f"{rp}: malformed summary ({type(e).__name__}: {e})") from None
     return EXIT_OK
 
 
@@ -655,25 +824,30 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
         raise CliError(f"no such graph file or dump directory: {args.path}")
     disable = _check_pass_names([n.strip() for a in args.disable for n in a.split(",")], "--disable") \
         if args.disable is not None else None
-    dump_dir = _prepare_out_dir(args.out) if args.out else None
+    source = args.path
     args.path = _newest_session(args.path, out, "replaying", to_stderr=args.json)
-    from te_passes.debug.offline import ReplayError, compare_reports, replay
+    if args.out:
+        with _staged_out(args.out, sources=(source, args.path)) as stage:
+            results = _replay(args, out, disable, stage)
+            from te_passes.debug.dump import write_summary
 
-    try:
-        with out.status(f"replaying {args.path}"):
-            results = replay(args.path, disable=disable, dump_dir=dump_dir)
-    except ReplayError as e:
-        raise CliError(str(e)) from e
-    if dump_dir is not None:
-        from te_passes.debug.dump import write_summary
+            write_summary(stage, {"target": f"replay {args.path}", "compile_path": "offline replay of saved graphs"})
+    else:
+        results = _replay(args, out, disable, None)
+    from te_passes.debug.offline import compare_reports, version_differences
 
-        write_summary(dump_dir, {"target": f"replay {args.path}", "compile_path": "offline replay of saved graphs"})
     mismatches = 0
     payload = []
     for report, saved in results:
         rj = report.to_json()
         diffs = compare_reports(rj, saved, require_all=os.path.isdir(args.path)) if saved is not None else None
-        payload.append({"report": rj, "differences": diffs})
+        versions = version_differences(getattr(report, "saved_versions", None))
+        payload.append({"report": rj, "differences": diffs, "versions": versions})
+        if versions is not None:
+            sv, iv = versions["saved"], versions["installed"]
+            print(f"te-passes: warning: {report.graph_id} was saved under torch {sv['torch']}, Transformer Engine "
+                  f"{sv['transformer_engine']}; installed here: torch {iv['torch']}, Transformer Engine "
+                  f"{iv['transformer_engine']} (a difference below may come from that)", file=sys.stderr, flush=True)
         if args.json:
             continue
         out.heading(f"replay of {report.graph_id} ({len(report.stages)} stages)")
@@ -695,6 +869,16 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     if args.check and mismatches:
         raise CliError(f"replay differs from the saved report for {mismatches} graph(s)", EXIT_FAIL)
     return EXIT_OK
+
+
+def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_dir: str | None) -> list:
+    from te_passes.debug.offline import ReplayError, replay
+
+    try:
+        with out.status(f"replaying {args.path}"):
+            return replay(args.path, disable=disable, dump_dir=dump_dir)
+    except ReplayError as e:
+        raise CliError(str(e)) from e
 
 
 # --------------------------------------------------------------------------- main

@@ -36,17 +36,36 @@ def _as_name_list(key: str, value: Any) -> tuple[str, ...]:
 
 
 def _as_bool(key: str, value: Any) -> bool:
+    """Option values: ``True``/``False`` only (``"yes"``, ``"false"``, ``0`` are refused: a
+    string that reads as the opposite of its truthiness must never be guessed)."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off", ""}:
-        return value.lower() in {"1", "true", "yes", "on"}
-    raise TePassesOptionError(f"option {PREFIX}{key} must be a bool, got {value!r}")
+    raise TePassesOptionError(f"option {PREFIX}{key} must be a bool (True or False), got {value!r} "
+                              f"({type(value).__name__})")
+
+
+#: Environment spellings of a bool option (``TE_PASSES_STRICT=1``); anything else is refused.
+_ENV_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+              "off": False}
+
+
+def _env_bool(key: str, text: str) -> bool:
+    try:
+        return _ENV_BOOLS[text.strip().lower()]
+    except KeyError:
+        raise TePassesOptionError(f"option {PREFIX}{key} must be a bool (one of {', '.join(_ENV_BOOLS)}), "
+                                  f"got {text!r}") from None
 
 
 def _as_opt_path(key: str, value: Any) -> str | None:
-    if value is None or isinstance(value, (str, os.PathLike)):
-        return None if value is None else os.fspath(value)
-    raise TePassesOptionError(f"option {PREFIX}{key} must be a path (str), got {value!r}")
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        path = os.fspath(value)
+        if isinstance(path, str) and path.strip():
+            return path
+    raise TePassesOptionError(f"option {PREFIX}{key} must be a non-empty path (str or os.PathLike) or None, "
+                              f"got {value!r}")
 
 
 def _as_any(key: str, value: Any) -> Any:
@@ -137,7 +156,8 @@ class TePassesOptions:
             if not (spec.env and environ.get(spec.env)):
                 continue
             try:
-                value = spec.convert(short, environ[spec.env])
+                value = _env_bool(short, environ[spec.env]) if spec.convert is _as_bool else \
+                    spec.convert(short, environ[spec.env])
             except TePassesOptionError as e:
                 raise TePassesOptionError(f"environment variable {spec.env}={environ[spec.env]!r}: {e}") from None
             if short == "disable":

@@ -180,7 +180,7 @@ def test_cli_claimed_dir_is_written_directly(tmp_path):
         w = dump.DumpWriter.for_backend(str(d))
         assert w.root == str(d) and w.sessions_dir is None
     finally:
-        dump._claimed.discard(os.path.realpath(d))
+        dump.unclaim_dir(d)
     w = dump.DumpWriter.for_backend(str(d))
     assert w.root == os.path.join(str(d), dump.session_id()) and w.sessions_dir == str(d)
 

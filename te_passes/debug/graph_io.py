@@ -24,6 +24,7 @@ graph has ``transformer_engine_compile`` targets (TE's Python package; no GPU).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import io
 import os
@@ -37,6 +38,8 @@ import torch.fx
 from te_passes.te import graph_model as gmod
 
 FORMAT = "te_passes.tegraph/1"
+FORMAT_PREFIX, FORMAT_VERSION = "te_passes.tegraph/", 1
+
 
 # ------------------------------------------------------------- renamed modules (issue 12 layout)
 #: Old -> new module paths of te_passes modules that moved (issue 12's layered layout). A
@@ -53,21 +56,16 @@ RENAMED_MODULES: dict[str, str] = {
 }
 
 
-def renamed_module(module: str) -> str:
-    """``module``'s current path (:data:`RENAMED_MODULES`), or ``module`` itself."""
-    return RENAMED_MODULES.get(module, module)
-
-
-class _Unpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that maps moved te_passes modules (:data:`RENAMED_MODULES`)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        return super().find_class(renamed_module(module), name)
 # ------------------------------------------------------------- end renamed modules
 
 
 class GraphFileError(Exception):
     """A graph file is missing, unreadable, not a ``.tegraph`` or needs ops not registered here."""
+
+
+class UnsafeGraphFileError(GraphFileError):
+    """A graph file references a global outside the allow-list (:func:`allowed_global`): refused
+    before anything in it is built or run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +95,15 @@ class _FnRef:
     qualname: str
 
     def resolve(self) -> Any:
-        mod: Any = importlib.import_module(renamed_module(self.module))
+        module = renamed_module(self.module)
+        if not allowed_target_module(module) or self.qualname.rsplit(".", 1)[-1] in _REFUSED_BUILTINS:
+            raise UnsafeGraphFileError(f"node target {self.module}.{self.qualname} is outside what a te_passes "
+                                       f"graph may call (modules {', '.join(TARGET_MODULE_ROOTS)})")
+        try:
+            mod: Any = importlib.import_module(module)
+        except ImportError as e:
+            raise GraphFileError(f"function {self.module}.{self.qualname}: module does not import here "
+                                 f"({type(e).__name__}: {e})") from None
         obj = mod
         try:
             for part in self.qualname.split("."):
@@ -224,7 +230,7 @@ def graph_payload(gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> dic
         except AttributeError:
             continue
         attrs[str(n.target)] = encode_val(v) if isinstance(v, torch.Tensor) else v
-    return {"format": FORMAT, "torch": torch.__version__, "nodes": nodes, "attrs": attrs, **info}
+    return {"format": FORMAT, "torch": str(torch.__version__), "nodes": nodes, "attrs": attrs, **info}
 
 
 def save_graph(path: str | os.PathLike, gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> None:
@@ -244,6 +250,251 @@ def save_graph(path: str | os.PathLike, gm: torch.fx.GraphModule | torch.fx.Grap
         raise GraphFileError(f"cannot save graph to {path}: {e}") from e
     with open(path, "wb") as f:
         f.write(buf.getvalue())
+
+
+# --------------------------------------------------------------------------- safe load
+#: Module roots whose functions may be FX node targets in a loaded graph (``_FnRef``): Python's
+#: operators and builtins (minus :data:`_REFUSED_BUILTINS`), math, torch, TE and te_passes.
+TARGET_MODULE_ROOTS = ("operator", "_operator", "builtins", "math", "torch", "transformer_engine",
+                       "transformer_engine_torch", "te_passes")
+#: Builtins never accepted as a node target (they run code or touch files if called).
+_REFUSED_BUILTINS = frozenset({"eval", "exec", "compile", "open", "__import__", "input", "breakpoint", "exit",
+                               "quit", "globals", "locals", "vars", "delattr", "setattr", "system", "popen"})
+
+#: Exact ``(module, name)`` globals a ``.tegraph`` pickle may reference, besides the rule-based
+#: ones in :func:`allowed_global` (TE constant classes, torch dtypes). Derived from the globals
+#: in real dumps (``tests/test_graph_io_safety.py`` dumps every built-in example, lists the
+#: globals with :func:`pickle_globals` and checks each is allowed): the graph file's own records,
+#: FX's ``immutable_list`` / ``immutable_dict`` (node args), ``TorchVersion`` (the saved torch
+#: version of files written before it was saved as ``str``), TE's quantizer rebuild function
+#: (TE 2.20 ``transformer_engine/pytorch/dynamo/quantizer_opaque.py``); plus the value types a
+#: Dynamo graph's constant arguments may hold (``slice``, ``Ellipsis``, ``complex``,
+#: ``torch.device``, ``torch.Size``). The rule-based part of :func:`allowed_global` covers the
+#: dtypes (``torch.bfloat16``, ``torch.uint8``, ``torch.complex32`` for TE's None sentinels) and
+#: TE's constant classes (``OpaqueValueBundle``, ``_TensorOrQuantizedKind``, ``DType``,
+#: ``Float8CurrentScalingQuantizer``, ``MXFP8Quantizer``, ``Float8TensorStorage``, ...).
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    ("te_passes.debug.graph_io", "_NodeRef"), ("te_passes.debug.graph_io", "_OpRef"),
+    ("te_passes.debug.graph_io", "_FnRef"), ("te_passes.debug.graph_io", "SymMeta"),
+    ("te_passes.debug.graph_io", "TensorMeta"),
+    ("torch.fx.immutable_collections", "immutable_list"), ("torch.fx.immutable_collections", "immutable_dict"),
+    ("torch", "device"), ("torch", "Size"), ("torch.torch_version", "TorchVersion"),
+    ("builtins", "slice"), ("builtins", "complex"), ("builtins", "Ellipsis"),
+    ("transformer_engine.pytorch.dynamo.quantizer_opaque", "_rebuild_quantizer"),
+})
+
+
+def renamed_module(module: str) -> str:
+    """``module`` mapped through :data:`RENAMED_MODULES` (exact name first, then the longest
+    dotted prefix)."""
+    if module in RENAMED_MODULES:
+        return RENAMED_MODULES[module]
+    parts = module.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:i])
+        if head in RENAMED_MODULES:
+            return RENAMED_MODULES[head] + "." + ".".join(parts[i:])
+    return module
+
+
+def allowed_target_module(module: str) -> bool:
+    """Whether functions of ``module`` may be node targets of a loaded graph (:data:`TARGET_MODULE_ROOTS`)."""
+    return module.split(".")[0] in TARGET_MODULE_ROOTS
+
+
+def _is_te_module(module: str) -> bool:
+    return module.split(".")[0] in ("transformer_engine", "transformer_engine_torch")
+
+
+def allowed_global(module: str, name: str) -> bool:
+    """Whether a ``.tegraph`` pickle may reference global ``module.name`` (after :func:`renamed_module`).
+
+    Allowed: :data:`ALLOWED_GLOBALS`; torch's dtype / layout / memory-format values
+    (``torch.float32``); classes in ``transformer_engine*`` modules that are TE graph constants
+    (:func:`te_passes.te.graph_model.te_const_kind`: OpaqueValueBundle, quantizers, quantized
+    storages, recipes, TE enums such as ``DType``). Deciding the rule-based cases imports the
+    (installed, trusted) module named; nothing from the file runs. Everything else — ``os``,
+    ``subprocess``, ``builtins.eval``, any function outside the list — is refused.
+    """
+    if (module, name) in ALLOWED_GLOBALS:
+        return True
+    if "." in name or name.startswith("__"):
+        return False
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+    if _is_te_module(module):
+        try:
+            obj = getattr(importlib.import_module(module), name, None)
+        except Exception:  # noqa: BLE001 - a module that does not import is not allowed
+            return False
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):  # TE's Python enums (_TensorOrQuantizedKind)
+            return True
+        return isinstance(obj, type) and gmod.te_const_kind(obj) in (
+            gmod.TEConstKind.BUNDLE, gmod.TEConstKind.QUANTIZER, gmod.TEConstKind.STORAGE,
+            gmod.TEConstKind.RECIPE, gmod.TEConstKind.ENUM)
+    return False
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` maps through :data:`RENAMED_MODULES`, then
+    accepts only :func:`allowed_global` (the restricted-unpickler pattern of Python's pickle
+    docs, "Restricting Globals")."""
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        new = renamed_module(module)
+        if not allowed_global(new, name):
+            raise UnsafeGraphFileError(f"{self._path}: refused to load: it references {module}.{name}, which a "
+                                       f"te_passes graph file never holds (only te_passes, TE and torch value "
+                                       f"types are allowed); the file may be crafted")
+        return super().find_class(new, name)
+
+
+def pickle_globals(data: bytes) -> list[tuple[str, str]]:
+    """Every ``(module, name)`` global a pickle references (read with :mod:`pickletools`,
+    nothing is built), in first-seen order."""
+    import pickletools
+
+    out: list[tuple[str, str]] = []
+    pushed: list[Any] = []  # the last values pushed (strings, or None for anything else)
+    memo: dict[int, Any] = {}
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING",
+                    "BINSTRING", "STRING"):
+            pushed.append(arg)
+        elif name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[int(arg)] = pushed[-1] if pushed else None
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            pushed.append(memo.get(int(arg)))
+        elif name in ("GLOBAL", "INST"):
+            mod, gname = arg.split(" ", 1)
+            out.append((mod, gname))
+            pushed.append(None)
+        elif name == "STACK_GLOBAL":
+            if len(pushed) >= 2 and isinstance(pushed[-2], str) and isinstance(pushed[-1], str):
+                out.append((pushed[-2], pushed[-1]))
+            else:
+                out.append(("?", "?"))  # not statically known: never allowed
+            pushed.append(None)
+        elif op.stack_after:
+            pushed.append(None)
+    return list(dict.fromkeys(out))
+
+
+_SYM_FUNCS = frozenset({"Max", "Min", "floor", "ceiling", "Mod", "FloorDiv", "CeilDiv", "CleanDiv", "ModularIndexing",
+                        "PythonMod", "FloorToInt", "CeilToInt", "TruncToInt", "IntTrueDiv", "ToFloat", "Abs",
+                        "Integer", "Rational", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not"})
+
+
+def check_sym_expr(expr: Any, where: str) -> str:
+    """``expr`` when it is a sympy size expression of the kind ``str(SymInt.node.expr)`` prints
+    (symbols, integers, + - * / // % **, comparisons, :data:`_SYM_FUNCS` calls): checked with
+    :mod:`ast` before :func:`sympy.sympify` (which evaluates its text) ever sees it.
+
+    Raises:
+        GraphFileError: anything else (attribute access, other calls, strings, lambdas, ...).
+    """
+    import ast
+
+    if not isinstance(expr, str) or len(expr) > 10_000:
+        raise GraphFileError(f"{where}: symbolic size {expr!r:.80} is not a size expression")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        raise GraphFileError(f"{where}: symbolic size {expr!r:.80} is not a size expression") from None
+    ok = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast.Name, ast.Load, ast.Constant,
+          ast.operator, ast.unaryop, ast.cmpop, ast.boolop, ast.Call)
+    for n in ast.walk(tree):
+        bad = not isinstance(n, ok)
+        bad = bad or (isinstance(n, ast.Constant) and not isinstance(n.value, (int, float)))
+        bad = bad or (isinstance(n, ast.Call) and (not isinstance(n.func, ast.Name) or n.func.id not in _SYM_FUNCS
+                                                   or n.keywords))
+        bad = bad or (isinstance(n, ast.Name) and n.id.startswith("_"))
+        if bad:
+            raise GraphFileError(f"{where}: symbolic size {expr!r:.80} is not a size expression "
+                                 f"({type(n).__name__} not allowed)")
+    return expr
+
+
+def _check_payload(payload: Any, path: str) -> dict[str, Any]:
+    """The payload's structure, checked field by field (what :func:`build_graph_module` reads).
+
+    Raises:
+        GraphFileError: naming ``path`` and the first field that is wrong.
+    """
+    if not isinstance(payload, dict):
+        raise GraphFileError(f"{path} is not a te_passes graph file (its pickle holds a "
+                             f"{type(payload).__name__}, not a graph record)")
+    fmt = payload.get("format")
+    if isinstance(fmt, str) and fmt.startswith(FORMAT_PREFIX) and fmt != FORMAT:
+        raise GraphFileError(f"{path}: unsupported graph file format {fmt[len(FORMAT_PREFIX):]} (this te_passes "
+                             f"reads {FORMAT_VERSION})")
+    if fmt != FORMAT:
+        raise GraphFileError(f"{path} is not a te_passes graph file (format {fmt!r}, expected {FORMAT})")
+    nodes = payload.get("nodes")
+    if not isinstance(nodes, list):
+        raise GraphFileError(f"{path}: 'nodes' is a {type(nodes).__name__}, not a list")
+    for i, rec in enumerate(nodes):
+        if not isinstance(rec, dict):
+            raise GraphFileError(f"{path}: nodes[{i}] is a {type(rec).__name__}, not a node record")
+        for key, types in (("name", str), ("op", str), ("args", tuple), ("kwargs", dict)):
+            if not isinstance(rec.get(key), types):
+                raise GraphFileError(f"{path}: nodes[{i}].{key} is {type(rec.get(key)).__name__}, expected "
+                                     f"{types.__name__}")
+        if rec["op"] not in ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output"):
+            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) has unknown op {rec['op']!r}")
+        if rec["op"] == "output" and len(rec["args"]) != 1:
+            raise GraphFileError(f"{path}: nodes[{i}] (output) has {len(rec['args'])} args, expected 1")
+        if not isinstance(rec.get("meta", {}), dict):
+            raise GraphFileError(f"{path}: nodes[{i}].meta is not a dict")
+        t = rec.get("target")
+        if rec["op"] in ("call_function",) and not isinstance(t, (_OpRef, _FnRef)):
+            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) call_function target is {type(t).__name__}")
+        if rec["op"] in ("placeholder", "get_attr", "call_method", "call_module", "output") \
+                and not isinstance(t, str):
+            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) target is {type(t).__name__}, expected str")
+        if isinstance(t, _OpRef) and (not isinstance(t.qualname, str) or t.qualname.count("::") != 1):
+            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) op name {t.qualname!r} is not 'ns::op'")
+    for key, types in (("attrs", dict), ("options", dict), ("te_state", dict), ("example_inputs", list)):
+        if payload.get(key) is not None and not isinstance(payload[key], types):
+            raise GraphFileError(f"{path}: '{key}' is a {type(payload[key]).__name__}, expected {types.__name__}")
+    for key in ("stage", "graph_id"):
+        if payload.get(key) is not None and not isinstance(payload[key], str):
+            raise GraphFileError(f"{path}: '{key}' is a {type(payload[key]).__name__}, expected str")
+
+    def check_vals(v: Any, where: str) -> None:
+        if isinstance(v, SymMeta):
+            if v.kind not in ("int", "float", "bool"):
+                raise GraphFileError(f"{path}: {where}: symbolic kind {v.kind!r} is not int/float/bool")
+            check_sym_expr(v.expr, f"{path}: {where}")
+        elif isinstance(v, TensorMeta):
+            if not isinstance(v.dtype, torch.dtype) or not isinstance(v.device, str) \
+                    or not isinstance(v.shape, tuple) or not isinstance(v.stride, tuple) \
+                    or len(v.shape) != len(v.stride):
+                raise GraphFileError(f"{path}: {where}: tensor description is malformed ({v!r:.120})")
+            for x in (*v.shape, *v.stride):
+                if isinstance(x, SymMeta):
+                    check_vals(x, where)
+                elif not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                    raise GraphFileError(f"{path}: {where}: tensor size/stride {x!r} is not a non-negative int")
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                check_vals(x, where)
+
+    for i, rec in enumerate(nodes):
+        for key in ("val", "example_value"):
+            check_vals(rec.get("meta", {}).get(key), f"nodes[{i}] ({rec['name']}).meta[{key!r}]")
+    check_vals(payload.get("example_inputs"), "example_inputs")
+    for k, v in (payload.get("attrs") or {}).items():
+        check_vals(v, f"attrs[{k!r}]")
+    return payload
 
 
 # --------------------------------------------------------------------------- load
@@ -275,6 +526,7 @@ class _Builder:
             return s
         import sympy
 
+        check_sym_expr(s.expr, "symbolic size")
         expr = sympy.sympify(s.expr, locals={name: sympy.Symbol(name, integer=True, positive=True)
                                              for name in _symbol_names(s.expr)})
         if s.kind != "int":
@@ -312,7 +564,10 @@ def load_payload(path: str | os.PathLike) -> dict[str, Any]:
     file holds any).
 
     Raises:
-        GraphFileError: missing file, not a ``.tegraph`` pickle, wrong format version.
+        GraphFileError: missing file, not a ``.tegraph`` pickle, unsupported format version, a
+            malformed field (the message names the file and the field).
+        UnsafeGraphFileError: the pickle references a global outside :func:`allowed_global`
+            (refused before any object in it is built; a crafted ``__reduce__`` never runs).
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -322,12 +577,15 @@ def load_payload(path: str | os.PathLike) -> dict[str, Any]:
     if b"transformer_engine" in data:
         _import_te()
     try:
-        payload = _Unpickler(io.BytesIO(data)).load()
+        payload = _SafeUnpickler(io.BytesIO(data), path).load()
+    except UnsafeGraphFileError:
+        raise
+    except GraphFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise GraphFileError(f"{path} is not a te_passes graph file ({type(e).__name__}: {e})") from e
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise GraphFileError(f"{path} is not a te_passes graph file (expected format {FORMAT})")
-    return payload
+        msg = " ".join(str(e).split())[:200]
+        raise GraphFileError(f"{path} is not a te_passes graph file ({type(e).__name__}: {msg})") from None
+    return _check_payload(payload, path)
 
 
 def build_graph_module(payload: dict[str, Any]) -> tuple[torch.fx.GraphModule, list[Any] | None]:
@@ -391,6 +649,12 @@ def load_graph(path: str | os.PathLike) -> tuple[torch.fx.GraphModule, dict[str,
         GraphFileError: see :func:`load_payload` / :func:`build_graph_module`.
     """
     payload = load_payload(path)
-    gm, ex = build_graph_module(payload)
+    try:
+        gm, ex = build_graph_module(payload)
+    except GraphFileError as e:
+        raise type(e)(str(e) if os.fspath(path) in str(e) else f"{os.fspath(path)}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a field the checks let through that still does not build
+        msg = " ".join(str(e).split())[:200]
+        raise GraphFileError(f"{os.fspath(path)}: the graph does not rebuild ({type(e).__name__}: {msg})") from None
     payload["example_inputs_fake"] = ex
     return gm, payload

@@ -141,7 +141,9 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
 
     Each graph directory becomes one :class:`CompileReport` (its stages in the backend's order,
     graph id, TE state and options as saved; ``disable`` replaces the saved disable list when
-    given). Returns ``[(new report, saved report JSON or None)]``.
+    given; ``TE_PASSES_DISABLE`` adds to it, as in the backend). Returns ``[(new report, saved
+    report JSON or None)]``; each report's ``saved_versions`` is ``{"torch", "transformer_engine"}``
+    as saved in its first graph file (compare with the installed ones: :func:`version_differences`).
 
     Raises:
         ReplayError: nothing to replay, or a graph file cannot be loaded (message names it).
@@ -168,18 +170,50 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
         if strict is not None:
             saved_opts["strict"] = strict
 
-        options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()},
-                                           known_passes=set(pass_names()), environ={})
+        from te_passes.config import TePassesOptionError
+
+        # TE_PASSES_DISABLE applies as in the backend (added to the saved / given list, unknown
+        # names refused); the other TE_PASSES_* variables do not: the saved options are replayed
+        env = {k: os.environ[k] for k in ("TE_PASSES_DISABLE",) if os.environ.get(k)}
+        try:
+            options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()
+                                                if k in ("disable", "strict", "ub_on_change")},
+                                               known_passes=set(pass_names()), environ=env)
+        except TePassesOptionError as e:
+            raise ReplayError(f"{files[0]}: {e}") from None
         graph_id = str(first.get("graph_id", "g0")).split(".")[0]
         report = run_stages(jobs, options=options, te_state=te_state_from_json(first.get("te_state")),
                             dump_dir=dump_dir, graph_id=graph_id)
         saved = None
         rpath = os.path.join(gdir, "report.json")
         if os.path.isfile(rpath):
-            with open(rpath) as fh:
-                saved = json.load(fh)
+            from te_passes.debug.dump import DumpFormatError, check_graph_report, read_json
+
+            try:
+                saved = check_graph_report(rpath, read_json(rpath))
+            except DumpFormatError as e:
+                raise ReplayError(str(e)) from None
+        report.saved_versions = {"torch": first.get("torch"),
+                                 "transformer_engine": (first.get("te_state") or {}).get("te_version")}
         results.append((report, saved))
     return results
+
+
+def installed_versions() -> dict[str, Any]:
+    """``{"torch", "transformer_engine"}`` versions installed here (TE: ``None`` when absent)."""
+    from te_passes.te.version import te_version
+
+    return {"torch": str(torch.__version__), "transformer_engine": te_version()}
+
+
+def version_differences(saved: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``{"saved", "installed"}`` when a replayed graph was saved under other torch / TE versions
+    than the installed ones (a saved ``None``, unknown, is not a difference), else ``None``."""
+    installed = installed_versions()
+    saved = {k: v for k, v in (saved or {}).items() if v is not None}
+    if all(installed.get(k) == v for k, v in saved.items()):
+        return None
+    return {"saved": {k: saved.get(k) for k in installed}, "installed": installed}
 
 
 def _norm_run(run: dict[str, Any]) -> dict[str, Any]:

@@ -662,18 +662,25 @@ class HoistRecipeLookups(TEPass):
     def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord],
                         ctx: PassContext | None = None) -> bool:
         graph = gm.graph
-        count = 0
+        count = hoisted = 0
         # The rewrite only replaces nodes' args/kwargs: the undo log restores them (the manager
         # then needs no copy of the graph).
         log = _UndoLog(graph, ctx)
         # ``id(constant) -> (constant, compiled expression, globals)`` for this run: a constant
         # used in several slots is rendered once (the constant is held, so its id stays valid).
         rebuilds: dict[int, tuple[Any, Any, dict]] = {}
+        # Idempotence: a constant an earlier run already hoisted into this graph keeps its object
+        # and name, and new names skip the ones taken.
+        taken = {e[1] for e in list(_NAMED.values()) if e[2]() is gm and e[0]() is not None}
 
         def lift(v: Any, user: torch.fx.Node, slot: str) -> Any:
-            nonlocal count
+            nonlocal count, hoisted
             if not is_liftable_constant(v):
                 return v
+            if hoisted_owner(v) is gm:
+                return v
+            while f"{CONST_ATTR_PREFIX}{count}" in taken:
+                count += 1
             # One object per *occurrence*, built exactly as the wrapper would build it on each
             # call: no two slots (or graphs) share an object they did not share before, and the
             # graph's original objects (possibly shared with the Dynamo graph) are not touched.
@@ -683,6 +690,7 @@ class HoistRecipeLookups(TEPass):
             name = f"{CONST_ATTR_PREFIX}{count}"
             name_constant(fresh, name, gm)
             count += 1
+            hoisted += 1
             records.append(PassRecord("hoisted_constant", user.name, {
                 "name": name, "slot": slot, "const_kind": te_const_kind(fresh).value,
                 "type": type(fresh).__name__}))
@@ -698,7 +706,7 @@ class HoistRecipeLookups(TEPass):
             if any(x is not y for x, y in zip(new_args, node.args)) or any(
                     new_kwargs[k] is not node.kwargs[k] for k in node.kwargs):
                 log.set_args(node, new_args, new_kwargs)
-        return count > 0
+        return hoisted > 0
 
 
 def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:

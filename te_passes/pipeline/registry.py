@@ -58,6 +58,64 @@ def pass_parameters(cls: type[TEPass]) -> list[str]:
     return [p.name for p in params if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def _parameter_types(cls: type[TEPass]) -> dict[str, Any]:
+    """``{parameter: annotation}`` of a pass constructor (``typing.get_type_hints``; ``{}`` when
+    the annotations do not resolve)."""
+    import typing
+
+    try:
+        return typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: no type check (the constructor still checks)
+        return {}
+
+
+def _accepts(annotation: Any, value: Any) -> bool | None:
+    """Whether ``value`` has type ``annotation`` (bool/int/float/str/classes, ``X | None``,
+    ``Optional``); ``None`` when the annotation is not one of those (not checked)."""
+    import types
+    import typing
+
+    if annotation is typing.Any:
+        return None
+    if annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        answers = [_accepts(a, value) for a in typing.get_args(annotation)]
+        return True if any(a is True for a in answers) else (None if any(a is None for a in answers) else False)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return None
+
+
+def _type_text(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def check_parameter_type(cls: type[TEPass], name: str, param: str, value: Any) -> None:
+    """Check a ``te_passes.pass_config`` value against the type the pass constructor declares
+    for ``param`` (``HoistRecipeLookups(hoist_constants: bool)``: ``"no"`` is refused, not read
+    as true).
+
+    Raises:
+        te_passes.config.TePassesOptionError: the value has another type (message names the
+            pass, the parameter, the value and the type wanted).
+    """
+    from te_passes.config import TePassesOptionError
+
+    ann = _parameter_types(cls).get(param)
+    if ann is None or _accepts(ann, value) is not False:
+        return
+    raise TePassesOptionError(f"te_passes.pass_config[{name!r}][{param!r}] must be {_type_text(ann)}, got "
+                              f"{value!r} ({type(value).__name__})")
+
+
 def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
     """Every registered pass, constructed with ``pass_config[name]`` keyword arguments.
 
@@ -84,6 +142,8 @@ def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
         if bad:
             raise TePassesOptionError(f"te_passes.pass_config[{name!r}]: unknown parameter(s) {bad}; "
                                       f"{name} takes {valid or 'no parameters'}")
+        for k, v in kwargs.items():
+            check_parameter_type(cls, name, k, v)
         try:
             out.append(cls(**kwargs))
         except (TypeError, ValueError) as e:

@@ -1,0 +1,36 @@
+"""Whether Transformer Engine believes a CUDA graph capture is under way (TE 2.20.2).
+
+Two flags, both process-global:
+
+* ``transformer_engine.pytorch.graph._IS_GRAPH_CAPTURING`` (``is_graph_capturing()``): set by
+  ``te.make_graphed_callables`` (``set_capture_start()`` / ``set_capture_end()``,
+  ``transformer_engine/pytorch/graph.py``) with no ``finally``: a capture that raises leaves it
+  ``True``;
+* ``FP8GlobalStateManager.quantization_state.fp8_graph_capturing``
+  (``transformer_engine/pytorch/quantization.py``; ``autocast(_graph=True)``): under
+  ``torch.compile`` ``FP8GlobalStateManager.fp8_graph_capturing()`` asserts it is ``False``,
+  so Dynamo cannot trace ``te.Linear.forward`` and the frame runs eagerly.
+
+Pure reads: nothing is imported that the process has not imported already.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def te_capture_state() -> list[str]:
+    """Why TE is in CUDA-graph-capture state, one sentence per flag set (``[]``: it is not, or TE
+    is not imported). Reads the flags named in the module docstring; imports nothing."""
+    out = []
+    graph = sys.modules.get("transformer_engine.pytorch.graph")
+    if graph is not None and getattr(graph, "_IS_GRAPH_CAPTURING", False):
+        out.append("transformer_engine.pytorch.graph.is_graph_capturing() is True (te.make_graphed_callables "
+                   "started a capture and did not finish)")
+    quant = sys.modules.get("transformer_engine.pytorch.quantization")
+    mgr = getattr(quant, "FP8GlobalStateManager", None) if quant is not None else None
+    qstate = getattr(mgr, "quantization_state", None) if mgr is not None else None
+    if qstate is not None and getattr(qstate, "fp8_graph_capturing", False):
+        out.append("FP8GlobalStateManager.quantization_state.fp8_graph_capturing is True (an "
+                   "autocast(_graph=True) region, e.g. of te.make_graphed_callables, was left open)")
+    return out
