@@ -5,7 +5,8 @@
 # Two torchrun launches, one per torch.compile mode (reduce-overhead, then default): phase 1
 # (te_inductor vs eager) and phase 2 (UB re-initialised with a config TE supports: only the
 # graphs that read the changed UB state recompile). Logs and ub_tp2_<mode>.json go to OUT_DIR.
-# Exit status 1 when a launch failed. NVLink multicast stays off (UB_SKIPMC=1 and the
+# UB_TP2_MODES picks the launches (default "reduce-overhead default"); each launch is limited to
+# UB_TP2_LAUNCH_TIMEOUT_S (default 270 s). Exit status 1 when a launch failed. NVLink multicast stays off (UB_SKIPMC=1 and the
 # NCCL/PyTorch/NVSHMEM switches): it can put the host's shared GPUs out of service.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,10 +18,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCH_LOGS=${TORCH_LOGS:-recompiles,graph_breaks}
 
 status=0
-for mode in reduce-overhead default; do
+for mode in ${UB_TP2_MODES:-reduce-overhead default}; do
   echo "=== ub_tp2 --mode $mode ($(date -u +%H:%M:%S))"
   t0=$SECONDS
-  timeout -k 15 "${UB_TP2_LAUNCH_TIMEOUT_S:-300}" \
+  timeout -k 15 "${UB_TP2_LAUNCH_TIMEOUT_S:-270}" \
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ub_tp2.py \
       --out "$OUT_DIR" --mode "$mode" "$@" 2>&1 | tee "$OUT_DIR/ub_tp2_$mode.log"
   rc=${PIPESTATUS[0]}
