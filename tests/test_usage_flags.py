@@ -123,6 +123,7 @@ def _alternate(m, n: int, backend="te_inductor"):
     _eager(m)
     fn = m.compile(backend)
     torch._dynamo.utils.guard_failures.clear()
+    torch._dynamo.utils.counters.clear()
     around = []
     with te_inductor_without_gpu() as seen:
         _call_expect_trace(m, fn)
@@ -132,6 +133,8 @@ def _alternate(m, n: int, backend="te_inductor"):
             around.append((before, _flags(m)))
             _call_expect_trace(m, fn)
     reasons = [r.split("  #")[0] for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
+    # Dynamo's own count of the graphs it compiled agrees with what reached the backend
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(seen), reasons
     return seen, reasons, around
 
 
