@@ -6,11 +6,15 @@ here, interleaved (a/b/a/b, so machine noise hits both alike), ns per call, best
 ``--repeats`` runs of ``--calls`` calls:
 
 * ``unwrapped``          — a stand-in impl that returns its args (the floor of a Python call);
-* ``forward wrapper``    — the same stand-in behind the forward wrapper (input quantizer);
-* ``backward wrapper``   — behind the backward wrapper (input + grad-output quantizers);
+* ``forward wrapper``    — the same stand-in behind the forward wrapper as installed (group of
+  the input quantizer; usage flags of the input and weight quantizers);
+* ``backward wrapper``   — behind the backward wrapper (groups of the input + grad-output
+  quantizers; usage flags of those and the weight quantizer);
 
 each with ``sequence_parallel`` True (quantizers hold a fake TP group of size 2 while the call
-runs: the in-flight bookkeeping path) and False (TE sets no group: the fast path). The
+runs) and False (TE sets no group; the usage flags are still put back). The stand-in sets the
+input quantizer's usage as TE's column-parallel SP forward does (``set_usage(columnwise=False)``,
+linear.py:488), so the restore writes on every call. The
 quantizers are TE's real ``Float8CurrentScalingQuantizer`` (constructed on CPU). A real eager
 te.Linear call costs tens of microseconds of Python; the overhead column is what matters.
 
@@ -49,14 +53,19 @@ def main() -> None:
     print(f"{'case':<40} {'ns/call':>10} {'overhead ns':>12} {'ratio':>7}")
     for sp in (True, False):
         a = types.SimpleNamespace(input_quantizer=quantizer(), grad_output_quantizer=quantizer(),
+                                  weight_quantizer=quantizer(), weight=torch.zeros(1), saved_weight=torch.zeros(1),
                                   sequence_parallel=sp)
 
-        def impl(x, _sp=sp):  # like TE's impls: set the group at the start of the call
+        def impl(x, _sp=sp):  # like TE's impls: set the group and the usage at the start of the call
             if _sp:
                 set_quantizer_amax_reduction_group(x.input_quantizer, dist.group.WORLD)
+            x.input_quantizer.set_usage(rowwise=True, columnwise=False)
             return x
-        fwd = amax_groups._wrap_impl(impl, ("input_quantizer",))
-        bwd = amax_groups._wrap_impl(impl, ("input_quantizer", "grad_output_quantizer"))
+
+        def wrapped(name):  # what install_amax_group_hooks builds for TE's impl ``name``
+            return amax_groups._wrap_impl(impl, amax_groups.PER_CALL_GROUP_FIELDS[name],
+                                          amax_groups.PER_CALL_USAGE_FIELDS[name], amax_groups._WEIGHT_FIELD[name])
+        fwd, bwd = wrapped("_linear_forward_impl"), wrapped("_linear_backward_impl")
         best = {"unwrapped": [], "forward wrapper": [], "backward wrapper": []}
         for _ in range(args.repeats):  # interleaved
             for name, fn in (("unwrapped", impl), ("forward wrapper", fwd), ("backward wrapper", bwd)):

@@ -37,8 +37,13 @@ Scenarios (``--scenario``), for each mode of ``--modes`` in order, after ``torch
    ProcessGroup are listed after the eager steps and after the compile call (the backend
    lookup: for ``te_inductor`` this is where te_passes is loaded and sweeps live modules);
 3. the first compiled step; an exception is recorded with its message and the step retried once;
-4. ``--alt-steps`` × (eager step, then compiled step on the same input) — each eager step used to
-   re-arm the failure — then ``--pure-steps`` compiled steps on the inputs of step 1;
+4. ``--alt-steps`` (default 8) × (eager step, then compiled step on the same input) — each eager
+   step used to re-arm the failure, and (issue 17) to recompile the column function on
+   ``input_quantizer.columnwise_usage`` — then ``--pure-steps`` compiled steps on the inputs of
+   step 1. The alternation check: 0 Dynamo compiles during the alternating steps (after the
+   first compile) and every alternating compiled step bit-identical to its eager step; 8 is
+   Dynamo's default ``recompile_limit``, the point where a recompile per alternation would
+   have sent the frame to eager for good;
 5. every compiled step compared with its eager reference: max abs difference and
    ``torch.equal`` per tensor (bit-for-bit expected: the same TE kernels run);
 6. amax-reduction check (first compiled step): two eager references built from plain,
@@ -68,7 +73,7 @@ Scenarios (``--scenario``), for each mode of ``--modes`` in order, after ``torch
 Failures (te_inductor scenarios; exit status 1, both ranks): a first compiled call or any compiled
 step raising; any compiled tensor not bit-identical to eager; a Dynamo frame compiled more than
 ``--max-compiles-per-fn`` times (default 1: no recompile) or more than 2 frames (one per
-function); graph breaks; cudagraph skips; a quantizer of the compiled modules holding a
+function); any recompile (whatever its guard); the alternation check of step 4; graph breaks; cudagraph skips; a quantizer of the compiled modules holding a
 ProcessGroup after the compile call, after an eager step of step 4 (te_passes loaded by then) or
 after the run (all outside any TE call); the amax-reduction check above. ``inductor``: only an
 invalid baseline (te_passes loaded). A harness error fails the launch too. Rank 0 writes ``sp_fp8_tp2_<scenario>[_<modes>].json`` (both ranks' records) under
@@ -366,6 +371,7 @@ def run_mode(pair: Pair, args, h, backend: str, mode: str, inputs, gen, rank: in
         if got is not None:
             steps.append({"step": "first", **compare(got, refs[0])})
         alt_groups = []
+        graphs_before_alt = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for j in range(args.alt_steps):  # 4. eager then compiled, same modules, same input
             x0, dy0 = inputs[0]
             x = torch.randn(*x0.shape, device=x0.device, dtype=x0.dtype, generator=gen) * args.scale
@@ -376,6 +382,7 @@ def run_mode(pair: Pair, args, h, backend: str, mode: str, inputs, gen, rank: in
             if got is not None:
                 steps.append({"step": f"alt{j}", **compare(got, ref)})
         graphs_before_pure = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        rec["compiles_during_alt_steps"] = graphs_before_pure - graphs_before_alt
         for k in range(args.pure_steps):
             i = k % len(inputs)
             got, err = compiled(*inputs[i], f"pure step {k}")
@@ -400,6 +407,13 @@ def run_mode(pair: Pair, args, h, backend: str, mode: str, inputs, gen, rank: in
     rec["max_abs_diff"] = max((max(s["max_abs"].values()) for s in steps), default=None)
     rec["all_bitwise_equal"] = bool(steps) and all(s["bitwise_equal"] for s in steps)
 
+    alt = [s_ for s_ in steps if s_["step"].startswith("alt")]
+    rec["alternation"] = {"alternations": args.alt_steps, "compiled_steps_compared": len(alt),
+                          "recompiles": rec.get("compiles_during_alt_steps"),
+                          "bitwise_equal": bool(alt) and all(s_["bitwise_equal"] for s_ in alt)}
+    rec["alternation"]["ok"] = (rec["alternation"]["recompiles"] == 0 and rec["alternation"]["bitwise_equal"]
+                                and len(alt) == args.alt_steps)
+
     if first_got is not None and pair.reduction_refs is not None:  # 6.
         rec["amax_reduction"] = reduction_check(first_got, refs[0], pair.reduction_refs)
 
@@ -415,24 +429,24 @@ def run_mode(pair: Pair, args, h, backend: str, mode: str, inputs, gen, rank: in
         if len(steps) != expected_steps or not rec["all_bitwise_equal"]:
             f.append(f"numerics: {len(steps)}/{expected_steps} compiled steps compared, bit-for-bit equal to eager: "
                      f"{rec['all_bitwise_equal']}, max abs diff {rec['max_abs_diff']}")
-        # Recompiles are judged by cause. Any guard on the amax-reduction group (issue 8) and any
-        # compile during the pure compiled steps fail. A recompile right after an eager step of
-        # the same module on TE's quantizer *usage* flags (the eager impl leaves
-        # input_quantizer.columnwise_usage different from what the trace saw; plain Inductor
-        # guards the same flag) is recorded, bounded by one per alternating step, not failed.
+        # Recompiles are recorded by cause: a guard on the amax-reduction group (issue 8), on TE's
+        # quantizer usage flags after an eager step (issue 17: TE's eager impl leaves
+        # input_quantizer.columnwise_usage different from what the trace saw; te_passes now puts
+        # the flags back), other. Every recompile fails.
         reasons = [str(r) for r in st["recompile_reasons"]]
         group_reasons = [r for r in reasons if "amax_reduction" in r]
         usage_reasons = [r for r in reasons if "_usage" in r and "amax_reduction" not in r]
         other_reasons = [r for r in reasons if r not in group_reasons and r not in usage_reasons]
         rec["recompile_causes"] = {"amax_group": len(group_reasons), "usage_flags_after_eager_step": len(usage_reasons),
                                    "other": len(other_reasons)}
-        allowed = args.max_compiles_per_fn + args.alt_steps
-        over = {fr_: n for fr_, n in frames.items() if n > allowed}
-        if group_reasons or other_reasons or over or len(frames) > 2 or rec["compiles_during_pure_steps"]:
-            f.append(f"compiles: per frame {frames} (max {args.max_compiles_per_fn} per function + one per "
-                     f"alternating eager step on usage flags, 2 functions), during pure steps "
-                     f"{rec['compiles_during_pure_steps']}; causes {rec['recompile_causes']}; "
-                     f"reasons {group_reasons + other_reasons}")
+        over = {fr_: n for fr_, n in frames.items() if n > args.max_compiles_per_fn}
+        if reasons or over or len(frames) > 2 or rec["compiles_during_pure_steps"]:
+            f.append(f"compiles: per frame {frames} (max {args.max_compiles_per_fn} per function, 2 functions), "
+                     f"during pure steps {rec['compiles_during_pure_steps']}; causes {rec['recompile_causes']}; "
+                     f"reasons {reasons[:4]}")
+        if not rec["alternation"]["ok"]:
+            f.append(f"alternation: {json.dumps(rec['alternation'])} (expected 0 recompiles after the first "
+                     f"compile and every alternating compiled step bit-identical to eager)")
         if st["graph_breaks"]:
             f.append(f"graph breaks: {st['break_reasons']}")
         if st["cudagraph_skips"]:
@@ -448,7 +462,7 @@ def run_mode(pair: Pair, args, h, backend: str, mode: str, inputs, gen, rank: in
 
 
 def summary_line(scenario: str, rank: int, rec: dict) -> str:
-    fc, c = rec.get("first_call", {}), rec.get("compile", {})
+    fc, c, alt = rec.get("first_call", {}), rec.get("compile", {}), rec.get("alternation", {})
     red = rec.get("amax_reduction", {})
     red_s = " ".join(f"{k}:eager={red[k]['compiled_vs_eager_sp']:.3g},global={red[k]['compiled_vs_global_amax']:.3g},"
                      f"local={red[k]['compiled_vs_local_amax']:.3g}" for k in ("h", "h.grad") if k in red)
@@ -456,6 +470,7 @@ def summary_line(scenario: str, rank: int, rec: dict) -> str:
     return (f"SUMMARY {scenario} rank={rank} mode={rec['mode']} first_call={first} retry={fc.get('retry') or '-'} "
             f"first_s={fc.get('s')} raised_calls={len(rec['errors'])} steps={rec['compiled_steps_ok']} bitwise={rec['all_bitwise_equal']} "
             f"max_abs={rec['max_abs_diff']} frames={c.get('compiles_per_frame')} recompiles={c.get('recompiles')} causes={rec.get('recompile_causes')} pure_compiles={rec.get('compiles_during_pure_steps')} "
+            f"alternation[n={alt.get('alternations')} recompiles={alt.get('recompiles')} bitwise={alt.get('bitwise_equal')} ok={alt.get('ok')}] "
             f"graphs={c.get('graphs')} breaks={c.get('graph_breaks')} cg_skips={c.get('cudagraph_skips')} "
             f"groups_after_eager={len(rec['groups_after_eager_steps'])} "
             f"groups_after_compile={len(rec['groups_after_compile_call'])} "
@@ -477,7 +492,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="weight seed (the same on both ranks)")
     ap.add_argument("--amax-ratio", type=float, default=100.0, help="rank 1's inputs and grad outputs are scaled by this")
     ap.add_argument("--eager-steps", type=int, default=2, help="eager steps before the compile (>= 1)")
-    ap.add_argument("--alt-steps", type=int, default=3, help="(eager step, compiled step) pairs after the first call")
+    ap.add_argument("--alt-steps", type=int, default=8,
+                    help="(eager step, compiled step) pairs after the first call (the alternation check)")
     ap.add_argument("--pure-steps", type=int, default=4, help="compiled steps after those")
     ap.add_argument("--max-compiles-per-fn", type=int, default=1,
                     help="Dynamo compiles allowed per frame (= per compiled function) per mode")

@@ -102,8 +102,11 @@ def test_run_mode_passes_when_compiled_equals_eager(sp):
     assert rec["compile"]["recompiles"] == 0 and rec["compile"]["graph_breaks"] == 0
     assert [s["step"] for s in rec["steps"]] == ["first", "alt0", "alt1", "pure0", "pure1", "pure2"]
     assert set(rec["steps"][0]["max_abs"]) == set(sp.TENSORS)
+    assert rec["alternation"] == {"alternations": 2, "compiled_steps_compared": 2, "recompiles": 0,
+                                  "bitwise_equal": True, "ok": True}
     line = sp.summary_line("te_inductor", 0, rec)
     assert line.startswith("SUMMARY te_inductor rank=0 mode=default first_call=ok") and line.endswith("-> PASS")
+    assert "alternation[n=2 recompiles=0 bitwise=True ok=True]" in line
 
 
 def test_run_mode_flags_numerics(sp):
@@ -158,6 +161,11 @@ def test_run_mode_flags_recompiles(sp):
     assert rec["compile"]["recompiles"] >= 1
     assert any(f.startswith("compiles:") for f in rec["failures"]), rec["failures"]
     assert rec["all_bitwise_equal"]
+    # the alternation check (issue 17): a recompile per alternating step fails it
+    assert rec["alternation"]["recompiles"] >= 1 and not rec["alternation"]["ok"]
+    assert rec["alternation"]["bitwise_equal"]
+    assert any(f.startswith("alternation:") for f in rec["failures"]), rec["failures"]
+    assert "ok=False]" in sp.summary_line("te_inductor", 0, rec)
 
 
 def test_group_scan_and_run_mode_flag_a_left_group(sp, fake_group):
