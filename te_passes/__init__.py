@@ -9,12 +9,14 @@ Inductor. Layout, in pipeline order:
 * :mod:`te_passes.passes` — the pass interface, registry, manager and the passes;
 * :mod:`te_passes.analyses` — liveness, memory estimate and other graph analyses;
 * :mod:`te_passes.debug` — TE-aware printing, dumps and the ``te-passes`` CLI;
-* :mod:`te_passes.testing` — real TE graph capture without a GPU, test backends.
+* :mod:`te_passes.testing` — real TE graph capture without a GPU, test backends;
+* :mod:`te_passes.rewrite` — opt-in model rewrites applied before ``torch.compile``
+  (``te_passes.compile_friendly(model)``).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "te_inductor"]
+__all__ = ["__version__", "te_inductor", "compile_friendly"]
 
 
 def __getattr__(name):
@@ -22,4 +24,8 @@ def __getattr__(name):
         from te_passes.backend import te_inductor
 
         return te_inductor
+    if name == "compile_friendly":  # issue 15: opt-in model rewrite, imported on first use
+        from te_passes.rewrite.compile_friendly import compile_friendly
+
+        return compile_friendly
     raise AttributeError(name)
