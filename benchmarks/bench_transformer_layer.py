@@ -13,7 +13,9 @@ defaults otherwise): ``layer1`` = 1 layer, seq 1024 × batch 2; ``stack4`` = 4 l
 one recipe object built outside the compiled function (in bf16 too: TE's MultiheadAttention reads
 the recipe and would otherwise build a default one inside the compiled region — a graph break).
 
-Variants: ``eager``, ``te_inductor``, ``te_inductor-ro`` (``mode="reduce-overhead"``),
+Before each compiled variant, ``te_passes.rewrite.te_state.prepare_te_state`` does TE's
+first-forward lazy initialisation (else every frame recompiles on step 2; ``--no-prepare`` shows
+that). Variants: ``eager``, ``te_inductor``, ``te_inductor-ro`` (``mode="reduce-overhead"``),
 ``inductor-ro``, ``mgc`` (``te.make_graphed_callables``), ``mgc-nc`` (the same with
 ``clone_param_grads_on_return=False``), and each again on the model rewritten by
 ``te_passes.compile_friendly(model, strict=True)`` (prefix ``cf-``).
@@ -78,7 +80,7 @@ def plan(models, precisions, variants) -> list[list[dict[str, str]]]:
 
 
 # --------------------------------------------------------------------------- worker
-def _worker(tasks: list[dict[str, str]], warmup: int, iters: int) -> int:
+def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool) -> int:
     """Run ``tasks`` in this process, one JSON line per task on stdout (prefix ``RESULT ``).
     Returns 3 after a failed make_graphed_callables variant (the rest must run elsewhere)."""
     import torch
@@ -86,6 +88,7 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int) -> int:
     from transformer_engine.common.recipe import Float8CurrentScaling
 
     import te_passes
+    from te_passes.rewrite.te_state import prepare_te_state
     from te_passes.testing.gpu import CompileWatch, ensure_te_inductor_backend, fresh_compile_state, rel_err, train_step
 
     ensure_te_inductor_backend()
@@ -126,7 +129,8 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int) -> int:
         layers, seq, batch = MODELS[model_name]
         fp8 = precision == "fp8"
         base = variant.removeprefix("cf-")
-        row: dict[str, Any] = dict(task, layers=layers, seq=seq, batch=batch, hidden=HIDDEN)
+        row: dict[str, Any] = dict(task, layers=layers, seq=seq, batch=batch, hidden=HIDDEN,
+                                   prepared=prepare and not is_mgc(variant) and base != "eager")
         try:
             gen = torch.Generator(device="cuda").manual_seed(1)
             x0 = torch.randn(seq, batch, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -155,6 +159,8 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int) -> int:
                 elif base == "eager":
                     fn = fwd_of(model, fp8)
                 else:
+                    if prepare:  # TE's first-forward lazy state, so step 2 does not recompile
+                        prepare_te_state(model, recipe, fp8=fp8)
                     backend = "inductor" if base.startswith("inductor") else "te_inductor"
                     fn = torch.compile(fwd_of(model, fp8), backend=backend,
                                        mode="reduce-overhead" if mark else None)
@@ -219,13 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int)
     ap.add_argument("--budget-s", type=float, default=420.0, help="no variant starts after this many seconds")
     ap.add_argument("--worker-timeout-s", type=float, default=300.0)
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="skip te_passes.rewrite.te_state.prepare_te_state before compiling (shows TE's "
+                         "first-forward recompiles)")
     ap.add_argument("--dry-run", action="store_true", help="print the task plan as JSON; no GPU needed")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # JSON task list: run in this process
     args = ap.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
     iters = args.iters if args.iters is not None else (10 if args.quick else 20)
     if args.worker:
-        return _worker(json.loads(args.worker), warmup, iters)
+        return _worker(json.loads(args.worker), warmup, iters, not args.no_prepare)
 
     models = args.models or (["layer1"] if args.quick else list(MODELS))
     precisions = args.precisions or list(PRECISIONS)
@@ -244,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     meta = {"command": " ".join(sys.argv), "warmup": warmup, "iters": iters, "hidden": HIDDEN, "ffn": FFN,
             "heads": HEADS, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "commit": os.environ.get("TE_PASSES_COMMIT")}
+            "commit": os.environ.get("TE_PASSES_COMMIT"), "prepare_te_state": not args.no_prepare}
 
     def save():
         (out / "bench_transformer_layer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(dict(t, skipped=f"budget {args.budget_s:.0f}s spent") for t in pending)
                 break
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(pending),
-                   "--warmup", str(warmup), "--iters", str(iters)]
+                   "--warmup", str(warmup), "--iters", str(iters)] + (["--no-prepare"] if args.no_prepare else [])
             left = max(30.0, min(args.worker_timeout_s, args.budget_s + 120 - (time.perf_counter() - t_start)))
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, cwd=_ROOT)

@@ -16,7 +16,7 @@ Inductor. Layout, in pipeline order:
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "te_inductor", "compile_friendly"]
+__all__ = ["__version__", "te_inductor", "compile_friendly", "prepare_te_state"]
 
 
 def __getattr__(name):
@@ -28,4 +28,8 @@ def __getattr__(name):
         from te_passes.rewrite.compile_friendly import compile_friendly
 
         return compile_friendly
+    if name == "prepare_te_state":  # issue 15: TE's first-forward lazy state, before compiling
+        from te_passes.rewrite.te_state import prepare_te_state
+
+        return prepare_te_state
     raise AttributeError(name)

@@ -327,3 +327,52 @@ def test_lazy_reexport():
     import te_passes
 
     assert te_passes.compile_friendly is cf.compile_friendly
+
+
+def _run_calls(precision: str, prepare: bool, calls: int = 3):
+    """Compile the rewritten layer with a backend that runs the graph (TE's fake impls on fake
+    cuda tensors), call it ``calls`` times with fresh inputs; returns (graphs, recompile reasons)."""
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformer_engine.common import recipe as te_recipe
+
+    from te_passes.rewrite.te_state import prepare_te_state
+
+    torch._dynamo.reset()  # the same ``step`` code object is compiled by every call of this helper
+    counters.clear()
+    recipe = te_recipe.Float8CurrentScaling()
+    fp8 = precision == "fp8-cs"
+    reasons: list[str] = []
+    with _quiet(), fake_gpu(precision):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, _constructing():
+            layer = cf.compile_friendly(_layer("cuda"))
+            if prepare:
+                prepare_te_state(layer, recipe, fp8=fp8)
+
+        def step(inp):
+            with te.autocast(enabled=fp8, recipe=recipe):
+                return layer(inp)
+
+        fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
+        seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+        for _ in range(calls):
+            with mode, _constructing():
+                x = torch.randn(16, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            with mode:
+                fn(x)
+        reasons = [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
+                   if id(m) not in seen and m.recompile_reason]
+    return counters["stats"]["unique_graphs"], reasons
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_first_call_lazy_state_recompiles_and_prepare_removes_it(precision):
+    graphs, reasons = _run_calls(precision, prepare=False)
+    print(reasons)
+    # TE initialises state lazily on the first forward: the second call recompiles once
+    assert graphs == 2 and len(reasons) == 1, reasons
+    assert any(k in reasons[0] for k in ("_cached_repr", "autocast_arguments", "_is_fsdp2", "fp8 ==",
+                                         "activation_dtype")), reasons
+    graphs, reasons = _run_calls(precision, prepare=True)
+    assert graphs == 1 and reasons == []

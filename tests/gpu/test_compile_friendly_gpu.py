@@ -182,6 +182,9 @@ def test_transformer_layer_one_graph_and_numerics(precision, mode):
                                    params_dtype=torch.bfloat16, device="cuda")
 
     ref, cand = _twins(build)
+    from te_passes.rewrite.te_state import prepare_te_state
+
+    prepare_te_state(cand, recipe, fp8=precision == "fp8")  # else step 2 recompiles (TE lazy state)
     ref_fn = _layer_fn(ref, precision, recipe)
     fn = torch.compile(_layer_fn(cand, precision, recipe), backend="te_inductor",
                        mode=None if mode == "default" else mode)
