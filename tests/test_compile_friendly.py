@@ -376,3 +376,17 @@ def test_first_call_lazy_state_recompiles_and_prepare_removes_it(precision):
                                          "activation_dtype")), reasons
     graphs, reasons = _run_calls(precision, prepare=True)
     assert graphs == 1 and reasons == []
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_dynamo_stage_passes_run_on_the_rewritten_layer(precision):
+    """te_inductor's DYNAMO-stage passes on the one-graph layer (the AOT stages need the GPU: on
+    fake cuda Inductor's joint constant folder materialises SDPA's decomposed causal mask)."""
+    from te_passes.testing.capture import CapturedGraph, run_pipeline
+
+    graphs, _, _, _ = _capture(precision, lambda: _layer("cuda"), (16, 2, 64))
+    cg = CapturedGraph(gm=graphs[0], example_inputs=[], precision=precision, model="stack", layers=1,
+                       tokens=32, hidden=64, out_features=64)
+    with fake_gpu(precision):
+        (report,) = run_pipeline(cg)
+    assert report.runs and all(r.status == "ok" for r in report.runs), [(r.name, r.status, r.error) for r in report.runs]
