@@ -36,7 +36,7 @@ def _layer(device="cpu", **kw):
     return te.TransformerLayer(64, 256, 4, **args)
 
 
-def _capture(precision: str, build, x_shape, *, rewrite=True, **cf_kwargs):
+def _capture(precision: str, build, x_shape, *, rewrite=True, autocast=True, **cf_kwargs):
     """Compile ``build()(x)`` under fake cuda with ``fullgraph=True`` and a recording backend;
     returns (graphs, records, graph-break counter, recompiles)."""
     from torch._dynamo.utils import counters
@@ -65,6 +65,8 @@ def _capture(precision: str, build, x_shape, *, rewrite=True, **cf_kwargs):
         def step(inp):
             # TE's MultiheadAttention reads FP8GlobalStateManager.get_fp8_recipe() even in bf16: an
             # explicit recipe keeps TE from building a default one inside the compiled region.
+            if not autocast:
+                return model(inp)
             with te.autocast(enabled=enabled, recipe=recipe):
                 return model(inp)
 
@@ -85,9 +87,9 @@ def _targets(gm):
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
 def test_transformer_layer_is_one_graph(precision):
     graphs, records, breaks, _ = _capture(precision, lambda: _layer("cuda"), (16, 2, 64))
-    assert [r.action for r in records] == ["rewritten"] * 3, records
-    assert [r.module for r in records] == ["self_attention.layernorm_qkv", "self_attention.core_attention",
-                                           "layernorm_mlp"]
+    assert [r.action for r in records] == ["rewritten"] * 4, records
+    assert [r.module for r in records] == ["self_attention", "self_attention.layernorm_qkv",
+                                           "self_attention.core_attention", "layernorm_mlp"]
     assert len(graphs) == 1 and breaks == {}
     t = _targets(graphs[0])
     # qkv, proj, fc1, fc2 through TE's compiled op; both norms and the attention in torch ops
@@ -95,6 +97,16 @@ def test_transformer_layer_is_one_graph(precision):
     assert sum("layer_norm" in s for s in t) == 2
     assert sum("scaled_dot_product_attention" in s for s in t) == 1
     assert sum(s.endswith("gelu>") for s in t) == 1
+
+
+def test_bf16_without_te_autocast_is_one_graph():
+    """TE's MultiheadAttention would build its default recipe inside the compiled region."""
+    graphs, records, breaks, _ = _capture("bf16", lambda: _layer("cuda"), (16, 2, 64), autocast=False)
+    assert len(graphs) == 1 and breaks == {}
+    assert "default recipe" in records[0].detail and records[0].module == "self_attention"
+    with pytest.raises(Exception, match="Creating Recipe objects inside compiled regions"):
+        _capture("bf16", lambda: _layer("cuda"), (16, 2, 64), autocast=False, attention="keep",
+                 rewrite=False)
 
 
 def test_without_rewrite_fullgraph_fails_at_te_disabled_forward():
@@ -110,7 +122,7 @@ def test_gqa_layer_names_te_split_along_dim_break():
     with _cpu_te():
         layer = cf.compile_friendly(_layer(num_gqa_groups=2))
     recs = {r.module: r for r in cf.rewrite_records(layer)}
-    assert recs["self_attention"].action == "kept" and "SplitAlongDim" in recs["self_attention"].reason
+    assert recs["self_attention"].action == "rewritten" and "SplitAlongDim" in recs["self_attention"].detail
     assert recs["self_attention.core_attention"].action == "rewritten"
 
 
@@ -121,7 +133,7 @@ def test_gqa_layer_names_te_split_along_dim_break():
 def test_variants_are_one_graph(kw):
     shape = (2, 16, 64) if kw.get("attn_input_format") == "bshd" else (16, 2, 64)
     graphs, records, breaks, _ = _capture("bf16", lambda: _layer("cuda", **kw), shape)
-    assert [r.action for r in records] == ["rewritten"] * 3, records
+    assert [r.action for r in records] == ["rewritten"] * 4, records
     assert len(graphs) == 1 and breaks == {}
     t = _targets(graphs[0])
     assert sum("rms_norm" in s for s in t) == (2 if kw.get("normalization") == "RMSNorm" else 0)
@@ -156,7 +168,7 @@ def test_state_dict_identity_and_reload():
     assert all(torch.equal(v, sd0[k]) for k, v in layer.state_dict().items())
     assert fc1.fc1_weight is mlp.fc1_weight  # loading copies into the shared objects
     # restore() swaps the TE classes back
-    assert sorted(cf.restore(layer)) == ["layernorm_mlp", "self_attention.core_attention",
+    assert sorted(cf.restore(layer)) == ["layernorm_mlp", "self_attention", "self_attention.core_attention",
                                          "self_attention.layernorm_qkv"]
     assert type(layer.layernorm_mlp) is te.LayerNormMLP and not cf.is_rewritten(layer.layernorm_mlp)
 
@@ -329,7 +341,7 @@ def test_lazy_reexport():
     assert te_passes.compile_friendly is cf.compile_friendly
 
 
-def _run_calls(precision: str, prepare: bool, calls: int = 3):
+def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = True):
     """Compile the rewritten layer with a backend that runs the graph (TE's fake impls on fake
     cuda tensors), call it ``calls`` times with fresh inputs; returns (graphs, recompile reasons)."""
     from torch._dynamo.utils import counters
@@ -348,9 +360,11 @@ def _run_calls(precision: str, prepare: bool, calls: int = 3):
         with mode, _constructing():
             layer = cf.compile_friendly(_layer("cuda"))
             if prepare:
-                prepare_te_state(layer, recipe, fp8=fp8)
+                prepare_te_state(layer, recipe if autocast else None, fp8=fp8)
 
         def step(inp):
+            if not autocast:
+                return layer(inp)
             with te.autocast(enabled=fp8, recipe=recipe):
                 return layer(inp)
 
@@ -376,6 +390,9 @@ def test_first_call_lazy_state_recompiles_and_prepare_removes_it(precision):
                                          "activation_dtype")), reasons
     graphs, reasons = _run_calls(precision, prepare=True)
     assert graphs == 1 and reasons == []
+    if precision == "bf16":  # no te.autocast at all: the rewritten MultiheadAttention's recipe
+        graphs, reasons = _run_calls(precision, prepare=True, autocast=False)
+        assert graphs == 1 and reasons == []
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])

@@ -12,7 +12,9 @@ changes, in place and module by module:
 * ``te.LayerNormMLP`` -> normalisation + ``te.Linear`` (fc1) + the activation in torch ops +
   ``te.Linear`` (fc2);
 * ``DotProductAttention`` (``attention="sdpa"``) -> ``torch.nn.functional.scaled_dot_product_attention``
-  with TE's scale, mask and layout for the configurations listed in :func:`attention_problem`.
+  with TE's scale, mask and layout for the configurations listed in :func:`attention_problem`;
+* ``te.MultiheadAttention`` -> the same forward, entered with TE's default recipe (FP8 off) when
+  no ``te.autocast`` is active (TE would build that recipe inside the compiled region: a break).
 
 How: the module object stays (same parameters, buffers, hooks, ``state_dict`` keys and
 ``_extra_state``); its class is swapped for a subclass of its TE class whose ``forward`` is
@@ -287,6 +289,28 @@ def attention_problem(mod: Any) -> str | None:
     return None
 
 
+def multihead_attention_problem(mod: Any) -> str | None:
+    """Why ``te.MultiheadAttention`` ``mod`` is not wrapped (see ``CompileFriendlyMultiheadAttention``)."""
+    te = _te()
+    if _STATE_ATTR in mod.__dict__:
+        return "already rewritten"
+    if type(mod) is not te.MultiheadAttention:
+        return f"{type(mod).__qualname__} is a subclass of te.MultiheadAttention (its forward may differ)"
+    return None
+
+
+def _rewrite_multihead_attention(mod: Any) -> str:
+    from transformer_engine.pytorch.quantization import get_default_fp8_recipe
+
+    recipe = get_default_fp8_recipe()  # eagerly, what TE would build inside the compiled region
+    str(recipe)  # TE caches the repr on first use (a guard): cache it now
+    mod.__dict__[_STATE_ATTR] = _State(type(mod), recipe=recipe)
+    mod.__class__ = _classes()["MultiheadAttention"]
+    note = multihead_attention_note(mod)
+    return f"TE's default recipe ({type(recipe).__name__}, FP8 off) when no te.autocast is active" + \
+        (f"; note: {note}" if note else "")
+
+
 def multihead_attention_note(mod: Any) -> str | None:
     """What in TE's own ``MultiheadAttention.forward`` (not rewritten) still breaks the graph.
 
@@ -299,8 +323,8 @@ def multihead_attention_note(mod: Any) -> str | None:
     """
     if getattr(mod, "attention_type", "self") == "self" and \
             mod.num_attention_heads_per_partition != mod.num_gqa_groups_per_partition:
-        return ("left as TE wrote it; with GQA (num_gqa_groups < heads) its q/k/v split uses TE's "
-                "SplitAlongDim, whose backward reads data_ptr: one graph break per layer")
+        return ("with GQA (num_gqa_groups < heads) TE's q/k/v split uses SplitAlongDim, whose "
+                "backward reads data_ptr: one graph break per layer")
     return None
 
 
@@ -362,6 +386,7 @@ def _shared_linear(owner: torch.nn.Module, *, in_features: int, out_features: in
 class _State:
     original_cls: type
     linears: tuple[torch.nn.Module, ...] = ()
+    recipe: Any = None  # MultiheadAttention: the recipe entered when no te.autocast is active
 
 
 def _state(mod: torch.nn.Module) -> _State:
@@ -455,8 +480,27 @@ def _classes() -> dict[str, type]:
             out = out.permute(2, 0, 1, 3) if qkv_format == "sbhd" else out.permute(0, 2, 1, 3)
             return out.reshape(*out.shape[:2], -1)
 
+    class CompileFriendlyMultiheadAttention(te.MultiheadAttention):
+        """``te.MultiheadAttention`` that supplies TE's default recipe when no ``te.autocast`` is active.
+
+        TE 2.20.2 ``MultiheadAttention.forward`` reads ``FP8GlobalStateManager.get_fp8_recipe()``
+        even without FP8; with no recipe set that builds ``get_default_fp8_recipe()``, which
+        asserts it is not compiling (a graph break in bf16). Here that call finds the recipe
+        ``get_default_fp8_recipe()`` returned at rewrite time (outside compilation), entered with
+        ``te.autocast(enabled=False, ...)``: what TE would read, without FP8 enabled.
+        """
+
+        def forward(self, *args, **kwargs):
+            from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+            if FP8GlobalStateManager.quantization_state.fp8_recipe is None:
+                with te.autocast(enabled=False, recipe=_state(self).recipe):
+                    return super().forward(*args, **kwargs)
+            return super().forward(*args, **kwargs)
+
     _CLASSES.update(LayerNormLinear=CompileFriendlyLayerNormLinear, LayerNormMLP=CompileFriendlyLayerNormMLP,
-                    DotProductAttention=SdpaDotProductAttention)
+                    DotProductAttention=SdpaDotProductAttention,
+                    MultiheadAttention=CompileFriendlyMultiheadAttention)
     return _CLASSES
 
 
@@ -573,9 +617,8 @@ def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, s
     plan = []
     for name, mod in model.named_modules():
         if isinstance(mod, te.MultiheadAttention):
-            note = multihead_attention_note(mod)
-            if note is not None:
-                plan.append((name, mod, "MultiheadAttention", note, None))
+            plan.append((name, mod, "MultiheadAttention", multihead_attention_problem(mod),
+                         _rewrite_multihead_attention))
         if isinstance(mod, te.LayerNormLinear):
             plan.append((name, mod, "LayerNormLinear", layernorm_linear_problem(mod), _rewrite_layernorm_linear))
         elif isinstance(mod, te.LayerNormMLP):

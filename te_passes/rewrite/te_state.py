@@ -46,9 +46,11 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
 
     Args:
         model: the model about to be compiled (call :func:`te_passes.compile_friendly` first if
-            it is used: the hidden ``te.Linear``\\ s are prepared too).
+            it is used: the hidden ``te.Linear``\\ s and the rewritten ``MultiheadAttention``\\ s'
+            default recipes are prepared too).
         recipe: the recipe object the compiled function passes to ``te.autocast`` (the same
-            object: its cached repr is part of the guard).
+            object: its cached repr is part of the guard), or ``None`` when the compiled function
+            enters no ``te.autocast`` (bf16 with ``compile_friendly``).
         fp8: ``enabled`` of that ``te.autocast``.
         dtype: the activation dtype the model will be called with.
 
@@ -56,20 +58,36 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
         The names of what was initialised (for a record).
 
     Raises:
+        ValueError: ``fp8=True`` without a recipe.
         TypeError: a prepared module's parameters are not ``dtype`` (TE's ``set_activation_dtype``).
     """
+    import contextlib
+
     import transformer_engine.pytorch as te
 
-    str(recipe)
-    done = ["recipe repr"]
-    with te.autocast(enabled=fp8, recipe=recipe):
-        done.append("autocast_arguments")
+    from te_passes.rewrite.compile_friendly import _state, is_rewritten
+
+    if fp8 and recipe is None:
+        raise ValueError("prepare_te_state: fp8=True needs the recipe the compiled function uses")
+    done = []
+    defaults = [_state(m).recipe for m in model.modules() if is_rewritten(m) and _state(m).recipe is not None]
+    for r in defaults:  # CompileFriendlyMultiheadAttention enters these with FP8 off
+        str(r)
+        with te.autocast(enabled=False, recipe=r):
+            pass
+    if defaults:
+        done.append(f"{len(defaults)} MultiheadAttention default recipe(s): repr, autocast_arguments")
+    if recipe is not None:
+        str(recipe)
+        done.append("recipe repr, autocast_arguments")
+    mods = _prepared_modules(model)
+    with te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else contextlib.nullcontext():
         probe = torch.empty(0, dtype=dtype)
-        for m in _prepared_modules(model):
+        for m in mods:
             _ = m.is_fsdp2
             # what te.Linear.forward's prepare_forward(inp) sets before set_activation_dtype
             m.fast_setattr("allow_different_data_and_param_types", False)
             m.set_activation_dtype(probe)
             m.init_fp8_metadata()
-        done.append(f"{len(_prepared_modules(model))} te.Linear: is_fsdp2, activation_dtype, fp8 metadata")
+    done.append(f"{len(mods)} te.Linear: is_fsdp2, activation_dtype, fp8 metadata")
     return done
