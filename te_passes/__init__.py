@@ -16,12 +16,14 @@ Inductor. Layers, top to bottom (a module imports only from layers below it; che
 * :mod:`te_passes.te` — TE knowledge: the TE graph model, TE state (UB, recipes), version;
 * :mod:`te_passes.fx` — generic FX helpers;
 * :mod:`te_passes.config`, :mod:`te_passes.report`, ``_logging``, ``_json`` — options, reports.
+* :mod:`te_passes.rewrite` — opt-in model rewrites applied before ``torch.compile``
+  (``te_passes.compile_friendly(model)``, ``te_passes.prepare_te_state``).
 """
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
-           "UbConfigError"]
+           "UbConfigError", "compile_friendly", "prepare_te_state"]
 
 #: Public names and the module each lives in (imported on first access: ``import te_passes``
 #: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
@@ -35,6 +37,8 @@ _LAZY = {
     "TePassesOptionError": "te_passes.config",
     "TePassError": "te_passes.pipeline.manager",
     "UbConfigError": "te_passes.te.ub",
+    "compile_friendly": "te_passes.rewrite.compile_friendly",  # opt-in model rewrite (issue 15)
+    "prepare_te_state": "te_passes.rewrite.te_state",  # TE's first-forward lazy state, before compiling
 }
 
 

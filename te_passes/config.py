@@ -110,6 +110,16 @@ OPTION_SPECS: dict[str, _Spec] = {
 }
 
 
+#: ``te_passes.*`` keys that are refused with a reason (not options a backend can honour).
+REFUSED_OPTIONS: dict[str, str] = {
+    # issue 15: a backend receives FX graphs that Dynamo traced after TE's disabled forwards
+    # already cut the model into segments; a module rewrite cannot be applied from there.
+    "compile_friendly": "te_passes.compile_friendly is a model rewrite, not a backend option: a backend only "
+                        "sees FX graphs traced after TE's eager islands were cut. Call "
+                        "te_passes.compile_friendly(model) on the model before torch.compile",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class TePassesOptions:
     """Parsed ``te_passes.*`` options (defaults shown). Immutable; build with :meth:`parse`."""
@@ -146,6 +156,8 @@ class TePassesOptions:
                 inductor[key] = value
                 continue
             short = key[len(PREFIX):]
+            if short in REFUSED_OPTIONS:
+                raise TePassesOptionError(REFUSED_OPTIONS[short])
             spec = OPTION_SPECS.get(short)
             if spec is None:
                 valid = ", ".join(PREFIX + k for k in OPTION_SPECS)
