@@ -320,3 +320,31 @@ def test_direct_call_pickles_and_matches_dispatcher(toy, monkeypatch):
     monkeypatch.setattr(OPDEFS[q], "_init_fn", lambda *f: None)
     stale = pickle.loads(pickle.dumps(call))
     assert isinstance(stale, dc.OpCall) and "not TE's" in stale.reason
+
+
+def test_rollback_restores_targets_and_meta(te_aot_graphs, monkeypatch):
+    """A failure after the rewrite (a later pass of the stage) restores every target and drops
+    the plans through the pass's own undo: no graph copy."""
+    import te_passes.passes.manager as mgr
+    from te_passes.config import TePassesOptions
+    from te_passes.passes import PassContext, Stage, TEPass
+    from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
+    from te_passes.passes.manager import PassManager
+    from te_passes.te.state import TEState
+
+    class FailAfter(TEPass):
+        name, stages, description, checkpoints_itself = "fail_after", frozenset({Stage.POST_GRAD_FWD}), "test", True
+
+        def run(self, gm, ctx):
+            assert CallTEImplDirectly().run(gm, ctx).modified
+            raise RuntimeError("boom after rewriting")
+
+    gm = te_aot_graphs("fp8-cs", 2, model="stack").forward
+    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
+    PassManager([HoistRecipeLookups()]).run(gm, ctx)
+    before = [(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes]
+    monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
+    with pytest.warns(RuntimeWarning, match="boom after rewriting"):
+        rep = PassManager([FailAfter()]).run(gm, ctx)
+    assert rep.runs[0].status == "failed"
+    assert [(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes] == before
