@@ -17,6 +17,8 @@ eager          TE eager
 inductor       ``torch.compile(backend="inductor")``
 inductor-ro    ``torch.compile(backend="inductor", mode="reduce-overhead")`` (cudagraph trees)
 te_inductor    ``torch.compile(backend="te_inductor")``
+te_inductor-nodirect  the same with ``options={"te_passes.disable": ["call_te_impl_directly"]}``
+               (TE ops called through the dispatcher; issue 13)
 te_inductor-ro ``torch.compile(backend="te_inductor", mode="reduce-overhead")``
 mgc            ``te.make_graphed_callables(model, (x,), enabled=fp8, recipe=recipe)`` (TE's own
                CUDA-graph capture; default ``clone_param_grads_on_return=True``)
@@ -60,8 +62,12 @@ if str(_ROOT) not in sys.path:
 
 import torch  # noqa: E402  (import torch before transformer_engine)
 
-ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-ro", "mgc", "mgc-noclone")
-DEFAULT_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-ro", "mgc", "mgc-noclone")
+# -- issue 13: te_inductor without call_te_impl_directly (dispatcher calls of the TE ops), next to
+#    te_inductor so the pass's gain prints side by side
+NODIRECT = "te_inductor-nodirect"
+ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", "mgc", "mgc-noclone")
+DEFAULT_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", "mgc", "mgc-noclone")
+# -- end issue 13
 #: Configurations in the order they run: the launch-bound fp8 row first (the goals' key row).
 DEFAULT_CONFIGS = ("256:fp8", "8192:fp8", "256:bf16", "8192:bf16")
 
@@ -107,6 +113,9 @@ def _variant_fn(variant: str, model, precision: str, recipe, x):
     base = forward_fn(model, precision, recipe)
     if variant == "eager":
         return base, False
+    if variant == NODIRECT:  # issue 13: the same compile with the direct-call pass switched off
+        return torch.compile(base, backend="te_inductor",
+                             options={"te_passes.disable": ["call_te_impl_directly"]}), False
     if variant in ("inductor", "inductor-ro", "te_inductor", "te_inductor-ro"):
         backend = "te_inductor" if variant.startswith("te_") else "inductor"
         mode = "reduce-overhead" if variant.endswith("-ro") else None

@@ -17,6 +17,8 @@ from te_passes.pipeline.base import TEPass
 PASS_REGISTRY: tuple[tuple[str, str], ...] = (
     ("fold_ub_predicates", "te_passes.passes.fold_ub_predicates:FoldUbPredicates"),
     ("hoist_recipe_lookups", "te_passes.passes.hoist_recipe_lookups:HoistRecipeLookups"),
+    # needs the hoisted constants; before the frees / pool check (they treat base ops alike)
+    ("call_te_impl_directly", "te_passes.passes.call_te_impl_directly:CallTEImplDirectly"),
     ("insert_early_frees", "te_passes.passes.insert_early_frees:InsertEarlyFrees"),
     ("check_cudagraph_pool", "te_passes.passes.check_cudagraph_pool:CheckCudagraphPool"),
 )

@@ -1,4 +1,5 @@
 """Process-level integration, installed once by the backend (:func:`te_passes.runtime.install.install`):
-TE hooks (UB guard, amax groups), our free op and its Inductor lowering, named TE constants.
+TE hooks (UB guard, amax groups), our free op and its Inductor lowering, named TE constants, the
+direct-call lowering of TE's base ops (:mod:`te_passes.runtime.direct_call`).
 
 Imports nothing itself (submodules are imported where they are used)."""

@@ -1,0 +1,558 @@
+#!/usr/bin/env python3
+"""Host-time split of one training step: where the Python/host time of stack4 goes (issue 13).
+
+One command on the H200 (after the gpu-kit bring-up)::
+
+    source .gpu/s/env.sh; PYTHONPATH=$PWD python3 benchmarks/bench_host_profile.py --out DIR
+
+CPU check (no GPU): ``--dry-run`` attaches every timer to TE 2.20.2's real functions for the
+``linear`` op family and fails loudly (exit 2, naming it) when one is missing; then it runs the
+whole measurement on CPU with a toy op family registered through TE's own
+``register_custom_op`` (tests/_toy_te_op.py) so the table and JSON are produced by the same code.
+
+Model: stack4 = 4 × ``te.Linear(4096, 4096)`` + GELU (te_passes/testing/gpu.py ``build_stack``),
+fwd + bwd, 256 tokens, fp8 (Float8CurrentScaling) and bf16. Variants, one after the other in one
+process: TE eager, ``backend="inductor"``, te_inductor, te_inductor with
+``call_te_impl_directly`` disabled (``te_inductor-nodirect``).
+
+Method: nesting-aware timers (``time.perf_counter``) monkeypatched around the boundary functions
+below; each layer reports its *exclusive* time (its own time minus the timed layers inside it)
+per step, and its call count. The autograd engine runs CUDA backward on its device thread: a
+timed call that starts with no timed parent on another thread is subtracted from the main
+thread's innermost open frame (the ``backward()`` call waiting for it). Steps are host time only
+(no synchronize inside the timed region). Layers:
+
+==================================  =============================================================
+step: python                         the step function itself (``p.grad = None``, the calls)
+fwd: dynamo (frame, guards, call)    the compiled function call minus everything below it: the
+                                     eval-frame hook, guard evaluation, Dynamo's bytecode, its
+                                     call of the compiled graph. Eager: ``nn.Module`` calls,
+                                     ``te.autocast``, GELU launches
+bwd: autograd engine (+AOT bwd)      ``y.backward()`` minus the timed layers it reaches: the engine,
+                                     AOTAutograd's backward wrappers (compiled), eager GELU grads
+aot: runtime wrappers (fwd)          the callable the backend returned, minus Inductor's graph
+inductor: wrapper code               ``CompiledFxGraph.__call__``: the generated ``call()`` with its
+                                     kernel launches, size asserts, ``del``s, minus TE op calls
+te op: wrapper op dispatch           ``torch.ops.transformer_engine_compile.<op>.default`` called
+                                     from the wrapper: dispatcher, the op's Python autograd kernel,
+                                     ``backend_impl``, minus its kernel function
+te op: alias check                   torch's output-aliasing check (``_c_check_aliasing_constraint``)
+te op: wrapper kernel + base dispatch the wrapper op's kernel function (dynamo-disable hop, TE's
+                                     slot forwarder) and the base op's dispatcher round trip
+te op: base kernel glue              the base op's kernel function minus unpack / impl / pack
+te: _ArgPlan.unpack                  TE rebuilding the args dataclass from the flat slots
+te: impl                             TE's ``_linear_forward_impl`` / ``_linear_backward_impl``
+                                     (eager: the module attribute, i.e. incl. te_passes' amax-group
+                                     wrapper, ~0.2 us a call)
+te: pack_result                      TE flattening the impl's return
+te_passes: DirectTECall              te_passes' direct call (args object, storage rebuild), minus
+                                     impl / pack_result
+eager: _linear_eager / _Linear.*     eager te.Linear: the autograd.Function apply path
+te.Linear.forward                    eager module Python (quantizer setup, args building)
+==================================  =============================================================
+
+Guard evaluation alone is measured in a second pass under ``torch.profiler`` (CPU activity): the
+``TorchDynamo Cache Lookup`` events torch's eval-frame records (profiler-inflated; a bound).
+
+Writes ``host_profile.json`` and ``host_profile.md`` under ``--out`` and prints the table
+(µs per step, exclusive; calls per step in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as _dt
+import functools
+import json
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402  (import torch before transformer_engine)
+
+NS = "transformer_engine_compile"
+VARIANTS = ("eager", "inductor", "te_inductor", "te_inductor-nodirect")
+LAYER_ORDER = (
+    "step: python", "fwd: dynamo (frame, guards, call)", "bwd: autograd engine (+AOT bwd)",
+    "aot: runtime wrappers (fwd)", "inductor: wrapper code", "te op: wrapper op dispatch",
+    "te op: base op dispatch (retargeted, not direct)", "te op: alias check",
+    "te op: wrapper kernel + base dispatch", "te op: base kernel glue", "te: _ArgPlan.unpack", "te: impl",
+    "te: pack_result", "te_passes: DirectTECall", "eager: _linear_eager (apply)", "eager: _Linear.forward",
+    "eager: _Linear.backward", "te.Linear.forward",
+)
+
+
+class HookMissing(RuntimeError):
+    """A function the profile must time is not where TE / torch keep it (the message names it)."""
+
+
+# --------------------------------------------------------------------------- timers
+class Timers:
+    """Nesting-aware perf_counter accumulation: ``wrap(fn, label)`` returns a timed ``fn``.
+
+    Per label: inclusive seconds, exclusive seconds (minus timed calls inside it, on the same
+    thread, and minus top-level timed calls on other threads while it was the innermost open
+    frame of the main thread), and the call count. ``on`` switches recording (warm-up steps)."""
+
+    def __init__(self) -> None:
+        self.incl: dict[str, float] = defaultdict(float)
+        self.excl: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+        self._tls = threading.local()
+        self._main = threading.main_thread()
+        self._foreign = 0.0
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.incl.clear(), self.excl.clear(), self.calls.clear()
+        self._foreign = 0.0
+
+    def _stack(self) -> list:
+        st = getattr(self._tls, "stack", None)
+        if st is None:
+            st = self._tls.stack = []
+        return st
+
+    @contextlib.contextmanager
+    def frame(self, label: str):
+        if not self.on:
+            yield
+            return
+        st = self._stack()
+        main = threading.current_thread() is self._main
+        fr = [0.0, self._foreign, 0.0]  # child seconds, foreign at entry, foreign inside children
+        st.append(fr)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            st.pop()
+            own = dt - fr[0]
+            if main:
+                f = self._foreign - fr[1]
+                own -= f - fr[2]
+                if st:
+                    st[-1][2] += f
+            self.incl[label] += dt
+            self.excl[label] += own
+            self.calls[label] += 1
+            if st:
+                st[-1][0] += dt
+            elif not main:
+                with self._lock:
+                    self._foreign += dt
+
+    def wrap(self, fn: Callable, label: str) -> Callable:
+        timers = self
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            if not timers.on:
+                return fn(*a, **k)
+            with timers.frame(label):
+                return fn(*a, **k)
+
+        timed._bench_timed = True  # type: ignore[attr-defined]
+        return timed
+
+
+@dataclasses.dataclass
+class Hook:
+    """One monkeypatch: ``setter(new)`` installs, ``restore()`` undoes; ``what`` names it."""
+
+    what: str
+    restore: Callable[[], None]
+
+
+class Hooks:
+    """The timers attached to TE's / torch's boundary functions for one op family."""
+
+    def __init__(self, timers: Timers, family: str = "linear", *, eager_module: str | None = "linear") -> None:
+        self.t, self.family, self.eager_module = timers, family, eager_module
+        self.installed: list[Hook] = []
+
+    # -- primitives
+    def _attr(self, owner: Any, name: str, label: str, *, static: bool = False, what: str | None = None) -> None:
+        what = what or f"{getattr(owner, '__name__', owner)}.{name}"
+        if owner is None or name not in vars(owner) and not hasattr(owner, name):
+            raise HookMissing(f"{what} not found")
+        own = name in vars(owner)
+        raw = vars(owner)[name] if own else getattr(owner, name)
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+        if not callable(fn):
+            raise HookMissing(f"{what} is not callable ({type(fn).__name__})")
+        timed = self.t.wrap(fn, label)
+        setattr(owner, name, staticmethod(timed) if static or isinstance(raw, staticmethod) else timed)
+        self.installed.append(Hook(what, (lambda: setattr(owner, name, raw)) if own else (lambda: delattr(owner, name))))
+
+    def _cell(self, qualname: str, var: str, label: str) -> None:
+        from torch._library.custom_ops import OPDEFS
+
+        opdef = OPDEFS.get(qualname)
+        if opdef is None:
+            raise HookMissing(f"OPDEFS[{qualname!r}] not found")
+        fn = opdef._init_fn
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+        if var not in cells:
+            raise HookMissing(f"{qualname}: kernel {fn.__qualname__} closes over no {var!r} "
+                              f"(has {fn.__code__.co_freevars})")
+        cell = cells[var]
+        orig = cell.cell_contents
+        cell.cell_contents = self.t.wrap(orig, label)
+        self.installed.append(Hook(f"{qualname} closure {var}", lambda: setattr(cell, "cell_contents", orig)))
+
+    def _backend_fn(self, qualname: str, label: str) -> None:
+        from torch._library.custom_ops import OPDEFS
+
+        opdef = OPDEFS.get(qualname)
+        if opdef is None or None not in getattr(opdef, "_backend_fns", {}):
+            raise HookMissing(f"OPDEFS[{qualname!r}]._backend_fns[None] not found")
+        orig = opdef._backend_fns[None]
+        opdef._backend_fns[None] = self.t.wrap(orig, label)
+        self.installed.append(Hook(f"{qualname} kernel", lambda: opdef._backend_fns.__setitem__(None, orig)))
+
+    def _overload(self, op: str, label: str) -> None:
+        ns = getattr(torch.ops, NS)
+        try:
+            packet = getattr(ns, op)
+            orig = packet.default
+        except (AttributeError, RuntimeError) as e:
+            raise HookMissing(f"torch.ops.{NS}.{op}.default not found ({e})") from None
+        # The wrapper code evaluates ``torch.ops.<ns>.<op>.default`` on every call: an instance
+        # attribute of the packet (where OpOverloadPacket caches its overloads).
+        packet.default = self.t.wrap(orig, label)
+        self.installed.append(Hook(f"torch.ops.{NS}.{op}.default", lambda: setattr(packet, "default", orig)))
+
+    # -- the sets
+    def install(self, *, call_sites: bool = True, eager: bool = True) -> "Hooks":
+        """Attach every timer (``call_sites`` / ``eager``: also those two groups); on any
+        missing target, detach what was attached and raise :class:`HookMissing`."""
+        try:
+            self._install_runtime()
+            if call_sites:
+                self.install_call_sites()
+            if eager:
+                self.install_eager()
+        except Exception:
+            self.uninstall()
+            raise
+        return self
+
+    def install_call_sites(self) -> None:
+        """``torch.ops.<ns>.<op>.default`` as the wrapper code evaluates it. Only between
+        compilations: tracing must see the real ``OpOverload`` objects there."""
+        fam = self.family
+        for op in (fam, f"{fam}_backward"):
+            self._overload(op, "te op: wrapper op dispatch")
+            self._overload(f"{op}_base", "te op: base op dispatch (retargeted, not direct)")
+
+    def install_eager(self) -> None:
+        """Eager te.Linear's Python functions. Only for the eager variant: Dynamo traces
+        ``te.Linear.forward`` (a timer there would be traced and guarded on)."""
+        if not self.eager_module:
+            return
+        import transformer_engine.pytorch as te
+
+        mod = sys.modules[f"transformer_engine.pytorch.module.{self.eager_module}"]
+        self._attr(mod, "_linear_eager", "eager: _linear_eager (apply)")
+        self._attr(mod._Linear, "forward", "eager: _Linear.forward", static=True, what="_Linear.forward")
+        self._attr(mod._Linear, "backward", "eager: _Linear.backward", static=True, what="_Linear.backward")
+        self._attr(mod, "_linear_forward_impl", "te: impl")
+        self._attr(mod, "_linear_backward_impl", "te: impl")
+        self._attr(te.Linear, "forward", "te.Linear.forward", what="te.Linear.forward")
+
+    def uninstall_group(self, start: int) -> None:
+        """Detach the hooks installed after the first ``start`` ones."""
+        while len(self.installed) > start:
+            self.installed.pop().restore()
+
+    def _install_runtime(self) -> None:
+        import torch._library.utils as lu
+        from torch._inductor.output_code import CompiledFxGraph
+
+        from te_passes.runtime.direct_call import DirectTECall
+
+        try:
+            import transformer_engine.pytorch as te
+            from transformer_engine.pytorch.dynamo import custom_op as tco
+        except ImportError as e:
+            raise HookMissing(f"transformer_engine.pytorch does not import ({e})") from None
+        del te
+        fam = self.family
+        self._attr(CompiledFxGraph, "__call__", "inductor: wrapper code", what="CompiledFxGraph.__call__")
+        self._attr(lu, "_c_check_aliasing_constraint", "te op: alias check")
+        self._attr(tco._ArgPlan, "unpack", "te: _ArgPlan.unpack", what="_ArgPlan.unpack")
+        self._attr(DirectTECall, "__call__", "te_passes: DirectTECall", what="DirectTECall.__call__")
+        for op in (fam, f"{fam}_backward"):
+            self._backend_fn(f"{NS}::{op}", "te op: wrapper kernel + base dispatch")
+            self._backend_fn(f"{NS}::{op}_base", "te op: base kernel glue")
+            self._cell(f"{NS}::{op}_base", "impl", "te: impl")
+            self._cell(f"{NS}::{op}_base", "pack_result", "te: pack_result")
+
+    def uninstall(self) -> None:
+        for h in reversed(self.installed):
+            h.restore()
+        self.installed.clear()
+
+
+# --------------------------------------------------------------------------- measurement
+def _backend(variant: str, timers: Timers):
+    """The ``torch.compile`` backend for ``variant``, its returned callable timed as the AOT layer."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from te_passes.backend import te_inductor
+
+    if variant == "inductor":
+        real = compile_fx
+    elif variant == "te_inductor":
+        real = te_inductor
+    elif variant == "te_inductor-nodirect":
+        real = functools.partial(te_inductor, options={"te_passes.disable": ["call_te_impl_directly"]})
+    else:
+        raise ValueError(variant)
+
+    def backend(gm, example_inputs):
+        return timers.wrap(real(gm, example_inputs), "aot: runtime wrappers (fwd)")
+
+    return backend
+
+
+def measure(variant: str, fn_eager: Callable, x, dy, params, hooks: "Hooks", *, warmup: int, iters: int,
+            sync: Callable[[], None]) -> dict[str, Any]:
+    """Per-step exclusive µs / calls of every timed layer for one variant (timers reset first).
+
+    ``hooks`` has its runtime timers installed; the call-site timers are attached after the
+    warm-up (which compiles) and the eager ones only for ``variant == "eager"``."""
+    timers = hooks.t
+    start = len(hooks.installed)
+    try:
+        if variant == "eager":
+            hooks.install_eager()
+            return _measure(variant, fn_eager, x, dy, params, hooks, warmup=warmup, iters=iters, sync=sync)
+        fwd = torch.compile(fn_eager, backend=_backend(variant, timers))
+        return _measure(variant, fwd, x, dy, params, hooks, warmup=warmup, iters=iters, sync=sync)
+    finally:
+        hooks.uninstall_group(start)
+
+
+def _measure(variant, fwd, x, dy, params, hooks, *, warmup, iters, sync) -> dict[str, Any]:
+    timers = hooks.t
+    fwd_t = timers.wrap(fwd, "fwd: dynamo (frame, guards, call)")
+
+    def step():
+        with timers.frame("step: python"):
+            for p in params:
+                p.grad = None
+            x.grad = None
+            y = fwd_t(x)
+            with timers.frame("bwd: autograd engine (+AOT bwd)"):
+                y.backward(dy)
+
+    timers.on = False
+    for _ in range(warmup):
+        step()
+    sync()
+    hooks.install_call_sites()
+    timers.reset()
+    timers.on = True
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    host = time.perf_counter() - t0
+    timers.on = False
+    sync()
+    out = {"host_us_per_step": host * 1e6 / iters,
+           "layers": {k: {"excl_us": timers.excl[k] * 1e6 / iters, "incl_us": timers.incl[k] * 1e6 / iters,
+                          "calls": timers.calls[k] / iters} for k in timers.excl}}
+    out["guard_us_per_step"] = _guard_time(step, iters, sync) if variant != "eager" else 0.0
+    return out
+
+
+def _guard_time(step: Callable[[], None], iters: int, sync) -> float | None:
+    """µs per step in torch's ``TorchDynamo Cache Lookup`` events (guard evaluation; under the
+    profiler, so an upper bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(iters):
+                step()
+            sync()
+    except Exception:  # noqa: BLE001 - the split above stands without it
+        return None
+    total = sum(e.cpu_time_total for e in prof.key_averages() if "Cache Lookup" in e.key)
+    return total / iters
+
+
+# --------------------------------------------------------------------------- report
+def table(results: dict[str, dict[str, Any]]) -> str:
+    cols = [(p, v) for p in results for v in results[p]]
+    head = "| layer (µs/step, exclusive) | " + " | ".join(f"{p} {v}" for p, v in cols) + " |"
+    lines = [head, "|---|" + "---|" * len(cols)]
+    labels = [l for l in LAYER_ORDER if any(l in results[p][v]["layers"] for p, v in cols)]
+    labels += sorted({l for p, v in cols for l in results[p][v]["layers"]} - set(labels))
+    for l in labels:
+        vals = []
+        for p, v in cols:
+            d = results[p][v]["layers"].get(l)
+            vals.append("" if d is None else f"{d['excl_us']:.1f} ({d['calls']:g})")
+        lines.append(f"| {l} | " + " | ".join(vals) + " |")
+    lines.append("| **sum of layers** | " + " | ".join(
+        f"{sum(d['excl_us'] for d in results[p][v]['layers'].values()):.1f}" for p, v in cols) + " |")
+    lines.append("| **host time per step** | " + " | ".join(f"{results[p][v]['host_us_per_step']:.1f}" for p, v in cols) + " |")
+    lines.append("| guard eval (profiler, bound) | " + " | ".join(
+        "" if results[p][v].get("guard_us_per_step") is None else f"{results[p][v]['guard_us_per_step']:.1f}"
+        for p, v in cols) + " |")
+    return "\n".join(lines)
+
+
+def _per_op(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The host cost of one TE op call, compiled vs eager (issue 13's ≤ 1.1× goal)."""
+    out = []
+    te_layers = ("te op:", "te:", "te_passes:")
+    for p, by in results.items():
+        eager = by.get("eager", {}).get("layers", {})
+        e = sum(eager.get(k, {}).get("incl_us", 0.0) for k in ("eager: _linear_eager (apply)", "eager: _Linear.backward"))
+        for v in ("te_inductor", "te_inductor-nodirect"):
+            if v not in by:
+                continue
+            c = sum(d["excl_us"] for k, d in by[v]["layers"].items() if k.startswith(te_layers))
+            if e:
+                out.append(f"- {p} {v}: TE op calls {c:.1f} µs/step (dispatch + glue + impl) vs eager "
+                           f"_linear_eager + _Linear.backward {e:.1f} µs/step: {c / e:.2f}×")
+    return out
+
+
+def versions() -> dict[str, str]:
+    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        import transformer_engine
+
+        out["transformer_engine"] = transformer_engine.__version__
+    except Exception as e:  # noqa: BLE001
+        out["transformer_engine"] = f"not importable: {e}"
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+# --------------------------------------------------------------------------- runs
+def run_gpu(args, hooks: "Hooks") -> dict[str, dict[str, Any]]:
+    from te_passes.testing.gpu import (build_stack, copy_params, ensure_te_inductor_backend, forward_fn,
+                                       fresh_compile_state, gpu_skip_reason, make_recipe)
+
+    reason = gpu_skip_reason()
+    if reason:
+        sys.exit(f"bench_host_profile: cannot run: {reason}")
+    ensure_te_inductor_backend()
+    results: dict[str, dict[str, Any]] = {}
+    for precision in args.precisions:
+        results[precision] = {}
+        ref = build_stack(args.layers, args.hidden, seed=0)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        dy = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+        for variant in args.variants:
+            print(f"[host-profile] {precision} {variant} ...", flush=True)
+            with fresh_compile_state():
+                model = build_stack(args.layers, args.hidden, seed=0)
+                copy_params(ref, model)
+                fn = forward_fn(model, precision, make_recipe(precision))
+                results[precision][variant] = measure(variant, fn, x, dy, list(model.parameters()), hooks,
+                                                      warmup=args.warmup, iters=args.iters, sync=torch.cuda.synchronize)
+                del fn, model
+    return results
+
+
+def run_cpu_toy(args, hooks: "Hooks") -> dict[str, dict[str, Any]]:
+    """The same measurement on CPU with the toy op family (dry run)."""
+    sys.path.insert(0, str(_ROOT / "tests"))
+    import _toy_te_op as toy
+
+    results: dict[str, dict[str, Any]] = {"cpu-toy": {}}
+    g = torch.Generator().manual_seed(0)
+    w1, b1, w2, b2 = (torch.randn(s, generator=g).requires_grad_() for s in ((64, 32), (64,), (64, 64), (64,)))
+    x = torch.randn(16, 32, generator=g).requires_grad_()
+    dy = torch.randn(16, 64, generator=g)
+
+    def fn(inp):
+        return toy.model(inp, w1, b1, w2, b2)
+
+    for variant in args.variants:
+        torch._dynamo.reset()
+        results["cpu-toy"][variant] = measure(variant, fn, x, dy, [w1, b1, w2, b2], hooks, warmup=2,
+                                              iters=5, sync=lambda: None)
+    torch._dynamo.reset()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "host_profile_out"))
+    ap.add_argument("--precisions", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: check every timer attaches to TE's linear family, then run a toy op family")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import te_passes.backend  # noqa: F401  (installs te_passes' TE hooks before the timers wrap them)
+
+    timers = Timers()
+    try:  # every timer once, to fail loudly before measuring anything
+        hooks = Hooks(timers, "linear").install()
+    except HookMissing as e:
+        print(f"bench_host_profile: cannot attach a timer: {e}", file=sys.stderr)
+        return 2
+    attached = [h.what for h in hooks.installed]
+    hooks.uninstall()
+    print(f"all {len(attached)} timers attach to TE's linear family:\n  " + "\n  ".join(attached))
+    if args.dry_run:
+        sys.path.insert(0, str(_ROOT / "tests"))
+        import _toy_te_op  # noqa: F401  (registers the toy family before its hooks attach)
+
+        hooks = Hooks(timers, _toy_te_op.OP_NAME, eager_module=None)
+    else:
+        hooks = Hooks(timers, "linear")
+    hooks.install(call_sites=False, eager=False)
+    try:
+        results = run_cpu_toy(args, hooks) if args.dry_run else run_gpu(args, hooks)
+    finally:
+        hooks.uninstall()
+    meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+            "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
+            "dry_run": args.dry_run, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
+            "iters": args.iters, "warmup": args.warmup, "timers": attached}
+    (out / "host_profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    label = "DRY RUN (CPU, toy op family) — " if args.dry_run else ""
+    md = [f"# {label}host-time split per step", "", f"`{meta['command']}` — {meta['date_utc']}", "",
+          "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
+          ("CPU toy: 2 toy linears + tanh, 16 tokens, 5 steps after 2 warm-up (the code path, not a "
+           "measurement); " if args.dry_run else
+           f"stack{args.layers}, {args.tokens} tokens, {args.iters} steps after {args.warmup} warm-up; ")
+          + "exclusive µs per step (calls per step).", "", table(results), "", *_per_op(results)]
+    text = "\n".join(md) + "\n"
+    (out / "host_profile.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

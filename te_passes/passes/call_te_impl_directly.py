@@ -1,0 +1,218 @@
+"""Pass ``call_te_impl_directly``: each compiled TE op call costs what calling TE's impl costs.
+
+Post-grad forward and backward graphs. For every node of a TE op family (any family TE's
+``register_custom_op`` defines — ``<name>``, ``<name>_backward`` and their ``*_base`` ops, found
+from ``torch._library.custom_ops.OPDEFS``, :func:`te_passes.runtime.direct_call.op_family`):
+
+1. **retarget** a wrapper-op node (``transformer_engine_compile.<name>.default``) to its base op
+   (``<name>_base.default``) when no quantized-tensor subclass can reach it. The wrapper differs
+   from its base op only in flattening ``QuantizedTensor`` subclass inputs
+   (``register_torch_dispatch`` rules, TE 2.20.2 ``dynamo/custom_op.py`` ``_make_slot_forwarder``;
+   with plain tensors it calls the base op with the same arguments). Proof: every node in a
+   ``Tensor`` / ``Tensor?`` / ``Tensor[]`` slot has a ``meta["val"]`` whose type is exactly
+   ``torch.Tensor`` or ``FakeTensor`` (not a subclass). Otherwise the node stays (``"kept"``).
+2. **mark** the (base-op) node for a direct call: ``node.meta[META_KEY]`` holds a
+   :class:`~te_passes.runtime.direct_call.DirectTECall` built now from the base op's
+   ``CustomOpDef`` closure (``plan`` / ``impl`` / ``pack_result``, checked by name and
+   signature) and the node's constant slots. Inductor's lowering of the base op
+   (:func:`~te_passes.runtime.direct_call.ensure_lowering`) then emits a call of that object
+   instead of the dispatcher op. Conditions (else ``"kept"`` with the reason, the node keeps its
+   op call): the lowering is available on this torch; every constant slot is ``None``, ``[]``
+   or a TE constant ``hoist_recipe_lookups`` made a fixed wrapper global of *this* graph (so the
+   op path, too, passes the same object on every call: a direct call then sees what the op
+   sees); the kernel is TE's ``_register_base_op._impl``.
+
+Order: after ``hoist_recipe_lookups`` (it needs the hoisted constants) and before
+``insert_early_frees`` / ``check_cudagraph_pool`` (both treat base and wrapper ops alike: opaque
+TE calls with the same slots).
+
+Records: ``"retargeted"`` (``from``, ``to``), ``"direct_call"`` (``op``, ``impl``,
+``tensor_fields``, ``constant_fields``, ``storage_fields``), ``"kept"`` (``op``, ``reason``,
+``retargeted``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from typing import Any
+
+import torch
+import torch.fx
+
+from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.runtime import direct_call as dc
+from te_passes.runtime.constants import hoisted_name, hoisted_owner
+
+
+def _plain_tensor_types() -> tuple[type, ...]:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (torch.Tensor, FakeTensor)
+
+
+def _tensor_slot_nodes(node: torch.fx.Node) -> list[tuple[str, torch.fx.Node]] | str:
+    """``[(slot, node), ...]`` for every FX node in a tensor-typed schema slot of ``node``, or a
+    reason string when the arguments do not match the schema."""
+    schema = node.target._schema
+    if node.kwargs:
+        return f"keyword arguments {sorted(node.kwargs)} (TE passes every slot positionally)"
+    if len(node.args) != len(schema.arguments):
+        return f"{len(node.args)} arguments for a schema of {len(schema.arguments)}"
+    out = []
+    for a, v in zip(schema.arguments, node.args):
+        t = str(a.type)
+        is_tensor = t in ("Tensor", "Tensor?", "Optional[Tensor]", "List[Tensor]", "Tensor[]")
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        nodes = [x for x in vals if isinstance(x, torch.fx.Node)]
+        if nodes and not is_tensor:
+            return f"slot {a.name} ({t}) holds graph values"
+        out.extend((a.name, x) for x in nodes)
+    return out
+
+
+def subclass_reason(node: torch.fx.Node) -> str | None:
+    """Why a quantized-tensor subclass might reach ``node``'s tensor slots (``None``: none can).
+
+    Every FX node in a ``Tensor`` / ``Tensor?`` / ``Tensor[]`` slot must carry ``meta["val"]`` of
+    type exactly ``torch.Tensor`` or ``FakeTensor``."""
+    slots = _tensor_slot_nodes(node)
+    if isinstance(slots, str):
+        return slots
+    plain = _plain_tensor_types()
+    for slot, x in slots:
+        val = x.meta.get("val")
+        if val is None:
+            return f"slot {slot}: {x.name} has no meta['val'] (cannot prove it is a plain tensor)"
+        if type(val) not in plain:
+            return f"slot {slot}: {x.name} is a {type(val).__qualname__} (a tensor subclass the wrapper op may flatten)"
+    return None
+
+
+def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[list[tuple[int, Any]], str | None]:
+    """The node's constant slots ``[(index, value)]`` and why they cannot be fixed (``None``: ok)."""
+    consts = []
+    for i, (a, v) in enumerate(zip(node.target._schema.arguments, node.args)):
+        if isinstance(v, torch.fx.Node):
+            continue
+        if isinstance(v, (list, tuple)):
+            if any(isinstance(x, torch.fx.Node) for x in v):
+                if not all(isinstance(x, torch.fx.Node) for x in v):
+                    return consts, f"slot {a.name} mixes graph values and constants"
+                continue
+            if v:
+                return consts, f"slot {a.name} is a non-empty constant list"
+            consts.append((i, []))
+            continue
+        if v is None:
+            consts.append((i, None))
+            continue
+        if hoisted_name(v) is None or hoisted_owner(v) is not gm:
+            return consts, (f"slot {a.name} holds a {type(v).__name__} that is not a hoisted constant of this graph "
+                            "(hoist_recipe_lookups off or skipped): the op path rebuilds it on every call, a "
+                            "direct call would keep one object")
+        consts.append((i, v))
+    return consts, None
+
+
+class CallTEImplDirectly(TEPass):
+    """Retarget TE wrapper ops to their base ops and mark them for a direct call of TE's impl.
+
+    See the module docstring. Configuration: ``direct_call`` (default ``True``; ``False`` only
+    retargets).
+
+    Before / after (post-grad forward of an fp8 ``te.Linear``, as Inductor's wrapper calls it)::
+
+        # before
+        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0,
+            primals_3, primals_2, None, [], _te_const_1, _te_const_2)
+        # after
+        buf0 = _te_direct_0(primals_1, [], _te_const_0, primals_3, primals_2, None, [],
+            _te_const_1, _te_const_2)
+
+    where ``_te_direct_0`` is a :class:`~te_passes.runtime.direct_call.DirectTECall` of
+    ``transformer_engine_compile::linear_base`` (the FX node's target is ``linear_base.default``).
+    """
+
+    name = "call_te_impl_directly"
+    stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    description = "retarget TE wrapper ops to their base ops; Inductor calls TE's impl directly (no dispatcher)"
+    checkpoints_itself = True
+
+    def __init__(self, *, direct_call: bool = True) -> None:
+        super().__init__(direct_call=bool(direct_call))
+        self._direct = bool(direct_call)
+
+    @classmethod
+    def source_hash(cls) -> str:
+        """The pass's source plus :mod:`te_passes.runtime.direct_call` (the lowering and the call
+        object decide what the generated code does, so they key Inductor's caches too)."""
+        h = hashlib.sha256(super().source_hash().encode())
+        h.update(inspect.getsource(sys.modules[dc.__name__]).encode())
+        return h.hexdigest()
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        records: list[PassRecord] = []
+        plans: list[tuple[torch.fx.Node, Any, Any]] = []  # (node, new target or None, DirectTECall or None)
+        lowering_reason: dict[Any, str | None] = {}
+        for node in gm.graph.nodes:
+            fam = dc.op_family(node.target) if node.op == "call_function" else None
+            if fam is None:
+                continue
+            qual = dc.op_qualname(node.target)
+            base_q = fam.base_of(qual) or (qual if fam.is_base(qual) else None)
+            new_target = None
+            if fam.base_of(qual) is not None:
+                why = subclass_reason(node)
+                if why is not None:
+                    records.append(PassRecord("kept", node.name, {"op": qual, "retargeted": False, "reason": why}))
+                    continue
+                new_target = dc.overload(base_q)
+            base_op = dc.overload(base_q)
+            call, why = None, None
+            if not self._direct:
+                why = "direct_call=False (retarget only)"
+            else:
+                if base_op not in lowering_reason:
+                    lowering_reason[base_op] = dc.ensure_lowering(base_op)
+                why = lowering_reason[base_op]
+                if why is None:
+                    shape = _tensor_slot_nodes(node)
+                    why = shape if isinstance(shape, str) else None
+                if why is None:
+                    consts, why = _constants_reason(node, gm)
+                if why is None:
+                    try:
+                        call = dc.DirectTECall(base_q, len(node.args), consts)
+                    except dc.DirectCallUnavailable as e:
+                        why = str(e)
+            if call is None:
+                records.append(PassRecord("kept", node.name, {"op": base_q, "retargeted": new_target is not None,
+                                                              "reason": why}))
+            if new_target is not None or call is not None:
+                plans.append((node, new_target, call))
+        if not plans:
+            if records:
+                return TEPassResult(gm, False, records)
+            raise PassSkipped("no TE op nodes")
+
+        undo: list[tuple[torch.fx.Node, Any, bool]] = []
+
+        def restore() -> None:
+            for n, target, had in reversed(undo):
+                n.target = target
+                if not had:
+                    n.meta.pop(dc.META_KEY, None)
+
+        ctx.checkpoint(restore)
+        for node, new_target, call in plans:
+            undo.append((node, node.target, dc.META_KEY in node.meta))
+            if new_target is not None:
+                records.append(PassRecord("retargeted", node.name, {"from": dc.op_qualname(node.target),
+                                                                    "to": dc.op_qualname(new_target)}))
+                node.target = new_target
+            if call is not None:
+                node.meta[dc.META_KEY] = call
+                records.append(PassRecord("direct_call", node.name, call.describe()))
+        return TEPassResult(gm, True, records)
