@@ -11,7 +11,8 @@ pytest.importorskip("transformer_engine.pytorch")
 
 from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
-from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups, hoisted_name, hoisted_owner  # noqa: E402
+from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups  # noqa: E402
+from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te.graph_model import TEConstKind, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402

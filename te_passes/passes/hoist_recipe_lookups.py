@@ -64,7 +64,7 @@ import torch.fx
 from te_passes.analyses.liveness import gc_paused
 from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime.constants import rebuild_cached, is_liftable_constant, name_constant
+from te_passes.runtime.constants import hoisted_owner, is_liftable_constant, name_constant, names_in, rebuild_cached
 from te_passes.te import recipes
 from te_passes.te.graph_model import TEConstKind, bundle_dict, is_te_op_node, quantizer_fields, te_const_kind
 
@@ -671,7 +671,7 @@ class HoistRecipeLookups(TEPass):
         rebuilds: dict[int, tuple[Any, Any, dict]] = {}
         # Idempotence: a constant an earlier run already hoisted into this graph keeps its object
         # and name, and new names skip the ones taken.
-        taken = {e[1] for e in list(_NAMED.values()) if e[2]() is gm and e[0]() is not None}
+        taken = names_in(gm)
 
         def lift(v: Any, user: torch.fx.Node, slot: str) -> Any:
             nonlocal count, hoisted

@@ -169,6 +169,12 @@ def hoisted_name(v: Any) -> str | None:
     return entry[1] if entry is not None else None
 
 
+def names_in(owner: torch.fx.GraphModule) -> set[str]:
+    """The wrapper-global names :func:`name_constant` gave to live constants of post-grad graph
+    ``owner`` (so a second hoisting run over the same graph picks names that are not taken)."""
+    return {e[1] for e in list(_NAMED.values()) if e[2]() is owner and e[0]() is not None}
+
+
 def hoisted_owner(v: Any) -> torch.fx.GraphModule | None:
     """The post-grad ``GraphModule`` whose Inductor wrapper holds ``v`` as a global, or ``None``
     (``v`` not named, or that graph is gone)."""
