@@ -36,6 +36,7 @@ class FakeEngine:
         self.pools, self.warmups, self.replays = 0, 0, 0
         self.graphs: list[FakeGraph] = []
         self.capturing = False
+        self.clean_calls: list = []
 
     def new_pool(self, device_index):
         self.pools += 1
@@ -54,6 +55,12 @@ class FakeEngine:
         g = FakeGraph(fn, held, outs, pool)
         self.graphs.append(g)
         return g, outs
+
+    leak = False  # pool_is_clean answers "not clean": a tensor allocated during capture escaped
+
+    def pool_is_clean(self, device_index, pool, live):
+        self.clean_calls.append((pool, set(live)))
+        return not self.leak
 
     def replay(self, g):
         self.replays += 1
@@ -356,6 +363,34 @@ def test_interleaved_inference_graph_does_not_disturb_training_pair(engine):
         _, _, rdw = _ref_step(w, x, dy)
         assert torch.equal(w.grad, rdw) and torch.equal(ev, eager(_data(50 + step)[0], w.detach()))
     assert inf.pool is not pair.f.pool and pair.f.stats["eager"] == 0 and pair.b.stats["eager"] == 0
+
+
+def test_pool_check_after_capture_covers_the_pair_and_a_leak_disables_the_graph(engine):
+    pair = Pair(engine)
+    w = _w()
+    for step in range(2):
+        x, dy = _data(step)
+        w.grad = None
+        pair(x, w).backward(dy)
+    (pf, live_f), (pb, live_b) = engine.clean_calls
+    h = pair.f._plan[1][1]
+    dw = pair.b._plan[1][1]
+    xbuf = pair.f._static_inputs[0]
+    assert pf == pb and h.untyped_storage().data_ptr() in live_f and live_f < live_b
+    assert dw.untyped_storage().data_ptr() in live_b
+    assert xbuf.untyped_storage().data_ptr() not in live_b, "static input buffers are not pool memory"
+    # a leaked pool tensor: the graph is never replayed, results stay right
+    engine2 = FakeEngine()
+    engine2.leak = True
+    pair2 = Pair(engine2)
+    for step in range(4):
+        x, dy = _data(step)
+        w.grad = None
+        y = pair2(x, w)
+        y.backward(dy)
+        assert torch.equal(w.grad, _ref_step(w, x, dy)[2])
+    assert not pair2.f.captured and pair2.f.stats["eager"] == 3 and pair2.f.stats["capture"] == 1
+    assert "not graph outputs" in pair2.events("disabled")[0]["reason"]
 
 
 def test_inside_outer_capture_runs_plain(engine):

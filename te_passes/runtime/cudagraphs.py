@@ -130,6 +130,12 @@ class CudaGraphEngine:
     def replay(self, graph: Any) -> None:
         graph.replay()
 
+    def pool_is_clean(self, device_index: int, pool: Any, live_storage_ptrs: set[int]) -> bool:
+        """Whether the storages live in ``pool`` are exactly ``live_storage_ptrs`` (Inductor's
+        fast check ``torch._C._cuda_checkPoolLiveAllocations``, as cudagraph trees'
+        ``check_memory_pool`` calls it after recording)."""
+        return bool(torch._C._cuda_checkPoolLiveAllocations(device_index, pool, live_storage_ptrs))
+
     def ensure_tree_manager(self, device_index: int) -> None:
         """Create Inductor's cudagraph-tree manager for the device: a backward graph that Inductor
         refuses to cudagraph looks it up (``maybe_handle_backward_generation``, output_code.py)
@@ -271,6 +277,7 @@ class LeanCUDAGraph:
         self._copy: list[tuple[int, list[int]]] = []
         self._plan: list[tuple[int, Any]] = []
         self._own: list[list] = []           # [cdata, baseline use count, output index]
+        self._pool_storages: set[int] = set()  # storages of outputs allocated in the pool
         self._check_cache: tuple[int, tuple, list, list] | None = None
         self._last_replay_seq = 0
         self._last_call_seq = 0
@@ -392,6 +399,8 @@ class LeanCUDAGraph:
             del st
         del outs
         self._plan = plan
+        buffers = {static[i].untyped_storage().data_ptr() for i, _ in self._copy}
+        self._pool_storages = {o.untyped_storage().data_ptr() for k, o in plan if k != _PASS} - buffers
         self._own = [[cd, _use_count(cd), j] for cd, j in own_cdatas.items()]
         for runner, cdata in owners:
             for item in runner._own:
@@ -405,6 +414,17 @@ class LeanCUDAGraph:
         self._pool = pool
         pool.add(self)
         self.stats["capture"] += 1
+        clean = getattr(self._engine, "pool_is_clean", None)
+        if clean is not None and not clean(self.device_index, pool.handle,
+                                           set().union(*(m._pool_storages for m in pool.members))):
+            # what trees reports as "Detected N tensor(s) in the cudagraph pool not tracked as
+            # outputs": a replay would overwrite memory someone still holds. Never replay it.
+            self._graph = None
+            self._disabled = ("tensors allocated in the pool during capture are still referenced but are not "
+                              "graph outputs (a reference kept inside an opaque op?): runs without a CUDA graph")
+            self._rec.event(self.name, "disabled", self._disabled)
+            log.warning("te_passes cudagraphs: %s: %s", self.name, self._disabled)
+            return self._eager(inputs)
         self._rec.event(self.name, "captured", "lean CUDA graph captured", pool=id(pool) & 0xFFFFFF,
                         pool_position=len(pool.members) - 1, static_inputs=len(self._static_idx),
                         copied_inputs=len(self._copy), outputs=self.output_kinds().count("alias"),
