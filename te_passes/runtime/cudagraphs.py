@@ -217,6 +217,15 @@ def _owner(ptr: int) -> tuple["LeanCUDAGraph", int, int] | None:
     return runner, hit[1], hit[2]
 
 
+_RUNNERS: "weakref.WeakSet[LeanCUDAGraph]" = weakref.WeakSet()
+
+
+def lean_runners() -> list["LeanCUDAGraph"]:
+    """The live :class:`LeanCUDAGraph` wrappers of this process (tests, benchmarks, debugging:
+    their ``stats`` and ``output_kinds()``), in no particular order."""
+    return list(_RUNNERS)
+
+
 def _forget(ptrs: list[int], ref: Any) -> None:
     for p in ptrs:
         if _OWNERS.get(p, (None,))[0] is ref:
@@ -283,6 +292,7 @@ class LeanCUDAGraph:
         self._last_call_seq = 0
         self._self_ref = weakref.ref(self)
         self.stats = {"warmup": 0, "capture": 0, "replay": 0, "eager": 0, "copies": 0}
+        _RUNNERS.add(self)
 
     # -------------------------------------------------------------------------- helpers
     @property
