@@ -91,10 +91,11 @@ class Pair:
     """What AOTAutograd builds around a compiled forward/backward: the lean runners inside a
     ``torch.autograd.Function``."""
 
-    def __init__(self, engine, recorder=None):
+    def __init__(self, engine, recorder=None, num_clone_outputs=1):
         self.rec = recorder or CudagraphRecorder()
         self.f = LeanCUDAGraph(fwd_graph, [1], name="g0.fwd", device_index=0, is_backward=False,
-                               is_inference=False, num_clone_outputs=1, engine=engine, recorder=self.rec)
+                               is_inference=False, num_clone_outputs=num_clone_outputs, engine=engine,
+                               recorder=self.rec)
         self.b = LeanCUDAGraph(bwd_graph, [0, 1, 2], name="g0.bwd", device_index=0, is_backward=True,
                                is_inference=False, num_clone_outputs=0, engine=engine, recorder=self.rec)
         pair = self
@@ -202,6 +203,35 @@ def test_output_kept_with_its_graph_keeps_leaf_grad_alive_then_cloned(engine):
         y.backward(dy)
         assert torch.equal(x.grad, _ref_step(w, x.detach(), dy)[1])
     assert pair.f.stats["eager"] == 4
+
+
+def test_saved_tensors_told_apart_by_data_flow_without_aot_metadata(engine):
+    pair = Pair(engine, num_clone_outputs=cg.SAVED_BY_DATAFLOW)
+    w = _w()
+    for step in range(5):
+        x, dy = _data(step)
+        w.grad = None
+        y = pair(x, w)
+        y.backward(dy)
+        assert torch.equal(w.grad, _ref_step(w, x, dy)[2])
+    # h and x were read by the backward's warm-up: saved; y was not: cloned
+    assert pair.f.output_kinds() == ["clone", "alias", "alias"]
+    assert pair.f.stats["eager"] == 0 and pair.b.stats["eager"] == 0 and not cg._RECENT
+
+
+def test_failed_capture_is_recorded_and_runs_without_graph(engine):
+    def boom(*a):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    engine.capture = boom
+    rec = CudagraphRecorder()
+    f = LeanCUDAGraph(fwd_graph, [1], name="f", device_index=0, is_backward=False, is_inference=True,
+                      engine=engine, recorder=rec)
+    w = _w().detach()
+    outs = [f([_data(s)[0], w])[0] for s in range(3)]
+    assert all(torch.equal(o, eager(_data(s)[0], w)) for s, o in enumerate(outs))
+    assert rec.records[0]["event"] == "disabled"
+    assert rec.records[0]["reason"].startswith("capture failed (RuntimeError: operation not permitted")
 
 
 def test_static_inputs_never_copied_non_static_copied_only_when_address_differs(engine):
@@ -482,8 +512,9 @@ def test_policy_falls_back_to_trees_with_reason(engine, trees_calls, monkeypatch
     assert pol.recorder.records[-1]["reason"] == "graph reads UB"
     monkeypatch.setattr(cg, "forward_user_output_count", lambda: None)
     pol = LeanCUDAGraphPolicy(graph_id="g7", engine=engine, device_type="cpu")
-    assert pol.cudagraphify(fwd_graph, [x, x], [1], **_kw())[0] == "trees"
-    assert "metadata not available" in pol.recorder.records[-1]["reason"]
+    f = pol.cudagraphify(fwd_graph, [x, x], [1], **_kw())
+    assert isinstance(f, LeanCUDAGraph) and f._num_clone == cg.SAVED_BY_DATAFLOW
+    assert "metadata not available" in pol.recorder.records[0]["reason"]
     # inference graphs need no metadata (every output is cloned)
     assert isinstance(pol.cudagraphify(fwd_graph, [x, x], [1], **_kw(is_inference=True)), LeanCUDAGraph)
 

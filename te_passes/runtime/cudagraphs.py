@@ -204,6 +204,13 @@ class _Pool:
 
 #: data_ptr of a lean graph's static output -> (runner weakref, storage cdata, output index)
 _OWNERS: dict[int, tuple[Any, int, int]] = {}
+#: data_ptr of an output of a forward's last call before capture -> (runner weakref, output index);
+#: a backward that reads it as a static input marks that output "saved" (SAVED_BY_DATAFLOW).
+_RECENT: dict[int, tuple[Any, int]] = {}
+
+#: ``num_clone_outputs`` value: tell user outputs from saved tensors by data flow (the outputs of
+#: the forward's warm-up call that its backward's warm-up call reads are saved tensors).
+SAVED_BY_DATAFLOW = -1
 
 
 def _owner(ptr: int) -> tuple["LeanCUDAGraph", int, int] | None:
@@ -246,7 +253,8 @@ class LeanCUDAGraph:
         is_backward / is_inference: as Inductor passes them.
         mutated_input_idxs: inputs the graph mutates (must be static; checked by the policy).
         num_clone_outputs: outputs ``[0, n)`` are cloned on return (a forward's user-visible
-            outputs; every output of an inference graph); ``None``: all.
+            outputs; every output of an inference graph); ``None``: all;
+            :data:`SAVED_BY_DATAFLOW`: every output but those a backward read before capture.
         constants: Inductor's tensor constants (outputs aliasing them are returned as they are).
         engine: capture/replay engine (:class:`CudaGraphEngine` or a test double).
         recorder: where decisions and fallbacks go.
@@ -290,6 +298,8 @@ class LeanCUDAGraph:
         self._check_cache: tuple[int, tuple, list, list] | None = None
         self._last_replay_seq = 0
         self._last_call_seq = 0
+        self._consumed: set[int] = set()     # outputs a backward read (SAVED_BY_DATAFLOW)
+        self._recent: list[int] = []
         self._self_ref = weakref.ref(self)
         self.stats = {"warmup": 0, "capture": 0, "replay": 0, "eager": 0, "copies": 0}
         _RUNNERS.add(self)
@@ -334,6 +344,12 @@ class LeanCUDAGraph:
         last, self._last_ptrs = self._last_ptrs, ptrs
         ready = (self._calls > self._warmup_calls and last is not None
                  and all(p == q or (p is not None and _owner(p) is not None) for p, q in zip(ptrs, last)))
+        if self.is_backward:
+            for p in ptrs:
+                hit = _RECENT.get(p) if p is not None else None
+                fwd = hit[0]() if hit is not None else None
+                if fwd is not None:
+                    fwd._consumed.add(hit[1])
         if ready:
             return self._capture(inputs)
         if self._calls > self._max_unready:
@@ -342,7 +358,16 @@ class LeanCUDAGraph:
             self._rec.event(self.name, "disabled", self._disabled)
             return self._eager(inputs)
         self.stats["warmup"] += 1
-        return self._engine.warmup(self._model, inputs, self.device_index)
+        outs = self._engine.warmup(self._model, inputs, self.device_index)
+        if self._num_clone == SAVED_BY_DATAFLOW:
+            for p in self._recent:
+                if _RECENT.get(p, (None,))[0] is self._self_ref:
+                    del _RECENT[p]
+            self._recent = [o.data_ptr() for o in outs if isinstance(o, torch.Tensor)]
+            for j, o in enumerate(outs):
+                if isinstance(o, torch.Tensor):
+                    _RECENT[o.data_ptr()] = (self._self_ref, j)
+        return outs
 
     def _capture(self, inputs: list):
         from torch._inductor.compile_fx import index_expanded_dims_and_copy_, static_input
@@ -386,11 +411,22 @@ class LeanCUDAGraph:
                     break
         if pool is None:
             pool = _Pool(self._engine.new_pool(self.device_index))
-        graph, outs = self._engine.capture(self._model, list(static), pool.handle, self.device_index)
+        try:
+            graph, outs = self._engine.capture(self._model, list(static), pool.handle, self.device_index)
+        except Exception as exc:  # noqa: BLE001 - recorded; the graph then runs without a CUDA graph
+            self._disabled = (f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
+                              ": runs without a CUDA graph")
+            self._rec.event(self.name, "disabled", self._disabled)
+            log.warning("te_passes cudagraphs: %s: %s", self.name, self._disabled)
+            return self._eager(inputs)
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         in_storages = {static[i].untyped_storage().data_ptr() for i in self._static_idx}
         in_storages |= {c.untyped_storage().data_ptr() for c in self._constants}
         n_clone = len(outs) if self._num_clone is None else self._num_clone
+        dataflow = self._num_clone == SAVED_BY_DATAFLOW
+        for p in self._recent:
+            if _RECENT.get(p, (None,))[0] is self._self_ref:
+                del _RECENT[p]
         plan: list[tuple[int, Any]] = []
         own_cdatas: dict[int, int] = {}
         ptrs: list[int] = []
@@ -402,7 +438,8 @@ class LeanCUDAGraph:
             if st.data_ptr() in in_storages:
                 plan.append((_PASS, o))
                 continue
-            plan.append((_CLONE if j < n_clone else _ALIAS, o))
+            saved = (j in self._consumed) if dataflow else j >= n_clone
+            plan.append((_ALIAS if saved else _CLONE, o))
             own_cdatas.setdefault(st._cdata, j)
             ptrs.append(o.data_ptr())
             _OWNERS[o.data_ptr()] = (self._self_ref, st._cdata, j)
@@ -653,8 +690,10 @@ class LeanCUDAGraphPolicy(CUDAGraphPolicy):
         n_clone: int | None = 0 if is_backward else None
         if reason is None and not is_backward and not is_inference:
             n_clone = forward_user_output_count()
-            if n_clone is None:
-                reason = "AOTAutograd forward metadata not available: user outputs and saved tensors cannot be told apart"
+            if n_clone is None:  # e.g. an AOTAutograd cache hit: no metadata in the tracing context
+                n_clone = SAVED_BY_DATAFLOW
+                self.recorder.event(name, "dataflow", "AOTAutograd forward metadata not available: saved tensors "
+                                    "are the outputs its backward reads before capture; the others are cloned")
         if reason is None and is_backward and self.forward_mode == "trees":
             reason = "its forward graph uses cudagraph trees"
         if reason is not None:
@@ -678,5 +717,5 @@ class LeanCUDAGraphPolicy(CUDAGraphPolicy):
                                engine=self.engine, recorder=self.recorder, warmup_calls=self.warmup_calls)
         self.runners.append(runner)
         self.recorder.event(name, "lean", "wrapped for lean replay", static_inputs=len(runner._static_idx),
-                            cloned_outputs="all" if n_clone is None else n_clone)
+                            cloned_outputs="all" if n_clone is None else "by data flow" if n_clone < 0 else n_clone)
         return runner
