@@ -49,8 +49,10 @@ class FakeEngine:
         self.warmups += 1
         return fn(inputs)
 
-    def capture(self, fn, inputs, pool, device_index):
-        held = list(inputs)
+    def capture(self, fn, inputs, pool, device_index, kept_inputs=()):
+        # replays read the runner's kept tensors (same addresses); holding the call's own
+        # tensors would add storage references a CUDA graph does not hold
+        held = list(kept_inputs)
         outs = fn(inputs)
         g = FakeGraph(fn, held, outs, pool)
         self.graphs.append(g)
@@ -64,7 +66,8 @@ class FakeEngine:
 
     def replay(self, g):
         self.replays += 1
-        new = g.fn(list(g.inputs))
+        # (Python in the graph does not run on a real replay: rebinding these aliases is harmless)
+        new = g.fn([x.detach() if isinstance(x, torch.Tensor) else x for x in g.inputs])
         for o, n in zip(g.outs, new):
             if isinstance(o, torch.Tensor) and o is not n:
                 o.copy_(n)
@@ -87,16 +90,25 @@ def bwd_graph(args):
     return [dh @ w.t(), x.t() @ dh]
 
 
+def bwd_graph_clearing(args):
+    """The backward of a TE fp8 Linear frees the quantized input it owns by rebinding the Python
+    tensor it was given (TE 2.20.2 ``clear_tensor_data``: ``t.data = _empty_tensor()``)."""
+    h, x, w, dy = args
+    out = bwd_graph(args)
+    h.data = torch.empty(0)  # h: allocated by the forward graph (TE: the quantized input it made)
+    return out
+
+
 class Pair:
     """What AOTAutograd builds around a compiled forward/backward: the lean runners inside a
     ``torch.autograd.Function``."""
 
-    def __init__(self, engine, recorder=None, num_clone_outputs=1):
+    def __init__(self, engine, recorder=None, num_clone_outputs=1, bwd=bwd_graph):
         self.rec = recorder or CudagraphRecorder()
         self.f = LeanCUDAGraph(fwd_graph, [1], name="g0.fwd", device_index=0, is_backward=False,
                                is_inference=False, num_clone_outputs=num_clone_outputs, engine=engine,
                                recorder=self.rec)
-        self.b = LeanCUDAGraph(bwd_graph, [0, 1, 2], name="g0.bwd", device_index=0, is_backward=True,
+        self.b = LeanCUDAGraph(bwd, [0, 1, 2], name="g0.bwd", device_index=0, is_backward=True,
                                is_inference=False, num_clone_outputs=0, engine=engine, recorder=self.rec)
         pair = self
 
@@ -203,6 +215,21 @@ def test_output_kept_with_its_graph_keeps_leaf_grad_alive_then_cloned(engine):
         y.backward(dy)
         assert torch.equal(x.grad, _ref_step(w, x.detach(), dy)[1])
     assert pair.f.stats["eager"] == 4
+
+
+def test_backward_that_rebinds_its_saved_inputs_like_te_fp8(engine):
+    """Rebinding the tensors handed to the capture run must not touch the tensors whose memory
+    the graphs replay into (the forward's static outputs): same steady state as without it."""
+    pair = Pair(engine, bwd=bwd_graph_clearing)
+    w = _w()
+    for step in range(6):
+        x, dy = _data(step)
+        w.grad = None
+        y = pair(x, w)
+        y.backward(dy)
+        assert torch.equal(w.grad, _ref_step(w, x, dy)[2]), step
+    assert pair.f.stats["eager"] == 0 and pair.b.stats["eager"] == 0 and pair.b.captured
+    assert all(o.numel() for k, o in pair.f._plan), "a static output was rebound"
 
 
 def test_saved_tensors_told_apart_by_data_flow_without_aot_metadata(engine):

@@ -111,9 +111,11 @@ class CudaGraphEngine:
         cur.wait_stream(s)
         return out
 
-    def capture(self, fn: Callable, inputs: list, pool: Any, device_index: int):
+    def capture(self, fn: Callable, inputs: list, pool: Any, device_index: int, kept_inputs: Sequence[Any] = ()):
         """Capture ``fn(inputs)`` into a new ``CUDAGraph`` in ``pool`` on the side stream
         (RNG state preserved around the capture as Inductor's ``cudagraphify`` does).
+        ``kept_inputs``: tensors at the same addresses as ``inputs`` that the caller keeps alive
+        for the replays (a CUDA graph records addresses only, so this engine ignores them).
         Returns ``(graph, outputs)``; the outputs hold no values until the first replay."""
         from torch._dynamo.utils import preserve_rng_state
 
@@ -374,24 +376,29 @@ class LeanCUDAGraph:
         from torch._inductor.output_code import get_expanded_dims
         from torch._inductor.utils import tensor_is_aligned
 
+        # ``call``: what the capture run gets; ``static``: what we keep. Never the same tensor
+        # objects: a TE op may rebind the Python tensors it is given (``clear_tensor_data``:
+        # ``t.data = empty`` on the quantized input it owns, in the fp8 backward) — harmless for
+        # the caller's objects, fatal for the objects whose memory the graph replays into.
+        call = list(inputs)
         static = list(inputs)
         static_set = {i for i in self._static_idx
                       if isinstance(static[i], torch.Tensor) and tensor_is_aligned(static[i])}
         self._static_idx = tuple(sorted(static_set))
         # A static input that is a lean graph's static output is held as that graph's own tensor
-        # (no extra reference on its storage), or the owner is told to expect our reference.
+        # (no extra reference on its storage); else as our own alias (the owner, if any, is told
+        # to expect that reference).
         owners: list[tuple[LeanCUDAGraph, int]] = []
         for i in self._static_idx:
-            own = _owner(static[i].data_ptr())
-            if own is None:
-                continue
-            runner, cdata, j = own
-            o = runner._plan[j][1]
             x = static[i]
-            if o.shape == x.shape and o.stride() == x.stride() and o.dtype == x.dtype:
+            own = _owner(x.data_ptr())
+            o = own[0]._plan[own[2]][1] if own is not None else None
+            if o is not None and o.shape == x.shape and o.stride() == x.stride() and o.dtype == x.dtype:
                 static[i] = o
-            else:
-                owners.append((runner, cdata))
+                continue
+            static[i] = x.detach()
+            if own is not None:
+                owners.append((own[0], own[1]))
         self._copy = []
         for i, x in enumerate(static):
             if i in static_set or not isinstance(x, torch.Tensor):
@@ -400,7 +407,9 @@ class LeanCUDAGraph:
             buf = static_input(x)
             index_expanded_dims_and_copy_(buf, x, dims)
             static[i] = buf
+            call[i] = buf.detach()
             self._copy.append((i, dims))
+        kept_ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static]
         # pool: a backward joins the pool of the forward whose static outputs it reads
         pool = None
         if self.is_backward:
@@ -412,7 +421,7 @@ class LeanCUDAGraph:
         if pool is None:
             pool = _Pool(self._engine.new_pool(self.device_index))
         try:
-            graph, outs = self._engine.capture(self._model, list(static), pool.handle, self.device_index)
+            graph, outs = self._engine.capture(self._model, call, pool.handle, self.device_index, static)
         except Exception as exc:  # noqa: BLE001 - recorded; the graph then runs without a CUDA graph
             self._disabled = (f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
                               ": runs without a CUDA graph")
@@ -420,6 +429,11 @@ class LeanCUDAGraph:
             log.warning("te_passes cudagraphs: %s: %s", self.name, self._disabled)
             return self._eager(inputs)
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        del call
+        if [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static] != kept_ptrs:
+            self._disabled = "the graph re-bound the static input tensors kept for replay: runs without a CUDA graph"
+            self._rec.event(self.name, "disabled", self._disabled)
+            return self._eager(inputs)
         in_storages = {static[i].untyped_storage().data_ptr() for i in self._static_idx}
         in_storages |= {c.untyped_storage().data_ptr() for c in self._constants}
         n_clone = len(outs) if self._num_clone is None else self._num_clone
