@@ -300,6 +300,23 @@ def test_forward_user_output_kept_across_steps_keeps_its_value(engine):
     assert pair.f.stats["eager"] == 0  # cloning user outputs makes keeping them free of fallbacks
 
 
+def test_cloned_outputs_keep_their_strides(engine):
+    def g(args):
+        x, w = args
+        args.clear()
+        h = x @ w
+        return [h.t(), h[:, :1].expand(4, 8), h[0, 0].item() if False else 3]
+
+    f = LeanCUDAGraph(g, [1], name="f", device_index=0, is_backward=False, is_inference=True, engine=engine)
+    w = _w().detach()
+    for s in range(3):
+        a, b, n = f([_data(s)[0], w])
+        h = _data(s)[0] @ w
+        assert a.stride() == h.t().stride() and b.stride() == (8, 0) and n == 3
+        assert torch.equal(a, h.t()) and torch.equal(b, h[:, :1].expand(4, 8))
+    assert [k for k, _ in f._plan] == [cg._CLONE, cg._CLONE_STRIDED, cg._PASS]
+
+
 def test_inference_graph_clones_every_output(engine):
     w = _w().detach()
     f = LeanCUDAGraph(fwd_graph, [1], name="g1.inference", device_index=0, is_backward=False,

@@ -74,7 +74,7 @@ log = get_logger()
 #: ``te_passes.cudagraphs`` values: ``"lean"`` (this module, the default) or ``"trees"`` (Inductor's).
 CUDAGRAPH_MODES = ("lean", "trees")
 
-_PASS, _ALIAS, _CLONE = 0, 1, 2
+_PASS, _ALIAS, _CLONE, _CLONE_STRIDED = 0, 1, 2, 3
 _SEQ = itertools.count(1)  # global call sequence: orders forward replays and backward calls
 
 
@@ -150,8 +150,23 @@ class CudaGraphEngine:
 _use_count = torch._C._storage_Use_Count
 
 
-def _storage_cdata(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+def _clone_kind(t: torch.Tensor) -> int:
+    """``_CLONE`` (``Tensor.clone`` keeps the strides of a dense tensor) or ``_CLONE_STRIDED``
+    (Inductor's ``clone_preserve_strides`` for an overlapping / non-dense output)."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return _CLONE if is_non_overlapping_and_dense_or_false(t) else _CLONE_STRIDED
+
+
+def _emit(plan: list[tuple[int, Any]]) -> list:
+    """The outputs one call returns, from the capture's plan (hot path)."""
+    out = [o if k == _PASS else o.detach() if k == _ALIAS else o.clone() if k == _CLONE else None
+           for k, o in plan]
+    if None in out:  # rare: strided clones (and None outputs, which pass through unchanged)
+        from torch._inductor.utils import clone_preserve_strides
+
+        out = [clone_preserve_strides(o) if k == _CLONE_STRIDED else r for (k, o), r in zip(plan, out)]
+    return out
 
 
 # ------------------------------------------------------------------------------- recording
@@ -318,7 +333,7 @@ class LeanCUDAGraph:
     def output_kinds(self) -> list[str]:
         """Per output: ``"pass"`` (not pool memory: a parameter, constant or non-tensor),
         ``"alias"`` or ``"clone"`` (empty before capture)."""
-        return [("pass", "alias", "clone")[k] for k, _ in self._plan]
+        return [("pass", "alias", "clone", "clone")[k] for k, _ in self._plan]
 
     def _ptrs(self, inputs: Sequence[Any]) -> list[int | None]:
         return [inputs[i].data_ptr() if isinstance(inputs[i], torch.Tensor) else None for i in self._static_idx]
@@ -453,7 +468,7 @@ class LeanCUDAGraph:
                 plan.append((_PASS, o))
                 continue
             saved = (j in self._consumed) if dataflow else j >= n_clone
-            plan.append((_ALIAS if saved else _CLONE, o))
+            plan.append((_ALIAS if saved else _clone_kind(o), o))
             own_cdatas.setdefault(st._cdata, j)
             ptrs.append(o.data_ptr())
             _OWNERS[o.data_ptr()] = (self._self_ref, st._cdata, j)
@@ -494,7 +509,7 @@ class LeanCUDAGraph:
         self._engine.replay(graph)
         self.stats["replay"] += 1
         self._last_replay_seq = next(_SEQ)
-        return [o if k == _PASS else (o.detach() if k == _ALIAS else o.clone()) for k, o in plan]
+        return _emit(plan)
 
     # ---------------------------------------------------------------------------- replay
     def _checks(self) -> tuple[tuple, list]:
@@ -529,7 +544,7 @@ class LeanCUDAGraph:
         self._engine.replay(self._graph)
         self.stats["replay"] += 1
         self._last_replay_seq = next(_SEQ)
-        return [o if k == _PASS else (o.detach() if k == _ALIAS else o.clone()) for k, o in self._plan]
+        return _emit(self._plan)
 
     def _fix_moved(self, inputs: list, ptrs: list[int]) -> bool:
         """Static inputs at a new address: copy each into the old one when the old one is a
@@ -577,7 +592,7 @@ class LeanCUDAGraph:
             kind, o = member._plan[j]
             if member.is_backward:
                 if kind == _ALIAS:
-                    member._plan[j] = (_CLONE, o)
+                    member._plan[j] = (_clone_kind(o), o)
                 where = "its next replay" if member is self else f"a replay of {self.name} (captured before it in the pool)"
                 self._rec.event(member.name, "clone", f"backward output {j} still referenced at {where} "
                                 "(kept as .grad: gradient accumulation, or zero_grad after forward): "
@@ -587,7 +602,7 @@ class LeanCUDAGraph:
                                 "runs without the CUDA graph")
             elif member is self and self._backward_ran_since_replay():
                 if kind == _ALIAS:
-                    member._plan[j] = (_CLONE, o)
+                    member._plan[j] = (_clone_kind(o), o)
                 self._rec.event(self.name, "clone", f"output {j} still referenced after its backward ran "
                                 "(retain_graph, or a kept view): cloned on return from now on", output=j)
                 self._rec.event(self.name, "eager", "an output of the previous replay is still referenced: this "
