@@ -70,7 +70,12 @@ class FakeEngine:
         new = g.fn([x.detach() if isinstance(x, torch.Tensor) else x for x in g.inputs])
         for o, n in zip(g.outs, new):
             if isinstance(o, torch.Tensor) and o is not n:
-                o.copy_(n)
+                if torch._debug_has_internal_overlap(o):
+                    from torch._inductor.output_code import copy_strided_storage_
+
+                    copy_strided_storage_(o, n)  # an expanded output: write its memory
+                else:
+                    o.copy_(n)
 
 
 # ---------------------------------------------------------------- a compiled fwd/bwd pair
