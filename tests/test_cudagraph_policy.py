@@ -53,7 +53,12 @@ class FakeEngine:
         # replays read the runner's kept tensors (same addresses); holding the call's own
         # tensors would add storage references a CUDA graph does not hold
         held = list(kept_inputs)
+        # a real capture runs no kernel: undo what the run wrote into its inputs' memory
+        before = [(x, x.clone()) for x in inputs if isinstance(x, torch.Tensor) and x.numel()]
         outs = fn(inputs)
+        for x, v in before:
+            if x.shape == v.shape and not torch.equal(x, v):  # (rebound tensors: left alone)
+                x.data.copy_(v)  # (.data: no version-counter bump on the caller's tensor)
         g = FakeGraph(fn, held, outs, pool)
         self.graphs.append(g)
         return g, outs
@@ -320,6 +325,25 @@ def test_cloned_outputs_keep_their_strides(engine):
         assert a.stride() == h.t().stride() and b.stride() == (8, 0) and n == 3
         assert torch.equal(a, h.t()) and torch.equal(b, h[:, :1].expand(4, 8))
     assert [k for k, _ in f._plan] == [cg._CLONE, cg._CLONE_STRIDED, cg._PASS]
+
+
+def test_backward_output_in_a_saved_tensors_memory_is_cloned(engine):
+    """Inductor may reuse a donated saved tensor (the forward's static output) for a gradient."""
+    def bwd_donating(args):
+        h, x, w, dy = args
+        args.clear()
+        dh = dy * (h > 0)
+        h.copy_(dh @ w.t())          # dx computed into h's (donated) memory
+        return [h, x.t() @ dh]
+
+    pair = Pair(engine, bwd=bwd_donating)
+    w = _w()
+    for step in range(5):
+        x, dy = _data(step)
+        w.grad = None
+        pair(x, w).backward(dy)
+        assert torch.equal(w.grad, _ref_step(w, x, dy)[2]), step
+    assert pair.b.output_kinds() == ["clone", "alias"] and pair.f.stats["eager"] == 0
 
 
 def test_inference_graph_clones_every_output(engine):

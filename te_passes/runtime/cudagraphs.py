@@ -450,6 +450,11 @@ class LeanCUDAGraph:
             self._rec.event(self.name, "disabled", self._disabled)
             return self._eager(inputs)
         in_storages = {static[i].untyped_storage().data_ptr() for i in self._static_idx}
+        lean_in = {}  # storage ptr of a static input that is a lean graph's output -> (owner, cdata)
+        for i in self._static_idx:
+            own = _owner(static[i].data_ptr())
+            if own is not None:
+                lean_in[static[i].untyped_storage().data_ptr()] = (own[0], own[1])
         in_storages |= {c.untyped_storage().data_ptr() for c in self._constants}
         n_clone = len(outs) if self._num_clone is None else self._num_clone
         dataflow = self._num_clone == SAVED_BY_DATAFLOW
@@ -465,7 +470,13 @@ class LeanCUDAGraph:
                 continue
             st = o.untyped_storage()
             if st.data_ptr() in in_storages:
-                plan.append((_PASS, o))
+                # a parameter / constant a forward returns (saved for backward): not ours to
+                # guard. A backward output in a static input's memory (Inductor reusing a donated
+                # saved tensor, which is the forward's static output): cloned, the next forward
+                # replay would overwrite it.
+                plan.append((_clone_kind(o) if self.is_backward else _PASS, o))
+                if st.data_ptr() in lean_in:  # our reference to the owner's storage is expected
+                    owners.append(lean_in[st.data_ptr()])
                 continue
             saved = (j in self._consumed) if dataflow else j >= n_clone
             plan.append((_ALIAS if saved else _clone_kind(o), o))
