@@ -346,6 +346,26 @@ def test_backward_output_in_a_saved_tensors_memory_is_cloned(engine):
     assert pair.b.output_kinds() == ["clone", "alias"] and pair.f.stats["eager"] == 0
 
 
+def test_empty_outputs_are_neither_guarded_nor_pool_memory(engine):
+    def g(args):
+        x, w = args
+        args.clear()
+        h = x @ w
+        return [torch.relu(h), h, torch.empty(0), torch.empty(0, 8)]
+
+    f = LeanCUDAGraph(g, [1], name="f", device_index=0, is_backward=False, is_inference=False,
+                      num_clone_outputs=1, engine=engine)
+    w = _w().detach()
+    kept = [f([_data(s)[0], w]) for s in range(4)]  # empty outputs kept: no hazard
+    # calls 3 and 4 see the kept alias h of call 2 (no backward ran): without the graph; the
+    # kept empty outputs never count
+    assert f.stats["eager"] == 2
+    assert [it[2] for it in f._own] == [0, 1] and 0 not in f._pool_storages and 0 not in cg._OWNERS
+    assert engine.clean_calls[-1][1] == {f._plan[j][1].untyped_storage().data_ptr() for j in (0, 1)}
+    assert f.output_kinds() == ["clone", "alias", "alias", "alias"]
+    del kept
+
+
 def test_inference_graph_clones_every_output(engine):
     w = _w().detach()
     f = LeanCUDAGraph(fwd_graph, [1], name="g1.inference", device_index=0, is_backward=False,

@@ -406,7 +406,7 @@ class LeanCUDAGraph:
         owners: list[tuple[LeanCUDAGraph, int]] = []
         for i in self._static_idx:
             x = static[i]
-            own = _owner(x.data_ptr())
+            own = _owner(x.data_ptr()) if x.data_ptr() else None
             o = own[0]._plan[own[2]][1] if own is not None else None
             if o is not None and o.shape == x.shape and o.stride() == x.stride() and o.dtype == x.dtype:
                 static[i] = o
@@ -456,6 +456,7 @@ class LeanCUDAGraph:
             if own is not None:
                 lean_in[static[i].untyped_storage().data_ptr()] = (own[0], own[1])
         in_storages |= {c.untyped_storage().data_ptr() for c in self._constants}
+        in_storages.discard(0)
         n_clone = len(outs) if self._num_clone is None else self._num_clone
         dataflow = self._num_clone == SAVED_BY_DATAFLOW
         for p in self._recent:
@@ -469,6 +470,9 @@ class LeanCUDAGraph:
                 plan.append((_PASS, o))
                 continue
             st = o.untyped_storage()
+            if st.nbytes() == 0:  # no memory to guard (TE's empty placeholders); not in the pool
+                plan.append((_ALIAS, o))
+                continue
             if st.data_ptr() in in_storages:
                 # a parameter / constant a forward returns (saved for backward): not ours to
                 # guard. A backward output in a static input's memory (Inductor reusing a donated
@@ -487,7 +491,8 @@ class LeanCUDAGraph:
         del outs
         self._plan = plan
         buffers = {static[i].untyped_storage().data_ptr() for i, _ in self._copy}
-        self._pool_storages = {o.untyped_storage().data_ptr() for k, o in plan if k != _PASS} - buffers
+        self._pool_storages = {o.untyped_storage().data_ptr() for k, o in plan
+                               if k != _PASS and o.untyped_storage().nbytes()} - buffers
         self._own = [[cd, _use_count(cd), j] for cd, j in own_cdatas.items()]
         for runner, cdata in owners:
             for item in runner._own:
