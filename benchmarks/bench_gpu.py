@@ -19,7 +19,9 @@ inductor-ro    ``torch.compile(backend="inductor", mode="reduce-overhead")`` (cu
 te_inductor    ``torch.compile(backend="te_inductor")``
 te_inductor-nodirect  the same with ``options={"te_passes.disable": ["call_te_impl_directly"]}``
                (TE ops called through the dispatcher; issue 13)
-te_inductor-ro ``torch.compile(backend="te_inductor", mode="reduce-overhead")``
+te_inductor-ro ``torch.compile(backend="te_inductor", mode="reduce-overhead")`` (lean CUDA-graph replay,
+               ``te_passes.cudagraphs="lean"``, the default; issue 14)
+te_inductor-ro-trees  the same with ``te_passes.cudagraphs="trees"`` (Inductor's cudagraph trees)
 mgc            ``te.make_graphed_callables(model, (x,), enabled=fp8, recipe=recipe)`` (TE's own
                CUDA-graph capture; default ``clone_param_grads_on_return=True``)
 mgc-noclone    the same with ``clone_param_grads_on_return=False`` (returned parameter grads alias
@@ -63,11 +65,11 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402  (import torch before transformer_engine)
 
 # -- issue 13: te_inductor without call_te_impl_directly (dispatcher calls of the TE ops), next to
-#    te_inductor so the pass's gain prints side by side
+#    te_inductor so the pass's gain prints side by side; issue 14: te_inductor-ro under trees
 NODIRECT = "te_inductor-nodirect"
-ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", "mgc", "mgc-noclone")
-DEFAULT_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", "mgc", "mgc-noclone")
-# -- end issue 13
+ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", "te_inductor-ro-trees",
+                "mgc", "mgc-noclone")
+DEFAULT_VARIANTS = ALL_VARIANTS
 #: Configurations in the order they run: the launch-bound fp8 row first (the goals' key row).
 DEFAULT_CONFIGS = ("256:fp8", "8192:fp8", "256:bf16", "8192:bf16")
 
@@ -99,6 +101,9 @@ class Row:
     max_rel_err: float | None = None
     iters: int = 0
     recompile_reasons: list[str] = dataclasses.field(default_factory=list)  # JSON only
+    # --- issue 14: lean cudagraph records (CompileReport.cudagraphs) that are not "lean"/"captured"
+    cudagraph_fallbacks: int | None = None
+    cudagraph_records: list[dict] = dataclasses.field(default_factory=list)  # JSON only
 
     @property
     def excess_mib(self) -> float | None:
@@ -116,6 +121,13 @@ def _variant_fn(variant: str, model, precision: str, recipe, x):
     if variant == NODIRECT:  # issue 13: the same compile with the direct-call pass switched off
         return torch.compile(base, backend="te_inductor",
                              options={"te_passes.disable": ["call_te_impl_directly"]}), False
+    if variant == "te_inductor-ro-trees":  # issue 14: the same as te_inductor-ro under cudagraph trees
+        import functools
+
+        from te_passes.backend import te_inductor
+
+        return torch.compile(base, backend=functools.partial(
+            te_inductor, mode="reduce-overhead", options={"te_passes.cudagraphs": "trees"})), True
     if variant in ("inductor", "inductor-ro", "te_inductor", "te_inductor-ro"):
         backend = "te_inductor" if variant.startswith("te_") else "inductor"
         mode = "reduce-overhead" if variant.endswith("-ro") else None
@@ -189,6 +201,9 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
                       if run.status == "failed"]
             if failed:
                 row.status = f"ok, but te_passes pass(es) failed: {failed}"
+            recs = [r for rep in reps for r in rep.cudagraphs]
+            row.cudagraph_records = recs
+            row.cudagraph_fallbacks = sum(r["count"] for r in recs if r["event"] not in ("lean", "captured"))
         x.grad = None
         del fn, model, params
     return row
@@ -288,7 +303,7 @@ def markdown_table(rows: list[Row]) -> str:
     """The results as one markdown table, rows grouped by configuration."""
     head = ("| tokens | precision | variant | median ms | × eager | b2b ms | p10–p90 ms | peak MiB | "
             "excess MiB | first-call peak MiB | graphs | breaks | recompiles | cg skips | first call s | passes ms / te_inductor ms | "
-            "max rel err | status |")
+            "max rel err | cg fallbacks | status |")
     sep = "|" + "---|" * (head.count("|") - 1)
     lines = [head, sep]
     for r in rows:
@@ -299,7 +314,7 @@ def markdown_table(rows: list[Row]) -> str:
             f"| {r.tokens} | {r.precision} | {r.variant} | {_f(r.median_ms)} | {_f(r.speedup_vs_eager)}× | "
             f"{_f(r.b2b_ms)} | {spread} | {_f(r.peak_mib, 0)} | {_f(r.excess_mib, 0)} | {_f(r.peak_first_mib, 0)} | "
             f"{_v(r.graphs)} | {_v(r.graph_breaks)} | {_v(r.recompiles)} | {_v(r.cudagraph_skips)} | "
-            f"{_f(r.first_call_s, 1)} | {share} | {_f(r.max_rel_err, 4)} | {r.status} |")
+            f"{_f(r.first_call_s, 1)} | {share} | {_f(r.max_rel_err, 4)} | {_v(r.cudagraph_fallbacks)} | {r.status} |")
     return "\n".join(lines)
 
 
@@ -335,10 +350,20 @@ def goal_checks(rows: list[Row]) -> list[tuple[str, str, str]]:
             out.append((f"te_inductor-ro at least as fast as make_graphed_callables, {t}/{p}",
                         verdict(ratio >= 1.0), f"mgc {b.median_ms:.2f} ms / te_inductor-ro {a.median_ms:.2f} ms "
                         f"= {ratio:.2f}×"))
+    # issue 14: >= 0.8x make_graphed_callables(clone_param_grads_on_return=False), never slower
+    # than plain inductor-ro; lean against trees shown for reference
+    for t, p in cfgs:
+        a = by.get((t, p, "te_inductor-ro"))
+        for other, need in (("mgc-noclone", 0.8), ("inductor-ro", 1.0), ("te_inductor-ro-trees", 1.0)):
+            b = by.get((t, p, other))
+            if a and b:
+                ratio = b.median_ms / a.median_ms
+                out.append((f"te_inductor-ro ≥ {need}× {other}, {t}/{p}", verdict(ratio >= need),
+                            f"{other} {b.median_ms:.2f} ms / te_inductor-ro {a.median_ms:.2f} ms = {ratio:.2f}×"))
     # peak memory <= eager (te_inductor variants), and <= inductor reduce-overhead (ro)
     for t, p in cfgs:
         e = by.get((t, p, "eager"))
-        for v in ("te_inductor", "te_inductor-ro"):
+        for v in ("te_inductor", "te_inductor-ro", "te_inductor-ro-trees"):
             r = by.get((t, p, v))
             if e and r and r.peak_mib is not None and e.peak_mib is not None:
                 out.append((f"{v} peak memory ≤ TE eager, {t}/{p}", verdict(r.peak_mib <= e.peak_mib),
@@ -407,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="stop starting new variants after this many seconds (they are listed as not run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="directory for bench_gpu.json/.md")
-    ap.add_argument("--profile", nargs="*", default=["256:fp8:eager", "256:fp8:te_inductor", "256:fp8:te_inductor-ro", "256:fp8:mgc"],
+    ap.add_argument("--profile", nargs="*", default=["256:fp8:eager", "256:fp8:te_inductor", "256:fp8:te_inductor-ro",
+                                                     "256:fp8:te_inductor-ro-trees", "256:fp8:mgc"],
                     help="TOKENS:PRECISION:VARIANT to cProfile for 20 extra (untimed) steps")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: made-up numbers through the reporting code")
     args = ap.parse_args(argv)

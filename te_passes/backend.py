@@ -261,6 +261,12 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
         user = config_patches.get(key)
         config_patches[key] = ours if user is None else [*(user if isinstance(user, (list, tuple)) else [user]), ours]
 
+    # --- issue 14: lean CUDA-graph replay under reduce-overhead (te_passes.cudagraphs) ---------
+    policy = _cudagraph_policy(opts, config_patches, report, te_state, observers)
+    if policy is not None:
+        config_patches["cudagraph_policy"] = policy
+    # ---------------------------------------------------------------------------------------------
+
     compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
     report.time_ms_total = (time.perf_counter() - t_start) * 1e3
     for obs in observers:
@@ -269,6 +275,41 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     return _maybe_guard(compiled, report, te_state, opts,
                         recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options),
                         cudagraphs=bool(config_patches.get("triton.cudagraphs")))
+
+
+def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], report: CompileReport,
+                      te_state: TEState, observers: Sequence[Any]):
+    """The :class:`te_passes.runtime.cudagraphs.LeanCUDAGraphPolicy` for this graph, or ``None``
+    (Inductor's default wrapping) unless ``te_passes.cudagraphs == "lean"`` and Inductor's
+    cudagraphs are on (``triton.cudagraphs``, as ``mode="reduce-overhead"`` sets it) with trees
+    (``triton.cudagraph_trees`` not switched off). A user-given ``cudagraph_policy`` wins. A graph
+    that reads UB state while UB is initialised gets the policy with a static hazard (every graph
+    of it falls back to cudagraph trees, recorded)."""
+    from torch._inductor import config as inductor_config
+
+    def cfg(key: str) -> Any:  # the patched value, else the process's Inductor config
+        if key in config_patches:
+            return config_patches[key]
+        obj: Any = inductor_config
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    if opts.cudagraphs != "lean" or not cfg("triton.cudagraphs"):
+        return None
+    if not cfg("triton.cudagraph_trees") or cfg("cudagraph_policy") is not None:
+        return None
+    from te_passes.runtime.cudagraphs import CudagraphRecorder, LeanCUDAGraphPolicy
+
+    hazards = []
+    ub_reads = (report.uuid or {}).get("ub_reads")
+    if te_state.ub is not None and ub_reads:
+        hazards.append(f"graph reads Userbuffers state with UB initialised ({'; '.join(map(str, ub_reads))[:200]}): "
+                       "UB communicators captured into a CUDA graph are left to cudagraph trees")
+    refreshers = [obs for obs in observers if hasattr(obs, "finish")]
+    recorder = CudagraphRecorder(report.cudagraphs,
+                                 refresh=(lambda: [obs.finish(report) for obs in refreshers]) if refreshers else None)
+    return LeanCUDAGraphPolicy(graph_id=report.graph_id, recorder=recorder, static_hazards=hazards)
 
 
 def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions, recompile=None,

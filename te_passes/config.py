@@ -9,7 +9,8 @@ Environment variables (read when options are parsed; an explicit option wins):
 
 * ``TE_PASSES_DISABLE`` — comma-separated pass names to disable (added to ``te_passes.disable``);
 * ``TE_PASSES_STRICT`` — ``1`` makes every pass failure / finding an error;
-* ``TE_PASSES_DUMP_DIR`` — write per-pass dumps there (same as ``te_passes.dump_dir``).
+* ``TE_PASSES_DUMP_DIR`` — write per-pass dumps there (same as ``te_passes.dump_dir``);
+* ``TE_PASSES_CUDAGRAPHS`` — ``lean`` / ``trees`` (same as ``te_passes.cudagraphs``).
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ OPTION_SPECS: dict[str, _Spec] = {
     "ub_on_change": _Spec(_as_choice("recompile", "error"),
                           "what a UB-dependent compiled graph does when the UB state changed"),
     "pass_config": _Spec(_as_pass_config, "per-pass constructor arguments: {pass name: {parameter: value}}"),
+    # issue 14: how mode="reduce-overhead" replays CUDA graphs (te_passes/runtime/cudagraphs.py)
+    "cudagraphs": _Spec(_as_choice("lean", "trees"),
+                        "CUDA-graph replay under reduce-overhead: 'lean' (te_passes' policy, falls back to trees "
+                        "per graph where unsafe) or 'trees' (Inductor's cudagraph trees)", "TE_PASSES_CUDAGRAPHS"),
 }
 
 
@@ -130,6 +135,7 @@ class TePassesOptions:
     ub_snapshot: Any = None
     ub_on_change: str = "recompile"
     pass_config: Any = None
+    cudagraphs: str = "lean"
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,
@@ -189,7 +195,9 @@ class TePassesOptions:
         return parsed, inductor
 
     def fingerprint_data(self) -> dict[str, Any]:
-        """The options that change what passes do (everything but where dumps go)."""
+        """The options that change what passes do (everything but where dumps go and how CUDA
+        graphs are replayed: the cudagraph policy is not part of Inductor's cache key either)."""
         d = dataclasses.asdict(self)
         d.pop("dump_dir")
+        d.pop("cudagraphs")
         return jsonable(d)

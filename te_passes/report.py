@@ -101,6 +101,9 @@ class CompileReport:
     stages: list[StageReport] = dataclasses.field(default_factory=list)
     time_ms_passes: float = 0.0
     time_ms_total: float = 0.0
+    #: CUDA-graph decisions and fallbacks of the lean policy (te_passes/runtime/cudagraphs.py):
+    #: ``{"graph", "event", "reason", "count", ...}``; appended at compile time and at run time.
+    cudagraphs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -115,7 +118,8 @@ class CompileReport:
         return {"graph_id": self.graph_id, "mode": self.mode, "uuid": jsonable(self.uuid),
                 "te_state": jsonable(self.te_state), "stages": [s.to_json() for s in self.stages],
                 "time_ms_passes": round(self.time_ms_passes, 3),
-                "time_ms_total": round(self.time_ms_total, 3)}
+                "time_ms_total": round(self.time_ms_total, 3),
+                "cudagraphs": jsonable(self.cudagraphs)}
 
 
 _lock = threading.Lock()

@@ -57,7 +57,8 @@ def test_free_after_a_retaining_opaque_op_keeps_the_cudagraph_pool_clean():
     # leave no records (so a second run of this file on the same machine would fail below).
     torch._dynamo.reset()
     compiled = torch.compile(_f, backend="te_inductor",
-                             options={"triton.cudagraphs": True, "fx_graph_cache": False})
+                             options={"triton.cudagraphs": True, "fx_graph_cache": False,
+                                      "te_passes.cudagraphs": "trees"})  # trees' pool assert is the check
     for _ in range(5):
         out = compiled(x, w)
     torch.cuda.synchronize()
@@ -73,7 +74,7 @@ def test_without_the_free_cudagraph_trees_reject_the_kept_tensor():
     # torch.compile refuses mode= together with options= ("Either mode or options can be
     # specified"); triton.cudagraphs=True is what mode="reduce-overhead" sets (docs/usage.md).
     compiled = torch.compile(_f, backend="te_inductor",
-                             options={"triton.cudagraphs": True,
+                             options={"triton.cudagraphs": True, "te_passes.cudagraphs": "trees",
                                       "te_passes.disable": ["insert_early_frees"]})
     with pytest.raises(Exception, match="not tracked as outputs"):
         for _ in range(5):
