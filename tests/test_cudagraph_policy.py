@@ -672,7 +672,6 @@ def captured_patches(monkeypatch):
     ("reduce-overhead", {}, True),
     (None, {}, False),
     ("reduce-overhead", {"te_passes.cudagraphs": "trees"}, False),
-    ("reduce-overhead", {"triton.cudagraph_trees": False}, False),
     (None, {"triton.cudagraphs": True}, True),
 ])
 def test_backend_sets_policy_only_with_cudagraphs_on(captured_patches, mode, options, expect):
@@ -691,6 +690,24 @@ def test_backend_sets_policy_only_with_cudagraphs_on(captured_patches, mode, opt
     if expect:
         assert pol.graph_id == compile_reports()[-1].graph_id
         assert pol.recorder.records is compile_reports()[-1].cudagraphs
+    torch._dynamo.reset()
+
+
+def test_non_tree_cudagraphs_refused_before_any_policy(captured_patches):
+    """``triton.cudagraph_trees=False`` under reduce-overhead is refused (issue 16 item 10), so no
+    graph is compiled and no policy chosen."""
+    import functools
+
+    from te_passes import TePassesOptionError
+    from te_passes.backend import te_inductor
+
+    torch._dynamo.reset()
+    m = torch.nn.Linear(4, 4)
+    fn = torch.compile(m, backend=functools.partial(te_inductor, mode="reduce-overhead",
+                                                    options={"triton.cudagraph_trees": False}))
+    with pytest.raises(TePassesOptionError, match="cudagraph_trees"):
+        fn(torch.randn(2, 4))
+    assert not captured_patches
     torch._dynamo.reset()
 
 
