@@ -341,7 +341,7 @@ def test_lazy_reexport():
     assert te_passes.compile_friendly is cf.compile_friendly
 
 
-def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = True):
+def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = True, rewrite=cf.compile_friendly):
     """Compile the rewritten layer with a backend that runs the graph (TE's fake impls on fake
     cuda tensors), call it ``calls`` times with fresh inputs; returns (graphs, recompile reasons)."""
     from torch._dynamo.utils import counters
@@ -358,7 +358,8 @@ def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = T
     with _quiet(), fake_gpu(precision):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode, _constructing():
-            layer = cf.compile_friendly(_layer("cuda"))
+            layer = _layer("cuda")
+            rewrite(layer)
             if prepare:
                 prepare_te_state(layer, recipe if autocast else None, fp8=fp8)
 
@@ -377,21 +378,21 @@ def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = T
                 fn(x)
         reasons = [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
                    if id(m) not in seen and m.recompile_reason]
-    return counters["stats"]["unique_graphs"], reasons
+    return counters["stats"]["unique_graphs"], reasons, sum(counters["graph_break"].values())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
 def test_first_call_lazy_state_recompiles_and_prepare_removes_it(precision):
-    graphs, reasons = _run_calls(precision, prepare=False)
+    graphs, reasons, _ = _run_calls(precision, prepare=False)
     print(reasons)
     # TE initialises state lazily on the first forward: the second call recompiles once
     assert graphs == 2 and len(reasons) == 1, reasons
     assert any(k in reasons[0] for k in ("_cached_repr", "autocast_arguments", "_is_fsdp2", "fp8 ==",
                                          "activation_dtype")), reasons
-    graphs, reasons = _run_calls(precision, prepare=True)
+    graphs, reasons, _ = _run_calls(precision, prepare=True)
     assert graphs == 1 and reasons == []
     if precision == "bf16":  # no te.autocast at all: the rewritten MultiheadAttention's recipe
-        graphs, reasons = _run_calls(precision, prepare=True, autocast=False)
+        graphs, reasons, _ = _run_calls(precision, prepare=True, autocast=False)
         assert graphs == 1 and reasons == []
 
 
@@ -407,3 +408,31 @@ def test_dynamo_stage_passes_run_on_the_rewritten_layer(precision):
     with fake_gpu(precision):
         (report,) = run_pipeline(cg)
     assert report.runs and all(r.status == "ok" for r in report.runs), [(r.name, r.status, r.error) for r in report.runs]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_prepare_removes_recompiles_of_the_segments_between_eager_islands(precision, monkeypatch):
+    """The untouched layout: LayerNormLinear / LayerNormMLP stay eager islands. Their real
+    forwards need the GPU, so here they are replaced by disabled stand-ins returning outputs of
+    the right shape (attention through SDPA: TE's backend selection needs the driver). The
+    compiled segments between the islands recompile on call 2 unless prepare_te_state ran."""
+
+    @torch.compiler.disable
+    def lnl(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+        return inp.new_empty(*inp.shape[:-1], self.out_features)
+
+    @torch.compiler.disable
+    def lnmlp(self, inp, is_first_microbatch=None):
+        out = inp.new_empty(inp.shape)
+        return (out, self.fc2_bias) if self.return_bias else out
+
+    monkeypatch.setattr(te.LayerNormLinear, "forward", lnl)
+    monkeypatch.setattr(te.LayerNormMLP, "forward", lnmlp)
+
+    def sdpa_only(layer):
+        cf._rewrite_attention(layer.self_attention.core_attention)
+
+    graphs, reasons, breaks = _run_calls(precision, prepare=False, rewrite=sdpa_only)
+    assert breaks >= 2 and len(reasons) >= 1 and any("_is_fsdp2" in r or "fp8 ==" in r for r in reasons), reasons
+    graphs2, reasons, breaks2 = _run_calls(precision, prepare=True, rewrite=sdpa_only)
+    assert reasons == [] and graphs2 < graphs and breaks2 == breaks

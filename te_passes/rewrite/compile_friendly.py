@@ -379,6 +379,10 @@ def _shared_linear(owner: torch.nn.Module, *, in_features: int, out_features: in
         else:  # TE's placeholder for "no bias": an empty plain tensor attribute
             object.__setattr__(lin, n, v)
     lin.train(owner.training)
+    # Built on meta, te.Linear skipped this: the process-global cuBLAS workspace must exist before
+    # the first GEMM (which may run inside a cudagraph pool under reduce-overhead). A no-op for
+    # fake or non-cuda parameters.
+    lin._prealloc_cublas_workspace()
     return lin
 
 

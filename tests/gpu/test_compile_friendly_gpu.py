@@ -211,3 +211,42 @@ def test_transformer_layer_one_graph_and_numerics(precision, mode):
     assert st.recompiles == first.recompiles == 0, st.recompile_reasons
     if mode == "reduce-overhead":
         assert st.cudagraph_skips == 0, st.to_json()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_untouched_layer_no_recompiles_after_prepare(precision):
+    """Issue 15's other half: TE modules untouched (eager islands), te_inductor default mode,
+    prepare_te_state first: no recompile after the first step; numerics equal eager."""
+    te = _te()
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    from te_passes.rewrite.te_state import prepare_te_state
+
+    recipe = make_recipe(precision) or Float8CurrentScaling()
+
+    def build():
+        torch.manual_seed(0)
+        return te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                                   params_dtype=torch.bfloat16, device="cuda")
+
+    ref, cand = build(), build()
+    copy_params(ref, cand)
+    prepare_te_state(cand, recipe, fp8=precision == "fp8")
+    fn = torch.compile(_layer_fn(cand, precision, recipe), backend="te_inductor")
+    ref_fn = _layer_fn(ref, precision, recipe)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    torch._dynamo.reset()
+    with CompileWatch() as watch:
+        for step in range(3):
+            x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+            dy = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+            y, g = _fwd_bwd(fn, cand, x, dy)
+            y_ref, g_ref = _fwd_bwd(ref_fn, ref, x, dy)
+            _assert_close(f"step {step} out", y, y_ref, precision)
+            for k in g_ref:
+                _assert_close(f"step {step} grad {k}", g[k], g_ref[k], precision)
+            if step == 0:
+                first = watch.snapshot()
+    st = watch.stats
+    print(f"untouched TransformerLayer {precision}: {st.to_json()}")
+    assert st.recompiles - first.recompiles == 0, st.recompile_reasons
