@@ -33,12 +33,31 @@ def _te():
     return te
 
 
-def _assert_close(tag, actual, expected, precision):
+def _assert_close(tag, actual, expected, precision, scale=None):
+    """Relative error of ``actual`` against ``expected`` (``scale``: measure it against that
+    tensor's norm instead, for a gradient that is zero in exact arithmetic)."""
     assert actual.shape == expected.shape, f"{tag}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{tag}: non-finite values"
-    err = rel_err(actual, expected)
+    if scale is None:
+        err = rel_err(actual, expected)
+    else:
+        err = ((actual.float() - expected.float()).norm() / scale.float().norm().clamp_min(1e-30)).item()
     assert err <= REL_TOL[precision], f"{tag}: relative error {err:.3e} > {REL_TOL[precision]:.0e} ({precision})"
     return err
+
+
+def _assert_grads_close(tag, g, g_ref, precision):
+    """Every parameter gradient of ``g`` against ``g_ref``. The attention key bias is measured on
+    the scale of the query bias gradient: adding ``b`` to every key adds ``q·b`` to every score of
+    a softmax row, which softmax ignores, so d(loss)/d(key_bias) is 0 up to rounding on both sides
+    (measured on the H200: |grad| ~1e-3 noise, relative error ~1 against each other)."""
+    errs = {}
+    for k in g_ref:
+        scale = None
+        if k.endswith("key_bias"):
+            scale = g_ref.get(k[: -len("key_bias")] + "query_bias")
+        errs[k] = _assert_close(f"{tag} grad {k}", g[k], g_ref[k], precision, scale=scale)
+    return errs
 
 
 def _twins(build):
@@ -80,8 +99,7 @@ def _check_pair(ref, cand, x_shape, precision="bf16", tag="", fwd=None):
     y, g = _fwd_bwd(fwd(cand), cand, x, dy)
     errs = {"out": _assert_close(f"{tag} out", y, y_ref, precision)}
     assert g.keys() == g_ref.keys(), f"{tag}: grads {sorted(g)} != {sorted(g_ref)}"
-    for k in g_ref:
-        errs[k] = _assert_close(f"{tag} grad {k}", g[k], g_ref[k], precision)
+    errs.update(_assert_grads_close(tag, g, g_ref, precision))
     print(tag, {k: f"{v:.1e}" for k, v in errs.items()})
     return errs
 
@@ -200,8 +218,7 @@ def test_transformer_layer_one_graph_and_numerics(precision, mode):
             y_ref, g_ref = _fwd_bwd(ref_fn, ref, x, dy)
             _assert_close(f"step {step} out", y, y_ref, precision)
             assert g.keys() == g_ref.keys()
-            for k in g_ref:
-                _assert_close(f"step {step} grad {k}", g[k], g_ref[k], precision)
+            _assert_grads_close(f"step {step}", g, g_ref, precision)
             if step == 0:
                 first = watch.snapshot()
         torch.cuda.synchronize()
@@ -243,8 +260,7 @@ def test_untouched_layer_no_recompiles_after_prepare(precision):
             y, g = _fwd_bwd(fn, cand, x, dy)
             y_ref, g_ref = _fwd_bwd(ref_fn, ref, x, dy)
             _assert_close(f"step {step} out", y, y_ref, precision)
-            for k in g_ref:
-                _assert_close(f"step {step} grad {k}", g[k], g_ref[k], precision)
+            _assert_grads_close(f"step {step}", g, g_ref, precision)
             if step == 0:
                 first = watch.snapshot()
     st = watch.stats
