@@ -203,7 +203,14 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
                 row.status = f"ok, but te_passes pass(es) failed: {failed}"
             recs = [r for rep in reps for r in rep.cudagraphs]
             row.cudagraph_records = recs
-            row.cudagraph_fallbacks = sum(r["count"] for r in recs if r["event"] not in ("lean", "captured"))
+            row.cudagraph_fallbacks = sum(r["count"] for r in recs
+                                          if r["event"] not in ("lean", "captured", "dataflow"))
+            # lean replay counters per graph (replays / calls run without the CUDA graph / input copies)
+            from te_passes.runtime.cudagraphs import lean_runners
+
+            ids = {r.graph_id for r in reps}
+            row.cudagraph_records += [{"graph": lr.name, "event": "stats", "count": 0, **lr.stats}
+                                      for lr in lean_runners() if lr.name.split(".")[0] in ids]
         x.grad = None
         del fn, model, params
     return row
