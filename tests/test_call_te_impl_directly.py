@@ -408,3 +408,16 @@ def test_args_object_equals_te_unpack(te_aot_graphs, precision):
                 assert x._fp8_dtype == y._fp8_dtype
             else:
                 assert x is y, f"{call.qualname} field {f.name}: {x!r} is not {y!r}"
+
+
+def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
+    """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gives a reason) the
+    pass only retargets, and the reason is recorded."""
+    monkeypatch.setattr(dc, "ensure_lowering", lambda op: "this torch's Inductor lacks X")
+    gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_bwd")
+    (n,) = _te_nodes(gm)
+    assert n.target is torch.ops.transformer_engine_compile.linear_backward_base.default
+    assert dc.META_KEY not in n.meta
+    assert [(r.kind, r.data.get("reason")) for r in run.records] == [
+        ("kept", "this torch's Inductor lacks X"), ("retargeted", None)]
+    assert dc.feature_error() is None  # torch 2.14.1 has everything the lowering needs
