@@ -421,3 +421,20 @@ def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
     assert [(r.kind, r.data.get("reason")) for r in run.records] == [
         ("kept", "this torch's Inductor lacks X"), ("retargeted", None)]
     assert dc.feature_error() is None  # torch 2.14.1 has everything the lowering needs
+
+
+def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):
+    """Retargeted but refused (constants not hoisted): Inductor emits the base op's dispatcher
+    call through the direct-call lowering's plain fallback; results equal the wrapper path."""
+    from torch._inductor.utils import run_and_get_code
+
+    params = _params(2)
+    ref = _steps(_compile(toy, **{"te_passes.disable": ["call_te_impl_directly"]}), params, 2)
+    compiled = _compile(toy, **{"te_passes.disable": ["hoist_recipe_lookups"]})
+    disp = _dispatcher_counts(monkeypatch, toy)
+    outs, codes = run_and_get_code(lambda: _steps(compiled, params, 2))
+    assert "_te_direct_" not in "".join(codes)
+    assert len(re.findall(rf"torch\.ops\.{NS}\.{toy.OP_NAME}_base\.default\(", codes[0])) == 2
+    assert disp == {"fwd": 4, "bwd": 4}
+    for (o, g), (ro, rg) in zip(outs, ref):
+        assert torch.equal(o, ro) and all(torch.equal(a, b) for a, b in zip(g, rg))

@@ -550,7 +550,7 @@ def lowering_state() -> dict[str, str | None]:
 
 
 def _register(base_op: torch._ops.OpOverload) -> str | None:
-    from torch._inductor import ir, lowering as L
+    from torch._inductor import lowering as L
     from torch._inductor.virtualized import V
     from torch._library.utils import get_layout_constraint_tag
 
@@ -573,7 +573,6 @@ def _register(base_op: torch._ops.OpOverload) -> str | None:
     _lower_te_base_op._te_passes_direct = True  # type: ignore[attr-defined]
     _lower_te_base_op._is_fallback_handler = True  # type: ignore[attr-defined]  (it is one, plus a rename)
     L.lowerings[base_op] = _lower_te_base_op
-    del ir
     return None
 
 
