@@ -591,6 +591,9 @@ def _emit_direct_call(graph: Any, node: torch.fx.Node, call: Any, base_op: Any, 
         return refuse(f"meta[{META_KEY!r}] holds a {type(call).__name__}")
     if getattr(graph, "cpp_wrapper", False) or getattr(graph, "fx_wrapper", False):
         return refuse("the wrapper is not Inductor's Python wrapper (cpp_wrapper / fx_wrapper)")
+    if getattr(graph, "parent", None) is not None:
+        # a SubgraphLowering keeps its own opaque_value_type_classes, which never become globals
+        return refuse("the node is lowered in an Inductor subgraph (its globals do not reach the wrapper module)")
     now = L.tag_to_layout_constraint(get_layout_constraint_tag(base_op, with_default=True))
     if now is not constraint:
         log.warning("te_passes: %s: the custom-op layout constraint changed since the lowering of %s was "
