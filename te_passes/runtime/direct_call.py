@@ -281,8 +281,8 @@ def _make_builder(cls: type, fixed: Sequence[tuple[str, Any]], args: Sequence[tu
 
     When ``cls`` keeps ``object.__setattr__`` (TE's args dataclasses: plain, ``slots=True``) the
     stores are generated attribute assignments (one ``STORE_ATTR`` each, the values bound as
-    defaults), which is what ``object.__setattr__(obj, name, v)`` does, ~5× faster per field;
-    otherwise (a custom ``__setattr__``, or a field name that is not an identifier) a loop of
+    defaults), which is what ``object.__setattr__(obj, name, v)`` does without a call per field
+    (cost: docs/benchmarks.md, issue 13); otherwise (a custom ``__setattr__``, or a field name that is not an identifier) a loop of
     ``object.__setattr__``, exactly as TE does."""
     import keyword
 
