@@ -330,7 +330,8 @@ def _v(x) -> str:
 
 
 def goal_checks(rows: list[Row]) -> list[tuple[str, str, str]]:
-    """``(goal, verdict, measured)`` for issue 7's goals; verdict is MET / NOT MET / NOT MEASURED."""
+    """``(goal, verdict, measured)`` for issue 7's and issue 13's goals; verdict is MET / NOT MET /
+    NOT MEASURED (INFO for the direct-call pass's gain, which is a measurement, not a goal)."""
     by = {(r.tokens, r.precision, r.variant): r for r in rows if r.median_ms is not None}
     out: list[tuple[str, str, str]] = []
 
@@ -344,6 +345,21 @@ def goal_checks(rows: list[Row]) -> list[tuple[str, str, str]]:
     ok = None if len(vals) < len(cfgs) or not vals else all(v >= 1.0 for _, _, v in vals)
     out.append(("te_inductor default ≥ 1.0× TE eager on every row", verdict(ok),
                 ", ".join(f"{t}/{p}: {v:.2f}×" for t, p, v in vals) or "-"))
+    # -- issue 13: issue 13's thresholds, and the direct-call pass's gain (te_inductor-nodirect ms / te_inductor ms)
+    for t, p in cfgs:
+        a, b, c = by.get((t, p, "te_inductor")), by.get((t, p, NODIRECT)), by.get((t, p, "inductor"))
+        need = 1.0 if t >= 8192 else 0.9
+        out.append((f"issue 13: te_inductor default ≥ {need}× TE eager, {t}/{p}",
+                    verdict(None if a is None or not a.speedup_vs_eager else a.speedup_vs_eager >= need),
+                    f"{a.speedup_vs_eager:.2f}×" if a is not None and a.speedup_vs_eager else "-"))
+        if p == "fp8":
+            out.append((f"issue 13: te_inductor ≥ 1.5× plain inductor, {t}/{p}",
+                        verdict(None if a is None or c is None else c.median_ms / a.median_ms >= 1.5),
+                        f"{c.median_ms / a.median_ms:.2f}×" if a is not None and c is not None else "-"))
+        if a is not None and b is not None:
+            out.append((f"issue 13: call_te_impl_directly gain, {t}/{p} (nodirect / direct)", "INFO",
+                        f"{b.median_ms:.2f} / {a.median_ms:.2f} ms = {b.median_ms / a.median_ms:.2f}×"))
+    # -- end issue 13
     for tokens, need in ((256, 3.5), (8192, 1.3)):
         r = by.get((tokens, "fp8", "te_inductor-ro"))
         s = r.speedup_vs_eager if r else None

@@ -348,3 +348,93 @@ def test_rollback_restores_targets_and_meta(te_aot_graphs, monkeypatch):
         rep = PassManager([FailAfter()]).run(gm, ctx)
     assert rep.runs[0].status == "failed"
     assert [(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes] == before
+
+
+@pytest.mark.parametrize("precision", ["fp8-cs", "bf16"])
+def test_args_object_equals_te_unpack(te_aot_graphs, precision):
+    """On the real LinearFwdArgs / LinearBwdArgs plans: the args object a DirectTECall hands TE's
+    impl has, field for field, the objects the base op's own ``_impl`` (``plan.unpack``) passes —
+    the same objects for constants and tensors, an equal storage rebuilt from the same buffers
+    (fp8 backward). TE's impl is swapped for a recording stub in the closure cell both read."""
+    import dataclasses
+
+    from te_passes.testing.capture import run_pipeline
+    from torch._library.custom_ops import OPDEFS
+
+    a = te_aot_graphs(precision, 1)
+    for rep in run_pipeline(a, stages=["post_grad_fwd", "post_grad_bwd"]):
+        (node,) = [n for n in rep.gm.graph.nodes if n.op == "call_function" and dc.META_KEY in n.meta]
+        call = node.meta[dc.META_KEY]
+
+        def real(v):
+            if isinstance(v, torch.fx.Node):
+                val = v.meta["val"]
+                return torch.zeros(val.shape, dtype=val.dtype)
+            return [real(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+        flat = [real(v) for v in node.args]
+        seen = []
+        outs = (torch.zeros(1), torch.zeros(1), torch.zeros(1))
+        is_bwd = "backward" in call.qualname
+
+        def stub(args):
+            seen.append(args)
+            return (outs[0], outs[1], None) if is_bwd else (outs[0], None, [outs[1], outs[2]], None)
+
+        init = OPDEFS[call.qualname]._init_fn
+        cell = dict(zip(init.__code__.co_freevars, init.__closure__))["impl"]
+        orig, cell.cell_contents = cell.cell_contents, stub
+        try:
+            got = call(*flat)
+            want = dc.overload(call.qualname)(*flat)
+        finally:
+            cell.cell_contents = orig
+        # same tensors; a ``None`` output is TE's fresh 0-element complex32 sentinel on both paths
+        assert len(got) == len(want) and all(
+            t is u or (t.numel() == u.numel() == 0 and t.dtype == u.dtype == torch.complex32)
+            for t, u in zip(got, want))
+        mine, te = seen
+        assert type(mine) is type(te) and mine is not te
+        storages = set(call.describe()["storage_fields"])
+        assert storages == ({"inputmat", "weight_fp8"} if is_bwd and precision == "fp8-cs" else set())
+        for f in dataclasses.fields(te):
+            x, y = getattr(mine, f.name), getattr(te, f.name)
+            if f.name in storages:
+                assert type(x) is type(y) and x is not y
+                names, _ = y.__tensor_flatten__()
+                assert all(getattr(x, n) is getattr(y, n) for n in names), f.name
+                # the storage constructor TE's unflatten calls builds its own quantizer copy on both paths
+                assert type(x._quantizer) is type(y._quantizer) and x._quantizer == y._quantizer
+                assert x._fp8_dtype == y._fp8_dtype
+            else:
+                assert x is y, f"{call.qualname} field {f.name}: {x!r} is not {y!r}"
+
+
+def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
+    """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gives a reason) the
+    pass only retargets, and the reason is recorded."""
+    monkeypatch.setattr(dc, "ensure_lowering", lambda op: "this torch's Inductor lacks X")
+    gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_bwd")
+    (n,) = _te_nodes(gm)
+    assert n.target is torch.ops.transformer_engine_compile.linear_backward_base.default
+    assert dc.META_KEY not in n.meta
+    assert [(r.kind, r.data.get("reason")) for r in run.records] == [
+        ("kept", "this torch's Inductor lacks X"), ("retargeted", None)]
+    assert dc.feature_error() is None  # torch 2.14.1 has everything the lowering needs
+
+
+def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):
+    """Retargeted but refused (constants not hoisted): Inductor emits the base op's dispatcher
+    call through the direct-call lowering's plain fallback; results equal the wrapper path."""
+    from torch._inductor.utils import run_and_get_code
+
+    params = _params(2)
+    ref = _steps(_compile(toy, **{"te_passes.disable": ["call_te_impl_directly"]}), params, 2)
+    compiled = _compile(toy, **{"te_passes.disable": ["hoist_recipe_lookups"]})
+    disp = _dispatcher_counts(monkeypatch, toy)
+    outs, codes = run_and_get_code(lambda: _steps(compiled, params, 2))
+    assert "_te_direct_" not in "".join(codes)
+    assert len(re.findall(rf"torch\.ops\.{NS}\.{toy.OP_NAME}_base\.default\(", codes[0])) == 2
+    assert disp == {"fwd": 4, "bwd": 4}
+    for (o, g), (ro, rg) in zip(outs, ref):
+        assert torch.equal(o, ro) and all(torch.equal(a, b) for a, b in zip(g, rg))

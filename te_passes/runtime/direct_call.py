@@ -270,6 +270,44 @@ def impl_name(fn: Any) -> str:
 
 # --------------------------------------------------------------------------- the call object
 _object_setattr = object.__setattr__
+_profiler = torch.autograd.profiler
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def _make_builder(cls: type, fixed: Sequence[tuple[str, Any]], args: Sequence[tuple[str, int]]):
+    """``build(flat) -> obj``: a fresh ``cls`` instance (``cls.__new__(cls)``, as TE's
+    ``_ArgPlan.unpack``) with the ``fixed`` fields set to their values and the ``args`` fields to
+    ``flat[i]``.
+
+    When ``cls`` keeps ``object.__setattr__`` (TE's args dataclasses: plain, ``slots=True``) the
+    stores are generated attribute assignments (one ``STORE_ATTR`` each, the values bound as
+    defaults), which is what ``object.__setattr__(obj, name, v)`` does without a call per field
+    (cost: docs/benchmarks.md, issue 13); otherwise (a custom ``__setattr__``, or a field name that is not an identifier) a loop of
+    ``object.__setattr__``, exactly as TE does."""
+    import keyword
+
+    names = [n for n, _ in fixed] + [n for n, _ in args]
+    plain = cls.__setattr__ is object.__setattr__ and all(n.isidentifier() and not keyword.iskeyword(n)
+                                                          for n in names)
+    if not plain:
+        def build(flat, _new=cls.__new__, _cls=cls, _fixed=tuple(fixed), _args=tuple(args)):
+            obj = _new(_cls)
+            for name, v in _fixed:
+                _object_setattr(obj, name, v)
+            for name, i in _args:
+                _object_setattr(obj, name, flat[i])
+            return obj
+        return build
+    params = ", ".join(f"_c{j}=_v[{j}]" for j in range(len(fixed)))
+    body = [f"    obj.{n} = _c{j}" for j, (n, _) in enumerate(fixed)]
+    body += [f"    obj.{n} = flat[{int(i)}]" for n, i in args]
+    src = "\n".join([f"def _make(_v, _new, _cls):",
+                     f"  def build(flat, _new=_new, _cls=_cls{', ' + params if params else ''}):",
+                     "    obj = _new(_cls)", *body, "    return obj",
+                     "  return build"])
+    env: dict[str, Any] = {}
+    exec(compile(src, f"<te_passes direct call: {cls.__qualname__}>", "exec"), env)  # noqa: S102 - field names only
+    return env["_make"]([v for _, v in fixed], cls.__new__, cls)
 
 
 class DirectTECall:
@@ -367,6 +405,7 @@ class DirectTECall:
         self._pgs = tuple(pgs)
         self._impl_cell, self._pack_cell = b.impl_cell, b.pack_cell
         self._unflatten, self._resolve_pg = b.storage_unflatten, b.resolve_process_group
+        self._build = _make_builder(self._cls, self._fixed, self._args)
 
     # -- introspection (records, dumps, tests)
     @property
@@ -389,11 +428,7 @@ class DirectTECall:
                 "process_group_fields": [n for n, _ in self._pgs]}
 
     def __call__(self, *flat: Any) -> list[torch.Tensor]:
-        obj = self._cls.__new__(self._cls)
-        for name, v in self._fixed:
-            _object_setattr(obj, name, v)
-        for name, i in self._args:
-            _object_setattr(obj, name, flat[i])
+        obj = self._build(flat)
         if self._storages:
             unflatten = self._unflatten
             for name, meta, i in self._storages:
@@ -402,11 +437,10 @@ class DirectTECall:
             resolve = self._resolve_pg
             for name, pg in self._pgs:
                 _object_setattr(obj, name, resolve(pg))
-        if torch.autograd.profiler._is_profiler_enabled:
-            with torch.autograd.profiler.record_function(f"te_passes.direct::{self._qualname}"), \
-                    torch._C._AutoDispatchBelowAutograd():
+        if _profiler._is_profiler_enabled:
+            with _profiler.record_function(f"te_passes.direct::{self._qualname}"), _below_autograd():
                 return self._pack_cell.cell_contents(self._impl_cell.cell_contents(obj))
-        with torch._C._AutoDispatchBelowAutograd():
+        with _below_autograd():
             return self._pack_cell.cell_contents(self._impl_cell.cell_contents(obj))
 
     def __reduce__(self):
@@ -516,7 +550,7 @@ def lowering_state() -> dict[str, str | None]:
 
 
 def _register(base_op: torch._ops.OpOverload) -> str | None:
-    from torch._inductor import ir, lowering as L
+    from torch._inductor import lowering as L
     from torch._inductor.virtualized import V
     from torch._library.utils import get_layout_constraint_tag
 
@@ -539,7 +573,6 @@ def _register(base_op: torch._ops.OpOverload) -> str | None:
     _lower_te_base_op._te_passes_direct = True  # type: ignore[attr-defined]
     _lower_te_base_op._is_fallback_handler = True  # type: ignore[attr-defined]  (it is one, plus a rename)
     L.lowerings[base_op] = _lower_te_base_op
-    del ir
     return None
 
 
@@ -558,6 +591,9 @@ def _emit_direct_call(graph: Any, node: torch.fx.Node, call: Any, base_op: Any, 
         return refuse(f"meta[{META_KEY!r}] holds a {type(call).__name__}")
     if getattr(graph, "cpp_wrapper", False) or getattr(graph, "fx_wrapper", False):
         return refuse("the wrapper is not Inductor's Python wrapper (cpp_wrapper / fx_wrapper)")
+    if getattr(graph, "parent", None) is not None:
+        # a SubgraphLowering keeps its own opaque_value_type_classes, which never become globals
+        return refuse("the node is lowered in an Inductor subgraph (its globals do not reach the wrapper module)")
     now = L.tag_to_layout_constraint(get_layout_constraint_tag(base_op, with_default=True))
     if now is not constraint:
         log.warning("te_passes: %s: the custom-op layout constraint changed since the lowering of %s was "

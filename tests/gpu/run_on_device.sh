@@ -3,13 +3,14 @@
 # (which leaves torch 2.14.1 + TE 2.20.2 in /root/tek; `.gpu/s` must be carried).
 #   bash tests/gpu/run_on_device.sh suite   # pytest -m gpu tests/  (every gpu-marked test of the repo)
 #   bash tests/gpu/run_on_device.sh bench   # benchmarks/bench_gpu.py (extra args are passed on)
+#   bash tests/gpu/run_on_device.sh hostprof # benchmarks/bench_host_profile.py (issue 13)
 #   bash tests/gpu/run_on_device.sh ub      # benchmarks/ub_tp2.sh (2-GPU machine)
 #   bash tests/gpu/run_on_device.sh sp      # benchmarks/sp_fp8_tp2.sh (2-GPU machine; issue 8)
 # Logs and results go to $OUT (default /tmp/gpu_out). te_passes is installed editable (no deps,
 # offline) so backend="te_inductor" resolves through its entry point, as for users.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run_on_device.sh suite|bench|ub|sp [args...]}; shift
+what=${1:?usage: run_on_device.sh suite|bench|hostprof|ub|sp [args...]}; shift
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 source .gpu/s/env.sh
 export TE_PASSES_COMMIT=${TE_PASSES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
@@ -39,6 +40,9 @@ case "$what" in
     exit "${PIPESTATUS[0]}" ;;
   bench)
     python3 benchmarks/bench_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+    exit "${PIPESTATUS[0]}" ;;
+  hostprof)  # issue 13: host-time split per step
+    python3 benchmarks/bench_host_profile.py --out "$OUT" "$@" 2>&1 | tee "$OUT/host_profile.log"
     exit "${PIPESTATUS[0]}" ;;
   ub)
     bash benchmarks/ub_tp2.sh "$OUT" "$@" 2>&1 | tee "$OUT/ub_tp2.log"
