@@ -366,6 +366,35 @@ def test_empty_outputs_are_neither_guarded_nor_pool_memory(engine):
     del kept
 
 
+def test_output_referenced_elsewhere_at_capture_is_never_replayed_over(engine):
+    """An op that keeps a reference to a graph output (an opaque op's cache): the baseline is our
+    own references only, so that holder always counts and the graph never overwrites it."""
+    stash = []
+
+    def g(args):
+        x, w = args
+        args.clear()
+        h = x @ w
+        if len(stash) < 2:  # warm-up and capture run (a real replay runs no Python)
+            stash.append(h.view(-1))
+        return [torch.relu(h), h]
+
+    rec = CudagraphRecorder()
+    f = LeanCUDAGraph(g, [1], name="f", device_index=0, is_backward=False, is_inference=False,
+                      num_clone_outputs=1, engine=engine, recorder=rec)
+    w = _w().detach()
+    f([_data(0)[0], w])          # warm-up
+    f([_data(1)[0], w])          # capture: the stash now holds a view of the static output h
+    kept = stash[1]
+    ref = kept.clone()
+    for s in range(2, 5):
+        out = f([_data(s)[0], w])
+        assert torch.equal(out[0], eager(_data(s)[0], w))
+    assert any(r["event"] == "referenced" for r in rec.records)
+    assert f.stats["eager"] == 3 and f.stats["replay"] == 1
+    assert torch.equal(kept, ref), "the held view was overwritten"
+
+
 def test_inference_graph_clones_every_output(engine):
     w = _w().detach()
     f = LeanCUDAGraph(fwd_graph, [1], name="g1.inference", device_index=0, is_backward=False,

@@ -158,6 +158,22 @@ def _clone_kind(t: torch.Tensor) -> int:
     return _CLONE if is_non_overlapping_and_dense_or_false(t) else _CLONE_STRIDED
 
 
+def _own_references(cdatas: Any, tensors: Sequence[Any]) -> dict[int, int]:
+    """Per storage ``cdata`` in ``cdatas``: the references on it we account for — one per distinct
+    tensor object of ``tensors`` using it, plus one for its Python storage object
+    (``untyped_storage()`` creates it once and PyObject preservation keeps it, and its reference,
+    for the storage's lifetime; cudagraph trees' ``StorageWeakRefWrapper.expired`` counts it too)."""
+    counts = dict.fromkeys(cdatas, 1)
+    seen: set[int] = set()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            cd = t.untyped_storage()._cdata
+            if cd in counts:
+                counts[cd] += 1
+    return counts
+
+
 def _emit(plan: list[tuple[int, Any]]) -> list:
     """The outputs one call returns, from the capture's plan (hot path)."""
     out = [o if k == _PASS else o.detach() if k == _ALIAS else o.clone() if k == _CLONE else None
@@ -493,7 +509,15 @@ class LeanCUDAGraph:
         buffers = {static[i].untyped_storage().data_ptr() for i, _ in self._copy}
         self._pool_storages = {o.untyped_storage().data_ptr() for k, o in plan
                                if k != _PASS and o.untyped_storage().nbytes()} - buffers
-        self._own = [[cd, _use_count(cd), j] for cd, j in own_cdatas.items()]
+        # Baselines: the references we hold ourselves (one per tensor object of ours on that
+        # storage), never a measured count — a transient holder at capture (a local storage
+        # object, the caller's aliases) would raise it and hide a later holder for good.
+        expected = _own_references(own_cdatas, [o for _, o in plan] + list(static))
+        self._own = [[cd, expected[cd], j] for cd, j in own_cdatas.items()]
+        extra = [j for cd, j in own_cdatas.items() if _use_count(cd) > expected[cd]]
+        if extra:
+            self._rec.event(self.name, "referenced", f"outputs {extra} are referenced outside the graph right "
+                            "after capture: calls run without the CUDA graph while they are", outputs=extra)
         for runner, cdata in owners:
             for item in runner._own:
                 if item[0] == cdata:
