@@ -21,17 +21,19 @@ What one :class:`LeanCUDAGraph` does (the replay model of TE's ``make_graphed_ca
 * one private memory pool per forward/backward pair: the forward captures into a new pool,
   its backward (found by data flow: its saved-tensor inputs are the forward's static outputs)
   captures into the same pool afterwards, so the backward's temporaries reuse the forward's;
-* outputs: a forward's user-visible outputs (``fw_metadata.num_forward`` first outputs) are
-  cloned (a caller may keep them across steps); saved tensors and backward gradients are
-  returned as fresh aliases of the static outputs (``detach``), so whoever keeps one shows up
-  in its storage's use count.
+* outputs: a forward's user-visible outputs (``fw_metadata.num_forward`` first outputs, or on
+  an AOTAutograd cache hit those its backward's warm-up did not read) are cloned (a caller may
+  keep them across steps); saved tensors and backward gradients are returned as fresh aliases
+  of the static outputs (``detach``), so whoever keeps one shows up in its storage's use count;
+* the capture run is given other tensor objects than the ones kept for replay (TE's fp8
+  backward rebinds the quantized input it owns: ``clear_tensor_data``, ``t.data = empty``).
 
 Safety rule checked before every replay (the reason pool sharing is safe in any call order):
 a replay of graph G writes only G's static outputs, G's static input buffers and blocks that
 were free in G's pool when G was captured. Those blocks can hold live data only in outputs of
 graphs captured later in the same pool. So G replays only when no output of G or of a graph
 captured after it in its pool is referenced beyond the runners' own references
-(``torch._C._storage_Use_Count`` against a baseline taken after capture). Otherwise this call
+(``torch._C._storage_Use_Count`` against the references the wrappers hold themselves). Otherwise this call
 runs the compiled graph without a CUDA graph (correct, slower), and the reason is recorded:
 
 * G's saved tensors still referenced and its backward has not run since: a second forward
@@ -48,9 +50,11 @@ runs the compiled graph without a CUDA graph (correct, slower), and the reason i
 Static hazards, decided when the policy is called (falls back to cudagraph trees through
 ``super().cudagraphify``, or for a backward whose forward is lean, to no CUDA graph): dynamic
 shapes, non-CUDA inputs, mutated inputs that are not static, kernel-free graphs, a graph that
-reads Userbuffers state (UB communicators captured into a graph), AOTAutograd output metadata
-not available; graphs with more than one Inductor partition are not wrapped at all
-(:meth:`LeanCUDAGraphPolicy.should_wrap`). Every decision and fallback is a record in
+reads Userbuffers state while UB is initialised (UB communicators captured into a graph);
+graphs with more than one Inductor partition are not wrapped at all
+(:meth:`LeanCUDAGraphPolicy.should_wrap`). After each capture, Inductor's pool-liveness check
+(``_cuda_checkPoolLiveAllocations``, as cudagraph trees use it) must find exactly the pool's
+outputs alive; a failed capture or a leaked pool tensor leaves that graph without a CUDA graph. Every decision and fallback is a record in
 ``CompileReport.cudagraphs`` (``report.json``) and a ``te_passes`` log line.
 
 The capture/replay engine (CUDA graphs, pools, streams) is injectable (:class:`CudaGraphEngine`),
