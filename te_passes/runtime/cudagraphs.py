@@ -180,13 +180,14 @@ def _own_references(cdatas: Any, tensors: Sequence[Any]) -> dict[int, int]:
 
 def _emit(plan: list[tuple[int, Any]]) -> list:
     """The outputs one call returns, from the capture's plan (hot path)."""
-    out = [o if k == _PASS else o.detach() if k == _ALIAS else o.clone() if k == _CLONE else None
-           for k, o in plan]
-    if None in out:  # rare: strided clones (and None outputs, which pass through unchanged)
-        from torch._inductor.utils import clone_preserve_strides
+    return [o if k == _PASS else o.detach() if k == _ALIAS else o.clone() if k == _CLONE else _clone_strided(o)
+            for k, o in plan]
 
-        out = [clone_preserve_strides(o) if k == _CLONE_STRIDED else r for (k, o), r in zip(plan, out)]
-    return out
+
+def _clone_strided(t: torch.Tensor) -> torch.Tensor:
+    from torch._inductor.utils import clone_preserve_strides
+
+    return clone_preserve_strides(t)
 
 
 # ------------------------------------------------------------------------------- recording
