@@ -659,7 +659,8 @@ def test_should_wrap_declines_partitioned_graphs():
     assert pol.should_wrap(SimpleNamespace(partition_maps=[object()], fx_kwargs={}))
     assert not pol.should_wrap(SimpleNamespace(partition_maps=[object(), object()], fx_kwargs={"is_backward": True}))
     rec = pol.recorder.records[-1]
-    assert rec["graph"] == "g8.bwd" and rec["event"] == "not_captured" and "2 Inductor graph partitions" in rec["reason"]
+    assert rec["graph"] == "g8.bwd" and rec["event"] == "not_captured"
+    assert "2 Inductor graph partitions" in rec["reason"]
 
 
 def test_recorder_dedups_and_refreshes_once_per_reason():
@@ -755,7 +756,8 @@ def test_ub_hazard_only_when_ub_is_initialised():
     on = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(initialized=True, source="live")), [])
     assert len(on.static_hazards) == 1 and "Userbuffers" in on.static_hazards[0]
     rep.uuid = {"ub_reads": []}
-    assert _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(initialized=True)), []).static_hazards == ()
+    pol = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(initialized=True)), [])
+    assert pol.static_hazards == ()
     assert _cudagraph_policy(opts, {"triton.cudagraphs": False}, rep, SimpleNamespace(ub=None), []) is None
 
 

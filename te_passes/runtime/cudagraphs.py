@@ -54,7 +54,8 @@ reads Userbuffers state while UB is initialised (UB communicators captured into 
 graphs with more than one Inductor partition are not wrapped at all
 (:meth:`LeanCUDAGraphPolicy.should_wrap`). After each capture, Inductor's pool-liveness check
 (``_cuda_checkPoolLiveAllocations``, as cudagraph trees use it) must find exactly the pool's
-outputs alive; a failed capture or a leaked pool tensor leaves that graph without a CUDA graph. Every decision and fallback is a record in
+outputs alive; a failed capture or a leaked pool tensor leaves that graph without a CUDA graph.
+Every decision and fallback is a record in
 ``CompileReport.cudagraphs`` (``report.json``) and a ``te_passes`` log line.
 
 The capture/replay engine (CUDA graphs, pools, streams) is injectable (:class:`CudaGraphEngine`),
@@ -459,8 +460,8 @@ class LeanCUDAGraph:
         try:
             graph, outs = self._engine.capture(self._model, call, pool.handle, self.device_index, static)
         except Exception as exc:  # noqa: BLE001 - recorded; the graph then runs without a CUDA graph
-            self._disabled = (f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
-                              ": runs without a CUDA graph")
+            first = str(exc).splitlines()[0][:300] if str(exc) else ""
+            self._disabled = f"capture failed ({type(exc).__name__}: {first}): runs without a CUDA graph"
             self._rec.event(self.name, "disabled", self._disabled)
             log.warning("te_passes cudagraphs: %s: %s", self.name, self._disabled)
             return self._eager(inputs)
@@ -638,7 +639,8 @@ class LeanCUDAGraph:
             if member.is_backward:
                 if kind == _ALIAS:
                     member._plan[j] = (_clone_kind(o), o)
-                where = "its next replay" if member is self else f"a replay of {self.name} (captured before it in the pool)"
+                where = ("its next replay" if member is self
+                         else f"a replay of {self.name} (captured before it in the pool)")
                 self._rec.event(member.name, "clone", f"backward output {j} still referenced at {where} "
                                 "(kept as .grad: gradient accumulation, or zero_grad after forward): "
                                 "cloned on return from now on", output=j)
