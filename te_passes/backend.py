@@ -303,7 +303,7 @@ def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], rep
 
     hazards = []
     ub_reads = (report.uuid or {}).get("ub_reads")
-    if te_state.ub is not None and ub_reads:
+    if te_state.ub is not None and getattr(te_state.ub, "initialized", False) and ub_reads:
         hazards.append(f"graph reads Userbuffers state with UB initialised ({'; '.join(map(str, ub_reads))[:200]}): "
                        "UB communicators captured into a CUDA graph are left to cudagraph trees")
     refreshers = [obs for obs in observers if hasattr(obs, "finish")]

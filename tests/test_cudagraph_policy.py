@@ -366,6 +366,35 @@ def test_empty_outputs_are_neither_guarded_nor_pool_memory(engine):
     del kept
 
 
+def test_output_referenced_elsewhere_at_capture_is_never_replayed_over(engine):
+    """An op that keeps a reference to a graph output (an opaque op's cache): the baseline is our
+    own references only, so that holder always counts and the graph never overwrites it."""
+    stash = []
+
+    def g(args):
+        x, w = args
+        args.clear()
+        h = x @ w
+        if len(stash) < 2:  # warm-up and capture run (a real replay runs no Python)
+            stash.append(h.view(-1))
+        return [torch.relu(h), h]
+
+    rec = CudagraphRecorder()
+    f = LeanCUDAGraph(g, [1], name="f", device_index=0, is_backward=False, is_inference=False,
+                      num_clone_outputs=1, engine=engine, recorder=rec)
+    w = _w().detach()
+    f([_data(0)[0], w])          # warm-up
+    f([_data(1)[0], w])          # capture: the stash now holds a view of the static output h
+    kept = stash[1]
+    ref = kept.clone()
+    for s in range(2, 5):
+        out = f([_data(s)[0], w])
+        assert torch.equal(out[0], eager(_data(s)[0], w))
+    assert any(r["event"] == "referenced" for r in rec.records)
+    assert f.stats["eager"] == 3 and f.stats["replay"] == 1
+    assert torch.equal(kept, ref), "the held view was overwritten"
+
+
 def test_inference_graph_clones_every_output(engine):
     w = _w().detach()
     f = LeanCUDAGraph(fwd_graph, [1], name="g1.inference", device_index=0, is_backward=False,
@@ -630,7 +659,8 @@ def test_should_wrap_declines_partitioned_graphs():
     assert pol.should_wrap(SimpleNamespace(partition_maps=[object()], fx_kwargs={}))
     assert not pol.should_wrap(SimpleNamespace(partition_maps=[object(), object()], fx_kwargs={"is_backward": True}))
     rec = pol.recorder.records[-1]
-    assert rec["graph"] == "g8.bwd" and rec["event"] == "not_captured" and "2 Inductor graph partitions" in rec["reason"]
+    assert rec["graph"] == "g8.bwd" and rec["event"] == "not_captured"
+    assert "2 Inductor graph partitions" in rec["reason"]
 
 
 def test_recorder_dedups_and_refreshes_once_per_reason():
@@ -723,6 +753,29 @@ def test_user_policy_wins(captured_patches):
         torch.compile(m, backend=functools.partial(te_inductor, mode="reduce-overhead"))(torch.randn(2, 4))
     assert "cudagraph_policy" not in captured_patches[-1]
     torch._dynamo.reset()
+
+
+def test_ub_hazard_only_when_ub_is_initialised():
+    """Every TE op carries UB flags (so a TE graph always "reads UB state"); only an initialised
+    UB makes lean replay step aside for the graph."""
+    from types import SimpleNamespace
+
+    from te_passes.backend import _cudagraph_policy
+    from te_passes.report import new_compile_report
+    from te_passes.te.ub import UbSnapshot
+
+    opts = TePassesOptions.parse({})[0]
+    rep = new_compile_report("reduce-overhead")
+    rep.uuid = {"ub_reads": ["te op linear: ub_overlap_ag_fprop flag"]}
+    patches = {"triton.cudagraphs": True}
+    off = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(source="absent")), [])
+    assert isinstance(off, LeanCUDAGraphPolicy) and off.static_hazards == ()
+    on = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(initialized=True, source="live")), [])
+    assert len(on.static_hazards) == 1 and "Userbuffers" in on.static_hazards[0]
+    rep.uuid = {"ub_reads": []}
+    pol = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(initialized=True)), [])
+    assert pol.static_hazards == ()
+    assert _cudagraph_policy(opts, {"triton.cudagraphs": False}, rep, SimpleNamespace(ub=None), []) is None
 
 
 def test_report_json_carries_cudagraph_records():

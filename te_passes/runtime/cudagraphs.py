@@ -21,17 +21,19 @@ What one :class:`LeanCUDAGraph` does (the replay model of TE's ``make_graphed_ca
 * one private memory pool per forward/backward pair: the forward captures into a new pool,
   its backward (found by data flow: its saved-tensor inputs are the forward's static outputs)
   captures into the same pool afterwards, so the backward's temporaries reuse the forward's;
-* outputs: a forward's user-visible outputs (``fw_metadata.num_forward`` first outputs) are
-  cloned (a caller may keep them across steps); saved tensors and backward gradients are
-  returned as fresh aliases of the static outputs (``detach``), so whoever keeps one shows up
-  in its storage's use count.
+* outputs: a forward's user-visible outputs (``fw_metadata.num_forward`` first outputs, or on
+  an AOTAutograd cache hit those its backward's warm-up did not read) are cloned (a caller may
+  keep them across steps); saved tensors and backward gradients are returned as fresh aliases
+  of the static outputs (``detach``), so whoever keeps one shows up in its storage's use count;
+* the capture run is given other tensor objects than the ones kept for replay (TE's fp8
+  backward rebinds the quantized input it owns: ``clear_tensor_data``, ``t.data = empty``).
 
 Safety rule checked before every replay (the reason pool sharing is safe in any call order):
 a replay of graph G writes only G's static outputs, G's static input buffers and blocks that
 were free in G's pool when G was captured. Those blocks can hold live data only in outputs of
 graphs captured later in the same pool. So G replays only when no output of G or of a graph
 captured after it in its pool is referenced beyond the runners' own references
-(``torch._C._storage_Use_Count`` against a baseline taken after capture). Otherwise this call
+(``torch._C._storage_Use_Count`` against the references the wrappers hold themselves). Otherwise this call
 runs the compiled graph without a CUDA graph (correct, slower), and the reason is recorded:
 
 * G's saved tensors still referenced and its backward has not run since: a second forward
@@ -48,9 +50,12 @@ runs the compiled graph without a CUDA graph (correct, slower), and the reason i
 Static hazards, decided when the policy is called (falls back to cudagraph trees through
 ``super().cudagraphify``, or for a backward whose forward is lean, to no CUDA graph): dynamic
 shapes, non-CUDA inputs, mutated inputs that are not static, kernel-free graphs, a graph that
-reads Userbuffers state (UB communicators captured into a graph), AOTAutograd output metadata
-not available; graphs with more than one Inductor partition are not wrapped at all
-(:meth:`LeanCUDAGraphPolicy.should_wrap`). Every decision and fallback is a record in
+reads Userbuffers state while UB is initialised (UB communicators captured into a graph);
+graphs with more than one Inductor partition are not wrapped at all
+(:meth:`LeanCUDAGraphPolicy.should_wrap`). After each capture, Inductor's pool-liveness check
+(``_cuda_checkPoolLiveAllocations``, as cudagraph trees use it) must find exactly the pool's
+outputs alive; a failed capture or a leaked pool tensor leaves that graph without a CUDA graph.
+Every decision and fallback is a record in
 ``CompileReport.cudagraphs`` (``report.json``) and a ``te_passes`` log line.
 
 The capture/replay engine (CUDA graphs, pools, streams) is injectable (:class:`CudaGraphEngine`),
@@ -158,15 +163,32 @@ def _clone_kind(t: torch.Tensor) -> int:
     return _CLONE if is_non_overlapping_and_dense_or_false(t) else _CLONE_STRIDED
 
 
+def _own_references(cdatas: Any, tensors: Sequence[Any]) -> dict[int, int]:
+    """Per storage ``cdata`` in ``cdatas``: the references on it we account for — one per distinct
+    tensor object of ``tensors`` using it, plus one for its Python storage object
+    (``untyped_storage()`` creates it once and PyObject preservation keeps it, and its reference,
+    for the storage's lifetime; cudagraph trees' ``StorageWeakRefWrapper.expired`` counts it too)."""
+    counts = dict.fromkeys(cdatas, 1)
+    seen: set[int] = set()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            cd = t.untyped_storage()._cdata
+            if cd in counts:
+                counts[cd] += 1
+    return counts
+
+
 def _emit(plan: list[tuple[int, Any]]) -> list:
     """The outputs one call returns, from the capture's plan (hot path)."""
-    out = [o if k == _PASS else o.detach() if k == _ALIAS else o.clone() if k == _CLONE else None
-           for k, o in plan]
-    if None in out:  # rare: strided clones (and None outputs, which pass through unchanged)
-        from torch._inductor.utils import clone_preserve_strides
+    return [o if k == _PASS else o.detach() if k == _ALIAS else o.clone() if k == _CLONE else _clone_strided(o)
+            for k, o in plan]
 
-        out = [clone_preserve_strides(o) if k == _CLONE_STRIDED else r for (k, o), r in zip(plan, out)]
-    return out
+
+def _clone_strided(t: torch.Tensor) -> torch.Tensor:
+    from torch._inductor.utils import clone_preserve_strides
+
+    return clone_preserve_strides(t)
 
 
 # ------------------------------------------------------------------------------- recording
@@ -438,8 +460,8 @@ class LeanCUDAGraph:
         try:
             graph, outs = self._engine.capture(self._model, call, pool.handle, self.device_index, static)
         except Exception as exc:  # noqa: BLE001 - recorded; the graph then runs without a CUDA graph
-            self._disabled = (f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
-                              ": runs without a CUDA graph")
+            first = str(exc).splitlines()[0][:300] if str(exc) else ""
+            self._disabled = f"capture failed ({type(exc).__name__}: {first}): runs without a CUDA graph"
             self._rec.event(self.name, "disabled", self._disabled)
             log.warning("te_passes cudagraphs: %s: %s", self.name, self._disabled)
             return self._eager(inputs)
@@ -493,7 +515,15 @@ class LeanCUDAGraph:
         buffers = {static[i].untyped_storage().data_ptr() for i, _ in self._copy}
         self._pool_storages = {o.untyped_storage().data_ptr() for k, o in plan
                                if k != _PASS and o.untyped_storage().nbytes()} - buffers
-        self._own = [[cd, _use_count(cd), j] for cd, j in own_cdatas.items()]
+        # Baselines: the references we hold ourselves (one per tensor object of ours on that
+        # storage), never a measured count — a transient holder at capture (a local storage
+        # object, the caller's aliases) would raise it and hide a later holder for good.
+        expected = _own_references(own_cdatas, [o for _, o in plan] + list(static))
+        self._own = [[cd, expected[cd], j] for cd, j in own_cdatas.items()]
+        extra = [j for cd, j in own_cdatas.items() if _use_count(cd) > expected[cd]]
+        if extra:
+            self._rec.event(self.name, "referenced", f"outputs {extra} are referenced outside the graph right "
+                            "after capture: calls run without the CUDA graph while they are", outputs=extra)
         for runner, cdata in owners:
             for item in runner._own:
                 if item[0] == cdata:
@@ -609,7 +639,8 @@ class LeanCUDAGraph:
             if member.is_backward:
                 if kind == _ALIAS:
                     member._plan[j] = (_clone_kind(o), o)
-                where = "its next replay" if member is self else f"a replay of {self.name} (captured before it in the pool)"
+                where = ("its next replay" if member is self
+                         else f"a replay of {self.name} (captured before it in the pool)")
                 self._rec.event(member.name, "clone", f"backward output {j} still referenced at {where} "
                                 "(kept as .grad: gradient accumulation, or zero_grad after forward): "
                                 "cloned on return from now on", output=j)
