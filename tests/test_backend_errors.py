@@ -47,7 +47,7 @@ def test_option_error_at_first_call_is_unwrapped(how):
 
 
 def test_pass_error_under_strict_is_unwrapped(monkeypatch):
-    from te_passes.passes import registry
+    from te_passes.pipeline import registry
     from te_passes.pipeline.base import Stage, TEPass
 
     class Boom(TEPass):

@@ -277,6 +277,7 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("te_passes.debug.graph_io", "_NodeRef"), ("te_passes.debug.graph_io", "_OpRef"),
     ("te_passes.debug.graph_io", "_FnRef"), ("te_passes.debug.graph_io", "SymMeta"),
     ("te_passes.debug.graph_io", "TensorMeta"),
+    ("te_passes.pipeline.base", "Stage"),  # a str enum: graph files written before 2026-12-01 pickle it in their info
     ("torch.fx.immutable_collections", "immutable_list"), ("torch.fx.immutable_collections", "immutable_dict"),
     ("torch", "device"), ("torch", "Size"), ("torch.torch_version", "TorchVersion"),
     ("builtins", "slice"), ("builtins", "complex"), ("builtins", "Ellipsis"),
