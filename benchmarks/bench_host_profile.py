@@ -47,6 +47,12 @@ te: _storage_unflatten               TE rebuilding a quantized storage (``Float8
 te: impl                             TE's ``_linear_forward_impl`` / ``_linear_backward_impl``
                                      (eager: the module attribute, i.e. incl. te_passes' amax-group
                                      wrapper, ~0.2 us a call)
+te impl: <callee>                    inside the impls (both paths, timed after compiling):
+                                     ``Quantizer.__call__`` (input / grad-output / weight cast),
+                                     ``quantize_weight``, ``general_gemm`` (TE's GEMM wrapper and
+                                     its C++ call, launches included), ``finalize_weight_grads``,
+                                     ``clear_tensor_data``; ``te: impl`` is then the impls' own
+                                     Python only
 te: pack_result                      TE flattening the impl's return
 te_passes: DirectTECall              te_passes' direct call (args object, the autograd guard,
                                      dropping the args object), minus impl / pack_result /
@@ -96,9 +102,20 @@ LAYER_ORDER = (
     "aot: runtime wrappers (fwd)", "inductor: wrapper code", "te op: wrapper op dispatch",
     "te op: base op dispatch (retargeted, not direct)", "te op: alias check",
     "te op: wrapper kernel + base dispatch", "te op: base kernel glue", "te: _ArgPlan.unpack",
-    "te: _storage_unflatten", "te: impl",
+    "te: _storage_unflatten", "te: impl", "te impl: quantize (Quantizer.__call__)", "te impl: quantize_weight",
+    "te impl: general_gemm", "te impl: finalize_weight_grads", "te impl: clear_tensor_data",
     "te: pack_result", "te_passes: DirectTECall", "eager: _linear_eager (apply)", "eager: _Linear.forward",
     "eager: _Linear.backward", "te.Linear.forward",
+)
+
+
+#: TE 2.20.2 ``module/linear.py`` globals the impls call, timed as their own layers (the GEMM
+#: wrapper and its C++ call, weight quantization, wgrad finalisation, tensor-data clearing).
+IMPL_CALLEES = (
+    ("general_gemm", "te impl: general_gemm"),
+    ("quantize_weight", "te impl: quantize_weight"),
+    ("finalize_weight_grads", "te impl: finalize_weight_grads"),
+    ("clear_tensor_data", "te impl: clear_tensor_data"),
 )
 
 
@@ -314,6 +331,21 @@ class Hooks:
         for op in (fam, f"{fam}_backward"):
             self._overload(op, "te op: wrapper op dispatch")
             self._overload(f"{op}_base", "te op: base op dispatch (retargeted, not direct)")
+        self.install_impl_split()
+
+    def install_impl_split(self) -> None:
+        """TE's impls' callees, on both paths (eager and compiled run the same impl code with
+        the same module globals): ``te: impl`` becomes the impls' own Python, and these layers
+        say where a difference between the paths is. Only between compilations (the fake
+        impls share some of these globals)."""
+        if not self.eager_module:
+            return
+        from transformer_engine.pytorch import quantized_tensor as qt
+
+        mod = sys.modules[f"transformer_engine.pytorch.module.{self.eager_module}"]
+        for name, label in IMPL_CALLEES:
+            self._attr(mod, name, label, what=f"module.{self.eager_module}.{name}")
+        self._attr(qt.Quantizer, "__call__", "te impl: quantize (Quantizer.__call__)", what="Quantizer.__call__")
 
     def install_eager(self) -> None:
         """Eager te.Linear's Python functions. Only for the eager variant: Dynamo traces
@@ -486,12 +518,11 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 def _per_op(results: dict[str, dict[str, Any]]) -> list[str]:
     """The host cost of one TE op call, compiled vs eager (issue 13's ≤ 1.1× goal)."""
     out = []
-    te_layers = ("te op:", "te:", "te_passes:")
+    te_layers = ("te op:", "te:", "te impl:", "te_passes:")
     for p, by in results.items():
         eager = by.get("eager", {}).get("layers", {})
         # the apply path's layers, exclusive (so the timers' own cost is out on both sides)
-        e = sum(eager.get(k, {}).get("excl_us", 0.0) for k in (
-            "eager: _linear_eager (apply)", "eager: _Linear.forward", "eager: _Linear.backward", "te: impl"))
+        e = sum(d["excl_us"] for k, d in eager.items() if k.startswith(("eager: ", "te: impl", "te impl:")))
         for v in ("te_inductor", "te_inductor-nodirect"):
             if v not in by:
                 continue
@@ -499,6 +530,14 @@ def _per_op(results: dict[str, dict[str, Any]]) -> list[str]:
             if e:
                 out.append(f"- {p} {v}: TE op calls {c:.1f} µs/step (dispatch + glue + impl) vs eager "
                            f"_linear_eager + _Linear.forward / backward + impl {e:.1f} µs/step: {c / e:.2f}×")
+        for v in ("te_inductor", "te_inductor-nodirect"):
+            if v not in by or not eager:
+                continue
+            diff = [f"{k} {by[v]['layers'][k]['excl_us'] - eager[k]['excl_us']:+.1f}"
+                    for k in LAYER_ORDER if k.startswith(("te: impl", "te impl:")) and k in eager
+                    and k in by[v]["layers"]]
+            if diff:
+                out.append(f"  - {p} {v} minus eager, inside TE's impls (µs/step): " + ", ".join(diff))
     return out
 
 
