@@ -61,6 +61,11 @@ eager: _linear_eager / _Linear.*     eager te.Linear: the autograd.Function appl
 te.Linear.forward                    eager module Python (quantizer setup, args building)
 ==================================  =============================================================
 
+Python's cyclic collector: each collection (``gc.callbacks``) is its own layer ``python: gc
+(generation N)`` and is taken out of the frame it interrupted (a generation-2 collection over a
+process full of Dynamo / Inductor objects takes milliseconds; in a 40-step mean it would make
+whichever layer allocated at that moment look slow).
+
 Every timed call costs its timer ~1 µs outside its own interval, which would land in its
 parent's exclusive time (a DirectTECall has 2-4 timed children per call); ``Timers.calibrate``
 measures that cost in the same process and each parent's exclusive time has it subtracted per
@@ -104,6 +109,7 @@ LAYER_ORDER = (
     "te op: wrapper kernel + base dispatch", "te op: base kernel glue", "te: _ArgPlan.unpack",
     "te: _storage_unflatten", "te: impl", "te impl: quantize (Quantizer.__call__)", "te impl: quantize_weight",
     "te impl: general_gemm", "te impl: finalize_weight_grads", "te impl: clear_tensor_data",
+    "python: gc (generation 0)", "python: gc (generation 1)", "python: gc (generation 2)",
     "te: pack_result", "te_passes: DirectTECall", "eager: _linear_eager (apply)", "eager: _Linear.forward",
     "eager: _Linear.backward", "te.Linear.forward",
 )
@@ -216,6 +222,42 @@ class Timers:
 
         timed._bench_timed = True  # type: ignore[attr-defined]
         return timed
+
+    # -- Python's cyclic garbage collector: its pauses are their own layer
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._tls.gc_t0 = time.perf_counter()
+            return
+        t0 = getattr(self._tls, "gc_t0", None)
+        if t0 is None:
+            return
+        self._tls.gc_t0 = None
+        dt = time.perf_counter() - t0
+        label = f"python: gc (generation {info.get('generation', '?')})"
+        self.incl[label] += dt
+        self.excl[label] += dt
+        self.calls[label] += 1
+        st = self._stack()
+        if st:  # a child of the innermost open frame on this thread, like a timed call
+            st[-1][0] += dt
+        elif threading.current_thread() is not self._main:
+            with self._lock:
+                self._foreign += dt
+
+    @contextlib.contextmanager
+    def gc_layer(self):
+        """Report collector pauses as ``python: gc (generation N)`` instead of in whichever
+        frame happened to allocate when one was due (a generation-2 pass over Dynamo's and
+        Inductor's objects costs milliseconds and would dominate the frame it lands in)."""
+        import gc
+
+        gc.callbacks.append(self._gc_callback)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self._gc_callback)
 
     def calibrate(self, n: int = 20000, rounds: int = 5) -> float:
         """Set and return :attr:`overhead_s`: seconds a timed call adds to its parent's
@@ -459,10 +501,11 @@ def _measure(variant, fwd, x, dy, params, hooks, *, warmup, iters, sync) -> dict
     hooks.install_call_sites()
     timers.reset()
     timers.on = True
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    host = time.perf_counter() - t0
+    with timers.gc_layer():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        host = time.perf_counter() - t0
     timers.on = False
     sync()
     out = {"host_us_per_step": host * 1e6 / iters,
