@@ -64,7 +64,8 @@ te.Linear.forward                    eager module Python (quantizer setup, args 
 Python's cyclic collector: each collection (``gc.callbacks``) is its own layer ``python: gc
 (generation N)`` and is taken out of the frame it interrupted (a generation-2 collection over a
 process full of Dynamo / Inductor objects takes milliseconds; in a 40-step mean it would make
-whichever layer allocated at that moment look slow).
+whichever layer allocated at that moment look slow). A full ``gc.collect()`` runs after the
+warm-up, before the timed steps, so the collection the compile made due is not among them.
 
 Every timed call costs its timer ~1 µs outside its own interval, which would land in its
 parent's exclusive time (a DirectTECall has 2-4 timed children per call); ``Timers.calibrate``
@@ -499,6 +500,9 @@ def _measure(variant, fwd, x, dy, params, hooks, *, warmup, iters, sync) -> dict
         step()
     sync()
     hooks.install_call_sites()
+    import gc
+
+    gc.collect()  # the compile's objects: a full collection due now would land in the timed steps
     timers.reset()
     timers.on = True
     with timers.gc_layer():
