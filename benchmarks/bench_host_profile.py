@@ -41,15 +41,36 @@ te op: wrapper kernel + base dispatch the wrapper op's kernel function (dynamo-d
                                      slot forwarder) and the base op's dispatcher round trip
 te op: base kernel glue              the base op's kernel function minus unpack / impl / pack
 te: _ArgPlan.unpack                  TE rebuilding the args dataclass from the flat slots
+te: _storage_unflatten               TE rebuilding a quantized storage (``Float8TensorStorage``,
+                                     its quantizer copied) from its buffers: inside unpack, or
+                                     inside a DirectTECall (fp8 backward: inputmat, weight_fp8)
 te: impl                             TE's ``_linear_forward_impl`` / ``_linear_backward_impl``
                                      (eager: the module attribute, i.e. incl. te_passes' amax-group
                                      wrapper, ~0.2 us a call)
+te impl: <callee>                    inside the impls (both paths, timed after compiling):
+                                     ``Quantizer.__call__`` (input / grad-output / weight cast),
+                                     ``quantize_weight``, ``general_gemm`` (TE's GEMM wrapper and
+                                     its C++ call, launches included), ``finalize_weight_grads``,
+                                     ``clear_tensor_data``; ``te: impl`` is then the impls' own
+                                     Python only
 te: pack_result                      TE flattening the impl's return
-te_passes: DirectTECall              te_passes' direct call (args object, storage rebuild), minus
-                                     impl / pack_result
+te_passes: DirectTECall              te_passes' direct call (args object, the autograd guard,
+                                     dropping the args object), minus impl / pack_result /
+                                     _storage_unflatten
 eager: _linear_eager / _Linear.*     eager te.Linear: the autograd.Function apply path
 te.Linear.forward                    eager module Python (quantizer setup, args building)
 ==================================  =============================================================
+
+Python's cyclic collector: each collection (``gc.callbacks``) is its own layer ``python: gc
+(generation N)`` and is taken out of the frame it interrupted (a generation-2 collection over a
+process full of Dynamo / Inductor objects takes milliseconds; in a 40-step mean it would make
+whichever layer allocated at that moment look slow). A full ``gc.collect()`` runs after the
+warm-up, before the timed steps, so the collection the compile made due is not among them.
+
+Every timed call costs its timer ~1 µs outside its own interval, which would land in its
+parent's exclusive time (a DirectTECall has 2-4 timed children per call); ``Timers.calibrate``
+measures that cost in the same process and each parent's exclusive time has it subtracted per
+timed child (row "timer cost" = the total subtracted; sum of layers + timer cost = host time).
 
 Guard evaluation alone is measured in a second pass under ``torch.profiler`` (CPU activity): the
 ``TorchDynamo Cache Lookup`` events torch's eval-frame records (profiler-inflated; a bound).
@@ -86,9 +107,22 @@ LAYER_ORDER = (
     "step: python", "fwd: dynamo (frame, guards, call)", "bwd: autograd engine (+AOT bwd)",
     "aot: runtime wrappers (fwd)", "inductor: wrapper code", "te op: wrapper op dispatch",
     "te op: base op dispatch (retargeted, not direct)", "te op: alias check",
-    "te op: wrapper kernel + base dispatch", "te op: base kernel glue", "te: _ArgPlan.unpack", "te: impl",
+    "te op: wrapper kernel + base dispatch", "te op: base kernel glue", "te: _ArgPlan.unpack",
+    "te: _storage_unflatten", "te: impl", "te impl: quantize (Quantizer.__call__)", "te impl: quantize_weight",
+    "te impl: general_gemm", "te impl: finalize_weight_grads", "te impl: clear_tensor_data",
+    "python: gc (generation 0)", "python: gc (generation 1)", "python: gc (generation 2)",
     "te: pack_result", "te_passes: DirectTECall", "eager: _linear_eager (apply)", "eager: _Linear.forward",
     "eager: _Linear.backward", "te.Linear.forward",
+)
+
+
+#: TE 2.20.2 ``module/linear.py`` globals the impls call, timed as their own layers (the GEMM
+#: wrapper and its C++ call, weight quantization, wgrad finalisation, tensor-data clearing).
+IMPL_CALLEES = (
+    ("general_gemm", "te impl: general_gemm"),
+    ("quantize_weight", "te impl: quantize_weight"),
+    ("finalize_weight_grads", "te impl: finalize_weight_grads"),
+    ("clear_tensor_data", "te impl: clear_tensor_data"),
 )
 
 
@@ -102,20 +136,28 @@ class Timers:
 
     Per label: inclusive seconds, exclusive seconds (minus timed calls inside it, on the same
     thread, and minus top-level timed calls on other threads while it was the innermost open
-    frame of the main thread), and the call count. ``on`` switches recording (warm-up steps)."""
+    frame of the main thread), and the call count. ``on`` switches recording (warm-up steps).
+
+    Timer cost: a timed call spends some of its timer's own work outside its measured interval
+    (the wrapper call, the stack push before its first ``perf_counter``, the bookkeeping after its
+    last); that lands in its parent's exclusive time. :meth:`calibrate` measures it per timed
+    call (``overhead_s``) in this process and every frame subtracts ``overhead_s`` per timed
+    child from its exclusive time; the total subtracted is reported per label in ``timer``."""
 
     def __init__(self) -> None:
         self.incl: dict[str, float] = defaultdict(float)
         self.excl: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.timer: dict[str, float] = defaultdict(float)
         self.on = False
+        self.overhead_s = 0.0
         self._tls = threading.local()
         self._main = threading.main_thread()
         self._foreign = 0.0
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        self.incl.clear(), self.excl.clear(), self.calls.clear()
+        self.incl.clear(), self.excl.clear(), self.calls.clear(), self.timer.clear()
         self._foreign = 0.0
 
     def _stack(self) -> list:
@@ -124,48 +166,123 @@ class Timers:
             st = self._tls.stack = []
         return st
 
+    def _enter(self) -> list:
+        st = self._stack()
+        # child seconds, foreign at entry, foreign inside children, timed children, main thread
+        fr = [0.0, self._foreign, 0.0, 0, threading.current_thread() is self._main]
+        st.append(fr)
+        return fr
+
+    def _exit(self, label: str, fr: list, dt: float) -> None:
+        st = self._stack()
+        st.pop()
+        charged = fr[3] * self.overhead_s
+        own = dt - fr[0] - charged
+        if fr[4]:
+            f = self._foreign - fr[1]
+            own -= f - fr[2]
+            if st:
+                st[-1][2] += f
+        self.incl[label] += dt
+        self.excl[label] += own
+        self.calls[label] += 1
+        self.timer[label] += charged
+        if st:
+            st[-1][0] += dt
+            st[-1][3] += 1
+        elif not fr[4]:
+            with self._lock:
+                self._foreign += dt
+
     @contextlib.contextmanager
     def frame(self, label: str):
         if not self.on:
             yield
             return
-        st = self._stack()
-        main = threading.current_thread() is self._main
-        fr = [0.0, self._foreign, 0.0]  # child seconds, foreign at entry, foreign inside children
-        st.append(fr)
+        fr = self._enter()
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            dt = time.perf_counter() - t0
-            st.pop()
-            own = dt - fr[0]
-            if main:
-                f = self._foreign - fr[1]
-                own -= f - fr[2]
-                if st:
-                    st[-1][2] += f
-            self.incl[label] += dt
-            self.excl[label] += own
-            self.calls[label] += 1
-            if st:
-                st[-1][0] += dt
-            elif not main:
-                with self._lock:
-                    self._foreign += dt
+            self._exit(label, fr, time.perf_counter() - t0)
 
     def wrap(self, fn: Callable, label: str) -> Callable:
         timers = self
+        enter, exit_, clock = self._enter, self._exit, time.perf_counter
 
         @functools.wraps(fn)
         def timed(*a, **k):
             if not timers.on:
                 return fn(*a, **k)
-            with timers.frame(label):
+            fr = enter()
+            t0 = clock()
+            try:
                 return fn(*a, **k)
+            finally:
+                exit_(label, fr, clock() - t0)
 
         timed._bench_timed = True  # type: ignore[attr-defined]
         return timed
+
+    # -- Python's cyclic garbage collector: its pauses are their own layer
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._tls.gc_t0 = time.perf_counter()
+            return
+        t0 = getattr(self._tls, "gc_t0", None)
+        if t0 is None:
+            return
+        self._tls.gc_t0 = None
+        dt = time.perf_counter() - t0
+        label = f"python: gc (generation {info.get('generation', '?')})"
+        self.incl[label] += dt
+        self.excl[label] += dt
+        self.calls[label] += 1
+        st = self._stack()
+        if st:  # a child of the innermost open frame on this thread, like a timed call
+            st[-1][0] += dt
+        elif threading.current_thread() is not self._main:
+            with self._lock:
+                self._foreign += dt
+
+    @contextlib.contextmanager
+    def gc_layer(self):
+        """Report collector pauses as ``python: gc (generation N)`` instead of in whichever
+        frame happened to allocate when one was due (a generation-2 pass over Dynamo's and
+        Inductor's objects costs milliseconds and would dominate the frame it lands in)."""
+        import gc
+
+        gc.callbacks.append(self._gc_callback)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self._gc_callback)
+
+    def calibrate(self, n: int = 20000, rounds: int = 5) -> float:
+        """Set and return :attr:`overhead_s`: seconds a timed call adds to its parent's
+        exclusive time, beyond its own measured interval (median of ``rounds`` parents of ``n``
+        timed no-op calls each, minus the same parent with ``n`` plain calls)."""
+        def noop():
+            return None
+
+        timed = self.wrap(noop, "_calibrate child")
+        plain = self.wrap(lambda: [noop() for _ in range(n)], "_calibrate plain")
+        nested = self.wrap(lambda: [timed() for _ in range(n)], "_calibrate nested")
+        was, self.on, self.overhead_s = self.on, True, 0.0
+        est = []
+        try:
+            for _ in range(rounds):
+                self.reset()
+                plain(), nested()
+                est.append((self.excl["_calibrate nested"] - self.excl["_calibrate plain"]) / n)
+        finally:
+            self.on = was
+            self.reset()
+        est.sort()
+        self.overhead_s = max(0.0, est[len(est) // 2])
+        return self.overhead_s
 
 
 @dataclasses.dataclass
@@ -257,6 +374,21 @@ class Hooks:
         for op in (fam, f"{fam}_backward"):
             self._overload(op, "te op: wrapper op dispatch")
             self._overload(f"{op}_base", "te op: base op dispatch (retargeted, not direct)")
+        self.install_impl_split()
+
+    def install_impl_split(self) -> None:
+        """TE's impls' callees, on both paths (eager and compiled run the same impl code with
+        the same module globals): ``te: impl`` becomes the impls' own Python, and these layers
+        say where a difference between the paths is. Only between compilations (the fake
+        impls share some of these globals)."""
+        if not self.eager_module:
+            return
+        from transformer_engine.pytorch import quantized_tensor as qt
+
+        mod = sys.modules[f"transformer_engine.pytorch.module.{self.eager_module}"]
+        for name, label in IMPL_CALLEES:
+            self._attr(mod, name, label, what=f"module.{self.eager_module}.{name}")
+        self._attr(qt.Quantizer, "__call__", "te impl: quantize (Quantizer.__call__)", what="Quantizer.__call__")
 
     def install_eager(self) -> None:
         """Eager te.Linear's Python functions. Only for the eager variant: Dynamo traces
@@ -294,6 +426,9 @@ class Hooks:
         self._attr(CompiledFxGraph, "__call__", "inductor: wrapper code", what="CompiledFxGraph.__call__")
         self._attr(lu, "_c_check_aliasing_constraint", "te op: alias check")
         self._attr(tco._ArgPlan, "unpack", "te: _ArgPlan.unpack", what="_ArgPlan.unpack")
+        # TE's unpack calls the module global; a DirectTECall reads it when it is built (compile
+        # time, after this), so both paths' quantized-storage rebuilds land here.
+        self._attr(tco, "_storage_unflatten", "te: _storage_unflatten", what="custom_op._storage_unflatten")
         self._attr(DirectTECall, "__call__", "te_passes: DirectTECall", what="DirectTECall.__call__")
         for op in (fam, f"{fam}_backward"):
             self._backend_fn(f"{NS}::{op}", "te op: wrapper kernel + base dispatch")
@@ -365,17 +500,24 @@ def _measure(variant, fwd, x, dy, params, hooks, *, warmup, iters, sync) -> dict
         step()
     sync()
     hooks.install_call_sites()
+    import gc
+
+    gc.collect()  # the compile's objects: a full collection due now would land in the timed steps
     timers.reset()
     timers.on = True
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    host = time.perf_counter() - t0
+    with timers.gc_layer():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        host = time.perf_counter() - t0
     timers.on = False
     sync()
     out = {"host_us_per_step": host * 1e6 / iters,
+           "timer_overhead_us_per_call": timers.overhead_s * 1e6,
+           "timer_us_per_step": sum(timers.timer.values()) * 1e6 / iters,
            "layers": {k: {"excl_us": timers.excl[k] * 1e6 / iters, "incl_us": timers.incl[k] * 1e6 / iters,
-                          "calls": timers.calls[k] / iters} for k in timers.excl}}
+                          "calls": timers.calls[k] / iters, "timer_us": timers.timer[k] * 1e6 / iters}
+                      for k in timers.excl}}
     out["guard_us_per_step"] = _guard_time(step, iters, sync) if variant != "eager" else 0.0
     return out
 
@@ -411,6 +553,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| {l} | " + " | ".join(vals) + " |")
     lines.append("| **sum of layers** | " + " | ".join(
         f"{sum(d['excl_us'] for d in results[p][v]['layers'].values()):.1f}" for p, v in cols) + " |")
+    lines.append("| timer cost (calibrated, subtracted above) | " + " | ".join(
+        f"{results[p][v].get('timer_us_per_step', 0.0):.1f}" for p, v in cols) + " |")
     lines.append("| **host time per step** | " + " | ".join(f"{results[p][v]['host_us_per_step']:.1f}" for p, v in cols) + " |")
     lines.append("| guard eval (profiler, bound) | " + " | ".join(
         "" if results[p][v].get("guard_us_per_step") is None else f"{results[p][v]['guard_us_per_step']:.1f}"
@@ -421,17 +565,26 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 def _per_op(results: dict[str, dict[str, Any]]) -> list[str]:
     """The host cost of one TE op call, compiled vs eager (issue 13's ≤ 1.1× goal)."""
     out = []
-    te_layers = ("te op:", "te:", "te_passes:")
+    te_layers = ("te op:", "te:", "te impl:", "te_passes:")
     for p, by in results.items():
         eager = by.get("eager", {}).get("layers", {})
-        e = sum(eager.get(k, {}).get("incl_us", 0.0) for k in ("eager: _linear_eager (apply)", "eager: _Linear.backward"))
+        # the apply path's layers, exclusive (so the timers' own cost is out on both sides)
+        e = sum(d["excl_us"] for k, d in eager.items() if k.startswith(("eager: ", "te: impl", "te impl:")))
         for v in ("te_inductor", "te_inductor-nodirect"):
             if v not in by:
                 continue
             c = sum(d["excl_us"] for k, d in by[v]["layers"].items() if k.startswith(te_layers))
             if e:
                 out.append(f"- {p} {v}: TE op calls {c:.1f} µs/step (dispatch + glue + impl) vs eager "
-                           f"_linear_eager + _Linear.backward {e:.1f} µs/step: {c / e:.2f}×")
+                           f"_linear_eager + _Linear.forward / backward + impl {e:.1f} µs/step: {c / e:.2f}×")
+        for v in ("te_inductor", "te_inductor-nodirect"):
+            if v not in by or not eager:
+                continue
+            diff = [f"{k} {by[v]['layers'][k]['excl_us'] - eager[k]['excl_us']:+.1f}"
+                    for k in LAYER_ORDER if k.startswith(("te: impl", "te impl:")) and k in eager
+                    and k in by[v]["layers"]]
+            if diff:
+                out.append(f"  - {p} {v} minus eager, inside TE's impls (µs/step): " + ", ".join(diff))
     return out
 
 
@@ -516,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     import te_passes.backend  # noqa: F401  (installs te_passes' TE hooks before the timers wrap them)
 
     timers = Timers()
+    overhead = timers.calibrate()
+    print(f"timer cost: {overhead * 1e6:.2f} µs per timed call (subtracted from its parent's exclusive time)")
     try:  # every timer once, to fail loudly before measuring anything
         hooks = Hooks(timers, "linear").install()
     except HookMissing as e:
@@ -539,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
             "dry_run": args.dry_run, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
-            "iters": args.iters, "warmup": args.warmup, "timers": attached}
+            "iters": args.iters, "warmup": args.warmup, "timers": attached,
+            "timer_overhead_us_per_call": overhead * 1e6}
     (out / "host_profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     label = "DRY RUN (CPU, toy op family) — " if args.dry_run else ""
     md = [f"# {label}host-time split per step", "", f"`{meta['command']}` — {meta['date_utc']}", "",
@@ -547,7 +703,9 @@ def main(argv: list[str] | None = None) -> int:
           ("CPU toy: 2 toy linears + tanh, 16 tokens, 5 steps after 2 warm-up (the code path, not a "
            "measurement); " if args.dry_run else
            f"stack{args.layers}, {args.tokens} tokens, {args.iters} steps after {args.warmup} warm-up; ")
-          + "exclusive µs per step (calls per step).", "", table(results), "", *_per_op(results)]
+          + "exclusive µs per step (calls per step). Each timed call's own timer cost outside its "
+          f"interval ({overhead * 1e6:.2f} µs, calibrated in this process) is subtracted from its "
+          "parent's exclusive time (row \"timer cost\"; host time per step = sum of layers + timer cost).", "", table(results), "", *_per_op(results)]
     text = "\n".join(md) + "\n"
     (out / "host_profile.md").write_text(text)
     print(text)

@@ -438,3 +438,43 @@ def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):
     assert disp == {"fwd": 4, "bwd": 4}
     for (o, g), (ro, rg) in zip(outs, ref):
         assert torch.equal(o, ro) and all(torch.equal(a, b) for a, b in zip(g, rg))
+
+
+def test_feature_error_reads_no_source(toy, monkeypatch):
+    """``feature_error`` checks torch's Inductor API from attributes and code objects: it never
+    parses torch's source (``inspect.getsource`` of ``graph.py`` / ``ir.py`` cost the first
+    compile of a process hundreds of ms, issue 13), and still names each missing piece."""
+    import inspect
+
+    from torch._inductor import graph as G, ir
+
+    monkeypatch.setattr(inspect, "getsource", lambda *a, **k: pytest.fail("feature_error read source"))
+    monkeypatch.setattr(dc, "_FEATURE_ERROR", [])
+    assert dc.feature_error() is None
+
+    def no_stores(self, *a, **k):
+        self.x = 1
+
+    for cls, attr in ((G.GraphLowering, "opaque_value_type_classes"), (ir.FallbackKernel, "unflatten_args")):
+        with monkeypatch.context() as m:
+            m.setattr(dc, "_FEATURE_ERROR", [])
+            m.setattr(cls, "__init__", no_stores)
+            why = dc.feature_error()
+            assert why is not None and cls.__name__ in why and attr in why, why
+    with monkeypatch.context() as m:
+        m.setattr(dc, "_FEATURE_ERROR", [])
+        m.delattr(ir.ExternKernel, "python_kernel_name")
+        why = dc.feature_error()
+        assert why is not None and "python_kernel_name" in why, why
+    with monkeypatch.context() as m:
+        from torch._inductor import lowering as L
+
+        m.setattr(dc, "_FEATURE_ERROR", [])
+        m.delattr(L, "tag_to_layout_constraint")
+        why = dc.feature_error()
+        assert why is not None and "tag_to_layout_constraint" in why, why
+    # a refusal reaches the pass as a kept record (ensure_lowering returns it for a new op)
+    with monkeypatch.context() as m:
+        m.setattr(dc, "_FEATURE_ERROR", ["this torch's Inductor lacks what the direct-call lowering needs (X)"])
+        m.setattr(dc, "_LOWERINGS", {})
+        assert "lacks" in dc.ensure_lowering(dc.overload(f"{NS}::{toy.OP_NAME}_base"))

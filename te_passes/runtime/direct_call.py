@@ -485,13 +485,28 @@ _LOWERINGS: dict[Any, str | None] = {}
 _FEATURE_ERROR: list[str | None] = []
 
 
+def _stored_names(fn: Any) -> frozenset[str]:
+    """Attribute names a function's code refers to (``co_names``, nested code objects included),
+    ``frozenset()`` for something without code."""
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    names: set[str] = set()
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, type(c)))
+    return frozenset(names)
+
+
 def feature_error() -> str | None:
     """Why this torch's Inductor cannot take the direct-call lowering (``None``: it can).
 
     Needs (torch 2.14): ``torch._inductor.lowering.make_fallback`` / ``lowerings`` /
     ``tag_to_layout_constraint``, ``torch._library.utils.get_layout_constraint_tag``,
-    ``ir.FallbackKernel`` with ``python_kernel_name`` / ``unflatten_args``, and
-    ``GraphLowering.opaque_value_type_classes`` / ``operations``.
+    ``ir.FallbackKernel`` with ``python_kernel_name`` (a class attribute) / ``unflatten_args``, and
+    ``GraphLowering.opaque_value_type_classes`` / ``operations``. Instance attributes are checked
+    in the names the constructor's code object stores (``__init__.__code__.co_names``), which
+    costs microseconds; the result is computed once per process.
     """
     if _FEATURE_ERROR:
         return _FEATURE_ERROR[0]
@@ -505,13 +520,15 @@ def feature_error() -> str | None:
             for n in names:
                 if not hasattr(mod, n):
                     raise AttributeError(f"{mod.__name__}.{n}")
-        src = inspect.getsource(G.GraphLowering.__init__)
-        for attr in ("opaque_value_type_classes", "self.operations"):
-            if attr not in src:
-                raise AttributeError(f"GraphLowering.{attr.removeprefix('self.')}")
-        for attr in ("python_kernel_name", "unflatten_args"):
-            if attr not in inspect.getsource(ir.FallbackKernel.__init__) + inspect.getsource(ir.ExternKernel):
-                raise AttributeError(f"ir.FallbackKernel.{attr}")
+        # instance attributes: the names the constructors store (their code objects' co_names),
+        # not their source (inspect.getsource would parse all of graph.py / ir.py)
+        for cls, attrs in ((G.GraphLowering, ("opaque_value_type_classes", "operations")),
+                           (ir.FallbackKernel, ("unflatten_args",))):
+            missing = [a for a in attrs if a not in _stored_names(cls.__init__)]
+            if missing:
+                raise AttributeError(f"{cls.__name__} stores no {', '.join(missing)}")
+        if not hasattr(ir.FallbackKernel, "python_kernel_name"):
+            raise AttributeError("ir.FallbackKernel.python_kernel_name")
     except Exception as e:  # noqa: BLE001 - any API drift means "not available"
         reason = f"this torch's Inductor lacks what the direct-call lowering needs ({type(e).__name__}: {e})"
     _FEATURE_ERROR.append(reason)
