@@ -30,6 +30,7 @@ from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import pass_names
 from te_passes.report import CompileReport, new_compile_report
 from te_passes.runtime.ub_guard import pop_dependence, ub_state_reads
+from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot
 
@@ -46,7 +47,9 @@ def te_state_from_json(data: dict[str, Any] | None) -> TEState:
     """Rebuild the :class:`TEState` a dump saved (``TEState.to_json()`` output).
 
     The UB snapshot goes through ``te_passes.te.ub.UbSnapshot.from_json`` when that module
-    exists; ``extra`` becomes the sorted item tuple :class:`TEState` keeps.
+    exists; ``extra`` becomes the sorted item tuple :class:`TEState` keeps. The fp8 autocast
+    state holds TE recipe objects, which a dump keeps only as text: the replaying process's own
+    (:meth:`te_passes.te.recipes.Fp8State.capture_if_loaded`) is used, as a live compilation would.
     """
     data = data or {}
     ub = data.get("ub")
@@ -56,7 +59,7 @@ def te_state_from_json(data: dict[str, Any] | None) -> TEState:
         except ImportError:  # pragma: no cover - UB support missing: keep the JSON
             pass
     extra = tuple(sorted((data.get("extra") or {}).items()))
-    return TEState(te_version=data.get("te_version"), ub=ub, extra=extra)
+    return TEState(te_version=data.get("te_version"), ub=ub, extra=extra, fp8=Fp8State.capture_if_loaded())
 
 
 def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, options: TePassesOptions | None = None,

@@ -45,8 +45,8 @@ of residue, each handled here:
    graph — are never touched.
 
 Safety: lookups are folded to the TE autocast state the graph is compiled under
-(:class:`te_passes.te.recipes.Fp8State`, captured at compile time or given as the pass's
-``fp8_state`` config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built
+(:class:`te_passes.te.recipes.Fp8State`: the compilation's TE snapshot ``ctx.te_state.fp8``,
+captured once per compilation and part of the pipeline uuid, or the pass's ``fp8_state`` config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built
 otherwise (``symbolic_trace``) are specialised by this pass and every folded value is recorded.
 """
 
@@ -393,7 +393,8 @@ class HoistRecipeLookups(TEPass):
     Configuration (keyword args):
 
     * ``fp8_state`` — a :class:`te_passes.te.recipes.Fp8State` to fold lookups against (default:
-      TE's live autocast state at compile time, :meth:`Fp8State.capture`);
+      the compilation's TE snapshot, ``ctx.te_state.fp8``: TE's autocast state when the
+      compilation began, :meth:`te_passes.te.state.TEState.capture`);
     * ``hoist_constants`` — build value-opaque TE constants once (named wrapper globals) at the
       post-grad stages (default ``True``).
 
@@ -440,7 +441,7 @@ class HoistRecipeLookups(TEPass):
         if ctx.stage is Stage.DYNAMO:
             records: list[PassRecord] = []
             log = _UndoLog(gm.graph, ctx)  # both rewrites share one undo log
-            changed = self._fold_lookups(gm, records, log)
+            changed = self._fold_lookups(gm, records, log, ctx)
             changed |= self._fold_setattrs(gm, records, log)
             for node_name, path, tname in find_recipe_and_pg_objects(gm):
                 records.append(PassRecord("kept", node_name, {
@@ -456,16 +457,15 @@ class HoistRecipeLookups(TEPass):
         raise PassSkipped(f"nothing to do at stage {ctx.stage.value}")
 
     # ------------------------------------------------------------------ 1. lookups
-    def _state(self) -> recipes.Fp8State | None:
+    def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
+        """The fp8 state lookups fold to: the ``fp8_state`` config, else the compilation's TE
+        snapshot (``ctx.te_state.fp8``, part of the pipeline uuid) — never TE's live globals."""
         if self._fp8_state is not None:
             return self._fp8_state
-        try:
-            return recipes.Fp8State.capture()
-        except ImportError:
-            return None
+        return getattr(getattr(ctx, "te_state", None), "fp8", None)
 
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                      log: _UndoLog | None = None) -> bool:
+                      log: _UndoLog | None = None, ctx: PassContext | None = None) -> bool:
         graph = gm.graph
         state: recipes.Fp8State | None | object = _UNKNOWN  # captured lazily, once
         known: dict[torch.fx.Node, _Known] = {}
@@ -483,7 +483,7 @@ class HoistRecipeLookups(TEPass):
                 res = self._evaluate(node, value_of, lambda: state)
             except _NeedState:
                 if state is _UNKNOWN:
-                    state = self._state()
+                    state = self._state(ctx)
                 try:
                     res = self._evaluate(node, value_of, lambda: state)
                 except _NotFoldable as e:
@@ -541,8 +541,9 @@ class HoistRecipeLookups(TEPass):
                 if state is _UNKNOWN:
                     raise _NeedState()
                 if state is None:
-                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): TE is not importable here "
-                                       "and no fp8_state was given")
+                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): the compilation's TE state has no fp8 "
+                                       "autocast state (TE not loaded when it was captured) and no fp8_state "
+                                       "was given")
                 val = state.lookup(lookup)
                 if lookup == "get_fp8_recipe" and val is None:
                     raise _NotFoldable("FP8GlobalStateManager.get_fp8_recipe(): no recipe is active and TE's "

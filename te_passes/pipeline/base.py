@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import inspect
 import json
+import os
 import sys
 from typing import Any, Callable, ClassVar
 
@@ -30,6 +32,39 @@ from te_passes.te.state import TEState
 
 __all__ = ["ALL_STAGES", "AOT_STAGES", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass", "TEPassResult",
            "jsonable"]
+
+
+#: The te_passes package directory whose sources :func:`package_source_hash` covers.
+PACKAGE_ROOT: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def package_source_files(root: str) -> list[str]:
+    """Every ``.py`` file under ``root`` (the te_passes package), as sorted ``/``-separated paths
+    relative to it (``__pycache__`` skipped)."""
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        out.extend(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") for f in files if f.endswith(".py"))
+    return sorted(out)
+
+
+@functools.lru_cache(maxsize=None)
+def package_source_hash(root: str | None = None) -> str:
+    """sha256 over the path and bytes of every te_passes source file (:func:`package_source_files`
+    of ``root``, default :data:`PACKAGE_ROOT`), computed once per process and root.
+
+    Part of every pass's :meth:`TEPass.uuid` and of the pipeline uuid: what a pass does depends on
+    more than its own module (analyses, the TE graph model, recipe tables, the runtime's free op
+    and constant naming), so any source change re-keys Inductor's FX graph cache (issue 12).
+    """
+    root = root or PACKAGE_ROOT
+    h = hashlib.sha256()
+    for rel in package_source_files(root):
+        h.update(rel.encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(f.read())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 class Stage(str, enum.Enum):
@@ -124,8 +159,8 @@ class TEPass(PassBase):
         restores the pre-pass graph on any exception.
 
     ``config()`` returns the pass's configuration as JSON-able data; ``uuid()`` hashes the
-    source file of the pass's class together with it (vLLM ``InductorPass.uuid`` style), so it
-    can key Inductor's FX graph cache.
+    source file of the pass's class and every te_passes source file (:func:`package_source_hash`)
+    together with it (vLLM ``InductorPass.uuid`` style), so it can key Inductor's FX graph cache.
     """
 
     name: ClassVar[str] = ""
@@ -172,8 +207,11 @@ class TEPass(PassBase):
         return h.hexdigest()
 
     def uuid(self) -> str:
-        """Stable id of this pass: source hash + config; changes when either changes."""
+        """Stable id of this pass: its class's source, the te_passes package source
+        (:func:`package_source_hash` of :data:`PACKAGE_ROOT`) and its config; changes when any
+        changes."""
         payload = json.dumps({"name": self.name, "src": self.source_hash(),
+                              "package": package_source_hash(PACKAGE_ROOT),
                               "config": jsonable(self.config())}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
 
