@@ -94,16 +94,19 @@ AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stag
 
 
 class TEPassResult(PassResult):
-    """A ``torch.fx.passes.infra.pass_base.PassResult`` plus the pass's records.
+    """A ``torch.fx.passes.infra.pass_base.PassResult`` plus the pass's records and facts.
 
     Fields: ``graph_module`` (the same module, rewritten in place), ``modified`` (bool),
-    ``records`` (list of :class:`PassRecord`).
+    ``records`` (list of :class:`PassRecord`, for people) and ``facts`` (typed objects for the
+    pipeline, e.g. ``te_passes.runtime.ub_guard.UbDependence``: what the compiled graph depends
+    on). A pass hands results to the pipeline only this way, never through module globals.
     """
 
     def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool,
-                records: list[PassRecord] | None = None) -> "TEPassResult":
+                records: list[PassRecord] | None = None, facts: list[Any] | None = None) -> "TEPassResult":
         self = super().__new__(cls, graph_module, modified)
         self.records = list(records or [])
+        self.facts = list(facts or [])
         return self
 
 
@@ -142,6 +145,11 @@ class PassContext:
     #: ``{("liveness", stage): Liveness}``). The manager empties it whenever a pass changes (or
     #: fails on) the graph, so an entry is always an analysis of the graph as it is now.
     analyses: dict = dataclasses.field(default_factory=dict)
+    #: Facts the compilation driver hands to the passes of this compilation, by name: what the
+    #: runtime saw before any pass ran (``"ub_trace_folds"``: UB queries Dynamo folded while it
+    #: traced this graph; ``"ub_prev_token"``: the UB token this Dynamo frame was traced with
+    #: before, on a recompile). Passes read them; they never fetch them from module globals.
+    inputs: dict = dataclasses.field(default_factory=dict)
 
 
 class TEPass(PassBase):

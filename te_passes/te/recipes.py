@@ -449,7 +449,9 @@ class Fp8State:
     ``recipe`` is the object ``get_fp8_recipe()`` returns (TE's default recipe when no autocast
     is active; ``None`` when that default cannot be chosen because no GPU is visible: lookups
     of it are then not folded), ``fp8_group`` the amax-reduction process group (``None`` when
-    unset).
+    unset). ``recipe_text`` / ``fp8_group_text``: what :meth:`to_json` shows for them when the
+    objects are not here (a state read back from a dump by :meth:`from_json`; lookups of the
+    recipe are then not folded).
     """
 
     fp8_enabled: bool = False
@@ -457,6 +459,8 @@ class Fp8State:
     fp8_parameters: bool = False
     recipe: Any = None
     fp8_group: Any = None
+    recipe_text: str | None = None
+    fp8_group_text: str | None = None
 
     def lookup(self, name: str) -> Any:
         """The value of ``FP8GlobalStateManager.<name>()`` (a key of :data:`STATE_LOOKUPS`).
@@ -505,8 +509,17 @@ class Fp8State:
         recipe's ``repr`` (TE's recipes are dataclasses: their repr is their value) and the
         amax-reduction group's type name (``None`` when unset)."""
         return {"fp8_enabled": self.fp8_enabled, "fp8_calibration": self.fp8_calibration,
-                "fp8_parameters": self.fp8_parameters, "recipe": None if self.recipe is None else repr(self.recipe),
-                "fp8_group": None if self.fp8_group is None else type(self.fp8_group).__name__}
+                "fp8_parameters": self.fp8_parameters,
+                "recipe": self.recipe_text if self.recipe is None else repr(self.recipe),
+                "fp8_group": self.fp8_group_text if self.fp8_group is None else type(self.fp8_group).__name__}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Fp8State":
+        """The state :meth:`to_json` wrote (same JSON, so the same fingerprint); the recipe and
+        group objects are not rebuilt, only their text is kept."""
+        return cls(fp8_enabled=bool(data.get("fp8_enabled")), fp8_calibration=bool(data.get("fp8_calibration")),
+                   fp8_parameters=bool(data.get("fp8_parameters")), recipe_text=data.get("recipe"),
+                   fp8_group_text=data.get("fp8_group"))
 
 
 def state_lookup_name(target: Any) -> str | None:
