@@ -31,8 +31,8 @@ from transformer_engine.pytorch.quantization import get_fp8_te_dtype  # noqa: E4
 
 from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
-from te_passes.passes.hoist_recipe_lookups import (  # noqa: E402
-    HoistRecipeLookups, find_recipe_and_pg_objects, object_occurrences)
+from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups  # noqa: E402
+from te_passes.te.graph_scan import find_recipe_and_pg_objects, object_occurrences  # noqa: E402
 from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
