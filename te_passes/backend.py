@@ -40,7 +40,8 @@ from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import configured_passes, pass_names
 from te_passes.report import CompileReport, new_compile_report
 from te_passes.runtime.install import install as _install_runtime
-from te_passes.runtime.ub_guard import raise_ub_mismatches, ub_state_reads, wrap_with_te_state_guard
+from te_passes.runtime.ub_guard import (dynamo_stage_inputs, raise_ub_mismatches, ub_dependence_of, ub_state_reads,
+                                        wrap_with_te_state_guard)
 from te_passes.te.state import TEState
 
 log = get_logger()
@@ -250,11 +251,15 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     report.te_state = te_state.to_json()
 
     t0 = time.perf_counter()
-    _run_stage(manager, gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs, report.graph_id), report)
+    inputs = dynamo_stage_inputs()  # UB folds Dynamo made while tracing, taken from the runtime once
+    _run_stage(manager, gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs, report.graph_id, inputs=inputs),
+               report)
     report.time_ms_passes += (time.perf_counter() - t0) * 1e3
     # The uuid (FX-graph-cache key part) covers the UB snapshot only if this graph reads UB state.
-    report.uuid = pipeline_uuid(manager, opts, te_state, ub_reads=ub_state_reads(gm, report.graph_id))
+    reads = ub_state_reads(gm, ub_dependence_of(report), trace_folds=inputs["ub_trace_folds"])
+    report.uuid = pipeline_uuid(manager, opts, te_state, ub_reads=reads)
     _raise_ub_mismatches(report)
+    checked = len(report.stages)  # their ub_mismatch records were just raised on: not again
 
     for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
         ours = _StagePass(manager, opts, te_state, report, joint=joint)
@@ -274,7 +279,7 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
             obs.finish(report)
     return _maybe_guard(compiled, report, te_state, opts,
                         recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options),
-                        cudagraphs=bool(config_patches.get("triton.cudagraphs")))
+                        cudagraphs=bool(config_patches.get("triton.cudagraphs")), checked_stages=checked)
 
 
 def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], report: CompileReport,
@@ -313,14 +318,16 @@ def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], rep
 
 
 def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions, recompile=None,
-                 cudagraphs: bool = False):
+                 cudagraphs: bool = False, checked_stages: int = 0):
     """Wrap ``compiled`` with a TE-state guard when a pass specialised it on UB state.
 
     ``recompile(gm, args)`` recompiles a pre-pass copy of the graph with the same mode/options
     (used by the UB guard when the UB state changed; see :mod:`te_passes.runtime.ub_guard`);
-    ``cudagraphs``: the graph is replayed as a CUDA graph (UB buffers recorded into it).
+    ``cudagraphs``: the graph is replayed as a CUDA graph (UB buffers recorded into it);
+    ``checked_stages``: stage reports whose ``ub_mismatch`` records were already raised on.
     """
-    return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile, cudagraphs=cudagraphs)
+    return wrap_with_te_state_guard(compiled, report, te_state, opts, recompile=recompile, cudagraphs=cudagraphs,
+                                    checked_stages=checked_stages)
 
 
 def _raise_ub_mismatches(report: CompileReport) -> None:

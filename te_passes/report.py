@@ -59,6 +59,9 @@ class PassRun:
     nodes_after: int = 0
     records: list[PassRecord] = dataclasses.field(default_factory=list)
     error: str | None = None
+    #: Typed facts the pass returned for the pipeline (``TEPassResult.facts``, e.g. a
+    #: ``te_passes.runtime.ub_guard.UbDependence``); empty unless the run succeeded. Not in JSON.
+    facts: list[Any] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("name", "stage", "status", "changed", "nodes_before",
@@ -113,6 +116,12 @@ class CompileReport:
         """All records of all runs, optionally only those of ``kind``."""
         return [r for s in self.stages for run in s.runs for r in run.records
                 if kind is None or r.kind == kind]
+
+    def typed_facts(self, cls: type | None = None, stages: "list[StageReport] | None" = None) -> list[Any]:
+        """The typed facts (:attr:`PassRun.facts`) of all runs of ``stages`` (default: every
+        stage so far), optionally only instances of ``cls``."""
+        return [f for s in (self.stages if stages is None else stages) for run in s.runs for f in run.facts
+                if cls is None or isinstance(f, cls)]
 
     def to_json(self) -> dict[str, Any]:
         return {"graph_id": self.graph_id, "mode": self.mode, "uuid": jsonable(self.uuid),

@@ -151,7 +151,7 @@ def test_dump_records_match_an_independent_run(fp8_dump, independent_run):
 def test_dump_uuid_and_te_state(fp8_dump):
     d, report, _ = fp8_dump
     u = report["uuid"]["g0"]
-    assert set(u) == {"passes", "options", "te_state", "reads_ub", "ub_reads", "uuid"}
+    assert set(u) == {"package", "passes", "options", "te_state", "reads_ub", "ub_reads", "uuid"}
     assert u["reads_ub"] is False and u["ub_reads"] == []  # no UB: the UB snapshot is not in the uuid
     assert list(u["passes"]) == [c.name for c in registered()]
     with open(d / "g0" / "te_state.json") as f:

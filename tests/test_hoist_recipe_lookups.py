@@ -31,8 +31,8 @@ from transformer_engine.pytorch.quantization import get_fp8_te_dtype  # noqa: E4
 
 from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
-from te_passes.passes.hoist_recipe_lookups import (  # noqa: E402
-    HoistRecipeLookups, find_recipe_and_pg_objects, object_occurrences)
+from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups  # noqa: E402
+from te_passes.te.graph_scan import find_recipe_and_pg_objects, object_occurrences  # noqa: E402
 from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
@@ -61,7 +61,9 @@ def use_quantizer(x, q):
 
 
 def ctx(stage=Stage.DYNAMO):
-    return PassContext(stage, TePassesOptions(strict=True), TEState())
+    """The pass reads TE's autocast state from the compilation's TE snapshot, taken here (as
+    ``te_inductor`` takes it when a compilation begins)."""
+    return PassContext(stage, TePassesOptions(strict=True), TEState.capture())
 
 
 def run_pass(gm, fp8_state=None, stage=Stage.DYNAMO, **kw):
@@ -115,7 +117,7 @@ def test_state_lookup_attribute_chain_folds_to_the_tables_bool(cls, gemm_name):
     recipe = recipes.default_recipe(cls)
     with autocast_cpu(recipe):
         expected = gm(X)
-        res = run_pass(gm)  # folds against TE's live autocast state
+        res = run_pass(gm)  # folds against the TE snapshot taken inside the autocast
     want = recipes.resolve_recipe(recipe).use_split_accumulator(gemm_name)
     assert ops(gm) == [("placeholder", "x"), ("call_function", "gemm"), ("output", "output")]
     (call,) = [n for n in gm.graph.nodes if n.op == "call_function"]

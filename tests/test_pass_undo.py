@@ -82,7 +82,7 @@ def test_hoist_post_grad_undo_restores_args(te_aot_graphs, monkeypatch):
 
 def test_undo_recreates_erased_chain():
     """A chain erased tail-first (b uses a) plus an argument replacement comes back exactly."""
-    from te_passes.passes.hoist_recipe_lookups import _UndoLog
+    from te_passes.fx.journal import GraphJournal as _UndoLog
 
     g = torch.fx.Graph()
     x = g.placeholder("x")

@@ -289,9 +289,11 @@ LINEAR_CFG = dict(ub_name="proj", fp8=False, tp_size=2, ub_overlap_rs_fprop=True
                   is_grad_enabled=False, fp8_output=False, output_quantizer=None)
 
 
-def _report(graph_id):
-    from te_passes.report import CompileReport
-    return CompileReport(graph_id)
+def _report(graph_id, *facts):
+    """A compile report whose Dynamo stage returned ``facts`` (typed pass facts)."""
+    from te_passes.report import CompileReport, PassRun, StageReport
+    return CompileReport(graph_id, stages=[StageReport(graph_id, "dynamo", runs=[
+        PassRun("fold_ub_predicates", "dynamo", facts=list(facts))])])
 
 
 def test_trace_time_folds_only_need_no_runtime_wrapper():
@@ -302,16 +304,20 @@ def test_trace_time_folds_only_need_no_runtime_wrapper():
     def compiled(*a):
         return a
 
-    guards.register_dependence("g900", folds=[guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, None,
-                                                            "dynamo_trace")])
-    assert guards.wrap_with_te_state_guard(compiled, _report("g900"), TEState.capture(), TePassesOptions()) is compiled
-    guards.register_dependence("g901", checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")])
-    wrapped = guards.wrap_with_te_state_guard(compiled, _report("g901"), TEState.capture(), TePassesOptions())
+    trace_only = UbDependence(folds=[guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, None, "dynamo_trace")])
+    assert guards.wrap_with_te_state_guard(compiled, _report("g900"), TEState.capture(), TePassesOptions(),
+                                           dependence=trace_only) is compiled
+    checked = UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")])
+    wrapped = guards.wrap_with_te_state_guard(compiled, _report("g901"), TEState.capture(), TePassesOptions(),
+                                              dependence=checked)
     assert wrapped is not compiled and wrapped.te_ub_guard.dependence.checks[0].config == LINEAR_CFG
+    # the dependence comes from the report's facts by default
+    assert guards.wrap_with_te_state_guard(compiled, _report("g903", checked), TEState.capture(),
+                                           TePassesOptions()).te_ub_guard.dependence.checks == checked.checks
     # an explicit offline snapshot is not guarded against the live registry
-    guards.register_dependence("g902", checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")])
     assert guards.wrap_with_te_state_guard(compiled, _report("g902"), TEState.capture(),
-                                           TePassesOptions(ub_snapshot={"initialized": False})) is compiled
+                                           TePassesOptions(ub_snapshot={"initialized": False}),
+                                           dependence=checked) is compiled
 
 
 @pytest.mark.parametrize("cudagraphs", [False, True])
@@ -489,13 +495,13 @@ def test_gpu_graph_guard_recompiles_under_cudagraph_trees():
 
     # a graph with a UB TE-op check (stand-in: the plain graph + the linear config) re-records on
     # an equal-answer re-initialisation
-    guards.register_dependence("g_cg", checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
-                               pristine=guards.pristine_copy(plain_graph()))
+    dep = UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
+                       pristine=guards.pristine_copy(plain_graph()))
     from te_passes.config import TePassesOptions
     from te_passes.te.state import TEState
 
     inner = te_inductor(plain_graph(), [x], mode="reduce-overhead")
-    fn = guards.wrap_with_te_state_guard(inner, _report("g_cg"), TEState.capture(), TePassesOptions(),
+    fn = guards.wrap_with_te_state_guard(inner, _report("g_cg", dep), TEState.capture(), TePassesOptions(),
                                          recompile=lambda g, a: te_inductor(g, a, mode="reduce-overhead"),
                                          cudagraphs=True)
     for _ in range(3):

@@ -160,7 +160,7 @@ def test_backward_ub_overlap_ag_is_a_ub_config_key(ub_linear_aot):
     assert bwd.ub_config() == {"ub_name": "proj", "ub_overlap_rs_dgrad": False, "ub_bulk_dgrad": False,
                                "ub_bulk_wgrad": False, "ub_overlap_ag": True}
     assert bwd.uses_ub()
-    assert guards.ub_state_reads(ub_linear_aot.backward, "gx_bwd") == [
+    assert guards.ub_state_reads(ub_linear_aot.backward) == [
         f"TE op {bwd.node.name} (linear_backward) sets ub_overlap_ag"]
     from te_passes.debug.printer import summarize_te_ops
 
@@ -173,10 +173,15 @@ def test_real_te_linear_dynamo_graphs(ub_linear_aot):
 
     gm = ub_linear_aot.dynamo.gm
     (call,) = gmod.te_op_calls(gm.graph)
-    assert guards.ub_state_reads(gm, "gx_dyn") == [
+    assert guards.ub_state_reads(gm) == [
         f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"]
     plain = capture_dynamo("linear", "bf16")
-    assert guards.ub_state_reads(plain.gm, "gx_plain") == []
+    assert guards.ub_state_reads(plain.gm) == []
+
+
+def _dependence(rep):
+    """The UB dependence fold_ub_predicates returned (a typed fact of its run)."""
+    return guards.UbDependence.merged(f for r in rep.runs for f in r.facts if isinstance(f, guards.UbDependence))
 
 
 @pytest.mark.parametrize("disable", [(), ("fold_ub_predicates",)], ids=["all_passes", "fold_disabled"])
@@ -196,21 +201,17 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
         (rep,) = run_pipeline(ub_cap, [Stage.DYNAMO], options=opts, graph_id="g_ubdyn")
         (plain_rep,) = run_pipeline(capture_dynamo("linear", "fp8-cs"), [Stage.DYNAMO], options=opts,
                                     graph_id="g_plaindyn")
-    try:
-        assert [r.name for r in rep.runs if r.status == "ok"] == \
-            [n for n in ("fold_ub_predicates", "hoist_recipe_lookups") if n not in disable]
-        (call,) = gmod.te_op_calls(rep.gm.graph)
-        reasons = guards.ub_state_reads(rep.gm, "g_ubdyn")
-        flags = f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"
-        if disable:
-            assert reasons == [flags]
-        else:
-            assert reasons[-1] == flags
-            assert f"fold_ub_predicates checked the UB configuration of TE ops {call.node.name}" in reasons
-        assert guards.ub_state_reads(plain_rep.gm, "g_plaindyn") == []
-    finally:
-        guards.pop_dependence("g_ubdyn")
-        guards.pop_dependence("g_plaindyn")
+    assert [r.name for r in rep.runs if r.status == "ok"] == \
+        [n for n in ("fold_ub_predicates", "hoist_recipe_lookups") if n not in disable]
+    (call,) = gmod.te_op_calls(rep.gm.graph)
+    reasons = guards.ub_state_reads(rep.gm, _dependence(rep))
+    flags = f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"
+    if disable:
+        assert reasons == [flags]
+    else:
+        assert reasons[-1] == flags
+        assert f"fold_ub_predicates checked the UB configuration of TE ops {call.node.name}" in reasons
+    assert guards.ub_state_reads(plain_rep.gm, _dependence(plain_rep)) == []
 
 
 def test_index_md_says_which_graphs_read_ub_state(tmp_path):
@@ -234,7 +235,7 @@ def test_query_nodes_left_unfolded_count_as_ub_reads():
     still reads UB state (its uuid changes with it)."""
     off = {"te_passes.disable": ["fold_ub_predicates"]}
     gm = ub_graph()
-    reasons = guards.ub_state_reads(gm, "g_unfolded")
+    reasons = guards.ub_state_reads(gm)
     assert reasons == ["UB query node get_ub (get_ub)", "UB query node is_fp8_ubuf (get_ub.is_fp8_ubuf)"]
     x = torch.randn(8)
     te_inductor(ub_graph(), [x], options=off)

@@ -29,7 +29,8 @@ from te_passes.pipeline.compilation import pipeline_uuid, run_stage as _run_stag
 from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import pass_names
 from te_passes.report import CompileReport, new_compile_report
-from te_passes.runtime.ub_guard import pop_dependence, ub_state_reads
+from te_passes.runtime.ub_guard import ub_dependence_of, ub_state_reads
+from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot
 
@@ -46,7 +47,9 @@ def te_state_from_json(data: dict[str, Any] | None) -> TEState:
     """Rebuild the :class:`TEState` a dump saved (``TEState.to_json()`` output).
 
     The UB snapshot goes through ``te_passes.te.ub.UbSnapshot.from_json`` when that module
-    exists; ``extra`` becomes the sorted item tuple :class:`TEState` keeps.
+    exists; ``extra`` becomes the sorted item tuple :class:`TEState` keeps. The fp8 autocast
+    state comes back through :meth:`te_passes.te.recipes.Fp8State.from_json` (same fingerprint;
+    the recipe object is kept only as text, so recipe lookups are not folded on replay).
     """
     data = data or {}
     ub = data.get("ub")
@@ -56,7 +59,8 @@ def te_state_from_json(data: dict[str, Any] | None) -> TEState:
         except ImportError:  # pragma: no cover - UB support missing: keep the JSON
             pass
     extra = tuple(sorted((data.get("extra") or {}).items()))
-    return TEState(te_version=data.get("te_version"), ub=ub, extra=extra)
+    fp8 = Fp8State.from_json(data["fp8"]) if data.get("fp8") is not None else None
+    return TEState(te_version=data.get("te_version"), ub=ub, extra=extra, fp8=fp8)
 
 
 def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, options: TePassesOptions | None = None,
@@ -90,7 +94,6 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
     report = new_compile_report(mode)
     if graph_id is not None:
         report.graph_id = graph_id
-    pop_dependence(report.graph_id)  # UB dependences a previous run of this graph id left (replay)
     report.uuid = pipeline_uuid(manager, options, te_state)  # UB part not known yet: included
     report.te_state = te_state.to_json()
     for stage, gm, inputs in sorted(jobs, key=lambda j: STAGE_ORDER.index(j[0])):
@@ -99,7 +102,8 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
         _run_stage(manager, gm, ctx, report)
         report.time_ms_passes += (time.perf_counter() - t0) * 1e3
         if stage is Stage.DYNAMO:  # as te_inductor: the UB part of the uuid once the Dynamo stage ran
-            report.uuid = pipeline_uuid(manager, options, te_state, ub_reads=ub_state_reads(gm, report.graph_id))
+            reads = ub_state_reads(gm, ub_dependence_of(report))
+            report.uuid = pipeline_uuid(manager, options, te_state, ub_reads=reads)
     report.time_ms_total = (time.perf_counter() - t_start) * 1e3
     if writer is not None:
         writer.finish(report)

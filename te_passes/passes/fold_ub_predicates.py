@@ -94,8 +94,9 @@ class FoldUbPredicates(TEPass):
 
     **Trace-time folds**: in graphs Dynamo traced from TE's Python (``Linear.forward`` calls
     ``get_ub_is_fp8``), te_passes' hook already folded the query during tracing, guarded on
-    the UB state token (:mod:`te_passes.runtime.ub_guard`); the pass records those folds and checks
-    them against the snapshot the graph is compiled with.
+    the UB state token (:mod:`te_passes.runtime.ub_guard`); the backend hands them to the pass
+    (``ctx.inputs["ub_trace_folds"]``), which records those folds and checks them against the
+    snapshot the graph is compiled with.
 
     **TE op checks**: for every ``transformer_engine_compile.linear[_backward]`` node whose
     config bundle sets a UB overlap flag, :func:`te_passes.te.ub.check_linear_ub_config` checks
@@ -107,7 +108,8 @@ class FoldUbPredicates(TEPass):
     (under ``te_passes.strict`` the pass raises at once).
 
     Every dependence (folded values, checked configs, a pre-pass copy of the graph when nodes
-    were folded) is registered with :mod:`te_passes.runtime.ub_guard`, which guards the compiled graph.
+    were folded) is returned as one typed fact, a :class:`te_passes.runtime.ub_guard.UbDependence`
+    (``TEPassResult.facts``); the backend guards the compiled graph with it.
 
     Records: ``"folded"`` (``api``, ``args``, ``value``, ``source`` = ``"fx"`` /
     ``"dynamo_trace"``), ``"const_folded"`` (operator nodes folded after them), ``"removed"``
@@ -207,8 +209,7 @@ class FoldUbPredicates(TEPass):
         self._check_te_ops(gm, snap, records, checks)
         if checks and ctx.stage is Stage.DYNAMO and not guards.te_ub_hooks_installed():
             # TE was imported after te_inductor was looked up: Linear.forward's get_ub_is_fp8 ran
-            # unguarded in this trace. Install the hooks for every later trace and say so.
-            guards.install_te_ub_hooks()
+            # unguarded in this trace. Say so (the backend's runtime.install() hooks every later trace).
             reason = ("TE's UB hooks were not installed when Dynamo traced this graph (transformer_engine "
                       "was imported after torch.compile(backend='te_inductor') was called): get_ub_is_fp8 "
                       "values folded by TE in this frame are not guarded; import transformer_engine first")
@@ -226,13 +227,12 @@ class FoldUbPredicates(TEPass):
             modified = True
             ctx.checkpoint()
             self._fold(gm.graph, values, records, folds)
-        if folds or checks:
-            guards.register_dependence(ctx.graph_id, folds=folds, checks=checks, pristine=pristine)
-        return TEPassResult(gm, modified, records)
+        facts = [guards.UbDependence(folds, checks, pristine)] if folds or checks else []
+        return TEPassResult(gm, modified, records, facts)
 
     def _record_trace_folds(self, snap: UbSnapshot, ctx: PassContext, records: list[PassRecord],
                             folds: list[guards.UbFold]) -> None:
-        trace_folds = guards.drain_trace_folds()
+        trace_folds = list(ctx.inputs.get("ub_trace_folds", ()))
         for f in trace_folds:
             folds.append(f)
             records.append(PassRecord("folded", None, {"api": f.api, "args": list(f.args), "value": f.value,
@@ -248,13 +248,13 @@ class FoldUbPredicates(TEPass):
                                 f"state compiled against ({snap.source}) gives {now!r}")}))
         if not trace_folds:
             return
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        prev = guards.note_frame_token(compile_id, guards.UB_STATE_TOKEN)
+        prev = ctx.inputs.get("ub_prev_token")
         if prev is not None and ctx.options.ub_on_change == "error":
+            compile_id, old, new = prev
             records.append(PassRecord("ub_mismatch", None, {
                 "ub_name": None, "buffer": None,
                 "message": (f"Dynamo frame {compile_id} is being re-traced because the UB state changed "
-                            f"(token {prev} -> {guards.UB_STATE_TOKEN}) and te_passes.ub_on_change='error'")}))
+                            f"(token {old} -> {new}) and te_passes.ub_on_change='error'")}))
 
     def _fold(self, graph: torch.fx.Graph, values: dict[torch.fx.Node, Any], records: list[PassRecord],
               folds: list[guards.UbFold]) -> None:

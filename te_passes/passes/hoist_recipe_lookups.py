@@ -45,8 +45,8 @@ of residue, each handled here:
    graph — are never touched.
 
 Safety: lookups are folded to the TE autocast state the graph is compiled under
-(:class:`te_passes.te.recipes.Fp8State`, captured at compile time or given as the pass's
-``fp8_state`` config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built
+(:class:`te_passes.te.recipes.Fp8State`: the compilation's TE snapshot ``ctx.te_state.fp8``,
+captured once per compilation and part of the pipeline uuid, or the pass's ``fp8_state`` config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built
 otherwise (``symbolic_trace``) are specialised by this pass and every folded value is recorded.
 """
 
@@ -54,225 +54,24 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import enum
 import operator
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx
 
 from te_passes.analyses.liveness import gc_paused
 from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
+from te_passes.fx.journal import GraphJournal, replace_uses_with_constant
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.constants import hoisted_owner, is_liftable_constant, name_constant, names_in, rebuild_cached
 from te_passes.te import recipes
-from te_passes.te.graph_model import TEConstKind, bundle_dict, is_te_op_node, quantizer_fields, te_const_kind
-
-_UNKNOWN = object()
-
-#: ``class -> te_const_kind`` of its instances: :func:`te_const_kind` depends only on the class
-#: of a non-class value; this plain dict lookup is the scans' per-value check (they visit every
-#: value of every node). Class values (``isinstance(v, type)``) are never stored, so they always
-#: take :func:`te_const_kind` itself.
-_KIND_BY_TYPE: dict[type, TEConstKind | None] = {}
-
-
-def _kind(v: Any) -> TEConstKind | None:
-    """``te_const_kind(v)``, memoized per class for instances."""
-    t = type(v)
-    k = _KIND_BY_TYPE.get(t, _UNKNOWN)
-    if k is _UNKNOWN:
-        k = te_const_kind(v)
-        if not isinstance(v, type):
-            _KIND_BY_TYPE[t] = k
-    return k
+from te_passes.te.graph_model import TEConstKind, te_const_kind
+from te_passes.te.graph_scan import (_LOOKUP_BUILTINS, _UNKNOWN, _bundle_quantizers, _get_attr, _kind,  # shared scans
+                                     _may_be_te_lookup, _users_of_objects, _values, _walk, find_recipe_and_pg_objects)
 
 #: Prefix of the wrapper-module globals that hold hoisted TE constants.
 CONST_ATTR_PREFIX = "_te_const_"
-
-
-# --------------------------------------------------------------------------- object scans
-def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
-    """Yield ``(path, value)`` for every value inside ``obj`` (args/kwargs), recursing into
-    lists/tuples/dicts and TE bundles (pre-order, at most 10 levels deep).
-
-    Iterative (an explicit stack, not nested generators: each level of a recursive generator
-    re-yields every value below it, which dominated scans of 100k-node graphs)."""
-    stack = [(obj, path, depth)]
-    pop, push = stack.pop, stack.extend
-    while stack:
-        o, p, d = pop()
-        if d > 10:
-            continue
-        yield p, o
-        if isinstance(o, torch.fx.Node) or isinstance(o, _PLAIN_TYPES):
-            continue  # leaves (a plain value is never a bundle, list or dict)
-        if _kind(o) is TEConstKind.BUNDLE:
-            push([(v, p + (k,), d + 1) for k, v in reversed(list(bundle_dict(o).items()))])
-        elif isinstance(o, (list, tuple)):
-            push([(o[i], p + (i,), d + 1) for i in range(len(o) - 1, -1, -1)])
-        elif isinstance(o, dict):
-            push([(v, p + (k,), d + 1) for k, v in reversed(list(o.items()))])
-
-
-
-#: ``call_function`` targets that can be part of a recipe lookup (besides TE's own functions).
-_LOOKUP_BUILTINS = frozenset({builtins.getattr, builtins.hasattr, builtins.isinstance, operator.is_,
-                              operator.is_not})
-
-
-def _is_object_constant(v: Any) -> bool:
-    return (not isinstance(v, (torch.fx.Node, bool, int, float, str, type(None), torch.dtype, torch.device,
-                                enum.Enum, type, list, tuple, dict)))
-
-
-def object_occurrences(graph: torch.fx.Graph) -> dict[int, list[tuple[torch.fx.Node, tuple]]]:
-    """``{id(obj): [(node, path), ...]}`` for every non-primitive constant object used by a node
-    (args, kwargs, inside bundles) or held by a ``get_attr`` target. Identity, not equality."""
-    occ: dict[int, list[tuple[torch.fx.Node, tuple]]] = {}
-    owner = graph.owning_module
-    for node in graph.nodes:
-        roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
-        if node.op == "get_attr" and owner is not None:
-            val = _get_attr(owner, str(node.target))
-            if val is not _UNKNOWN:
-                roots.append((("get_attr",), val))
-        for base, root in roots:
-            for path, v in _walk(root, base):
-                if _is_object_constant(v):
-                    occ.setdefault(id(v), []).append((node, path))
-    return occ
-
-
-def _values(obj: Any, depth: int = 0) -> Iterator[Any]:
-    """The values :func:`_walk` yields, without building paths (for whole-graph scans)."""
-    stack = [(obj, depth)]
-    while stack:
-        o, d = stack.pop()
-        if d > 10:
-            continue
-        yield o
-        if isinstance(o, torch.fx.Node) or isinstance(o, _PLAIN_TYPES):
-            continue
-        if isinstance(o, (list, tuple)):
-            stack.extend((v, d + 1) for v in reversed(o))
-        elif isinstance(o, dict):
-            stack.extend((v, d + 1) for v in reversed(list(o.values())))
-        elif _kind(o) is TEConstKind.BUNDLE:
-            stack.extend((v, d + 1) for v in reversed(list(bundle_dict(o).values())))
-
-
-def _users_of_objects(graph: torch.fx.Graph, ids: set[int]) -> dict[int, set[torch.fx.Node]]:
-    """``{id(obj): {node, ...}}`` for the objects whose ids are in ``ids``: the nodes of
-    :func:`object_occurrences` for those objects, computed without paths (one explicit stack
-    per node; the same values :func:`_values` visits)."""
-    out: dict[int, set[torch.fx.Node]] = {}
-    owner = graph.owning_module
-    node_t, plain, seq = torch.fx.Node, _PLAIN_TYPES, (list, tuple)
-    for node in graph.nodes:
-        stack: list[tuple[Any, int]] = [(node.args, 0), (node.kwargs, 0)]
-        if node.op == "get_attr" and owner is not None:
-            val = _get_attr(owner, str(node.target))
-            if val is not _UNKNOWN:
-                stack.append((val, 0))
-        while stack:
-            o, d = stack.pop()
-            if d > 10:
-                continue
-            if id(o) in ids and _is_object_constant(o):
-                out.setdefault(id(o), set()).add(node)
-            if isinstance(o, node_t) or isinstance(o, plain):
-                continue
-            if isinstance(o, seq):
-                stack.extend([(v, d + 1) for v in o])
-            elif isinstance(o, dict):
-                stack.extend([(v, d + 1) for v in o.values()])
-            elif _kind(o) is TEConstKind.BUNDLE:
-                stack.extend([(v, d + 1) for v in bundle_dict(o).values()])
-    return out
-
-
-def _get_attr(owner: torch.nn.Module, target: str) -> Any:
-    val: Any = owner
-    try:
-        for part in target.split("."):
-            val = getattr(val, part)
-    except AttributeError:
-        return _UNKNOWN
-    return val
-
-
-def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:
-    """Every recipe / recipe-part / process-group object left in ``gm``'s graph, as
-    ``(node name, path, type name)``: constants in node args/kwargs (inside bundles too) and
-    ``get_attr`` values. An empty list is what the pass guarantees for TE module graphs."""
-    out = []
-    for node in gm.graph.nodes:
-        roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
-        if node.op == "get_attr":
-            roots.append((("get_attr",), _get_attr(gm, str(node.target))))
-        for base, root in roots:
-            if not _has_objects(root) or not any(_is_recipe_or_pg(v) for v in _values(root)):
-                continue  # the common case, checked without building paths
-            for path, v in _walk(root, base):
-                if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
-                    continue
-                if recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v):
-                    out.append((node.name, "/".join(map(str, path)), type(v).__name__))
-    return out
-
-
-def _is_recipe_or_pg(v: Any) -> bool:
-    if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
-        return False
-    if isinstance(v, type):  # a class value: the answer depends on the class itself
-        return recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
-    t = type(v)
-    hit = _RECIPE_OR_PG_TYPES.get(id(t))
-    if hit is not None and hit[0] is t:
-        return hit[1]
-    ans = recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
-    _RECIPE_OR_PG_TYPES[id(t)] = (t, ans)
-    return ans
-
-
-#: ``id(class) -> (class, answer)`` of :func:`_is_recipe_or_pg` for instances: ``is_recipe``,
-#: ``is_recipe_part`` and ``is_process_group`` read only the instance's class (module, MRO
-#: names). The class is kept so its id stays valid.
-_RECIPE_OR_PG_TYPES: dict[int, tuple[type, bool]] = {}
-
-
-def _may_be_te_lookup(target: Any) -> bool:
-    """Cheap filter: a classmethod of a class (``FP8GlobalStateManager.*``) or a function defined
-    in ``transformer_engine`` (the pure recipe functions)."""
-    if isinstance(getattr(target, "__self__", None), type):
-        return True
-    return (getattr(target, "__module__", None) or "").startswith("transformer_engine")
-
-
-def _has_objects(root: Any) -> bool:
-    """Fast pre-check: whether args/kwargs ``root`` hold anything besides nodes and plain values."""
-    if isinstance(root, (tuple, list)):
-        return any(_has_objects(a) for a in root)
-    if isinstance(root, dict):
-        return any(_has_objects(a) for a in root.values())
-    return not (isinstance(root, _PLAIN_TYPES) or isinstance(root, torch.fx.Node))
-
-
-def _bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]:
-    """``(node, path, quantizer object, value key)`` for every quantizer inside a TE op's args."""
-    out = []
-    keys: dict[int, tuple] = {}  # id(quantizer) -> value key; nothing mutates them during the scan
-    for node in graph.nodes:
-        if not is_te_op_node(node):
-            continue
-        for path, v in _walk(node.args, ("args",)):
-            if _kind(v) is TEConstKind.QUANTIZER:
-                key = keys.get(id(v))
-                if key is None:
-                    key = keys[id(v)] = tuple(sorted((k, repr(x)) for k, x in quantizer_fields(v).items()))
-                out.append((node.name, "/".join(map(str, path)), v, key))
-    return out
 
 
 # --------------------------------------------------------------------------- lookup evaluation
@@ -280,70 +79,6 @@ def _bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]
 class _Known:
     value: Any
     lookup: str  # the source expression, e.g. "FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_dgrad"
-
-
-def _replace_with_constant(node: torch.fx.Node, value: Any, log: "_UndoLog | None" = None) -> list[str]:
-    """Replace every use of ``node`` by the literal ``value``; return the users' names."""
-    users = list(node.users)
-    for user in users:
-        args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
-        kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
-        if log is not None:
-            log.set_args(user, args, kwargs)
-        else:
-            user.args, user.kwargs = args, kwargs
-    return [u.name for u in users]
-
-
-class _UndoLog:
-    """The pass's mutations (argument replacements, erasures of user-less nodes), recorded so
-    that :meth:`undo` restores the graph exactly (same node names, order, arguments, meta);
-    handed to the pass manager as ``ctx.checkpoint(undo)`` instead of a copy of the graph
-    (a copy costs ~20-30 us per node on every graph with residue to fold)."""
-
-    def __init__(self, graph: torch.fx.Graph, ctx: PassContext | None) -> None:
-        self.graph, self.ctx = graph, ctx
-        self.ops: list[tuple] = []
-
-    def _first(self) -> None:
-        if not self.ops and self.ctx is not None:
-            self.ctx.checkpoint(self.undo)
-
-    def set_args(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> None:
-        self._first()
-        self.ops.append(("args", node, node.args, node.kwargs))
-        node.args, node.kwargs = args, kwargs
-
-    def erase(self, node: torch.fx.Node) -> None:
-        """``graph.erase_node(node)`` (``node`` has no users), remembering where it was."""
-        self._first()
-        info = ("erase", node, node.next, node.op, node.target, node.args, node.kwargs, node.name,
-                node.type, node.meta)
-        self.graph.erase_node(node)
-        self.ops.append(info)
-
-    def undo(self) -> None:
-        """Revert every recorded mutation, newest first; erased nodes are re-created in place."""
-        graph = self.graph
-        new_of: dict[torch.fx.Node, torch.fx.Node] = {}
-
-        def m(a: Any) -> Any:
-            return torch.fx.node.map_arg(a, lambda n: new_of.get(n, n))
-
-        for op in reversed(self.ops):
-            if op[0] == "args":
-                _, node, args, kwargs = op
-                node = new_of.get(node, node)
-                node.args, node.kwargs = m(args), m(kwargs)
-                continue
-            _, node, nxt, opcode, target, args, kwargs, name, type_expr, meta = op
-            with graph.inserting_before(new_of.get(nxt, nxt)):
-                new = graph.create_node(opcode, target, m(args), m(kwargs), name=name, type_expr=type_expr)
-            if new.name != name:  # the erased node still holds the name in the graph's namespace
-                new.name = name
-            new.meta = meta
-            new_of[node] = new
-        self.ops.clear()
 
 
 def _describe_user(u: torch.fx.Node) -> str:
@@ -393,7 +128,8 @@ class HoistRecipeLookups(TEPass):
     Configuration (keyword args):
 
     * ``fp8_state`` — a :class:`te_passes.te.recipes.Fp8State` to fold lookups against (default:
-      TE's live autocast state at compile time, :meth:`Fp8State.capture`);
+      the compilation's TE snapshot, ``ctx.te_state.fp8``: TE's autocast state when the
+      compilation began, :meth:`te_passes.te.state.TEState.capture`);
     * ``hoist_constants`` — build value-opaque TE constants once (named wrapper globals) at the
       post-grad stages (default ``True``).
 
@@ -439,8 +175,8 @@ class HoistRecipeLookups(TEPass):
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         if ctx.stage is Stage.DYNAMO:
             records: list[PassRecord] = []
-            log = _UndoLog(gm.graph, ctx)  # both rewrites share one undo log
-            changed = self._fold_lookups(gm, records, log)
+            log = GraphJournal(gm.graph, ctx)  # both rewrites share one undo log
+            changed = self._fold_lookups(gm, records, log, ctx)
             changed |= self._fold_setattrs(gm, records, log)
             for node_name, path, tname in find_recipe_and_pg_objects(gm):
                 records.append(PassRecord("kept", node_name, {
@@ -456,16 +192,15 @@ class HoistRecipeLookups(TEPass):
         raise PassSkipped(f"nothing to do at stage {ctx.stage.value}")
 
     # ------------------------------------------------------------------ 1. lookups
-    def _state(self) -> recipes.Fp8State | None:
+    def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
+        """The fp8 state lookups fold to: the ``fp8_state`` config, else the compilation's TE
+        snapshot (``ctx.te_state.fp8``, part of the pipeline uuid) — never TE's live globals."""
         if self._fp8_state is not None:
             return self._fp8_state
-        try:
-            return recipes.Fp8State.capture()
-        except ImportError:
-            return None
+        return getattr(getattr(ctx, "te_state", None), "fp8", None)
 
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                      log: _UndoLog | None = None) -> bool:
+                      log: GraphJournal | None = None, ctx: PassContext | None = None) -> bool:
         graph = gm.graph
         state: recipes.Fp8State | None | object = _UNKNOWN  # captured lazily, once
         known: dict[torch.fx.Node, _Known] = {}
@@ -483,7 +218,7 @@ class HoistRecipeLookups(TEPass):
                 res = self._evaluate(node, value_of, lambda: state)
             except _NeedState:
                 if state is _UNKNOWN:
-                    state = self._state()
+                    state = self._state(ctx)
                 try:
                     res = self._evaluate(node, value_of, lambda: state)
                 except _NotFoldable as e:
@@ -496,11 +231,11 @@ class HoistRecipeLookups(TEPass):
                 known[node] = _Known(*res)
 
         changed = False
-        log = log or _UndoLog(graph, None)
+        log = log or GraphJournal(graph, None)
         # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
         for node, k in known.items():
             if recipes.is_plain_constant(k.value) and node.users:
-                users = _replace_with_constant(node, k.value, log)
+                users = replace_uses_with_constant(node, k.value, log)
                 records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
                                                                  "users": users}))
                 changed = True
@@ -541,8 +276,9 @@ class HoistRecipeLookups(TEPass):
                 if state is _UNKNOWN:
                     raise _NeedState()
                 if state is None:
-                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): TE is not importable here "
-                                       "and no fp8_state was given")
+                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): the compilation's TE state has no fp8 "
+                                       "autocast state (TE not loaded when it was captured) and no fp8_state "
+                                       "was given")
                 val = state.lookup(lookup)
                 if lookup == "get_fp8_recipe" and val is None:
                     raise _NotFoldable("FP8GlobalStateManager.get_fp8_recipe(): no recipe is active and TE's "
@@ -605,7 +341,7 @@ class HoistRecipeLookups(TEPass):
 
     # ------------------------------------------------------------------ 2. setattr residue
     def _fold_setattrs(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                       log: _UndoLog | None = None) -> bool:
+                       log: GraphJournal | None = None) -> bool:
         graph = gm.graph
         groups: dict[int, list[torch.fx.Node]] = {}
         for node in graph.nodes:
@@ -649,7 +385,7 @@ class HoistRecipeLookups(TEPass):
                 records.append(PassRecord("folded_setattr", n.name, {
                     "receiver": cls, "field": n.args[1], "value": n.args[2], "reason": reason}))
                 to_erase.append(n)
-        log = log or _UndoLog(graph, None)
+        log = log or GraphJournal(graph, None)
         for n in to_erase:
             log.erase(n)
         after = _bundle_quantizers(graph)
@@ -665,7 +401,7 @@ class HoistRecipeLookups(TEPass):
         count = hoisted = 0
         # The rewrite only replaces nodes' args/kwargs: the undo log restores them (the manager
         # then needs no copy of the graph).
-        log = _UndoLog(graph, ctx)
+        log = GraphJournal(graph, ctx)
         # ``id(constant) -> (constant, compiled expression, globals)`` for this run: a constant
         # used in several slots is rendered once (the constant is held, so its id stays valid).
         rebuilds: dict[int, tuple[Any, Any, dict]] = {}

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import inspect
 import json
+import os
 import sys
 from typing import Any, Callable, ClassVar
 
@@ -30,6 +32,39 @@ from te_passes.te.state import TEState
 
 __all__ = ["ALL_STAGES", "AOT_STAGES", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass", "TEPassResult",
            "jsonable"]
+
+
+#: The te_passes package directory whose sources :func:`package_source_hash` covers.
+PACKAGE_ROOT: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def package_source_files(root: str) -> list[str]:
+    """Every ``.py`` file under ``root`` (the te_passes package), as sorted ``/``-separated paths
+    relative to it (``__pycache__`` skipped)."""
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        out.extend(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") for f in files if f.endswith(".py"))
+    return sorted(out)
+
+
+@functools.lru_cache(maxsize=None)
+def package_source_hash(root: str | None = None) -> str:
+    """sha256 over the path and bytes of every te_passes source file (:func:`package_source_files`
+    of ``root``, default :data:`PACKAGE_ROOT`), computed once per process and root.
+
+    Part of every pass's :meth:`TEPass.uuid` and of the pipeline uuid: what a pass does depends on
+    more than its own module (analyses, the TE graph model, recipe tables, the runtime's free op
+    and constant naming), so any source change re-keys Inductor's FX graph cache (issue 12).
+    """
+    root = root or PACKAGE_ROOT
+    h = hashlib.sha256()
+    for rel in package_source_files(root):
+        h.update(rel.encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(f.read())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 class Stage(str, enum.Enum):
@@ -59,16 +94,19 @@ AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stag
 
 
 class TEPassResult(PassResult):
-    """A ``torch.fx.passes.infra.pass_base.PassResult`` plus the pass's records.
+    """A ``torch.fx.passes.infra.pass_base.PassResult`` plus the pass's records and facts.
 
     Fields: ``graph_module`` (the same module, rewritten in place), ``modified`` (bool),
-    ``records`` (list of :class:`PassRecord`).
+    ``records`` (list of :class:`PassRecord`, for people) and ``facts`` (typed objects for the
+    pipeline, e.g. ``te_passes.runtime.ub_guard.UbDependence``: what the compiled graph depends
+    on). A pass hands results to the pipeline only this way, never through module globals.
     """
 
     def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool,
-                records: list[PassRecord] | None = None) -> "TEPassResult":
+                records: list[PassRecord] | None = None, facts: list[Any] | None = None) -> "TEPassResult":
         self = super().__new__(cls, graph_module, modified)
         self.records = list(records or [])
+        self.facts = list(facts or [])
         return self
 
 
@@ -107,6 +145,11 @@ class PassContext:
     #: ``{("liveness", stage): Liveness}``). The manager empties it whenever a pass changes (or
     #: fails on) the graph, so an entry is always an analysis of the graph as it is now.
     analyses: dict = dataclasses.field(default_factory=dict)
+    #: Facts the compilation driver hands to the passes of this compilation, by name: what the
+    #: runtime saw before any pass ran (``"ub_trace_folds"``: UB queries Dynamo folded while it
+    #: traced this graph; ``"ub_prev_token"``: the UB token this Dynamo frame was traced with
+    #: before, on a recompile). Passes read them; they never fetch them from module globals.
+    inputs: dict = dataclasses.field(default_factory=dict)
 
 
 class TEPass(PassBase):
@@ -124,8 +167,8 @@ class TEPass(PassBase):
         restores the pre-pass graph on any exception.
 
     ``config()`` returns the pass's configuration as JSON-able data; ``uuid()`` hashes the
-    source file of the pass's class together with it (vLLM ``InductorPass.uuid`` style), so it
-    can key Inductor's FX graph cache.
+    source file of the pass's class and every te_passes source file (:func:`package_source_hash`)
+    together with it (vLLM ``InductorPass.uuid`` style), so it can key Inductor's FX graph cache.
     """
 
     name: ClassVar[str] = ""
@@ -172,8 +215,11 @@ class TEPass(PassBase):
         return h.hexdigest()
 
     def uuid(self) -> str:
-        """Stable id of this pass: source hash + config; changes when either changes."""
+        """Stable id of this pass: its class's source, the te_passes package source
+        (:func:`package_source_hash` of :data:`PACKAGE_ROOT`) and its config; changes when any
+        changes."""
         payload = json.dumps({"name": self.name, "src": self.source_hash(),
+                              "package": package_source_hash(PACKAGE_ROOT),
                               "config": jsonable(self.config())}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
 

@@ -13,6 +13,7 @@ import torch
 import torch.fx
 
 from te_passes.config import TePassesOptions
+from te_passes.pipeline import base
 from te_passes.pipeline.base import PassContext
 from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport
@@ -24,17 +25,19 @@ def pipeline_uuid(manager: PassManager, options: TePassesOptions, te_state: TESt
     """What the pass pipeline's cache identity is built from, plus its hash under ``"uuid"``.
 
     Covers every pass's :meth:`~te_passes.pipeline.base.TEPass.uuid` (source + config), the
-    option values that change what passes do, and the TE state fingerprint
-    (:meth:`TEState.fingerprint`). The UB snapshot is part of that fingerprint only when the
+    te_passes package source (:func:`te_passes.pipeline.base.package_source_hash`), the option
+    values that change what passes do, and the TE state fingerprint (:meth:`TEState.fingerprint`:
+    TE version, fp8 autocast state and, for a graph that reads it, the UB snapshot). The UB snapshot is part of that fingerprint only when the
     graph reads UB state: ``ub_reads`` is :func:`te_passes.runtime.ub_guard.ub_state_reads` of the
     graph (reasons; empty: it does not read UB state, so a UB change keeps its FX-graph-cache
     key), ``None`` when not known (the UB snapshot is then included, the safe default).
 
-    Returns ``{"passes", "options", "te_state", "reads_ub"}``, their sha256 under ``"uuid"``,
+    Returns ``{"package", "passes", "options", "te_state", "reads_ub"}``, their sha256 under ``"uuid"``,
     and ``"ub_reads"`` (the reasons, or ``None``; not hashed: they name graph nodes).
     """
     reads_ub = ub_reads is None or bool(ub_reads)
     parts: dict[str, Any] = {
+        "package": base.package_source_hash(base.PACKAGE_ROOT),
         "passes": {p.name: p.uuid() for p in manager.passes},
         "options": options.fingerprint_data(),
         "te_state": te_state.fingerprint(include_ub=reads_ub),

@@ -145,6 +145,7 @@ class PassManager:
                 gm.graph.lint()
             run.changed = bool(result.modified)
             run.records = result.records
+            run.facts = result.facts
         except PassSkipped as e:
             run.status = "skipped"
             run.records = [PassRecord("skipped", None, {"reason": str(e)})]

@@ -13,7 +13,7 @@ import functools
 import sys
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -215,7 +215,10 @@ def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
     The name, the object and the owner are held weakly (nothing is kept alive by being named).
 
     The class's ``__fx_repr__`` is wrapped once (idempotent, process-wide) to answer the name in
-    that one situation; every other call renders exactly as before.
+    that one situation; every other call renders exactly as before. :func:`wrap_te_constant_classes`
+    (``te_passes.runtime.install.install``, called by the backend) wraps every loaded TE constant
+    class up front, so a pass naming a constant changes no class; a class loaded later is wrapped
+    here, on first use.
 
     Raises:
         TypeError: ``owner`` is not a ``torch.fx.GraphModule``, or ``v``'s class has no
@@ -236,11 +239,56 @@ def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
     key = id(v)
     ref = weakref.ref(v, functools.partial(_forget, key=key))  # TypeError: no weak references
     if not getattr(orig, _WRAPPED_FLAG, False):
-        def __fx_repr__(self, _orig=orig):  # noqa: N807 - the protocol name
-            name = _name_in_lowering(self)
-            return (name, {name: self}) if name is not None else _orig(self)
-
-        setattr(__fx_repr__, _WRAPPED_FLAG, True)
-        __fx_repr__.__doc__ = getattr(orig, "__doc__", None)
-        cls.__fx_repr__ = __fx_repr__
+        _wrap_fx_repr(cls, orig)
     _NAMED[key] = (ref, name, weakref.ref(owner))
+
+
+def _wrap_fx_repr(cls: type, orig: Callable) -> None:
+    def __fx_repr__(self, _orig=orig):  # noqa: N807 - the protocol name
+        name = _name_in_lowering(self)
+        return (name, {name: self}) if name is not None else _orig(self)
+
+    setattr(__fx_repr__, _WRAPPED_FLAG, True)
+    __fx_repr__.__doc__ = getattr(orig, "__doc__", None)
+    cls.__fx_repr__ = __fx_repr__
+
+
+#: Where TE 2.20.2 defines its value-opaque constant classes: the op-argument bundle and the base
+#: of every quantizer (each registered quantizer class carries its own ``__fx_repr__``,
+#: ``transformer_engine/pytorch/dynamo/quantizer_opaque.py``).
+TE_CONSTANT_ROOTS: tuple[tuple[str, str], ...] = (
+    ("transformer_engine.pytorch.dynamo.custom_op", "OpaqueValueBundle"),
+    ("transformer_engine.pytorch.quantized_tensor", "Quantizer"),
+)
+
+
+def te_constant_classes() -> list[type]:
+    """The loaded TE classes whose instances :func:`name_constant` can name: the classes under
+    :data:`TE_CONSTANT_ROOTS` (subclasses included) that define ``__fx_repr__`` themselves, are
+    ``torch._library.opaque_object`` constant types and take weak references. Empty while TE is
+    not imported."""
+    from torch._library.opaque_object import is_opaque_constant_type
+
+    out: list[type] = []
+    seen: set[type] = set()
+    stack = [getattr(sys.modules.get(m), n, None) for m, n in TE_CONSTANT_ROOTS]
+    while stack:
+        cls = stack.pop()
+        if not isinstance(cls, type) or cls in seen:
+            continue
+        seen.add(cls)
+        stack.extend(cls.__subclasses__())
+        if "__fx_repr__" in cls.__dict__ and cls.__weakrefoffset__ != 0 and is_opaque_constant_type(cls):
+            out.append(cls)
+    return sorted(out, key=lambda c: (c.__module__, c.__qualname__))
+
+
+def wrap_te_constant_classes() -> bool:
+    """Wrap the ``__fx_repr__`` of every :func:`te_constant_classes` class once (idempotent,
+    process-wide; see :func:`name_constant`). Returns whether TE's constant classes are loaded."""
+    classes = te_constant_classes()
+    for cls in classes:
+        orig = cls.__dict__["__fx_repr__"]
+        if not getattr(orig, _WRAPPED_FLAG, False):
+            _wrap_fx_repr(cls, orig)
+    return bool(classes)

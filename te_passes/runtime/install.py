@@ -5,13 +5,20 @@
 * :func:`te_passes.runtime.ub_guard.install_te_ub_hooks` — guarded ``get_ub_is_fp8``,
   generation bump on ``initialize_ub`` / ``destroy_ub``;
 * :func:`te_passes.runtime.amax_groups.install_amax_group_hooks` — TE Linear's per-call amax
-  reduction groups released after each eager call, and a one-time sweep of live modules (issue 8).
+  reduction groups released after each eager call, and a one-time sweep of live modules (issue 8);
+* :func:`te_passes.runtime.free_op.register_inductor_lowering` — the Inductor lowering of our
+  ``te_passes::free_storage`` op (``insert_early_frees`` only checks that it is there);
+* :func:`te_passes.runtime.constants.wrap_te_constant_classes` — the ``__fx_repr__`` of TE's
+  value-opaque constant classes answers a wrapper-global name inside its own graph's Inductor
+  lowering (``hoist_recipe_lookups``' named constants).
 
-Both need TE imported; until then they are no-ops and :func:`install` returns ``False``.
+So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
+need TE imported; until then they are no-ops and :func:`install` returns ``False``.
 """
 
 from __future__ import annotations
 
+from te_passes.runtime import constants, free_op
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -19,4 +26,6 @@ from te_passes.runtime.ub_guard import install_te_ub_hooks
 def install() -> bool:
     """Install every runtime hook (idempotent). Returns whether all are in place (``False``
     while Transformer Engine is not imported yet)."""
-    return install_te_ub_hooks() & install_amax_group_hooks()
+    free_op.register_inductor_lowering()  # failure is kept: lowering_error(); the pass then skips
+    te_loaded = constants.wrap_te_constant_classes()
+    return install_te_ub_hooks() & install_amax_group_hooks() & te_loaded

@@ -217,6 +217,26 @@ def drain_trace_folds() -> list[UbFold]:
     return list(out)
 
 
+def dynamo_stage_inputs() -> dict[str, Any]:
+    """What the runtime saw while Dynamo traced the graph now being compiled, for the passes'
+    ``PassContext.inputs`` (the backend calls this once, before the Dynamo stage):
+
+    * ``"ub_trace_folds"`` — :func:`drain_trace_folds` (the folds are taken out of the runtime);
+    * ``"ub_prev_token"`` — ``(compile_id, old token, current token)`` when this trace folded UB
+      queries and is a recompile of a frame first traced under another UB token
+      (:func:`note_frame_token`), else ``None``.
+    """
+    folds = drain_trace_folds()
+    prev = None
+    if folds:
+        from torch._guards import CompileContext  # noqa: PLC0415 - torch._guards: only while compiling
+
+        compile_id = CompileContext.current_compile_id()
+        old = note_frame_token(compile_id, UB_STATE_TOKEN)
+        prev = (compile_id, old, UB_STATE_TOKEN) if old is not None else None
+    return {"ub_trace_folds": folds, "ub_prev_token": prev}
+
+
 def _make_guarded_get_ub_is_fp8(orig: Callable) -> Callable:
     """Build the drop-in for TE's ``module/base.py`` ``get_ub_is_fp8`` (see :func:`install_te_ub_hooks`).
 
@@ -365,37 +385,29 @@ class UbDependence:
     def __bool__(self) -> bool:
         return bool(self.folds or self.checks)
 
-
-_DEPS: dict[str, UbDependence] = {}
-_MAX_PENDING_DEPS = 256
-
-
-def _base_graph_id(graph_id: str) -> str:
-    return graph_id.split(".", 1)[0]
-
-
-def register_dependence(graph_id: str, *, folds=(), checks=(), pristine=None) -> None:
-    """Record UB dependences of the graph ``graph_id`` (``"g3"`` or a stage id ``"g3.fwd"``);
-    :func:`wrap_with_te_state_guard` consumes them. ``pristine`` is a pre-pass copy of the
-    graph for recompiling."""
-    with _LOCK:
-        dep = _DEPS.setdefault(_base_graph_id(graph_id), UbDependence())
-        dep.folds.extend(f for f in folds if f not in dep.folds)
-        dep.checks.extend(checks)
-        if pristine is not None and dep.pristine is None:
-            dep.pristine = pristine
-        while len(_DEPS) > _MAX_PENDING_DEPS:  # graphs never wrapped (offline replay)
-            _DEPS.pop(next(iter(_DEPS)))
+    @classmethod
+    def merged(cls, deps: Any) -> "UbDependence":
+        """One dependence holding every fold (once) and check of ``deps`` (an iterable of
+        :class:`UbDependence`), and the first pre-pass copy."""
+        out = cls()
+        for d in deps:
+            out.folds.extend(f for f in d.folds if f not in out.folds)
+            out.checks.extend(d.checks)
+            if out.pristine is None:
+                out.pristine = d.pristine
+        return out
 
 
-def pop_dependence(graph_id: str) -> UbDependence:
-    """Remove and return the recorded dependence of ``graph_id`` (empty if none)."""
-    with _LOCK:
-        return _DEPS.pop(_base_graph_id(graph_id), UbDependence())
+def ub_dependence_of(report: Any, stages: Any = None) -> UbDependence:
+    """The UB dependence ``fold_ub_predicates`` returned (as :class:`UbDependence` facts) for
+    ``report`` (a :class:`te_passes.report.CompileReport`; ``stages``: only those stage reports),
+    merged; empty when it returned none."""
+    return UbDependence.merged(report.typed_facts(UbDependence, stages))
 
 
-def ub_state_reads(gm: torch.fx.GraphModule, graph_id: str) -> list[str]:
-    """Why the compilation of Dynamo graph ``graph_id`` reads the UB state, one sentence per
+def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = None, *,
+                   trace_folds: Any = ()) -> list[str]:
+    """Why the compilation of a Dynamo graph reads the UB state, one sentence per
     reason; empty when it does not. ``te_inductor`` calls it after the Dynamo-stage passes and
     before ``compile_fx``, and puts the UB snapshot into the pipeline uuid (Inductor's FX graph
     cache key) only when the list is non-empty (:func:`te_passes.backend.pipeline_uuid`), so a
@@ -403,10 +415,11 @@ def ub_state_reads(gm: torch.fx.GraphModule, graph_id: str) -> list[str]:
 
     Conservative: any of these counts as a read —
 
-    * a dependence ``fold_ub_predicates`` registered at the Dynamo stage (:func:`register_dependence`:
-      folded query nodes, folds Dynamo made while tracing TE's ``get_ub_is_fp8``, checked TE op
-      UB configurations);
-    * folds Dynamo made while tracing this graph that no pass collected yet (the pass disabled);
+    * the dependence ``fold_ub_predicates`` returned at the Dynamo stage (``dependence``, its
+      :class:`UbDependence` fact: folded query nodes, folds Dynamo made while tracing TE's
+      ``get_ub_is_fp8``, checked TE op UB configurations);
+    * folds Dynamo made while tracing this graph (``trace_folds``, which the backend took from the
+      runtime before the passes ran) that no pass collected (the pass disabled);
     * a UB query node left in ``gm`` (a later stage could fold it): a ``call_function`` of a TE
       UB function (``get_ub`` included) or :func:`ub_query`, or a ``call_method`` in
       :data:`te_passes.te.ub.UB_PREDICATE_METHODS` on a ``get_ub`` node;
@@ -416,12 +429,12 @@ def ub_state_reads(gm: torch.fx.GraphModule, graph_id: str) -> list[str]:
 
     Args:
         gm: the Dynamo graph after the Dynamo-stage passes.
-        graph_id: its :class:`te_passes.report.CompileReport` id (``"g<N>"``).
+        dependence: :func:`ub_dependence_of` its report's Dynamo stage (``None``: none).
+        trace_folds: :func:`drain_trace_folds` of its compilation.
     """
     reasons: list[str] = []
-    with _LOCK:
-        dep = _DEPS.get(_base_graph_id(graph_id))
-        pending = list(_PENDING_TRACE_FOLDS.get(_compile_key(), ()))
+    dep = dependence
+    pending = [f for f in trace_folds if dep is None or f not in dep.folds]
     if dep is not None and dep.folds:
         what = sorted({f"{f.api}{tuple(f.args)!r}" for f in dep.folds})
         reasons.append(f"fold_ub_predicates folded UB queries: {', '.join(what)}")
@@ -579,19 +592,22 @@ def make_guarded(guard: UbGuard) -> Callable:
     return guarded
 
 
-def raise_ub_mismatches(report: Any) -> None:
+def raise_ub_mismatches(report: Any, stages: Any = None) -> None:
     """Raise :class:`~te_passes.te.ub.UbConfigError` listing every ``"ub_mismatch"`` record of
-    ``report`` (a :class:`te_passes.report.CompileReport`); no-op when there are none."""
-    mismatches = list(report.records("ub_mismatch")) if hasattr(report, "records") else []
+    ``report`` (a :class:`te_passes.report.CompileReport`; ``stages``: only the records of those
+    stage reports, so that each stage's records are turned into an error once); no-op when there
+    are none."""
+    stages = getattr(report, "stages", []) if stages is None else stages
+    mismatches = [r for s in stages for run in s.runs for r in run.records if r.kind == "ub_mismatch"]
     if mismatches:
-        pop_dependence(getattr(report, "graph_id", "g?"))
         raise UbConfigError(f"te_passes: graph {getattr(report, 'graph_id', 'g?')}: UB configuration does not "
                             "match the UB state (fold_ub_predicates):\n  - "
                             + "\n  - ".join(str(r.data.get("message")) for r in mismatches))
 
 
 def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any,
-                             recompile: Callable | None = None, cudagraphs: bool = False) -> Callable:
+                             recompile: Callable | None = None, cudagraphs: bool = False, *,
+                             dependence: UbDependence | None = None, checked_stages: int = 0) -> Callable:
     """Wrap a ``te_inductor``-compiled graph with a UB-state guard when it depends on UB state.
 
     Args:
@@ -605,6 +621,11 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
         cudagraphs: the graph is replayed as a CUDA graph (``triton.cudagraphs``, e.g.
             ``mode="reduce-overhead"``): graphs with UB TE ops then recompile on *every* UB
             re-initialisation (see :attr:`UbGuard.rerecord_on_any_change`).
+        dependence: what the graph depends on in the UB state (default: :func:`ub_dependence_of`
+            ``report``, the facts ``fold_ub_predicates`` returned at every stage so far).
+        checked_stages: the first ``checked_stages`` stage reports' ``"ub_mismatch"`` records
+            were already raised on (the backend does so after the Dynamo stage): only later
+            stages' records are raised here.
 
     Returns:
         ``compiled`` itself when the graph needs no run-time UB guard — no UB dependence, only
@@ -618,8 +639,8 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
     """
     install_te_ub_hooks()
     graph_id = getattr(report, "graph_id", "g?")
-    dep = pop_dependence(graph_id)
-    raise_ub_mismatches(report)
+    dep = ub_dependence_of(report) if dependence is None else dependence
+    raise_ub_mismatches(report, getattr(report, "stages", [])[checked_stages:])
     if getattr(opts, "ub_snapshot", None) is not None:
         return compiled
     if not dep.checks and all(f.source == "dynamo_trace" for f in dep.folds):

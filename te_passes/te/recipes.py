@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import sys
 from typing import Any, Callable, Mapping
 
 #: The three GEMMs of a TE linear layer.
@@ -437,6 +438,10 @@ def is_plain_constant(value: Any) -> bool:
     return False
 
 
+#: The TE module holding ``FP8GlobalStateManager`` (TE 2.20.2).
+FP8_STATE_MODULE = "transformer_engine.pytorch.quantization"
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8State:
     """The TE autocast state a graph is compiled under (``FP8GlobalStateManager``).
@@ -444,7 +449,9 @@ class Fp8State:
     ``recipe`` is the object ``get_fp8_recipe()`` returns (TE's default recipe when no autocast
     is active; ``None`` when that default cannot be chosen because no GPU is visible: lookups
     of it are then not folded), ``fp8_group`` the amax-reduction process group (``None`` when
-    unset).
+    unset). ``recipe_text`` / ``fp8_group_text``: what :meth:`to_json` shows for them when the
+    objects are not here (a state read back from a dump by :meth:`from_json`; lookups of the
+    recipe are then not folded).
     """
 
     fp8_enabled: bool = False
@@ -452,6 +459,8 @@ class Fp8State:
     fp8_parameters: bool = False
     recipe: Any = None
     fp8_group: Any = None
+    recipe_text: str | None = None
+    fp8_group_text: str | None = None
 
     def lookup(self, name: str) -> Any:
         """The value of ``FP8GlobalStateManager.<name>()`` (a key of :data:`STATE_LOOKUPS`).
@@ -468,13 +477,16 @@ class Fp8State:
         Raises:
             ImportError: TE is not installed.
         """
-        import torch  # noqa: F401
+        import torch
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
 
         recipe = M.quantization_state.fp8_recipe
-        if recipe is None:
+        if recipe is None and not torch.compiler.is_compiling():
             # Outside autocast TE returns its device-dependent default recipe, which queries the
             # GPU; without one the recipe stays unknown (``None``) and lookups of it are not folded.
+            # Inside a compilation (a backend such as te_inductor capturing its TE snapshot) TE
+            # refuses to build that default (``Recipe.__post_init__``: "Creating Recipe objects
+            # inside compiled regions is not supported"): it stays unknown there too.
             try:
                 recipe = M.get_fp8_recipe()
             except RuntimeError:
@@ -482,6 +494,32 @@ class Fp8State:
         return cls(fp8_enabled=bool(M.is_fp8_enabled()), fp8_calibration=bool(M.is_fp8_calibration()),
                    fp8_parameters=bool(M.with_fp8_parameters()), recipe=recipe,
                    fp8_group=M.get_fp8_group())
+
+    @classmethod
+    def capture_if_loaded(cls) -> "Fp8State | None":
+        """:meth:`capture` when TE's ``transformer_engine.pytorch.quantization`` is already imported
+        in this process, else ``None`` (never imports TE: a graph can only hold TE's autocast
+        lookups once TE is loaded)."""
+        if FP8_STATE_MODULE not in sys.modules:
+            return None
+        return cls.capture()
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able form, part of :meth:`te_passes.te.state.TEState.fingerprint`: the flags, the
+        recipe's ``repr`` (TE's recipes are dataclasses: their repr is their value) and the
+        amax-reduction group's type name (``None`` when unset)."""
+        return {"fp8_enabled": self.fp8_enabled, "fp8_calibration": self.fp8_calibration,
+                "fp8_parameters": self.fp8_parameters,
+                "recipe": self.recipe_text if self.recipe is None else repr(self.recipe),
+                "fp8_group": self.fp8_group_text if self.fp8_group is None else type(self.fp8_group).__name__}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Fp8State":
+        """The state :meth:`to_json` wrote (same JSON, so the same fingerprint); the recipe and
+        group objects are not rebuilt, only their text is kept."""
+        return cls(fp8_enabled=bool(data.get("fp8_enabled")), fp8_calibration=bool(data.get("fp8_calibration")),
+                   fp8_parameters=bool(data.get("fp8_parameters")), recipe_text=data.get("recipe"),
+                   fp8_group_text=data.get("fp8_group"))
 
 
 def state_lookup_name(target: Any) -> str | None:
