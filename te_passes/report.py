@@ -78,6 +78,9 @@ class CompileReport:
     stages: list[StageReport] = dataclasses.field(default_factory=list)
     time_ms_passes: float = 0.0
     time_ms_total: float = 0.0
+    #: Which Inductor cache served the compile when the joint / post-grad stages did not run
+    #: (``"AOTAutograd cache"``, ``"FX graph cache"``), else ``None`` (te_passes.backend).
+    cache_hit: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -92,7 +95,14 @@ class CompileReport:
         return {"graph_id": self.graph_id, "mode": self.mode, "uuid": jsonable(self.uuid),
                 "te_state": jsonable(self.te_state), "stages": [s.to_json() for s in self.stages],
                 "time_ms_passes": round(self.time_ms_passes, 3),
-                "time_ms_total": round(self.time_ms_total, 3)}
+                "time_ms_total": round(self.time_ms_total, 3), "cache_hit": self.cache_hit}
+
+
+def cache_hit_note(cache: str) -> str:
+    """The sentence ``te-passes show``, ``index.md`` and the te_passes log print for a compile
+    whose joint / post-grad stages did not run because ``cache`` (:attr:`CompileReport.cache_hit`) hit."""
+    return (f"{cache} hit: the joint and post-grad passes did not run (Inductor reused code compiled "
+            f"earlier with the same pass-pipeline uuid, which already holds their rewrites)")
 
 
 _lock = threading.Lock()
