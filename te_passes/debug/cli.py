@@ -877,6 +877,10 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
         print(json.dumps(payload, indent=2, default=repr))
     if args.check and mismatches:
         raise CliError(f"replay differs from the saved report for {mismatches} graph(s)", EXIT_FAIL)
+    unchecked = [p["report"]["graph_id"] for p in payload if p["differences"] is None]
+    if args.check and unchecked:  # --check asked for a comparison that could not be made
+        raise CliError(f"--check: no saved report.json to compare with for {', '.join(unchecked)} (the graph "
+                       f"folder's report.json is missing)")
     return EXIT_OK
 
 
