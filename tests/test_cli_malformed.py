@@ -5,7 +5,6 @@ the saved torch / TE versions differ from the installed ones."""
 
 from __future__ import annotations
 
-import copy
 import json
 import pickle
 

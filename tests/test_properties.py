@@ -19,7 +19,7 @@ one command (docs/testing-real-graphs.md records its result)::
 
     HYPOTHESIS_PROFILE=long make test PYTEST_ARGS="tests/test_properties.py"
 
-which runs :data:`LONG_EXAMPLES` examples in total (10,000) and prints how many passed.
+which runs :data:`LONG_EXAMPLES` examples in total (12,000) and prints how many passed.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from te_passes.te.state import TEState  # noqa: E402
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 #: Examples per test in each profile: random graphs (the bulk: cheap, checked numerically) and
 #: mutated real TE graphs. The long profile's total is >= 10,000.
-EXAMPLES = {"ci": {"random": 40, "te": 12}, "long": {"random": 9000, "te": 1000}}[PROFILE]
-LONG_EXAMPLES = 9000 + 1000
+EXAMPLES = {"ci": {"random": 40, "te": 12}, "long": {"random": 9000, "te": 3000}}[PROFILE]
+LONG_EXAMPLES = 9000 + 3000
 _SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=PROFILE == "ci",
                  database=None)
 COUNTS = {"random": 0, "te": 0, "frees": 0, "changed": 0}
