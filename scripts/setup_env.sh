@@ -9,7 +9,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${TE_PASSES_VENV:-$HOME/.cache/te_passes/venv}
 PY=${PYTHON:-python3}
 TORCH_V=2.14.1; TE_V=2.20.2
-step() { printf '\033[1m[setup %s]\033[0m %s\n' "$1" "$2"; }
+if [ -t 1 ]; then  # bold step lines on a terminal only: no ANSI codes in pipes and CI logs
+  step() { printf '\033[1m[setup %s]\033[0m %s\n' "$1" "$2"; }
+else
+  step() { printf '[setup %s] %s\n' "$1" "$2"; }
+fi
 
 have() {  # have DIST VERSION  -> installed version equals VERSION
   "$VENV/bin/python" - "$1" "$2" <<'PYEOF' 2>/dev/null

@@ -29,7 +29,7 @@ __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionE
 #: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
 #: configuration te_inductor refuses; ``TePassError``: a pass failed under
 #: ``te_passes.strict``; ``UbConfigError``: a TE op's Userbuffers configuration the UB state
-#: cannot satisfy. All three reach the caller of a ``torch.compile``\ d function unwrapped
+#: cannot satisfy. All three reach the caller of a function compiled with ``torch.compile`` unwrapped
 #: (see docs/usage.md, "Errors").
 _LAZY = {
     "te_inductor": "te_passes.backend",

@@ -38,7 +38,7 @@ from te_passes.pipeline.compilation import pipeline_uuid
 from te_passes.pipeline.compilation import run_stage as _run_stage
 from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import configured_passes, pass_names
-from te_passes.report import CompileReport, new_compile_report
+from te_passes.report import CompileReport, cache_hit_note, new_compile_report
 from te_passes.runtime.install import install as _install_runtime
 from te_passes.runtime.ub_guard import (dynamo_stage_inputs, raise_ub_mismatches, ub_dependence_of, ub_state_reads,
                                         wrap_with_te_state_guard)
@@ -198,7 +198,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     :func:`_te_inductor` for arguments, return value and the errors raised).
 
     ``TePassesOptionError``, ``TePassError`` and ``UbConfigError`` raised while compiling
-    reach the caller of the ``torch.compile``\ d function as themselves (catchable with
+    reach the caller of a function compiled with ``torch.compile`` as themselves (catchable with
     ``except te_passes.TePassesOptionError``), not wrapped in Dynamo's ``BackendCompilerFailed``
     (:func:`_unwrapped`).
     """
@@ -244,7 +244,8 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
 
     observers = []
     if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
-        observers.append(DumpWriter.for_backend(opts.dump_dir))  # DIR/<session>/ unless te-passes dump owns DIR
+        source = "option" if options and options.get("te_passes.dump_dir") is not None else "env"
+        observers.append(DumpWriter.for_backend(opts.dump_dir, source))  # DIR/<session>/ unless te-passes dump owns DIR
     manager = PassManager(configured_passes(opts.pass_config), observers=observers)
     report = new_compile_report(mode)
     report.uuid = pipeline_uuid(manager, opts, te_state)
@@ -272,7 +273,9 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
         config_patches["cudagraph_policy"] = policy
     # ---------------------------------------------------------------------------------------------
 
+    hits_before = _cache_hits()
     compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
+    _note_cache_hit(report, hits_before)
     report.time_ms_total = (time.perf_counter() - t_start) * 1e3
     for obs in observers:
         if hasattr(obs, "finish"):
@@ -315,6 +318,29 @@ def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], rep
     recorder = CudagraphRecorder(report.cudagraphs,
                                  refresh=(lambda: [obs.finish(report) for obs in refreshers]) if refreshers else None)
     return LeanCUDAGraphPolicy(graph_id=report.graph_id, recorder=recorder, static_hazards=hazards)
+
+
+def _cache_hits() -> dict[str, int]:
+    """Inductor's FX-graph-cache and AOTAutograd-cache hit counters (``torch._dynamo.utils.counters``,
+    torch 2.14: ``inductor.fxgraph_cache_hit``, ``aot_autograd.autograd_cache_hit``)."""
+    from torch._dynamo.utils import counters
+
+    return {"AOTAutograd cache": counters["aot_autograd"]["autograd_cache_hit"],
+            "FX graph cache": counters["inductor"]["fxgraph_cache_hit"]}
+
+
+def _note_cache_hit(report: CompileReport, before: dict[str, int]) -> None:
+    """When ``compile_fx`` hit a cache and the joint / post-grad stages did not run, say so:
+    ``report.cache_hit`` (``"AOTAutograd cache"`` / ``"FX graph cache"``, shown by ``te-passes
+    show`` and ``index.md``) and a te_passes log line (``TORCH_LOGS=+te_passes``)."""
+    ran = {s.stage for s in report.stages}
+    if ran & {Stage.JOINT.value, Stage.POST_GRAD_FWD.value}:
+        return
+    hit = [name for name, n in _cache_hits().items() if n > before.get(name, 0)]
+    if not hit:
+        return
+    report.cache_hit = " and ".join(hit)
+    log.info("te_passes: %s: %s", report.graph_id, cache_hit_note(report.cache_hit))
 
 
 def _maybe_guard(compiled, report: CompileReport, te_state: TEState, opts: TePassesOptions, recompile=None,

@@ -543,13 +543,15 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
     claim_dir(args.out, into=root)
     claim_dir(root)
     try:
-        write_summary(root, extra)  # the session facts are ours: the backend's writers leave them to us
+        write_summary(root, extra, emit=False)  # the session facts are ours: the backend's writers leave them to us
         events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
         if args.example is not None:
             from te_passes.examples import run_example
 
             ex = EXAMPLES[args.example]
-            extra.update(target=f"--example {args.example} ({ex.description})",
+            from te_passes.examples import describe
+
+            extra.update(target=f"--example {args.example} ({describe(args.example, args.precision)})",
                          precision=args.precision or ex.precision)
             try:
                 with events:
@@ -680,6 +682,11 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
              f"Transformer Engine {v.get('transformer_engine')}")
     if s.get("note"):
         out.line(f"note:         {s['note']}")
+    for g in s.get("graphs", []):
+        if g.get("cache_hit"):
+            from te_passes.report import cache_hit_note
+
+            out.line(f"note:         {g['graph_id']}: {cache_hit_note(g['cache_hit'])}")
     if s.get("elsewhere"):
         from te_passes.debug.dump import elsewhere_warnings
 
@@ -868,6 +875,10 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
         print(json.dumps(payload, indent=2, default=repr))
     if args.check and mismatches:
         raise CliError(f"replay differs from the saved report for {mismatches} graph(s)", EXIT_FAIL)
+    unchecked = [p["report"]["graph_id"] for p in payload if p["differences"] is None]
+    if args.check and unchecked:  # --check asked for a comparison that could not be made
+        raise CliError(f"--check: no saved report.json to compare with for {', '.join(unchecked)} (the graph "
+                       f"folder's report.json is missing)")
     return EXIT_OK
 
 
@@ -893,6 +904,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  te-passes show te_passes_dump\n  te-passes replay te_passes_dump/g0 --check\n  te-passes list",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plain", action="store_true", help="plain text output even on a terminal")
+    from te_passes import __version__
+
+    p.add_argument("--version", action="version", version=f"te-passes {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -946,10 +960,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``te-passes`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except BrokenPipeError:  # `te-passes --help | head -1`
+        _stdout_gone()
+        return EXIT_OK
     out = Out(plain=True if args.plain else None, quiet=bool(getattr(args, "json", False)))
     try:
-        return args.func(args, out)
+        code = args.func(args, out)
+        sys.stdout.flush()  # a closed pipe fails here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `te-passes list | head -1`: the reader left; not an error
+        _stdout_gone()
+        return EXIT_OK
     except CliError as e:
         _error(str(e))
         return e.code
@@ -959,10 +982,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # an unreadable/unwritable path found late: still one line
         _error(f"{type(e).__name__}: {e}")
         return EXIT_FAIL
-    except BrokenPipeError:  # `te-passes show DIR | head`: the reader left; not an error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_OK
+
+
+def _stdout_gone() -> None:
+    """The reader of stdout left (``| head``): send what is still buffered to /dev/null so the
+    interpreter's final flush does not fail too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -107,6 +107,9 @@ class CompileReport:
     #: CUDA-graph decisions and fallbacks of the lean policy (te_passes/runtime/cudagraphs.py):
     #: ``{"graph", "event", "reason", "count", ...}``; appended at compile time and at run time.
     cudagraphs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: Which Inductor cache served the compile when the joint / post-grad stages did not run
+    #: (``"AOTAutograd cache"``, ``"FX graph cache"``), else ``None`` (te_passes.backend).
+    cache_hit: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -128,7 +131,14 @@ class CompileReport:
                 "te_state": jsonable(self.te_state), "stages": [s.to_json() for s in self.stages],
                 "time_ms_passes": round(self.time_ms_passes, 3),
                 "time_ms_total": round(self.time_ms_total, 3),
-                "cudagraphs": jsonable(self.cudagraphs)}
+                "cudagraphs": jsonable(self.cudagraphs), "cache_hit": self.cache_hit}
+
+
+def cache_hit_note(cache: str) -> str:
+    """The sentence ``te-passes show``, ``index.md`` and the te_passes log print for a compile
+    whose joint / post-grad stages did not run because ``cache`` (:attr:`CompileReport.cache_hit`) hit."""
+    return (f"{cache} hit: the joint and post-grad passes did not run (Inductor reused code compiled "
+            f"earlier with the same pass-pipeline uuid, which already holds their rewrites)")
 
 
 _lock = threading.Lock()

@@ -5,7 +5,6 @@ the saved torch / TE versions differ from the installed ones."""
 
 from __future__ import annotations
 
-import copy
 import json
 import pickle
 
@@ -159,3 +158,17 @@ def test_replay_missing_graph_file(small_dump, tmp_path, capsys):
     code, out, err = _run(capsys, "replay", str(d), "--check")
     assert code == 2
     assert "no saved graphs (*.tegraph)" in _one_line(err)
+
+
+def test_replay_check_without_a_saved_report_is_an_error(small_dump, tmp_path, capsys):
+    """--check that cannot compare does not pass silently."""
+    import shutil
+
+    d = tmp_path / "D"
+    shutil.copytree(small_dump, d)
+    (d / "g0" / "report.json").unlink()
+    code, out, err = _run(capsys, "replay", str(d))
+    assert code == 0 and "nothing to compare with" in out
+    code, out, err = _run(capsys, "replay", str(d), "--check")
+    assert code == 2
+    assert "--check: no saved report.json to compare with for g0" in _one_line(err)

@@ -187,8 +187,11 @@ class DumpWriter:
     failure is logged and the compilation goes on (only :meth:`for_dir` raises).
     """
 
-    def __init__(self, root: str | None, *, sessions_dir: str | None = None) -> None:
+    def __init__(self, root: str | None, *, sessions_dir: str | None = None, source: str | None = None) -> None:
         self.root = root
+        #: How the dump directory was given: ``"option"`` (``te_passes.dump_dir``), ``"env"``
+        #: (``TE_PASSES_DUMP_DIR``) or ``None`` (the CLI, offline runs).
+        self.source = source
         #: The dump directory holding ``root`` as a session folder (backend-only dumps), else None.
         self.sessions_dir = sessions_dir
         self._stage_dirs: dict[str, str] = {}
@@ -210,7 +213,7 @@ class DumpWriter:
         return cls(ensure_writable_dir(path) if path is not None else None)
 
     @classmethod
-    def for_backend(cls, path: str | os.PathLike | None) -> "DumpWriter":
+    def for_backend(cls, path: str | os.PathLike | None, source: str | None = None) -> "DumpWriter":
         """The writer ``te_inductor`` uses for ``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR``
         ``path``: straight into ``path`` when ``te-passes dump`` claimed it in this process
         (:func:`claim_dir`), else into ``path/<session_id()>`` (one session folder per process;
@@ -226,7 +229,7 @@ class DumpWriter:
         parent = ensure_writable_dir(path)
         root = os.path.join(parent, session_id())
         first = not os.path.isdir(root)
-        writer = cls(ensure_writable_dir(root), sessions_dir=parent)
+        writer = cls(ensure_writable_dir(root), sessions_dir=parent, source=source)
         if first:
             log.info("te_passes: backend dump session %s (this process's graphs; earlier runs in %s are kept)",
                      root, parent)
@@ -357,19 +360,22 @@ class DumpWriter:
             # A session folder (backend-only dump) gets this process's session facts; a directory
             # written straight into (te-passes dump, replay --out, run_stages) keeps the session.json
             # its owner wrote.
-            write_summary(self.root, _backend_session() if self.sessions_dir is not None else None)
+            # te-passes dump (a claimed directory) emits the final summary artifact itself
+            write_summary(self.root, _backend_session(self.source) if self.sessions_dir is not None else None,
+                          emit=not is_claimed(self.root))
             if self.sessions_dir is not None:
                 write_sessions_index(self.sessions_dir)
 
 
-def _backend_session() -> dict[str, Any]:
+def _backend_session(source: str | None = None) -> dict[str, Any]:
     """Session facts for a dump written by the backend alone (``te_passes.dump_dir``): the
     session id, pid, host, start time and command line, and the process's graph breaks, TE
     eager islands and recompiles so far (:func:`te_passes.debug.graph_breaks.current_events`)."""
     sid = session_id()
     return {"owner": "backend", "session": sid, "pid": os.getpid(), "host": socket.gethostname(),
             "started": _session.get("started"), "argv": list(sys.argv), "target": " ".join(sys.argv),
-            "compile_path": "torch.compile(backend='te_inductor', options={'te_passes.dump_dir': ...})",
+            "compile_path": "torch.compile(backend='te_inductor') with TE_PASSES_DUMP_DIR set" if source == "env"
+                            else "torch.compile(backend='te_inductor', options={'te_passes.dump_dir': ...})",
             "note": "Graph breaks, TE eager islands and recompiles are this process's so far (Dynamo's "
                     "records), including frames not compiled by te_inductor.",
             **current_events().to_json()}
@@ -622,6 +628,7 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
     for g in graphs:
         gid = g.get("graph_id")
         s["graphs"].append({"graph_id": gid, "mode": g.get("mode") or "default", "te_ops": g.get("te_ops"),
+                            "cache_hit": g.get("cache_hit"),
                             "stages": [f"{st['graph_id']}:{st['stage']}" for st in g.get("stages", [])],
                             "time_ms_passes": g.get("time_ms_passes"), "time_ms_total": g.get("time_ms_total"),
                             "te_version": (g.get("te_state") or {}).get("te_version")})
@@ -682,11 +689,13 @@ def _versions() -> dict[str, Any]:
     return {"te_passes": __version__, "torch": torch.__version__, "transformer_engine": te_version()}
 
 
-def write_summary(root: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_summary(root: str, extra: dict[str, Any] | None = None, *, emit: bool = True) -> dict[str, Any]:
     """(Re)write ``root/report.json`` and ``root/index.md`` from every ``root/*/report.json``.
 
     ``extra`` entries (graph breaks, target, ...) are merged in and kept in
-    ``root/session.json`` so later refreshes (another graph finishing) keep them.
+    ``root/session.json`` so later refreshes (another graph finishing) keep them. ``emit``: also
+    emit the summary as the tlparse artifact ``te_passes_report`` (``te-passes dump`` emits only
+    its final summary: one artifact per dump).
     """
     session_path = os.path.join(root, "session.json")
     if extra is not None:
@@ -700,7 +709,8 @@ def write_summary(root: str, extra: dict[str, Any] | None = None) -> dict[str, A
         json.dump(summary, f, indent=2, default=repr)
     with open(os.path.join(root, "index.md"), "w") as f:
         f.write(render_index(summary, root))
-    trace_artifact("te_passes_report", lambda: json.dumps(summary, default=repr), encoding="json")
+    if emit:
+        trace_artifact("te_passes_report", lambda: json.dumps(summary, default=repr), encoding="json")
     return summary
 
 
@@ -798,8 +808,13 @@ def render_index(summary: dict[str, Any], root: str) -> str:
         rows.append([gid, g["mode"] or "default", ", ".join(stage_links),
                      g["time_ms_passes"], g["time_ms_total"]])
     L.append(_md_table(["graph", "mode", "stages (input graph, replayable file)", "passes ms", "total ms"], rows))
+    from te_passes.report import cache_hit_note
+
+    for g in summary["graphs"]:
+        if g.get("cache_hit"):
+            L.append(f"\n{g['graph_id']}: {cache_hit_note(g['cache_hit'])}.\n")
     partial = [g["graph_id"] for g in summary["graphs"]
-               if not any(st.endswith(":post_grad_fwd") for st in g["stages"])]
+               if not any(st.endswith(":post_grad_fwd") for st in g["stages"]) and not g.get("cache_hit")]
     if partial:
         L.append(f"\nNo post-grad stages for {', '.join(partial)}: Inductor's FX-graph / AOTAutograd cache "
                  f"hit (the passes' uuid and the TE state were unchanged, so the cached result already holds "
@@ -930,7 +945,8 @@ _ENTRY = {"graph_id": _STR, "pass": _STR}
 SUMMARY_FIELDS: dict[str, Any] = {
     "versions": (_OBJ, {}, _OPT),
     "graphs": (_LIST, {"graph_id": _STR, "stages": (_LIST, _STR), "mode": (_STR, _OPT),
-                       "time_ms_passes": (_NUM, _OPT), "te_ops": (_INT, _OPT)}),
+                       "time_ms_passes": (_NUM, _OPT), "te_ops": (_INT, _OPT),
+                       "cache_hit": (_STR, _OPT)}),
     "passes": (_LIST, {"graph_id": _STR, "stage": _STR, "name": _STR, "status": _STR, "changed": _BOOL,
                        "time_ms": _NUM, "nodes_before": _INT, "nodes_after": _INT, "records": _INT,
                        "dump": (_STR, _OPT)}),

@@ -59,6 +59,19 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in (
 
 #: Precision names accepted by ``--precision``.
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8-cs", "mxfp8")
+#: How each precision reads in an example's description (after the module: TE recipe class, or bf16).
+PRECISION_TEXT: dict[str, str] = {"bf16": " in bf16", "fp8-cs": ", Float8CurrentScaling",
+                                  "mxfp8": ", MXFP8BlockScaling"}
+
+
+def describe(name: str, precision: str | None = None) -> str:
+    """Example ``name``'s one-line description with its precision replaced by ``precision``
+    (``describe("linear-fp8", "mxfp8")``: ``"te.Linear(64, 128), MXFP8BlockScaling, forward +
+    backward"``)."""
+    ex = EXAMPLES[name]
+    if precision is None or precision == ex.precision:
+        return ex.description
+    return ex.description.replace(PRECISION_TEXT[ex.precision], PRECISION_TEXT[precision], 1)
 
 
 @dataclasses.dataclass

@@ -249,7 +249,7 @@ class InsertEarlyFrees(TEPass):
 def _may_lower_unrealized(node: torch.fx.Node) -> bool:
     """Whether Inductor may lower ``node`` to a value without a buffer (a ``Pointwise`` or
     ``Reduction`` loader): a call of an ATen/prims op. Outputs of opaque ops and their
-    ``getitem``\ s are extern-kernel buffers already."""
+    ``getitem`` nodes are extern-kernel buffers already."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and not is_opaque_call(node))
 
