@@ -42,7 +42,7 @@ from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.pipeline.registry import configured_passes  # noqa: E402
-from te_passes.te import free_op  # noqa: E402
+from te_passes.runtime import free_op  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
