@@ -24,8 +24,11 @@ from te_passes.runtime.ub_guard import install_te_ub_hooks
 
 
 def install() -> bool:
-    """Install every runtime hook (idempotent). Returns whether all are in place (``False``
-    while Transformer Engine is not imported yet)."""
+    """Install every runtime hook (idempotent). Returns whether TE's hooks are in place (``False``
+    while Transformer Engine is not imported yet; the backend's Dynamo start callback retries
+    until then). The constant classes are wrapped on every call: TE registers a quantizer class
+    when its module is imported, possibly after the hooks went in (``te_inductor`` calls this on
+    every compile)."""
     free_op.register_inductor_lowering()  # failure is kept: lowering_error(); the pass then skips
-    te_loaded = constants.wrap_te_constant_classes()
-    return install_te_ub_hooks() & install_amax_group_hooks() & te_loaded
+    constants.wrap_te_constant_classes()
+    return install_te_ub_hooks() & install_amax_group_hooks()
