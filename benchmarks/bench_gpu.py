@@ -70,7 +70,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402  (import torch before transformer_engine)
 
 # -- issue 13: te_inductor without call_te_impl_directly (dispatcher calls of the TE ops), next to
-#    te_inductor so the pass's gain prints side by side; issue 14: te_inductor-ro under trees
+#    te_inductor so the pass's gain prints side by side; issue 14: lean and trees named explicitly
 NODIRECT = "te_inductor-nodirect"
 LEAN = "te_inductor-ro-lean"
 ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", LEAN,

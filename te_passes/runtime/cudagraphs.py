@@ -8,7 +8,8 @@ through ``torch._inductor.config.cudagraph_policy`` (:class:`CUDAGraphPolicy` in
 ``torch/_inductor/output_code.py`` with the graph's static input indices, ``is_backward``,
 ``is_inference``, ``mutated_input_idxs``, ``constants``, ``kernel_free_cudagraph`` ...).
 :class:`LeanCUDAGraphPolicy` is that policy for te_inductor graphs; the backend installs it
-(``config_patches["cudagraph_policy"]``) only when Inductor's cudagraphs are on.
+(``config_patches["cudagraph_policy"]``) only when Inductor's cudagraphs are on and
+``te_passes.cudagraphs="lean"`` (opt-in; the default is ``"trees"``, docs/usage.md says why).
 
 What one :class:`LeanCUDAGraph` does (the replay model of TE's ``make_graphed_callables``,
 ``transformer_engine/pytorch/graph.py``, TE 2.20.2, with its hazards checked instead of assumed):
