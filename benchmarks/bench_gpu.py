@@ -198,6 +198,8 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
                 row.host_ms, row.gpu_ms, row.host_waited = _split(fn, x, dy, params, mark, args.split_steps)
             if f"{tokens}:{precision}:{variant}" in args.profile:
                 _profile_host(fn, x, dy, params, mark, f"{tokens}:{precision}:{variant}", args)
+            if f"{tokens}:{precision}:{variant}" in args.trace:
+                _trace(fn, x, dy, params, mark, f"{tokens}:{precision}:{variant}", Path(args.out))
         times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
         row.iters = len(times)
         row.median_ms = statistics.median(times)
@@ -262,6 +264,35 @@ def _split(fn, x, dy, params, mark, steps: int) -> tuple[float, float, bool]:
     torch.cuda.synchronize()
     gpu = [ev[i].elapsed_time(ev[i + 1]) for i in range(steps)]
     return statistics.median(host), statistics.median(gpu), bool(waited)
+
+
+def _trace(fn, x, dy, params, mark, tag: str, out: Path, steps: int = 10) -> str:
+    """``torch.profiler`` over ``steps`` steps (CPU, and CUDA when available): operator / runtime
+    call / kernel counts and times, sorted by device time and by host time, to
+    ``trace_<tag>.txt`` under ``out`` (returned too). What it answers for lean against trees:
+    launches per step (``cudaGraphLaunch``, stray kernels or ``Memcpy`` outside the graphs),
+    synchronisations (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaMemcpy``),
+    and GPU time per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from te_passes.testing.gpu import train_step
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            train_step(fn, x, dy, params, mark_step=mark)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    dev = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = (f"torch.profiler, {steps} steps, {tag}\n\n## by device time\n"
+            + ka.table(sort_by=dev, row_limit=40)
+            + "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40))
+    print(text)
+    (out / f"trace_{tag.replace(':', '_')}.txt").write_text(text)
+    return text
 
 
 def _profile_host(fn, x, dy, params, mark, tag: str, args) -> None:
@@ -527,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", nargs="*", default=None,
                     help="TOKENS:PRECISION:VARIANT to cProfile for 20 extra (untimed) steps; without a value "
                          f"(or without the flag): {' '.join(DEFAULT_PROFILE)}; 'none': no profile")
+    ap.add_argument("--trace", nargs="*", default=[],
+                    help="TOKENS:PRECISION:VARIANT to run 10 extra steps of under torch.profiler (CPU + CUDA): "
+                         "trace_<tag>.txt under --out (kernel / runtime-call counts and times)")
     ap.add_argument("--split-steps", type=int, default=20,
                     help="steps of the host / GPU split per variant (host ms, GPU ms, host waited); 0: none")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: made-up numbers through the reporting code")
@@ -535,11 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         args.profile = list(DEFAULT_PROFILE)
     elif args.profile == ["none"]:
         args.profile = []
-    for tag in args.profile:
+    for tag in [*args.profile, *args.trace]:
         t, _, rest = tag.partition(":")
         p, _, v = rest.partition(":")
         if not t.isdigit() or p not in ("bf16", "fp8") or v not in ALL_VARIANTS:
-            ap.error(f"bad --profile entry {tag!r}: want TOKENS:bf16|fp8:VARIANT with VARIANT one of {ALL_VARIANTS}")
+            ap.error(f"bad --profile / --trace entry {tag!r}: want TOKENS:bf16|fp8:VARIANT with VARIANT one of {ALL_VARIANTS}")
     for cfg in args.configs:
         t, _, p = cfg.partition(":")
         if not t.isdigit() or p not in ("bf16", "fp8"):

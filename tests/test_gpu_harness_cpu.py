@@ -159,3 +159,14 @@ def test_bench_profile_flag(tmp_path, monkeypatch):
     assert "256:fp8:te_inductor-ro-lean" in b.DEFAULT_PROFILE and "256:fp8:te_inductor-ro-trees" in b.DEFAULT_PROFILE
     with pytest.raises(SystemExit):
         b.main(["--dry-run", "--out", str(tmp_path), "--profile", "256:fp8:lean"])
+
+
+def test_bench_trace_writes_profiler_tables(tmp_path):
+    """``--trace`` (torch.profiler per variant) on a CPU function: the file and both tables."""
+    b = _bench()
+    x = torch.randn(4, 4, requires_grad=True)
+    dy = torch.randn(4, 4)
+    lin = torch.nn.Linear(4, 4)
+    text = b._trace(lin, x, dy, list(lin.parameters()), False, "256:bf16:eager", tmp_path, steps=2)
+    assert (tmp_path / "trace_256_bf16_eager.txt").read_text() == text
+    assert "## by device time" in text and "## by host time" in text and "aten::addmm" in text
