@@ -19,9 +19,11 @@ inductor-ro    ``torch.compile(backend="inductor", mode="reduce-overhead")`` (cu
 te_inductor    ``torch.compile(backend="te_inductor")``
 te_inductor-nodirect  the same with ``options={"te_passes.disable": ["call_te_impl_directly"]}``
                (TE ops called through the dispatcher; issue 13)
-te_inductor-ro ``torch.compile(backend="te_inductor", mode="reduce-overhead")`` (lean CUDA-graph replay,
-               ``te_passes.cudagraphs="lean"``, the default; issue 14)
-te_inductor-ro-trees  the same with ``te_passes.cudagraphs="trees"`` (Inductor's cudagraph trees)
+te_inductor-ro ``torch.compile(backend="te_inductor", mode="reduce-overhead")`` (the default replay,
+               ``te_passes.cudagraphs="trees"``: Inductor's cudagraph trees)
+te_inductor-ro-lean   the same with ``te_passes.cudagraphs="lean"`` (te_passes' lean CUDA-graph
+               replay, opt-in; issue 14)
+te_inductor-ro-trees  the same with ``te_passes.cudagraphs="trees"`` named explicitly
 mgc            ``te.make_graphed_callables(model, (x,), enabled=fp8, recipe=recipe)`` (TE's own
                CUDA-graph capture; default ``clone_param_grads_on_return=True``)
 mgc-noclone    the same with ``clone_param_grads_on_return=False`` (returned parameter grads alias
@@ -39,7 +41,10 @@ pass time against te_inductor's total compile time (``te_passes.report.compile_r
 ``time_ms_passes`` / ``time_ms_total``), and the first step's relative error against eager.
 
 Writes ``bench_gpu.json`` (after every variant, so a killed run keeps what it measured) and
-``bench_gpu.md`` under ``--out``; prints the markdown table and the goal checks of
+``bench_gpu.md`` under ``--out``; per variant also the host / GPU split of a step (``_split``:
+host ms, GPU ms, whether the host had to wait for the GPU) and, for lean rows, each lean graph's
+``stats`` (replays, calls without the graph by reason in the records' counts, wrapper host µs per
+replay, pool MiB its outputs hold) under ``cudagraph_records``; prints the markdown table and the goal checks of
 shared GOALS / issue 7. ``--dry-run`` exercises the table and goal logic on made-up numbers
 without a GPU (it is labelled as such everywhere it prints).
 """
@@ -65,11 +70,14 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402  (import torch before transformer_engine)
 
 # -- issue 13: te_inductor without call_te_impl_directly (dispatcher calls of the TE ops), next to
-#    te_inductor so the pass's gain prints side by side; issue 14: te_inductor-ro under trees
+#    te_inductor so the pass's gain prints side by side; issue 14: lean and trees named explicitly
 NODIRECT = "te_inductor-nodirect"
-ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", "te_inductor-ro-trees",
-                "mgc", "mgc-noclone")
+LEAN = "te_inductor-ro-lean"
+ALL_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", NODIRECT, "te_inductor-ro", LEAN,
+                "te_inductor-ro-trees", "mgc", "mgc-noclone")
 DEFAULT_VARIANTS = ALL_VARIANTS
+#: ``--profile`` default: cProfile text of these (tokens:precision:variant) under --out
+DEFAULT_PROFILE = ("256:fp8:te_inductor", "256:fp8:te_inductor-ro-lean", "256:fp8:te_inductor-ro-trees", "256:fp8:mgc")
 #: Configurations in the order they run: the launch-bound fp8 row first (the goals' key row).
 DEFAULT_CONFIGS = ("256:fp8", "8192:fp8", "256:bf16", "8192:bf16")
 
@@ -104,6 +112,11 @@ class Row:
     # --- issue 14: lean cudagraph records (CompileReport.cudagraphs) that are not "lean"/"captured"
     cudagraph_fallbacks: int | None = None
     cudagraph_records: list[dict] = dataclasses.field(default_factory=list)  # JSON only
+    # --- issue 14: host / GPU split of a step (``_split``): which side bounds the step
+    host_ms: float | None = None          # median host (Python) time per step, queue kept full
+    gpu_ms: float | None = None           # median GPU time per step with the host ahead of it
+    host_waited: bool | None = None       # the host caught up with the GPU during the split (a sync)
+    lean_saved_mib: float | None = None   # pool memory lean forwards hold for their lifetime
 
     @property
     def excess_mib(self) -> float | None:
@@ -121,13 +134,14 @@ def _variant_fn(variant: str, model, precision: str, recipe, x):
     if variant == NODIRECT:  # issue 13: the same compile with the direct-call pass switched off
         return torch.compile(base, backend="te_inductor",
                              options={"te_passes.disable": ["call_te_impl_directly"]}), False
-    if variant == "te_inductor-ro-trees":  # issue 14: the same as te_inductor-ro under cudagraph trees
+    if variant in ("te_inductor-ro-trees", LEAN):  # issue 14: lean replay and trees, named explicitly
         import functools
 
         from te_passes.backend import te_inductor
 
         return torch.compile(base, backend=functools.partial(
-            te_inductor, mode="reduce-overhead", options={"te_passes.cudagraphs": "trees"})), True
+            te_inductor, mode="reduce-overhead",
+            options={"te_passes.cudagraphs": variant.rsplit("-", 1)[1]})), True
     if variant in ("inductor", "inductor-ro", "te_inductor", "te_inductor-ro"):
         backend = "te_inductor" if variant.startswith("te_") else "inductor"
         mode = "reduce-overhead" if variant.endswith("-ro") else None
@@ -180,8 +194,12 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
                 train_step(fn, x, dy, params, mark_step=mark)
                 ends[i].record()
             torch.cuda.synchronize()
+            if args.split_steps:
+                row.host_ms, row.gpu_ms, row.host_waited = _split(fn, x, dy, params, mark, args.split_steps)
             if f"{tokens}:{precision}:{variant}" in args.profile:
                 _profile_host(fn, x, dy, params, mark, f"{tokens}:{precision}:{variant}", args)
+            if f"{tokens}:{precision}:{variant}" in args.trace:
+                _trace(fn, x, dy, params, mark, f"{tokens}:{precision}:{variant}", Path(args.out))
         times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
         row.iters = len(times)
         row.median_ms = statistics.median(times)
@@ -209,11 +227,72 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
             from te_passes.runtime.cudagraphs import lean_runners
 
             ids = {r.graph_id for r in reps}
-            row.cudagraph_records += [{"graph": lr.name, "event": "stats", "count": 0, **lr.stats}
-                                      for lr in lean_runners() if lr.name.split(".")[0] in ids]
+            mine = [lr for lr in lean_runners() if lr.name.split(".")[0] in ids]
+            row.cudagraph_records += [{"graph": lr.name, "event": "stats", "count": 0, **lr.stats,
+                                       "replay_host_us_per_call": (lr.stats["replay_host_ns"] / 1e3 / lr.stats["replay"]
+                                                                   if lr.stats["replay"] else None),
+                                       "held_mib": lr.held_bytes / 2**20} for lr in mine]
+            if mine:
+                row.lean_saved_mib = sum(lr.held_bytes for lr in mine if lr.name.endswith(".fwd")) / 2**20
         x.grad = None
         del fn, model, params
     return row
+
+
+def _split(fn, x, dy, params, mark, steps: int) -> tuple[float, float, bool]:
+    """Host and GPU time per step, apart: a long ``torch.cuda._sleep`` is queued first, so the
+    host enqueues ``steps`` steps while the GPU is still asleep, then the GPU runs them back to
+    back. Returns ``(host_ms, gpu_ms, host_waited)``: the median host time to enqueue one step
+    (``time.perf_counter``), the median GPU time of one step (CUDA events between steps, the GPU
+    never starved), and whether the GPU had already finished the sleep when the host was done
+    enqueueing — ``True`` means a step waited for the GPU (a synchronisation in the step, or
+    more launches than the launch queue holds: eager variants), so ``host_ms`` is not pure host
+    time."""
+    from te_passes.testing.gpu import train_step
+
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    torch.cuda._sleep(int(5e8))  # ~0.25 s at H200 clocks: longer than enqueueing the steps
+    ev[0].record()
+    host = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        train_step(fn, x, dy, params, mark_step=mark)
+        ev[i + 1].record()
+        host.append((time.perf_counter() - t0) * 1e3)
+    waited = ev[0].query()
+    torch.cuda.synchronize()
+    gpu = [ev[i].elapsed_time(ev[i + 1]) for i in range(steps)]
+    return statistics.median(host), statistics.median(gpu), bool(waited)
+
+
+def _trace(fn, x, dy, params, mark, tag: str, out: Path, steps: int = 10) -> str:
+    """``torch.profiler`` over ``steps`` steps (CPU, and CUDA when available): operator / runtime
+    call / kernel counts and times, sorted by device time and by host time, to
+    ``trace_<tag>.txt`` under ``out`` (returned too). What it answers for lean against trees:
+    launches per step (``cudaGraphLaunch``, stray kernels or ``Memcpy`` outside the graphs),
+    synchronisations (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaMemcpy``),
+    and GPU time per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from te_passes.testing.gpu import train_step
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            train_step(fn, x, dy, params, mark_step=mark)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    dev = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = (f"torch.profiler, {steps} steps, {tag}\n\n## by device time\n"
+            + ka.table(sort_by=dev, row_limit=40)
+            + "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40))
+    print(text)
+    (out / f"trace_{tag.replace(':', '_')}.txt").write_text(text)
+    return text
 
 
 def _profile_host(fn, x, dy, params, mark, tag: str, args) -> None:
@@ -310,7 +389,7 @@ def markdown_table(rows: list[Row]) -> str:
     """The results as one markdown table, rows grouped by configuration."""
     head = ("| tokens | precision | variant | median ms | × eager | b2b ms | p10–p90 ms | peak MiB | "
             "excess MiB | first-call peak MiB | graphs | breaks | recompiles | cg skips | first call s | passes ms / te_inductor ms | "
-            "max rel err | cg fallbacks | status |")
+            "max rel err | cg fallbacks | host ms | GPU ms | host waited | status |")
     sep = "|" + "---|" * (head.count("|") - 1)
     lines = [head, sep]
     for r in rows:
@@ -321,7 +400,8 @@ def markdown_table(rows: list[Row]) -> str:
             f"| {r.tokens} | {r.precision} | {r.variant} | {_f(r.median_ms)} | {_f(r.speedup_vs_eager)}× | "
             f"{_f(r.b2b_ms)} | {spread} | {_f(r.peak_mib, 0)} | {_f(r.excess_mib, 0)} | {_f(r.peak_first_mib, 0)} | "
             f"{_v(r.graphs)} | {_v(r.graph_breaks)} | {_v(r.recompiles)} | {_v(r.cudagraph_skips)} | "
-            f"{_f(r.first_call_s, 1)} | {share} | {_f(r.max_rel_err, 4)} | {_v(r.cudagraph_fallbacks)} | {r.status} |")
+            f"{_f(r.first_call_s, 1)} | {share} | {_f(r.max_rel_err, 4)} | {_v(r.cudagraph_fallbacks)} | "
+            f"{_f(r.host_ms)} | {_f(r.gpu_ms)} | {_v(r.host_waited)} | {r.status} |")
     return "\n".join(lines)
 
 
@@ -383,10 +463,23 @@ def goal_checks(rows: list[Row]) -> list[tuple[str, str, str]]:
                 ratio = b.median_ms / a.median_ms
                 out.append((f"te_inductor-ro ≥ {need}× {other}, {t}/{p}", verdict(ratio >= need),
                             f"{other} {b.median_ms:.2f} ms / te_inductor-ro {a.median_ms:.2f} ms = {ratio:.2f}×"))
+    # issue 14: lean replay (opt-in) against trees (the default): what would make lean the default
+    for t, p in cfgs:
+        a, b = by.get((t, p, LEAN)), by.get((t, p, "te_inductor-ro-trees"))
+        if a and b:
+            out.append((f"lean ≥ 1.0× trees (te_inductor-ro-lean vs te_inductor-ro-trees), {t}/{p}",
+                        verdict(b.median_ms / a.median_ms >= 1.0),
+                        f"trees {b.median_ms:.2f} ms / lean {a.median_ms:.2f} ms = {b.median_ms / a.median_ms:.2f}×; "
+                        f"host ms lean {_f(a.host_ms)} / trees {_f(b.host_ms)}, GPU ms lean {_f(a.gpu_ms)} / "
+                        f"trees {_f(b.gpu_ms)}, host waited lean {_v(a.host_waited)} / trees {_v(b.host_waited)}"))
+        c = by.get((t, p, "mgc-noclone"))
+        if a and c:
+            out.append((f"lean ≥ 0.8× mgc-noclone, {t}/{p}", verdict(c.median_ms / a.median_ms >= 0.8),
+                        f"mgc-noclone {c.median_ms:.2f} ms / lean {a.median_ms:.2f} ms = {c.median_ms / a.median_ms:.2f}×"))
     # peak memory <= eager (te_inductor variants), and <= inductor reduce-overhead (ro)
     for t, p in cfgs:
         e = by.get((t, p, "eager"))
-        for v in ("te_inductor", "te_inductor-ro", "te_inductor-ro-trees"):
+        for v in ("te_inductor", "te_inductor-ro", LEAN, "te_inductor-ro-trees"):
             r = by.get((t, p, v))
             if e and r and r.peak_mib is not None and e.peak_mib is not None:
                 out.append((f"{v} peak memory ≤ TE eager, {t}/{p}", verdict(r.peak_mib <= e.peak_mib),
@@ -395,6 +488,13 @@ def goal_checks(rows: list[Row]) -> list[tuple[str, str, str]]:
         if a and b and a.peak_mib is not None and b.peak_mib is not None:
             out.append((f"te_inductor-ro peak memory ≤ inductor-ro, {t}/{p}", verdict(a.peak_mib <= b.peak_mib),
                         f"{a.peak_mib:.0f} vs {b.peak_mib:.0f} MiB"))
+        # lean's documented memory bound: trees' excess plus the saved tensors lean forwards hold
+        a, b = by.get((t, p, LEAN)), by.get((t, p, "te_inductor-ro-trees"))
+        if a and b and a.excess_mib is not None and b.excess_mib is not None and a.lean_saved_mib is not None:
+            bound = b.excess_mib * 1.05 + a.lean_saved_mib + 8
+            out.append((f"lean peak excess ≤ trees' + held saved tensors (+5%, +8 MiB), {t}/{p}",
+                        verdict(a.excess_mib <= bound),
+                        f"lean {a.excess_mib:.0f} MiB vs trees {b.excess_mib:.0f} + saved {a.lean_saved_mib:.0f} MiB"))
     shares = [r.passes_ms / r.te_compile_ms for r in rows if r.passes_ms is not None and r.te_compile_ms]
     out.append(("te_passes passes ≤ 5% of te_inductor compile time",
                 verdict(None if not shares else max(shares) <= 0.05),
@@ -455,11 +555,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="stop starting new variants after this many seconds (they are listed as not run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="directory for bench_gpu.json/.md")
-    ap.add_argument("--profile", nargs="*", default=["256:fp8:eager", "256:fp8:te_inductor", "256:fp8:te_inductor-ro",
-                                                     "256:fp8:te_inductor-ro-trees", "256:fp8:mgc"],
-                    help="TOKENS:PRECISION:VARIANT to cProfile for 20 extra (untimed) steps")
+    ap.add_argument("--profile", nargs="*", default=None,
+                    help="TOKENS:PRECISION:VARIANT to cProfile for 20 extra (untimed) steps; without a value "
+                         f"(or without the flag): {' '.join(DEFAULT_PROFILE)}; 'none': no profile")
+    ap.add_argument("--trace", nargs="*", default=[],
+                    help="TOKENS:PRECISION:VARIANT to run 10 extra steps of under torch.profiler (CPU + CUDA): "
+                         "trace_<tag>.txt under --out (kernel / runtime-call counts and times)")
+    ap.add_argument("--split-steps", type=int, default=20,
+                    help="steps of the host / GPU split per variant (host ms, GPU ms, host waited); 0: none")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: made-up numbers through the reporting code")
     args = ap.parse_args(argv)
+    if not args.profile:  # no flag, or the flag without a value
+        args.profile = list(DEFAULT_PROFILE)
+    elif args.profile == ["none"]:
+        args.profile = []
+    for tag in [*args.profile, *args.trace]:
+        t, _, rest = tag.partition(":")
+        p, _, v = rest.partition(":")
+        if not t.isdigit() or p not in ("bf16", "fp8") or v not in ALL_VARIANTS:
+            ap.error(f"bad --profile / --trace entry {tag!r}: want TOKENS:bf16|fp8:VARIANT with VARIANT one of {ALL_VARIANTS}")
     for cfg in args.configs:
         t, _, p = cfg.partition(":")
         if not t.isdigit() or p not in ("bf16", "fp8"):

@@ -110,8 +110,9 @@ OPTION_SPECS: dict[str, _Spec] = {
     "pass_config": _Spec(_as_pass_config, "per-pass constructor arguments: {pass name: {parameter: value}}"),
     # issue 14: how mode="reduce-overhead" replays CUDA graphs (te_passes/runtime/cudagraphs.py)
     "cudagraphs": _Spec(_as_choice("lean", "trees"),
-                        "CUDA-graph replay under reduce-overhead: 'lean' (te_passes' policy, falls back to trees "
-                        "per graph where unsafe) or 'trees' (Inductor's cudagraph trees)", "TE_PASSES_CUDAGRAPHS"),
+                        "CUDA-graph replay under reduce-overhead: 'trees' (Inductor's cudagraph trees, the default) "
+                        "or 'lean' (te_passes' policy, opt-in: falls back to trees per graph where unsafe; "
+                        "slower than trees on the H200 so far, docs/usage.md)", "TE_PASSES_CUDAGRAPHS"),
 }
 
 
@@ -135,7 +136,7 @@ class TePassesOptions:
     ub_snapshot: Any = None
     ub_on_change: str = "recompile"
     pass_config: Any = None
-    cudagraphs: str = "lean"
+    cudagraphs: str = "trees"
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,

@@ -59,7 +59,8 @@ def _mlp(seed=0):
 def _pair(**opts):
     m, ref = _mlp(), _mlp()
     fn = torch.compile(m, backend=functools.partial(
-        te_inductor, options={"triton.cudagraphs": True, "fx_graph_cache": False, **opts}))
+        te_inductor, options={"triton.cudagraphs": True, "fx_graph_cache": False, "te_passes.cudagraphs": "lean",
+                              **opts}))
     return m, ref, fn
 
 

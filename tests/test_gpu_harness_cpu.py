@@ -119,3 +119,54 @@ def test_bench_dry_run_writes_json_and_markdown(tmp_path):
     assert doc["meta"]["dry_run"] is True and len(doc["rows"]) == len(b.DEFAULT_VARIANTS)
     with pytest.raises(SystemExit):
         b.main(["--dry-run", "--out", str(tmp_path), "--configs", "256:fp16"])
+
+
+def test_bench_lean_against_trees_goals_and_memory_bound():
+    """Issue 14: lean (opt-in) is judged against trees (the default) on speed, with the host / GPU
+    split next to it, and on its documented memory bound (trees' excess + held saved tensors)."""
+    b = _bench()
+    R = b.Row
+    rows = [R(256, "fp8", "eager", median_ms=3.0, peak_mib=600, start_mib=424),
+            R(256, "fp8", b.LEAN, median_ms=1.84, peak_mib=704, start_mib=424, host_ms=1.7, gpu_ms=0.5,
+              host_waited=False, lean_saved_mib=100.0),
+            R(256, "fp8", "te_inductor-ro-trees", median_ms=1.05, peak_mib=602, start_mib=424, host_ms=1.0,
+              gpu_ms=0.5, host_waited=False),
+            R(256, "fp8", "mgc-noclone", median_ms=0.44, peak_mib=558, start_mib=424)]
+    b._fill_speedups(rows)
+    goals = {g: (v, m) for g, v, m in b.goal_checks(rows)}
+    v, m = goals["lean ≥ 1.0× trees (te_inductor-ro-lean vs te_inductor-ro-trees), 256/fp8"]
+    assert v == "NOT MET" and "0.57×" in m and "host ms lean 1.70 / trees 1.00" in m and "GPU ms lean 0.50" in m
+    assert goals["lean ≥ 0.8× mgc-noclone, 256/fp8"][0] == "NOT MET"
+    # 280 <= 178 * 1.05 + 100 + 8 = 294.9
+    assert goals["lean peak excess ≤ trees' + held saved tensors (+5%, +8 MiB), 256/fp8"][0] == "MET"
+    rows[1].lean_saved_mib = 50.0
+    goals = {g: (v, m) for g, v, m in b.goal_checks(rows)}
+    assert goals["lean peak excess ≤ trees' + held saved tensors (+5%, +8 MiB), 256/fp8"][0] == "NOT MET"
+    assert "| 1.70 | 0.50 | False |" in b.markdown_table(rows)
+
+
+def test_bench_profile_flag(tmp_path, monkeypatch):
+    """``--profile`` without a value means the default list (the first GPU run passed it bare and
+    profiled nothing); ``none`` switches it off; a bad entry is refused."""
+    b = _bench()
+    seen = []
+    monkeypatch.setattr(b, "_fake_rows", lambda args: seen.append(list(args.profile)) or [])
+    for argv, want in (([], list(b.DEFAULT_PROFILE)), (["--profile"], list(b.DEFAULT_PROFILE)),
+                       (["--profile", "none"], []),
+                       (["--profile", "256:fp8:te_inductor-ro-lean"], ["256:fp8:te_inductor-ro-lean"])):
+        assert b.main(["--dry-run", "--out", str(tmp_path), "--configs", "256:fp8", *argv]) == 0
+        assert seen[-1] == want, argv
+    assert "256:fp8:te_inductor-ro-lean" in b.DEFAULT_PROFILE and "256:fp8:te_inductor-ro-trees" in b.DEFAULT_PROFILE
+    with pytest.raises(SystemExit):
+        b.main(["--dry-run", "--out", str(tmp_path), "--profile", "256:fp8:lean"])
+
+
+def test_bench_trace_writes_profiler_tables(tmp_path):
+    """``--trace`` (torch.profiler per variant) on a CPU function: the file and both tables."""
+    b = _bench()
+    x = torch.randn(4, 4, requires_grad=True)
+    dy = torch.randn(4, 4)
+    lin = torch.nn.Linear(4, 4)
+    text = b._trace(lin, x, dy, list(lin.parameters()), False, "256:bf16:eager", tmp_path, steps=2)
+    assert (tmp_path / "trace_256_bf16_eager.txt").read_text() == text
+    assert "## by device time" in text and "## by host time" in text and "aten::addmm" in text

@@ -8,7 +8,8 @@ through ``torch._inductor.config.cudagraph_policy`` (:class:`CUDAGraphPolicy` in
 ``torch/_inductor/output_code.py`` with the graph's static input indices, ``is_backward``,
 ``is_inference``, ``mutated_input_idxs``, ``constants``, ``kernel_free_cudagraph`` ...).
 :class:`LeanCUDAGraphPolicy` is that policy for te_inductor graphs; the backend installs it
-(``config_patches["cudagraph_policy"]``) only when Inductor's cudagraphs are on.
+(``config_patches["cudagraph_policy"]``) only when Inductor's cudagraphs are on and
+``te_passes.cudagraphs="lean"`` (opt-in; the default is ``"trees"``, docs/usage.md says why).
 
 What one :class:`LeanCUDAGraph` does (the replay model of TE's ``make_graphed_callables``,
 ``transformer_engine/pytorch/graph.py``, TE 2.20.2, with its hazards checked instead of assumed):
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -76,7 +78,7 @@ from te_passes._logging import get_logger
 
 log = get_logger()
 
-#: ``te_passes.cudagraphs`` values: ``"lean"`` (this module, the default) or ``"trees"`` (Inductor's).
+#: ``te_passes.cudagraphs`` values: ``"lean"`` (this module, opt-in) or ``"trees"`` (Inductor's, the default).
 CUDAGRAPH_MODES = ("lean", "trees")
 
 _PASS, _ALIAS, _CLONE, _CLONE_STRIDED = 0, 1, 2, 3
@@ -153,6 +155,7 @@ class CudaGraphEngine:
 
 
 _use_count = torch._C._storage_Use_Count
+_now_ns = time.perf_counter_ns
 
 
 def _clone_kind(t: torch.Tensor) -> int:
@@ -302,7 +305,10 @@ class LeanCUDAGraph:
             without a CUDA graph for good (recorded).
 
     ``stats`` counts ``warmup``, ``capture``, ``replay``, ``eager`` (calls run without the CUDA
-    graph) and ``copies`` (non-static inputs copied).
+    graph) and ``copies`` (non-static inputs copied); ``replay_host_ns`` sums the host time of the
+    calls that took the replay path (checks, copies, the replay launch, building the outputs;
+    nanoseconds, ``time.perf_counter_ns``; a call that fell back from there includes running the
+    compiled graph). Per-reason counts of the fallbacks are the records' ``count``.
     """
 
     def __init__(self, model: Callable, static_input_idxs: Sequence[int], *, name: str, device_index: int,
@@ -334,13 +340,16 @@ class LeanCUDAGraph:
         self._plan: list[tuple[int, Any]] = []
         self._own: list[list] = []           # [cdata, baseline use count, output index]
         self._pool_storages: set[int] = set()  # storages of outputs allocated in the pool
+        #: bytes of pool memory this graph's outputs hold from its capture on (distinct storages):
+        #: for a forward, its saved tensors, which its backward cannot reuse (cudagraph trees can)
+        self.held_bytes = 0
         self._check_cache: tuple[int, tuple, list, list] | None = None
         self._last_replay_seq = 0
         self._last_call_seq = 0
         self._consumed: set[int] = set()     # outputs a backward read (SAVED_BY_DATAFLOW)
         self._recent: list[int] = []
         self._self_ref = weakref.ref(self)
-        self.stats = {"warmup": 0, "capture": 0, "replay": 0, "eager": 0, "copies": 0}
+        self.stats = {"warmup": 0, "capture": 0, "replay": 0, "eager": 0, "copies": 0, "replay_host_ns": 0}
         _RUNNERS.add(self)
 
     # -------------------------------------------------------------------------- helpers
@@ -368,7 +377,11 @@ class LeanCUDAGraph:
     def __call__(self, inputs: list):
         self._last_call_seq = next(_SEQ)
         if self._graph is not None:
-            return self._replay(inputs)
+            t0 = _now_ns()
+            try:
+                return self._replay(inputs)
+            finally:
+                self.stats["replay_host_ns"] += _now_ns() - t0
         if self._disabled is not None:
             return self._eager(inputs)
         return self._prepare(inputs)
@@ -515,6 +528,8 @@ class LeanCUDAGraph:
         buffers = {static[i].untyped_storage().data_ptr() for i, _ in self._copy}
         self._pool_storages = {o.untyped_storage().data_ptr() for k, o in plan
                                if k != _PASS and o.untyped_storage().nbytes()} - buffers
+        sizes = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for k, o in plan if k != _PASS}
+        self.held_bytes = sum(sizes[p] for p in self._pool_storages)
         # Baselines: the references we hold ourselves (one per tensor object of ours on that
         # storage), never a measured count — a transient holder at capture (a local storage
         # object, the caller's aliases) would raise it and hide a later holder for good.

@@ -1,4 +1,4 @@
-"""Lean CUDA-graph replay (``te_passes.cudagraphs="lean"``, the reduce-overhead default; issue 14)
+"""Lean CUDA-graph replay (``te_passes.cudagraphs="lean"``, opt-in; trees is the default; issue 14)
 on a GPU, against TE eager and against the same graphs under cudagraph trees.
 
 One command on the H200 (tests/gpu/run_on_device.sh suite runs it with the rest)::
@@ -16,7 +16,10 @@ What is asserted (stack4 = 4 x te.Linear(4096) + GELU, 256 tokens; te_passes/tes
 * an output kept across steps keeps its value;
 * a ``te.TransformerLayer`` training step: equal to eager whatever the policy decided, and every
   fallback the report lists carries a reason;
-* peak memory of te_inductor-ro (lean) no more than plain inductor-ro and te_inductor-ro (trees).
+* peak memory: te_inductor-ro under trees (the default) no more than plain inductor-ro; lean no
+  more than trees plus the pool memory its forwards hold for their lifetime (their saved
+  tensors, ``LeanCUDAGraph.held_bytes``: trees' backward reuses that memory, lean's cannot),
+  5% + 8 MiB slack for allocator rounding (docs/usage.md, "Memory").
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ def test_peak_memory_not_above_inductor_ro(precision):
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     dy = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
     excess = {}
+    saved_mib = None
     for variant in ("inductor-ro", "te_inductor-ro-trees", "te_inductor-ro-lean"):
         with fresh_compile_state():
             model = build_stack(4, HIDDEN, seed=0)
@@ -214,8 +218,14 @@ def test_peak_memory_not_above_inductor_ro(precision):
                 train_step(fn, x, dy, params, mark_step=True)
             torch.cuda.synchronize()
             excess[variant] = (torch.cuda.max_memory_allocated() - start) / 2**20
+            if variant.endswith("lean"):
+                fwd = [r for r in _runners() if r.name.endswith(".fwd") and r.captured]
+                assert fwd, "lean captured no forward graph"
+                saved_mib = sum(r.held_bytes for r in fwd) / 2**20
             x.grad = None
             del fn, base, model, params
-    print(f"peak memory over start, {precision} stack4 {TOKENS} tokens (MiB): {excess}")
-    assert excess["te_inductor-ro-lean"] <= excess["inductor-ro"], excess
-    assert excess["te_inductor-ro-lean"] <= excess["te_inductor-ro-trees"] * 1.05, excess
+    print(f"peak memory over start, {precision} stack4 {TOKENS} tokens (MiB): {excess}; "
+          f"lean forwards hold {saved_mib:.1f} MiB")
+    assert excess["te_inductor-ro-trees"] <= excess["inductor-ro"] * 1.05 + 8, excess
+    bound = excess["te_inductor-ro-trees"] * 1.05 + saved_mib + 8
+    assert excess["te_inductor-ro-lean"] <= bound, (excess, saved_mib, bound)

@@ -52,7 +52,7 @@ def _compile(fn, mode: str):
     if mode == "default":
         return torch.compile(fn, backend="te_inductor")
     # cudagraph trees, pinned: this suite checks the tree path (its pool asserts, tree nodes);
-    # lean replay (the default, issue 14) is tests/gpu/test_lean_cudagraphs_gpu.py
+    # (trees is also the default now); lean replay (opt-in, issue 14) is tests/gpu/test_lean_cudagraphs_gpu.py
     import functools
 
     from te_passes.backend import te_inductor
