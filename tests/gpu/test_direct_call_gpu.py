@@ -28,7 +28,6 @@ import re
 import pytest
 import torch
 
-from te_passes.backend import te_inductor
 from te_passes.testing.gpu import (REL_TOL, CompileWatch, build_stack, copy_params, forward_fn, grads_of,
                                    make_recipe, rel_err, train_step)
 
@@ -95,9 +94,13 @@ def _check(precision, mode):
     eager_m = build_stack(LAYERS, HIDDEN)
     disp_m, direct_m = _twin(eager_m, precision), _twin(eager_m, precision)
     m = None if mode == "default" else mode
+    from te_passes.backend import te_inductor
+
     fns = {
         "eager": (eager_m, forward_fn(eager_m, precision, recipe)),
-        # torch.compile refuses mode= together with options=: the backend takes both (docs/usage.md)
+        # torch.compile refuses mode= together with options=: the backend takes both (docs/usage.md);
+        # imported here: importing te_passes.backend at collection installs te_passes' TE hooks for
+        # every later test of the session (test_amax_groups checks plain inductor without them)
         "dispatcher": (disp_m, torch.compile(forward_fn(disp_m, precision, recipe), backend=functools.partial(
             te_inductor, mode=m, options={"te_passes.disable": ["call_te_impl_directly"]}))),
         "direct": (direct_m, torch.compile(forward_fn(direct_m, precision, recipe), backend="te_inductor", mode=m)),
