@@ -4,7 +4,7 @@
     PYTHONPATH=$PWD python3 benchmarks/bench_direct_call_cpu.py [--iters N]
 
 Takes the real ``linear`` / ``linear_backward`` nodes of captured te.Linear post-grad graphs
-(fp8 Float8CurrentScaling and bf16; te_passes.testing.capture, with hoist_recipe_lookups run so
+(fp8 Float8CurrentScaling and bf16; te_passes.testing.capture, with hoist_te_constants run so
 the bundles are the hoisted objects), builds their flat arguments with CPU tensors of the
 nodes' shapes, and replaces TE's impl in the base op's closure cell by a stub that returns a
 result of the right shape (TE's real impl needs a GPU). Then, side by side in one run, µs per
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     from torch._library.custom_ops import OPDEFS
 
     from te_passes.passes.call_te_impl_directly import CallTEImplDirectly
-    from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
+    from te_passes.passes.hoist_te_constants import HoistTEConstants
     from te_passes.runtime import direct_call as dc
     from te_passes.testing.capture import capture_aot, run_pipeline
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     for precision in ("fp8-cs", "bf16"):
         a = capture_aot(precision=precision, layers=1)
         reps = run_pipeline(a, stages=["post_grad_fwd", "post_grad_bwd"],
-                            passes=[HoistRecipeLookups(), CallTEImplDirectly()])
+                            passes=[HoistTEConstants(), CallTEImplDirectly()])
         for rep in reps:
             (node,) = [n for n in rep.gm.graph.nodes if n.op == "call_function" and dc.META_KEY in n.meta]
             call = node.meta[dc.META_KEY]

@@ -92,7 +92,8 @@ def time_stage(gm: torch.fx.GraphModule, stage: Stage, repeat: int,
             {k: statistics.median(v) for k, v in per.items()})
 
 
-_SHORT = {"fold_ub_predicates": "fold_ub", "hoist_recipe_lookups": "hoist", "insert_early_frees": "frees",
+_SHORT = {"fold_ub_predicates": "fold_ub", "fold_recipe_lookups": "lookups", "remove_quantizer_setattrs": "setattrs",
+          "hoist_te_constants": "hoist", "insert_early_frees": "frees",
           "check_cudagraph_pool": "pool"}
 
 

@@ -37,7 +37,7 @@ from te_passes.pipeline.compilation import inductor_config_patches as _inductor_
 from te_passes.pipeline.compilation import pipeline_uuid
 from te_passes.pipeline.compilation import run_stage as _run_stage
 from te_passes.pipeline.manager import PassManager
-from te_passes.pipeline.registry import configured_passes, pass_names
+from te_passes.pipeline.registry import PASS_ALIASES, configured_passes, pass_names
 from te_passes.report import CompileReport, cache_hit_note, new_compile_report
 from te_passes.runtime.install import install as _install_runtime
 from te_passes.runtime.ub_guard import (dynamo_stage_inputs, raise_ub_mismatches, ub_dependence_of, ub_state_reads,
@@ -186,7 +186,8 @@ def te_inductor_backend(*, mode: str | None = None, options: dict[str, Any] | No
     """
     import functools
 
-    opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()))
+    opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()),
+                                                   aliases=PASS_ALIASES)
     configured_passes(opts.pass_config)
     _refuse_unsupported(_inductor_config_patches(mode, inductor_options))
     return functools.partial(te_inductor, mode=mode, options=options)
@@ -236,7 +237,8 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
 
     t_start = time.perf_counter()
     _install_te_hooks()
-    opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()))
+    opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()),
+                                                   aliases=PASS_ALIASES)
     config_patches = _inductor_config_patches(mode, inductor_options)
     _refuse_unsupported(config_patches)
     _warn_capture_state("te_inductor")

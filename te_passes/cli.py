@@ -145,9 +145,11 @@ def _registry() -> tuple[list[str], list[Any]]:
 
 
 def _check_pass_names(names: Iterable[str], where: str) -> list[str]:
+    from te_passes.pipeline.registry import PASS_ALIASES
+
     known, _ = _registry()
     names = [n for n in names if n]
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in known and n not in PASS_ALIASES]  # aliases: expanded when parsed
     if unknown:
         raise CliError(f"unknown pass name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "
                        f"known passes: {', '.join(known) or '(none registered)'}")
@@ -805,8 +807,11 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
 
 # --------------------------------------------------------------------------- list
 def cmd_list(args: argparse.Namespace, out: Out) -> int:
+    from te_passes.pipeline.registry import PASS_ALIASES
+
     names, classes = _registry()
     env_disable = {n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()}
+    env_disable |= {m for n in env_disable & set(PASS_ALIASES) for m in PASS_ALIASES[n]}
     rows = []
     for cls in classes:
         order = {"dynamo": 0, "joint": 1, "post_grad_fwd": 2, "post_grad_bwd": 3}
@@ -819,7 +824,10 @@ def cmd_list(args: argparse.Namespace, out: Out) -> int:
     rows = [[n, ", ".join(st), k, "yes" if en else "no (TE_PASSES_DISABLE)", d] for n, st, k, en, d in rows]
     out.table(f"te_passes pipeline ({len(rows)} passes, in order)", ["pass", "stages", "kind", "enabled",
                                                                      "description"], rows, limit=None)
-    unknown = sorted(env_disable - set(names))
+    for old, new in PASS_ALIASES.items():
+        out.line(f"deprecated: {old} (until issue 12 one pass) is now {', '.join(new)}; the old name still "
+                 "disables all of them (te_passes.disable, TE_PASSES_DISABLE, --disable) until the next release")
+    unknown = sorted(env_disable - set(names) - set(PASS_ALIASES))
     if unknown:
         out.line(f"warning: TE_PASSES_DISABLE names unknown passes: {', '.join(unknown)}")
     return EXIT_OK

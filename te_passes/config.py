@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping
+import warnings
+from typing import Any, Callable, Mapping, Sequence
 
 from te_passes._json import jsonable
 
@@ -126,6 +127,19 @@ REFUSED_OPTIONS: dict[str, str] = {
 }
 
 
+def _expand_aliases(names: Sequence[str], aliases: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """``names`` with each deprecated pass name replaced by the passes it became (order kept, no
+    duplicates); warns ``DeprecationWarning`` once per deprecated name."""
+    out: list[str] = []
+    for n in names:
+        if n in aliases:
+            warnings.warn(f"pass name {n!r} in {PREFIX}disable / TE_PASSES_DISABLE is deprecated and will be "
+                          f"removed in the next release: it was split into {', '.join(aliases[n])}, which it "
+                          "disables; name those instead", DeprecationWarning, stacklevel=4)
+        out += [m for m in aliases.get(n, (n,)) if m not in out]
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class TePassesOptions:
     """Parsed ``te_passes.*`` options (defaults shown). Immutable; build with :meth:`parse`."""
@@ -140,13 +154,17 @@ class TePassesOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,
-              environ: Mapping[str, str] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
+              environ: Mapping[str, str] | None = None,
+              aliases: Mapping[str, Sequence[str]] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
         """Split ``options`` into our options and Inductor's.
 
         Args:
             options: the dict given to ``torch.compile(options=...)`` (may be ``None``).
             known_passes: valid pass names; ``disable`` entries outside it raise.
             environ: environment to read ``TE_PASSES_*`` from (default ``os.environ``).
+            aliases: deprecated pass names -> the passes they became
+                (``te_passes.pipeline.registry.PASS_ALIASES``); a ``disable`` entry naming one is
+                replaced by those passes, with a ``DeprecationWarning``.
 
         Returns:
             ``(TePassesOptions, inductor_options)``; ``inductor_options`` holds every key that
@@ -184,6 +202,8 @@ class TePassesOptions:
                 ours[short] = tuple(ours.get(short, ())) + value
             elif short not in ours:
                 ours[short] = value
+        if aliases and any(p in aliases for p in ours.get("disable", ())):
+            ours["disable"] = _expand_aliases(ours["disable"], aliases)
         parsed = cls(**ours)
         if known_passes is not None:
             unknown = [p for p in parsed.disable if p not in known_passes]

@@ -1,9 +1,9 @@
-"""AOTAutograd's cache with constants hoisted by ``hoist_recipe_lookups`` (CPU, real TE graphs).
+"""AOTAutograd's cache with constants hoisted by ``hoist_te_constants`` (CPU, real TE graphs).
 
 The situation (TE 2.20.2, torch 2.14.1): te_inductor's compiled forward of an fp8 te.Linear
 returns the module's quantizers, and they are the wrapper's hoisted globals (``_te_const_N``).
 Dynamo stores them back into ``module.quantizers``; TE's second trace of the frame (its guarded
-recompile after the first call, docs/passes/hoist_recipe_lookups.md §4) then bakes those very
+recompile after the first call, docs/passes/fold_recipe_lookups.md "Recipe identity and recompiles") then bakes those very
 objects into the Dynamo graph as constants. Before the fix they rendered there as their wrapper
 names, so ``autograd_cache_key`` formatted a quantizer object as an import
 (``AOTAutogradCachePickler._format_global_for_cache_key``): "Failed to pickle cache key ...
@@ -43,7 +43,7 @@ import torch.fx  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from torch._inductor.virtualized import V  # noqa: E402
 
-from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups  # noqa: E402
+from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.runtime.constants import (  # noqa: E402
     hoisted_name, hoisted_owner, name_constant, rebuild_constant, rendered_in_full)
 from te_passes.te.graph_model import bundle_dict  # noqa: E402
@@ -80,7 +80,7 @@ def _standin_compiled_forward(gm, example_inputs):
 
     g = torch.fx.GraphModule(gm, capture._copy_gm(gm).graph)
     ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture(), example_inputs, "primer.fwd")
-    report = PassManager([HoistRecipeLookups()]).run(g, ctx)
+    report = PassManager([HoistTEConstants()]).run(g, ctx)
     assert report.runs[0].status == "ok" and report.runs[0].changed
     return lambda *args: torch.fx.Interpreter(g).run(*args)
 

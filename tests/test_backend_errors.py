@@ -71,7 +71,7 @@ def test_backend_factory_validates_eagerly():
     with pytest.raises(te_passes.TePassesOptionError, match="te_passes.strict"):
         te_passes.te_inductor_backend(options={"te_passes.strict": "no"})
     with pytest.raises(te_passes.TePassesOptionError, match="hoist_constants"):
-        te_passes.te_inductor_backend(options={"te_passes.pass_config": {"hoist_recipe_lookups":
+        te_passes.te_inductor_backend(options={"te_passes.pass_config": {"hoist_te_constants":
                                                                         {"hoist_constants": "no"}}})
     with pytest.raises(RuntimeError, match="Unrecognized mode"):
         te_passes.te_inductor_backend(mode="warp-speed")

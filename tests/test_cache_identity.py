@@ -6,7 +6,7 @@ configs, options and one TE snapshot (TE version, UB, fp8 autocast state).
   own — changes every pass's ``uuid()`` and the pipeline uuid (before: only the pass's own module
   and ``passes/base.py`` were hashed, so Inductor's FX graph cache kept serving graphs compiled
   with the old rule);
-* a different fp8 autocast state changes the uuid, and ``hoist_recipe_lookups`` folds
+* a different fp8 autocast state changes the uuid, and ``fold_recipe_lookups`` folds
   ``FP8GlobalStateManager`` lookups to the snapshot in ``ctx.te_state`` (before: TE's live
   globals, read by the pass and in no fingerprint);
 * an identical rerun in a fresh process hits the FX graph cache (the identity is stable across
@@ -115,7 +115,7 @@ def test_hoist_folds_lookups_to_the_snapshot_not_to_te_globals():
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     assert FGSM.is_fp8_enabled() is False  # TE's live state
     snap = TEState(fp8=recipes.Fp8State(fp8_enabled=True), **_FP8)
-    m = PassManager([p for p in default_passes() if p.name == "hoist_recipe_lookups"])
+    m = PassManager([p for p in default_passes() if p.name == "fold_recipe_lookups"])
     report = m.run(gm, PassContext(Stage.DYNAMO, TePassesOptions(strict=True), snap, None, "t0"))
     (hoisted,) = [r for run in report.runs for r in run.records if r.kind == "hoisted"]
     assert hoisted.data["value"] is True  # the snapshot's value, not TE's live False

@@ -156,7 +156,7 @@ def test_refuses_constants_not_hoisted(te_aot_graphs):
     """Without hoisted bundles the op path gets freshly built bundles (and quantizers) on every
     call; a direct call holding one object would differ, so the node keeps its op call."""
     gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_fwd",
-                   **{"te_passes.disable": ["hoist_recipe_lookups"]})
+                   **{"te_passes.disable": ["hoist_te_constants"]})
     (n,) = _te_nodes(gm)
     assert n.target is torch.ops.transformer_engine_compile.linear_base.default and dc.META_KEY not in n.meta
     (kept,) = [r for r in run.records if r.kind == "kept"]
@@ -328,7 +328,7 @@ def test_rollback_restores_targets_and_meta(te_aot_graphs, monkeypatch):
     import te_passes.pipeline.manager as mgr
     from te_passes.config import TePassesOptions
     from te_passes.passes import PassContext, Stage, TEPass
-    from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
+    from te_passes.passes.hoist_te_constants import HoistTEConstants
     from te_passes.pipeline.manager import PassManager
     from te_passes.te.state import TEState
 
@@ -341,7 +341,7 @@ def test_rollback_restores_targets_and_meta(te_aot_graphs, monkeypatch):
 
     gm = te_aot_graphs("fp8-cs", 2, model="stack").forward
     ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
-    PassManager([HoistRecipeLookups()]).run(gm, ctx)
+    PassManager([HoistTEConstants()]).run(gm, ctx)
     before = [(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes]
     monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
@@ -430,7 +430,7 @@ def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):
 
     params = _params(2)
     ref = _steps(_compile(toy, **{"te_passes.disable": ["call_te_impl_directly"]}), params, 2)
-    compiled = _compile(toy, **{"te_passes.disable": ["hoist_recipe_lookups"]})
+    compiled = _compile(toy, **{"te_passes.disable": ["hoist_te_constants"]})
     disp = _dispatcher_counts(monkeypatch, toy)
     outs, codes = run_and_get_code(lambda: _steps(compiled, params, 2))
     assert "_te_direct_" not in "".join(codes)

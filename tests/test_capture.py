@@ -301,12 +301,12 @@ def test_run_pipeline_with_registry_passes(te_aot_graphs, monkeypatch):
 
     from te_passes.testing.capture import run_pipeline
 
-    # hoist_recipe_lookups names constants from a process-global counter; keep this test from
+    # hoist_te_constants names constants from a process-global counter; keep this test from
     # shifting the names later tests (test_cli) compare against a fresh subprocess's.
     from te_passes.pipeline.registry import pass_classes
 
     pass_classes()  # imports every registered pass module
-    hoist = sys.modules.get("te_passes.passes.hoist_recipe_lookups")
+    hoist = sys.modules.get("te_passes.passes.hoist_te_constants")
     if hoist is not None and hasattr(hoist, "_CONST_COUNTER"):
         monkeypatch.setattr(hoist, "_CONST_COUNTER", itertools.count(10_000))
 

@@ -131,7 +131,7 @@ def test_dump_records_match_an_independent_run(fp8_dump, independent_run):
         assert report["memory"]["peak_after"] == max(r["peak_after_concrete"] for r in mem)
     # strict about the passes that exist: what each does on a real fp8 te.Linear
     names = {c.name for c in registered()}
-    if "hoist_recipe_lookups" in names:  # the 23 __setattr__ residue calls of the fp8 Dynamo graph
+    if "remove_quantizer_setattrs" in names:  # the 23 __setattr__ residue calls of the fp8 Dynamo graph
         setattrs = [f for f in report["folded"] if f["kind"] == "folded_setattr"]
         assert len(setattrs) == 23 and all(f["graph_id"] == "g0" for f in setattrs)
         assert all(f["expr"].startswith("Float8CurrentScalingQuantizer.") for f in setattrs)
@@ -196,9 +196,9 @@ def test_dump_files_are_te_aware_and_linked(fp8_dump):
 
 def test_dump_field_level_changes_name_the_removed_residue(fp8_dump):
     d, report, _ = fp8_dump
-    if "hoist_recipe_lookups" not in {c.name for c in registered()}:
-        pytest.skip("hoist_recipe_lookups not registered")
-    run = next(p for p in report["passes"] if p["stage"] == "dynamo" and p["name"] == "hoist_recipe_lookups")
+    if "remove_quantizer_setattrs" not in {c.name for c in registered()}:
+        pytest.skip("remove_quantizer_setattrs not registered")
+    run = next(p for p in report["passes"] if p["stage"] == "dynamo" and p["name"] == "remove_quantizer_setattrs")
     changes = (d / run["dump"] / "changes.txt").read_text()
     removed = set(re.findall(r"^- node (\w+)$", changes, re.M))
     folded = {f["node"] for f in report["folded"] if f["kind"] == "folded_setattr"}
@@ -237,7 +237,7 @@ def test_replay_reproduces_the_report(fp8_dump, tmp_path):
     with open(tmp_path / "r" / "report.json") as f:
         replayed = json.load(f)
     assert [(f["node"], f["kind"]) for f in replayed["folded"]] == [(f["node"], f["kind"]) for f in report["folded"]]
-    # one saved graph file on its own (the forward: hoist_recipe_lookups numbers the constants it
+    # one saved graph file on its own (the forward: hoist_te_constants numbers the constants it
     # hoists process-wide, so a backward replayed without its forward gets other names)
     one = run_cli("replay", str(d / "g0" / "post_grad_fwd" / "input.tegraph"), "--check", cwd=str(tmp_path))
     assert one.returncode == 0, one.stderr[-2000:]

@@ -1,5 +1,6 @@
-"""Pass ``hoist_recipe_lookups``: lookups folded, ``__setattr__`` residue removed, TE constants
-built once.
+"""Passes ``fold_recipe_lookups`` (lookups folded), ``remove_quantizer_setattrs`` (``__setattr__``
+residue removed) and ``hoist_te_constants`` (TE constants built once) — until issue 12 the one
+pass ``hoist_recipe_lookups``; the alias and pass_config routing are tested at the end.
 
 Hand-built FX graphs exercise every lookup form (and the forms that must stay), with real TE
 recipe and quantizer objects; graphs are run before and after the pass and must agree (FX
@@ -31,7 +32,10 @@ from transformer_engine.pytorch.quantization import get_fp8_te_dtype  # noqa: E4
 
 from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
-from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups  # noqa: E402
+from te_passes.passes.fold_recipe_lookups import FoldRecipeLookups  # noqa: E402
+from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
+from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
+from te_passes.pipeline.base import TEPassResult  # noqa: E402
 from te_passes.te.graph_scan import find_recipe_and_pg_objects, object_occurrences  # noqa: E402
 from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
@@ -67,11 +71,16 @@ def ctx(stage=Stage.DYNAMO):
 
 
 def run_pass(gm, fp8_state=None, stage=Stage.DYNAMO, **kw):
-    p = HoistRecipeLookups(fp8_state=fp8_state, **kw)
-    res = p.run(gm, ctx(stage))
+    """The passes of ``stage`` in pipeline order (Dynamo: fold_recipe_lookups, then
+    remove_quantizer_setattrs; post-grad: hoist_te_constants), their records concatenated."""
+    if stage is Stage.DYNAMO:
+        passes = [FoldRecipeLookups(fp8_state=fp8_state, **kw), RemoveQuantizerSetattrs()]
+    else:
+        passes = [HoistTEConstants(**kw)]
+    results = [p.run(gm, ctx(stage)) for p in passes]
     gm.graph.lint()
     gm.recompile()
-    return res
+    return TEPassResult(gm, any(r.modified for r in results), [x for r in results for x in r.records])
 
 
 def kinds(res):
@@ -317,7 +326,7 @@ def test_unknown_recipe_state_is_not_folded():
 
 def test_bad_config_is_rejected():
     with pytest.raises(TypeError, match="fp8_state must be a te_passes.te.recipes.Fp8State, got dict"):
-        HoistRecipeLookups(fp8_state={"recipe": None})
+        FoldRecipeLookups(fp8_state={"recipe": None})
 
 
 # --------------------------------------------------------------------------- 2. __setattr__ residue
@@ -446,9 +455,12 @@ def test_pass_runs_in_the_pipeline_on_real_graphs(te_dynamo_graph):
 
     cap = te_dynamo_graph("fp8-cs", 1)
     reports = run_pipeline(cap, [Stage.DYNAMO])
-    runs = [r for rep in reports for r in rep.runs if r.name == "hoist_recipe_lookups"]
-    assert len(runs) == 1 and runs[0].status == "ok" and runs[0].changed
-    assert len(runs[0].records) == 23
+    runs = {r.name: r for rep in reports for r in rep.runs}
+    fold, setattrs = runs["fold_recipe_lookups"], runs["remove_quantizer_setattrs"]
+    assert fold.status == "ok" and not fold.changed and fold.records == []  # Dynamo inlined the lookups
+    assert setattrs.status == "ok" and setattrs.changed
+    assert len(setattrs.records) == 23
+    assert "hoist_te_constants" not in runs  # post-grad only
 
 
 # --------------------------------------------------------------------------- 3. constants built once
@@ -492,7 +504,7 @@ def test_post_grad_constants_are_named_copies(te_aot_graphs, graph):
 
 def test_post_grad_hoisting_can_be_switched_off(te_aot_graphs):
     aot = te_aot_graphs("fp8-cs", 1)
-    report = PassManager([HoistRecipeLookups(hoist_constants=False)]).run(aot.forward, ctx(Stage.POST_GRAD_FWD))
+    report = PassManager([HoistTEConstants(hoist_constants=False)]).run(aot.forward, ctx(Stage.POST_GRAD_FWD))
     assert report.runs[0].status == "skipped" and _INLINE.search(aot.forward.code)
 
 
@@ -540,7 +552,7 @@ def test_inductor_wrapper_builds_no_te_constant_per_call(te_aot_graphs, hoist):
         for gm, inputs, stage in ((aot.forward, aot.forward_inputs, Stage.POST_GRAD_FWD),
                                   (aot.backward, aot.backward_inputs, Stage.POST_GRAD_BWD)):
             if hoist:  # what the backend's post_grad_custom_pre_pass hook does
-                PassManager([HoistRecipeLookups()]).run(gm, ctx(stage))
+                PassManager([HoistTEConstants()]).run(gm, ctx(stage))
             mode = inputs[0].fake_mode
             with tracing(TracingContext(mode)), mode:
                 compile_fx_inner(gm, inputs, is_backward=stage is Stage.POST_GRAD_BWD)
@@ -681,6 +693,6 @@ def test_recompiles_by_recipe_identity_and_value(second, warm_repr, expected):
       ``common/recipe/__init__.py``); 1 when ``repr(recipe)`` was taken before the call;
     * different values: 2 (value guards, then ``_cached_repr``).
     These guards are TE's: the pass runs after Dynamo and adds none. Documented in
-    docs/passes/hoist_recipe_lookups.md.
+    docs/passes/fold_recipe_lookups.md.
     """
     assert _recompile_counts(second(), warm_repr=warm_repr) == (2, 0, expected)

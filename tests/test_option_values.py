@@ -38,16 +38,16 @@ def test_dump_dir_must_be_a_non_empty_path(value):
 @pytest.mark.parametrize("value", ["no", "false", 0, None, [True]])
 def test_pass_config_values_are_type_checked(value):
     with pytest.raises(TePassesOptionError) as ei:
-        configured_passes({"hoist_recipe_lookups": {"hoist_constants": value}})
+        configured_passes({"hoist_te_constants": {"hoist_constants": value}})
     msg = str(ei.value)
-    assert "te_passes.pass_config['hoist_recipe_lookups']['hoist_constants']" in msg and repr(value) in msg, msg
+    assert "te_passes.pass_config['hoist_te_constants']['hoist_constants']" in msg and repr(value) in msg, msg
     assert "must be bool" in msg
 
 
 def test_pass_config_right_types_are_taken():
-    passes = {p.name: p for p in configured_passes({"hoist_recipe_lookups": {"hoist_constants": False},
+    passes = {p.name: p for p in configured_passes({"hoist_te_constants": {"hoist_constants": False},
                                                     "insert_early_frees": {"policy": "opaque"}})}
-    assert passes["hoist_recipe_lookups"].config()["hoist_constants"] is False
+    assert passes["hoist_te_constants"].config()["hoist_constants"] is False
     with pytest.raises(TePassesOptionError, match=r"\['insert_early_frees'\]\['policy'\] must be str, got 3"):
         configured_passes({"insert_early_frees": {"policy": 3}})
 
@@ -58,7 +58,7 @@ def test_backend_refuses_bad_option_values_before_compiling():
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
     for opts, what in (({"te_passes.strict": "yes"}, "te_passes.strict"),
                        ({"te_passes.dump_dir": ""}, "te_passes.dump_dir"),
-                       ({"te_passes.pass_config": {"hoist_recipe_lookups": {"hoist_constants": "no"}}},
+                       ({"te_passes.pass_config": {"hoist_te_constants": {"hoist_constants": "no"}}},
                         "hoist_constants")):
         with pytest.raises(TePassesOptionError, match=what):
             te_inductor(gm, [torch.ones(2)], options=opts)

@@ -9,7 +9,7 @@ process state that passes used to write is compared before/after: the UB guard's
 token, TE module functions, TE constant classes' ``__fx_repr__``, Inductor's lowering table.
 
 Known remaining global (not checked here): :data:`te_passes.runtime.constants._NAMED`, the weak
-registry of the names ``hoist_recipe_lookups`` gives the constants it hoists (it holds no object
+registry of the names ``hoist_te_constants`` gives the constants it hoists (it holds no object
 and no graph alive; an entry goes with its object).
 """
 

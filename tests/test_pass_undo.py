@@ -1,4 +1,4 @@
-"""Rollback without graph copies: ``ctx.checkpoint(undo)``, hoist_recipe_lookups' undo log,
+"""Rollback without graph copies: ``ctx.checkpoint(undo)``, the recipe passes' undo logs,
 insert_early_frees' undo, and liveness shared between the passes of a stage (``ctx.analyses``)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch.fx
 
 from te_passes.config import TePassesOptions
 from te_passes.passes import PassContext, Stage, TEPass, TEPassResult
-from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
+from te_passes.passes.hoist_te_constants import HoistTEConstants
+from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs
 from te_passes.pipeline.manager import PassManager
 from te_passes.te.state import TEState
 
@@ -65,7 +66,7 @@ def test_hoist_dynamo_undo_restores_graph(te_dynamo_graph, monkeypatch):
     gm = cap.gm
     before = _snapshot(gm.graph)
     assert any(n.op == "call_method" and n.target == "__setattr__" for n in gm.graph.nodes)
-    _run_failing(gm, Stage.DYNAMO, HoistRecipeLookups(), monkeypatch)
+    _run_failing(gm, Stage.DYNAMO, RemoveQuantizerSetattrs(), monkeypatch)
     assert _snapshot(gm.graph) == before
     gm.graph.lint()
 
@@ -75,7 +76,7 @@ def test_hoist_post_grad_undo_restores_args(te_aot_graphs, monkeypatch):
     gm = aot.forward
     before = _snapshot(gm.graph)
     ids = [_leaf_ids(n) for n in gm.graph.nodes]
-    _run_failing(gm, Stage.POST_GRAD_FWD, HoistRecipeLookups(), monkeypatch)
+    _run_failing(gm, Stage.POST_GRAD_FWD, HoistTEConstants(), monkeypatch)
     assert _snapshot(gm.graph) == before
     assert [_leaf_ids(n) for n in gm.graph.nodes] == ids  # the original constant objects
 

@@ -319,13 +319,13 @@ def test_state_lookup_names_and_live_state():
 
 
 def test_docs_page_table_is_current():
-    """docs/passes/hoist_recipe_lookups.md embeds ``table_markdown()`` verbatim."""
+    """docs/passes/fold_recipe_lookups.md embeds ``table_markdown()`` verbatim."""
     import os
     from pathlib import Path
 
     if any(k.startswith(("NVTE_BACKWARD_OVERRIDE", "NVTE_FP8_", "NVTE_NVFP4_")) for k in os.environ):
         pytest.skip("NVTE_* recipe environment overrides change the class defaults")
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "passes" / "hoist_recipe_lookups.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "passes" / "fold_recipe_lookups.md").read_text()
     start = doc.index("<!-- table:")
     body = doc[doc.index("\n", start) + 1: doc.index("<!-- /table -->")].strip()
     assert body == recipes.table_markdown()

@@ -202,7 +202,7 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
         (plain_rep,) = run_pipeline(capture_dynamo("linear", "fp8-cs"), [Stage.DYNAMO], options=opts,
                                     graph_id="g_plaindyn")
     assert [r.name for r in rep.runs if r.status == "ok"] == \
-        [n for n in ("fold_ub_predicates", "hoist_recipe_lookups") if n not in disable]
+        [n for n in ("fold_ub_predicates", "fold_recipe_lookups", "remove_quantizer_setattrs") if n not in disable]
     (call,) = gmod.te_op_calls(rep.gm.graph)
     reasons = guards.ub_state_reads(rep.gm, _dependence(rep))
     flags = f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"

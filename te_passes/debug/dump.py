@@ -68,9 +68,9 @@ from te_passes.te.version import te_version
 log = get_logger()
 
 SCHEMA = "te_passes.dump/1"
-#: Record kinds listed in the summary's ``folded[]`` section: UB predicates folded
-#: (``fold_ub_predicates``: ``folded``, ``const_folded``), recipe lookups hoisted
-#: (``hoist_recipe_lookups``: ``hoisted``, ``hoisted_constant``, ``folded_setattr``).
+#: Record kinds listed in the summary's ``folded[]`` section: ``fold_ub_predicates``' ``folded``,
+#: ``const_folded``; ``fold_recipe_lookups``' ``hoisted``; ``hoist_te_constants``' ``hoisted_constant``;
+#: ``remove_quantizer_setattrs``' ``folded_setattr``.
 FOLDED_KINDS = ("folded", "const_folded", "hoisted", "hoisted_constant", "folded_setattr")
 #: Record kinds listed in ``frees[]`` (``insert_early_frees``).
 FREE_KINDS = ("free",)

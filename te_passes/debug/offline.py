@@ -27,7 +27,7 @@ from te_passes.debug.graph_io import GraphFileError, load_graph
 from te_passes.pipeline.base import PassContext, Stage
 from te_passes.pipeline.compilation import pipeline_uuid, run_stage as _run_stage
 from te_passes.pipeline.manager import PassManager
-from te_passes.pipeline.registry import pass_names
+from te_passes.pipeline.registry import PASS_ALIASES, pass_names
 from te_passes.report import CompileReport, new_compile_report
 from te_passes.runtime.ub_guard import ub_dependence_of, ub_state_reads
 from te_passes.te.recipes import Fp8State
@@ -182,7 +182,8 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
         try:
             options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()
                                                 if k in ("disable", "strict", "ub_on_change")},
-                                               known_passes=set(pass_names()), environ=env)
+                                               known_passes=set(pass_names()), environ=env,
+                                               aliases=PASS_ALIASES)
         except TePassesOptionError as e:
             raise ReplayError(f"{files[0]}: {e}") from None
         graph_id = str(first.get("graph_id", "g0")).split(".")[0]

@@ -66,7 +66,7 @@ def node_type(node: torch.fx.Node) -> str | None:
 
 
 def constant_name(v: Any) -> str | None:
-    """The wrapper-global name of a TE constant that ``hoist_recipe_lookups`` built once
+    """The wrapper-global name of a TE constant that ``hoist_te_constants`` built once
     (``_te_const_<n>``), or ``None``.
 
     TE's own ``__fx_repr__`` is a rebuild expression (``_rebuild_quantizer(...)``,

@@ -28,7 +28,7 @@ from te_passes.config import TePassesOptions
 from te_passes.debug.offline import run_stages
 from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
-from te_passes.pipeline.registry import pass_names
+from te_passes.pipeline.registry import PASS_ALIASES, pass_names
 from te_passes.report import compile_reports
 from te_passes.testing.capture import _make_recipe, capture_aot, fake_gpu
 
@@ -125,7 +125,8 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
                  disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
     import torch
 
-    opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))
+    opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()),
+                                    aliases=PASS_ALIASES)
     patches = _inductor_config_patches(mode, {})
     say(f"capturing the Dynamo and AOTAutograd graphs of {ex.name} ({precision}) on fake CUDA tensors")
     out_features = ex.hidden if ex.model == "stack" else 2 * ex.hidden

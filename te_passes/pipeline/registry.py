@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from typing import Any
 
 from te_passes.config import TePassesOptionError
 from te_passes.pipeline.base import TEPass
@@ -16,12 +17,31 @@ from te_passes.pipeline.base import TEPass
 #: (pass name, "module:Class"), in pipeline order.
 PASS_REGISTRY: tuple[tuple[str, str], ...] = (
     ("fold_ub_predicates", "te_passes.passes.fold_ub_predicates:FoldUbPredicates"),
-    ("hoist_recipe_lookups", "te_passes.passes.hoist_recipe_lookups:HoistRecipeLookups"),
+    ("fold_recipe_lookups", "te_passes.passes.fold_recipe_lookups:FoldRecipeLookups"),
+    ("remove_quantizer_setattrs", "te_passes.passes.remove_quantizer_setattrs:RemoveQuantizerSetattrs"),
+    ("hoist_te_constants", "te_passes.passes.hoist_te_constants:HoistTEConstants"),
     # needs the hoisted constants; before the frees / pool check (they treat base ops alike)
     ("call_te_impl_directly", "te_passes.passes.call_te_impl_directly:CallTEImplDirectly"),
     ("insert_early_frees", "te_passes.passes.insert_early_frees:InsertEarlyFrees"),
     ("check_cudagraph_pool", "te_passes.passes.check_cudagraph_pool:CheckCudagraphPool"),
 )
+
+#: Deprecated pass names (kept for one release, issue 12): old name -> the passes it became, in
+#: order. In ``te_passes.disable`` / ``TE_PASSES_DISABLE`` / ``--disable`` the old name disables
+#: all of them, with a ``DeprecationWarning`` (``TePassesOptions.parse(aliases=PASS_ALIASES)``).
+PASS_ALIASES: dict[str, tuple[str, ...]] = {
+    "hoist_recipe_lookups": ("fold_recipe_lookups", "remove_quantizer_setattrs", "hoist_te_constants"),
+}
+
+#: Where a deprecated pass's ``te_passes.pass_config`` parameters went: old name -> {parameter: new pass}.
+PASS_CONFIG_ALIASES: dict[str, dict[str, str]] = {
+    "hoist_recipe_lookups": {"fp8_state": "fold_recipe_lookups", "hoist_constants": "hoist_te_constants"},
+}
+
+
+def known_pass_names() -> set[str]:
+    """Names ``te_passes.disable`` accepts: registered passes and deprecated aliases."""
+    return set(pass_names()) | set(PASS_ALIASES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +122,7 @@ def _type_text(annotation: Any) -> str:
 
 def check_parameter_type(cls: type[TEPass], name: str, param: str, value: Any) -> None:
     """Check a ``te_passes.pass_config`` value against the type the pass constructor declares
-    for ``param`` (``HoistRecipeLookups(hoist_constants: bool)``: ``"no"`` is refused, not read
+    for ``param`` (``HoistTEConstants(hoist_constants: bool)``: ``"no"`` is refused, not read
     as true).
 
     Raises:
@@ -118,12 +138,46 @@ def check_parameter_type(cls: type[TEPass], name: str, param: str, value: Any) -
                               f"{value!r} ({type(value).__name__})")
 
 
+def _route_deprecated(pass_config: dict) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], str]]:
+    """``pass_config`` with each deprecated pass's parameters moved to the pass they belong to now
+    (:data:`PASS_CONFIG_ALIASES`, a ``DeprecationWarning`` per deprecated name), and for each
+    moved ``(pass, parameter)`` the name the user wrote it under (for error messages).
+
+    Raises:
+        te_passes.config.TePassesOptionError: a parameter the deprecated pass did not take, or
+            one given both under the old and the new pass name.
+    """
+    import warnings
+
+    routed = {k: dict(v or {}) for k, v in pass_config.items() if k not in PASS_CONFIG_ALIASES}
+    written_as: dict[tuple[str, str], str] = {}
+    for old, params in PASS_CONFIG_ALIASES.items():
+        if old not in pass_config:
+            continue
+        warnings.warn(f"te_passes.pass_config[{old!r}] is deprecated and will be removed in the next release: "
+                      f"{old} was split into {', '.join(PASS_ALIASES[old])}; its parameters go to "
+                      + ", ".join(f"{k} -> {v}" for k, v in params.items()), DeprecationWarning, stacklevel=3)
+        for k, v in (pass_config[old] or {}).items():
+            if k not in params:
+                raise TePassesOptionError(f"te_passes.pass_config[{old!r}]: unknown parameter(s) {[k]}; {old} "
+                                          f"(deprecated) takes {list(params)}")
+            new = params[k]
+            if k in routed.setdefault(new, {}):
+                raise TePassesOptionError(f"te_passes.pass_config sets {k!r} both under {old!r} (deprecated) and "
+                                          f"{new!r}; give it once, under {new!r}")
+            routed[new][k] = v
+            written_as[(new, k)] = old
+    return routed, written_as
+
+
 def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
     """Every registered pass, constructed with ``pass_config[name]`` keyword arguments.
 
     Args:
         pass_config: ``{pass name: {parameter: value}}`` (the ``te_passes.pass_config`` option);
-            ``None``/empty gives :func:`default_passes`.
+            ``None``/empty gives :func:`default_passes`. A deprecated pass name
+            (:data:`PASS_CONFIG_ALIASES`) is accepted for one release: its parameters go to the
+            passes they belong to now, with a ``DeprecationWarning``.
 
     Raises:
         te_passes.config.TePassesOptionError: an unknown pass name, a parameter the pass does
@@ -131,6 +185,7 @@ def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
     """
     if not pass_config:
         return default_passes()
+    pass_config, written_as = _route_deprecated(pass_config)
     classes = {cls.name: cls for cls in pass_classes()}
     unknown = [n for n in pass_config if n not in classes]
     if unknown:
@@ -145,9 +200,10 @@ def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
             raise TePassesOptionError(f"te_passes.pass_config[{name!r}]: unknown parameter(s) {bad}; "
                                       f"{name} takes {valid or 'no parameters'}")
         for k, v in kwargs.items():
-            check_parameter_type(cls, name, k, v)
+            check_parameter_type(cls, written_as.get((name, k), name), k, v)
         try:
             out.append(cls(**kwargs))
         except (TypeError, ValueError) as e:
-            raise TePassesOptionError(f"te_passes.pass_config[{name!r}]: {e}") from None
+            where = sorted({written_as.get((name, k), name) for k in kwargs} or {name})
+            raise TePassesOptionError(f"te_passes.pass_config[{where[0]!r}]: {e}") from None
     return out

@@ -1,8 +1,8 @@
 """Named TE constants: value-opaque constants built once and rendered as a wrapper-global name
 inside their own graph's Inductor wrapper (process-level: wraps TE classes' ``__fx_repr__``).
 
-Used by the post-grad constant hoisting of ``hoist_recipe_lookups``
-(docs/passes/hoist_recipe_lookups.md §3); the printer reads :func:`hoisted_name`.
+Used by the post-grad constant hoisting of ``hoist_te_constants``
+(docs/passes/hoist_te_constants.md); the printer reads :func:`hoisted_name`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
   ``te_passes::free_storage`` op (``insert_early_frees`` only checks that it is there);
 * :func:`te_passes.runtime.constants.wrap_te_constant_classes` — the ``__fx_repr__`` of TE's
   value-opaque constant classes answers a wrapper-global name inside its own graph's Inductor
-  lowering (``hoist_recipe_lookups``' named constants).
+  lowering (``hoist_te_constants``' named constants).
 
 So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
 need TE imported; until then they are no-ops and :func:`install` returns ``False``.

@@ -431,7 +431,7 @@ def check_te_version() -> None:
 
 def slot_constant(value: Any) -> Any:
     """A slot's constant value: ``value`` itself, or for a ``get_attr`` node (a constant hoisted
-    onto the graph module, e.g. by ``hoist_recipe_lookups`` at post-grad stages) the attribute it
+    onto the graph module, e.g. by ``hoist_te_constants`` at post-grad stages) the attribute it
     reads; other nodes are returned unchanged."""
     if isinstance(value, torch.fx.Node) and value.op == "get_attr":
         obj: Any = value.graph.owning_module

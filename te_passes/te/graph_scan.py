@@ -1,8 +1,8 @@
 """Scans of FX graphs for TE objects: where recipe / process-group / quantizer objects occur
 (node arguments, nested in bundles and containers), which nodes use them, and which call
 targets may be TE's recipe lookups. Pure functions over a graph (no mutation, no TE globals);
-shared by the recipe-lookup folding and the quantizer ``__setattr__`` removal of
-``hoist_recipe_lookups`` (docs/passes/hoist_recipe_lookups.md).
+shared by ``fold_recipe_lookups`` and ``remove_quantizer_setattrs``
+(docs/passes/fold_recipe_lookups.md, docs/passes/remove_quantizer_setattrs.md).
 """
 
 from __future__ import annotations

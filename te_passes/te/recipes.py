@@ -1,7 +1,7 @@
 """The fp8 recipe resolution table: what each TE recipe class resolves to, per GEMM and tensor role.
 
 Transformer Engine reads its recipe objects at run time in many places; te_passes resolves
-every such read once, at compile time, into plain constants (pass ``hoist_recipe_lookups``).
+every such read once, at compile time, into plain constants (pass ``fold_recipe_lookups``).
 This module is the one place that knows how TE resolves a recipe. It mirrors TE 2.20.2:
 
 * **split accumulator per GEMM** — ``transformer_engine/pytorch/module/linear.py``

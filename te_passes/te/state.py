@@ -31,7 +31,7 @@ class TEState:
         extra: other JSON-able facts a pass recorded about TE's state (e.g. the active recipe).
         fp8: TE's fp8 autocast state (``te_passes.te.recipes.Fp8State``: enabled / calibration /
             fp8 parameters, the recipe, the amax-reduction group), or ``None`` when not captured
-            (TE not loaded). ``hoist_recipe_lookups`` folds ``FP8GlobalStateManager`` lookups to it.
+            (TE not loaded). ``fold_recipe_lookups`` folds ``FP8GlobalStateManager`` lookups to it.
     """
 
     te_version: str | None = None

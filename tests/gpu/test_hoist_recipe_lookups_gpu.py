@@ -1,4 +1,4 @@
-"""``hoist_recipe_lookups`` on the GPU: TE constants built once, same numerics, no per-step rebuilds.
+"""``hoist_te_constants`` (until issue 12 part of ``hoist_recipe_lookups``) on the GPU: TE constants built once, same numerics, no per-step rebuilds.
 
 Run on the H200 with ``pytest -m gpu tests/gpu/test_hoist_recipe_lookups_gpu.py``; skipped without
 a GPU / TE compile path (tests/gpu/conftest.py). Self-contained: builds its own models.
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.gpu
 HIDDEN = 1024
 TOKENS = 256
 LAYERS = 4
-PASS = "hoist_recipe_lookups"
+PASS = "hoist_te_constants"
 
 
 def _compiled(model, recipe, hoist: bool):

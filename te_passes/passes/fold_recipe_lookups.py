@@ -1,0 +1,268 @@
+"""Pass ``fold_recipe_lookups``: fp8 recipe / autocast lookups become plain constants, resolved once.
+
+TE's fp8 recipes are Python objects read at run time (``FP8GlobalStateManager.get_fp8_recipe()``,
+``recipe.fp8_gemm_dgrad.use_split_accumulator``, ...). Graphs that were not traced by Dynamo
+(``symbolic_trace``'d, hand-built and user graphs; Dynamo inlines the lookups itself) keep them
+as nodes: ``call_function`` nodes of ``FP8GlobalStateManager.get_fp8_recipe`` / ``is_fp8_enabled``
+/ ``is_fp8_calibration`` / ``with_fp8_parameters`` / ``get_fp8_group``, attribute chains on recipe
+objects (``getattr`` ``call_function`` nodes, recipe ``get_attr`` s, recipe constants),
+``hasattr`` / ``isinstance`` / recipe predicates (``recipe.float8_current_scaling()``), ``is None``
+tests and TE's pure recipe functions (``get_fp8_te_dtype``, ...). Each chain is evaluated at
+compile time (values from :mod:`te_passes.te.recipes`) and its plain result (bool / int / float /
+str / None / dtype) replaces the node's uses. Intermediate objects (the recipe, ``MMParams``, a
+process group) are dropped once nothing uses them; where a consumer takes the object itself, it
+is left in place and a ``"kept"`` record names it.
+
+Safety: lookups are folded to the TE autocast state the graph is compiled under
+(:class:`te_passes.te.recipes.Fp8State`: the compilation's TE snapshot ``ctx.te_state.fp8``,
+captured once per compilation and part of the pipeline uuid, or the pass's ``fp8_state``
+config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built otherwise
+(``symbolic_trace``) are specialised by this pass and every folded value is recorded.
+
+Until issue 12 this was part 1 of ``hoist_recipe_lookups`` (docs/passes/fold_recipe_lookups.md).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from te_passes.analyses.liveness import gc_paused
+from te_passes.fx.journal import GraphJournal, replace_uses_with_constant
+from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.te import recipes
+from te_passes.te.graph_scan import (_LOOKUP_BUILTINS, _UNKNOWN, _get_attr, _may_be_te_lookup,  # shared scans
+                                     _walk, find_recipe_and_pg_objects)
+
+
+@dataclasses.dataclass
+class _Known:
+    value: Any
+    lookup: str  # the source expression, e.g. "FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_dgrad"
+
+
+def _describe_user(u: torch.fx.Node) -> str:
+    tgt = u.target if isinstance(u.target, str) else getattr(u.target, "__qualname__", None) or str(u.target)
+    return f"{u.name} ({u.op} {tgt})"
+
+
+class FoldRecipeLookups(TEPass):
+    """Fold fp8 recipe / autocast lookups into plain constants (module docstring: why and how).
+
+    Before / after (a graph computing ``gemm(x, split=FP8GlobalStateManager.get_fp8_recipe()
+    .fp8_gemm_fprop.use_split_accumulator)`` with the lookup as ``call_function`` nodes, e.g. a
+    tracer that leaves ``FP8GlobalStateManager`` calls as leaves; Float8CurrentScaling active)::
+
+        # before
+        get_fp8_recipe = transformer_engine...FP8GlobalStateManager.get_fp8_recipe()
+        getattr_1 = getattr(get_fp8_recipe, 'fp8_gemm_fprop')
+        getattr_2 = getattr(getattr_1, 'use_split_accumulator')
+        gemm = gemm(x, split = getattr_2)
+        # after
+        gemm = gemm(x, split = False)
+
+    Configuration (keyword args):
+
+    * ``fp8_state`` — a :class:`te_passes.te.recipes.Fp8State` to fold lookups against (default:
+      the compilation's TE snapshot, ``ctx.te_state.fp8``: TE's autocast state when the
+      compilation began, :meth:`te_passes.te.state.TEState.capture`).
+
+    Records (``PassRecord.kind``): ``"hoisted"`` (a lookup folded: ``lookup``, ``value``,
+    ``users``), ``"kept"`` (a lookup or recipe / process-group object left in place, with
+    ``reason``).
+
+    Raises:
+        TypeError: ``fp8_state`` is not an ``Fp8State``.
+    """
+
+    name = "fold_recipe_lookups"
+    stages = frozenset({Stage.DYNAMO})
+    description = "fold fp8 recipe/autocast lookups (FP8GlobalStateManager, recipe attributes) to constants"
+    checkpoints_itself = True
+
+    def __init__(self, *, fp8_state: recipes.Fp8State | None = None) -> None:
+        if fp8_state is not None and not isinstance(fp8_state, recipes.Fp8State):
+            raise TypeError(f"fp8_state must be a te_passes.te.recipes.Fp8State, got {type(fp8_state).__name__}")
+        super().__init__(**({"fp8_state": fp8_state} if fp8_state is not None else {}))
+        self._fp8_state = fp8_state
+
+    def config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {}
+        if self._fp8_state is not None:
+            s = self._fp8_state
+            cfg["fp8_state"] = {"fp8_enabled": s.fp8_enabled, "fp8_calibration": s.fp8_calibration,
+                                "fp8_parameters": s.fp8_parameters, "recipe": repr(s.recipe),
+                                "fp8_group": None if s.fp8_group is None else type(s.fp8_group).__name__}
+        return cfg
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        """Stage ``dynamo``: fold lookups; record recipe / process-group objects a consumer takes."""
+        # The scans allocate a few objects per node while the heap holds the whole graph:
+        # automatic collections would rescan it again and again (superlinear on 100k nodes).
+        with gc_paused():
+            records: list[PassRecord] = []
+            changed = self._fold_lookups(gm, records, GraphJournal(gm.graph, ctx), ctx)
+            for node_name, path, tname in find_recipe_and_pg_objects(gm):
+                records.append(PassRecord("kept", node_name, {
+                    "object": tname, "path": path,
+                    "reason": "the consumer takes the object itself (not a boolean this pass can resolve)"}))
+            return TEPassResult(gm, changed, records)
+
+    def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
+        """The fp8 state lookups fold to: the ``fp8_state`` config, else the compilation's TE
+        snapshot (``ctx.te_state.fp8``, part of the pipeline uuid) — never TE's live globals."""
+        if self._fp8_state is not None:
+            return self._fp8_state
+        return getattr(getattr(ctx, "te_state", None), "fp8", None)
+
+    def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
+                      log: GraphJournal | None = None, ctx: PassContext | None = None) -> bool:
+        graph = gm.graph
+        state: recipes.Fp8State | None | object = _UNKNOWN  # captured lazily, once
+        known: dict[torch.fx.Node, _Known] = {}
+
+        def value_of(a: Any) -> tuple[Any, str] | None:
+            if isinstance(a, torch.fx.Node):
+                k = known.get(a)
+                return None if k is None else (k.value, k.lookup)
+            if any(isinstance(x, torch.fx.Node) for _, x in _walk(a, ())):
+                return None
+            return a, repr(a) if not recipes.is_recipe(a) else f"<{type(a).__name__} constant>"
+
+        for node in list(graph.nodes):
+            try:
+                res = self._evaluate(node, value_of, lambda: state)
+            except _NeedState:
+                if state is _UNKNOWN:
+                    state = self._state(ctx)
+                try:
+                    res = self._evaluate(node, value_of, lambda: state)
+                except _NotFoldable as e:
+                    records.append(PassRecord("kept", node.name, {"reason": str(e)}))
+                    continue
+            except _NotFoldable as e:
+                records.append(PassRecord("kept", node.name, {"reason": str(e)}))
+                continue
+            if res is not None:
+                known[node] = _Known(*res)
+
+        changed = False
+        log = log or GraphJournal(graph, None)
+        # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
+        for node, k in known.items():
+            if recipes.is_plain_constant(k.value) and node.users:
+                users = replace_uses_with_constant(node, k.value, log)
+                records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
+                                                                 "users": users}))
+                changed = True
+        for node in reversed(list(known)):
+            if not node.users and node.op != "placeholder":
+                log.erase(node)
+                changed = True
+        alive = set(graph.nodes)
+        for node, k in known.items():
+            if node in alive and node.users and not recipes.is_plain_constant(k.value):
+                records.append(PassRecord("kept", node.name, {
+                    "lookup": k.lookup, "object": type(k.value).__name__,
+                    "reason": "the object is observed by " + ", ".join(_describe_user(u) for u in node.users)
+                              + "; a consumer that takes the object cannot be given a constant"}))
+        return changed
+
+    def _evaluate(self, node: torch.fx.Node, value_of: Callable, get_state: Callable) -> tuple[Any, str] | None:
+        """Compile-time value of ``node`` as ``(value, lookup text)``, ``None`` if ``node`` is not a
+        recipe lookup. Raises :class:`_NotFoldable` for a lookup that cannot be evaluated and
+        :class:`_NeedState` when TE's autocast state is needed but not yet captured."""
+        if node.op == "get_attr":
+            owner = node.graph.owning_module
+            val = _get_attr(owner, str(node.target)) if owner is not None else _UNKNOWN
+            if val is not _UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)
+                                        or recipes.recipe_predicate(val) is not None):
+                return val, f"self.{node.target}"
+            return None
+        if node.op == "call_function":
+            tgt = node.target
+            if tgt not in _LOOKUP_BUILTINS and not _may_be_te_lookup(tgt):
+                return None
+            lookup = recipes.state_lookup_name(node.target)
+            if lookup is not None:
+                if node.args or node.kwargs:
+                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup} called with arguments")
+                state = get_state()
+                if state is _UNKNOWN:
+                    raise _NeedState()
+                if state is None:
+                    raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): the compilation's TE state has no fp8 "
+                                       "autocast state (TE not loaded when it was captured) and no fp8_state "
+                                       "was given")
+                val = state.lookup(lookup)
+                if lookup == "get_fp8_recipe" and val is None:
+                    raise _NotFoldable("FP8GlobalStateManager.get_fp8_recipe(): no recipe is active and TE's "
+                                       "default recipe depends on the GPU; give fp8_state")
+                return val, f"FP8GlobalStateManager.{lookup}()"
+            tgt = node.target
+            if tgt is builtins.getattr and len(node.args) in (2, 3) and isinstance(node.args[1], str):
+                src = value_of(node.args[0])
+                if src is None or not (recipes.is_recipe(src[0]) or recipes.is_recipe_part(src[0])):
+                    return None
+                try:
+                    val = recipes.read_recipe_attr(src[0], node.args[1])
+                except AttributeError:
+                    if len(node.args) == 3:
+                        d = value_of(node.args[2])
+                        if d is None:
+                            raise _NotFoldable(f"getattr default of {src[1]}.{node.args[1]} is not constant")
+                        return d[0], f"getattr({src[1]}, {node.args[1]!r}, {d[1]})"
+                    raise _NotFoldable(f"{src[1]} has no attribute {node.args[1]!r} (TE would raise)")
+                except recipes.RecipeResolutionError as e:
+                    raise _NotFoldable(str(e)) from None
+                return val, f"{src[1]}.{node.args[1]}"
+            if tgt is builtins.hasattr and len(node.args) == 2 and isinstance(node.args[1], str):
+                src = value_of(node.args[0])
+                if src is None or not (recipes.is_recipe(src[0]) or recipes.is_recipe_part(src[0])):
+                    return None
+                return hasattr(src[0], node.args[1]), f"hasattr({src[1]}, {node.args[1]!r})"
+            if tgt is builtins.isinstance and len(node.args) == 2:
+                src, cls = value_of(node.args[0]), value_of(node.args[1])
+                pred = recipes.recipe_predicate(cls[0]) if cls is not None else None
+                if src is None or pred is None or not (recipes.is_recipe(src[0]) or src[0] is None):
+                    return None
+                return pred(src[0]), f"isinstance({src[1]}, {cls[0].__name__})"
+            if tgt in (operator.is_, operator.is_not) and len(node.args) == 2:
+                a, b = value_of(node.args[0]), value_of(node.args[1])
+                if a is None or b is None:
+                    return None
+                if not any(recipes.is_recipe(x[0]) or recipes.is_process_group(x[0]) or recipes.is_recipe_part(x[0])
+                           for x in (a, b)) or not any(x[0] is None for x in (a, b)):
+                    return None
+                same = a[0] is b[0]
+                op = "is" if tgt is operator.is_ else "is not"
+                return (same if tgt is operator.is_ else not same), f"({a[1]} {op} {b[1]})"
+            fname = recipes.pure_recipe_function_name(tgt)
+            if fname is not None:
+                vals = [value_of(a) for a in node.args]
+                if node.kwargs or any(v is None for v in vals) or not vals or not recipes.is_recipe(vals[0][0]):
+                    raise _NotFoldable(f"{fname}: arguments are not all compile-time constants")
+                return (recipes.call_recipe_function(fname, tuple(v[0] for v in vals)),
+                        f"{fname}({', '.join(v[1] for v in vals)})")
+            return None
+        if node.op != "call_method" or node.target not in recipes.RECIPE_PREDICATES:
+            return None
+        if len(node.args) == 1:
+            src = value_of(node.args[0])
+            if src is None or not recipes.is_recipe(src[0]):
+                return None
+            return bool(getattr(src[0], node.target)()), f"{src[1]}.{node.target}()"
+        return None
+
+
+class _NotFoldable(Exception):
+    pass
+
+
+class _NeedState(Exception):
+    pass

@@ -1,0 +1,152 @@
+"""Pass ``hoist_te_constants``: TE constants of post-grad graphs are built once, not on every call.
+
+Inductor's Python wrapper re-evaluates every value-opaque constant's ``__fx_repr__``
+(``OpaqueValueBundle({...})``, ``_rebuild_quantizer(...)``) inline on every call
+(``torch/_inductor/codegen/wrapper.py`` ``PythonWrapperCodegen.val_to_arg_str``,
+``ir.OpaqueValueTypeConstant`` for outputs; torch 2.14.1): 52 quantizer rebuilds per
+forward+backward step of a 4-layer fp8 stack. Each such constant (op arguments and graph outputs)
+is replaced by a fresh, equal object built once at compile time from its own ``__fx_repr__`` and
+*named*: while Inductor lowers this graph, its ``__fx_repr__`` answers a bare name
+``_te_const_<n>`` with ``{name: object}`` as globals (:func:`name_constant`). Inductor records
+those globals in ``GraphLowering.opaque_value_type_classes``, which become globals of the wrapper
+module when it is loaded — also on an FX-graph-cache hit, where they come back pickled with the
+cache entry (``CompiledFxGraphConstants.unwrap``). The call path then passes module globals.
+Anywhere else the object renders as TE's rebuild expression, so graphs that meet it later (the
+forward returns quantizers; Dynamo stores them in the module and the next trace bakes them in)
+keep content-derived, picklable AOTAutograd / FX graph cache keys.
+(A ``get_attr`` lift would use Inductor's ``torchbind_constants`` instead, which a cache hit does
+not restore.) One object per *slot*: equal but distinct constants stay distinct objects (TE ops
+update a quantizer's usage flags in place, as TE's eager modules do with their persistent
+quantizers), and the graph's original objects — possibly shared with the Dynamo graph — are
+never touched.
+
+Until issue 12 this was part 3 of ``hoist_recipe_lookups`` (docs/passes/hoist_te_constants.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from te_passes.analyses.liveness import gc_paused
+from te_passes.fx.journal import GraphJournal
+from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.runtime.constants import hoisted_owner, is_liftable_constant, name_constant, names_in, rebuild_cached
+from te_passes.te.graph_model import te_const_kind
+
+#: Prefix of the wrapper-module globals that hold hoisted TE constants.
+CONST_ATTR_PREFIX = "_te_const_"
+
+
+class HoistTEConstants(TEPass):
+    """Build value-opaque TE constants (quantizers, ``OpaqueValueBundle`` s) once per compilation
+    instead of once per call (module docstring: why and how).
+
+    Post-grad graph, as Inductor's wrapper calls it (``Q(...)``: ``_rebuild_quantizer(...)``)::
+
+        # before: rebuilt on every call
+        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [],
+            OpaqueValueBundle({'__kind__': ...}), ..., OpaqueValueBundle({... Q(...) ...}))
+        return (buf1, Q(...), Q(...), ...)
+        # after: wrapper-module globals, built once when the module is loaded
+        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0, ...,
+            _te_const_2)
+        return (buf1, _te_const_3, _te_const_4, ...)
+
+    Configuration (keyword args):
+
+    * ``hoist_constants`` — build value-opaque TE constants once (named wrapper globals)
+      (default ``True``; ``False``: the pass is skipped and the constants stay inline).
+
+    Records (``PassRecord.kind``): ``"hoisted_constant"`` (a constant built once: ``name``,
+    ``slot``, ``const_kind``, ``type``; ``node`` is the op or output using it).
+    """
+
+    name = "hoist_te_constants"
+    stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
+    description = "build TE constants (quantizers, OpaqueValueBundles) once at compile time, not on every call"
+    checkpoints_itself = True
+
+    def __init__(self, *, hoist_constants: bool = True) -> None:
+        super().__init__(hoist_constants=bool(hoist_constants))
+        self._hoist_constants = bool(hoist_constants)
+
+    def config(self) -> dict[str, Any]:
+        return {"hoist_constants": self._hoist_constants}
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        """Post-grad stages: build TE constants once (when ``hoist_constants``).
+
+        Raises:
+            PassSkipped: ``hoist_constants=False``.
+        """
+        if not self._hoist_constants:
+            raise PassSkipped("hoist_constants=False: TE constants are left inline")
+        # The scans allocate a few objects per constant while the heap holds the whole graph:
+        # automatic collections would rescan it again and again (superlinear on 100k nodes).
+        with gc_paused():
+            records: list[PassRecord] = []
+            changed = self._lift_constants(gm, records, ctx)
+            return TEPassResult(gm, changed, records)
+
+    def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord],
+                        ctx: PassContext | None = None) -> bool:
+        graph = gm.graph
+        count = hoisted = 0
+        # The rewrite only replaces nodes' args/kwargs: the undo log restores them (the manager
+        # then needs no copy of the graph).
+        log = GraphJournal(graph, ctx)
+        # ``id(constant) -> (constant, compiled expression, globals)`` for this run: a constant
+        # used in several slots is rendered once (the constant is held, so its id stays valid).
+        rebuilds: dict[int, tuple[Any, Any, dict]] = {}
+        # Idempotence: a constant an earlier run already hoisted into this graph keeps its object
+        # and name, and new names skip the ones taken.
+        taken = names_in(gm)
+
+        def lift(v: Any, user: torch.fx.Node, slot: str) -> Any:
+            nonlocal count, hoisted
+            if not is_liftable_constant(v):
+                return v
+            if hoisted_owner(v) is gm:
+                return v
+            while f"{CONST_ATTR_PREFIX}{count}" in taken:
+                count += 1
+            # One object per *occurrence*, built exactly as the wrapper would build it on each
+            # call: no two slots (or graphs) share an object they did not share before, and the
+            # graph's original objects (possibly shared with the Dynamo graph) are not touched.
+            fresh = rebuild_cached(v, rebuilds)
+            # Unique within this graph, hence within its wrapper module (one module per graph);
+            # deterministic, so reports and dumps are reproducible.
+            name = f"{CONST_ATTR_PREFIX}{count}"
+            name_constant(fresh, name, gm)
+            count += 1
+            hoisted += 1
+            records.append(PassRecord("hoisted_constant", user.name, {
+                "name": name, "slot": slot, "const_kind": te_const_kind(fresh).value,
+                "type": type(fresh).__name__}))
+            return fresh
+
+        for node in list(graph.nodes):
+            if node.op not in ("call_function", "output"):
+                continue
+            new_args = tuple(_lift_top(a, lambda v, j, u=node, i=i: lift(v, u, f"args[{i}]{j}"))
+                             for i, a in enumerate(node.args))
+            new_kwargs = {k: _lift_top(a, lambda v, j, u=node, k=k: lift(v, u, f"{k}{j}"))
+                          for k, a in node.kwargs.items()}
+            if any(x is not y for x, y in zip(new_args, node.args)) or any(
+                    new_kwargs[k] is not node.kwargs[k] for k in node.kwargs):
+                log.set_args(node, new_args, new_kwargs)
+        return hoisted > 0
+
+
+def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:
+    """Apply ``lift(value, sub-slot)`` to ``a`` and, for list/tuple args (the output node's
+    tuple), to their elements; bundles are lifted whole (their quantizers travel inside them)."""
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        if not any(is_liftable_constant(x) for x in a):
+            return a
+        return type(a)(lift(x, f"[{j}]") if is_liftable_constant(x) else x for j, x in enumerate(a))
+    return lift(a, "") if is_liftable_constant(a) else a
+

@@ -1,0 +1,118 @@
+"""Pass ``remove_quantizer_setattrs``: side-effect-only quantizer ``__setattr__`` residue is removed.
+
+Dynamo graphs of fp8 TE modules keep side-effect-only ``call_method __setattr__`` nodes whose
+receiver is a quantizer constant (TE's modules set ``force_pow_2_scales``, ``amax_epsilon``,
+``internal``, ... on their quantizers while they run; Dynamo replays those writes as nodes). A
+group of setattrs on one receiver object (identity, ``id``) is removed when it provably has no
+effect: the receiver is not observed by any other node (not in an op bundle, not an output), or
+every write stores the value the constant already holds (a no-op under any execution order).
+Otherwise the nodes stay and a ``"kept"`` record gives the observer and the field that would
+change. The op bundles' quantizers are checked unchanged (identity and value) after the
+rewrite; a change aborts the pass (the manager undoes it).
+
+Until issue 12 this was part 2 of ``hoist_recipe_lookups`` (docs/passes/remove_quantizer_setattrs.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from te_passes.analyses.liveness import gc_paused
+from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
+from te_passes.fx.journal import GraphJournal
+from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.te.graph_model import TEConstKind
+from te_passes.te.graph_scan import _bundle_quantizers, _kind, _users_of_objects, _values  # shared scans
+
+
+class RemoveQuantizerSetattrs(TEPass):
+    """Remove side-effect-only ``__setattr__`` nodes on quantizer constants (module docstring:
+    when it is safe).
+
+    Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for
+    ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
+
+        # before
+        setattr_1 = Q(<input q>).__setattr__('force_pow_2_scales', False)     # 23 such nodes
+        ...
+        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
+                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))
+        # after
+        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
+                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))   # same objects
+
+    No configuration. Records (``PassRecord.kind``): ``"folded_setattr"`` (a removed
+    ``__setattr__``: ``receiver``, ``field``, ``value``, ``reason``), ``"kept"`` (a setattr left
+    in place, with ``receiver`` and ``reason``).
+
+    Raises (caught by the manager, which undoes the rewrite):
+        RuntimeError: the op bundles' quantizers changed (identity or value) during the rewrite.
+    """
+
+    name = "remove_quantizer_setattrs"
+    stages = frozenset({Stage.DYNAMO})
+    description = "remove side-effect-only quantizer __setattr__ residue from Dynamo graphs"
+    checkpoints_itself = True
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
+        """Stage ``dynamo``: remove the setattr groups that provably have no effect."""
+        with gc_paused():  # see fold_recipe_lookups: no automatic collections over a large heap
+            records: list[PassRecord] = []
+            changed = self._fold_setattrs(gm, records, GraphJournal(gm.graph, ctx))
+            return TEPassResult(gm, changed, records)
+
+    def _fold_setattrs(self, gm: torch.fx.GraphModule, records: list[PassRecord],
+                       log: GraphJournal | None = None) -> bool:
+        graph = gm.graph
+        groups: dict[int, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            if (node.op == "call_method" and node.target == "__setattr__" and len(node.args) == 3
+                    and _kind(node.args[0]) is TEConstKind.QUANTIZER):
+                groups.setdefault(id(node.args[0]), []).append(node)
+        if not groups:
+            return False
+        before = _bundle_quantizers(graph)
+        users = _users_of_objects(graph, set(groups))
+        to_erase: list[torch.fx.Node] = []
+        for rid, nodes in groups.items():
+            recv = nodes[0].args[0]
+            cls = type(recv).__name__
+            own = set(nodes)
+            observers = sorted({n.name for n in users.get(rid, ()) if n not in own})
+            bad = [n for n in nodes if n.users or n.kwargs or not isinstance(n.args[1], str)
+                   or (not isinstance(n.args[2], _PLAIN_TYPES)  # a plain value holds no node
+                       and any(isinstance(x, torch.fx.Node) for x in _values(n.args[2])))]
+            if bad:
+                for n in nodes:
+                    records.append(PassRecord("kept", n.name, {
+                        "receiver": cls, "reason": f"{bad[0].name} is used, takes kwargs or writes a "
+                                                   "non-constant value: not side-effect-only"}))
+                continue
+            noop = all(hasattr(recv, n.args[1]) and type(getattr(recv, n.args[1])) is type(n.args[2])
+                       and getattr(recv, n.args[1]) == n.args[2] for n in nodes)
+            if observers and not noop:
+                changing = next(n for n in nodes if not (hasattr(recv, n.args[1])
+                                                         and getattr(recv, n.args[1]) == n.args[2]))
+                for n in nodes:
+                    records.append(PassRecord("kept", n.name, {
+                        "receiver": cls, "field": n.args[1], "value": n.args[2],
+                        "reason": f"receiver is also used by {', '.join(observers)} and {changing.name} changes "
+                                  f"{changing.args[1]} from {getattr(recv, changing.args[1], '<unset>')!r} to "
+                                  f"{changing.args[2]!r}"}))
+                continue
+            reason = ("no-op: writes the value the constant already holds (receiver also used by "
+                      + ", ".join(observers) + ")") if observers else "receiver is not observed by any other node"
+            for n in nodes:
+                records.append(PassRecord("folded_setattr", n.name, {
+                    "receiver": cls, "field": n.args[1], "value": n.args[2], "reason": reason}))
+                to_erase.append(n)
+        log = log or GraphJournal(graph, None)
+        for n in to_erase:
+            log.erase(n)
+        after = _bundle_quantizers(graph)
+        if [(a[0], a[1], id(a[2]), a[3]) for a in before] != [(a[0], a[1], id(a[2]), a[3]) for a in after]:
+            raise RuntimeError("remove_quantizer_setattrs: op bundle quantizers changed while folding __setattr__ "
+                               "residue (identity or value); refusing the rewrite")
+        return bool(to_erase)
+
