@@ -72,11 +72,13 @@ def main(argv=None) -> int:
     from te_passes.passes.call_te_impl_directly import CallTEImplDirectly
     from te_passes.passes.hoist_recipe_lookups import HoistRecipeLookups
     from te_passes.runtime import direct_call as dc
+    from te_passes.runtime.install import install
     from te_passes.testing.capture import capture_aot, run_pipeline
 
     rows = []
     for precision in ("fp8-cs", "bf16"):
         a = capture_aot(precision=precision, layers=1)
+        install()  # as the backend does before any pass runs (TE's op families are defined now)
         reps = run_pipeline(a, stages=["post_grad_fwd", "post_grad_bwd"],
                             passes=[HoistRecipeLookups(), CallTEImplDirectly()])
         for rep in reps:

@@ -31,8 +31,10 @@ NS = "transformer_engine_compile"
 def _run(captured, stage, **opts):
     from te_passes.config import TePassesOptions
     from te_passes.pipeline.registry import configured_passes, pass_names
+    from te_passes.runtime.install import install
     from te_passes.testing.capture import run_pipeline
 
+    install()  # as the backend does before any pass runs (registers the direct-call lowerings)
     # as the backend builds its manager: options parsed, passes configured from them
     options = TePassesOptions.parse(opts or None, known_passes=set(pass_names()))[0]
     (rep,) = run_pipeline(captured, stages=[stage], options=options,
@@ -411,9 +413,13 @@ def test_args_object_equals_te_unpack(te_aot_graphs, precision):
 
 
 def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
-    """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gives a reason) the
-    pass only retargets, and the reason is recorded."""
-    monkeypatch.setattr(dc, "ensure_lowering", lambda op: "this torch's Inductor lacks X")
+    """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gave ``install()`` a
+    reason) the pass only retargets, and the reason is recorded."""
+    from te_passes.runtime.install import install
+
+    install()
+    monkeypatch.setitem(dc._LOWERINGS, torch.ops.transformer_engine_compile.linear_backward_base.default,
+                        "this torch's Inductor lacks X")
     gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_bwd")
     (n,) = _te_nodes(gm)
     assert n.target is torch.ops.transformer_engine_compile.linear_backward_base.default
@@ -478,3 +484,43 @@ def test_feature_error_reads_no_source(toy, monkeypatch):
         m.setattr(dc, "_FEATURE_ERROR", ["this torch's Inductor lacks what the direct-call lowering needs (X)"])
         m.setattr(dc, "_LOWERINGS", {})
         assert "lacks" in dc.ensure_lowering(dc.overload(f"{NS}::{toy.OP_NAME}_base"))
+
+
+def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
+    """The pass only looks the lowering up (it registers nothing): a base op whose lowering
+    ``runtime.install()`` did not register is retargeted, kept, and the record says why."""
+    from torch._inductor import lowering as L
+
+    from te_passes.runtime.install import install
+    from te_passes.testing.capture import run_pipeline
+
+    base = torch.ops.transformer_engine_compile.linear_base.default
+    a = te_aot_graphs("fp8-cs", 1)
+    install()
+    monkeypatch.delitem(dc._LOWERINGS, base)
+    n_lowerings = len(L.lowerings)
+    (rep,) = run_pipeline(a, stages=["post_grad_fwd"])
+    run = next(r for r in rep.runs if r.name == "call_te_impl_directly")
+    (n,) = _te_nodes(rep.gm)
+    assert n.target is base and dc.META_KEY not in n.meta
+    (kept,) = [r for r in run.records if r.kind == "kept"]
+    assert kept.data["reason"].startswith("direct-call lowering not installed: ") and str(base) in kept.data["reason"]
+    assert base not in dc._LOWERINGS and len(L.lowerings) == n_lowerings
+
+
+def test_install_registers_lowerings_of_families_defined_later(toy):
+    """``runtime.install()`` registers the direct-call lowering of every TE op family in OPDEFS
+    when it runs, the toy family (defined after te_passes was imported) included; idempotent."""
+    from torch._inductor import lowering as L
+
+    from te_passes.runtime.install import install
+
+    install()
+    ops = [dc.overload(f"{NS}::{toy.OP_NAME}{s}") for s in ("_base", "_backward_base")]
+    real = [torch.ops.transformer_engine_compile.linear_base.default,
+            torch.ops.transformer_engine_compile.linear_backward_base.default]
+    for op in ops + real:
+        assert dc.lowering_reason(op) is None and L.lowerings[op]._te_passes_direct
+    before = dict(L.lowerings)
+    install()
+    assert dict(L.lowerings) == before

@@ -15,9 +15,11 @@ from ``torch._library.custom_ops.OPDEFS``, :func:`te_passes.runtime.direct_call.
    :class:`~te_passes.runtime.direct_call.DirectTECall` built now from the base op's
    ``CustomOpDef`` closure (``plan`` / ``impl`` / ``pack_result``, checked by name and
    signature) and the node's constant slots. Inductor's lowering of the base op
-   (:func:`~te_passes.runtime.direct_call.ensure_lowering`) then emits a call of that object
-   instead of the dispatcher op. Conditions (else ``"kept"`` with the reason, the node keeps its
-   op call): the lowering is available on this torch; every constant slot is ``None``, ``[]``
+   (registered for every TE op family by ``runtime.install()`` before any pass runs; the pass
+   only looks it up, :func:`~te_passes.runtime.direct_call.lowering_reason`) then emits a call
+   of that object instead of the dispatcher op. Conditions (else ``"kept"`` with the reason, the
+   node keeps its op call): the lowering is installed (``"direct-call lowering not installed:
+   ..."`` otherwise) and available on this torch; every constant slot is ``None``, ``[]``
    or a TE constant ``hoist_recipe_lookups`` made a fixed wrapper global of *this* graph (so the
    op path, too, passes the same object on every call: a direct call then sees what the op
    sees); the kernel is TE's ``_register_base_op._impl``.
@@ -175,7 +177,7 @@ class CallTEImplDirectly(TEPass):
                 why = "direct_call=False (retarget only)"
             else:
                 if base_op not in lowering_reason:
-                    lowering_reason[base_op] = dc.ensure_lowering(base_op)
+                    lowering_reason[base_op] = dc.lowering_reason(base_op)
                 why = lowering_reason[base_op]
                 if why is None:
                     shape = _tensor_slot_nodes(node)

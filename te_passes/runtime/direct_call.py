@@ -34,7 +34,8 @@ holds the same objects), so the generated line keeps the op call's shape::
     buf0 = _te_direct_0(primals_1, [], _te_const_0, primals_3, primals_2, None, [], _te_const_1, _te_const_2)
 
 The Inductor side (:func:`ensure_lowering`): one lowering per TE base op, registered once
-(idempotent, process-wide), built on Inductor's own ``make_fallback`` with the layout
+(idempotent, process-wide) for every TE op family by :func:`install_lowerings` at
+``runtime.install()`` time (a pass only looks it up: :func:`lowering_reason`), built on Inductor's own ``make_fallback`` with the layout
 constraint Inductor's implicit fallback would pick (``GraphLowering.call_function``,
 torch 2.14.1). For a node whose ``meta`` carries a :class:`DirectTECall` under :data:`META_KEY`
 (set by the ``call_te_impl_directly`` pass) it lets Inductor build the ``FallbackKernel`` as
@@ -559,6 +560,34 @@ def ensure_lowering(base_op: torch._ops.OpOverload) -> str | None:
         if reason is not None:
             log.info("te_passes: no direct-call lowering for %s: %s", base_op, reason)
         return reason
+
+
+def install_lowerings() -> dict[str, str | None]:
+    """Register the direct-call lowering of both base ops of every TE op family defined now
+    (idempotent, process-wide; called by :func:`te_passes.runtime.install.install`, which the
+    backend runs on every ``te_inductor`` call, so families TE registers later are picked up by
+    the next call). A family is every full set of four ``transformer_engine_compile`` ops in
+    ``torch._library.custom_ops.OPDEFS`` (:func:`op_family`). Returns :func:`lowering_state`."""
+    prefix = TE_OP_NAMESPACE + "::"
+    for qual in [q for q in _opdefs() if q.startswith(prefix) and q.endswith("_base")]:
+        fam = op_family(overload(qual))
+        if fam is None:
+            continue
+        for base_q in (fam.forward_base, fam.backward_base):
+            base_op = overload(base_q)
+            if base_op not in _LOWERINGS:
+                ensure_lowering(base_op)
+    return lowering_state()
+
+
+def lowering_reason(base_op: torch._ops.OpOverload) -> str | None:
+    """Why the direct-call lowering of ``base_op`` is not in place (``None``: it is). A pure
+    lookup of what :func:`install_lowerings` registered: a pass asks, it never registers."""
+    if base_op in _LOWERINGS:
+        return _LOWERINGS[base_op]
+    return (f"direct-call lowering not installed: no lowering registered for {base_op} "
+            "(te_passes.runtime.install.install() registers one for each TE op family defined when it "
+            "runs; the backend calls it on every te_inductor call)")
 
 
 def lowering_state() -> dict[str, str | None]:
