@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from te_passes.te.version import is_supported, te_version
+
 ATTENTION_CHOICES: tuple[str, ...] = ("sdpa", "te_fused", "keep")
 
 #: Module attribute holding the rewrite's hidden state (hidden ``te.Linear``\ s, the original class).
@@ -667,8 +669,6 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
     if attention == "te_fused":
         raise NotImplementedError("attention='te_fused' (TE's fused attention as a register_custom_op op, "
                                   "issue 15 part 2) is not built in this te_passes; use 'sdpa' or 'keep'")
-    from te_passes.te.version import is_supported, te_version
-
     if not is_supported():
         raise CompileFriendlyError(f"compile_friendly mirrors TE 2.20.x module internals; installed TE is "
                                    f"{te_version()}")
