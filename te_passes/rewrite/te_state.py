@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from te_passes.rewrite.compile_friendly import _state, is_rewritten
+from te_passes.rewrite.module_state import _state, is_rewritten
 
 
 def _prepared_modules(model: torch.nn.Module) -> list[Any]:
