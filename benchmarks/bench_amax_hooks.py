@@ -45,7 +45,7 @@ def main() -> None:
     from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
-    from te_passes.runtime import amax_groups
+    from te_passes.runtime import amax_groups, quantizer_usage
 
     def quantizer():
         return Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cpu"))
@@ -64,7 +64,7 @@ def main() -> None:
 
         def wrapped(name):  # what install_amax_group_hooks builds for TE's impl ``name``
             return amax_groups._wrap_impl(impl, amax_groups.PER_CALL_GROUP_FIELDS[name],
-                                          amax_groups.PER_CALL_USAGE_FIELDS[name], amax_groups._WEIGHT_FIELD[name])
+                                          quantizer_usage.PER_CALL_USAGE_FIELDS[name], quantizer_usage._WEIGHT_FIELD[name])
         fwd, bwd = wrapped("_linear_forward_impl"), wrapped("_linear_backward_impl")
         best = {"unwrapped": [], "forward wrapper": [], "backward wrapper": []}
         for _ in range(args.repeats):  # interleaved

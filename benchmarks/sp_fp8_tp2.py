@@ -54,7 +54,7 @@ Scenarios (``--scenario``), for each mode of ``--modes`` in order, after ``torch
    column layer's forward input quantizer, reduced in the forward) and ``h.grad`` (the row
    layer's grad-output quantizer, reduced in the backward). Expected: compiled differs from
    "local amax" (> 0) and is closer to "global amax" than to "local amax";
-7. Dynamo counters over steps 3-4 (``te_passes/testing/gpu.py`` ``CompileWatch``): frame compiles
+7. Dynamo counters over steps 3-4 (``te_passes/testing/compile_watch.py`` ``CompileWatch``): frame compiles
    (Dynamo compile ids ``F/C``; distinct frames ``F``; recompiles ``C > 0`` with reasons),
    ``counters["stats"]["unique_graphs"]``, graph breaks, ``counters["inductor"]["cudagraph_skips"]``.
 
@@ -108,20 +108,33 @@ TENSORS = ("h", "y", "x.grad", "h.grad", "col.weight.grad", "row.weight.grad")
 
 
 def load_gpu_harness():
-    """``te_passes/testing/gpu.py`` loaded from its file as a private module.
+    """``te_passes/testing/compile_watch.py`` (the torch-only part of the GPU harness:
+    ``CompileWatch``, ``te_inductor_backend_listed``) loaded from its file as a private module.
 
-    Not imported as ``te_passes.testing.gpu``: that would import the ``te_passes`` package, and the
-    ``inductor`` scenario must run without te_passes loaded. The file imports only torch at module
-    level (TE and te_passes lazily, inside functions), so its ``CompileWatch`` works standalone.
+    Not imported as ``te_passes.testing.compile_watch``: that would import the ``te_passes``
+    package, and the ``inductor`` scenario must run without te_passes loaded. The file imports
+    only torch. The te_inductor scenarios resolve the backend with :func:`ensure_te_inductor_backend`.
     """
     name = "_sp_fp8_tp2_gpu_harness"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _ROOT / "te_passes" / "testing" / "gpu.py")
+    spec = importlib.util.spec_from_file_location(name, _ROOT / "te_passes" / "testing" / "compile_watch.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up in sys.modules
     spec.loader.exec_module(mod)
     return mod
+
+
+def ensure_te_inductor_backend(h) -> str:
+    """``te_passes.testing.gpu.ensure_te_inductor_backend()`` without loading te_passes when the
+    distribution's entry point provides ``te_inductor`` (``h.te_inductor_backend_listed()``, torch
+    only; te_passes is then loaded by torch.compile's backend lookup): ``"entry point"``, else
+    te_passes is imported now and the backend registered by hand (``"registered"``)."""
+    if h.te_inductor_backend_listed():
+        return "entry point"
+    from te_passes.testing.gpu import ensure_te_inductor_backend as register
+
+    return register()
 
 
 def quantizers_holding_group(mods: dict[str, torch.nn.Module]) -> list[str]:
@@ -329,7 +342,7 @@ def run_mode(pair: Pair, args, h, backend: str, mode: str, inputs, gen, rank: in
     if backend == "te_inductor":  # 2. the backend lookup happens in torch.compile
         # With the entry point installed this only lists entry points (te_passes not imported);
         # otherwise it imports te_passes.backend and registers te_inductor by hand.
-        rec["te_inductor_resolved_by"] = h.ensure_te_inductor_backend()
+        rec["te_inductor_resolved_by"] = ensure_te_inductor_backend(h)
         rec["path"] = ("per-call release (te_passes was loaded before these eager steps)"
                        if rec["te_passes_loaded_before_compile"] else
                        "sweep at backend lookup (te_passes loaded by this torch.compile call)")

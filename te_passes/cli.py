@@ -892,7 +892,12 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
 
 def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_dir: str | None) -> list:
     from te_passes.debug.offline import ReplayError, replay
+    from te_passes.runtime.install import install
 
+    import torch  # noqa: F401  (before transformer_engine)
+    with contextlib.suppress(ImportError):  # TE's op families defined, as where the graphs were compiled
+        import transformer_engine.pytorch  # noqa: F401
+    install()  # as the backend does before any pass runs (call_te_impl_directly's lowering)
     try:
         with out.status(f"replaying {args.path}"):
             return replay(args.path, disable=disable, dump_dir=dump_dir)

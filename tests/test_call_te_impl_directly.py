@@ -23,7 +23,8 @@ from torch._dynamo.utils import counters
 
 from te_passes.passes.call_te_impl_directly import CallTEImplDirectly
 from te_passes.report import clear_compile_reports, compile_reports
-from te_passes.runtime import direct_call as dc
+from te_passes.runtime import direct_call as dc, direct_lowering as dl
+from te_passes.runtime.te_base_op import overload
 
 NS = "transformer_engine_compile"
 
@@ -31,8 +32,10 @@ NS = "transformer_engine_compile"
 def _run(captured, stage, **opts):
     from te_passes.config import TePassesOptions
     from te_passes.pipeline.registry import configured_passes, pass_names
+    from te_passes.runtime.install import install
     from te_passes.testing.capture import run_pipeline
 
+    install()  # as the backend does before any pass runs (registers the direct-call lowerings)
     # as the backend builds its manager: options parsed, passes configured from them
     options = TePassesOptions.parse(opts or None, known_passes=set(pass_names()))[0]
     (rep,) = run_pipeline(captured, stages=[stage], options=options,
@@ -386,7 +389,7 @@ def test_args_object_equals_te_unpack(te_aot_graphs, precision):
         orig, cell.cell_contents = cell.cell_contents, stub
         try:
             got = call(*flat)
-            want = dc.overload(call.qualname)(*flat)
+            want = overload(call.qualname)(*flat)
         finally:
             cell.cell_contents = orig
         # same tensors; a ``None`` output is TE's fresh 0-element complex32 sentinel on both paths
@@ -411,16 +414,20 @@ def test_args_object_equals_te_unpack(te_aot_graphs, precision):
 
 
 def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
-    """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gives a reason) the
-    pass only retargets, and the reason is recorded."""
-    monkeypatch.setattr(dc, "ensure_lowering", lambda op: "this torch's Inductor lacks X")
+    """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gave ``install()`` a
+    reason) the pass only retargets, and the reason is recorded."""
+    from te_passes.runtime.install import install
+
+    install()
+    monkeypatch.setitem(dl._LOWERINGS, torch.ops.transformer_engine_compile.linear_backward_base.default,
+                        "this torch's Inductor lacks X")
     gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_bwd")
     (n,) = _te_nodes(gm)
     assert n.target is torch.ops.transformer_engine_compile.linear_backward_base.default
     assert dc.META_KEY not in n.meta
     assert [(r.kind, r.data.get("reason")) for r in run.records] == [
         ("kept", "this torch's Inductor lacks X"), ("retargeted", None)]
-    assert dc.feature_error() is None  # torch 2.14.1 has everything the lowering needs
+    assert dl.feature_error() is None  # torch 2.14.1 has everything the lowering needs
 
 
 def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):
@@ -449,32 +456,72 @@ def test_feature_error_reads_no_source(toy, monkeypatch):
     from torch._inductor import graph as G, ir
 
     monkeypatch.setattr(inspect, "getsource", lambda *a, **k: pytest.fail("feature_error read source"))
-    monkeypatch.setattr(dc, "_FEATURE_ERROR", [])
-    assert dc.feature_error() is None
+    monkeypatch.setattr(dl, "_FEATURE_ERROR", [])
+    assert dl.feature_error() is None
 
     def no_stores(self, *a, **k):
         self.x = 1
 
     for cls, attr in ((G.GraphLowering, "opaque_value_type_classes"), (ir.FallbackKernel, "unflatten_args")):
         with monkeypatch.context() as m:
-            m.setattr(dc, "_FEATURE_ERROR", [])
+            m.setattr(dl, "_FEATURE_ERROR", [])
             m.setattr(cls, "__init__", no_stores)
-            why = dc.feature_error()
+            why = dl.feature_error()
             assert why is not None and cls.__name__ in why and attr in why, why
     with monkeypatch.context() as m:
-        m.setattr(dc, "_FEATURE_ERROR", [])
+        m.setattr(dl, "_FEATURE_ERROR", [])
         m.delattr(ir.ExternKernel, "python_kernel_name")
-        why = dc.feature_error()
+        why = dl.feature_error()
         assert why is not None and "python_kernel_name" in why, why
     with monkeypatch.context() as m:
         from torch._inductor import lowering as L
 
-        m.setattr(dc, "_FEATURE_ERROR", [])
+        m.setattr(dl, "_FEATURE_ERROR", [])
         m.delattr(L, "tag_to_layout_constraint")
-        why = dc.feature_error()
+        why = dl.feature_error()
         assert why is not None and "tag_to_layout_constraint" in why, why
     # a refusal reaches the pass as a kept record (ensure_lowering returns it for a new op)
     with monkeypatch.context() as m:
-        m.setattr(dc, "_FEATURE_ERROR", ["this torch's Inductor lacks what the direct-call lowering needs (X)"])
-        m.setattr(dc, "_LOWERINGS", {})
-        assert "lacks" in dc.ensure_lowering(dc.overload(f"{NS}::{toy.OP_NAME}_base"))
+        m.setattr(dl, "_FEATURE_ERROR", ["this torch's Inductor lacks what the direct-call lowering needs (X)"])
+        m.setattr(dl, "_LOWERINGS", {})
+        assert "lacks" in dl.ensure_lowering(overload(f"{NS}::{toy.OP_NAME}_base"))
+
+
+def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
+    """The pass only looks the lowering up (it registers nothing): a base op whose lowering
+    ``runtime.install()`` did not register is retargeted, kept, and the record says why."""
+    from torch._inductor import lowering as L
+
+    from te_passes.runtime.install import install
+    from te_passes.testing.capture import run_pipeline
+
+    base = torch.ops.transformer_engine_compile.linear_base.default
+    a = te_aot_graphs("fp8-cs", 1)
+    install()
+    monkeypatch.delitem(dl._LOWERINGS, base)
+    n_lowerings = len(L.lowerings)
+    (rep,) = run_pipeline(a, stages=["post_grad_fwd"])
+    run = next(r for r in rep.runs if r.name == "call_te_impl_directly")
+    (n,) = _te_nodes(rep.gm)
+    assert n.target is base and dc.META_KEY not in n.meta
+    (kept,) = [r for r in run.records if r.kind == "kept"]
+    assert kept.data["reason"].startswith("direct-call lowering not installed: ") and str(base) in kept.data["reason"]
+    assert base not in dl._LOWERINGS and len(L.lowerings) == n_lowerings
+
+
+def test_install_registers_lowerings_of_families_defined_later(toy):
+    """``runtime.install()`` registers the direct-call lowering of every TE op family in OPDEFS
+    when it runs, the toy family (defined after te_passes was imported) included; idempotent."""
+    from torch._inductor import lowering as L
+
+    from te_passes.runtime.install import install
+
+    install()
+    ops = [overload(f"{NS}::{toy.OP_NAME}{s}") for s in ("_base", "_backward_base")]
+    real = [torch.ops.transformer_engine_compile.linear_base.default,
+            torch.ops.transformer_engine_compile.linear_backward_base.default]
+    for op in ops + real:
+        assert dl.lowering_reason(op) is None and L.lowerings[op]._te_passes_direct
+    before = dict(L.lowerings)
+    install()
+    assert dict(L.lowerings) == before

@@ -64,9 +64,11 @@ def fp8_dump(tmp_path_factory):
 @pytest.fixture(scope="module")
 def independent_run():
     """The same passes on the same real graphs, run in this process without the dump code."""
+    from te_passes.runtime.install import install
     from te_passes.testing.capture import capture_aot, fake_gpu, run_pipeline
 
     aot = capture_aot("linear", "fp8-cs", 1, 32, 64, 128)
+    install()  # as the backend does before any pass runs (the direct-call lowerings)
     with fake_gpu("fp8-cs"):
         reports = run_pipeline(aot, graph_id="g0")
     return {r.stage: r for r in reports}

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from te_passes.rewrite import compile_friendly as cf
+from te_passes.rewrite import module_state, norm_act, rewriters
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
@@ -155,9 +156,9 @@ def test_state_dict_identity_and_reload():
     assert all(p is params0[n] for n, p in layer.named_parameters()) and len(list(layer.parameters())) == len(params0)
     # the hidden te.Linear modules run on the very same Parameter objects
     mlp = layer.layernorm_mlp
-    fc1, fc2 = cf._state(mlp).linears
+    fc1, fc2 = module_state._state(mlp).linears
     assert fc1.fc1_weight is mlp.fc1_weight and fc2.fc2_bias is mlp.fc2_bias and fc1.weight_names == ["fc1_weight"]
-    qkv_lin = cf._state(layer.self_attention.layernorm_qkv).linears[0]
+    qkv_lin = module_state._state(layer.self_attention.layernorm_qkv).linears[0]
     assert qkv_lin.query_weight is layer.self_attention.layernorm_qkv.query_weight
     with torch.no_grad():
         for p in layer.parameters():
@@ -176,7 +177,7 @@ def test_state_dict_identity_and_reload():
 def test_train_eval_reach_hidden_linears():
     with _cpu_te():
         layer = cf.compile_friendly(_layer())
-    fc1, fc2 = cf._state(layer.layernorm_mlp).linears
+    fc1, fc2 = module_state._state(layer.layernorm_mlp).linears
     layer.eval()
     assert not fc1.training and not fc2.training
     layer.train()
@@ -241,7 +242,7 @@ def test_strict_changes_nothing_and_keep_and_te_fused():
 def test_every_te_activation_has_an_expression():
     from transformer_engine.pytorch.module.layernorm_mlp import _get_act_func_supported_list
 
-    assert set(_get_act_func_supported_list(None)) == set(cf.ACTIVATIONS)
+    assert set(_get_act_func_supported_list(None)) == set(norm_act.ACTIVATIONS)
 
 
 def test_activation_math():
@@ -249,19 +250,19 @@ def test_activation_math():
     g = torch.cat([x, x.flip(0)])  # gated: act(first half) * second half
     y = x.flip(0)
     gelu_tanh = 0.5 * x * (1 + torch.tanh(0.79788456 * (x + 0.044715 * x**3)))
-    torch.testing.assert_close(cf.activation(x, "gelu"), gelu_tanh)
-    torch.testing.assert_close(cf.activation(g, "geglu"), gelu_tanh * y)
-    torch.testing.assert_close(cf.activation(x, "qgelu"), x * torch.sigmoid(1.702 * x))
-    torch.testing.assert_close(cf.activation(x, "srelu"), torch.where(x > 0, x * x, 0))
-    torch.testing.assert_close(cf.activation(g, "sreglu"), torch.where(x > 0, x * x, 0) * y)
-    torch.testing.assert_close(cf.activation(g, "swiglu"), x * torch.sigmoid(x) * y)
-    torch.testing.assert_close(cf.activation(g, "glu"), torch.sigmoid(x) * y)
+    torch.testing.assert_close(norm_act.activation(x, "gelu"), gelu_tanh)
+    torch.testing.assert_close(norm_act.activation(g, "geglu"), gelu_tanh * y)
+    torch.testing.assert_close(norm_act.activation(x, "qgelu"), x * torch.sigmoid(1.702 * x))
+    torch.testing.assert_close(norm_act.activation(x, "srelu"), torch.where(x > 0, x * x, 0))
+    torch.testing.assert_close(norm_act.activation(g, "sreglu"), torch.where(x > 0, x * x, 0) * y)
+    torch.testing.assert_close(norm_act.activation(g, "swiglu"), x * torch.sigmoid(x) * y)
+    torch.testing.assert_close(norm_act.activation(g, "glu"), torch.sigmoid(x) * y)
     p = {"limit": 5.0, "alpha": 1.5, "glu_linear_offset": 0.5}
     xc = x.clamp(max=5.0)
-    torch.testing.assert_close(cf.activation(g, "clamped_swiglu", p),
+    torch.testing.assert_close(norm_act.activation(g, "clamped_swiglu", p),
                                xc * torch.sigmoid(1.5 * xc) * (y.clamp(-5.0, 5.0) + 0.5))
     xb = x.to(torch.bfloat16)
-    assert cf.activation(xb, "gelu").dtype == torch.bfloat16
+    assert norm_act.activation(xb, "gelu").dtype == torch.bfloat16
 
 
 def test_normalize_math():
@@ -269,13 +270,13 @@ def test_normalize_math():
     w, b = torch.randn(32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16)
     xf = x.float()
     ln = (xf - xf.mean(-1, keepdim=True)) / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + 1e-5)
-    torch.testing.assert_close(cf.normalize(x, w, b, 1e-5, "LayerNorm", False), (ln * w.float() + b.float()).bfloat16())
-    torch.testing.assert_close(cf.normalize(x, w, b, 1e-5, "LayerNorm", True),
+    torch.testing.assert_close(norm_act.normalize(x, w, b, 1e-5, "LayerNorm", False), (ln * w.float() + b.float()).bfloat16())
+    torch.testing.assert_close(norm_act.normalize(x, w, b, 1e-5, "LayerNorm", True),
                                (ln * (w.float() + 1) + b.float()).bfloat16())
     rms = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(cf.normalize(x, w, None, 1e-6, "RMSNorm", True), (rms * (w.float() + 1)).bfloat16())
+    torch.testing.assert_close(norm_act.normalize(x, w, None, 1e-6, "RMSNorm", True), (rms * (w.float() + 1)).bfloat16())
     with pytest.raises(ValueError, match="neither"):
-        cf.normalize(x, w, b, 1e-5, "BatchNorm", False)
+        norm_act.normalize(x, w, b, 1e-5, "BatchNorm", False)
 
 
 def _reference_attention(q, k, v, causal, scale):
@@ -430,7 +431,7 @@ def test_prepare_removes_recompiles_of_the_segments_between_eager_islands(precis
     monkeypatch.setattr(te.LayerNormMLP, "forward", lnmlp)
 
     def sdpa_only(layer):
-        cf._rewrite_attention(layer.self_attention.core_attention)
+        rewriters._rewrite_attention(layer.self_attention.core_attention)
 
     graphs, reasons, breaks = _run_calls(precision, prepare=False, rewrite=sdpa_only)
     assert breaks >= 2 and len(reasons) >= 1 and any("_is_fsdp2" in r or "fp8 ==" in r for r in reasons), reasons

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from te_passes.te import graph_model as gmod
+from te_passes.te import op_families as opf
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
@@ -74,13 +75,13 @@ def _register():
 
 def test_family_is_recognised_from_opdefs():
     _register()
-    for suffix, (direction, tier) in gmod.FAMILY_SUFFIXES.items():
-        fam = gmod.te_op_family(FAMILY + suffix)
+    for suffix, (direction, tier) in opf.FAMILY_SUFFIXES.items():
+        fam = opf.te_op_family(FAMILY + suffix)
         assert (fam.name, fam.direction, fam.tier) == (FAMILY, direction, tier)
-        assert fam.ops == tuple(FAMILY + s for s in gmod.FAMILY_SUFFIXES)
-    fam = gmod.te_op_family("linear_backward_base")
+        assert fam.ops == tuple(FAMILY + s for s in opf.FAMILY_SUFFIXES)
+    fam = opf.te_op_family("linear_backward_base")
     assert (fam.name, fam.direction, fam.tier) == ("linear", "backward", "base")
-    assert gmod.op_family(FAMILY + "_nope") is None
+    assert opf.op_family(FAMILY + "_nope") is None
 
 
 def test_dynamo_graph_of_synthetic_family_is_decoded():
@@ -152,13 +153,13 @@ def test_family_member_with_foreign_schema_is_refused():
     """Four ops named like a family but not laid out as TE's arg plan lays them out."""
     lib = torch.library.Library(gmod.TE_OP_NAMESPACE, "FRAGMENT")
     name = "te_passes_test_forged"
-    for suffix in gmod.FAMILY_SUFFIXES:
+    for suffix in opf.FAMILY_SUFFIXES:
         torch.library.custom_op(f"{gmod.TE_OP_NAMESPACE}::{name}{suffix}", lambda x, n: [x.clone()],
                                 mutates_args=(), schema="(Tensor x, int n) -> Tensor[]")
     del lib
     with pytest.raises(gmod.UnknownTEOp, match=r"schema is not TE's register_custom_op layout: slot 'n' has "
                                                r"type int"):
-        gmod.te_op_family(name + "_base")
+        opf.te_op_family(name + "_base")
     g = torch.fx.Graph()
     x = g.placeholder("x")
     n = g.call_function(getattr(torch.ops.transformer_engine_compile, name).default, (x, 3))
@@ -177,11 +178,11 @@ def _schema(args: str, ret: str = "Tensor[]"):
 
 def test_schema_layout_rules():
     real = torch.ops.transformer_engine_compile.linear.default._schema
-    assert gmod.schema_layout_problem(real) is None
+    assert opf.schema_layout_problem(real) is None
     ok = _schema("Tensor a, Tensor? b, Tensor? q, Tensor[] q__tensors, PyObject q__meta, PyObject _simple_meta")
-    assert gmod.schema_layout_problem(ok) is None
-    assert "not one Tensor[]" in gmod.schema_layout_problem(_schema("Tensor a", ret="Tensor"))
-    assert "must be the last argument" in gmod.schema_layout_problem(_schema("PyObject _simple_meta, Tensor a"))
-    assert "not the triple" in gmod.schema_layout_problem(_schema("Tensor? q, Tensor[] q__tensors, Tensor q__meta"))
-    assert "outside a tensor-or-quantized triple" in gmod.schema_layout_problem(_schema("Tensor[] q__tensors"))
-    assert "type float" in gmod.schema_layout_problem(_schema("Tensor a, float eps"))
+    assert opf.schema_layout_problem(ok) is None
+    assert "not one Tensor[]" in opf.schema_layout_problem(_schema("Tensor a", ret="Tensor"))
+    assert "must be the last argument" in opf.schema_layout_problem(_schema("PyObject _simple_meta, Tensor a"))
+    assert "not the triple" in opf.schema_layout_problem(_schema("Tensor? q, Tensor[] q__tensors, Tensor q__meta"))
+    assert "outside a tensor-or-quantized triple" in opf.schema_layout_problem(_schema("Tensor[] q__tensors"))
+    assert "type float" in opf.schema_layout_problem(_schema("Tensor a, float eps"))

@@ -25,6 +25,7 @@ from unittest import mock
 import pytest
 import torch
 
+from te_passes.runtime import quantizer_usage
 from te_passes.testing.capture import capture_skip_reason
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
@@ -279,8 +280,8 @@ def stub_impls(monkeypatch):
     monkeypatch.setattr(linear, "_linear_forward_impl", _linear_forward_impl)
     monkeypatch.setattr(linear, "_linear_backward_impl", _linear_backward_impl)
     monkeypatch.setattr(amax_groups, "unsafe_reason", lambda mod: None)  # the stand-ins set no group
-    monkeypatch.setattr(amax_groups, "AUDITED_USAGE_CALLS", {"_linear_forward_impl": {"set_usage": (1,)},
-                                                             "_linear_backward_impl": {"set_usage": (1,)}})
+    monkeypatch.setattr(quantizer_usage, "AUDITED_USAGE_CALLS", {"_linear_forward_impl": {"set_usage": (1,)},
+                                                                 "_linear_backward_impl": {"set_usage": (1,)}})
     assert amax_groups.install_amax_group_hooks()
     assert amax_groups.usage_restore_installed(), amax_groups.usage_refused_reason()
     try:
@@ -387,7 +388,7 @@ def test_debug_quantizer_around_no_quantizer_is_skipped(stub_impls):
 
 
 def test_weight_quantizer_left_alone_for_quantized_or_distributed_weights(hooks):
-    from te_passes.runtime.amax_groups import _usage_targets
+    from te_passes.runtime.quantizer_usage import _usage_targets
 
     wq, iq = object(), object()
     plain = types.SimpleNamespace(weight=torch.zeros(1), weight_quantizer=wq, input_quantizer=iq)
@@ -413,7 +414,7 @@ def test_audit_matches_te_2_20_2_impls(hooks):
     TE's impl changes: then the module docstring's audit must be redone)."""
     import transformer_engine.pytorch.module.linear as linear
 
-    assert hooks.usage_unsafe_reason(linear) is None
+    assert quantizer_usage.usage_unsafe_reason(linear) is None
     assert hooks.usage_restore_installed()
 
 
@@ -425,20 +426,20 @@ def test_usage_unsafe_reason_names_the_call_sites_that_changed(hooks):
     mod = types.ModuleType("fake_te_linear")
     mod._linear_forward_impl = set_usage_stub
     mod._linear_backward_impl = set_usage_stub
-    reason = hooks.usage_unsafe_reason(mod)
+    reason = quantizer_usage.usage_unsafe_reason(mod)
     assert reason is not None and "_linear_forward_impl no longer has the audited usage-setting calls" in reason
     assert "set_usage: 7 call site(s) audited (TE 2.20.2 lines [482, 488, 492, 502, 524, 571, 617]), 1 found" in reason
     del mod._linear_forward_impl
-    assert "_linear_forward_impl is missing" in hooks.usage_unsafe_reason(mod)
+    assert "_linear_forward_impl is missing" in quantizer_usage.usage_unsafe_reason(mod)
 
 
 def test_install_keeps_the_group_release_but_not_the_usage_restore_when_the_audit_fails(hooks, monkeypatch, caplog):
     import transformer_engine.pytorch.module.linear as linear
 
     hooks.uninstall_amax_group_hooks()
-    audited = {k: dict(v) for k, v in hooks.AUDITED_USAGE_CALLS.items()}
+    audited = {k: dict(v) for k, v in quantizer_usage.AUDITED_USAGE_CALLS.items()}
     audited["_linear_backward_impl"]["set_usage"] = (*audited["_linear_backward_impl"]["set_usage"], 9999)
-    monkeypatch.setattr(hooks, "AUDITED_USAGE_CALLS", audited)
+    monkeypatch.setattr(quantizer_usage, "AUDITED_USAGE_CALLS", audited)
     with caplog.at_level("WARNING", logger="te_passes"):
         assert hooks.install_amax_group_hooks()
     assert "_linear_backward_impl no longer has the audited usage-setting calls" in hooks.usage_refused_reason()

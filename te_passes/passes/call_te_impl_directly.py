@@ -2,7 +2,7 @@
 
 Post-grad forward and backward graphs. For every node of a TE op family (any family TE's
 ``register_custom_op`` defines — ``<name>``, ``<name>_backward`` and their ``*_base`` ops, found
-from ``torch._library.custom_ops.OPDEFS``, :func:`te_passes.runtime.direct_call.op_family`):
+from ``torch._library.custom_ops.OPDEFS``, :func:`te_passes.runtime.te_base_op.op_family`):
 
 1. **retarget** a wrapper-op node (``transformer_engine_compile.<name>.default``) to its base op
    (``<name>_base.default``) when no quantized-tensor subclass can reach it. The wrapper differs
@@ -15,9 +15,11 @@ from ``torch._library.custom_ops.OPDEFS``, :func:`te_passes.runtime.direct_call.
    :class:`~te_passes.runtime.direct_call.DirectTECall` built now from the base op's
    ``CustomOpDef`` closure (``plan`` / ``impl`` / ``pack_result``, checked by name and
    signature) and the node's constant slots. Inductor's lowering of the base op
-   (:func:`~te_passes.runtime.direct_call.ensure_lowering`) then emits a call of that object
-   instead of the dispatcher op. Conditions (else ``"kept"`` with the reason, the node keeps its
-   op call): the lowering is available on this torch; every constant slot is ``None``, ``[]``
+   (registered for every TE op family by ``runtime.install()`` before any pass runs; the pass
+   only looks it up, :func:`~te_passes.runtime.direct_lowering.lowering_reason`) then emits a call
+   of that object instead of the dispatcher op. Conditions (else ``"kept"`` with the reason, the
+   node keeps its op call): the lowering is installed (``"direct-call lowering not installed:
+   ..."`` otherwise) and available on this torch; every constant slot is ``None``, ``[]``
    or a TE constant ``hoist_recipe_lookups`` made a fixed wrapper global of *this* graph (so the
    op path, too, passes the same object on every call: a direct call then sees what the op
    sees); the kernel is TE's ``_register_base_op._impl``.
@@ -42,7 +44,8 @@ import torch
 import torch.fx
 
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime import direct_call as dc
+from te_passes.runtime import direct_call as dc, direct_lowering, te_base_op
+from te_passes.runtime.te_base_op import DirectCallUnavailable, op_family, op_qualname, overload
 from te_passes.runtime.constants import hoisted_name, hoisted_owner
 
 
@@ -146,10 +149,13 @@ class CallTEImplDirectly(TEPass):
 
     @classmethod
     def source_hash(cls) -> str:
-        """The pass's source plus :mod:`te_passes.runtime.direct_call` (the lowering and the call
-        object decide what the generated code does, so they key Inductor's caches too)."""
+        """The pass's source plus :mod:`te_passes.runtime.direct_call`,
+        :mod:`~te_passes.runtime.direct_lowering` and :mod:`~te_passes.runtime.te_base_op` (the
+        call object, the lowering and the base-op checks decide what the generated code does, so
+        they key Inductor's caches too)."""
         h = hashlib.sha256(super().source_hash().encode())
-        h.update(inspect.getsource(sys.modules[dc.__name__]).encode())
+        for mod in (dc, direct_lowering, te_base_op):
+            h.update(inspect.getsource(sys.modules[mod.__name__]).encode())
         return h.hexdigest()
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
@@ -157,10 +163,10 @@ class CallTEImplDirectly(TEPass):
         plans: list[tuple[torch.fx.Node, Any, Any]] = []  # (node, new target or None, DirectTECall or None)
         lowering_reason: dict[Any, str | None] = {}
         for node in gm.graph.nodes:
-            fam = dc.op_family(node.target) if node.op == "call_function" else None
+            fam = op_family(node.target) if node.op == "call_function" else None
             if fam is None:
                 continue
-            qual = dc.op_qualname(node.target)
+            qual = op_qualname(node.target)
             base_q = fam.base_of(qual) or (qual if fam.is_base(qual) else None)
             new_target = None
             if fam.base_of(qual) is not None:
@@ -168,14 +174,14 @@ class CallTEImplDirectly(TEPass):
                 if why is not None:
                     records.append(PassRecord("kept", node.name, {"op": qual, "retargeted": False, "reason": why}))
                     continue
-                new_target = dc.overload(base_q)
-            base_op = dc.overload(base_q)
+                new_target = overload(base_q)
+            base_op = overload(base_q)
             call, why = None, None
             if not self._direct:
                 why = "direct_call=False (retarget only)"
             else:
                 if base_op not in lowering_reason:
-                    lowering_reason[base_op] = dc.ensure_lowering(base_op)
+                    lowering_reason[base_op] = direct_lowering.lowering_reason(base_op)
                 why = lowering_reason[base_op]
                 if why is None:
                     shape = _tensor_slot_nodes(node)
@@ -185,7 +191,7 @@ class CallTEImplDirectly(TEPass):
                 if why is None:
                     try:
                         call = dc.DirectTECall(base_q, len(node.args), consts)
-                    except dc.DirectCallUnavailable as e:
+                    except DirectCallUnavailable as e:
                         why = str(e)
             if call is None:
                 records.append(PassRecord("kept", node.name, {"op": base_q, "retargeted": new_target is not None,
@@ -209,8 +215,8 @@ class CallTEImplDirectly(TEPass):
         for node, new_target, call in plans:
             undo.append((node, node.target, dc.META_KEY in node.meta))
             if new_target is not None:
-                records.append(PassRecord("retargeted", node.name, {"from": dc.op_qualname(node.target),
-                                                                    "to": dc.op_qualname(new_target)}))
+                records.append(PassRecord("retargeted", node.name, {"from": op_qualname(node.target),
+                                                                    "to": op_qualname(new_target)}))
                 node.target = new_target
             if call is not None:
                 node.meta[dc.META_KEY] = call

@@ -129,8 +129,6 @@ def check_parameter_type(cls: type[TEPass], name: str, param: str, value: Any) -
         te_passes.config.TePassesOptionError: the value has another type (message names the
             pass, the parameter, the value and the type wanted).
     """
-    from te_passes.config import TePassesOptionError
-
     ann = _parameter_types(cls).get(param)
     if ann is None or _accepts(ann, value) is not False:
         return

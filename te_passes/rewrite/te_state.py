@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
+from te_passes.rewrite.module_state import _state, is_rewritten
+
 
 def _prepared_modules(model: torch.nn.Module) -> list[Any]:
     """The TE modules whose traced forward runs TE's ``prepare_forward``: every ``te.Linear`` in
     ``model`` and the hidden ``te.Linear``\\ s of modules rewritten by ``compile_friendly``."""
     import transformer_engine.pytorch as te
-
-    from te_passes.rewrite.compile_friendly import _state, is_rewritten
 
     mods = [m for m in model.modules() if isinstance(m, te.Linear)]
     for m in model.modules():
@@ -64,8 +64,6 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
     import contextlib
 
     import transformer_engine.pytorch as te
-
-    from te_passes.rewrite.compile_friendly import _state, is_rewritten
 
     if fp8 and recipe is None:
         raise ValueError("prepare_te_state: fp8=True needs the recipe the compiled function uses")

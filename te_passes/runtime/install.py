@@ -8,6 +8,9 @@
   reduction groups released after each eager call, and a one-time sweep of live modules (issue 8);
 * :func:`te_passes.runtime.free_op.register_inductor_lowering` — the Inductor lowering of our
   ``te_passes::free_storage`` op (``insert_early_frees`` only checks that it is there);
+* :func:`te_passes.runtime.direct_lowering.install_lowerings` — the direct-call lowering of the base
+  ops of every TE op family in ``torch._library.custom_ops.OPDEFS`` now (``call_te_impl_directly``
+  only looks it up; families defined later are registered by the next call);
 * :func:`te_passes.runtime.constants.wrap_te_constant_classes` — the ``__fx_repr__`` of TE's
   value-opaque constant classes answers a wrapper-global name inside its own graph's Inductor
   lowering (``hoist_te_constants``' named constants).
@@ -18,7 +21,7 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 
 from __future__ import annotations
 
-from te_passes.runtime import constants, free_op
+from te_passes.runtime import constants, direct_lowering, free_op
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -30,5 +33,6 @@ def install() -> bool:
     when its module is imported, possibly after the hooks went in (``te_inductor`` calls this on
     every compile)."""
     free_op.register_inductor_lowering()  # failure is kept: lowering_error(); the pass then skips
+    direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
     return install_te_ub_hooks() & install_amax_group_hooks()

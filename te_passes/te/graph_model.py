@@ -32,23 +32,11 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
+from te_passes.te.op_families import (  # noqa: F401 - names of the TE op namespace, re-exported
+    CONFIG_SLOT, KNOWN_OPS, TE_OP_NAMESPACE, TQ_META_SUFFIX, TQ_TENSORS_SUFFIX, UnknownTEOp, te_op_family)
 from te_passes.te.version import is_supported, te_version
 
-TE_OP_NAMESPACE = "transformer_engine_compile"
-
-#: Ops whose slot layout this model was written against (TE 2.20). ``*_base`` ops share the
-#: schema of the op they wrap.
-KNOWN_OPS: frozenset[str] = frozenset({"linear", "linear_backward", "linear_base", "linear_backward_base"})
-
-TQ_TENSORS_SUFFIX = "__tensors"
-TQ_META_SUFFIX = "__meta"
-CONFIG_SLOT = "_simple_meta"
 TQ_KIND_KEY = "__kind__"
-
-
-class UnknownTEOp(Exception):
-    """A ``transformer_engine_compile`` node this model cannot decode (unknown op/TE version or
-    a slot layout it does not recognise). The message names the node, op and TE version."""
 
 
 class SlotKind(str, enum.Enum):
@@ -442,150 +430,6 @@ def slot_constant(value: Any) -> Any:
             return value
         return obj
     return value
-
-
-# --------------------------------------------------------------------------- op families
-# (issue 15 part 4) Any op family TE's ``register_custom_op`` creates is decoded from its schema,
-# so ops of later TE modules (LayerNormLinear, LayerNormMLP, attention) need no new code here.
-#: Roles of the four ops one ``register_custom_op(op_name=<name>)`` call defines (TE 2.20.2
-#: ``dynamo/custom_op.py`` ``_register_custom_op_impl``): op name suffix -> (direction, tier).
-FAMILY_SUFFIXES: dict[str, tuple[str, str]] = {
-    "": ("forward", "wrapper"),
-    "_base": ("forward", "base"),
-    "_backward": ("backward", "wrapper"),
-    "_backward_base": ("backward", "base"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class TEOpFamily:
-    """One op family registered by TE's ``register_custom_op(op_name=name)``.
-
-    ``name`` — the family (``"linear"``); ``ops`` — ``{suffix: op name}`` for the four members
-    (:data:`FAMILY_SUFFIXES`); ``direction`` / ``tier`` — what the queried op is
-    (``"forward"``/``"backward"``, ``"wrapper"``/``"base"``).
-    """
-
-    name: str
-    op: str
-    direction: str
-    tier: str
-    ops: tuple[str, ...]
-
-
-def _registered_custom_op(op: str) -> bool:
-    """Whether ``transformer_engine_compile::<op>`` was defined through ``torch.library.custom_op``
-    (``torch._library.custom_ops.OPDEFS``, where TE's ``_register_base_op`` /
-    ``_register_wrapper_op`` put every op they define)."""
-    from torch._library.custom_ops import OPDEFS
-
-    return f"{TE_OP_NAMESPACE}::{op}" in OPDEFS
-
-
-def op_family(op: str) -> TEOpFamily | None:
-    """The ``register_custom_op`` family ``op`` belongs to, or ``None``.
-
-    ``op`` is a name in :data:`TE_OP_NAMESPACE` (``"linear_backward_base"``). A family is
-    recognised only when all four members (``<name>``, ``<name>_base``, ``<name>_backward``,
-    ``<name>_backward_base``) are custom ops in ``OPDEFS``; a lone op of the namespace is not a
-    family. The longest matching suffix wins (``a_backward`` of family ``a``, not family
-    ``a_backward``, unless ``a_backward_backward`` exists too).
-    """
-    for suffix in sorted(FAMILY_SUFFIXES, key=len, reverse=True):
-        if suffix and not op.endswith(suffix):
-            continue
-        name = op[: len(op) - len(suffix)] if suffix else op
-        if not name:
-            continue
-        members = tuple(name + s for s in FAMILY_SUFFIXES)
-        if all(_registered_custom_op(m) for m in members):
-            direction, tier = FAMILY_SUFFIXES[suffix]
-            return TEOpFamily(name, op, direction, tier, members)
-    return None
-
-
-def _bundle_type_names() -> frozenset[str]:
-    """How schemas spell TE's ``OpaqueValueBundle`` type: torch 2.14 prints opaque-object
-    arguments of a parsed schema as ``PyObject``; the registered opaque-type name
-    (``transformer_engine.pytorch.dynamo.custom_op.OpaqueValueBundle``) is accepted too."""
-    names = {"PyObject"}
-    try:
-        from torch._library.opaque_object import get_opaque_type_name
-        from transformer_engine.pytorch.dynamo.custom_op import OpaqueValueBundle
-    except Exception:  # noqa: BLE001 - TE not importable: only the generic spelling
-        return frozenset(names)
-    name = get_opaque_type_name(OpaqueValueBundle)
-    if name:
-        names |= {name, name.split(".")[-1]}
-    return frozenset(names)
-
-
-def schema_layout_problem(schema: torch._C.FunctionSchema) -> str | None:
-    """Why ``schema`` is not a layout TE's ``_ArgPlan`` produces, or ``None`` if it is.
-
-    TE 2.20.2 ``dynamo/custom_op.py`` (``_parse_field`` / ``_parse_arg_type``): every argument is
-    a plain ``Tensor`` / ``Tensor?`` field, or a tensor-or-quantized triple ``X: Tensor?``,
-    ``X__tensors: Tensor[]``, ``X__meta: OpaqueValueBundle`` in that order, and the config bundle
-    ``_simple_meta: OpaqueValueBundle`` is the last argument if present; the op returns one
-    ``Tensor[]``.
-    """
-    rets = [str(r.type) for r in schema.returns]
-    if rets not in (["List[Tensor]"], ["Tensor[]"]):
-        return f"returns {rets}, not one Tensor[]"
-    bundle = _bundle_type_names()
-    args = list(schema.arguments)
-
-    def is_bundle_arg(a) -> bool:
-        t = str(a.type)
-        return t in bundle or t.split(".")[-1] in bundle
-
-    i = 0
-    while i < len(args):
-        a, t = args[i], str(args[i].type)
-        if a.name == CONFIG_SLOT:
-            if i != len(args) - 1 or not is_bundle_arg(a):
-                return f"config slot {CONFIG_SLOT} must be the last argument and a bundle (is {t} at {i})"
-            i += 1
-            continue
-        nxt = args[i + 1] if i + 1 < len(args) else None
-        if nxt is not None and nxt.name == a.name + TQ_TENSORS_SUFFIX:
-            meta = args[i + 2] if i + 2 < len(args) else None
-            if t not in ("Tensor?", "Optional[Tensor]") or str(nxt.type) not in ("Tensor[]", "List[Tensor]") \
-                    or meta is None or meta.name != a.name + TQ_META_SUFFIX or not is_bundle_arg(meta):
-                return f"tensor-or-quantized field {a.name!r} is not the triple (Tensor?, Tensor[], bundle)"
-            i += 3
-            continue
-        if a.name.endswith((TQ_TENSORS_SUFFIX, TQ_META_SUFFIX)):
-            return f"slot {a.name!r} outside a tensor-or-quantized triple"
-        if t not in ("Tensor", "Tensor?", "Optional[Tensor]"):
-            return f"slot {a.name!r} has type {t}, which TE's arg plan never emits"
-        i += 1
-    return None
-
-
-def te_op_family(op: str) -> TEOpFamily:
-    """The family of a ``transformer_engine_compile`` op whose slots this model can decode.
-
-    :data:`KNOWN_OPS` are accepted as written against; any other op must belong to a full
-    ``register_custom_op`` family (:func:`op_family`) and have TE's slot layout
-    (:func:`schema_layout_problem`).
-
-    Raises:
-        UnknownTEOp: not a family member, or its schema is not TE's layout (message says which).
-    """
-    fam = op_family(op)
-    if fam is None:
-        raise UnknownTEOp(f"unknown TE op {TE_OP_NAMESPACE}::{op} (TE {te_version()}): not one of "
-                          f"{sorted(KNOWN_OPS)} nor a member of a register_custom_op family "
-                          f"(<name>, <name>_base, <name>_backward, <name>_backward_base)")
-    if op not in KNOWN_OPS:
-        packet = getattr(getattr(torch.ops, TE_OP_NAMESPACE), op)
-        problem = schema_layout_problem(packet.default._schema)
-        if problem is not None:
-            raise UnknownTEOp(f"TE op {TE_OP_NAMESPACE}::{op} of family {fam.name!r}: schema is not "
-                              f"TE's register_custom_op layout: {problem}")
-    return fam
-# --------------------------------------------------------------------------- end op families
 
 
 def decode(node: torch.fx.Node) -> TEOpCall:

@@ -15,23 +15,25 @@ What it provides:
 * :func:`train_step` — one forward + backward with ``param.grad = None`` first (what a training
   loop's ``zero_grad(set_to_none=True)`` does);
 * :class:`CompileWatch` — Dynamo / Inductor counters over a region: graphs, graph breaks (with
-  reasons), recompiles, cudagraph skips, cudagraph recordings, lazy backward compiles;
+  reasons), recompiles, cudagraph skips, cudagraph recordings, lazy backward compiles (defined,
+  with :func:`cudagraph_tree_nodes` and :func:`fresh_compile_state`, in
+  :mod:`te_passes.testing.compile_watch`, which imports only torch; re-exported here);
 * :func:`rel_err` / :data:`REL_TOL` — numerics against eager.
 
 Torch sources mirrored (torch 2.14.1): ``torch._dynamo.utils.counters`` (``stats.unique_graphs``,
 ``graph_break``, ``inductor.cudagraph_skips``), ``torch._dynamo.callback.CallbackTrigger``
 (compile ids ``"<frame>/<frame_compile>"``: a frame compile id > 0 is a recompile), and
-``torch._inductor.cudagraph_trees.get_manager``.
+``torch._inductor.cudagraph_trees.get_manager`` (in :mod:`te_passes.testing.compile_watch`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+from te_passes.testing.compile_watch import (  # noqa: F401 - re-exported (torch-only harness parts)
+    CompileStats, CompileWatch, cudagraph_tree_nodes, fresh_compile_state, te_inductor_backend_listed)
 
 #: The precisions the suite and the benchmark run: ``"bf16"`` (bf16 params and activations, no
 #: quantization) and ``"fp8"`` (``transformer_engine.common.recipe.Float8CurrentScaling``).
@@ -206,114 +208,6 @@ def grads_of(x: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-_COMPILE_ID = re.compile(r"^(\d+)/(\d+)")
-
-
-@dataclasses.dataclass
-class CompileStats:
-    """Counts over one :class:`CompileWatch` region.
-
-    ``graphs``: Dynamo graphs compiled (``counters["stats"]["unique_graphs"]``, recompiles
-    included); ``graph_breaks``: total graph breaks, ``break_reasons`` their messages with counts;
-    ``recompiles``: Dynamo compilations of a frame that was compiled before (compile id
-    ``F/C`` with ``C > 0``); ``cudagraph_skips``: ``counters["inductor"]["cudagraph_skips"]``;
-    ``cudagraph_recordings``: cudagraph-tree recordings started; ``lazy_backward_compiles``:
-    AOTAutograd backward compilations deferred to the first backward.
-    """
-
-    graphs: int = 0
-    graph_breaks: int = 0
-    break_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
-    recompiles: int = 0
-    cudagraph_skips: int = 0
-    cudagraph_recordings: int = 0
-    lazy_backward_compiles: int = 0
-    compile_ids: list[str] = dataclasses.field(default_factory=list)
-    #: ``"<compile id> <function>: <failed guard>"`` per recompile (Dynamo's ``CompilationMetrics``).
-    recompile_reasons: list[str] = dataclasses.field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-class CompileWatch:
-    """Context manager: clears ``torch._dynamo.utils.counters`` on entry, reads them on exit.
-
-    Also registers a Dynamo compile-start callback (``torch._dynamo.callback_handler``) to count
-    recompiles, cudagraph recordings and lazy backward compiles. ``stats`` is filled on exit
-    and may be read (live) inside the region through :meth:`snapshot`.
-    """
-
-    def __init__(self) -> None:
-        self.stats = CompileStats()
-        self._events: list[tuple[str, str]] = []
-
-    def _on_start(self, args) -> None:
-        self._events.append((args.callback_trigger.name, str(args.compile_id)))
-
-    def __enter__(self) -> "CompileWatch":
-        from torch._dynamo.utils import counters
-
-        counters.clear()
-        self._seen_metrics = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
-        torch._dynamo.callback_handler.register_start_callback(self._on_start)
-        return self
-
-    def snapshot(self) -> CompileStats:
-        """The counts so far (also what ``__exit__`` stores in ``stats``)."""
-        from torch._dynamo.utils import counters
-
-        st = CompileStats()
-        st.graphs = int(counters["stats"].get("unique_graphs", 0))
-        st.break_reasons = {str(k): int(v) for k, v in counters["graph_break"].items()}
-        st.graph_breaks = sum(st.break_reasons.values())
-        st.cudagraph_skips = int(counters["inductor"].get("cudagraph_skips", 0))
-        seen: set[str] = set()
-        for trigger, cid in self._events:
-            if trigger == "DYNAMO":
-                m = _COMPILE_ID.match(cid)
-                key = m.group(0) if m else cid
-                if key in seen:  # a retried attempt ("0/1_1") of the same compile
-                    continue
-                seen.add(key)
-                st.compile_ids.append(cid)
-                if m and int(m.group(2)) > 0:
-                    st.recompiles += 1
-            elif trigger == "CUDAGRAPH_RECORDING":
-                st.cudagraph_recordings += 1
-            elif trigger == "LAZY_BACKWARD":
-                st.lazy_backward_compiles += 1
-        st.recompile_reasons = [f"{m.compile_id} {m.co_name}: {m.recompile_reason}"
-                                for m in torch._dynamo.utils.get_compilation_metrics()
-                                if id(m) not in getattr(self, "_seen_metrics", ()) and m.recompile_reason]
-        return st
-
-    def __exit__(self, *exc) -> None:
-        self.stats = self.snapshot()
-        try:
-            torch._dynamo.callback_handler.remove_start_callback(self._on_start)
-        except ValueError:  # torch._dynamo.reset() inside the region already cleared the callbacks
-            pass
-
-
-def cudagraph_tree_nodes(device_index: int | None = None) -> int:
-    """Number of recorded CUDA graphs in the cudagraph tree of ``device_index`` (0 when none).
-
-    Mirrors ``torch._inductor.cudagraph_trees.CUDAGraphTreeManager.roots`` / ``CUDAGraphNode.children``
-    (torch 2.14.1).
-    """
-    from torch._inductor import cudagraph_trees
-
-    mgr = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
-    if mgr is None:
-        return 0
-
-    def count(nodes) -> int:
-        return sum(1 + count([c for cs in n.children.values() for c in cs]) for n in nodes)
-
-    return count([n for ns in mgr.roots.values() for n in ns])
-
-
 def ensure_te_inductor_backend() -> str:
     """Make ``backend="te_inductor"`` resolvable; return how it resolves.
 
@@ -322,32 +216,12 @@ def ensure_te_inductor_backend() -> str:
     had to register :func:`te_passes.backend.te_inductor` by hand (a checkout on ``PYTHONPATH``
     without the package installed).
     """
-    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, list_backends
-
-    list_backends(exclude_tags=())  # runs entry-point discovery
-    if "te_inductor" in _BACKENDS or "te_inductor" in _COMPILER_FNS:
+    if te_inductor_backend_listed():
         return "entry point"
-    # Function-level on purpose: benchmarks/sp_fp8_tp2.py loads this file standalone (without the
-    # te_passes package) for its plain-inductor scenario; only this function needs the backend.
+    # Function-level on purpose: importing te_passes.backend installs te_passes' TE hooks (its
+    # module-level runtime.install()); the GPU suite imports this module at collection, and its
+    # plain-inductor tests (and benchmarks/sp_fp8_tp2.py's inductor scenario) must run without them.
     from te_passes.backend import te_inductor
 
     torch._dynamo.register_backend(te_inductor, name="te_inductor")
     return "registered"
-
-
-@contextlib.contextmanager
-def fresh_compile_state() -> Iterator[None]:
-    """``torch._dynamo.reset()`` (drops compiled code and cudagraph trees) before and after, and
-    frees cached GPU memory after, so one configuration's compiled graphs and pools do not leak
-    into the next one's timings or peak memory."""
-    import gc
-
-    torch._dynamo.reset()
-    try:
-        yield
-    finally:
-        torch._dynamo.reset()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()

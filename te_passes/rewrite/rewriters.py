@@ -1,0 +1,174 @@
+"""The compile-friendly module classes and the per-module rewriters of
+:func:`te_passes.rewrite.compile_friendly.compile_friendly`: each rewriter builds the module's
+hidden state and swaps its class for a subclass of its TE class whose ``forward`` is traceable
+(:class:`CompileFriendlyLayerNormLinear`, :class:`CompileFriendlyLayerNormMLP`,
+:class:`SdpaDotProductAttention`, :class:`CompileFriendlyMultiheadAttention`, built once TE is
+importable by :func:`_classes`).
+
+Mirrors TE 2.20.2 ``module/layernorm_linear.py``, ``module/layernorm_mlp.py``,
+``attention/dot_product_attention/dot_product_attention.py`` and
+``attention/multi_head_attention.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+
+from te_passes.rewrite.module_state import (_STATE_ATTR, CompileFriendlyError, _HiddenTrainMixin, _shared_linear,
+                                            _State, _state, _te)
+from te_passes.rewrite.norm_act import activation, normalize
+from te_passes.rewrite.refusals import _check_norm_call, _check_sdpa_call, multihead_attention_note
+
+
+def _classes() -> dict[str, type]:
+    """The compile-friendly subclasses, built once TE is importable."""
+    if _CLASSES:
+        return _CLASSES
+    te = _te()
+    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+        DotProductAttention,
+    )
+
+    class CompileFriendlyLayerNormLinear(_HiddenTrainMixin, te.LayerNormLinear):
+        """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (traceable; see module doc).
+
+        ``forward(inp [..., in_features], is_first_microbatch, fp8_output, fp8_grad)`` returns
+        what ``te.LayerNormLinear.forward`` returns for the supported configurations: the output
+        [..., out_features], or ``(output, bias)`` with ``return_bias``.
+        """
+
+        def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+            _check_norm_call(self)
+            ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                               self.normalization, self.zero_centered_gamma)
+            (lin,) = _state(self).linears
+            return lin(ln_out, is_first_microbatch=is_first_microbatch, fp8_output=fp8_output,
+                       fp8_grad=fp8_grad)
+
+    class CompileFriendlyLayerNormMLP(_HiddenTrainMixin, te.LayerNormMLP):
+        """``te.LayerNormMLP`` as normalisation + ``te.Linear`` + activation + ``te.Linear``.
+
+        ``forward(inp [..., hidden], is_first_microbatch)`` returns the output [..., hidden], or
+        ``(output, fc2_bias)`` with ``return_bias`` (as ``te.LayerNormMLP``).
+        """
+
+        def forward(self, inp, is_first_microbatch=None):
+            _check_norm_call(self)
+            fc1, fc2 = _state(self).linears
+            ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                               self.normalization, self.zero_centered_gamma)
+            h = fc1(ln_out, is_first_microbatch=is_first_microbatch)
+            h = activation(h, self.activation, self.activation_params)
+            return fc2(h, is_first_microbatch=is_first_microbatch)
+
+    class SdpaDotProductAttention(DotProductAttention):
+        """``DotProductAttention`` through ``torch.nn.functional.scaled_dot_product_attention``.
+
+        Takes ``DotProductAttention.forward``'s arguments (TE 2.20.2). q: [s_q, b, h, d]
+        (``sbhd``) or [b, s_q, h, d] (``bshd``); k, v: [s_kv, b, g, d] with ``g`` dividing
+        ``h`` (GQA), or packed ``qkv_layer`` / ``kv_layer`` with ``qkv_interleave_dim``
+        (TE's ``_unpack_packed_qkv``). Returns [s_q, b, h * d] (``sbhd``) or [b, s_q, h * d]
+        (``bshd``) in q's dtype. Scale ``self.softmax_scale``. Arguments outside
+        :func:`attention_problem`'s list raise :class:`CompileFriendlyError` (decided at trace
+        time from Python values: no graph break).
+        """
+
+        def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
+                    qkv_format=None, attn_mask_type=None, qkv_layer=None, kv_layer=None,
+                    qkv_interleave_dim=-3, **kwargs):
+            from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+                _unpack_packed_qkv,
+            )
+
+            qkv_format = qkv_format or self.qkv_format
+            mask = attn_mask_type or self.attn_mask_type
+            _check_sdpa_call(self, qkv_format, mask, attention_mask, kwargs)
+            q, k, v, _ = _unpack_packed_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
+                                            qkv_format, qkv_interleave_dim, kwargs.get("inference_params"))
+            # [s, b, h, d] / [b, s, h, d] -> [b, h, s, d]
+            perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)
+            qt, kt, vt = (t.permute(*perm) for t in (q, k, v))
+            sq, skv = qt.shape[2], kt.shape[2]
+            if mask == "causal_bottom_right" and sq != skv:
+                raise CompileFriendlyError(f"attn_mask_type='causal_bottom_right' with s_q={sq} != "
+                                           f"s_kv={skv}: the SDPA path only expresses top-left causal")
+            out = F.scaled_dot_product_attention(
+                qt, kt, vt, dropout_p=0.0, is_causal=mask != "no_mask", scale=self.softmax_scale,
+                enable_gqa=qt.shape[1] != kt.shape[1])
+            # [b, h, s, d] -> [s, b, h*d] / [b, s, h*d]
+            out = out.permute(2, 0, 1, 3) if qkv_format == "sbhd" else out.permute(0, 2, 1, 3)
+            return out.reshape(*out.shape[:2], -1)
+
+    class CompileFriendlyMultiheadAttention(te.MultiheadAttention):
+        """``te.MultiheadAttention`` that supplies TE's default recipe when no ``te.autocast`` is active.
+
+        TE 2.20.2 ``MultiheadAttention.forward`` reads ``FP8GlobalStateManager.get_fp8_recipe()``
+        even without FP8; with no recipe set that builds ``get_default_fp8_recipe()``, which
+        asserts it is not compiling (a graph break in bf16). Here that call finds the recipe
+        ``get_default_fp8_recipe()`` returned at rewrite time (outside compilation), entered with
+        ``te.autocast(enabled=False, ...)``: what TE would read, without FP8 enabled.
+        """
+
+        def forward(self, *args, **kwargs):
+            from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+            if FP8GlobalStateManager.quantization_state.fp8_recipe is None:
+                with te.autocast(enabled=False, recipe=_state(self).recipe):
+                    return super().forward(*args, **kwargs)
+            return super().forward(*args, **kwargs)
+
+    _CLASSES.update(LayerNormLinear=CompileFriendlyLayerNormLinear, LayerNormMLP=CompileFriendlyLayerNormMLP,
+                    DotProductAttention=SdpaDotProductAttention,
+                    MultiheadAttention=CompileFriendlyMultiheadAttention)
+    return _CLASSES
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def _rewrite_multihead_attention(mod: Any) -> str:
+    from transformer_engine.pytorch.quantization import get_default_fp8_recipe
+
+    recipe = get_default_fp8_recipe()  # eagerly, what TE would build inside the compiled region
+    str(recipe)  # TE caches the repr on first use (a guard): cache it now
+    mod.__dict__[_STATE_ATTR] = _State(type(mod), recipe=recipe)
+    mod.__class__ = _classes()["MultiheadAttention"]
+    note = multihead_attention_note(mod)
+    return f"TE's default recipe ({type(recipe).__name__}, FP8 off) when no te.autocast is active" + \
+        (f"; note: {note}" if note else "")
+
+
+def _rewrite_layernorm_linear(mod: Any) -> str:
+    lin = _shared_linear(mod, in_features=mod.in_features, out_features=mod.out_features,
+                         weight_names=mod.weight_names, bias_names=mod.bias_names,
+                         split_sizes=mod.parameter_split_sizes, use_bias=mod.use_bias,
+                         return_bias=mod.return_bias, parallel_mode=mod.parallel_mode, name=mod.name,
+                         dtype=getattr(mod, mod.weight_names[0]).dtype)
+    mod.__dict__[_STATE_ATTR] = _State(type(mod), (lin,))
+    mod.__class__ = _classes()["LayerNormLinear"]
+    return f"{mod.normalization} + te.Linear({mod.in_features}, {mod.out_features})"
+
+
+def _rewrite_layernorm_mlp(mod: Any) -> str:
+    hidden = mod.layer_norm_weight.shape[0]
+    fc1_out, ffn = mod.fc1_weight.shape[0], mod.fc2_weight.shape[1]
+    dtype = mod.fc1_weight.dtype
+    name = mod.name
+    fc1 = _shared_linear(mod, in_features=hidden, out_features=fc1_out, weight_names=["fc1_weight"],
+                         bias_names=["fc1_bias"], split_sizes=[fc1_out], use_bias=mod.use_bias,
+                         return_bias=False, parallel_mode=None, name=name and name + ".fc1", dtype=dtype)
+    fc2 = _shared_linear(mod, in_features=ffn, out_features=hidden, weight_names=["fc2_weight"],
+                         bias_names=["fc2_bias"], split_sizes=[hidden], use_bias=mod.use_bias,
+                         return_bias=mod.return_bias, parallel_mode=None, name=name and name + ".fc2",
+                         dtype=dtype)
+    mod.__dict__[_STATE_ATTR] = _State(type(mod), (fc1, fc2))
+    mod.__class__ = _classes()["LayerNormMLP"]
+    return (f"{mod.normalization} + te.Linear({hidden}, {fc1_out}) + {mod.activation} + "
+            f"te.Linear({ffn}, {hidden})")
+
+
+def _rewrite_attention(mod: Any) -> str:
+    mod.__dict__[_STATE_ATTR] = _State(type(mod))
+    mod.__class__ = _classes()["DotProductAttention"]
+    return f"scaled_dot_product_attention ({mod.attn_mask_type}, {mod.qkv_format}, scale {mod.softmax_scale:.4g})"

@@ -1,0 +1,181 @@
+"""Quantizer usage flags after TE's Linear impls (issue 17): what
+:mod:`te_passes.runtime.amax_groups`' wrappers put back, and the audit that makes it safe.
+
+The wrappers around TE's Linear impls (:mod:`te_passes.runtime.amax_groups`) also put back the quantizers' usage flags
+(``rowwise_usage`` / ``columnwise_usage``, written by TE's ``Quantizer.set_usage``,
+``quantized_tensor.py:575``) when the last call in flight on a quantizer returns. Without this,
+alternating eager and compiled steps of one sequence-parallel fp8 te.Linear recompiles once per
+alternation: Dynamo guards ``quantizers['scaling_fwd'][0].columnwise_usage == True`` (the value
+``_linear_forward_fake`` sets on the module's quantizer while it is traced, ``linear.py:835``),
+and TE's eager impl leaves ``False`` (``linear.py:488`` / ``:502``: fp8 all-gather is
+row-wise only). Restoring is safe because TE 2.20.2's impls write both flags before every use of
+each quantizer they touch; no later reader depends on what a call left (each read below is
+preceded, in the same call, by the ``set_usage`` named)::
+
+    _linear_forward_impl  input_quantizer   482 (both; 488/492 narrow it) -> quantize 494;
+                                            502 (both) -> gather_along_first_dim 504 /
+                                            fill_userbuffers_buffer_for_all_gather 510;
+                                            524 (both) -> quantize 532
+                          weight_quantizer  571 (both) -> quantize_weight 576 (reads usage,
+                                            base.py:765-785/837); a quantized weight is used
+                                            through its own ``_quantizer`` (573), the module's
+                                            is not read
+                          output_quantizer  617 (both) -> general_gemm 635
+    _linear_backward_impl grad_output_q.    1243 (both; 1248/1261 narrow it) ->
+                                            grad_output_preprocess 1272 (base.py:1688);
+                                            set_quantizer_usage_for_wgrad_all_gather 1494
+                                            (_common.py:55, both) -> gather 1497;
+                                            1544 (both) -> fill_userbuffers 1550;
+                                            1566 (both) -> quantize 1567
+                          input_quantizer   1305/1310 (both) -> quantize 1311;
+                                            set_quantizer_usage_for_wgrad_all_gather 1321 ->
+                                            fill_userbuffers 1323 / gather 1331;
+                                            1520 (both) -> quantize 1521
+                          weight_quantizer  1368 / 1378 (both) -> quantize 1369 / 1379
+                          grad_input_q.     1396 (both) -> general_gemm 1429
+
+The helpers called with a quantizer read its usage only after the caller's ``set_usage``
+(``gather_along_first_dim``: distributed.py:1086/1160-1204; it even saves, narrows and puts back
+the flags itself around its quantize, 1037-1043 / 1056-1060, the pattern the wrappers follow).
+Other readers of a module quantizer's usage, all preceded by their own ``set_usage``:
+``_linear_forward_fake`` (835/870/908), ``reset_parameters`` (base.py:1848),
+``fill_userbuffers_buffer_for_all_gather`` (base.py:661). Quantized tensors never share the
+module's quantizer (``Float8TensorStorage.__new__`` copies it, float8_tensor_storage.py:113), and
+the compiled op runs TE's impls as registered at import (``register_custom_op(fwd_impl=...)``,
+linear.py:1798) on quantizers rebuilt from the graph's constants, so it never reads or writes
+the module's flags. Not restored: ``grad_weight_quantizer`` (the wgrad GEMM uses it without a
+``set_usage``; ``None`` for te.Linear outside debug mode) and the weight quantizer when the weight
+is quantized (``setup_ctx`` then passes the parameter's own quantizer, linear.py:1028, whose flags
+``quantize_weight`` (base.py:837) and FSDP2's all-gather read across calls) or a distributed
+weight (``materialize_weight_for_forward`` runs before 571). :func:`usage_unsafe_reason` checks at
+install that each impl still has exactly the audited ``set_usage`` call sites
+(:data:`AUDITED_USAGE_CALLS`) and otherwise leaves the flags alone, with a warning (the
+amax-group part still installs).
+"""
+
+from __future__ import annotations
+
+import dis
+from typing import Any, Iterable
+
+#: impl function name -> the args-dataclass fields whose quantizer's usage flags the impl writes
+#: before each use (module docstring: call sites in TE 2.20.2), restored after the call.
+PER_CALL_USAGE_FIELDS: dict[str, tuple[str, ...]] = {
+    "_linear_forward_impl": ("input_quantizer", "weight_quantizer", "output_quantizer"),
+    "_linear_backward_impl": ("input_quantizer", "weight_quantizer", "grad_input_quantizer",
+                              "grad_output_quantizer"),
+}
+#: impl -> the args field holding the weight whose kind decides whether ``weight_quantizer`` is
+#: restored (not for a quantized or distributed weight; see the module docstring).
+_WEIGHT_FIELD: dict[str, str] = {"_linear_forward_impl": "weight", "_linear_backward_impl": "saved_weight"}
+#: The usage-setting call sites audited in TE 2.20.2 ``module/linear.py`` (line numbers), per impl
+#: and callee name. :func:`usage_unsafe_reason` requires each impl's code to have exactly this
+#: many calls of each name: an added or removed call site means the audit no longer holds.
+AUDITED_USAGE_CALLS: dict[str, dict[str, tuple[int, ...]]] = {
+    "_linear_forward_impl": {"set_usage": (482, 488, 492, 502, 524, 571, 617)},
+    "_linear_backward_impl": {
+        "set_usage": (1243, 1248, 1261, 1305, 1310, 1368, 1378, 1396, 1520, 1544, 1566),
+        "set_quantizer_usage_for_wgrad_all_gather": (1321, 1494),
+    },
+}
+
+#: ``id(quantizer TE's set_usage writes to)`` -> ``[wrapped calls now running with it, its
+#: (rowwise_usage, columnwise_usage) before the first of them began]``; same rule as
+#: :data:`te_passes.runtime.amax_groups._IN_FLIGHT` (and guarded by its ``_CALLS_LOCK``): only the
+#: last running call writes the flags back, so no call ever sees them change under it.
+_USAGE_IN_FLIGHT: dict[int, list] = {}
+_NO_PARENT = object()
+_UNSET = object()
+
+
+def _impl_code(linear_module: Any, name: str) -> Any:
+    fn = getattr(linear_module, name, None)
+    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "_te_passes_amax_hook", False) else fn
+    return getattr(fn, "__code__", None)
+
+
+def _calls_by_name(code: Any, names: Iterable[str]) -> dict[str, int]:
+    """How many source lines of ``code`` (nested code objects, e.g. ``_linear_backward_impl``'s
+    ``wgrad_gemm`` closure, included) load each of ``names`` as an attribute or global: call
+    sites, counted by line so that bytecode the compiler duplicates (``finally`` bodies) counts
+    once. The same numbers on CPython 3.10-3.13 for TE 2.20.2's impls."""
+    wanted = set(names)
+    sites: dict[str, set] = {n: set() for n in wanted}
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") and ins.argval in wanted:
+                line = getattr(getattr(ins, "positions", None), "lineno", None)
+                sites[ins.argval].add(line if line is not None else (id(c), ins.offset))
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_code"))
+    return {n: len(v) for n, v in sites.items()}
+
+
+def usage_unsafe_reason(linear_module: Any) -> str | None:
+    """Why restoring usage flags after TE's Linear impls would not be proven safe, or ``None``.
+
+    Proven means: each impl in :data:`PER_CALL_USAGE_FIELDS` exists and its code (nested code
+    objects included) has exactly the ``set_usage`` / ``set_quantizer_usage_for_wgrad_all_gather``
+    call sites audited for TE 2.20.2 (:data:`AUDITED_USAGE_CALLS`; the audit is in the module
+    docstring). A different count means TE's impl changed where it sets usage, so "every use is
+    preceded by a ``set_usage`` in the same call" must be re-read before the flags may be put back.
+    """
+    for name, audited in AUDITED_USAGE_CALLS.items():
+        code = _impl_code(linear_module, name)
+        if code is None:
+            return f"{linear_module.__name__}.{name} is missing"
+        found = _calls_by_name(code, audited)
+        diff = {callee: (len(lines), found[callee]) for callee, lines in audited.items()
+                if found[callee] != len(lines)}
+        if diff:
+            said = ", ".join(f"{callee}: {n} call site(s) audited (TE 2.20.2 lines "
+                             f"{list(audited[callee])}), {m} found" for callee, (n, m) in diff.items())
+            return (f"{linear_module.__name__}.{name} no longer has the audited usage-setting calls "
+                    f"({said}); putting usage flags back after a call is not proven safe")
+    return None
+
+
+def _usage_targets(args: Any, fields: tuple[str, ...], weight_field: str | None) -> list | None:
+    """The objects TE's ``set_usage`` writes to for the quantizers in ``fields`` of ``args``
+    (a ``DebugQuantizer``'s ``parent_quantizer``; a DebugQuantizer around no quantizer is a
+    per-call object and skipped), or ``None`` when there are none."""
+    out = None
+    for f in fields:
+        q = getattr(args, f, None)
+        if q is None:
+            continue
+        if f == "weight_quantizer" and weight_field is not None and _weight_not_plain(args, weight_field):
+            continue
+        p = getattr(q, "parent_quantizer", _NO_PARENT)
+        t = q if p is _NO_PARENT else p
+        if t is None:
+            continue
+        if out is None:
+            out = []
+        out.append(t)
+    return out
+
+
+def _weight_not_plain(args: Any, weight_field: str) -> bool:
+    # A quantized weight (primary fp8 parameters: TE uses / saves the parameter's own quantizer,
+    # linear.py:573/1028) or a distributed one (is_distributed_weight, distributed_weight.py:62).
+    w = getattr(args, weight_field, None)
+    if getattr(args, "is_weight_param_quantized", False) or getattr(w, "is_distributed_weight", False):
+        return True
+    storage = _quantized_storage_type()
+    return storage is not None and isinstance(w, storage)
+
+
+_STORAGE_TYPE: Any = _UNSET
+
+
+def _quantized_storage_type() -> type | None:
+    global _STORAGE_TYPE
+    if _STORAGE_TYPE is _UNSET:
+        try:
+            from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
+        except ImportError:  # pragma: no cover - TE layout changed; then nothing is restored
+            QuantizedTensorStorage = None  # noqa: N806
+        _STORAGE_TYPE = QuantizedTensorStorage
+    return _STORAGE_TYPE

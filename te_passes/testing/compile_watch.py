@@ -1,0 +1,166 @@
+"""The torch-only part of the GPU harness (:mod:`te_passes.testing.gpu` re-exports it).
+
+This module imports nothing but torch (and the standard library), so it can be loaded from its
+file without importing the ``te_passes`` package: ``benchmarks/sp_fp8_tp2.py`` does, since its
+``inductor`` scenario must run without te_passes loaded.
+
+* :class:`CompileWatch` / :class:`CompileStats` — Dynamo / Inductor counters over a region:
+  graphs, graph breaks (with reasons), recompiles, cudagraph skips, cudagraph recordings, lazy
+  backward compiles;
+* :func:`cudagraph_tree_nodes` — recorded CUDA graphs of a device's cudagraph tree;
+* :func:`te_inductor_backend_listed` — whether ``backend="te_inductor"`` resolves without
+  registering it by hand (the distribution's entry point);
+* :func:`fresh_compile_state` — ``torch._dynamo.reset()`` around a configuration.
+
+Torch sources mirrored (torch 2.14.1): ``torch._dynamo.utils.counters`` (``stats.unique_graphs``,
+``graph_break``, ``inductor.cudagraph_skips``), ``torch._dynamo.callback.CallbackTrigger``
+(compile ids ``"<frame>/<frame_compile>"``: a frame compile id > 0 is a recompile),
+``torch._inductor.cudagraph_trees.get_manager`` and ``torch._dynamo.backends.registry``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from typing import Any, Iterator
+
+import torch
+
+
+_COMPILE_ID = re.compile(r"^(\d+)/(\d+)")
+
+
+@dataclasses.dataclass
+class CompileStats:
+    """Counts over one :class:`CompileWatch` region.
+
+    ``graphs``: Dynamo graphs compiled (``counters["stats"]["unique_graphs"]``, recompiles
+    included); ``graph_breaks``: total graph breaks, ``break_reasons`` their messages with counts;
+    ``recompiles``: Dynamo compilations of a frame that was compiled before (compile id
+    ``F/C`` with ``C > 0``); ``cudagraph_skips``: ``counters["inductor"]["cudagraph_skips"]``;
+    ``cudagraph_recordings``: cudagraph-tree recordings started; ``lazy_backward_compiles``:
+    AOTAutograd backward compilations deferred to the first backward.
+    """
+
+    graphs: int = 0
+    graph_breaks: int = 0
+    break_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    recompiles: int = 0
+    cudagraph_skips: int = 0
+    cudagraph_recordings: int = 0
+    lazy_backward_compiles: int = 0
+    compile_ids: list[str] = dataclasses.field(default_factory=list)
+    #: ``"<compile id> <function>: <failed guard>"`` per recompile (Dynamo's ``CompilationMetrics``).
+    recompile_reasons: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class CompileWatch:
+    """Context manager: clears ``torch._dynamo.utils.counters`` on entry, reads them on exit.
+
+    Also registers a Dynamo compile-start callback (``torch._dynamo.callback_handler``) to count
+    recompiles, cudagraph recordings and lazy backward compiles. ``stats`` is filled on exit
+    and may be read (live) inside the region through :meth:`snapshot`.
+    """
+
+    def __init__(self) -> None:
+        self.stats = CompileStats()
+        self._events: list[tuple[str, str]] = []
+
+    def _on_start(self, args) -> None:
+        self._events.append((args.callback_trigger.name, str(args.compile_id)))
+
+    def __enter__(self) -> "CompileWatch":
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        self._seen_metrics = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+        torch._dynamo.callback_handler.register_start_callback(self._on_start)
+        return self
+
+    def snapshot(self) -> CompileStats:
+        """The counts so far (also what ``__exit__`` stores in ``stats``)."""
+        from torch._dynamo.utils import counters
+
+        st = CompileStats()
+        st.graphs = int(counters["stats"].get("unique_graphs", 0))
+        st.break_reasons = {str(k): int(v) for k, v in counters["graph_break"].items()}
+        st.graph_breaks = sum(st.break_reasons.values())
+        st.cudagraph_skips = int(counters["inductor"].get("cudagraph_skips", 0))
+        seen: set[str] = set()
+        for trigger, cid in self._events:
+            if trigger == "DYNAMO":
+                m = _COMPILE_ID.match(cid)
+                key = m.group(0) if m else cid
+                if key in seen:  # a retried attempt ("0/1_1") of the same compile
+                    continue
+                seen.add(key)
+                st.compile_ids.append(cid)
+                if m and int(m.group(2)) > 0:
+                    st.recompiles += 1
+            elif trigger == "CUDAGRAPH_RECORDING":
+                st.cudagraph_recordings += 1
+            elif trigger == "LAZY_BACKWARD":
+                st.lazy_backward_compiles += 1
+        st.recompile_reasons = [f"{m.compile_id} {m.co_name}: {m.recompile_reason}"
+                                for m in torch._dynamo.utils.get_compilation_metrics()
+                                if id(m) not in getattr(self, "_seen_metrics", ()) and m.recompile_reason]
+        return st
+
+    def __exit__(self, *exc) -> None:
+        self.stats = self.snapshot()
+        try:
+            torch._dynamo.callback_handler.remove_start_callback(self._on_start)
+        except ValueError:  # torch._dynamo.reset() inside the region already cleared the callbacks
+            pass
+
+
+def cudagraph_tree_nodes(device_index: int | None = None) -> int:
+    """Number of recorded CUDA graphs in the cudagraph tree of ``device_index`` (0 when none).
+
+    Mirrors ``torch._inductor.cudagraph_trees.CUDAGraphTreeManager.roots`` / ``CUDAGraphNode.children``
+    (torch 2.14.1).
+    """
+    from torch._inductor import cudagraph_trees
+
+    mgr = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    if mgr is None:
+        return 0
+
+    def count(nodes) -> int:
+        return sum(1 + count([c for cs in n.children.values() for c in cs]) for n in nodes)
+
+    return count([n for ns in mgr.roots.values() for n in ns])
+
+
+def te_inductor_backend_listed() -> bool:
+    """Whether ``backend="te_inductor"`` resolves without registering it by hand: the installed
+    distribution's ``torch_dynamo_backends`` entry point (``pip install -e .``) or an earlier
+    registration (``torch._dynamo.backends.registry`` ``_BACKENDS`` / ``_COMPILER_FNS`` after
+    ``list_backends`` ran entry-point discovery). Imports no te_passes module: with the entry
+    point, te_passes is loaded by ``torch.compile``'s backend lookup."""
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, list_backends
+
+    list_backends(exclude_tags=())  # runs entry-point discovery
+    return "te_inductor" in _BACKENDS or "te_inductor" in _COMPILER_FNS
+
+
+@contextlib.contextmanager
+def fresh_compile_state() -> Iterator[None]:
+    """``torch._dynamo.reset()`` (drops compiled code and cudagraph trees) before and after, and
+    frees cached GPU memory after, so one configuration's compiled graphs and pools do not leak
+    into the next one's timings or peak memory."""
+    import gc
+
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
