@@ -30,19 +30,22 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
 from te_passes._logging import get_logger
-from te_passes.config import TePassesOptions
+from te_passes.config import TePassesOptionError, TePassesOptions
 from te_passes.debug.dump import DumpWriter, tracing_enabled
 from te_passes.pipeline.base import PassContext, Stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
 from te_passes.pipeline.compilation import pipeline_uuid
 from te_passes.pipeline.compilation import run_stage as _run_stage
-from te_passes.pipeline.manager import PassManager
+from te_passes.pipeline.manager import PassManager, TePassError
 from te_passes.pipeline.registry import PASS_ALIASES, configured_passes, pass_names
 from te_passes.report import CompileReport, cache_hit_note, new_compile_report
+from te_passes.runtime.cudagraphs import CudagraphRecorder, LeanCUDAGraphPolicy
 from te_passes.runtime.install import install as _install_runtime
 from te_passes.runtime.ub_guard import (dynamo_stage_inputs, raise_ub_mismatches, ub_dependence_of, ub_state_reads,
                                         wrap_with_te_state_guard)
+from te_passes.te.capture_state import te_capture_state
 from te_passes.te.state import TEState
+from te_passes.te.ub import UbConfigError
 
 log = get_logger()
 
@@ -104,8 +107,6 @@ def _refuse_unsupported(config_patches: dict[str, Any]) -> None:
     """
     from torch._inductor import config as inductor_config
 
-    from te_passes.config import TePassesOptionError
-
     cudagraphs = config_patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
     trees = config_patches.get("triton.cudagraph_trees", inductor_config.triton.cudagraph_trees)
     if cudagraphs and not trees:
@@ -145,10 +146,6 @@ def _unwrapped(e: BaseException) -> BaseException:
 
 
 def _documented_errors() -> tuple[type, ...]:
-    from te_passes.config import TePassesOptionError
-    from te_passes.pipeline.manager import TePassError
-    from te_passes.te.ub import UbConfigError
-
     return (TePassesOptionError, TePassError, UbConfigError)
 
 
@@ -156,8 +153,6 @@ def _warn_capture_state(where: str) -> bool:
     """Warn (te_passes logger and ``warnings.warn``) when TE is in CUDA-graph-capture state
     (:func:`te_passes.te.capture_state.te_capture_state`): Dynamo then cannot trace TE modules
     and the frame runs eagerly. Returns whether it warned."""
-    from te_passes.te.capture_state import te_capture_state
-
     reasons = te_capture_state()
     if not reasons:
         return False
@@ -309,8 +304,6 @@ def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], rep
         return None
     if not cfg("triton.cudagraph_trees") or cfg("cudagraph_policy") is not None:
         return None
-    from te_passes.runtime.cudagraphs import CudagraphRecorder, LeanCUDAGraphPolicy
-
     hazards = []
     ub_reads = (report.uuid or {}).get("ub_reads")
     if te_state.ub is not None and getattr(te_state.ub, "initialized", False) and ub_reads:
@@ -397,8 +390,6 @@ def _on_dynamo_compile_start_capture(_args: Any) -> None:
     """Every Dynamo compile: warn once per capture-state episode when TE is in CUDA-graph-capture
     state (:func:`_warn_capture_state`; te_inductor itself is then never called). Two dict
     lookups when TE is not capturing."""
-    from te_passes.te.capture_state import te_capture_state
-
     if not te_capture_state():
         _capture_warned[0] = False
     elif not _capture_warned[0]:

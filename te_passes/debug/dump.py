@@ -61,6 +61,7 @@ from te_passes._logging import get_logger, trace_artifact
 from te_passes.debug.diff import GraphSnapshot, format_changes, graph_changes, unified_diff
 from te_passes.debug.graph_breaks import current_events, no_islands_text
 from te_passes.debug.graph_io import save_graph
+from te_passes.report import cache_hit_note
 from te_passes.debug.printer import format_graph
 from te_passes.te.graph_model import is_te_op_node
 from te_passes.te.version import te_version
@@ -808,8 +809,6 @@ def render_index(summary: dict[str, Any], root: str) -> str:
         rows.append([gid, g["mode"] or "default", ", ".join(stage_links),
                      g["time_ms_passes"], g["time_ms_total"]])
     L.append(_md_table(["graph", "mode", "stages (input graph, replayable file)", "passes ms", "total ms"], rows))
-    from te_passes.report import cache_hit_note
-
     for g in summary["graphs"]:
         if g.get("cache_hit"):
             L.append(f"\n{g['graph_id']}: {cache_hit_note(g['cache_hit'])}.\n")

@@ -21,8 +21,8 @@ from typing import Any, Iterable, Sequence
 
 import torch.fx
 
-from te_passes.config import TePassesOptions
-from te_passes.debug.dump import DumpWriter
+from te_passes.config import TePassesOptionError, TePassesOptions
+from te_passes.debug.dump import DumpFormatError, DumpWriter, check_graph_report, read_json
 from te_passes.debug.graph_io import GraphFileError, load_graph
 from te_passes.pipeline.base import PassContext, Stage
 from te_passes.pipeline.compilation import pipeline_uuid, run_stage as _run_stage
@@ -33,6 +33,7 @@ from te_passes.runtime.ub_guard import ub_dependence_of, ub_state_reads
 from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot
+from te_passes.te.version import te_version
 
 #: Stage order of a compilation (the order the backend runs them in).
 STAGE_ORDER = (Stage.DYNAMO, Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD)
@@ -174,8 +175,6 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
         if strict is not None:
             saved_opts["strict"] = strict
 
-        from te_passes.config import TePassesOptionError
-
         # TE_PASSES_DISABLE applies as in the backend (added to the saved / given list, unknown
         # names refused); the other TE_PASSES_* variables do not: the saved options are replayed
         env = {k: os.environ[k] for k in ("TE_PASSES_DISABLE",) if os.environ.get(k)}
@@ -192,8 +191,6 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
         saved = None
         rpath = os.path.join(gdir, "report.json")
         if os.path.isfile(rpath):
-            from te_passes.debug.dump import DumpFormatError, check_graph_report, read_json
-
             try:
                 saved = check_graph_report(rpath, read_json(rpath))
             except DumpFormatError as e:
@@ -206,8 +203,6 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
 
 def installed_versions() -> dict[str, Any]:
     """``{"torch", "transformer_engine"}`` versions installed here (TE: ``None`` when absent)."""
-    from te_passes.te.version import te_version
-
     return {"torch": str(torch.__version__), "transformer_engine": te_version()}
 
 

@@ -20,11 +20,11 @@ from ``torch._library.custom_ops.OPDEFS``, :func:`te_passes.runtime.te_base_op.o
    of that object instead of the dispatcher op. Conditions (else ``"kept"`` with the reason, the
    node keeps its op call): the lowering is installed (``"direct-call lowering not installed:
    ..."`` otherwise) and available on this torch; every constant slot is ``None``, ``[]``
-   or a TE constant ``hoist_recipe_lookups`` made a fixed wrapper global of *this* graph (so the
+   or a TE constant ``hoist_te_constants`` made a fixed wrapper global of *this* graph (so the
    op path, too, passes the same object on every call: a direct call then sees what the op
    sees); the kernel is TE's ``_register_base_op._impl``.
 
-Order: after ``hoist_recipe_lookups`` (it needs the hoisted constants) and before
+Order: after ``hoist_te_constants`` (it needs the hoisted constants) and before
 ``insert_early_frees`` / ``check_cudagraph_pool`` (both treat base and wrapper ops alike: opaque
 TE calls with the same slots).
 
@@ -93,6 +93,21 @@ def subclass_reason(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _same_call(old: Any, new: Any) -> bool:
+    """Whether ``old`` (a node's existing plan, or ``None``) makes the same call as ``new``: same
+    base op, argument count and the very same constant objects in the same slots."""
+    if not isinstance(old, dc.DirectTECall):
+        return False
+    def same(x: Any, y: Any) -> bool:  # identity, element-wise through the args' lists / tuples
+        if isinstance(x, (list, tuple)) and type(x) is type(y):
+            return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
+        return x is y
+
+    a, b = old.__reduce__()[1], new.__reduce__()[1]
+    return (a[0] == b[0] and a[1] == b[1] and len(a[2]) == len(b[2])
+            and all(i == j and same(x, y) for (i, x), (j, y) in zip(a[2], b[2])))
+
+
 def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[list[tuple[int, Any]], str | None]:
     """The node's constant slots ``[(index, value)]`` and why they cannot be fixed (``None``: ok)."""
     consts = []
@@ -113,7 +128,7 @@ def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[li
             continue
         if hoisted_name(v) is None or hoisted_owner(v) is not gm:
             return consts, (f"slot {a.name} holds a {type(v).__name__} that is not a hoisted constant of this graph "
-                            "(hoist_recipe_lookups off or skipped): the op path rebuilds it on every call, a "
+                            "(hoist_te_constants off or skipped): the op path rebuilds it on every call, a "
                             "direct call would keep one object")
         consts.append((i, v))
     return consts, None
@@ -193,6 +208,11 @@ class CallTEImplDirectly(TEPass):
                         call = dc.DirectTECall(base_q, len(node.args), consts)
                     except DirectCallUnavailable as e:
                         why = str(e)
+            if call is not None and new_target is None and _same_call(node.meta.get(dc.META_KEY), call):
+                # idempotent: an earlier run already planned this very call (same op, same constants)
+                records.append(PassRecord("kept", node.name, {"op": base_q, "retargeted": False,
+                                                              "reason": "already calls TE's impl directly"}))
+                continue
             if call is None:
                 records.append(PassRecord("kept", node.name, {"op": base_q, "retargeted": new_target is not None,
                                                               "reason": why}))

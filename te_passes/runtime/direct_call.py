@@ -20,7 +20,7 @@ What this module does
 :class:`DirectTECall` is that ``_impl`` with everything constant done once: built from the base
 op's own ``CustomOpDef`` (``torch._library.custom_ops.OPDEFS[qualname]``: the ``plan``, ``impl``
 and ``pack_result`` its ``_impl`` closes over, checked by name and signature) and the node's
-constant slot values (the config / ``__meta`` bundles that ``hoist_recipe_lookups`` made fixed
+constant slot values (the config / ``__meta`` bundles that ``hoist_te_constants`` made fixed
 wrapper-module globals), it decodes every SIMPLE field, every NONE / TENSOR
 tensor-or-quantized field and every unsupported (always ``None``) field once. Per call it makes
 a fresh args object (TE impls set fields on it), sets the constant fields, the tensor fields
