@@ -32,10 +32,9 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 from te_passes._logging import get_logger
 from te_passes.config import TePassesOptionError, TePassesOptions
 from te_passes.debug.dump import DumpWriter, tracing_enabled
-from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.base import Stage
+from te_passes.pipeline.compilation import Compilation, pipeline_uuid, post_grad_stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
-from te_passes.pipeline.compilation import pipeline_uuid
-from te_passes.pipeline.compilation import run_stage as _run_stage
 from te_passes.pipeline.manager import PassManager, TePassError
 from te_passes.pipeline.registry import PASS_ALIASES, configured_passes, pass_names
 from te_passes.report import CompileReport, cache_hit_note, new_compile_report
@@ -49,15 +48,14 @@ from te_passes.te.ub import UbConfigError
 
 log = get_logger()
 
-_HOOKS = {Stage.JOINT: "joint_custom_pre_pass", Stage.POST_GRAD_FWD: "post_grad_custom_pre_pass"}
-
 
 class _StagePass(CustomInferenceAwareGraphPass):
     """Runs the manager's AOT-stage passes inside Inductor (one instance per compilation).
 
     Installed as ``joint_custom_pre_pass`` (stage ``joint``) and ``post_grad_custom_pre_pass``
-    (``post_grad_fwd`` / ``post_grad_bwd``: a post-grad graph with ``tangents_*`` placeholders
-    is a backward graph). ``uuid()`` is the pipeline uuid, so Inductor's FX graph cache hits
+    (``post_grad_fwd`` / ``post_grad_bwd`` by :func:`te_passes.pipeline.compilation.post_grad_stage`:
+    a post-grad graph with ``tangents_*`` placeholders is a backward graph); the stage runs
+    through :meth:`te_passes.pipeline.compilation.Compilation.run_stage`. ``uuid()`` is the pipeline uuid, so Inductor's FX graph cache hits
     only when passes, their config and the TE state they read are unchanged (the UB snapshot
     only for a graph that reads UB state: :func:`pipeline_uuid`).
     """
@@ -67,23 +65,14 @@ class _StagePass(CustomInferenceAwareGraphPass):
         self.manager, self.options, self.te_state, self.report = manager, options, te_state, report
         self.joint = joint
         self._uuid = report.uuid["uuid"]
+        self.compilation = Compilation(manager, options, te_state, report)
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
         gm = graph.owning_module
         if gm is None:  # pragma: no cover - Inductor always passes an owned graph
             log.warning("te_passes: post-grad graph without owning module; passes skipped")
             return
-        if self.joint:
-            stage = Stage.JOINT
-        else:
-            is_bwd = any(n.op == "placeholder" and str(n.target).startswith("tangents")
-                         for n in graph.find_nodes(op="placeholder"))
-            stage = Stage.POST_GRAD_BWD if is_bwd else Stage.POST_GRAD_FWD
-        suffix = {Stage.JOINT: "joint", Stage.POST_GRAD_FWD: "fwd", Stage.POST_GRAD_BWD: "bwd"}[stage]
-        ctx = PassContext(stage, self.options, self.te_state, None, f"{self.report.graph_id}.{suffix}")
-        t0 = time.perf_counter()
-        _run_stage(self.manager, gm, ctx, self.report)
-        self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+        self.compilation.run_stage(gm, Stage.JOINT if self.joint else post_grad_stage(graph))
 
     def uuid(self) -> str:
         return self._uuid
@@ -248,11 +237,8 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     report.uuid = pipeline_uuid(manager, opts, te_state)
     report.te_state = te_state.to_json()
 
-    t0 = time.perf_counter()
     inputs = dynamo_stage_inputs()  # UB folds Dynamo made while tracing, taken from the runtime once
-    _run_stage(manager, gm, PassContext(Stage.DYNAMO, opts, te_state, example_inputs, report.graph_id, inputs=inputs),
-               report)
-    report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+    Compilation(manager, opts, te_state, report).run_stage(gm, Stage.DYNAMO, example_inputs, inputs=inputs)
     # The uuid (FX-graph-cache key part) covers the UB snapshot only if this graph reads UB state.
     reads = ub_state_reads(gm, ub_dependence_of(report), trace_folds=inputs["ub_trace_folds"])
     report.uuid = pipeline_uuid(manager, opts, te_state, ub_reads=reads)

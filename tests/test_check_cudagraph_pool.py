@@ -8,21 +8,16 @@ import pytest
 import torch
 import torch.fx
 
-from te_passes.config import TePassesOptions
-from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.base import Stage
 from te_passes.passes.check_cudagraph_pool import (CheckCudagraphPool, CudagraphPoolLeakError,
                                                    CudagraphPoolWarning, pool_findings)
 from te_passes.analyses.liveness import analyze
 from te_passes.pipeline.manager import PassManager, TePassError
-from te_passes.te.state import TEState
+from te_passes.testing.harness import pass_context
 
 from _qgraphs import F8, QGEMM, real_aot, record_vals
 
 aten = torch.ops.aten
-
-
-def _ctx(stage=Stage.POST_GRAD_FWD, **opts):
-    return PassContext(stage, TePassesOptions(**opts), TEState(), None, "t0.fwd")
 
 
 def _planted():
@@ -45,7 +40,7 @@ def _planted():
 def test_planted_leak_is_flagged_by_node_and_role():
     gm, q, s = _planted()
     with pytest.warns(CudagraphPoolWarning) as rec:
-        res = CheckCudagraphPool().run(gm, _ctx())
+        res = CheckCudagraphPool().run(gm, pass_context(Stage.POST_GRAD_FWD))
     assert not res.modified
     leaks = [r for r in res.records if r.kind == "pool_leak"]
     assert [(r.node, r.data["role"], r.data["bytes"], r.data["at"]) for r in leaks] == \
@@ -61,9 +56,9 @@ def test_planted_leak_is_flagged_by_node_and_role():
 def test_strict_mode_raises_through_the_manager():
     gm, q, _ = _planted()
     with pytest.raises(CudagraphPoolLeakError, match=q.name):
-        CheckCudagraphPool().run(gm, _ctx(strict=True))
+        CheckCudagraphPool().run(gm, pass_context(Stage.POST_GRAD_FWD, strict=True))
     with pytest.raises(TePassError, match="check_cudagraph_pool"):
-        PassManager([CheckCudagraphPool()]).run(gm, _ctx(strict=True))
+        PassManager([CheckCudagraphPool()]).run(gm, pass_context(Stage.POST_GRAD_FWD, strict=True))
 
 
 def test_returning_the_value_or_copying_it_is_clean():
@@ -78,7 +73,7 @@ def test_returning_the_value_or_copying_it_is_clean():
     gm = torch.fx.GraphModule({}, g)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CudagraphPoolWarning)
-        res = CheckCudagraphPool().run(gm, _ctx())
+        res = CheckCudagraphPool().run(gm, pass_context(Stage.POST_GRAD_FWD))
     assert [r.kind for r in res.records] == ["pool_check"]
     assert res.records[0].data["findings"] == 0
 
@@ -103,7 +98,7 @@ def test_clean_real_graphs_report_nothing(precision, layers):
     with warnings.catch_warnings():
         warnings.simplefilter("error", CudagraphPoolWarning)
         for gm, stage in ((c.forward, Stage.POST_GRAD_FWD), (c.backward, Stage.POST_GRAD_BWD)):
-            rep = PassManager([CheckCudagraphPool()]).run(gm, _ctx(stage, strict=True))
+            rep = PassManager([CheckCudagraphPool()]).run(gm, pass_context(stage, strict=True))
             (run,) = rep.runs
             assert run.status == "ok"
             assert [r.kind for r in run.records] == ["pool_check"]
@@ -135,7 +130,7 @@ def test_planted_leak_in_a_real_forward_graph(precision):
     gm.recompile()
     # stage-local: the saved buffer is known to be quantized (a TE forward op's saved output)
     with pytest.warns(CudagraphPoolWarning):
-        res = CheckCudagraphPool().run(gm, _ctx())
+        res = CheckCudagraphPool().run(gm, pass_context(Stage.POST_GRAD_FWD))
     leaks = {r.node: r.data for r in res.records if r.kind == "pool_leak"}
     assert set(leaks) == {"getitem_2", q.name}
     assert leaks[q.name]["role"] == "rowwise_data" and leaks[q.name]["how"] == "set_ into graph input stash_q"

@@ -22,13 +22,14 @@ pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
 
 from te_passes.config import TePassesOptions  # noqa: E402
-from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
+from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.fold_ub_predicates import FoldUbPredicates  # noqa: E402
 from te_passes.pipeline.manager import TePassError  # noqa: E402
 from te_passes.pipeline.registry import pass_names  # noqa: E402
 from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
 from te_passes.runtime import ub_guard as guards  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
+from te_passes.testing.harness import pass_context  # noqa: E402
 from te_passes.te.ub import (TE_UB_MODULE, UbConfigError, UbSnapshot, check_linear_ub_config,  # noqa: E402
                              linear_ub_buffer_uses)
 from te_passes.testing.ub import StandInCommunicator as C, ub_registry  # noqa: E402
@@ -54,8 +55,8 @@ def consume(x, v):
 
 
 def _pass_ctx(stage=Stage.DYNAMO, *, strict=False, snapshot=None, graph_id="gtest", on_change="recompile"):
-    opts = TePassesOptions(strict=strict, ub_on_change=on_change)
-    return PassContext(stage, opts, TEState.capture(ub_snapshot=snapshot), None, graph_id)
+    return pass_context(stage, te_state=TEState.capture(ub_snapshot=snapshot), graph_id=graph_id, strict=strict,
+                        ub_on_change=on_change)
 
 
 def run_pass(gm, **kw):

@@ -30,8 +30,7 @@ from torch._inductor.virtualized import V  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGSM  # noqa: E402
 from transformer_engine.pytorch.quantization import get_fp8_te_dtype  # noqa: E402
 
-from te_passes.config import TePassesOptions  # noqa: E402
-from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
+from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.fold_recipe_lookups import FoldRecipeLookups  # noqa: E402
 from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
@@ -42,6 +41,7 @@ from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
 from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
+from te_passes.testing.harness import pass_context  # noqa: E402
 
 
 # --------------------------------------------------------------------------- helpers
@@ -67,7 +67,7 @@ def use_quantizer(x, q):
 def ctx(stage=Stage.DYNAMO):
     """The pass reads TE's autocast state from the compilation's TE snapshot, taken here (as
     ``te_inductor`` takes it when a compilation begins)."""
-    return PassContext(stage, TePassesOptions(strict=True), TEState.capture())
+    return pass_context(stage, te_state=TEState.capture(), strict=True)
 
 
 def run_pass(gm, fp8_state=None, stage=Stage.DYNAMO, **kw):

@@ -13,21 +13,16 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from te_passes.analyses.liveness import analyze
-from te_passes.config import TePassesOptions
-from te_passes.pipeline.base import PassContext, PassSkipped, Stage
+from te_passes.pipeline.base import PassSkipped, Stage
 from te_passes.passes.insert_early_frees import InsertEarlyFrees
 from te_passes.pipeline.manager import PassManager
 from te_passes.runtime import free_op
 from te_passes.runtime.free_op import free_storage, is_free_node
-from te_passes.te.state import TEState
+from te_passes.testing.harness import pass_context
 
 from _qgraphs import F8, QGEMM, QUANTIZE2, real_aot, record_vals
 
 aten = torch.ops.aten
-
-
-def _ctx(stage=Stage.POST_GRAD_FWD, **opts):
-    return PassContext(stage, TePassesOptions(**opts), TEState(), None, "t0")
 
 
 def _frees(gm):
@@ -89,7 +84,7 @@ def _opaque_graph():
 def test_frees_after_last_use_through_views_policy_opaque():
     gm, args, f = _opaque_graph()
     expect = f(*args)
-    res = InsertEarlyFrees().run(gm, _ctx())
+    res = InsertEarlyFrees().run(gm, pass_context(Stage.POST_GRAD_FWD))
     gm.recompile()
     assert res.modified
     assert _frees(gm) == [("getitem", "qgemm_1")]
@@ -107,7 +102,7 @@ def test_frees_after_last_use_through_views_policy_opaque():
 
 def test_policy_all_also_frees_aten_only_quantized_values():
     gm, args, f = _opaque_graph()
-    res = InsertEarlyFrees(policy="all").run(gm, _ctx())
+    res = InsertEarlyFrees(policy="all").run(gm, pass_context(Stage.POST_GRAD_FWD))
     gm.recompile()
     assert _frees(gm) == [("_to_copy", "_to_copy_1"), ("getitem", "qgemm_1")]
     assert [r.node for r in _records(res, "free")] == ["getitem", "_to_copy"]
@@ -139,7 +134,7 @@ def test_never_frees_inputs_outputs_escapes_or_unextracted_outputs():
     gm = torch.fx.GraphModule({}, g)
     args = (torch.randn(4, 4), torch.randn(4, 4).to(F8), torch.randn(4, 4), torch.empty(0, dtype=F8))
     record_vals(gm, *args)
-    res = InsertEarlyFrees(policy="all").run(gm, _ctx())
+    res = InsertEarlyFrees(policy="all").run(gm, pass_context(Stage.POST_GRAD_FWD))
     assert not res.modified and _frees(gm) == []
     kept = {r.node: r.data["reason"] for r in _records(res, "kept")}
     assert kept["qin"] == "graph input: owned by the caller"
@@ -159,7 +154,7 @@ def test_backward_saved_tensors_are_never_freed():
     g.output((g.call_function(aten.add.Tensor, (y, tan)),))
     gm = torch.fx.GraphModule({}, g)
     record_vals(gm, torch.randn(4, 4).to(F8), torch.ones(1), torch.randn(4, 4), torch.randn(4, 4))
-    res = InsertEarlyFrees(policy="all").run(gm, _ctx(Stage.POST_GRAD_BWD))
+    res = InsertEarlyFrees(policy="all").run(gm, pass_context(Stage.POST_GRAD_BWD))
     assert _frees(gm) == []
     (kept,) = _records(res, "kept")
     assert kept.node == "getitem_2" and kept.data["reason"].startswith("saved tensor (backward graph input)")
@@ -168,7 +163,7 @@ def test_backward_saved_tensors_are_never_freed():
 
 def test_memory_record_and_stages():
     gm, _, _ = _opaque_graph()
-    res = InsertEarlyFrees().run(gm, _ctx())
+    res = InsertEarlyFrees().run(gm, pass_context(Stage.POST_GRAD_FWD))
     (mem,) = _records(res, "memory")
     assert mem.data["peak_before"] == mem.data["peak_before_concrete"]
     assert mem.data["peak_after"] <= mem.data["peak_before"]
@@ -181,8 +176,8 @@ def test_skips_when_the_inductor_lowering_is_unavailable(monkeypatch):
     monkeypatch.setattr(free_op, "lowering_error", lambda: "AttributeError: no register_lowering")
     gm, _, _ = _opaque_graph()
     with pytest.raises(PassSkipped, match="Inductor could reuse a freed buffer"):
-        InsertEarlyFrees().run(gm, _ctx())
-    rep = PassManager([InsertEarlyFrees()]).run(gm, _ctx())
+        InsertEarlyFrees().run(gm, pass_context(Stage.POST_GRAD_FWD))
+    rep = PassManager([InsertEarlyFrees()]).run(gm, pass_context(Stage.POST_GRAD_FWD))
     assert rep.runs[0].status == "skipped" and not any(is_free_node(n) for n in gm.graph.nodes)
 
 
@@ -232,8 +227,8 @@ _ROLES = {"fp8-cs": 5, "mxfp8": 6, "bf16": 0}
 def test_real_te_linear_graphs_free_nothing_and_say_why(precision, layers):
     c = real_aot(precision, layers)
     fw_before = str(c.forward.graph)
-    rep_fw = PassManager([InsertEarlyFrees()]).run(c.forward, _ctx(Stage.POST_GRAD_FWD))
-    rep_bw = PassManager([InsertEarlyFrees()]).run(c.backward, _ctx(Stage.POST_GRAD_BWD))
+    rep_fw = PassManager([InsertEarlyFrees()]).run(c.forward, pass_context(Stage.POST_GRAD_FWD))
+    rep_bw = PassManager([InsertEarlyFrees()]).run(c.backward, pass_context(Stage.POST_GRAD_BWD))
     (run_fw,), (run_bw,) = rep_fw.runs, rep_bw.runs
     assert run_fw.status == run_bw.status == "ok" and not run_fw.changed and not run_bw.changed
     assert str(c.forward.graph) == fw_before
@@ -418,7 +413,7 @@ program_st = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 63), st.int
 def test_property_frees_never_change_results(program, policy):
     gm, args = build_random_graph(program)
     expect = torch.fx.Interpreter(gm).run(*args)
-    res = InsertEarlyFrees(policy=policy).run(gm, _ctx())
+    res = InsertEarlyFrees(policy=policy).run(gm, pass_context(Stage.POST_GRAD_FWD))
     gm.graph.lint()
     gm.recompile()
     poison = PoisonInterpreter(gm)
@@ -439,7 +434,7 @@ def test_property_generator_exercises_frees():
             ("quantize_cast", 1, 0, False), ("save", 0, 3, False), ("quantize_cast", 0, 0, False),
             ("set_internal", 4, 0, False)]
     gm, args = build_random_graph(prog)
-    res = InsertEarlyFrees(policy="all").run(gm, _ctx())
+    res = InsertEarlyFrees(policy="all").run(gm, pass_context(Stage.POST_GRAD_FWD))
     # the multi-output op's data: freed after the second qgemm, which reads it through t();
     # the cast: after its dequantizing copy; the saved cast is an output; the set_ pair shares
     # a storage and is left alone

@@ -17,6 +17,7 @@ from te_passes.config import TePassesOptions
 from te_passes.passes import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.pipeline.manager import PassManager, TePassError, copy_graph, restore_graph
 from te_passes.te.state import TEState
+from te_passes.testing.harness import pass_context
 
 
 def _gm():
@@ -25,10 +26,6 @@ def _gm():
         b = a * 2
         return torch.relu(b) - y
     return torch.fx.symbolic_trace(f)
-
-
-def _ctx(**opts):
-    return PassContext(Stage.DYNAMO, TePassesOptions(**opts), TEState())
 
 
 class MulToAdd(TEPass):
@@ -97,7 +94,7 @@ def test_rewrite_pass_runs_and_records():
     gm = _gm()
     x, y = torch.randn(4), torch.randn(4)
     ref = gm(x, y)
-    rep = PassManager([MulToAdd()]).run(gm, _ctx())
+    rep = PassManager([MulToAdd()]).run(gm, pass_context(Stage.DYNAMO))
     (run,) = rep.runs
     assert (run.name, run.stage, run.status, run.changed) == ("mul_to_add", "dynamo", "ok", True)
     assert run.nodes_before == run.nodes_after == 7
@@ -111,7 +108,7 @@ def test_rewrite_pass_runs_and_records():
 def test_disabled_by_option_and_env(monkeypatch):
     gm = _gm()
     before = _code(gm)
-    rep = PassManager([MulToAdd()]).run(gm, _ctx(disable=("mul_to_add",)))
+    rep = PassManager([MulToAdd()]).run(gm, pass_context(Stage.DYNAMO, disable=("mul_to_add",)))
     assert rep.runs[0].status == "disabled" and _code(gm) == before
 
     monkeypatch.setenv("TE_PASSES_DISABLE", "mul_to_add, other")
@@ -126,7 +123,7 @@ def test_failing_pass_restores_graph_and_warns():
     x, y = torch.randn(4), torch.randn(4)
     ref, before = gm(x, y), _code(gm)
     with pytest.warns(RuntimeWarning, match=r"pass 'explodes' failed on graph g0 at stage dynamo \(ValueError: boom\)"):
-        rep = PassManager([Explodes(), MulToAdd()]).run(gm, _ctx())
+        rep = PassManager([Explodes(), MulToAdd()]).run(gm, pass_context(Stage.DYNAMO))
     assert [r.status for r in rep.runs] == ["failed", "ok"]
     assert rep.runs[0].error == "ValueError: boom"
     assert "relu" in _code(gm) and _code(gm) != before  # restored, then MulToAdd ran
@@ -136,13 +133,13 @@ def test_failing_pass_restores_graph_and_warns():
 def test_strict_raises():
     gm = _gm()
     with pytest.raises(TePassError, match="explodes"):
-        PassManager([Explodes()]).run(gm, _ctx(strict=True))
+        PassManager([Explodes()]).run(gm, pass_context(Stage.DYNAMO, strict=True))
     assert "relu" in _code(gm)
 
 
 def test_skipped_is_recorded_not_warned(recwarn):
     gm = _gm()
-    rep = PassManager([Refuses()]).run(gm, _ctx())
+    rep = PassManager([Refuses()]).run(gm, pass_context(Stage.DYNAMO))
     (run,) = rep.runs
     assert run.status == "skipped" and run.records[0].to_json() == {
         "kind": "skipped", "node": None, "reason": "operand observed elsewhere"}
@@ -153,7 +150,7 @@ def test_lint_failure_rolls_back():
     gm = _gm()
     before = _code(gm)
     with pytest.warns(RuntimeWarning, match="bad_graph"):
-        rep = PassManager([LeavesBadGraph()]).run(gm, _ctx())
+        rep = PassManager([LeavesBadGraph()]).run(gm, pass_context(Stage.DYNAMO))
     assert rep.runs[0].status == "failed"
     assert _code(gm) == before
     gm.graph.lint()
@@ -173,7 +170,7 @@ def test_observers_see_before_and_after():
         def after_pass(self, gm, p, ctx, run):
             seen.append(("after", p.name, _has_mul(gm), run.changed))
 
-    PassManager([MulToAdd()], observers=[Obs()]).run(_gm(), _ctx())
+    PassManager([MulToAdd()], observers=[Obs()]).run(_gm(), pass_context(Stage.DYNAMO))
     assert seen == [("before", "mul_to_add", True), ("after", "mul_to_add", False, True)]
 
 
@@ -256,7 +253,7 @@ def test_lazy_checkpoint_copies_only_when_rewriting(monkeypatch):
     real = mgr.copy_graph
     monkeypatch.setattr(mgr, "copy_graph", lambda g: copies.append(1) or real(g))
     gm = _gm()
-    PassManager([LazyRewrite(), LazyRewrite()]).run(gm, _ctx())  # 2nd run finds nothing
+    PassManager([LazyRewrite(), LazyRewrite()]).run(gm, pass_context(Stage.DYNAMO))  # 2nd run finds nothing
     assert len(copies) == 1
-    PassManager([MulToAdd()]).run(_gm(), _ctx())  # not self-checkpointing: copies up front
+    PassManager([MulToAdd()]).run(_gm(), pass_context(Stage.DYNAMO))  # not self-checkpointing: copies up front
     assert len(copies) == 2

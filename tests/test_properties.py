@@ -1,6 +1,6 @@
 """Property tests of the whole pass pipeline (issue 16): random FX graphs with fp8 casts, opaque
 ops and aliases, and mutated real TE graphs, through every stage via the PassManager (the path
-the backend uses: ``te_passes.backend._run_stage`` semantics, registry passes built from a
+the backend uses: ``te_passes.testing.harness.run_passes``, i.e. ``Compilation.run_stage``; registry passes built from a
 ``pass_config`` as ``te_passes.pass_config`` would).
 
 Properties, for every graph and stage:
@@ -38,12 +38,12 @@ import torch  # noqa: E402
 import torch.fx  # noqa: E402
 
 from _qgraphs import F8, QGEMM, QUANTIZE2, record_vals, te_available  # noqa: E402
-from te_passes.config import TePassesOptions  # noqa: E402
-from te_passes.pipeline.base import PassContext, Stage  # noqa: E402
+from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.pipeline.registry import configured_passes  # noqa: E402
 from te_passes.runtime import free_op  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
+from te_passes.testing.harness import run_passes  # noqa: E402
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 #: Examples per test in each profile: random graphs (the bulk: cheap, checked numerically) and
@@ -162,11 +162,9 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _run(gm, stage, inputs, policy, te=None):
     passes = configured_passes({"insert_early_frees": {"policy": policy}})
-    ctx = PassContext(stage, TePassesOptions(), te or TEState(), inputs, "g0" + {
-        Stage.DYNAMO: "", Stage.JOINT: ".joint", Stage.POST_GRAD_FWD: ".fwd", Stage.POST_GRAD_BWD: ".bwd"}[stage])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return PassManager(passes).run(gm, ctx)
+        return run_passes(gm, passes, stage, example_inputs=inputs, te_state=te or TEState()).report
 
 
 def check_report(report, where: str) -> None:

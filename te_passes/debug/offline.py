@@ -3,8 +3,9 @@
 :func:`run_stages` is ``te_passes.backend.te_inductor`` minus Dynamo/Inductor: it takes the
 graphs of the stages (Dynamo, joint, post-grad forward/backward), creates the
 :class:`~te_passes.report.CompileReport` with the same pipeline uuid, runs
-:class:`~te_passes.pipeline.manager.PassManager` per stage through the backend's own stage runner
-(so a :class:`~te_passes.debug.dump.DumpWriter` sees the same hooks), and finishes the dump.
+:class:`~te_passes.pipeline.manager.PassManager` per stage through the backend's own driver
+(:class:`te_passes.pipeline.compilation.Compilation`, so a :class:`~te_passes.debug.dump.DumpWriter`
+sees the same hooks and stage graph ids), and finishes the dump.
 
 :func:`replay` loads the ``input.tegraph`` files a dump saved (one file, a graph directory or a
 whole dump directory), runs the *current* passes on them with the saved TE state and options,
@@ -24,8 +25,8 @@ import torch.fx
 from te_passes.config import TePassesOptionError, TePassesOptions
 from te_passes.debug.dump import DumpFormatError, DumpWriter, check_graph_report, read_json
 from te_passes.debug.graph_io import GraphFileError, load_graph
-from te_passes.pipeline.base import PassContext, Stage
-from te_passes.pipeline.compilation import pipeline_uuid, run_stage as _run_stage
+from te_passes.pipeline.base import Stage
+from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, pipeline_uuid
 from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import PASS_ALIASES, pass_names
 from te_passes.report import CompileReport, new_compile_report
@@ -35,9 +36,8 @@ from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot
 from te_passes.te.version import te_version
 
-#: Stage order of a compilation (the order the backend runs them in).
-STAGE_ORDER = (Stage.DYNAMO, Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD)
-_SUFFIX = {Stage.DYNAMO: "", Stage.JOINT: ".joint", Stage.POST_GRAD_FWD: ".fwd", Stage.POST_GRAD_BWD: ".bwd"}
+__all__ = ["STAGE_ORDER", "ReplayError", "compare_reports", "find_graph_files", "installed_versions", "replay",
+           "run_stages", "te_state_from_json", "version_differences"]
 
 
 class ReplayError(Exception):
@@ -97,11 +97,9 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
         report.graph_id = graph_id
     report.uuid = pipeline_uuid(manager, options, te_state)  # UB part not known yet: included
     report.te_state = te_state.to_json()
+    compilation = Compilation(manager, options, te_state, report)
     for stage, gm, inputs in sorted(jobs, key=lambda j: STAGE_ORDER.index(j[0])):
-        ctx = PassContext(stage, options, te_state, inputs, report.graph_id + _SUFFIX[stage])
-        t0 = time.perf_counter()
-        _run_stage(manager, gm, ctx, report)
-        report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+        compilation.run_stage(gm, stage, inputs)
         if stage is Stage.DYNAMO:  # as te_inductor: the UB part of the uuid once the Dynamo stage ran
             reads = ub_state_reads(gm, ub_dependence_of(report))
             report.uuid = pipeline_uuid(manager, options, te_state, ub_reads=reads)

@@ -69,8 +69,10 @@ import torch.utils._pytree
 
 from te_passes.config import TePassesOptions
 from te_passes.fx.graph import copy_graph
-from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.base import Stage
+from te_passes.pipeline.compilation import Compilation
 from te_passes.pipeline.manager import PassManager
+from te_passes.report import CompileReport
 from te_passes.te import graph_model as gmod
 from te_passes.te.state import TEState
 from te_passes.te.version import is_supported, te_version
@@ -907,17 +909,17 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
     """
     if not isinstance(captured, (CapturedGraph, CapturedAOT)):
         raise TypeError(f"run_pipeline takes a CapturedGraph or CapturedAOT, not {type(captured).__name__}")
-    manager = PassManager(passes=passes)
     options = TePassesOptions() if options is None else options
     te_state = TEState.capture() if te_state is None else te_state
+    # The backend's driver, on an unregistered report (not in te_passes.report.compile_reports()).
+    compilation = Compilation(PassManager(passes=passes), options, te_state, CompileReport(graph_id=graph_id))
     wanted = None if stages is None else {Stage(s) for s in stages}
-    suffix = {Stage.DYNAMO: "", Stage.JOINT: ".joint", Stage.POST_GRAD_FWD: ".fwd", Stage.POST_GRAD_BWD: ".bwd"}
     reports: list[Any] = []
 
     def run(stage: Stage, gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
         if wanted is not None and stage not in wanted:
             return
-        report = manager.run(gm, PassContext(stage, options, te_state, inputs, graph_id + suffix[stage]))
+        report = compilation.run_stage(gm, stage, inputs)
         report.gm = gm  # type: ignore[attr-defined]
         reports.append(report)
 

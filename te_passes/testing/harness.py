@@ -1,0 +1,139 @@
+"""The shared pass-test harness: run a pass (or the configured pipeline) on a real FX graph
+through the path the backend takes, with before/after snapshots and op counts.
+
+* :func:`pass_context` — the :class:`~te_passes.pipeline.base.PassContext` a stage's passes get
+  from :meth:`te_passes.pipeline.compilation.Compilation.context` (graph id ``"g0"`` plus the
+  stage suffix), with test defaults: ``TePassesOptions(**opts)``, an empty ``TEState()``;
+* :func:`run_passes` — :class:`~te_passes.pipeline.manager.PassManager` +
+  :class:`~te_passes.pipeline.compilation.Compilation` (the backend's driver: disable list,
+  rollback copies, lint, recompile, observers' stage hooks) on ``gm``, returning a
+  :class:`HarnessRun` with the graph's code and op counts before and after, the stage report and
+  the typed facts;
+* :func:`count_ops` / :func:`diff` — ``call_function`` targets of a graph and what changed.
+
+Used by tests/ instead of per-file copies of a context helper (issue 12 item 6).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import torch.fx
+
+from te_passes.config import TePassesOptions
+from te_passes.pipeline.base import PassContext, Stage, TEPass
+from te_passes.pipeline.compilation import Compilation
+from te_passes.pipeline.manager import PassManager
+from te_passes.pipeline.registry import configured_passes
+from te_passes.report import CompileReport, StageReport
+from te_passes.te.state import TEState
+
+__all__ = ["HarnessRun", "count_ops", "diff", "op_name", "pass_context", "run_passes"]
+
+
+def op_name(target: Any) -> str:
+    """A stable name for a ``call_function`` target: ``str(OpOverload)`` (``"aten.mm.default"``,
+    ``"transformer_engine_compile.linear.default"``) for ATen/custom ops, else the callable's
+    qualified name as FX prints it (``torch.fx.node._get_qualified_name``, torch 2.14:
+    ``"_operator.add"``, ``"torch.relu"``)."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    try:
+        return torch.fx.node._get_qualified_name(target)
+    except Exception:  # noqa: BLE001 - a callable FX cannot name (a lambda, a bound method)
+        return getattr(target, "__qualname__", None) or repr(target)
+
+
+def count_ops(gm: torch.fx.GraphModule | torch.fx.Graph) -> collections.Counter:
+    """``Counter`` of :func:`op_name` of every ``call_function`` node of ``gm`` (a module or graph)."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    return collections.Counter(op_name(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+def diff(before: collections.Counter | dict, after: collections.Counter | dict) -> dict[str, int]:
+    """``{op name: count after - count before}`` for every op whose count changed (sorted by name;
+    negative: removed)."""
+    keys = sorted(set(before) | set(after))
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}
+
+
+def pass_context(stage: Stage | str = Stage.DYNAMO, *, te_state: TEState | None = None,
+                 example_inputs: Any = None, graph_id: str = "g0", options: TePassesOptions | None = None,
+                 inputs: dict | None = None, **opts: Any) -> PassContext:
+    """The context ``stage``'s passes get in a compilation named ``graph_id``
+    (:meth:`Compilation.context`: graph id ``graph_id`` + ``".joint"``/``".fwd"``/``".bwd"``).
+
+    Args:
+        stage: the :class:`Stage` (or its value).
+        te_state: the TE snapshot (default ``TEState()``: no TE state; pass
+            ``TEState.capture(...)`` for the live one).
+        options: parsed options; else ``TePassesOptions(**opts)`` (e.g. ``strict=True``,
+            ``disable=("x",)``).
+        inputs: :attr:`PassContext.inputs`.
+
+    Raises:
+        TypeError: both ``options`` and option keywords given, or an unknown option keyword.
+    """
+    if options is not None and opts:
+        raise TypeError(f"pass_context: give options= or option keywords ({sorted(opts)}), not both")
+    options = TePassesOptions(**opts) if options is None else options
+    comp = Compilation(PassManager([]), options, TEState() if te_state is None else te_state,
+                       CompileReport(graph_id=graph_id))
+    return comp.context(stage, example_inputs, inputs)
+
+
+@dataclasses.dataclass
+class HarnessRun:
+    """What :func:`run_passes` saw: the graph code (``gm.code``) and :func:`count_ops` before and
+    after, the :class:`~te_passes.report.StageReport`, and the typed facts the passes returned."""
+
+    before_code: str
+    after_code: str
+    before_ops: collections.Counter
+    after_ops: collections.Counter
+    report: StageReport
+    facts: list[Any]
+
+    @property
+    def changed(self) -> bool:
+        """Whether any pass reported a change."""
+        return any(r.changed for r in self.report.runs)
+
+    def diff(self) -> dict[str, int]:
+        """:func:`diff` of the op counts before and after."""
+        return diff(self.before_ops, self.after_ops)
+
+    def records(self, kind: str | None = None) -> list[Any]:
+        """Every pass's records (``kind``: only those of that kind)."""
+        out = [rec for r in self.report.runs for rec in r.records]
+        return out if kind is None else [rec for rec in out if rec.kind == kind]
+
+
+def run_passes(gm: torch.fx.GraphModule, passes: TEPass | Sequence[TEPass] | None = None,
+               stage: Stage | str = Stage.DYNAMO, *, example_inputs: Any = None, te_state: TEState | None = None,
+               options: TePassesOptions | None = None, graph_id: str = "g0", inputs: dict | None = None,
+               observers: Sequence[Any] = (), **opts: Any) -> HarnessRun:
+    """Run ``passes`` (one pass, a list, or ``None``: the configured pipeline,
+    :func:`te_passes.pipeline.registry.configured_passes` of ``options.pass_config``) for
+    ``stage`` on ``gm`` in place, through :class:`PassManager` and
+    :meth:`Compilation.run_stage` as the backend does.
+
+    Other arguments as :func:`pass_context`.
+
+    Raises:
+        te_passes.pipeline.manager.TePassError: a pass failed under ``strict``.
+    """
+    if options is not None and opts:
+        raise TypeError(f"run_passes: give options= or option keywords ({sorted(opts)}), not both")
+    options = TePassesOptions(**opts) if options is None else options
+    if passes is None:
+        passes = configured_passes(options.pass_config)
+    elif isinstance(passes, TEPass):
+        passes = [passes]
+    comp = Compilation(PassManager(list(passes), observers=observers), options,
+                       TEState() if te_state is None else te_state, CompileReport(graph_id=graph_id))
+    before_code, before_ops = gm.code, count_ops(gm)
+    report = comp.run_stage(gm, stage, example_inputs, inputs)
+    return HarnessRun(before_code, gm.code, before_ops, count_ops(gm), report, comp.facts())

@@ -1,0 +1,87 @@
+"""The shared pass-test harness (te_passes.testing.harness) and the one pipeline driver
+(te_passes.pipeline.compilation.Compilation): stage map, backward-graph rule, facts."""
+
+import operator
+
+import pytest
+import torch
+import torch.fx
+
+from te_passes.pipeline.base import PassRecord, Stage, TEPass, TEPassResult
+from te_passes.pipeline.compilation import (STAGE_ORDER, Compilation, is_backward_graph, post_grad_stage,
+                                            stage_graph_id)
+from te_passes.pipeline.manager import PassManager
+from te_passes.report import CompileReport
+from te_passes.te.state import TEState
+from te_passes.testing.harness import count_ops, diff, pass_context, run_passes
+
+
+class MulToAdd(TEPass):
+    name = "mul_to_add"
+    stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD})
+    description = "x * 2 -> x + x"
+
+    def run(self, gm, ctx):
+        recs = []
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function" and n.target is operator.mul and n.args[1] == 2:
+                with gm.graph.inserting_before(n):
+                    new = gm.graph.call_function(operator.add, (n.args[0], n.args[0]))
+                n.replace_all_uses_with(new)
+                gm.graph.erase_node(n)
+                recs.append(PassRecord("rewrote", new.name, {"from": n.name}))
+        return TEPassResult(gm, bool(recs), recs, facts=[("rewrote", len(recs), ctx.graph_id)])
+
+
+def _gm():
+    return torch.fx.symbolic_trace(lambda x: torch.relu(x * 2) * 2)
+
+
+def test_run_passes_snapshots_counts_and_numerics():
+    gm = _gm()
+    x = torch.randn(5)
+    want = gm(x)
+    run = run_passes(gm, MulToAdd())
+    assert run.before_ops == {"_operator.mul": 2, "torch.relu": 1}
+    assert run.after_ops == count_ops(gm) == {"_operator.add": 2, "torch.relu": 1}
+    assert run.diff() == {"_operator.add": 2, "_operator.mul": -2}
+    assert "mul" in run.before_code and "mul" not in run.after_code
+    assert run.changed and [r.kind for r in run.records()] == ["rewrote", "rewrote"]
+    assert run.facts == [("rewrote", 2, "g0")]
+    torch.testing.assert_close(gm(x), want)
+
+
+def test_run_passes_goes_through_the_manager():
+    gm = _gm()
+    run = run_passes(gm, MulToAdd(), disable=("mul_to_add",))  # the manager's disable list
+    assert run.report.runs[0].status == "disabled" and run.diff() == {}
+    run = run_passes(_gm(), MulToAdd(), Stage.JOINT)  # not registered for the stage: no run
+    assert run.report.runs == [] and run.report.stage == "joint"
+
+
+def test_diff_and_pass_context():
+    assert diff({"a": 1, "b": 2}, {"b": 2, "c": 1}) == {"a": -1, "c": 1}
+    ctx = pass_context(Stage.POST_GRAD_BWD, strict=True, graph_id="t3")
+    assert (ctx.stage, ctx.graph_id, ctx.options.strict) == (Stage.POST_GRAD_BWD, "t3.bwd", True)
+    with pytest.raises(TypeError, match="not both"):
+        pass_context(options=ctx.options, strict=True)
+
+
+def test_stage_map_and_backward_rule():
+    assert [stage_graph_id("g4", s) for s in STAGE_ORDER] == ["g4", "g4.joint", "g4.fwd", "g4.bwd"]
+    fwd = torch.fx.Graph()
+    fwd.output(fwd.placeholder("primals_1"))
+    bwd = torch.fx.Graph()
+    bwd.output((bwd.placeholder("mm"), bwd.placeholder("tangents_1")))
+    assert not is_backward_graph(fwd) and is_backward_graph(bwd)
+    assert (post_grad_stage(fwd), post_grad_stage(bwd)) == (Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD)
+
+
+def test_compilation_collects_stage_reports_and_facts():
+    report = CompileReport(graph_id="g7")
+    comp = Compilation(PassManager([MulToAdd()]), pass_context().options, TEState(), report)
+    comp.run_stage(_gm(), Stage.DYNAMO)
+    comp.run_stage(_gm(), "post_grad_fwd")
+    assert [(s.graph_id, s.stage) for s in report.stages] == [("g7", "dynamo"), ("g7.fwd", "post_grad_fwd")]
+    assert comp.facts() == [("rewrote", 2, "g7"), ("rewrote", 2, "g7.fwd")]
+    assert comp.facts(int) == [] and report.time_ms_passes > 0
