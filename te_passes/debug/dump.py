@@ -40,6 +40,11 @@ overwritten or mixed into this run's summary::
 With ``TORCH_TRACE`` set, every file is also emitted as a tlparse artifact named
 ``te_passes_<graph>_<stage>_<file>`` (:func:`te_passes._logging.trace_artifact`), whether or
 not a directory was given.
+
+Modules: this one holds :class:`DumpWriter`; the summary (``report.json``, ``index.md``) is
+:mod:`te_passes.debug.dump_summary`, sessions and claimed directories
+:mod:`te_passes.debug.dump_sessions`, schema constants, the directory lock and the checked
+reading of dump files :mod:`te_passes.debug.dump_files`.
 """
 
 from __future__ import annotations
