@@ -112,7 +112,7 @@ def test_dump_records_match_an_independent_run(fp8_dump, independent_run):
     def section(kinds):
         return [(g, p, rec["kind"], rec["node"]) for g, p, rec in all_records if rec["kind"] in kinds]
 
-    from te_passes.debug.dump import FOLDED_KINDS, FREE_KINDS, SKIPPED_KINDS
+    from te_passes.debug.dump_files import FOLDED_KINDS, FREE_KINDS, SKIPPED_KINDS
 
     assert [(f["graph_id"], f["pass"], f["kind"], f["node"]) for f in report["folded"]] == section(FOLDED_KINDS)
     assert [(f["graph_id"], f["pass"], f["kind"], f["node"]) for f in report["frees"]] == section(FREE_KINDS)
@@ -469,7 +469,7 @@ def _our_graph_report(gid: str) -> dict:
 
 
 def _fake_old_dump(root) -> None:
-    from te_passes.debug.dump import SCHEMA
+    from te_passes.debug.dump_files import SCHEMA
 
     (root / "report.json").write_text(json.dumps({"schema": SCHEMA, "graphs": [], "passes": []}))
     (root / "g0").mkdir()
@@ -484,7 +484,7 @@ def _fake_old_dump(root) -> None:
 
 def test_clearing_an_old_dump_keeps_user_folders(tmp_path):
     """Only folders named g<N> whose report.json is our graph report for g<N> are removed."""
-    from te_passes.cli import _clear_old_dump
+    from te_passes.cli.dumpdir import _clear_old_dump
 
     _fake_old_dump(tmp_path)
     _clear_old_dump(str(tmp_path))
@@ -495,7 +495,7 @@ def test_clearing_an_old_dump_keeps_user_folders(tmp_path):
 
 def test_summary_ignores_foreign_report_folders(tmp_path):
     """A folder in the dump directory holding someone else's report.json is not read as a graph."""
-    from te_passes.debug.dump import write_summary
+    from te_passes.debug.dump_summary import write_summary
 
     _fake_old_dump(tmp_path)
     (tmp_path / "s3" / "a").mkdir(parents=True)
@@ -573,7 +573,7 @@ def test_disable_takes_one_value_per_flag(tmp_path):
 
 def test_index_md_cells_match_the_terminal(tmp_path):
     """Memory cells are plain (not JSON-quoted); pool check / other records carry a detail text."""
-    from te_passes.debug.dump import build_summary, render_index
+    from te_passes.debug.dump_summary import build_summary, render_index
 
     stage = {"graph_id": "g0.fwd", "stage": "post_grad_fwd", "facts": {}, "runs": [
         {"name": "check_cudagraph_pool", "status": "ok", "changed": False, "time_ms": 0.1, "nodes_before": 3,
@@ -592,7 +592,7 @@ def test_index_md_cells_match_the_terminal(tmp_path):
 
 
 def test_location_columns_keep_the_line_number():
-    from te_passes.cli import _short_left
+    from te_passes.cli.show import _short_left
 
     loc = "/very/long/path/" + "x" * 80 + "/model_file.py:123 (forward)"
     cut = _short_left(loc, 50)
@@ -620,7 +620,8 @@ def test_target_messages(case, tmp_path):
 
 @pytest.mark.parametrize("foreign", ["report.json", "index.md"])
 def test_dump_does_not_overwrite_foreign_top_level_files(foreign, tmp_path):
-    from te_passes.cli import CliError, _clear_old_dump
+    from te_passes.cli import CliError
+    from te_passes.cli.dumpdir import _clear_old_dump
 
     (tmp_path / foreign).write_text("{}")
     with pytest.raises(CliError, match="not overwriting"):
@@ -629,8 +630,8 @@ def test_dump_does_not_overwrite_foreign_top_level_files(foreign, tmp_path):
 
 
 def test_stray_graph_whose_own_dump_failed_gets_its_report(tmp_path):
-    from te_passes.cli import _collect_strays
-    from te_passes.debug.dump import elsewhere_warnings, read_graph_report
+    from te_passes.cli.dump_cmd import _collect_strays
+    from te_passes.debug.dump_summary import elsewhere_warnings, read_graph_report
     from te_passes.report import CompileReport
 
     rep = CompileReport(graph_id="g5")

@@ -118,7 +118,7 @@ def test_failing_dump_keeps_the_previous_dump_and_leaves_no_stub(case, dump_copy
 
 
 def test_out_is_locked_while_a_dump_runs(dump_copy, tmp_path):
-    from te_passes.debug.dump import dir_lock
+    from te_passes.debug.dump_files import dir_lock
 
     before = snapshot(dump_copy)
     with dir_lock(str(dump_copy), blocking=False):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from te_passes.cli import main
-from te_passes.debug.dump import SCHEMA
+from te_passes.debug.dump_files import SCHEMA
 
 
 @pytest.fixture(scope="module")

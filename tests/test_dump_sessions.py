@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from te_passes.debug import dump
+from te_passes.debug import dump, dump_sessions
 from te_passes.report import clear_compile_reports, compile_reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def _load(p):
 def test_two_graphs_one_dir_summary_lists_both(tmp_path):
     d = tmp_path / "dumps"
     gids = _compile_two(d)
-    sid = dump.session_id()
+    sid = dump_sessions.session_id()
     sdir = d / sid
     summary = _load(sdir / "report.json")
     assert [g["graph_id"] for g in summary["graphs"]] == gids  # both, in compile order
@@ -72,10 +72,10 @@ def test_two_graphs_one_dir_summary_lists_both(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == sorted([sid, "index.md", "sessions.json",
                                                           ".te_passes_sessions.lock"])
     sessions = _load(d / "sessions.json")
-    assert sessions["schema"] == dump.SESSIONS_SCHEMA
+    assert sessions["schema"] == dump_sessions.SESSIONS_SCHEMA
     assert [(s["session"], s["graphs"]) for s in sessions["sessions"]] == [(sid, gids)]
     top = (d / "index.md").read_text()
-    assert top.startswith(dump.SESSIONS_INDEX_TITLE + "\n")
+    assert top.startswith(dump_sessions.SESSIONS_INDEX_TITLE + "\n")
     assert f"[{sid}]({sid}/index.md)" in top and ", ".join(gids) in top
     index = (sdir / "index.md").read_text()
     assert all(f"[{gid}]({gid}/report.json)" in index for gid in gids)
@@ -84,7 +84,7 @@ def test_two_graphs_one_dir_summary_lists_both(tmp_path):
 def test_mode_is_default_everywhere(tmp_path):
     d = tmp_path / "dumps"
     gids = _compile_two(d)
-    sdir = d / dump.session_id()
+    sdir = d / dump_sessions.session_id()
     assert [r.mode for r in compile_reports()] == ["default", "default"]
     assert [_load(sdir / gid / "report.json")["mode"] for gid in gids] == ["default", "default"]
     assert [g["mode"] for g in _load(sdir / "report.json")["graphs"]] == ["default", "default"]
@@ -100,7 +100,7 @@ def test_explicit_mode_is_reported_as_given(tmp_path, capsys):
     f = torch.compile(lambda x: torch.cos(x) - 1, backend=be)
     f(torch.randn(8))
     (rep,) = compile_reports()
-    sdir = d / dump.session_id()
+    sdir = d / dump_sessions.session_id()
     assert rep.mode == "reduce-overhead"
     assert _load(sdir / rep.graph_id / "report.json")["mode"] == "reduce-overhead"
     assert [g["mode"] for g in _load(sdir / "report.json")["graphs"]] == ["reduce-overhead"]
@@ -127,7 +127,7 @@ def test_previous_process_dump_is_kept(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (old,) = [p for p in d.iterdir() if p.is_dir()]
-    assert re.fullmatch(r"\d{8}T\d{6}Z-.+-p\d+", old.name) and old.name != dump.session_id()
+    assert re.fullmatch(r"\d{8}T\d{6}Z-.+-p\d+", old.name) and old.name != dump_sessions.session_id()
     assert old.name.endswith(f"-p{_load(old / 'session.json')['pid']}")
     old_g0 = (old / "g0" / "report.json").read_bytes()
     old_summary = _load(old / "report.json")
@@ -136,12 +136,12 @@ def test_previous_process_dump_is_kept(tmp_path):
     gids = _compile_two(d)  # in this process, graph ids may well be g0, g1 again
     assert (old / "g0" / "report.json").read_bytes() == old_g0
     assert _load(old / "report.json")["graphs"] == old_summary["graphs"]
-    mine = _load(d / dump.session_id() / "report.json")
+    mine = _load(d / dump_sessions.session_id() / "report.json")
     assert [g["graph_id"] for g in mine["graphs"]] == gids
     sessions = _load(d / "sessions.json")["sessions"]
     # oldest session start first (this process's session may have started before the subprocess,
     # in an earlier test)
-    want = sorted([(old_summary["started"], old.name, ["g0"]), (dump._session["started"], dump.session_id(), gids)])
+    want = sorted([(old_summary["started"], old.name, ["g0"]), (dump_sessions._session["started"], dump_sessions.session_id(), gids)])
     assert [(s["started"], s["session"], s["graphs"]) for s in sessions] == want
     top = (d / "index.md").read_text()
     assert top.index(want[1][1]) < top.index(want[0][1])  # newest first
@@ -161,38 +161,39 @@ def test_foreign_top_level_index_is_left_alone(tmp_path, caplog):
     d = tmp_path / "dumps"
     d.mkdir()
     (d / "index.md").write_text("# my notes\n")
-    dump._warned_foreign_index.discard(str(d))
+    dump_sessions._warned_foreign_index.discard(str(d))
     with caplog.at_level("WARNING", logger="te_passes"):
         gids = _compile_two(d)
     assert (d / "index.md").read_text() == "# my notes\n"
     assert [s["graphs"] for s in _load(d / "sessions.json")["sessions"]] == [gids]
     msgs = [r.getMessage() for r in caplog.records if "left alone" in r.getMessage()]
     assert msgs == [f"te_passes dump: {d} already holds a te-passes dump or an index.md of its own; this process's "
-                    f"dump is in {d / dump.session_id()} (the top-level index.md is left alone)"]
+                    f"dump is in {d / dump_sessions.session_id()} (the top-level index.md is left alone)"]
 
 
 def test_cli_claimed_dir_is_written_directly(tmp_path):
     """Under ``te-passes dump`` (claim_dir) the backend writes straight into the directory, as before."""
     d = tmp_path / "out"
     d.mkdir()
-    dump.claim_dir(d)
+    dump_sessions.claim_dir(d)
     try:
         w = dump.DumpWriter.for_backend(str(d))
         assert w.root == str(d) and w.sessions_dir is None
     finally:
-        dump.unclaim_dir(d)
+        dump_sessions.unclaim_dir(d)
     w = dump.DumpWriter.for_backend(str(d))
-    assert w.root == os.path.join(str(d), dump.session_id()) and w.sessions_dir == str(d)
+    assert w.root == os.path.join(str(d), dump_sessions.session_id()) and w.sessions_dir == str(d)
 
 
 def test_cli_refuses_to_dump_into_a_sessions_dir(tmp_path):
-    from te_passes.cli import CliError, _clear_old_dump
+    from te_passes.cli import CliError
+    from te_passes.cli.dumpdir import _clear_old_dump
 
     d = tmp_path / "dumps"
     _compile_two(d)
     with pytest.raises(CliError, match="holds te_passes backend dump sessions .*choose another --out"):
         _clear_old_dump(str(d))
-    assert (d / dump.session_id() / "report.json").is_file()
+    assert (d / dump_sessions.session_id() / "report.json").is_file()
 
 
 RANK = textwrap.dedent("""
@@ -234,6 +235,6 @@ def test_replay_of_a_sessions_dir_replays_the_newest_session(tmp_path, capsys):
     gids = _compile_two(d)
     assert main(["replay", str(d), "--check", "--plain"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"{d} holds 1 backend dump session; replaying the newest, {d / dump.session_id()}"
+    assert out[0] == f"{d} holds 1 backend dump session; replaying the newest, {d / dump_sessions.session_id()}"
     assert [ln for ln in out if ln.startswith("reproduces the saved report")] and \
         len([ln for ln in out if ln.startswith("== replay of ")]) == len(gids)

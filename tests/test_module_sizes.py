@@ -15,10 +15,6 @@ PASS_LIMIT = 300
 
 #: path (relative to te_passes/) -> lines it may not exceed until it is split.
 OVER_LIMIT = {
-    # grew with issue 16's dump safety / option checks (2026-12-01); to be split
-    "cli.py": 1010,
-    "debug/dump.py": 1020,
-    "debug/graph_io.py": 665,  # issue 16's restricted unpickler; to be split
     "runtime/cudagraphs.py": 815,  # issue 14's lean CUDA-graph policy; to be split
     "testing/capture.py": 960,
     "analyses/liveness.py": 725,

@@ -215,7 +215,7 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
 
 
 def test_index_md_says_which_graphs_read_ub_state(tmp_path):
-    from te_passes.debug.dump import session_id
+    from te_passes.debug.dump_sessions import session_id
 
     x = torch.randn(8)
     te_inductor(plain_graph(), [x], options={"te_passes.dump_dir": str(tmp_path)})

@@ -23,7 +23,8 @@ from typing import Any, Iterable, Sequence
 import torch.fx
 
 from te_passes.config import TePassesOptionError, TePassesOptions
-from te_passes.debug.dump import DumpFormatError, DumpWriter, check_graph_report, read_json
+from te_passes.debug.dump_files import DumpFormatError, check_graph_report, read_json
+from te_passes.debug.dump import DumpWriter
 from te_passes.debug.graph_io import GraphFileError, load_graph
 from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, pipeline_uuid
@@ -79,7 +80,7 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
         graph_id: force the report's graph id (replay uses the saved one); default ``g<N>``.
 
     Raises:
-        te_passes.debug.dump.DumpDirError: ``dump_dir`` is not writable.
+        te_passes.debug.dump_files.DumpDirError: ``dump_dir`` is not writable.
         te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
     import time

@@ -1,0 +1,152 @@
+"""Shared pieces of the ``te-passes`` CLI: exit codes, :class:`CliError`, :class:`Out` (rich or plain
+output) and the checks of pass names, ``--mode`` and output directories."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Iterable, Sequence
+
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DEFAULT_OUT = "te_passes_dump"
+#: Warnings ``te-passes dump`` itself causes (``force_disable_caches``), left out of the report.
+CLI_CAUSED_WARNINGS = ("dynamo_pgo force disabled by torch.compiler.config.force_disable_caches",)
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------- output
+class Out:
+    """Terminal output: rich tables/spinner on a TTY, plain aligned text otherwise."""
+
+    def __init__(self, *, plain: bool | None = None, quiet: bool = False) -> None:
+        self.rich = None
+        self.quiet = quiet
+        if plain is None:
+            plain = not sys.stdout.isatty() or os.environ.get("TERM") == "dumb"
+        if not plain:
+            try:
+                from rich.console import Console
+
+                self.rich = Console(highlight=False)
+            except ImportError:  # pragma: no cover - rich is a dependency
+                self.rich = None
+
+    def line(self, text: str = "") -> None:
+        if self.rich is not None:
+            self.rich.print(text, markup=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    def heading(self, text: str) -> None:
+        if self.rich is not None:
+            self.rich.rule(f"[bold]{text}")
+        else:
+            print(f"\n== {text} ==", flush=True)
+
+    def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
+              limit: int | None = 60) -> None:
+        rows = [["" if v is None else str(v) for v in r] for r in rows]
+        more = 0
+        if limit is not None and len(rows) > limit:
+            more = len(rows) - limit
+            rows = rows[:limit]
+        if self.rich is not None:
+            from rich.table import Table
+
+            t = Table(title=title, title_justify="left", show_lines=False)
+            for i, c in enumerate(columns):  # names stay whole; the last column wraps
+                last = i == len(columns) - 1
+                whole = min(max([len(c)] + [len(r[i]) for r in rows]), 32)
+                t.add_column(c, overflow="fold", no_wrap=i == 0, min_width=whole if i == 0 else None,
+                             ratio=2 if last else None)
+            for r in rows:
+                t.add_row(*r)
+            self.rich.print(t)
+        else:
+            if title:
+                print(f"\n{title}")
+            widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+            widths = [min(w, 80) for w in widths]
+            print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+            print("  ".join("-" * w for w in widths))
+            for r in rows:
+                print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        if more:
+            self.line(f"... {more} more rows (see report.json)")
+
+    @contextlib.contextmanager
+    def status(self, text: str):
+        """A spinner on a TTY (stderr); a ``» text`` line otherwise; nothing when quiet."""
+        if self.quiet:
+            yield
+        elif self.rich is not None:
+            from rich.console import Console
+
+            with Console(stderr=True).status(text):
+                yield
+        else:
+            print(f"» {text}", flush=True)
+            yield
+
+
+def _error(msg: str) -> None:
+    first = " ".join(str(msg).split("\n")[0].split())
+    print(f"te-passes: error: {first}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- helpers
+def _registry() -> tuple[list[str], list[Any]]:
+    from te_passes.pipeline.registry import pass_classes, pass_names
+
+    try:
+        return pass_names(), list(pass_classes())
+    except Exception as e:  # noqa: BLE001 - a broken registry entry is a clear error too
+        raise CliError(f"the pass registry does not import: {type(e).__name__}: {e}", EXIT_FAIL) from e
+
+
+def _check_pass_names(names: Iterable[str], where: str) -> list[str]:
+    from te_passes.pipeline.registry import PASS_ALIASES
+
+    known, _ = _registry()
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in known and n not in PASS_ALIASES]  # aliases: expanded when parsed
+    if unknown:
+        raise CliError(f"unknown pass name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "
+                       f"known passes: {', '.join(known) or '(none registered)'}")
+    return names
+
+
+def _check_mode(mode: str | None) -> None:
+    if mode is None:
+        return
+    from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
+
+    try:
+        _inductor_config_patches(mode, {})
+    except Exception as e:  # noqa: BLE001 - Inductor's own message names the valid modes
+        raise CliError(f"unknown --mode {mode!r}: {e}") from e
+
+
+def _check_writable_dir(path: str) -> None:
+    """What :func:`te_passes.debug.dump_files.ensure_writable_dir` checks, without importing torch."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError(f"dump directory {path} exists and is not a directory")
+    probe_dir = path
+    while not os.path.exists(probe_dir):
+        parent = os.path.dirname(probe_dir) or "."
+        if parent == probe_dir:
+            break
+        probe_dir = parent
+    if not os.path.isdir(probe_dir):
+        raise CliError(f"dump directory {path} is not writable: {probe_dir} is not a directory")
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise CliError(f"dump directory {path} is not writable: no write permission on {probe_dir}")

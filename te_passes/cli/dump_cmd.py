@@ -1,0 +1,155 @@
+"""``te-passes dump``: run a target or a built-in example under a claimed dump directory, write the
+summary and print it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from typing import Any, Sequence
+
+from te_passes.cli._common import (CLI_CAUSED_WARNINGS, CliError, EXIT_FAIL, EXIT_OK, Out, _check_mode,
+    _check_pass_names, _check_writable_dir)
+from te_passes.cli.dumpdir import _staged_out
+from te_passes.cli.targets import _check_target_file, _run_target
+from te_passes.cli.show import _print_summary
+
+
+# --------------------------------------------------------------------------- dump
+def cmd_dump(args: argparse.Namespace, out: Out) -> int:
+    if (args.target is None) == (args.example is None):
+        raise CliError("give exactly one of TARGET or --example NAME")
+    from te_passes.examples import EXAMPLES, PRECISIONS
+
+    if args.example is not None and args.example not in EXAMPLES:
+        raise CliError(f"unknown example {args.example!r}; examples: {', '.join(EXAMPLES)}")
+    if args.precision is not None and args.precision not in PRECISIONS:
+        raise CliError(f"unknown --precision {args.precision!r}; expected one of {', '.join(PRECISIONS)}")
+    if args.target is not None:
+        _load_target_precheck(args.target)
+        if ":" not in args.target and (args.mode is not None or args.precision is not None):
+            raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
+                           "sets its own torch.compile(mode=...)")
+    _check_writable_dir(args.out)  # the cheap checks first: no torch import yet
+    disable = _check_pass_names([n.strip() for a in (args.disable or []) for n in a.split(",")], "--disable")
+    env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
+    _check_pass_names(env_disable, "TE_PASSES_DISABLE")
+    _check_mode(args.mode)
+    with _staged_out(args.out) as stage:
+        summary = _dump_into(args, out, stage, disable, env_disable)
+    _print_summary(out, summary, args.out)
+    return EXIT_OK
+
+
+def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str],
+               env_disable: list[str]) -> dict[str, Any]:
+    """Run the dump of ``args`` into staging folder ``root`` (see :func:`_staged_out`); return
+    the summary."""
+    import torch
+
+    from te_passes.debug.dump_sessions import claim_dir, unclaim_dir
+
+    from te_passes.debug.dump_summary import write_summary
+    from te_passes.debug.graph_breaks import CompileEvents
+    from te_passes.examples import EXAMPLES
+    from te_passes.report import compile_reports
+
+    torch._inductor.config.force_disable_caches = True  # every stage must run to be dumped
+    n_before = len(compile_reports())
+    extra: dict[str, Any] = {"owner": "cli", "mode": args.mode or "default", "disabled": disable + env_disable}
+    # the backend's writers in this process, given TE_PASSES_DUMP_DIR=--out (or a torch.compile
+    # option naming --out), write straight into the staging folder (no session folder)
+    claim_dir(args.out, into=root)
+    claim_dir(root)
+    try:
+        write_summary(root, extra, emit=False)  # the session facts are ours: the backend's writers leave them to us
+        events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
+        if args.example is not None:
+            from te_passes.examples import run_example
+
+            ex = EXAMPLES[args.example]
+            from te_passes.examples import describe
+
+            extra.update(target=f"--example {args.example} ({describe(args.example, args.precision)})",
+                         precision=args.precision or ex.precision)
+            try:
+                with events:
+                    result = run_example(args.example, precision=args.precision, mode=args.mode, dump_dir=root,
+                                         disable=disable, status=lambda m: out.line(f"» {m}") if out.rich is None
+                                         else None)
+            except Exception as e:  # noqa: BLE001
+                if args.verbose:
+                    traceback.print_exc()
+                raise CliError(f"example {args.example} failed: {type(e).__name__}: {e}", EXIT_FAIL) from e
+            extra.update(compile_path=result.compile_path, note=result.note)
+        else:
+            extra.update(target=args.target, precision=args.precision,
+                         compile_path="torch.compile(backend='te_inductor') in this process")
+            env = {"TE_PASSES_DUMP_DIR": args.out}
+            if disable:
+                env["TE_PASSES_DISABLE"] = ",".join(disable + env_disable)
+            saved_env = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                with out.status(f"running {args.target}"), events:
+                    _run_target(args.target, args.mode, args.precision, args.verbose)
+            finally:
+                for k, v in saved_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        new_reports = compile_reports()[n_before:]
+        if not new_reports:
+            raise CliError(f"{extra['target']} compiled nothing with backend 'te_inductor' (no te_inductor call: "
+                           f"did it run a function compiled with torch.compile(..., backend='te_inductor')?)",
+                           EXIT_FAIL)
+        extra.update(events.to_json())
+        extra["elsewhere"] = _collect_strays(root, new_reports)
+        return write_summary(root, extra)
+    finally:
+        unclaim_dir(args.out)
+        unclaim_dir(root)
+
+
+def _collect_strays(root: str, reports: Sequence[Any]) -> list[dict[str, Any]]:
+    """Graphs of this run whose dump is not under ``root``: their ``torch.compile`` set its own
+    ``options={"te_passes.dump_dir": ...}``, which wins over the ``TE_PASSES_DUMP_DIR`` the CLI
+    sets. Their graph folder is copied into ``root`` (or, with no dump anywhere, their report is
+    written there) so the summary lists them; the returned entries (``graph_id``, ``dump_dir``,
+    ``copied``) become ``report.json`` ``elsewhere[]`` and a warning."""
+    import shutil
+
+    from te_passes.debug.dump_summary import read_graph_report, report_json
+
+    strays = []
+    for r in reports:
+        gid = r.graph_id
+        if read_graph_report(root, gid) is not None:
+            continue
+        other = getattr(r, "dump_dir", None)
+        entry = {"graph_id": gid, "dump_dir": other, "copied": False}
+        if other and os.path.realpath(other) == os.path.realpath(root):
+            entry.update(dump_dir=None, dump_failed=True)  # our own writer failed (logged by the backend)
+            other = None
+        dest = os.path.join(root, gid)
+        if not os.path.exists(dest):
+            if other and read_graph_report(other, gid) is not None:
+                shutil.copytree(os.path.join(other, gid), dest)
+                entry["copied"] = True
+            else:
+                os.makedirs(dest)
+                with open(os.path.join(dest, "report.json"), "w") as f:
+                    json.dump(report_json(r), f, indent=2, default=repr)
+        strays.append(entry)
+    return strays
+
+
+def _load_target_precheck(target: str) -> None:
+    """Fail fast on a missing target file (before torch is imported)."""
+    path, sep, _ = target.rpartition(":") if ":" in target else (target, "", "")
+    if sep and (path.endswith(".py") or os.sep in path):
+        _check_target_file(path)
+    if not sep:
+        _check_target_file(target)

@@ -1,0 +1,112 @@
+"""The ``te-passes`` argument parser and :func:`main`, the console-script entry point."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from te_passes.cli._common import CliError, DEFAULT_OUT, EXIT_FAIL, EXIT_OK, Out, _error
+from te_passes.cli.dump_cmd import cmd_dump
+from te_passes.cli.show import cmd_list, cmd_show
+from te_passes.cli.replay import cmd_replay
+
+
+# --------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    """The ``te-passes`` argument parser (subcommands ``dump``, ``list``, ``show``, ``replay``)."""
+    p = argparse.ArgumentParser(
+        prog="te-passes",
+        description="Show what te_passes (the te_inductor torch.compile backend) did to Transformer Engine "
+                    "graphs: per-pass TE-aware dumps, diffs, reports, offline replay.",
+        epilog="Examples:\n  te-passes dump --example linear-fp8 --out te_passes_dump\n"
+               "  te-passes dump train.py:main --mode reduce-overhead --disable insert_early_frees\n"
+               "  te-passes show te_passes_dump\n  te-passes replay te_passes_dump/g0 --check\n  te-passes list",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plain", action="store_true", help="plain text output even on a terminal")
+    from te_passes import __version__
+
+    p.add_argument("--version", action="version", version=f"te-passes {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("dump", help="run a target (or built-in example) and dump every pass",
+                       description="Run TARGET (a Python file, module:function or file.py:function that runs a "
+                                   "model under torch.compile(backend='te_inductor')) or --example NAME, and write "
+                                   "per-graph, per-stage, per-pass TE-aware graphs, diffs, report.json and index.md.")
+    d.add_argument("target", nargs="?", help="FILE.py, module:function or FILE.py:function")
+    d.add_argument("--example", metavar="NAME", help="a built-in example: linear-fp8, linear-bf16, linear-mxfp8, "
+                                                   "stack-fp8")
+    d.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"dump directory (default {DEFAULT_OUT})")
+    d.add_argument("--mode", help="torch.compile mode (default, reduce-overhead, max-autotune, ...)")
+    d.add_argument("--precision", help="bf16, fp8-cs or mxfp8 (examples; callables taking precision=)")
+    d.add_argument("--disable", action="append", metavar="PASS[,PASS...]", default=[],
+                   help="pass name(s) to switch off, comma-separated; repeatable (also TE_PASSES_DISABLE)")
+    d.add_argument("--verbose", "-v", action="store_true", help="tracebacks and the target's warnings on stderr")
+    d.set_defaults(func=cmd_dump)
+    for sp in (d,):
+        sp.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                        help="plain text output even on a terminal")
+
+    l_ = sub.add_parser("list", help="the pass pipeline: passes, stages, descriptions, enabled")
+    l_.add_argument("--json", action="store_true", help="print JSON")
+    l_.set_defaults(func=cmd_list)
+    l_.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                    help="plain text output even on a terminal")
+
+    s = sub.add_parser("show", help="summary tables of a dump directory")
+    s.add_argument("dir", metavar="DIR", help="a dump directory (or its report.json)")
+    s.add_argument("--json", action="store_true", help="print the summary JSON")
+    s.set_defaults(func=cmd_show)
+    s.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                    help="plain text output even on a terminal")
+
+    r = sub.add_parser("replay", help="re-run the passes offline on saved graphs (no GPU)",
+                       description="Load the graphs a dump saved (*.tegraph: a file, a graph directory like "
+                                   "DIR/g0, or a whole dump directory), run the current passes on them with the "
+                                   "saved TE state and options, and compare with the saved report.")
+    r.add_argument("path", metavar="GRAPH_FILE", help="a .tegraph file, a graph directory or a dump directory")
+    r.add_argument("--disable", action="append", metavar="PASS[,PASS...]", default=None,
+                   help="pass name(s) to switch off, comma-separated; repeatable (replaces the saved list)")
+    r.add_argument("--out", metavar="DIR", help="write a dump of the replay there")
+    r.add_argument("--check", action="store_true", help="exit 1 when the replay differs from the saved report")
+    r.add_argument("--json", action="store_true", help="print the replayed report(s) as JSON")
+    r.set_defaults(func=cmd_replay)
+    r.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                    help="plain text output even on a terminal")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``te-passes`` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except BrokenPipeError:  # `te-passes --help | head -1`
+        _stdout_gone()
+        return EXIT_OK
+    out = Out(plain=True if args.plain else None, quiet=bool(getattr(args, "json", False)))
+    try:
+        code = args.func(args, out)
+        sys.stdout.flush()  # a closed pipe fails here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `te-passes list | head -1`: the reader left; not an error
+        _stdout_gone()
+        return EXIT_OK
+    except CliError as e:
+        _error(str(e))
+        return e.code
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except OSError as e:  # an unreadable/unwritable path found late: still one line
+        _error(f"{type(e).__name__}: {e}")
+        return EXIT_FAIL
+
+
+def _stdout_gone() -> None:
+    """The reader of stdout left (``| head``): send what is still buffered to /dev/null so the
+    interpreter's final flush does not fail too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

@@ -1,0 +1,86 @@
+"""``te-passes replay``: re-run the passes offline on saved graphs and compare with the saved
+report."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+from te_passes.cli._common import CliError, EXIT_FAIL, EXIT_OK, Out, _check_pass_names
+from te_passes.cli.dumpdir import _staged_out
+from te_passes.cli.show import _newest_session
+
+
+# --------------------------------------------------------------------------- replay
+def cmd_replay(args: argparse.Namespace, out: Out) -> int:
+    if not os.path.exists(args.path):
+        raise CliError(f"no such graph file or dump directory: {args.path}")
+    disable = _check_pass_names([n.strip() for a in args.disable for n in a.split(",")], "--disable") \
+        if args.disable is not None else None
+    source = args.path
+    args.path = _newest_session(args.path, out, "replaying", to_stderr=args.json)
+    if args.out:
+        with _staged_out(args.out, sources=(source, args.path)) as stage:
+            results = _replay(args, out, disable, stage)
+            from te_passes.debug.dump_summary import write_summary
+
+            write_summary(stage, {"target": f"replay {args.path}", "compile_path": "offline replay of saved graphs"})
+    else:
+        results = _replay(args, out, disable, None)
+    from te_passes.debug.offline import compare_reports, version_differences
+
+    mismatches = 0
+    payload = []
+    for report, saved in results:
+        rj = report.to_json()
+        diffs = compare_reports(rj, saved, require_all=os.path.isdir(args.path)) if saved is not None else None
+        versions = version_differences(getattr(report, "saved_versions", None))
+        payload.append({"report": rj, "differences": diffs, "versions": versions})
+        if versions is not None:
+            sv, iv = versions["saved"], versions["installed"]
+            print(f"te-passes: warning: {report.graph_id} was saved under torch {sv['torch']}, Transformer Engine "
+                  f"{sv['transformer_engine']}; installed here: torch {iv['torch']}, Transformer Engine "
+                  f"{iv['transformer_engine']} (a difference below may come from that)", file=sys.stderr, flush=True)
+        if args.json:
+            continue
+        out.heading(f"replay of {report.graph_id} ({len(report.stages)} stages)")
+        out.table(None, ["stage", "pass", "status", "changed", "ms", "nodes", "records"],
+                  [[st.stage, r.name, r.status, "yes" if r.changed else "no", f"{r.time_ms:.2f}",
+                    f"{r.nodes_before} -> {r.nodes_after}", len(r.records)] for st in report.stages for r in st.runs],
+                  limit=None)
+        if diffs is None:
+            out.line("no saved report.json next to the graphs: nothing to compare with")
+        elif diffs:
+            mismatches += 1
+            out.line(f"differs from the saved report ({len(diffs)} differences):")
+            for d in diffs[:40]:
+                out.line(f"  {d}")
+        else:
+            out.line("reproduces the saved report: same passes, statuses, node counts and records")
+    if args.json:
+        print(json.dumps(payload, indent=2, default=repr))
+    if args.check and mismatches:
+        raise CliError(f"replay differs from the saved report for {mismatches} graph(s)", EXIT_FAIL)
+    unchecked = [p["report"]["graph_id"] for p in payload if p["differences"] is None]
+    if args.check and unchecked:  # --check asked for a comparison that could not be made
+        raise CliError(f"--check: no saved report.json to compare with for {', '.join(unchecked)} (the graph "
+                       f"folder's report.json is missing)")
+    return EXIT_OK
+
+
+def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_dir: str | None) -> list:
+    from te_passes.debug.offline import ReplayError, replay
+    from te_passes.runtime.install import install
+
+    import torch  # noqa: F401  (before transformer_engine)
+    with contextlib.suppress(ImportError):  # TE's op families defined, as where the graphs were compiled
+        import transformer_engine.pytorch  # noqa: F401
+    install()  # as the backend does before any pass runs (call_te_impl_directly's lowering)
+    try:
+        with out.status(f"replaying {args.path}"):
+            return replay(args.path, disable=disable, dump_dir=dump_dir)
+    except ReplayError as e:
+        raise CliError(str(e)) from e
