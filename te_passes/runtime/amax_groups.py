@@ -69,6 +69,7 @@ from te_passes._logging import get_logger
 from te_passes.runtime.quantizer_usage import (  # noqa: F401 - AUDITED_USAGE_CALLS: re-exported
     _USAGE_IN_FLIGHT, _WEIGHT_FIELD, AUDITED_USAGE_CALLS, PER_CALL_USAGE_FIELDS, _impl_code, _usage_targets,
     usage_unsafe_reason)
+from te_passes.te.version import te_module
 
 log = get_logger()
 
@@ -328,14 +329,9 @@ def install_amax_group_hooks(*, import_te: bool = False) -> bool:
     """
     if _STATE.installed:
         return True
-    mod = sys.modules.get(TE_LINEAR_MODULE)
+    mod = te_module(TE_LINEAR_MODULE, import_te=import_te)
     if mod is None:
-        if not import_te:
-            return False
-        import importlib
-
-        import torch  # noqa: F401  (TE needs torch first)
-        mod = importlib.import_module(TE_LINEAR_MODULE)
+        return False
     with _LOCK:
         if _STATE.installed:
             return True

@@ -59,6 +59,7 @@ from te_passes.fx.graph import copy_graph
 from te_passes.te import graph_model as gmod
 from te_passes.te.ub import (TE_UB_MODULE, UB_PREDICATE_METHODS, UbConfigError, UbSnapshot, check_linear_ub_config,
                              ub_query_function)
+from te_passes.te.version import te_module
 
 #: The UB state token Dynamo guards on (``"ub-<fingerprint[:16]>"``); renewed on every UB change.
 UB_STATE_TOKEN: str = "ub-unset"
@@ -300,13 +301,9 @@ def install_te_ub_hooks(*, import_te: bool = False) -> bool:
     global UB_STATE_TOKEN
     if _STATE.hooks_installed:
         return True
-    base = sys.modules.get(TE_UB_MODULE)
+    base = te_module(TE_UB_MODULE, import_te=import_te)
     if base is None:
-        if not import_te:
-            return False
-        import importlib
-
-        base = importlib.import_module(TE_UB_MODULE)
+        return False
     with _LOCK:
         if _STATE.hooks_installed:
             return True

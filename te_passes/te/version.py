@@ -8,7 +8,9 @@ and config-bundle fields, which are TE-version specific. :data:`SUPPORTED_TE` li
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
+import sys
 
 #: TE release series (major, minor) whose op layout te_passes decodes.
 SUPPORTED_TE: frozenset[tuple[int, int]] = frozenset({(2, 20)})
@@ -43,3 +45,15 @@ def is_supported(v: str | None = None) -> bool:
         return parse_version(v) in SUPPORTED_TE
     except (ValueError, IndexError):
         return False
+
+
+def te_module(name: str, *, import_te: bool = False):
+    """The loaded TE module ``name`` (e.g. ``"transformer_engine.pytorch.module.linear"``), or
+    ``None`` while TE has not imported it; with ``import_te`` it is imported (torch first, as TE
+    needs). Used by the runtime hooks, which install lazily once TE is loaded."""
+    mod = sys.modules.get(name)
+    if mod is None and import_te:
+        import torch  # noqa: F401  (TE needs torch first)
+
+        mod = importlib.import_module(name)
+    return mod
