@@ -1,36 +1,28 @@
 """The shared pass-test harness (te_passes.testing.harness) and the one pipeline driver
 (te_passes.pipeline.compilation.Compilation): stage map, backward-graph rule, facts."""
 
-import operator
-
 import pytest
 import torch
 import torch.fx
 
-from te_passes.pipeline.base import PassRecord, Stage, TEPass, TEPassResult
+from te_passes.pipeline.base import Stage, TEPassResult
 from te_passes.pipeline.compilation import (STAGE_ORDER, Compilation, is_backward_graph, post_grad_stage,
                                             stage_graph_id)
 from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport
 from te_passes.te.state import TEState
+import test_manager  # noqa: E402 - the manager tests' rewrite pass
 from te_passes.testing.harness import count_ops, diff, pass_context, run_passes
 
 
-class MulToAdd(TEPass):
-    name = "mul_to_add"
+class MulToAdd(test_manager.MulToAdd):
+    """test_manager's rewrite, also at post-grad fwd, returning a typed fact."""
+
     stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD})
-    description = "x * 2 -> x + x"
 
     def run(self, gm, ctx):
-        recs = []
-        for n in list(gm.graph.nodes):
-            if n.op == "call_function" and n.target is operator.mul and n.args[1] == 2:
-                with gm.graph.inserting_before(n):
-                    new = gm.graph.call_function(operator.add, (n.args[0], n.args[0]))
-                n.replace_all_uses_with(new)
-                gm.graph.erase_node(n)
-                recs.append(PassRecord("rewrote", new.name, {"from": n.name}))
-        return TEPassResult(gm, bool(recs), recs, facts=[("rewrote", len(recs), ctx.graph_id)])
+        res = super().run(gm, ctx)
+        return TEPassResult(gm, res.modified, res.records, facts=[("rewrote", len(res.records), ctx.graph_id)])
 
 
 def _gm():
