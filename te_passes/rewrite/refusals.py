@@ -54,14 +54,19 @@ def _common_problem(mod: Any) -> str | None:
     return None
 
 
-def layernorm_linear_problem(mod: Any) -> str | None:
-    """Why ``te.LayerNormLinear`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    te = _te()
+def _linear_module_problem(mod: Any, cls: type) -> str | None:
+    """What refuses ``mod`` before its class's own checks: already rewritten, a subclass of TE's
+    ``cls`` (its forward may differ), or :func:`_common_problem`."""
     if _STATE_ATTR in mod.__dict__:
         return "already rewritten"
-    if type(mod) is not te.LayerNormLinear:
-        return f"{type(mod).__qualname__} is a subclass of te.LayerNormLinear (its forward may differ)"
-    p = _common_problem(mod)
+    if type(mod) is not cls:
+        return f"{type(mod).__qualname__} is a subclass of te.{cls.__name__} (its forward may differ)"
+    return _common_problem(mod)
+
+
+def layernorm_linear_problem(mod: Any) -> str | None:
+    """Why ``te.LayerNormLinear`` ``mod`` cannot be rewritten exactly, or ``None``."""
+    p = _linear_module_problem(mod, _te().LayerNormLinear)
     if p:
         return p
     if getattr(mod, "return_layernorm_output_gathered", False):
@@ -73,14 +78,9 @@ def layernorm_linear_problem(mod: Any) -> str | None:
 
 def layernorm_mlp_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormMLP`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    te = _te()
     from transformer_engine.pytorch.module.layernorm_mlp import _get_act_func_supported_list
 
-    if _STATE_ATTR in mod.__dict__:
-        return "already rewritten"
-    if type(mod) is not te.LayerNormMLP:
-        return f"{type(mod).__qualname__} is a subclass of te.LayerNormMLP (its forward may differ)"
-    p = _common_problem(mod)
+    p = _linear_module_problem(mod, _te().LayerNormMLP)
     if p:
         return p
     te_acts = set(_get_act_func_supported_list(None))
