@@ -38,7 +38,8 @@ from te_passes.pipeline.compilation import inductor_config_patches as _inductor_
 from te_passes.pipeline.manager import PassManager, TePassError
 from te_passes.pipeline.registry import PASS_ALIASES, configured_passes, pass_names
 from te_passes.report import CompileReport, cache_hit_note, new_compile_report
-from te_passes.runtime.cudagraphs import CudagraphRecorder, LeanCUDAGraphPolicy
+from te_passes.runtime.cudagraph_engine import CudagraphRecorder
+from te_passes.runtime.cudagraph_policy import LeanCUDAGraphPolicy
 from te_passes.runtime.install import install as _install_runtime
 from te_passes.runtime.ub_guard import (dynamo_stage_inputs, raise_ub_mismatches, ub_dependence_of, ub_state_reads,
                                         wrap_with_te_state_guard)
@@ -270,7 +271,7 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
 
 def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], report: CompileReport,
                       te_state: TEState, observers: Sequence[Any]):
-    """The :class:`te_passes.runtime.cudagraphs.LeanCUDAGraphPolicy` for this graph, or ``None``
+    """The :class:`te_passes.runtime.cudagraph_policy.LeanCUDAGraphPolicy` for this graph, or ``None``
     (Inductor's default wrapping) unless ``te_passes.cudagraphs == "lean"`` and Inductor's
     cudagraphs are on (``triton.cudagraphs``, as ``mode="reduce-overhead"`` sets it) with trees
     (``triton.cudagraph_trees`` not switched off). A user-given ``cudagraph_policy`` wins. A graph

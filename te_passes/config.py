@@ -109,7 +109,7 @@ OPTION_SPECS: dict[str, _Spec] = {
     "ub_on_change": _Spec(_as_choice("recompile", "error"),
                           "what a UB-dependent compiled graph does when the UB state changed"),
     "pass_config": _Spec(_as_pass_config, "per-pass constructor arguments: {pass name: {parameter: value}}"),
-    # issue 14: how mode="reduce-overhead" replays CUDA graphs (te_passes/runtime/cudagraphs.py)
+    # issue 14: how mode="reduce-overhead" replays CUDA graphs (te_passes/runtime/cudagraph_policy.py)
     "cudagraphs": _Spec(_as_choice("lean", "trees"),
                         "CUDA-graph replay under reduce-overhead: 'trees' (Inductor's cudagraph trees, the default) "
                         "or 'lean' (te_passes' policy, opt-in: falls back to trees per graph where unsafe; "

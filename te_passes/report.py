@@ -104,7 +104,7 @@ class CompileReport:
     stages: list[StageReport] = dataclasses.field(default_factory=list)
     time_ms_passes: float = 0.0
     time_ms_total: float = 0.0
-    #: CUDA-graph decisions and fallbacks of the lean policy (te_passes/runtime/cudagraphs.py):
+    #: CUDA-graph decisions and fallbacks of the lean policy (te_passes/runtime/cudagraph_policy.py):
     #: ``{"graph", "event", "reason", "count", ...}``; appended at compile time and at run time.
     cudagraphs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: Which Inductor cache served the compile when the joint / post-grad stages did not run

@@ -1,4 +1,4 @@
-"""The lean CUDA-graph policy (te_passes/runtime/cudagraphs.py, issue 14) on CPU, with a fake
+"""The lean CUDA-graph policy (te_passes/runtime/cudagraph_policy.py, cudagraphs.py, issue 14) on CPU, with a fake
 capture/replay engine.
 
 The fake engine keeps CUDA-graph semantics where they matter for correctness: a "replay" runs
@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from te_passes.config import TePassesOptionError, TePassesOptions
-from te_passes.runtime import cudagraphs as cg
-from te_passes.runtime.cudagraphs import (CudagraphRecorder, LeanCUDAGraph, LeanCUDAGraphPolicy,
-                                          static_hazard)
+from te_passes.runtime import cudagraph_engine as eng
+from te_passes.runtime import cudagraph_policy as cgp
+from te_passes.runtime.cudagraph_engine import CudagraphRecorder
+from te_passes.runtime.cudagraph_policy import LeanCUDAGraphPolicy, static_hazard
+from te_passes.runtime.cudagraphs import LeanCUDAGraph
 
 
 class FakeGraph:
@@ -248,7 +250,7 @@ def test_backward_that_rebinds_its_saved_inputs_like_te_fp8(engine):
 
 
 def test_saved_tensors_told_apart_by_data_flow_without_aot_metadata(engine):
-    pair = Pair(engine, num_clone_outputs=cg.SAVED_BY_DATAFLOW)
+    pair = Pair(engine, num_clone_outputs=eng.SAVED_BY_DATAFLOW)
     w = _w()
     for step in range(5):
         x, dy = _data(step)
@@ -258,7 +260,7 @@ def test_saved_tensors_told_apart_by_data_flow_without_aot_metadata(engine):
         assert torch.equal(w.grad, _ref_step(w, x, dy)[2])
     # h and x were read by the backward's warm-up: saved; y was not: cloned
     assert pair.f.output_kinds() == ["clone", "alias", "alias"]
-    assert pair.f.stats["eager"] == 0 and pair.b.stats["eager"] == 0 and not cg._RECENT
+    assert pair.f.stats["eager"] == 0 and pair.b.stats["eager"] == 0 and not eng.RECENT
 
 
 def test_failed_capture_is_recorded_and_runs_without_graph(engine):
@@ -329,7 +331,7 @@ def test_cloned_outputs_keep_their_strides(engine):
         h = _data(s)[0] @ w
         assert a.stride() == h.t().stride() and b.stride() == (8, 0) and n == 3
         assert torch.equal(a, h.t()) and torch.equal(b, h[:, :1].expand(4, 8))
-    assert [k for k, _ in f._plan] == [cg._CLONE, cg._CLONE_STRIDED, cg._PASS]
+    assert [k for k, _ in f._plan] == [eng.CLONE, eng.CLONE_STRIDED, eng.PASS]
 
 
 def test_backward_output_in_a_saved_tensors_memory_is_cloned(engine):
@@ -365,7 +367,7 @@ def test_empty_outputs_are_neither_guarded_nor_pool_memory(engine):
     # calls 3 and 4 see the kept alias h of call 2 (no backward ran): without the graph; the
     # kept empty outputs never count
     assert f.stats["eager"] == 2
-    assert [it[2] for it in f._own] == [0, 1] and 0 not in f._pool_storages and 0 not in cg._OWNERS
+    assert [it[2] for it in f._own] == [0, 1] and 0 not in f._pool_storages and 0 not in eng.OWNERS
     assert engine.clean_calls[-1][1] == {f._plan[j][1].untyped_storage().data_ptr() for j in (0, 1)}
     assert f.output_kinds() == ["clone", "alias", "alias", "alias"]
     del kept
@@ -398,6 +400,60 @@ def test_output_referenced_elsewhere_at_capture_is_never_replayed_over(engine):
     assert any(r["event"] == "referenced" for r in rec.records)
     assert f.stats["eager"] == 3 and f.stats["replay"] == 1
     assert torch.equal(kept, ref), "the held view was overwritten"
+
+
+def fwd_graph_views(args):
+    """A forward whose outputs are autograd views of temporaries, as TE's impls return them
+    (``out.view(...)`` inside ``_linear_forward_impl``, run below autograd by a direct call):
+    each view keeps its base alive, a second tensor on the same storage."""
+    x, w = args
+    args.clear()
+    with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+        h = (x @ w).view(-1).view(x.shape[0], -1)
+        y = torch.relu(h).view(-1).view(x.shape[0], -1)
+    assert h._is_view() and y._is_view()
+    return [y, h, x]
+
+
+def test_view_outputs_keep_their_bases_and_still_replay(engine):
+    """A view output's base is a reference we hold ourselves, not an outside holder: the pair
+    replays every step (before the fix: "referenced outside the graph right after capture", then
+    every call ran without the CUDA graph)."""
+    pair = Pair(engine)
+    pair.f._model = fwd_graph_views
+    w0 = _w()
+    w = w0.detach().clone().requires_grad_()
+    for s in range(6):
+        x, dy = _data(s)
+        w.grad = None
+        y = pair(x, w)
+        y.backward(dy)
+        y_ref, _, dw_ref = _ref_step(w0, x, dy)
+        assert torch.equal(y.detach(), y_ref) and torch.allclose(w.grad, dw_ref)
+    assert pair.events("referenced") == [] and pair.events("eager") == [], pair.rec.records
+    assert pair.f.stats["eager"] == 0 and pair.f.stats["replay"] == 5 and pair.b.stats["replay"] == 5
+
+
+def test_outside_holder_of_a_view_output_is_described(engine):
+    """An outside holder found at capture is named in the record (tensor, referrer type)."""
+    stash = []
+
+    def g(args):
+        out = fwd_graph_views(args)
+        if len(stash) < 2:
+            stash.append(out[1][:])  # another tensor on h's storage
+        return out
+
+    pair = Pair(engine)
+    pair.f._model = g
+    w = _w()
+    for s in range(3):
+        x, dy = _data(s)
+        pair(x, w).backward(dy)
+    (rec,) = pair.events("referenced")
+    assert rec["outputs"] == [1]
+    (desc,) = rec["holders"].values()
+    assert desc[0].startswith("tensor (4, 8) torch.float32 held by list") and desc[-1].startswith("storage use count")
 
 
 def test_inference_graph_clones_every_output(engine):
@@ -603,7 +659,7 @@ def _kw(is_backward=False, is_inference=False, **extra):
 
 
 def test_policy_wraps_lean_and_backward_follows_forward(engine, trees_calls, monkeypatch):
-    monkeypatch.setattr(cg, "forward_user_output_count", lambda: 1)
+    monkeypatch.setattr(cgp, "forward_user_output_count", lambda: 1)
     pol = LeanCUDAGraphPolicy(graph_id="g3", engine=engine, device_type="cpu")
     x = torch.empty(2, 2)
     f = pol.cudagraphify(fwd_graph, [x, x], [1], **_kw())
@@ -614,7 +670,7 @@ def test_policy_wraps_lean_and_backward_follows_forward(engine, trees_calls, mon
 
 
 def test_policy_falls_back_to_trees_with_reason(engine, trees_calls, monkeypatch):
-    monkeypatch.setattr(cg, "forward_user_output_count", lambda: 1)
+    monkeypatch.setattr(cgp, "forward_user_output_count", lambda: 1)
     x = torch.empty(2, 2)
     # a forward that mutates a non-static input: trees, and its backward follows
     pol = LeanCUDAGraphPolicy(graph_id="g4", engine=engine, device_type="cpu")
@@ -637,10 +693,10 @@ def test_policy_falls_back_to_trees_with_reason(engine, trees_calls, monkeypatch
     pol = LeanCUDAGraphPolicy(graph_id="g6", engine=engine, device_type="cpu", static_hazards=["graph reads UB"])
     assert pol.cudagraphify(fwd_graph, [x, x], [1], **_kw())[0] == "trees"
     assert pol.recorder.records[-1]["reason"] == "graph reads UB"
-    monkeypatch.setattr(cg, "forward_user_output_count", lambda: None)
+    monkeypatch.setattr(cgp, "forward_user_output_count", lambda: None)
     pol = LeanCUDAGraphPolicy(graph_id="g7", engine=engine, device_type="cpu")
     f = pol.cudagraphify(fwd_graph, [x, x], [1], **_kw())
-    assert isinstance(f, LeanCUDAGraph) and f._num_clone == cg.SAVED_BY_DATAFLOW
+    assert isinstance(f, LeanCUDAGraph) and f._num_clone == eng.SAVED_BY_DATAFLOW
     assert "metadata not available" in pol.recorder.records[0]["reason"]
     # inference graphs need no metadata (every output is cloned)
     assert isinstance(pol.cudagraphify(fwd_graph, [x, x], [1], **_kw(is_inference=True)), LeanCUDAGraph)
@@ -649,11 +705,11 @@ def test_policy_falls_back_to_trees_with_reason(engine, trees_calls, monkeypatch
 def test_forward_user_output_count_reads_aot_metadata():
     from types import SimpleNamespace
 
-    assert cg.forward_user_output_count() is None
+    assert cgp.forward_user_output_count() is None
     ctx = torch._guards.TracingContext(None)
     ctx.fw_metadata = SimpleNamespace(num_forward=3)
     with torch._guards.tracing(ctx):
-        assert cg.forward_user_output_count() == 3
+        assert cgp.forward_user_output_count() == 3
 
 
 def test_should_wrap_declines_partitioned_graphs():

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch._inductor.utils import fresh_cache
 
+import te_passes.runtime.cudagraph_policy as pol
 import te_passes.runtime.cudagraphs as cg
 from te_passes.backend import te_inductor
 from te_passes.report import clear_compile_reports, compile_reports
@@ -37,14 +38,14 @@ def cpu_cudagraphs(monkeypatch):
         return orig(example_inputs, compiled_graph, *a, **k)
 
     monkeypatch.setattr(oc, "cudagraph_post_compile", post)
-    init = cg.LeanCUDAGraphPolicy.__init__
+    init = pol.LeanCUDAGraphPolicy.__init__
 
     def cpu_init(self, **kw):
         kw.setdefault("engine", FakeEngine())
         kw.setdefault("device_type", "cpu")
         init(self, **kw)
 
-    monkeypatch.setattr(cg.LeanCUDAGraphPolicy, "__init__", cpu_init)
+    monkeypatch.setattr(pol.LeanCUDAGraphPolicy, "__init__", cpu_init)
     torch._dynamo.reset()
     clear_compile_reports()
     yield
