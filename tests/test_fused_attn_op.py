@@ -54,12 +54,15 @@ def _contig(shape):
 
 # fmt, (s_q, s_kv, b, h_q, h_kv, d_qk, d_v), dtype, mask -> what TE's C++ allocates (module doc of
 # te_passes/te/fused_attn.py): out q.shape[:-1]+(d_v,) q.dtype; stats [b, h_q, s_q, 1] fp32; rng [2] int64.
+# CASES also run on the GPU (tests/gpu/test_fused_attention_gpu.py); CPU_CASES add shapes the
+# rewrite never produces (d_v != d_qk), for the fake's own rules.
 CASES = [
     ("sbhd", (128, 128, 2, 16, 16, 64, 64), BF16, "causal"),
-    ("sbhd", (128, 96, 2, 16, 4, 64, 32), BF16, "no_mask"),
+    ("sbhd", (128, 96, 2, 16, 4, 64, 64), BF16, "no_mask"),
     ("bshd", (64, 64, 3, 8, 8, 128, 128), FP16, "causal"),
     ("bshd", (32, 80, 1, 4, 2, 64, 64), BF16, "causal_bottom_right"),
 ]
+CPU_CASES = CASES + [("sbhd", (128, 96, 2, 16, 4, 64, 32), BF16, "no_mask")]
 
 
 def _table(fmt, dims, dtype):
@@ -117,7 +120,7 @@ def _is_sentinel(t):
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
-@pytest.mark.parametrize("fmt,dims,dtype,mask", CASES)
+@pytest.mark.parametrize("fmt,dims,dtype,mask", CPU_CASES)
 @pytest.mark.parametrize("training", [True, False])
 def test_forward_fake_matches_the_table(fmt, dims, dtype, mask, training):
     _op()
@@ -136,7 +139,7 @@ def test_forward_fake_matches_the_table(fmt, dims, dtype, mask, training):
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
-@pytest.mark.parametrize("fmt,dims,dtype,mask", CASES)
+@pytest.mark.parametrize("fmt,dims,dtype,mask", CPU_CASES)
 def test_forward_and_backward_through_forward_fn(fmt, dims, dtype, mask):
     """TE's ``forward_fn`` and autograd on fake ``meta`` tensors (the autograd engine needs a
     device guard for fake ``cuda``): out and q/k/v grads as TE's impls return them."""
@@ -171,12 +174,12 @@ def test_fake_refuses_what_it_cannot_describe(over, match):
             _flat_forward(fwd_args(q32, q32, q32, "sbhd"))
 
 
-@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
-def test_compiled_graphs_decode_the_family():
-    """Dynamo + AOTAutograd on fake meta tensors: one ``fused_attn`` node forward, one
-    ``fused_attn_backward`` node backward, decoded by the TE graph model from the schema."""
+def _compile_on_fake():
+    """Dynamo + AOTAutograd (Inductor's min-cut partitioner) of one sbhd causal attention on fake
+    meta tensors; returns (Dynamo graph, {"fw": gm, "bw": gm})."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fn = _op()
     seen = {}
@@ -191,7 +194,8 @@ def test_compiled_graphs_decode_the_family():
 
     def backend(gm, example_inputs):
         dynamo_graphs.append(gm)
-        return aot_module_simplified(gm, example_inputs, fw_compiler=record("fw"), bw_compiler=record("bw"))
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record("fw"), bw_compiler=record("bw"),
+                                     partition_fn=min_cut_rematerialization_partition)
 
     @torch.compile(backend=backend, fullgraph=True, dynamic=False)
     def attn(q, k, v):
@@ -205,6 +209,14 @@ def test_compiled_graphs_decode_the_family():
         out.sum().backward()
         assert q.grad.shape == q.shape
     (gm,) = dynamo_graphs
+    return gm, seen
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_compiled_graphs_decode_the_family():
+    """One ``fused_attn`` node forward, one ``fused_attn_backward`` node backward (the forward
+    is not recomputed there), decoded by the TE graph model from the schema."""
+    gm, seen = _compile_on_fake()
     nodes = [n for n in gm.graph.nodes if gmod.is_te_op_node(n)]
     assert [gmod.te_op_name(n) for n in nodes] == ["fused_attn"]
     call = gmod.decode(nodes[0])
@@ -213,10 +225,32 @@ def test_compiled_graphs_decode_the_family():
     assert call.config["qkv_layout"] == "sbhd_sbhd_sbhd" and call.config["attn_mask_type"] == "causal"
     assert call.config["max_seqlen_q"] == 64 and call.config["fp8"] is False
     assert call.tensors["cu_seqlens_q"] is not None and call.tensors["attn_bias"] is None
+    per_graph = {k: [gmod.te_op_name(n) for n in g.graph.nodes if gmod.is_te_op_node(n)] for k, g in seen.items()}
+    assert per_graph == {"fw": ["fused_attn"], "bw": ["fused_attn_backward"]}, per_graph
     aot = {gmod.te_op_name(n): gmod.decode(n) for g in seen.values() for n in g.graph.nodes if gmod.is_te_op_node(n)}
-    assert set(aot) == {"fused_attn", "fused_attn_backward"}, set(aot)
     bwd = aot["fused_attn_backward"]
     assert bwd.is_backward and bwd.module_kind == "fused_attn"
     assert {n for n, t in bwd.tensors.items() if t is not None} >= {"grad_output", "q", "k", "v", "out",
                                                                    "softmax_stats", "rng_state"}
     assert bwd.config["dqkv_layout"] == "sbhd_sbhd_sbhd" and bwd.config["nominal_dtype"] == BF16
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_post_grad_pipeline_calls_te_impls_directly():
+    """te_passes' configured post-grad pipeline (through the harness, as the backend runs it)
+    retargets both wrapper ops to their base ops and marks them for a direct call of TE's
+    ``_fused_attn_forward_impl`` / ``_fused_attn_backward_impl``."""
+    from te_passes.runtime.install import install
+    from te_passes.testing.harness import run_passes
+
+    install()
+    _, seen = _compile_on_fake()
+    impls = {}
+    for name, stage in (("fw", "post_grad_fwd"), ("bw", "post_grad_bwd")):
+        run = run_passes(seen[name], None, stage)
+        (ret,) = run.records("retargeted")
+        (direct,) = run.records("direct_call")
+        assert ret.data["to"] == ret.data["from"] + "_base"
+        impls[name] = direct.data["impl"].rsplit(".", 1)[1]
+        assert not run.records("kept")
+    assert impls == {"fw": "_fused_attn_forward_impl", "bw": "_fused_attn_backward_impl"}
