@@ -254,3 +254,28 @@ def test_post_grad_pipeline_calls_te_impls_directly():
         impls[name] = direct.data["impl"].rsplit(".", 1)[1]
         assert not run.records("kept")
     assert impls == {"fw": "_fused_attn_forward_impl", "bw": "_fused_attn_backward_impl"}
+
+
+def test_runtime_install_registers_the_family_in_a_fresh_process():
+    """``te_passes.runtime.install.install()`` (what the backend calls) registers the family once
+    TE's attention module is imported, and the direct-call lowering covers its base ops."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, transformer_engine.pytorch\n"
+            "from torch._library.custom_ops import OPDEFS\n"
+            "from te_passes.runtime import direct_lowering as dl, te_base_op\n"
+            "from te_passes.runtime.install import install\n"
+            "assert 'transformer_engine_compile::fused_attn' not in OPDEFS\n"
+            "install()\n"
+            "ops = [te_base_op.overload(f'transformer_engine_compile::fused_attn{s}') for s in ('_base', '_backward_base')]\n"
+            "print(sorted(k for k in OPDEFS if '::fused_attn' in k), [dl.lowering_reason(o) for o in ops])\n")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TE_PASSES_FUSED_ATTN", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == (
+        "['transformer_engine_compile::fused_attn', 'transformer_engine_compile::fused_attn_backward', "
+        "'transformer_engine_compile::fused_attn_backward_base', 'transformer_engine_compile::fused_attn_base'] "
+        "[None, None]")
