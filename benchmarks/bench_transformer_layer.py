@@ -18,7 +18,13 @@ first-forward lazy initialisation (else every frame recompiles on step 2; ``--no
 that). Variants: ``eager``, ``te_inductor``, ``te_inductor-ro`` (``mode="reduce-overhead"``),
 ``inductor-ro``, ``mgc`` (``te.make_graphed_callables``), ``mgc-nc`` (the same with
 ``clone_param_grads_on_return=False``), and each again on the model rewritten by
-``te_passes.compile_friendly(model, strict=True)`` (prefix ``cf-``).
+``te_passes.compile_friendly(model, strict=True)`` (prefix ``cf-``; core attention through torch's
+SDPA), and ``cf-fused-eager`` / ``cf-fused-te_inductor`` / ``cf-fused-te_inductor-ro`` on the model
+rewritten with ``attention="te_fused"`` (TE's cuDNN attention as the ``fused_attn`` custom op; not
+in the default set: ask for them with ``--variants``). SDPA vs fused in one run (< 500 s)::
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_transformer_layer.py --out DIR --models layer1 \
+        --variants eager cf-te_inductor-ro cf-fused-te_inductor-ro cf-fused-eager mgc
 
 Isolation: each (model, precision) runs its compiled variants one after the other in one worker
 process (``torch._dynamo.reset()`` between them) and its make_graphed_callables variants in
@@ -59,13 +65,26 @@ MODELS: dict[str, tuple[int, int, int]] = {"layer1": (1, 1024, 2), "stack4": (4,
 HIDDEN, FFN, HEADS = 2048, 8192, 16
 PRECISIONS = ("bf16", "fp8")
 BASE_VARIANTS = ("eager", "te_inductor", "te_inductor-ro", "inductor-ro", "mgc", "mgc-nc")
-VARIANTS = BASE_VARIANTS + tuple("cf-" + v for v in BASE_VARIANTS)
+DEFAULT_VARIANTS = BASE_VARIANTS + tuple("cf-" + v for v in BASE_VARIANTS)
+#: ``compile_friendly(model, attention="te_fused")`` variants (only when asked for).
+FUSED_VARIANTS = ("cf-fused-eager", "cf-fused-te_inductor", "cf-fused-te_inductor-ro")
+VARIANTS = DEFAULT_VARIANTS + FUSED_VARIANTS
 #: The subset ``--quick`` runs (layer1 only): the issue's "done when" comparisons.
 QUICK_VARIANTS = ("eager", "te_inductor", "te_inductor-ro", "cf-te_inductor", "cf-te_inductor-ro", "mgc", "cf-mgc")
 
 
+def split_variant(variant: str) -> tuple[str | None, str]:
+    """``(compile_friendly attention or None, base variant)``: ``"cf-fused-te_inductor-ro"`` ->
+    ``("te_fused", "te_inductor-ro")``, ``"cf-mgc"`` -> ``("sdpa", "mgc")``, ``"eager"`` -> ``(None, "eager")``."""
+    if variant.startswith("cf-fused-"):
+        return "te_fused", variant.removeprefix("cf-fused-")
+    if variant.startswith("cf-"):
+        return "sdpa", variant.removeprefix("cf-")
+    return None, variant
+
+
 def is_mgc(variant: str) -> bool:
-    return variant.removeprefix("cf-").startswith("mgc")
+    return split_variant(variant)[1].startswith("mgc")
 
 
 def plan(models, precisions, variants) -> list[list[dict[str, str]]]:
@@ -128,7 +147,7 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool)
         model_name, precision, variant = task["model"], task["precision"], task["variant"]
         layers, seq, batch = MODELS[model_name]
         fp8 = precision == "fp8"
-        base = variant.removeprefix("cf-")
+        attention, base = split_variant(variant)
         row: dict[str, Any] = dict(task, layers=layers, seq=seq, batch=batch, hidden=HIDDEN,
                                    prepared=prepare and not is_mgc(variant) and base != "eager")
         try:
@@ -146,8 +165,8 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool)
                 base_mem = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 model = build(model_name)
-                if variant.startswith("cf-"):
-                    te_passes.compile_friendly(model, strict=True)
+                if attention is not None:
+                    te_passes.compile_friendly(model, strict=True, attention=attention)
                 params = list(model.parameters())
                 x = x0.clone().requires_grad_(True)
                 mark = base.endswith("-ro")
@@ -238,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
     models = args.models or (["layer1"] if args.quick else list(MODELS))
     precisions = args.precisions or list(PRECISIONS)
-    variants = args.variants or list(QUICK_VARIANTS if args.quick else VARIANTS)
+    variants = args.variants or list(QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
     # Two passes: the key comparisons (QUICK_VARIANTS) for every model/precision first, then the
     # rest, so a budget cut drops secondary variants rather than whole models.
     groups = plan(models, precisions, [v for v in variants if v in QUICK_VARIANTS]) + \

@@ -24,7 +24,7 @@ def test_plan_isolates_mgc_and_orders_key_variants_first():
                          cwd=ROOT)
     groups = json.loads(out.stdout)["groups"]
     m = _mod()
-    assert sum(map(len, groups)) == len(m.MODELS) * len(m.PRECISIONS) * len(m.VARIANTS)
+    assert sum(map(len, groups)) == len(m.MODELS) * len(m.PRECISIONS) * len(m.DEFAULT_VARIANTS)
     for g in groups:  # a worker never mixes make_graphed_callables with compiled variants
         assert len({m.is_mgc(t["variant"]) for t in g}) == 1
         assert len({(t["model"], t["precision"]) for t in g}) == 1
@@ -43,3 +43,17 @@ def test_table_ratios():
     t = m._table(rows)
     assert "| layer1 | bf16 | cf-te_inductor-ro | 2.000 | 1.000 | 2.00x | 0.50x | 1 / 0 / 0 (0) |" in t
     assert "| cf-mgc | budget 420s spent |" in t
+
+
+def test_fused_attention_variants():
+    m = _mod()
+    assert m.split_variant("cf-fused-te_inductor-ro") == ("te_fused", "te_inductor-ro")
+    assert m.split_variant("cf-mgc") == ("sdpa", "mgc") and m.split_variant("eager") == (None, "eager")
+    assert not m.is_mgc("cf-fused-te_inductor") and m.is_mgc("cf-mgc-nc")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--models", "layer1", "--variants", "eager",
+                          "cf-te_inductor-ro", "cf-fused-te_inductor-ro", "cf-fused-eager", "mgc"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    groups = json.loads(out.stdout)["groups"]
+    variants = [t["variant"] for g in groups for t in g]
+    assert sorted(variants) == sorted(["eager", "cf-te_inductor-ro", "cf-fused-te_inductor-ro", "cf-fused-eager",
+                                       "mgc"] * 2)

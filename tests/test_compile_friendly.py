@@ -229,8 +229,12 @@ def test_strict_changes_nothing_and_keep_and_te_fused():
     recs = {r.module: r for r in cf.rewrite_records(layer)}
     assert recs["self_attention.core_attention"].action == "kept"
     assert recs["layernorm_mlp"].action == "rewritten"
-    with pytest.raises(NotImplementedError, match="te_fused"):
-        cf.compile_friendly(layer, attention="te_fused")
+    with _cpu_te():
+        cf.compile_friendly(layer, attention="te_fused")  # the kept attention now goes through the fused op
+    assert {r.module: r.action for r in cf.rewrite_records(layer)}["self_attention.core_attention"] == "rewritten"
+    cf.restore(layer)
+    with _cpu_te():
+        cf.compile_friendly(layer, attention="keep")
     with pytest.raises(ValueError, match="attention must be one of"):
         cf.compile_friendly(layer, attention="flash")
     # rewriting twice refuses the already rewritten modules

@@ -13,6 +13,8 @@ changes, in place and module by module:
   ``te.Linear`` (fc2);
 * ``DotProductAttention`` (``attention="sdpa"``) -> ``torch.nn.functional.scaled_dot_product_attention``
   with TE's scale, mask and layout for the configurations listed in :func:`attention_problem`;
+  (``attention="te_fused"``) -> TE's own fused (cuDNN) attention as the custom op
+  ``transformer_engine_compile::fused_attn`` (:mod:`te_passes.rewrite.fused_attention`);
 * ``te.MultiheadAttention`` -> the same forward, entered with TE's default recipe (FP8 off) when
   no ``te.autocast`` is active (TE would build that recipe inside the compiled region: a break).
 
@@ -42,6 +44,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from te_passes.rewrite.fused_attention import _rewrite_fused_attention, fused_attention_problem
 from te_passes.rewrite.module_state import (  # noqa: F401 - is_rewritten: public, re-exported
     _STATE_ATTR, CompileFriendlyError, _te, is_rewritten)
 from te_passes.rewrite.refusals import (attention_problem, layernorm_linear_problem, layernorm_mlp_problem,
@@ -96,6 +99,9 @@ def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, s
         elif isinstance(mod, DotProductAttention):
             if attention == "keep":
                 plan.append((name, mod, "DotProductAttention", "attention='keep'", None))
+            elif attention == "te_fused":
+                plan.append((name, mod, "DotProductAttention", fused_attention_problem(mod),
+                             _rewrite_fused_attention))
             else:
                 plan.append((name, mod, "DotProductAttention", attention_problem(mod), _rewrite_attention))
     return plan
@@ -111,7 +117,9 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
             (the root included) is considered.
         attention: ``"sdpa"`` — core attention through torch's ``scaled_dot_product_attention``;
             ``"keep"`` — leave ``DotProductAttention`` as TE wrote it; ``"te_fused"`` — TE's
-            fused attention as a custom op (not built yet: raises ``NotImplementedError``).
+            fused (cuDNN) attention as the ``transformer_engine_compile::fused_attn`` custom op
+            (registered on first use, TE 2.20.x only; when it is unavailable every
+            ``DotProductAttention`` is refused with the reason).
         strict: raise :class:`CompileFriendlyError` listing every refused module, before
             changing any, instead of leaving refused modules as they are.
 
@@ -121,7 +129,6 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
 
     Raises:
         ValueError: ``attention`` is not one of :data:`ATTENTION_CHOICES`.
-        NotImplementedError: ``attention="te_fused"``.
         CompileFriendlyError: ``strict=True`` and a module was refused.
         ImportError: Transformer Engine is not importable.
 
@@ -130,9 +137,6 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
     """
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
-    if attention == "te_fused":
-        raise NotImplementedError("attention='te_fused' (TE's fused attention as a register_custom_op op, "
-                                  "issue 15 part 2) is not built in this te_passes; use 'sdpa' or 'keep'")
     if not is_supported():
         raise CompileFriendlyError(f"compile_friendly mirrors TE 2.20.x module internals; installed TE is "
                                    f"{te_version()}")

@@ -101,8 +101,9 @@ def layernorm_mlp_problem(mod: Any) -> str | None:
 SDPA_MASK_TYPES: frozenset[str] = frozenset({"no_mask", "causal", "causal_bottom_right"})
 
 
-def attention_problem(mod: Any) -> str | None:
-    """Why ``DotProductAttention`` ``mod`` cannot go through SDPA exactly, or ``None``.
+def attention_problem(mod: Any, path: str = "SDPA") -> str | None:
+    """Why ``DotProductAttention`` ``mod`` cannot go through SDPA (or ``path``, the fused-op
+    rewrite's label, which shares these rules) exactly, or ``None``.
 
     Supported (TE 2.20.2 ``DotProductAttention``): ``qkv_format`` ``sbhd`` / ``bshd``; mask
     ``no_mask`` / ``causal`` (top-left) / ``causal_bottom_right`` with s_q == s_kv; the window
@@ -119,14 +120,16 @@ def attention_problem(mod: Any) -> str | None:
     if type(mod) is not DotProductAttention:
         return f"{type(mod).__qualname__} is a subclass of DotProductAttention (its forward may differ)"
     if mod.qkv_format not in ("sbhd", "bshd"):
-        return f"qkv_format={mod.qkv_format!r} (SDPA path: sbhd, bshd)"
+        return f"qkv_format={mod.qkv_format!r} ({path} path: sbhd, bshd)"
     if mod.attn_mask_type not in SDPA_MASK_TYPES:
-        return f"attn_mask_type={mod.attn_mask_type!r} (SDPA path: {sorted(SDPA_MASK_TYPES)})"
+        return f"attn_mask_type={mod.attn_mask_type!r} ({path} path: {sorted(SDPA_MASK_TYPES)})"
     if tuple(mod.window_size or (-1, -1)) not in ((-1, -1), (-1, 0)):
         return f"sliding window {mod.window_size}"
     if mod.attention_dropout:
         return (f"attention_dropout={mod.attention_dropout}: SDPA's dropout draws a different random "
-                "stream than TE's attention backends")
+                "stream than TE's attention backends" if path == "SDPA" else
+                f"attention_dropout={mod.attention_dropout}: the {path} op's philox rng state under CUDA-graph "
+                "replay is not verified against TE eager")
     if mod.softmax_type != "vanilla":
         return f"softmax_type={mod.softmax_type!r}"
     if mod.softcap:
@@ -211,7 +214,9 @@ def _check_norm_call(mod: Any) -> None:
             "norm input to the autocast dtype inside its kernel, which the rewrite does not express")
 
 
-def _check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, kwargs: dict) -> None:
+def _check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, kwargs: dict,
+                     path: str = "SDPA") -> None:
+    """Per-call refusals of the rewritten ``DotProductAttention`` (SDPA, or the fused op: ``path``)."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     where = f"rewritten DotProductAttention (layer_number={getattr(mod, 'layer_number', None)})"
@@ -220,12 +225,12 @@ def _check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, 
         if ok is None:
             raise TypeError(f"{where}: unexpected keyword argument {k!r}")
         if not ok(v):
-            raise CompileFriendlyError(f"{where}: {k}={v!r} is not expressed by the SDPA path; "
+            raise CompileFriendlyError(f"{where}: {k}={v!r} is not expressed by the {path} path; "
                                        "rewrite with attention='keep'")
     if qkv_format not in ("sbhd", "bshd"):
-        raise CompileFriendlyError(f"{where}: qkv_format={qkv_format!r} (SDPA path: sbhd, bshd)")
+        raise CompileFriendlyError(f"{where}: qkv_format={qkv_format!r} ({path} path: sbhd, bshd)")
     if mask not in SDPA_MASK_TYPES:
-        raise CompileFriendlyError(f"{where}: attn_mask_type={mask!r} (SDPA path: {sorted(SDPA_MASK_TYPES)})")
+        raise CompileFriendlyError(f"{where}: attn_mask_type={mask!r} ({path} path: {sorted(SDPA_MASK_TYPES)})")
     if attention_mask is not None:
         raise CompileFriendlyError(f"{where}: an attention_mask tensor with attn_mask_type={mask!r}")
     qstate = FP8GlobalStateManager.quantization_state

@@ -13,7 +13,10 @@
   only looks it up; families defined later are registered by the next call);
 * :func:`te_passes.runtime.constants.wrap_te_constant_classes` — the ``__fx_repr__`` of TE's
   value-opaque constant classes answers a wrapper-global name inside its own graph's Inductor
-  lowering (``hoist_te_constants``' named constants).
+  lowering (``hoist_te_constants``' named constants);
+* :func:`te_passes.runtime.fused_attn_op.install_fused_attention_op` — TE's fused attention as the
+  ``transformer_engine_compile::fused_attn`` family (TE 2.20.x only, ``TE_PASSES_FUSED_ATTN=0``
+  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``).
 
 So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
 need TE imported; until then they are no-ops and :func:`install` returns ``False``.
@@ -21,7 +24,7 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 
 from __future__ import annotations
 
-from te_passes.runtime import constants, direct_lowering, free_op
+from te_passes.runtime import constants, direct_lowering, free_op, fused_attn_op
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -33,6 +36,7 @@ def install() -> bool:
     when its module is imported, possibly after the hooks went in (``te_inductor`` calls this on
     every compile)."""
     free_op.register_inductor_lowering()  # failure is kept: lowering_error(); the pass then skips
+    fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
     return install_te_ub_hooks() & install_amax_group_hooks()

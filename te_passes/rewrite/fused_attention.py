@@ -1,0 +1,137 @@
+"""``compile_friendly(model, attention="te_fused")``: ``DotProductAttention``'s core attention
+through TE's own fused (cuDNN) kernels, called as the ``transformer_engine_compile::fused_attn``
+op family (:mod:`te_passes.runtime.fused_attn_op`), so Dynamo traces it as one node instead of
+stopping at TE 2.20.2's ``torch.compiler.disable``\\ d ``FusedAttention.forward``.
+
+The rewritten module builds the ``FusedAttnFwdArgs`` that ``FusedAttention.forward`` builds
+(TE 2.20.2 ``attention/dot_product_attention/backends.py``) for the configurations it accepts,
+with q, k and v made contiguous and the layout ``sbhd_sbhd_sbhd`` / ``bshd_bshd_bshd`` (TE's
+``get_qkv_layout`` reads ``data_ptr``\\ s, which Dynamo cannot trace; the kernel is the same cuDNN
+graph for TE's packed layouts, with other strides). Backend ``F16_arbitrary_seqlen`` (the only
+bf16/fp16 backend ``fused_attn_fwd`` accepts in TE 2.20.2); cuDNN refuses, at the first call, a
+shape it does not support. Mirrors TE 2.20.2 ``DotProductAttention.forward`` (mask / window /
+diagonal resolution) and ``FusedAttention.forward`` (cu_seqlens, ``max_seqlen``, ``is_training``,
+the output view ``[..., h, d] -> [..., h * d]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from te_passes.rewrite.module_state import _STATE_ATTR, CompileFriendlyError, _State
+from te_passes.rewrite.refusals import _check_sdpa_call, attention_problem
+from te_passes.runtime.fused_attn_op import FusedAttentionOpUnavailable, fused_attention_op
+
+PATH = "te_fused"
+
+
+def fused_attention_problem(mod: Any) -> str | None:
+    """Why ``DotProductAttention`` ``mod`` cannot go through the fused op exactly, or ``None``.
+
+    The SDPA path's rules (:func:`~te_passes.rewrite.refusals.attention_problem`: sbhd / bshd,
+    no_mask / causal / causal_bottom_right, no sliding window, dropout 0, vanilla softmax, no
+    softcap, no context parallelism, no max logit, equal K/V head dims, no tensor parallelism)
+    plus: the op is available (TE 2.20.x, not switched off), TE's FAv2 backward
+    (``NVTE_FUSED_ATTN_USE_FAv2_BWD``) is off. Per call: bf16/fp16 q/k/v on CUDA, no FP8
+    attention, no CPU offload (raised while tracing).
+    """
+    p = attention_problem(mod, path=PATH)
+    if p:
+        return p
+    if getattr(getattr(mod, "fused_attention", None), "use_FAv2_bwd", False):
+        return "NVTE_FUSED_ATTN_USE_FAv2_BWD=1 (TE's flash-attn v2 backward): not expressed by the fused op"
+    try:
+        fused_attention_op()
+    except FusedAttentionOpUnavailable as e:
+        return str(e)
+    return None
+
+
+def _resolve_mask(mod: Any, mask: str, window_size: Any, bottom_right_diagonal: Any) -> tuple[Any, bool]:
+    """``(window_size, bottom_right_diagonal)`` as TE 2.20.2 ``DotProductAttention.forward``
+    resolves them (``dpa_utils.check_set_window_size`` and the diagonal rules)."""
+    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
+
+    window = dpa_utils.check_set_window_size(mask, mod.window_size if window_size is None else window_size)
+    brd = mod.bottom_right_diagonal if bottom_right_diagonal is None else bottom_right_diagonal
+    if mask in {"causal", "padding_causal"}:
+        brd = False
+    if brd is None or mask in {"causal_bottom_right", "padding_causal_bottom_right"}:
+        brd = True
+    return tuple(window), brd
+
+
+def _fused_class() -> type:
+    if _CLASS:
+        return _CLASS[0]
+    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+        DotProductAttention,
+    )
+
+    class FusedDotProductAttention(DotProductAttention):
+        """``DotProductAttention`` through TE's fused attention custom op (``fused_attn``).
+
+        Takes ``DotProductAttention.forward``'s arguments (TE 2.20.2). q: [s_q, b, h, d]
+        (``sbhd``) or [b, s_q, h, d] (``bshd``); k, v: [s_kv, b, g, d] (GQA: ``g`` divides
+        ``h``), or packed ``qkv_layer`` / ``kv_layer``. Returns [s_q, b, h * d] / [b, s_q, h * d]
+        in q's dtype (bf16 / fp16). Arguments outside :func:`fused_attention_problem`'s list raise
+        :class:`CompileFriendlyError` while tracing (no graph break).
+        """
+
+        def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
+                    qkv_format=None, attn_mask_type=None, qkv_layer=None, kv_layer=None,
+                    qkv_interleave_dim=-3, **kwargs):
+            from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
+            from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
+            from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+                _unpack_packed_qkv,
+            )
+            from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+            from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
+
+            fmt = qkv_format or self.qkv_format
+            mask = attn_mask_type or self.attn_mask_type
+            _check_sdpa_call(self, fmt, mask, attention_mask, kwargs, path=PATH)
+            where = f"rewritten DotProductAttention (layer_number={getattr(self, 'layer_number', None)})"
+            if is_cpu_offload_enabled():
+                raise CompileFriendlyError(f"{where}: CPU activation offloading is enabled")
+            q, k, v, _ = _unpack_packed_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
+                                            fmt, qkv_interleave_dim, kwargs.get("inference_params"))
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if t.dtype not in (torch.bfloat16, torch.float16) or t.device.type != "cuda":
+                    raise CompileFriendlyError(f"{where}: {name} is {t.dtype} on {t.device}; the fused op "
+                                               "runs TE's bf16/fp16 cuDNN kernels on CUDA")
+            q, k, v = (t.contiguous() for t in (q, k, v))
+            seq_dim = 0 if fmt == "sbhd" else 1
+            batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
+            window, brd = _resolve_mask(self, mask, kwargs.get("window_size"), kwargs.get("bottom_right_diagonal"))
+            args = FusedAttnFwdArgs(
+                q=q, k=k, v=v, attn_bias=None, softmax_offset=None,
+                cu_seqlens_q=dpa_utils.get_full_cu_seqlens(batch, s_q, q.device),
+                cu_seqlens_kv=dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device),
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
+                packed_qkv=None, packed_kv=None, is_training=self.fused_attention.training,
+                max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv), attn_scale=self.softmax_scale, dropout_p=0.0,
+                fast_zero_fill=kwargs.get("fast_zero_fill", True), qkv_layout=f"{fmt}_{fmt}_{fmt}",
+                attn_bias_type="no_bias", attn_mask_type=mask, softmax_type="vanilla", window_size=window,
+                bottom_right_diagonal=brd, fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"],
+                deterministic=self.deterministic, use_FAv2_bwd=False, return_max_logit=False, rng_gen=None,
+                fp8=False, fp8_meta=None, quantizers=None, fp8_output=False, bf16_backward=False,
+                layer_number=self.fused_attention.layer_number)
+            out, _max_logit = fused_attention_op()(args)
+            return out.view(*out.shape[:-2], -1)
+
+    _CLASS.append(FusedDotProductAttention)
+    return FusedDotProductAttention
+
+
+_CLASS: list[type] = []
+
+
+def _rewrite_fused_attention(mod: Any) -> str:
+    mod.__dict__[_STATE_ATTR] = _State(type(mod))
+    mod.__class__ = _fused_class()
+    return (f"TE fused attention op transformer_engine_compile::fused_attn ({mod.attn_mask_type}, "
+            f"{mod.qkv_format}, scale {mod.softmax_scale:.4g})")

@@ -1,0 +1,152 @@
+"""TE's fused (cuDNN) attention as a ``register_custom_op`` op family (issue 15 part 2).
+
+TE 2.20.2 has the single-argument split of ``FusedAttnFunc`` that its custom-op framework
+expects (``attention/dot_product_attention/backends.py``: ``FusedAttnFwdArgs``,
+``FusedAttnBwdArgs``, ``_fused_attn_forward_impl``, ``_fused_attn_setup_ctx``,
+``_fused_attn_backward_impl``) but registers no op for it (only ``module/linear.py`` calls
+``register_custom_op``) and ``FusedAttention.forward`` is ``torch.compiler.disable``\\ d.
+:func:`install_fused_attention_op` registers the family ``transformer_engine_compile::fused_attn``
+(``fused_attn``, ``fused_attn_base``, ``fused_attn_backward``, ``fused_attn_backward_base``) with
+TE's own ``transformer_engine.pytorch.dynamo.register_custom_op``, TE's impls and setup, and the
+exact data-free fakes of :mod:`te_passes.te.fused_attn` — as ``module/linear.py`` registers
+``linear``. The op is then traced as one node, decoded by the TE graph model like any family.
+
+Only for TE 2.20.x (``te_passes.te.version``): the impls' argument and return layout are
+version-specific. Switched off by ``TE_PASSES_FUSED_ATTN=0`` in the environment (read at each
+call). Registered by :func:`te_passes.runtime.install.install` once TE is imported, or on demand
+by ``compile_friendly(model, attention="te_fused")`` (:func:`fused_attention_op`). Registration is
+process-wide and cannot be undone (``torch.library``); every later call answers from the record.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+from te_passes.te import version as te_version_mod
+from te_passes.te.fused_attn import make_fakes
+from te_passes.te.op_families import TE_OP_NAMESPACE
+
+#: Family name: the four ops live in ``transformer_engine_compile``.
+OP_NAME = "fused_attn"
+#: Environment switch; ``0`` / ``false`` / ``off`` / ``no`` keep the op unregistered.
+ENV_SWITCH = "TE_PASSES_FUSED_ATTN"
+#: ``FusedAttnFwdArgs`` fields that receive gradients, in ``_fused_attn_backward_impl``'s order.
+GRAD_FIELDS: tuple[str, ...] = ("q", "k", "v", "attn_bias", "softmax_offset")
+
+
+class FusedAttentionOpUnavailable(RuntimeError):
+    """The fused-attention op is not (and will not be) registered; the message says why."""
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"forward_fn": None, "error": None}
+
+
+def _switched_off() -> str | None:
+    v = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if v in ("0", "false", "off", "no"):
+        return f"switched off ({ENV_SWITCH}={os.environ[ENV_SWITCH]!r})"
+    return None
+
+
+def refused_reason() -> str | None:
+    """Why the op cannot be used in this process now (wrong TE version, switched off, TE's
+    registration failed), or ``None``. Checked on every call, also after registration."""
+    v = te_version_mod.te_version()
+    if v is None:
+        return "Transformer Engine is not installed"
+    try:
+        series = te_version_mod.parse_version(v)
+    except (ValueError, IndexError):
+        return f"TE version {v!r} is not parseable"
+    if series != (2, 20):
+        return (f"TE {v}: the fused-attention op wraps TE 2.20.x's FusedAttnFwdArgs / "
+                "_fused_attn_forward_impl layout and its fakes mirror TE 2.20's kernels; not registered "
+                "for other versions")
+    off = _switched_off()
+    if off:
+        return off
+    return _state["error"]
+
+
+def _te_parts() -> dict[str, Any]:
+    """TE 2.20.2's pieces, checked; raises ``FusedAttentionOpUnavailable`` naming a missing one."""
+    import torch  # noqa: F401  (TE needs torch first)
+    from transformer_engine.pytorch import dynamo as te_dynamo
+    from transformer_engine.pytorch.attention.dot_product_attention import backends
+
+    names = ("FusedAttnFwdArgs", "FusedAttnBwdArgs", "_fused_attn_forward_impl", "_fused_attn_setup_ctx",
+             "_fused_attn_backward_impl")
+    missing = [n for n in names if not hasattr(backends, n)]
+    if missing or not hasattr(te_dynamo, "register_custom_op"):
+        raise FusedAttentionOpUnavailable(
+            f"TE {te_version_mod.te_version()} lacks {missing or ['dynamo.register_custom_op']} "
+            "(attention/dot_product_attention/backends.py, pytorch/dynamo)")
+    return {n: getattr(backends, n) for n in names} | {"register_custom_op": te_dynamo.register_custom_op}
+
+
+def install_fused_attention_op(*, import_te: bool = False) -> bool:
+    """Register the ``fused_attn`` family once (idempotent, thread-safe); returns whether it is
+    registered and usable. A no-op returning ``False`` while TE's attention module is not imported
+    (unless ``import_te``), on another TE version or when switched off (:func:`refused_reason`).
+
+    The family is defined with TE's ``register_custom_op(op_name="fused_attn",
+    input_tensors_for_grad=["q", "k", "v", "attn_bias", "softmax_offset"], ...)`` on TE's
+    ``FusedAttnFwdArgs`` / ``FusedAttnBwdArgs``, impls and ``_fused_attn_setup_ctx``, with the
+    fakes of :func:`te_passes.te.fused_attn.make_fakes`. TE's ``register_custom_op`` returns
+    ``None`` (and records why) when torch lacks what it needs; that is kept as the refusal.
+    """
+    if refused_reason() is not None:
+        return False
+    if _state["forward_fn"] is not None:
+        return True
+    name = "transformer_engine.pytorch.attention.dot_product_attention.backends"
+    if te_version_mod.te_module(name, import_te=import_te) is None:
+        return False
+    with _lock:
+        if _state["forward_fn"] is not None or _state["error"] is not None:
+            return _state["forward_fn"] is not None
+        from torch._library.custom_ops import OPDEFS
+
+        if f"{TE_OP_NAMESPACE}::{OP_NAME}" in OPDEFS:
+            _state["error"] = (f"{TE_OP_NAMESPACE}::{OP_NAME} is already defined by someone else; "
+                               "te_passes does not replace it")
+            return False
+        try:
+            parts = _te_parts()
+        except FusedAttentionOpUnavailable as e:
+            _state["error"] = str(e)
+            return False
+        fwd_fake, bwd_fake = make_fakes()
+        fn = parts["register_custom_op"](
+            op_name=OP_NAME, input_tensors_for_grad=list(GRAD_FIELDS),
+            fwd_arg_type=parts["FusedAttnFwdArgs"], fwd_impl=parts["_fused_attn_forward_impl"],
+            fwd_fake_impl=fwd_fake, setup_context=parts["_fused_attn_setup_ctx"],
+            bwd_arg_type=parts["FusedAttnBwdArgs"], bwd_impl=parts["_fused_attn_backward_impl"],
+            bwd_fake_impl=bwd_fake)
+        if fn is None:
+            _state["error"] = ("TE's register_custom_op refused the fused_attn family (see "
+                               "transformer_engine.pytorch.utils record_compile_disabled)")
+            return False
+        _state["forward_fn"] = fn
+        return True
+
+
+def fused_attention_op() -> Callable[[Any], Any]:
+    """TE's ``forward_fn`` of the ``fused_attn`` family, registering it if needed (imports TE).
+
+    ``forward_fn(FusedAttnFwdArgs)`` returns ``(out, max_logit)`` as ``_fused_attn_forward_impl``
+    does (``max_logit`` ``None``): ``out`` is ``q.shape[:-1] + (d_v,)`` in q's dtype.
+
+    Raises:
+        FusedAttentionOpUnavailable: :func:`refused_reason` (TE version, switch, registration).
+    """
+    install_fused_attention_op(import_te=True)
+    reason = refused_reason()
+    if reason is None and _state["forward_fn"] is None:
+        reason = "TE's attention module could not be imported"
+    if reason is not None:
+        raise FusedAttentionOpUnavailable(f"TE fused-attention op unavailable: {reason}")
+    return _state["forward_fn"]

@@ -1,0 +1,156 @@
+"""Data-free fakes of TE 2.20.2's fused (cuDNN) attention forward / backward, for the
+``register_custom_op`` family te_passes registers (:mod:`te_passes.runtime.fused_attn_op`).
+
+TE 2.20.2 splits ``FusedAttnFunc`` into single-argument impls
+(``transformer_engine/pytorch/attention/dot_product_attention/backends.py``:
+``FusedAttnFwdArgs``, ``FusedAttnBwdArgs``, ``_fused_attn_forward_impl``,
+``_fused_attn_setup_ctx``, ``_fused_attn_backward_impl``) but registers no op for them and has
+no fakes. The fakes here describe, without data, exactly what those impls return for the
+configurations :func:`fake_problem` accepts (bf16 / fp16, separate ``sbhd`` or ``bshd`` q/k/v,
+backend ``F16_arbitrary_seqlen``, no bias, vanilla softmax, no max logit, no FAv2 backward);
+anything else raises :class:`FusedAttnFakeError` naming the field, never a guess.
+
+Where the shapes come from (TE's C++ read at NVIDIA/TransformerEngine d0067d0, whose
+``cpp_extensions/fused_attn.py`` is identical to 2.20.2's):
+
+================  =====================================  =========  ==========================
+tensor            shape                                  dtype      allocated by
+================  =====================================  =========  ==========================
+out               q.shape[:-1] + (v.shape[-1],)          q.dtype    ``extensions/attention.cpp``
+                  (``o_format`` = q's format)                       ``fused_attn_fwd``: O
+softmax stats     [b, h_q, max_seqlen_q, 1]              float32    ``fused_attn_f16_arbitrary_
+                                                                    seqlen.cu``: ``output_S``
+rng_state         [2]                                    int64      ``attention.cpp``:
+                                                                    ``torch::empty({2}, kInt64)``
+dq / dk / dv      q.shape / k.shape / v.shape            nominal    ``attention.cpp``
+                  (``NVTE_HD_HD_HD``: three empties)     dtype      ``fused_attn_bwd``
+================  =====================================  =========  ==========================
+
+All are fresh, contiguous allocations on the current device, which ``fused_attn_fwd`` sets to
+``cu_seqlens_q``'s (``at::cuda::CUDAGuard``; the backward runs on q's device); TE's ``TensorSpec`` materialises contiguous
+tensors, so the fakes' strides are exact. Not expressible with ``TensorSpec`` and therefore
+refused: the packed layouts (``sb3hd``, ``bshd_bs2hd``, ...), whose dq/dk/dv are strided views
+of one ``dQKV`` / ``dKV`` allocation; ``thd``, whose stats shape depends on the cuDNN runtime
+version and the GPU (``[t_q, h, 1]`` from cuDNN 9.6 except sm120, else ``[b, h, s_q, 1]``).
+
+In bf16/fp16 ``_fused_attn_forward_impl`` saves no copy of q, k, v or out: it names them in
+``ctx_attrs["saved_from"]`` and ``_fused_attn_setup_ctx`` takes them from the forward's inputs
+and output. The fakes return the same ``saved_from`` and ``ctx_attrs`` (TE's framework hands the
+*fake's* ``ctx_attrs`` to ``setup_context``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+#: q/k/v layouts whose fakes are exact (separate, contiguous q, k and v).
+SUPPORTED_LAYOUTS: frozenset[str] = frozenset({"sbhd_sbhd_sbhd", "bshd_bshd_bshd"})
+#: Activation dtypes of the bf16/fp16 backend.
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
+#: ``_fused_attn_forward_impl``'s ``saved_from`` in bf16/fp16 without bias / softmax offset:
+#: (q_fp8, k_fp8, v_fp8, out_fp8, q, k, v, out, stats, rng_state, bias, softmax_offset).
+F16_SAVED_FROM: tuple[str | None, ...] = (None, None, None, None, "q", "k", "v", "out", None, None, None, None)
+
+
+class FusedAttnFakeError(ValueError):
+    """The fused-attention fake was asked for a configuration it cannot describe exactly."""
+
+
+def _is_quantized(spec: Any) -> bool:
+    return getattr(spec, "quantizer", None) is not None
+
+
+def fake_problem(args: Any) -> str | None:
+    """Why the fakes cannot describe ``FusedAttnFwdArgs`` ``args`` exactly, or ``None``.
+
+    ``args`` may hold tensors or TE ``TensorSpec``\\ s (what TE's framework hands a fake)."""
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    if args.fp8 or args.fp8_output or args.bf16_backward:
+        return "FP8 attention (fp8 / fp8_output / bf16_backward)"
+    for name in ("q", "k", "v"):
+        t = getattr(args, name)
+        if t is None or _is_quantized(t) or not hasattr(t, "shape"):
+            return f"{name} is {type(t).__name__}, not a plain tensor"
+        if t.dtype not in SUPPORTED_DTYPES:
+            return f"{name}.dtype={t.dtype} (bf16/fp16 backend only)"
+        if len(t.shape) != 4:
+            return f"{name} has {len(t.shape)} dims, not 4"
+    if args.qkv_layout not in SUPPORTED_LAYOUTS:
+        return (f"qkv_layout={args.qkv_layout!r}: fakes are exact for {sorted(SUPPORTED_LAYOUTS)} only "
+                "(packed layouts return strided dq/dk/dv views; thd stats depend on the cuDNN runtime)")
+    if args.attn_bias_type != "no_bias" or args.attn_bias is not None:
+        return f"attn_bias_type={args.attn_bias_type!r}"
+    if args.softmax_type != "vanilla" or args.softmax_offset is not None:
+        return f"softmax_type={args.softmax_type!r}"
+    if args.return_max_logit:
+        return "return_max_logit"
+    if args.use_FAv2_bwd:
+        return "use_FAv2_bwd (NVTE_FUSED_ATTN_USE_FAv2_BWD)"
+    if args.page_table_k is not None or args.page_table_v is not None:
+        return "paged KV cache (page_table_k / page_table_v)"
+    if int(args.fused_attention_backend) != int(FusedAttnBackend["F16_arbitrary_seqlen"]):
+        return f"fused_attention_backend={args.fused_attention_backend!r} (F16_arbitrary_seqlen only)"
+    return None
+
+
+def _batch(shape: tuple[int, ...], fmt: str) -> int:
+    return shape[0] if fmt == "bshd" else shape[1]
+
+
+def make_fakes() -> tuple[Callable[[Any], tuple], Callable[[Any], tuple]]:
+    """``(forward_fake, backward_fake)`` for ``register_custom_op``, bound to TE's ``TensorSpec``,
+    ``FusedAttnBackend`` and ``get_qkv_format`` (resolved here, once: the fakes run inside
+    Dynamo's trace of TE's ``forward_fn`` and import nothing).
+
+    ``forward_fake(FusedAttnFwdArgs of TensorSpecs)`` returns what ``_fused_attn_forward_impl``
+    returns: ``(out, None, tensors_to_save, ctx_attrs)`` — ``out`` a ``TensorSpec`` of
+    ``q.shape[:-1] + (d_v,)`` in q's dtype; ``tensors_to_save`` twelve entries, all ``None``
+    except softmax stats (``[b, h_q, max_seqlen_q, 1]`` float32) and rng_state (``[2]`` int64);
+    ``ctx_attrs`` the bf16/fp16 values of TE's. ``backward_fake(FusedAttnBwdArgs)`` returns
+    ``(dq, dk, dv, None, None)`` shaped like q, k, v in ``nominal_dtype``.
+
+    Raises:
+        FusedAttnFakeError: the arguments are outside :func:`fake_problem`'s set.
+    """
+    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+    from transformer_engine.pytorch.dynamo.tensor_spec import TensorSpec
+
+    def forward_fake(args: Any) -> tuple:
+        problem = fake_problem(args)
+        if problem is not None:
+            raise FusedAttnFakeError(f"te_passes fused-attention op: no exact fake for {problem}")
+        q, v = args.q, args.v
+        _, q_format, _ = dpa_utils.get_qkv_format(args.qkv_layout)
+        device = args.cu_seqlens_q.device  # fused_attn_fwd's CUDAGuard: all outputs on this device
+        out = TensorSpec(shape=(*tuple(q.shape[:-1]), int(v.shape[-1])), dtype=q.dtype, device=device)
+        stats = TensorSpec(shape=(_batch(tuple(q.shape), q_format), int(q.shape[-2]), int(args.max_seqlen_q), 1),
+                           dtype=torch.float32, device=device)
+        rng_state = TensorSpec(shape=(2,), dtype=torch.int64, device=device)
+        saved = (None,) * 8 + (stats, rng_state, None, None)
+        ctx_attrs = {
+            "fp8": False, "is_input_fp8": False, "saved_from": F16_SAVED_FROM,
+            "fused_attention_backend": args.fused_attention_backend, "nominal_dtype": q.dtype,
+            "qkv_type": None, "qkv_layout": args.qkv_layout, "original_qkv_layout": args.qkv_layout,
+            "o_format": q_format, "qkv_scale_inv_format": None,
+            "QKV_quantizer": None, "O_quantizer": None, "S_quantizer": None,
+            "dQKV_quantizer": None, "dO_quantizer": None, "dP_quantizer": None,
+        }
+        return out, None, saved, ctx_attrs
+
+    def backward_fake(args: Any) -> tuple:
+        if args.fp8 or args.use_FAv2_bwd or args.dqkv_layout not in SUPPORTED_LAYOUTS \
+                or args.attn_bias_type != "no_bias" or args.softmax_type != "vanilla" \
+                or int(args.fused_attention_backend) != int(FusedAttnBackend["F16_arbitrary_seqlen"]):
+            raise FusedAttnFakeError(
+                f"te_passes fused-attention op: no exact backward fake for fp8={args.fp8}, "
+                f"use_FAv2_bwd={args.use_FAv2_bwd}, dqkv_layout={args.dqkv_layout!r}, "
+                f"attn_bias_type={args.attn_bias_type!r}, softmax_type={args.softmax_type!r}")
+        grads = tuple(TensorSpec(shape=tuple(t.shape), dtype=args.nominal_dtype, device=t.device)
+                      for t in (args.q, args.k, args.v))
+        return (*grads, None, None)
+
+    return forward_fake, backward_fake
