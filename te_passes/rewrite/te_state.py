@@ -2,25 +2,37 @@
 
 TE 2.20.2 initialises state lazily on the first forward, and each piece is a Python attribute
 Dynamo guards on while tracing that first call; the compiled first call then changes it, so the
-second call fails the guard and every frame recompiles once (issue 15: 4 recompiles in one
-``te.TransformerLayer``, 11 over 4 fp8 layers). Found on CPU with fake CUDA tensors
-(docs/usage.md), the guards that fail on call 2:
+second call fails the guard and the frame recompiles once (issue 15). The guards that fail on
+call 2 (found on CPU with fake CUDA tensors, and in the H200 runs' recompile reasons):
 
 * ``Recipe._cached_repr`` — ``te.autocast`` -> ``FP8GlobalStateManager.get_unique_autocast_key``
-  -> ``str(recipe)`` caches the repr on the recipe (``common/recipe/__init__.py``);
+  (``pytorch/quantization.py:723``) reads ``recipe.__dict__.get("_cached_repr")`` and then calls
+  ``str(recipe)``, whose ``Recipe.__repr__`` (``common/recipe/__init__.py:132``) caches the repr
+  in the instance ``__dict__`` (a fresh recipe has none: guard ``not ___dict_contains(...)``);
 * ``FP8GlobalStateManager.quantization_state.autocast_arguments`` — filled by the first
   ``autocast_enter`` (``pytorch/quantization.py``);
-* ``module._is_fsdp2`` — the lazily cached ``TransformerEngineBaseModule.is_fsdp2`` property;
-* ``module.fp8`` / ``fp8_meta`` / quantizers — ``init_fp8_metadata`` in ``prepare_forward``;
-* ``module.activation_dtype`` — ``set_activation_dtype`` in ``prepare_forward``
-  (``pytorch/module/base.py``).
+* ``module._is_fsdp2`` — the lazily cached ``TransformerEngineBaseModule.is_fsdp2`` property
+  (``pytorch/module/base.py:1037``);
+* ``module.fp8`` / ``fp8_meta`` / quantizers — ``init_fp8_metadata`` called by
+  ``prepare_forward`` (``module/base.py:1609``; guard ``self.fp8 == False`` at ``base.py:1601``);
+* ``module.activation_dtype`` — ``set_activation_dtype`` called by ``prepare_forward``
+  (guard ``self.activation_dtype is None`` at ``base.py:1490``).
 
-:func:`prepare_te_state` performs exactly these with TE's own methods, eagerly, so the first
-trace already sees the steady state.
+The last three hold for every ``TransformerEngineBaseModule`` whose ``prepare_forward`` Dynamo
+traces: ``te.Linear`` and also ``DotProductAttention`` (a ``TransformerEngineBaseModule`` whose
+forward is traced unless ``_needs_eager_dpa`` sends it eager; it calls ``prepare_forward`` with
+``num_gemms=3``, ``attention/dot_product_attention/dot_product_attention.py:2318``) — the
+untouched ``te.TransformerLayer``'s step-2 recompile on the H200 (``9/1 prepare_forward``).
+
+:func:`prepare_te_state` performs exactly these with TE's own methods (``set_activation_dtype``,
+``init_fp8_metadata`` with the ``num_gemms`` each class's forward passes, ``is_fsdp2``, ``str``
+and ``te.autocast``), eagerly, so the first trace already sees the steady state.
+:func:`prime_recipe` is the recipe part alone, for code that prepares its modules otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -28,16 +40,84 @@ import torch
 from te_passes.rewrite.module_state import _state, is_rewritten
 
 
-def _prepared_modules(model: torch.nn.Module) -> list[Any]:
-    """The TE modules whose traced forward runs TE's ``prepare_forward``: every ``te.Linear`` in
-    ``model`` and the hidden ``te.Linear``\\ s of modules rewritten by ``compile_friendly``."""
+def _forward_prepare_args(module: Any) -> tuple[int, bool] | None:
+    """``(num_gemms, allow_different_data_and_param_types)`` that ``module``'s TE 2.20.2 forward
+    passes to ``prepare_forward``, or ``None`` for a class not audited here.
+
+    Mirrors: ``module/linear.py:2407`` and ``module/layernorm_linear.py:1726`` (1, False),
+    ``module/layernorm_mlp.py:2320`` (2, False), ``module/grouped_linear.py:2222``
+    (``num_gemms``, False), ``attention/dot_product_attention/dot_product_attention.py:2318``
+    (3, ``softmax_type != "vanilla"``). Exact classes only: a subclass may call it otherwise.
+    """
     import transformer_engine.pytorch as te
 
-    mods = [m for m in model.modules() if isinstance(m, te.Linear)]
-    for m in model.modules():
+    cls = type(module)
+    if cls in (te.Linear, te.LayerNormLinear):
+        return 1, False
+    if cls is te.LayerNormMLP:
+        return 2, False
+    if cls is te.GroupedLinear:
+        return int(module.num_gemms), False
+    if cls is te.DotProductAttention:
+        return 3, module.softmax_type != "vanilla"
+    return None
+
+
+def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, tuple[int, bool]]], list[str]]:
+    """The TE modules of ``model`` whose first-forward state :func:`prepare_te_state` sets.
+
+    Every ``TransformerEngineBaseModule`` in ``model.modules()`` (``te.Linear``,
+    ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``, ``DotProductAttention``, nested at
+    any depth) and the hidden ``te.Linear``\\ s of modules rewritten by ``compile_friendly``
+    (a rewritten module itself is skipped: its forward no longer calls TE's ``prepare_forward``).
+
+    Returns:
+        ``(prepared, skipped)``: ``prepared`` = ``(qualified name, module, (num_gemms,
+        allow_different_data_and_param_types))``; ``skipped`` = one line per TE module of a
+        class :func:`_forward_prepare_args` does not know (its ``num_gemms`` cannot be guessed:
+        a wrong one would leave TE with the wrong quantizers, since ``init_fp8_metadata`` does
+        not re-run once initialised).
+    """
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    prepared, skipped = [], []
+    for name, m in model.named_modules():
         if is_rewritten(m):
-            mods.extend(_state(m).linears)
-    return mods
+            prepared.extend((f"{name}.<hidden te.Linear {i}>", lin, (1, False))
+                            for i, lin in enumerate(_state(m).linears))
+            continue
+        if not isinstance(m, TransformerEngineBaseModule):
+            continue
+        args = _forward_prepare_args(m)
+        if args is None:
+            skipped.append(f"{name or '<model>'} ({type(m).__qualname__}): not an audited TE 2.20.2 class, "
+                           "its prepare_forward arguments are unknown; not prepared (may recompile on step 2)")
+        else:
+            prepared.append((name or "<model>", m, args))
+    return prepared, skipped
+
+
+def prime_recipe(recipe: Any) -> None:
+    """Fill what TE's first ``te.autocast(recipe=recipe)`` caches: the recipe's repr
+    (``Recipe.__repr__`` stores ``_cached_repr`` in the instance ``__dict__``,
+    ``common/recipe/__init__.py:132``) and the ``autocast_arguments`` entry keyed by it
+    (``FP8GlobalStateManager.autocast_enter``, ``pytorch/quantization.py``).
+
+    Call it once, outside the compiled function, with the recipe object the compiled function
+    passes to ``te.autocast``; a compiled ``te.autocast`` region then does not recompile on step 2.
+    Changing any recipe attribute afterwards clears the cache (``Recipe.__setattr__``): prime again.
+
+    Raises:
+        TypeError: ``recipe`` is not a TE ``Recipe``.
+    """
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import Recipe
+
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"prime_recipe: expected a transformer_engine.common.recipe.Recipe, got {type(recipe).__name__}")
+    str(recipe)
+    with te.autocast(enabled=False, recipe=recipe):
+        pass
 
 
 def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
@@ -50,19 +130,19 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
             default recipes are prepared too).
         recipe: the recipe object the compiled function passes to ``te.autocast`` (the same
             object: its cached repr is part of the guard), or ``None`` when the compiled function
-            enters no ``te.autocast`` (bf16 with ``compile_friendly``).
+            enters no ``te.autocast``.
         fp8: ``enabled`` of that ``te.autocast``.
         dtype: the activation dtype the model will be called with.
 
     Returns:
-        The names of what was initialised (for a record).
+        What was initialised, one line per kind, plus one line per TE module left unprepared
+        (see :func:`te_modules_to_prepare`).
 
     Raises:
         ValueError: ``fp8=True`` without a recipe.
-        TypeError: a prepared module's parameters are not ``dtype`` (TE's ``set_activation_dtype``).
+        TypeError: a prepared module's parameters are not ``dtype`` (TE's ``set_activation_dtype``),
+            or ``recipe`` is not a TE ``Recipe``.
     """
-    import contextlib
-
     import transformer_engine.pytorch as te
 
     if fp8 and recipe is None:
@@ -70,22 +150,22 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
     done = []
     defaults = [_state(m).recipe for m in model.modules() if is_rewritten(m) and _state(m).recipe is not None]
     for r in defaults:  # CompileFriendlyMultiheadAttention enters these with FP8 off
-        str(r)
-        with te.autocast(enabled=False, recipe=r):
-            pass
+        prime_recipe(r)
     if defaults:
         done.append(f"{len(defaults)} MultiheadAttention default recipe(s): repr, autocast_arguments")
     if recipe is not None:
-        str(recipe)
+        prime_recipe(recipe)
         done.append("recipe repr, autocast_arguments")
-    mods = _prepared_modules(model)
+    mods, skipped = te_modules_to_prepare(model)
     with te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else contextlib.nullcontext():
         probe = torch.empty(0, dtype=dtype)
-        for m in mods:
+        for _, m, (num_gemms, allow_mixed) in mods:
             _ = m.is_fsdp2
-            # what te.Linear.forward's prepare_forward(inp) sets before set_activation_dtype
-            m.fast_setattr("allow_different_data_and_param_types", False)
+            # what prepare_forward(inp, num_gemms, ...) does before and in its lazy-init calls
+            m.fast_setattr("allow_different_data_and_param_types", allow_mixed)
             m.set_activation_dtype(probe)
-            m.init_fp8_metadata()
-    done.append(f"{len(mods)} te.Linear: is_fsdp2, activation_dtype, fp8 metadata")
+            m.init_fp8_metadata(num_gemms=num_gemms)
+    kinds = sorted({type(m).__name__ for _, m, _ in mods})
+    done.append(f"{len(mods)} TE module(s) ({', '.join(kinds)}): is_fsdp2, activation_dtype, fp8 metadata")
+    done.extend(skipped)
     return done

@@ -1,0 +1,169 @@
+"""prepare_te_state / prime_recipe on CPU (TE modules built under fake CUDA): which first-forward
+state is set on which modules, and that Dynamo then does not recompile on the second call.
+
+The H200 run (docs/benchmarks/h200_2026-12-01_final) showed the untouched te.TransformerLayer
+recompiling ``prepare_forward`` after step 1 (``self.activation_dtype is None`` in bf16,
+``self.fp8 == False`` in fp8): that frame is ``DotProductAttention``'s ``prepare_forward`` (DPA is
+a ``TransformerEngineBaseModule``; its forward graph-breaks inside ``with
+self.prepare_forward_ctx(...)`` at the disabled ``FusedAttention.forward``, so Dynamo runs it
+eagerly and compiles ``prepare_forward`` as its own frame). ``test_dpa_prepare_forward_*``
+reproduces that frame on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+te = pytest.importorskip("transformer_engine.pytorch")
+
+from transformer_engine.common import recipe as te_recipe  # noqa: E402
+
+from te_passes.rewrite import compile_friendly as cf  # noqa: E402
+from te_passes.rewrite.te_state import prepare_te_state, prime_recipe, te_modules_to_prepare  # noqa: E402
+from te_passes.testing.capture import _constructing, _quiet, fake_gpu  # noqa: E402
+
+
+def _layer():
+    return te.TransformerLayer(64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                               params_dtype=torch.bfloat16, device="cuda")
+
+
+@contextlib.contextmanager
+def _fake(precision):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with _quiet(), fake_gpu(precision):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, _constructing():
+            yield mode
+
+
+#: TE 2.20.2 forward -> prepare_forward(num_gemms=...): module/linear.py:2407,
+#: layernorm_linear.py:1726, layernorm_mlp.py:2320, dot_product_attention.py:2318.
+_UNTOUCHED = {"self_attention.layernorm_qkv": ("LayerNormLinear", 1),
+              "self_attention.core_attention": ("DotProductAttention", 3),
+              "self_attention.proj": ("Linear", 1),
+              "layernorm_mlp": ("LayerNormMLP", 2)}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_untouched_layer_every_te_base_module_is_prepared(precision):
+    fp8 = precision == "fp8-cs"
+    recipe = te_recipe.Float8CurrentScaling()
+    with _fake(precision):
+        layer = _layer()
+        assert "_cached_repr" not in recipe.__dict__  # what the H200 stack4 guard saw
+        assert all(m.activation_dtype is None and m.fp8 is False for m in layer.modules()
+                   if hasattr(m, "fp8_meta"))
+        done = prepare_te_state(layer, recipe, fp8=fp8)
+    prepared, skipped = te_modules_to_prepare(layer)
+    assert skipped == []
+    got = {name: (type(m).__name__, args[0]) for name, m, args in prepared}
+    assert got == _UNTOUCHED, got
+    assert "_cached_repr" in recipe.__dict__
+    for name, m, (num_gemms, _) in prepared:
+        assert m.activation_dtype is torch.bfloat16, name
+        assert m.fp8 is fp8 and m.fp8_initialized is fp8, name
+        assert "_is_fsdp2" in m.__dict__, name
+        if fp8:
+            assert m.fp8_meta["num_gemms"] == num_gemms and m.fp8_meta["recipe"] is recipe, name
+    assert any("DotProductAttention" in line for line in done), done
+
+
+def test_rewritten_layer_prepares_hidden_linears_not_rewritten_modules():
+    recipe = te_recipe.Float8CurrentScaling()
+    with _fake("fp8-cs"):
+        layer = _layer()
+        cf.compile_friendly(layer, strict=True)
+        prepare_te_state(layer, recipe, fp8=True)
+    prepared, skipped = te_modules_to_prepare(layer)
+    names = [n for n, _, _ in prepared]
+    # layernorm_qkv (1 hidden), core_attention (SDPA: none), proj (untouched Linear), fc1 + fc2
+    assert names == ["self_attention.layernorm_qkv.<hidden te.Linear 0>", "self_attention.proj",
+                     "layernorm_mlp.<hidden te.Linear 0>", "layernorm_mlp.<hidden te.Linear 1>"], names
+    assert skipped == []
+    assert all(m.fp8 and m.activation_dtype is torch.bfloat16 for _, m, _ in prepared)
+    for rewritten in (layer.self_attention.layernorm_qkv, layer.layernorm_mlp):
+        assert rewritten.activation_dtype is None and rewritten.fp8 is False  # TE's forward no longer runs
+
+
+def test_unaudited_subclass_is_named_not_prepared():
+    class MyLinear(te.Linear):
+        pass
+
+    with _fake("bf16"):
+        model = torch.nn.Sequential(MyLinear(64, 64, params_dtype=torch.bfloat16, device="cuda"))
+        done = prepare_te_state(model, None, fp8=False)
+    assert any("0 (" in line and "MyLinear" in line and "not prepared" in line for line in done), done
+    assert model[0].activation_dtype is None
+
+
+def test_prepare_refusals():
+    with _fake("bf16"):
+        lin = te.Linear(64, 64, params_dtype=torch.float32, device="cuda")
+        with pytest.raises(ValueError, match="fp8=True needs the recipe"):
+            prepare_te_state(lin, None, fp8=True)
+        with pytest.raises(TypeError, match="Data types for parameters must match"):
+            prepare_te_state(lin, None, fp8=False, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="expected a transformer_engine.common.recipe.Recipe"):
+        prime_recipe("Float8CurrentScaling")
+
+
+def test_prime_recipe_fills_repr_cache_and_autocast_arguments():
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    r = te_recipe.Float8CurrentScaling()
+    assert "_cached_repr" not in r.__dict__
+    prime_recipe(r)
+    assert r.__dict__["_cached_repr"] == repr(r)
+    key = FP8GlobalStateManager.get_unique_autocast_key(r, None)
+    assert FP8GlobalStateManager.quantization_state.autocast_arguments[key][0] is r
+
+
+def _recompiles_of(fn, mode, precision, calls=3):
+    """Call compiled ``fn`` ``calls`` times with fresh fake inputs; the recompile reasons."""
+    torch._dynamo.reset()
+    seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+    for _ in range(calls):
+        with mode, _constructing():
+            q = torch.randn(16, 2, 4, 16, dtype=torch.bfloat16, device="cuda")
+        with mode:
+            fn(q)
+    return [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
+            if id(m) not in seen and m.recompile_reason]
+
+
+@pytest.mark.parametrize("precision,guard", [("bf16", "activation_dtype is None"), ("fp8-cs", "fp8 == False")])
+def test_dpa_prepare_forward_recompiles_unless_prepared(precision, guard):
+    """DotProductAttention's prepare_forward as its own compiled frame (as on the H200), entered
+    under an eager te.autocast with a primed recipe: it recompiles on call 2 with exactly the
+    H200 guard, and not after prepare_te_state."""
+    fp8 = precision == "fp8-cs"
+    recipe = te_recipe.Float8CurrentScaling()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for prepare in (False, True):
+        with _quiet(), fake_gpu(precision):
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode, _constructing():  # torch.cuda.is_available patched only while building
+                dpa = te.DotProductAttention(4, 16, attention_dropout=0.0)
+                prime_recipe(recipe)
+                if prepare:
+                    prepare_te_state(dpa, recipe, fp8=fp8)
+
+            @torch.compile(backend=lambda gm, ex: gm.forward, dynamic=False)
+            def frame(q):  # the arguments of dot_product_attention.py:2318
+                out = dpa.prepare_forward(q, num_gemms=3, allow_non_contiguous=True,
+                                          allow_different_data_and_param_types=dpa.softmax_type != "vanilla")
+                dpa.end_forward()
+                return out * 2
+
+            with te.autocast(enabled=fp8, recipe=recipe):
+                reasons = _recompiles_of(frame, mode, precision)
+        if prepare:
+            assert reasons == [], reasons
+        else:
+            assert len(reasons) == 1 and guard in reasons[0] and "prepare_forward" in reasons[0], reasons
