@@ -6,6 +6,8 @@ One command (H200, torch 2.14.1 + TE 2.20.2, gpu-kit env)::
 
     source .gpu/s/env.sh; PYTHONPATH=$PWD python3 benchmarks/bench_transformer_layer.py --out DIR [--quick]
 
+The full table in device calls of < 500 s each: ``--print-chunks`` (then ``--merge``).
+
 Models (hidden 2048, ffn 8192, 16 heads, bf16 params, dropout 0, fwd+bwd; ``TransformerLayer``
 defaults otherwise): ``layer1`` = 1 layer, seq 1024 × batch 2; ``stack4`` = 4 layers in a
 ``torch.nn.Sequential``, seq 2048 × batch 1. Precisions: ``bf16``, ``fp8``
@@ -32,7 +34,14 @@ another: a failed make_graphed_callables leaves TE in graph-capture state for th
 compiles would silently run eager), so a worker stops at the first mgc failure and the remaining
 variants go to a fresh worker. The key variants (``QUICK_VARIANTS``) of every model/precision run
 first, the others after them. A run has a wall-clock budget (``--budget-s``, default 420 s):
-variants that would start after it are written as skipped, never silently dropped.
+variants that would start after it are written as skipped, never silently dropped (the worker
+checks it before each variant too), and a worker still running ``GRACE_S`` after it is killed: a run
+takes at most ``--budget-s`` + ``GRACE_S`` seconds (plus the table). ``--worker-timeout-s`` is per
+variant.
+
+The whole table (issue 15) does not fit in one 600-s device call: :data:`ISSUE_CHUNKS` splits it
+into calls of < 500 s each; ``--print-chunks`` prints their commands and ``--merge DIR ...``
+writes one table from their ``--out`` directories.
 
 Per variant: median CUDA-event ms per step (host time included: the end event is enqueued after
 the step's last launch), median host ms, speed-up vs eager and vs mgc of the same model/precision
@@ -71,6 +80,27 @@ FUSED_VARIANTS = ("cf-fused-eager", "cf-fused-te_inductor", "cf-fused-te_inducto
 VARIANTS = DEFAULT_VARIANTS + FUSED_VARIANTS
 #: The subset ``--quick`` runs (layer1 only): the issue's "done when" comparisons.
 QUICK_VARIANTS = ("eager", "te_inductor", "te_inductor-ro", "cf-te_inductor", "cf-te_inductor-ro", "mgc", "cf-mgc")
+#: Seconds a worker may run past ``--budget-s`` (one variant started just before it) before it is killed.
+GRACE_S = 100.0
+#: The issue-15 table as device calls of < 500 s each (``--budget-s`` + ``GRACE_S``):
+#: (name, models, precisions, variants, budget_s). Together: layer1 and stack4, bf16 and fp8,
+#: every variant of the issue's table plus ``cf-te_inductor-ro``.
+_TABLE_VARIANTS = ("eager", "te_inductor", "te_inductor-ro", "cf-te_inductor-ro", "mgc", "mgc-nc")
+ISSUE_CHUNKS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], float], ...] = (
+    ("layer1", ("layer1",), PRECISIONS, _TABLE_VARIANTS + ("inductor-ro",), 380.0),
+    ("stack4-bf16", ("stack4",), ("bf16",), _TABLE_VARIANTS, 380.0),
+    ("stack4-fp8", ("stack4",), ("fp8",), _TABLE_VARIANTS, 380.0),
+    ("stack4-inductor-ro", ("stack4",), PRECISIONS, ("inductor-ro",), 380.0),
+)
+
+
+def chunk_commands(out_root: str = "/root/out/tl") -> list[str]:
+    """One shell command per :data:`ISSUE_CHUNKS` entry (run from the repo root), then the merge."""
+    cmds = [f"PYTHONPATH=$PWD python3 benchmarks/bench_transformer_layer.py --out {out_root}/{name} "
+            f"--models {' '.join(m)} --precisions {' '.join(p)} --variants {' '.join(v)} --budget-s {b:.0f}"
+            for name, m, p, v, b in ISSUE_CHUNKS]
+    dirs = " ".join(f"{out_root}/{name}" for name, *_ in ISSUE_CHUNKS)
+    return cmds + [f"python3 benchmarks/bench_transformer_layer.py --out {out_root}/all --merge {dirs}"]
 
 
 def split_variant(variant: str) -> tuple[str | None, str]:
@@ -99,8 +129,9 @@ def plan(models, precisions, variants) -> list[list[dict[str, str]]]:
 
 
 # --------------------------------------------------------------------------- worker
-def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool) -> int:
-    """Run ``tasks`` in this process, one JSON line per task on stdout (prefix ``RESULT ``).
+def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool, deadline: float | None = None) -> int:
+    """Run ``tasks`` in this process, one JSON line per task on stdout (prefix ``RESULT ``); a task
+    that would start after ``deadline`` (``time.time()``) is written as skipped.
     Returns 3 after a failed make_graphed_callables variant (the rest must run elsewhere)."""
     import torch
     import transformer_engine.pytorch as te
@@ -144,6 +175,9 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool)
         return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends)), statistics.median(host)
 
     for task in tasks:
+        if deadline is not None and time.time() > deadline:
+            print("RESULT " + json.dumps(dict(task, skipped="budget spent")), flush=True)
+            continue
         model_name, precision, variant = task["model"], task["precision"], task["variant"]
         layers, seq, batch = MODELS[model_name]
         fp8 = precision == "fp8"
@@ -233,6 +267,24 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _merge(dirs: list[str], out: Path) -> int:
+    """Concatenate the rows of ``DIR/bench_transformer_layer.json`` for every ``dirs`` entry
+    (chunks of one run) into ``out`` (JSON with each chunk's meta, and the table)."""
+    rows, metas = [], []
+    for d in dirs:
+        f = Path(d) / "bench_transformer_layer.json"
+        if not f.is_file():
+            raise SystemExit(f"--merge: {f} does not exist (chunk not run?)")
+        data = json.loads(f.read_text())
+        rows.extend(data["rows"])
+        metas.append(data["meta"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_transformer_layer.json").write_text(json.dumps({"meta": {"merged": metas}, "rows": rows}, indent=1))
+    (out / "bench_transformer_layer.md").write_text(_table(rows) + "\n")
+    print(_table(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=False, default="/tmp/bench_transformer_layer")
@@ -243,17 +295,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--iters", type=int)
     ap.add_argument("--budget-s", type=float, default=420.0, help="no variant starts after this many seconds")
-    ap.add_argument("--worker-timeout-s", type=float, default=300.0)
+    ap.add_argument("--worker-timeout-s", type=float, default=300.0, help="per variant")
     ap.add_argument("--no-prepare", action="store_true",
                     help="skip te_passes.rewrite.te_state.prepare_te_state before compiling (shows TE's "
                          "first-forward recompiles)")
     ap.add_argument("--dry-run", action="store_true", help="print the task plan as JSON; no GPU needed")
+    ap.add_argument("--print-chunks", action="store_true",
+                    help="print the device-call commands that together run the issue-15 table")
+    ap.add_argument("--merge", nargs="+", metavar="DIR", help="merge the JSON of these --out dirs into --out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # JSON task list: run in this process
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # worker: time.time() budget end
     args = ap.parse_args(argv)
+    if args.print_chunks:
+        print("\n".join(chunk_commands()))
+        return 0
+    if args.merge:
+        return _merge(args.merge, Path(args.out))
     warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
     iters = args.iters if args.iters is not None else (10 if args.quick else 20)
     if args.worker:
-        return _worker(json.loads(args.worker), warmup, iters, not args.no_prepare)
+        return _worker(json.loads(args.worker), warmup, iters, not args.no_prepare, args.deadline)
 
     models = args.models or (["layer1"] if args.quick else list(MODELS))
     precisions = args.precisions or list(PRECISIONS)
@@ -263,13 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     groups = plan(models, precisions, [v for v in variants if v in QUICK_VARIANTS]) + \
         plan(models, precisions, [v for v in variants if v not in QUICK_VARIANTS])
     if args.dry_run:
-        print(json.dumps({"groups": groups, "warmup": warmup, "iters": iters, "budget_s": args.budget_s}, indent=1))
+        print(json.dumps({"groups": groups, "warmup": warmup, "iters": iters, "budget_s": args.budget_s,
+                          "max_wall_s": args.budget_s + GRACE_S}, indent=1))
         return 0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
+    t_start, wall_start = time.perf_counter(), time.time()
     meta = {"command": " ".join(sys.argv), "warmup": warmup, "iters": iters, "hidden": HIDDEN, "ffn": FFN,
             "heads": HEADS, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "commit": os.environ.get("TE_PASSES_COMMIT"), "prepare_te_state": not args.no_prepare}
@@ -285,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(dict(t, skipped=f"budget {args.budget_s:.0f}s spent") for t in pending)
                 break
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(pending),
-                   "--warmup", str(warmup), "--iters", str(iters)] + (["--no-prepare"] if args.no_prepare else [])
-            left = max(30.0, min(args.worker_timeout_s, args.budget_s + 120 - (time.perf_counter() - t_start)))
+                   "--warmup", str(warmup), "--iters", str(iters), "--deadline", str(wall_start + args.budget_s)
+                   ] + (["--no-prepare"] if args.no_prepare else [])
+            left = max(10.0, min(args.worker_timeout_s * len(pending),
+                                 args.budget_s + GRACE_S - (time.perf_counter() - t_start)))
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, cwd=_ROOT)
                 stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
