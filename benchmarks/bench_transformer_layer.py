@@ -138,7 +138,7 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool,
     from transformer_engine.common.recipe import Float8CurrentScaling
 
     import te_passes
-    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.rewrite.te_state import prepare_te_state, unprepared_te_state
     from te_passes.testing.gpu import CompileWatch, ensure_te_inductor_backend, fresh_compile_state, rel_err, train_step
 
     ensure_te_inductor_backend()
@@ -214,6 +214,7 @@ def _worker(tasks: list[dict[str, str]], warmup: int, iters: int, prepare: bool,
                 else:
                     if prepare:  # TE's first-forward lazy state, so step 2 does not recompile
                         prepare_te_state(model, recipe, fp8=fp8)
+                    row["unprepared"] = unprepared_te_state(model, recipe, fp8=fp8)  # [] once prepared
                     backend = "inductor" if base.startswith("inductor") else "te_inductor"
                     fn = torch.compile(fwd_of(model, fp8), backend=backend,
                                        mode="reduce-overhead" if mark else None)

@@ -167,3 +167,25 @@ def test_dpa_prepare_forward_recompiles_unless_prepared(precision, guard):
             assert reasons == [], reasons
         else:
             assert len(reasons) == 1 and guard in reasons[0] and "prepare_forward" in reasons[0], reasons
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_unprepared_te_state_names_module_attribute_and_fix(precision):
+    from te_passes.rewrite.te_state import unprepared_te_state
+
+    fp8 = precision == "fp8-cs"
+    recipe = te_recipe.Float8CurrentScaling()
+    with _fake(precision):
+        layer = _layer()
+        before = unprepared_te_state(layer, recipe, fp8=fp8)
+        assert before[0].startswith("recipe Float8CurrentScaling: repr not cached")
+        dpa = [ln for ln in before if ln.startswith("self_attention.core_attention (DotProductAttention): ")]
+        assert len(dpa) == 1 and "activation_dtype None (first forward sets torch.bfloat16)" in dpa[0], before
+        assert ("fp8 False (first forward sets True)" in dpa[0]) is fp8
+        assert all(ln.endswith("before torch.compile") for ln in before)
+        assert len(before) == 1 + len(_UNTOUCHED)
+        prepare_te_state(layer, recipe, fp8=fp8)
+        assert unprepared_te_state(layer, recipe, fp8=fp8) == []
+        # prepared for bf16, compiled in fp8: every module is named again
+        if not fp8:
+            assert len(unprepared_te_state(layer, recipe, fp8=True)) == len(_UNTOUCHED)

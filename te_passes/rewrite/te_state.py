@@ -27,7 +27,8 @@ untouched ``te.TransformerLayer``'s step-2 recompile on the H200 (``9/1 prepare_
 :func:`prepare_te_state` performs exactly these with TE's own methods (``set_activation_dtype``,
 ``init_fp8_metadata`` with the ``num_gemms`` each class's forward passes, ``is_fsdp2``, ``str``
 and ``te.autocast``), eagerly, so the first trace already sees the steady state.
-:func:`prime_recipe` is the recipe part alone, for code that prepares its modules otherwise.
+:func:`prime_recipe` is the recipe part alone, for code that prepares its modules otherwise;
+:func:`unprepared_te_state` names what is still unset (a check, for a record or an assert).
 """
 
 from __future__ import annotations
@@ -169,3 +170,31 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
     done.append(f"{len(mods)} TE module(s) ({', '.join(kinds)}): is_fsdp2, activation_dtype, fp8 metadata")
     done.extend(skipped)
     return done
+
+
+def unprepared_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
+                        dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """What of TE's first-forward state is not yet what the first compiled call would set, one
+    line per module (qualified name, class, the attribute, found vs expected) ending in the fix.
+
+    Reads only; the arguments are those of :func:`prepare_te_state`. An empty list means the
+    first trace already sees the steady state for the guards listed in the module doc. TE
+    modules of unaudited classes are listed too (they are never prepared).
+    """
+    fix = "call te_passes.prepare_te_state(model, recipe, fp8=...) before torch.compile"
+    out = []
+    if recipe is not None and "_cached_repr" not in recipe.__dict__:
+        out.append(f"recipe {type(recipe).__name__}: repr not cached (Recipe.__repr__ caches it on the "
+                   f"first te.autocast): {fix}")
+    mods, skipped = te_modules_to_prepare(model)
+    for name, m, (num_gemms, _) in mods:
+        found = {"activation_dtype": m.activation_dtype, "fp8": m.fp8, "is_fsdp2 cached": "_is_fsdp2" in m.__dict__}
+        want = {"activation_dtype": dtype, "fp8": fp8, "is_fsdp2 cached": True}
+        if fp8:
+            found.update(fp8_initialized=m.fp8_initialized, num_gemms=m.fp8_meta.get("num_gemms"),
+                         recipe_is_ours=m.fp8_meta.get("recipe") is recipe)
+            want.update(fp8_initialized=True, num_gemms=num_gemms, recipe_is_ours=True)
+        bad = [f"{k} {found[k]!r} (first forward sets {want[k]!r})" for k in want if found[k] != want[k]]
+        if bad:
+            out.append(f"{name} ({type(m).__name__}): {', '.join(bad)}: {fix}")
+    return out + skipped

@@ -49,13 +49,14 @@ def test_no_recompile_after_first_step(case):
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import Float8CurrentScaling
 
-    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.rewrite.te_state import prepare_te_state, unprepared_te_state
 
     fp8 = case.endswith("fp8")
     # TE's MultiheadAttention reads the recipe even in bf16: the layers get one (built outside)
     recipe = make_recipe("fp8") if fp8 else (None if case.startswith("stack4") else Float8CurrentScaling())
     model = _build(case)
     done = prepare_te_state(model, recipe, fp8=fp8)
+    assert unprepared_te_state(model, recipe, fp8=fp8) == []
 
     def fwd(x):
         if recipe is None:
