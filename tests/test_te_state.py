@@ -123,50 +123,60 @@ def test_prime_recipe_fills_repr_cache_and_autocast_arguments():
     assert FP8GlobalStateManager.quantization_state.autocast_arguments[key][0] is r
 
 
-def _recompiles_of(fn, mode, precision, calls=3):
-    """Call compiled ``fn`` ``calls`` times with fresh fake inputs; the recompile reasons."""
-    torch._dynamo.reset()
-    seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
-    for _ in range(calls):
-        with mode, _constructing():
-            q = torch.randn(16, 2, 4, 16, dtype=torch.bfloat16, device="cuda")
-        with mode:
-            fn(q)
-    return [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
-            if id(m) not in seen and m.recompile_reason]
-
-
-@pytest.mark.parametrize("precision,guard", [("bf16", "activation_dtype is None"), ("fp8-cs", "fp8 == False")])
-def test_dpa_prepare_forward_recompiles_unless_prepared(precision, guard):
-    """DotProductAttention's prepare_forward as its own compiled frame (as on the H200), entered
-    under an eager te.autocast with a primed recipe: it recompiles on call 2 with exactly the
-    H200 guard, and not after prepare_te_state."""
-    fp8 = precision == "fp8-cs"
-    recipe = te_recipe.Float8CurrentScaling()
+@pytest.mark.parametrize("precision,guard", [("bf16", "self.activation_dtype is None"),
+                                             ("fp8-cs", "self.fp8 == False")])
+def test_dpa_prepare_forward_frame_recompiles_as_on_h200_unless_prepared(precision, guard, monkeypatch):
+    """TE's DotProductAttention.forward with TE's backend selection answering FusedAttention and
+    FusedAttention.forward (dynamo-disabled in TE) replaced by a disabled shape stand-in: the
+    disabled call inside ``with self.prepare_forward_ctx(...)`` makes Dynamo run DPA's forward
+    eagerly and compile ``prepare_forward`` as its own frame, which recompiles on call 2 with the
+    H200 guard (``module/base.py:1490`` bf16, ``:1601`` fp8) — and not after prepare_te_state."""
+    import transformer_engine.pytorch.attention.dot_product_attention.backends as backends
+    import transformer_engine.pytorch.attention.dot_product_attention.utils as dpa_utils
+    import transformer_engine_torch as tex
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    def fused_selected(params):  # the H200's choice: FusedAttention, arbitrary-seqlen sub-backend
+        return False, None, True, tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen, False, None
+
+    @torch.compiler.disable
+    def fused_forward(self, q, k, v, *args, **kwargs):  # sbhd in, (s, b, h * d) out
+        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
+
+    monkeypatch.setattr(dpa_utils, "get_attention_backend", fused_selected)
+    monkeypatch.setattr(backends.FusedAttention, "forward", fused_forward)
+    fp8 = precision == "fp8-cs"
+    recipe = te_recipe.Float8CurrentScaling()
     for prepare in (False, True):
+        torch._dynamo.reset()
         with _quiet(), fake_gpu(precision):
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             with mode, _constructing():  # torch.cuda.is_available patched only while building
-                dpa = te.DotProductAttention(4, 16, attention_dropout=0.0)
+                dpa = te.DotProductAttention(4, 16, attention_dropout=0.0, attn_mask_type="causal")
                 prime_recipe(recipe)
                 if prepare:
                     prepare_te_state(dpa, recipe, fp8=fp8)
 
-            @torch.compile(backend=lambda gm, ex: gm.forward, dynamic=False)
-            def frame(q):  # the arguments of dot_product_attention.py:2318
-                out = dpa.prepare_forward(q, num_gemms=3, allow_non_contiguous=True,
-                                          allow_different_data_and_param_types=dpa.softmax_type != "vanilla")
-                dpa.end_forward()
-                return out * 2
+            def step(q):
+                with te.autocast(enabled=fp8, recipe=recipe):
+                    return dpa(q, q, q) * 2
 
-            with te.autocast(enabled=fp8, recipe=recipe):
-                reasons = _recompiles_of(frame, mode, precision)
+            fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
+            seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+            for _ in range(3):
+                with mode, _constructing():
+                    q = torch.randn(16, 2, 4, 16, dtype=torch.bfloat16, device="cuda")
+                with mode:
+                    fn(q)
+            metrics = [m for m in torch._dynamo.utils.get_compilation_metrics() if id(m) not in seen]
+        frames = {m.co_name for m in metrics}
+        assert "prepare_forward" in frames and "forward" in frames, frames  # DPA's forward ran unframed
+        reasons = [m.recompile_reason for m in metrics if m.recompile_reason]
         if prepare:
             assert reasons == [], reasons
         else:
-            assert len(reasons) == 1 and guard in reasons[0] and "prepare_forward" in reasons[0], reasons
+            assert len(reasons) == 1 and guard in reasons[0], reasons
+            assert [m.co_name for m in metrics if m.recompile_reason] == ["prepare_forward"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
