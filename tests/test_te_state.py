@@ -199,3 +199,89 @@ def test_unprepared_te_state_names_module_attribute_and_fix(precision):
         # prepared for bf16, compiled in fp8: every module is named again
         if not fp8:
             assert len(unprepared_te_state(layer, recipe, fp8=True)) == len(_UNTOUCHED)
+
+
+@pytest.fixture
+def h200_frames(monkeypatch):
+    """The untouched layer's H200 frame structure on CPU: TE's backend selection answers
+    FusedAttention, and the forwards TE wraps in ``no_torch_dynamo()`` (LayerNormLinear,
+    LayerNormMLP, FusedAttention) are replaced by shape stand-ins wrapped the same way (so the
+    shared ``jit.py`` ``wrapper`` frame is TE's)."""
+    import transformer_engine.pytorch.attention.dot_product_attention.backends as backends
+    import transformer_engine.pytorch.attention.dot_product_attention.utils as dpa_utils
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.jit import no_torch_dynamo
+
+    def like(t, *shape):
+        return t.new_empty(*shape).requires_grad_(t.requires_grad)
+
+    @no_torch_dynamo()
+    def fused_forward(self, q, k, v, *args, **kwargs):  # sbhd in, (s, b, h * d) out
+        return like(q, q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
+
+    @no_torch_dynamo()
+    def lnl(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+        return like(inp, *inp.shape[:-1], self.out_features)
+
+    @no_torch_dynamo()
+    def lnmlp(self, inp, is_first_microbatch=None):
+        out = like(inp, *inp.shape)
+        return (out, self.fc2_bias) if self.return_bias else out
+
+    monkeypatch.setattr(dpa_utils, "get_attention_backend", lambda params: (
+        False, None, True, tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen, False, None))
+    monkeypatch.setattr(backends.FusedAttention, "forward", fused_forward)
+    monkeypatch.setattr(te.LayerNormLinear, "forward", lnl)
+    monkeypatch.setattr(te.LayerNormMLP, "forward", lnmlp)
+
+
+def _layer_recompiles(precision, layers, prepare, calls=3):
+    """(recompile reasons of call 1, those after it) for ``layers`` untouched TransformerLayers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fp8 = precision == "fp8-cs"
+    recipe = te_recipe.Float8CurrentScaling()
+    torch._dynamo.reset()
+    with _quiet(), fake_gpu(precision):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, _constructing():
+            model = torch.nn.Sequential(*[_layer() for _ in range(layers)])
+            prime_recipe(recipe)  # as the benchmark's eager reference run does
+            if prepare:
+                prepare_te_state(model, recipe, fp8=fp8)
+
+        def step(x):
+            with te.autocast(enabled=fp8, recipe=recipe):
+                return model(x)
+
+        fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
+        seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+        per_call = []
+        for _ in range(calls):
+            with mode, _constructing():
+                x = torch.randn(16, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            with mode:
+                fn(x)
+            new = [m for m in torch._dynamo.utils.get_compilation_metrics() if id(m) not in seen]
+            seen |= {id(m) for m in new}
+            per_call.append([f"{m.co_name}: {m.recompile_reason}" for m in new if m.recompile_reason])
+    return per_call[0], [r for c in per_call[1:] for r in c]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_untouched_layer_h200_frames_no_recompile_after_first_call(precision, h200_frames):
+    first, later = _layer_recompiles(precision, 1, prepare=False)
+    # what the H200 run showed (its prepare_te_state already covered proj), plus proj's own state
+    assert any(r.startswith("prepare_forward: ") for r in later), later
+    assert all(r.startswith(("prepare_forward: ", "torch_dynamo_resume_in_forward")) for r in later), later
+    first, later = _layer_recompiles(precision, 1, prepare=True)
+    assert later == [], later
+    # within call 1: TE's shared no_torch_dynamo wrapper frame, once per other argument count
+    assert [r.split(":")[0] for r in first] == ["wrapper", "wrapper"] and "len(args) ==" in first[0], first
+
+
+def test_two_untouched_layers_recompile_per_layer_only_in_the_first_call(h200_frames):
+    first, later = _layer_recompiles("fp8-cs", 2, prepare=True)
+    assert later == [], later
+    # MultiheadAttention.forward reads proj.name (multi_head_attention.py:550): one entry per layer
+    assert any("self.proj.name" in r or "_modules['proj'].name ==" in r for r in first), first
