@@ -84,13 +84,14 @@ QUICK_VARIANTS = ("eager", "te_inductor", "te_inductor-ro", "cf-te_inductor", "c
 GRACE_S = 100.0
 #: The issue-15 table as device calls of < 500 s each (``--budget-s`` + ``GRACE_S``):
 #: (name, models, precisions, variants, budget_s). Together: layer1 and stack4, bf16 and fp8,
-#: every variant of the issue's table plus ``cf-te_inductor-ro``.
+#: every variant of the issue's table plus ``cf-te_inductor-ro`` and ``cf-fused-te_inductor-ro``.
 _TABLE_VARIANTS = ("eager", "te_inductor", "te_inductor-ro", "cf-te_inductor-ro", "mgc", "mgc-nc")
 ISSUE_CHUNKS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], float], ...] = (
     ("layer1", ("layer1",), PRECISIONS, _TABLE_VARIANTS + ("inductor-ro",), 380.0),
     ("stack4-bf16", ("stack4",), ("bf16",), _TABLE_VARIANTS, 380.0),
     ("stack4-fp8", ("stack4",), ("fp8",), _TABLE_VARIANTS, 380.0),
     ("stack4-inductor-ro", ("stack4",), PRECISIONS, ("inductor-ro",), 380.0),
+    ("cf-fused", tuple(MODELS), PRECISIONS, ("cf-fused-te_inductor-ro",), 380.0),  # issue 15 part 2
 )
 
 

@@ -78,7 +78,8 @@ def test_issue_chunks_cover_the_table_each_under_500_s():
         assert plan["max_wall_s"] < 500, cmd
         seen += [(t["model"], t["precision"], t["variant"]) for g in plan["groups"] for t in g]
     want = {(mo, p, v) for mo in ("layer1", "stack4") for p in ("bf16", "fp8")
-            for v in ("eager", "te_inductor", "te_inductor-ro", "inductor-ro", "cf-te_inductor-ro", "mgc", "mgc-nc")}
+            for v in ("eager", "te_inductor", "te_inductor-ro", "inductor-ro", "cf-te_inductor-ro", "mgc", "mgc-nc",
+                      "cf-fused-te_inductor-ro")}
     assert len(seen) == len(set(seen)) and set(seen) == want
 
 

@@ -73,15 +73,16 @@ def test_untouched_layer_every_te_base_module_is_prepared(precision):
     assert any("DotProductAttention" in line for line in done), done
 
 
-def test_rewritten_layer_prepares_hidden_linears_not_rewritten_modules():
+@pytest.mark.parametrize("attention", ["sdpa", "te_fused"])
+def test_rewritten_layer_prepares_hidden_linears_not_rewritten_modules(attention):
     recipe = te_recipe.Float8CurrentScaling()
     with _fake("fp8-cs"):
         layer = _layer()
-        cf.compile_friendly(layer, strict=True)
+        cf.compile_friendly(layer, strict=True, attention=attention)
         prepare_te_state(layer, recipe, fp8=True)
     prepared, skipped = te_modules_to_prepare(layer)
     names = [n for n, _, _ in prepared]
-    # layernorm_qkv (1 hidden), core_attention (SDPA: none), proj (untouched Linear), fc1 + fc2
+    # layernorm_qkv (1 hidden), core_attention (SDPA / fused op: none), proj (untouched Linear), fc1 + fc2
     assert names == ["self_attention.layernorm_qkv.<hidden te.Linear 0>", "self_attention.proj",
                      "layernorm_mlp.<hidden te.Linear 0>", "layernorm_mlp.<hidden te.Linear 1>"], names
     assert skipped == []

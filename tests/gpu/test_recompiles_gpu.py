@@ -8,7 +8,8 @@ Run on the H200 (one node id, every case)::
 Cases (te_inductor, default mode, fwd+bwd, 4 steps, the recipe built once outside the compiled
 function): ``te.TransformerLayer`` untouched in bf16 and fp8 (Float8CurrentScaling), two
 untouched layers in fp8 (the per-layer frames of the 4-layer model), the layer rewritten by
-``compile_friendly`` in bf16 and fp8, and the benchmark's stack4 (4 ``te.Linear``) in fp8.
+``compile_friendly`` in bf16 and fp8 (attention through SDPA, and through TE's fused attention:
+``attention="te_fused"``), and the benchmark's stack4 (4 ``te.Linear``) in fp8.
 Asserted: 0 recompiles after the first step. Printed: every recompile reason (the ones within the
 first step are TE's ``no_torch_dynamo`` ``wrapper`` frame seen with other argument counts; see
 docs/usage.md).
@@ -24,7 +25,8 @@ from te_passes.testing.gpu import CompileWatch, build_stack, make_recipe
 pytestmark = pytest.mark.gpu
 
 HIDDEN, FFN, HEADS, SEQ, BATCH = 512, 2048, 8, 256, 2
-CASES = ["layer-bf16", "layer-fp8", "layer2-fp8", "cf-layer-bf16", "cf-layer-fp8", "stack4-fp8"]
+CASES = ["layer-bf16", "layer-fp8", "layer2-fp8", "cf-layer-bf16", "cf-layer-fp8", "cffused-layer-bf16",
+         "cffused-layer-fp8", "stack4-fp8"]
 
 
 def _build(case: str):
@@ -37,10 +39,10 @@ def _build(case: str):
     model = torch.nn.Sequential(*[te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
                                                       params_dtype=torch.bfloat16, device="cuda")
                                   for _ in range(layers)])
-    if case.startswith("cf-"):
+    if case.startswith("cf"):
         from te_passes.rewrite.compile_friendly import compile_friendly
 
-        compile_friendly(model, strict=True)
+        compile_friendly(model, strict=True, attention="te_fused" if case.startswith("cffused") else "sdpa")
     return model
 
 
