@@ -105,6 +105,7 @@ class Row:
     graphs: int | None = None
     graph_breaks: int | None = None
     recompiles: int | None = None
+    recompiles_after_first: int | None = None  # issue 15: 0 once prepare_te_state ran
     cudagraph_skips: int | None = None
     cudagraph_recordings: int | None = None
     first_call_s: float | None = None
@@ -184,6 +185,7 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
             y = train_step(fn, x, dy, params, mark_step=mark)
             torch.cuda.synchronize()
             row.first_call_s = time.perf_counter() - t0
+            first = watch.snapshot()
             row.peak_first_mib = torch.cuda.max_memory_allocated() / 2**20
             # numerics against eager: fp32 copies of weight grads are large, so the peak of the
             # steps is measured only after this check (reset below)
@@ -217,6 +219,7 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
         row.peak_mib = torch.cuda.max_memory_allocated() / 2**20
         st = watch.stats
         row.graphs, row.graph_breaks, row.recompiles = st.graphs, st.graph_breaks, st.recompiles
+        row.recompiles_after_first = st.recompiles - first.recompiles
         row.cudagraph_skips, row.cudagraph_recordings = st.cudagraph_skips, st.cudagraph_recordings
         row.recompile_reasons = [r.split("\n")[0][:300] for r in st.recompile_reasons]
         if variant.startswith("te_inductor"):
@@ -375,7 +378,8 @@ def run_gpu(args, rows: list[Row], meta: dict[str, Any], save) -> None:
             save()
             print(f"    -> {row.status}; median {_f(row.median_ms)} ms, first call {_f(row.first_call_s, 1)} s, "
                   f"peak {_f(row.peak_mib, 0)} MiB, graphs {row.graphs} breaks {row.graph_breaks} "
-                  f"recompiles {row.recompiles} cg-skips {row.cudagraph_skips} max rel err {_f(row.max_rel_err, 4)}",
+                  f"recompiles {row.recompiles} ({row.recompiles_after_first} after 1st) "
+                  f"cg-skips {row.cudagraph_skips} max rel err {_f(row.max_rel_err, 4)}",
                   flush=True)
         del ref_model, x, dy, ref_out
         torch.cuda.empty_cache()

@@ -115,7 +115,8 @@ def prime_recipe(recipe: Any) -> None:
     from transformer_engine.common.recipe import Recipe
 
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"prime_recipe: expected a transformer_engine.common.recipe.Recipe, got {type(recipe).__name__}")
+        raise TypeError("prime_recipe: expected a transformer_engine.common.recipe.Recipe, "
+                        f"got {type(recipe).__name__}")
     str(recipe)
     with te.autocast(enabled=False, recipe=recipe):
         pass
