@@ -286,3 +286,43 @@ def test_two_untouched_layers_recompile_per_layer_only_in_the_first_call(h200_fr
     assert later == [], later
     # MultiheadAttention.forward reads proj.name (multi_head_attention.py:550): one entry per layer
     assert any("self.proj.name" in r or "_modules['proj'].name ==" in r for r in first), first
+
+
+@pytest.mark.parametrize("setup,expect", [("none", "_cached_repr"), ("prime_recipe", "_is_fsdp2"),
+                                          ("prepare_te_state", None)])
+def test_stack4_fp8_recompile_of_h200_and_what_removes_it(setup, expect):
+    """The benchmark's stack4 (te.Linear / GELU × 4) in fp8 on CPU: untouched, call 2 recompiles
+    with the H200 reason (the recipe's repr cached on call 1); priming only the recipe uncovers
+    the modules' own lazy state; prepare_te_state removes both."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recipe = te_recipe.Float8CurrentScaling()
+    torch._dynamo.reset()
+    with _quiet(), fake_gpu("fp8-cs"):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, _constructing():
+            mods = [te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+            model = torch.nn.Sequential(mods[0], torch.nn.GELU(), mods[1], torch.nn.GELU(), mods[2],
+                                        torch.nn.GELU(), mods[3])
+            if setup == "prime_recipe":
+                prime_recipe(recipe)
+            elif setup == "prepare_te_state":
+                prepare_te_state(model, recipe, fp8=True)
+
+        def fwd_fp8(x):
+            with te.autocast(enabled=True, recipe=recipe):
+                return model(x)
+
+        fn = torch.compile(fwd_fp8, backend=lambda gm, ex: gm.forward, dynamic=False)
+        seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+        for _ in range(3):
+            with mode, _constructing():
+                x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            with mode:
+                fn(x)
+        reasons = [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
+                   if id(m) not in seen and m.recompile_reason]
+    if expect is None:
+        assert reasons == [], reasons
+    else:
+        assert len(reasons) == 1 and expect in reasons[0], reasons
