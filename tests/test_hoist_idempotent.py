@@ -5,6 +5,8 @@ run left it. On the real fp8 te.Linear graphs (te_passes.testing.capture)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformer_engine.pytorch")
@@ -36,6 +38,11 @@ def test_second_run_at_post_grad_changes_nothing(te_aot_graphs, precision, graph
     objs = [(id(o), hoisted_name(o, gm)) for o in _consts(gm)]
     assert all(name is not None for _, name in objs)
     assert sorted({name for _, name in objs}) == sorted(r.data["name"] for r in hoisted)
+    from te_passes.debug.printer import format_graph
+
+    printed = format_graph(gm)  # the printer reads the names from the graph (gm.meta), not from a registry
+    shown = set(re.findall(r"as (_te_const_\d+)", printed))
+    assert len(shown) >= 3 and shown <= {r.data["name"] for r in hoisted}  # the config bundle and the quantizers
     code = gm.code
     second = run_passes(gm, HoistTEConstants(), stage, strict=True)
     (run2,) = second.report.runs
