@@ -241,6 +241,25 @@ def test_aot_autograd_cache_key_is_the_same_in_another_process(aot_cache):
     assert other["bypass"] == 0
 
 
+def test_fake_gpu_keeps_inductor_system_info_apart_from_plain_cpu():
+    """Why the key above was order-dependent: Inductor caches ``CacheBase.get_system()`` (the
+    device name, part of every cache key) once per process, and ``fake_gpu`` patches the device
+    properties it reads. A value computed on plain CPU by an earlier test was reused under the
+    fake GPU, so this process's key differed from a fresh one's. ``fake_gpu`` now clears it on
+    entry and exit."""
+    from torch._inductor.codecache import CacheBase
+
+    from te_passes.testing.capture import fake_gpu
+
+    outside = CacheBase.get_system()  # as an earlier plain-CPU compile in this process left it
+    with fake_gpu("fp8-cs"):
+        inside = CacheBase.get_system()
+        CacheBase.get_system.cache_clear()
+        assert CacheBase.get_system() == inside  # what a fresh process computes under the fake GPU
+    assert inside != outside
+    assert CacheBase.get_system() == outside  # and plain CPU gets its own back
+
+
 def test_recompiled_fp8_inference_frame_hits_the_aot_autograd_cache(aot_cache):
     """End to end on CPU (inference: AOTAutograd traces no joint graph): the first compile of the
     recompiled frame misses and saves an AOTAutograd entry, the second one hits it (and the FX
