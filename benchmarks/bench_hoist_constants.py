@@ -64,10 +64,19 @@ def _time_us(fn, reps: int, rounds: int = 7) -> float:
     return statistics.median(samples)
 
 
+def _install() -> None:
+    """``runtime.install()``, as the backend does before any pass runs (TE loaded: it wraps TE's
+    constant classes' ``__fx_repr__``; without it ``hoist_te_constants`` leaves constants inline)."""
+    from te_passes.runtime.install import install
+
+    install()
+
+
 def cpu_part(layers: int, hidden: int, reps: int) -> None:
     from te_passes.testing.capture import capture_aot
 
     aot = capture_aot("stack" if layers > 1 else "linear", "fp8-cs", layers=layers, hidden=hidden, tokens=256)
+    _install()
     fwd, bwd = _constants(aot.forward), _constants(aot.backward)
     consts = fwd + bwd
     n_q = sum(type(c).__name__.endswith("Quantizer") for c in consts)
@@ -117,6 +126,7 @@ def scaling_part() -> None:
     # the Dynamo-stage recipe passes, then the post-grad one (until issue 12 one pass)
     by_stage = {Stage.DYNAMO: [FoldRecipeLookups(fp8_state=recipes.Fp8State()), RemoveQuantizerSetattrs()],
                 Stage.POST_GRAD_FWD: [HoistTEConstants()]}
+    _install()
     print("pass time vs graph size (best of 3):")
     print(f"  {'nodes':>8s}{'dynamo (ms)':>14s}{'post-grad (ms)':>16s}")
     for n in (1_000, 10_000, 100_000):

@@ -102,6 +102,9 @@ def part1(sizes: list[int], repeat: int, lazy: bool = True) -> None:
 
     dyn = capture_dynamo(model="stack", precision="fp8-cs", layers=4)
     aot = capture_aot(model="stack", precision="fp8-cs", layers=4)
+    from te_passes.runtime.install import install
+
+    install()  # as the backend does before any pass runs (TE loaded now: the constant classes get wrapped)
     bases = [("dynamo", dyn.gm, Stage.DYNAMO), ("aot fwd", aot.forward, Stage.POST_GRAD_FWD),
              ("aot bwd", aot.backward, Stage.POST_GRAD_BWD)]
     print(f"graph modules: {'lazy (as in torch.compile)' if lazy else 'eager (codegen on recompile)'}; "

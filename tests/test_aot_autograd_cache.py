@@ -45,7 +45,8 @@ from torch._inductor.virtualized import V  # noqa: E402
 
 from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.runtime.constants import (  # noqa: E402
-    hoisted_name, hoisted_owner, name_constant, rebuild_constant, rendered_in_full)
+    NamedConstants, hoisted_name, name_constant, named_constants, rebuild_constant, rendered_in_full)
+from te_passes.runtime.install import install  # noqa: E402
 from te_passes.te.graph_model import bundle_dict  # noqa: E402
 
 _NAME = re.compile(r"_te_const_\d+")
@@ -71,18 +72,32 @@ def _recipe(variant: str):
 def _standin_compiled_forward(gm, example_inputs):
     """Backend for frame 0: what te_inductor's forward wrapper returns, without a GPU — the
     graph's TE constants hoisted by the pass (``post_grad_fwd`` rewrite) and the graph run by
-    ``torch.fx.Interpreter``, so the quantizers it returns are the named objects themselves."""
-    from te_passes.config import TePassesOptions
-    from te_passes.pipeline.base import PassContext, Stage
-    from te_passes.pipeline.manager import PassManager
+    ``torch.fx.Interpreter``, so the quantizers it returns are the named objects themselves.
+    The graphs it hoisted into are kept in :data:`_PRIMED` (names are kept per graph)."""
+    from te_passes.pipeline.base import Stage
     from te_passes.te.state import TEState
     from te_passes.testing import capture
+    from te_passes.testing.harness import run_passes
 
     g = torch.fx.GraphModule(gm, capture._copy_gm(gm).graph)
-    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture(), example_inputs, "primer.fwd")
-    report = PassManager([HoistTEConstants()]).run(g, ctx)
-    assert report.runs[0].status == "ok" and report.runs[0].changed
+    run = run_passes(g, HoistTEConstants(), Stage.POST_GRAD_FWD, example_inputs=example_inputs,
+                     te_state=TEState.capture(), graph_id="primer")
+    assert run.report.graph_id == "primer.fwd"
+    assert run.report.runs[0].status == "ok" and run.report.runs[0].changed
+    assert run.records("hoisted_constant") and run.diff() == {}
+    assert _NAME.search(_lowered_code(g)) and not _NAME.search(g.code)  # names only in g's own lowering
+    _PRIMED.append(g)
     return lambda *args: torch.fx.Interpreter(g).run(*args)
+
+
+#: The post-grad stand-in graphs of the last :func:`_primed_linear` (the owners of the names).
+_PRIMED: list[torch.fx.GraphModule] = []
+
+
+def _lowered_code(gm) -> str:
+    """``gm``'s code as its own Inductor lowering renders its constants (``V.graph.module is gm``)."""
+    with V.set_graph_handler(types.SimpleNamespace(module=gm)):
+        return gm.graph.python_code("self").src
 
 
 @contextlib.contextmanager
@@ -105,6 +120,7 @@ def _primed_linear(variant: str = "default"):
                 return lin(inp)
 
         torch._dynamo.reset()
+        _PRIMED.clear()
         primed = torch.compile(capture._fresh_function(f), backend=_standin_compiled_forward, fullgraph=True)
         with mode:
             for _ in range(3):
@@ -112,8 +128,13 @@ def _primed_linear(variant: str = "default"):
         yield f, x, mode, lin
 
 
+def _primed_name(q) -> str | None:
+    """``q``'s name in the stand-in graph that hoisted it (``None``: none did)."""
+    return next((n for n in (hoisted_name(q, g) for g in _PRIMED) if n is not None), None)
+
+
 def _module_quantizer_names(lin) -> list[str | None]:
-    return [hoisted_name(q) for qs in lin.quantizers.values() for q in qs]
+    return [_primed_name(q) for qs in lin.quantizers.values() for q in qs]
 
 
 def _te_inductor_frame(f, x, mode, *, training: bool):
@@ -220,6 +241,25 @@ def test_aot_autograd_cache_key_is_the_same_in_another_process(aot_cache):
     assert other["bypass"] == 0
 
 
+def test_fake_gpu_keeps_inductor_system_info_apart_from_plain_cpu():
+    """Why the key above was order-dependent: Inductor caches ``CacheBase.get_system()`` (the
+    device name, part of every cache key) once per process, and ``fake_gpu`` patches the device
+    properties it reads. A value computed on plain CPU by an earlier test was reused under the
+    fake GPU, so this process's key differed from a fresh one's. ``fake_gpu`` now clears it on
+    entry and exit."""
+    from torch._inductor.codecache import CacheBase
+
+    from te_passes.testing.capture import fake_gpu
+
+    outside = CacheBase.get_system()  # as an earlier plain-CPU compile in this process left it
+    with fake_gpu("fp8-cs"):
+        inside = CacheBase.get_system()
+        CacheBase.get_system.cache_clear()
+        assert CacheBase.get_system() == inside  # what a fresh process computes under the fake GPU
+    assert inside != outside
+    assert CacheBase.get_system() == outside  # and plain CPU gets its own back
+
+
 def test_recompiled_fp8_inference_frame_hits_the_aot_autograd_cache(aot_cache):
     """End to end on CPU (inference: AOTAutograd traces no joint graph): the first compile of the
     recompiled frame misses and saves an AOTAutograd entry, the second one hits it (and the FX
@@ -227,7 +267,7 @@ def test_recompiled_fp8_inference_frame_hits_the_aot_autograd_cache(aot_cache):
     quantizers inside those bundles are the wrapper's own, not the module's named objects."""
     with _primed_linear() as (f, x, mode, lin):
         module_qs = [q for qs in lin.quantizers.values() for q in qs]
-        assert all(_NAME.fullmatch(hoisted_name(q) or "") for q in module_qs)
+        assert all(_NAME.fullmatch(_primed_name(q) or "") for q in module_qs)
         first = _te_inductor_frame(f, x, mode, training=False)
         assert counters["aot_autograd"]["autograd_cache_miss"] == 1
         assert counters["aot_autograd"]["autograd_cache_saved"] == 1
@@ -262,6 +302,7 @@ def _quantizer(dtype_name: str = "kFloat8E4M3"):
 
 
 def _owner() -> torch.fx.GraphModule:
+    install()  # wraps TE's constant classes' __fx_repr__ (name_constant never patches a class)
     return torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
 
 
@@ -274,7 +315,8 @@ def test_name_renders_only_in_its_owners_lowering():
     q, owner = _quantizer(), _owner()
     full = q.__fx_repr__()[0]
     name_constant(q, "_te_const_0", owner)
-    assert hoisted_name(q) == "_te_const_0" and hoisted_owner(q) is owner
+    assert hoisted_name(q, owner) == "_te_const_0" and hoisted_name(q, _owner()) is None
+    assert isinstance(owner.meta["te_passes.named_constants"], NamedConstants)  # the graph's own state
     assert q.__fx_repr__()[0] == full and full.startswith("_rebuild_quantizer(")
     with _lowering(owner):
         assert q.__fx_repr__() == ("_te_const_0", {"_te_const_0": q})
@@ -283,29 +325,34 @@ def test_name_renders_only_in_its_owners_lowering():
     with _lowering(_owner()):
         assert q.__fx_repr__()[0] == full
     copy = pickle.loads(pickle.dumps(q))  # an FX-graph-cache entry's object: equal, not named
-    assert copy == q and hoisted_name(copy) is None and "_te_passes" not in "".join(vars(copy))
+    assert copy == q and hoisted_name(copy, owner) is None and "_te_passes" not in "".join(vars(copy))
     with _lowering(owner):
         assert copy.__fx_repr__()[0] == full
+    # a pickled / deep-copied name table is empty (names are kept by object identity)
+    assert len(pickle.loads(pickle.dumps(named_constants(owner)))) == 0
+    import copy as copy_mod
+
+    assert len(named_constants(owner)) == 1 and len(copy_mod.deepcopy(named_constants(owner))) == 0
     with pytest.raises(TypeError, match="owner must be the post-grad torch.fx.GraphModule"):
         name_constant(q, "_te_const_1", owner.graph)
 
 
 def test_names_hold_nothing_alive():
+    """The owner's table holds its objects weakly (an entry goes with its object), and nothing
+    outside the owner holds the table."""
     import weakref
-
-    from te_passes.runtime import constants as mod
 
     q, owner = _quantizer(), _owner()
     name_constant(q, "_te_const_0", owner)
-    key, entry = id(q), mod._NAMED[id(q)]
-    ref_q, ref_owner = weakref.ref(q), weakref.ref(owner)
-    del owner
-    gc.collect()
-    assert ref_owner() is None and hoisted_owner(q) is None and hoisted_name(q) == "_te_const_0"
-    assert q.__fx_repr__()[0].startswith("_rebuild_quantizer(")
+    table = named_constants(owner)
+    ref_q, ref_owner, ref_table = weakref.ref(q), weakref.ref(owner), weakref.ref(table)
+    assert table.names() == {"_te_const_0"}
     del q
     gc.collect()
-    assert ref_q() is None and mod._NAMED.get(key) is not entry
+    assert ref_q() is None and table.names() == set() and len(table._by_id) == 0
+    del owner, table
+    gc.collect()
+    assert ref_owner() is None and ref_table() is None
 
 
 def test_rebuilding_a_bundle_does_not_alias_a_named_quantizer_inside_it():

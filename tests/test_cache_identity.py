@@ -27,12 +27,13 @@ import torch.fx
 
 from te_passes.config import TePassesOptions
 from te_passes.pipeline import base
-from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import pipeline_uuid
 from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import default_passes
 from te_passes.te import recipes
 from te_passes.te.state import TEState
+from te_passes.testing.harness import run_passes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,9 +116,9 @@ def test_hoist_folds_lookups_to_the_snapshot_not_to_te_globals():
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     assert FGSM.is_fp8_enabled() is False  # TE's live state
     snap = TEState(fp8=recipes.Fp8State(fp8_enabled=True), **_FP8)
-    m = PassManager([p for p in default_passes() if p.name == "fold_recipe_lookups"])
-    report = m.run(gm, PassContext(Stage.DYNAMO, TePassesOptions(strict=True), snap, None, "t0"))
-    (hoisted,) = [r for run in report.runs for r in run.records if r.kind == "hoisted"]
+    fold = [p for p in default_passes() if p.name == "fold_recipe_lookups"]
+    run = run_passes(gm, fold, Stage.DYNAMO, te_state=snap, strict=True, graph_id="t0")
+    (hoisted,) = run.records("hoisted")
     assert hoisted.data["value"] is True  # the snapshot's value, not TE's live False
     (mul,) = [n for n in gm.graph.nodes if n.target is torch.mul]
     assert mul.args[1] is True
@@ -127,8 +128,8 @@ def test_hoist_folds_lookups_to_the_snapshot_not_to_te_globals():
     x2 = g2.placeholder("x")
     g2.output(g2.call_function(torch.mul, (x2, g2.call_function(FGSM.is_fp8_enabled))))
     gm2 = torch.fx.GraphModule(torch.nn.Module(), g2)
-    report = m.run(gm2, PassContext(Stage.DYNAMO, TePassesOptions(strict=True), TEState(**_FP8), None, "t1"))
-    kept = [r for run in report.runs for r in run.records if r.kind == "kept"]
+    run = run_passes(gm2, fold, Stage.DYNAMO, te_state=TEState(**_FP8), strict=True, graph_id="t1")
+    kept = run.records("kept")
     assert any("no fp8 autocast state" in r.data.get("reason", "") for r in kept)
     assert any(n.target == FGSM.is_fp8_enabled for n in gm2.graph.nodes)  # left in place
 

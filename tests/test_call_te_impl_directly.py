@@ -329,28 +329,33 @@ def test_rollback_restores_targets_and_meta(te_aot_graphs, monkeypatch):
     """A failure after the rewrite (a later pass of the stage) restores every target and drops
     the plans through the pass's own undo: no graph copy."""
     import te_passes.pipeline.manager as mgr
-    from te_passes.config import TePassesOptions
-    from te_passes.passes import PassContext, Stage, TEPass
+    from te_passes.passes import Stage, TEPass
     from te_passes.passes.hoist_te_constants import HoistTEConstants
-    from te_passes.pipeline.manager import PassManager
     from te_passes.te.state import TEState
+    from te_passes.testing.harness import run_passes
+
+    rewritten = []
 
     class FailAfter(TEPass):
         name, stages, description, checkpoints_itself = "fail_after", frozenset({Stage.POST_GRAD_FWD}), "test", True
 
         def run(self, gm, ctx):
             assert CallTEImplDirectly().run(gm, ctx).modified
+            rewritten.append([(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes])
             raise RuntimeError("boom after rewriting")
 
     gm = te_aot_graphs("fp8-cs", 2, model="stack").forward
-    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
-    PassManager([HoistTEConstants()]).run(gm, ctx)
+    hoist = run_passes(gm, HoistTEConstants(), Stage.POST_GRAD_FWD, te_state=TEState.capture())
+    assert hoist.report.runs[0].changed  # the direct call needs the hoisted constants
     before = [(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes]
     monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
-        rep = PassManager([FailAfter()]).run(gm, ctx)
-    assert rep.runs[0].status == "failed"
+        run = run_passes(gm, FailAfter(), Stage.POST_GRAD_FWD, te_state=TEState.capture())
+    assert run.report.runs[0].status == "failed"
+    (after_rewrite,) = rewritten
+    assert sum(t is not u for (_, t, _), (_, u, _) in zip(before, after_rewrite)) == 2  # two ops retargeted
     assert [(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes] == before
+    assert run.before_ops == run.after_ops and not any(dc.META_KEY in n.meta for n in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("precision", ["fp8-cs", "bf16"])

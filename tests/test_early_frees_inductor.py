@@ -194,36 +194,51 @@ def _cast_graph():
 
 @pytest.mark.parametrize("policy", ["opaque", "all"])
 def test_pass_marks_only_aten_values_an_opaque_op_reads(policy):
-    from te_passes.config import TePassesOptions
-    from te_passes.pipeline.base import PassContext, Stage
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
-    from te_passes.te.state import TEState
+    from te_passes.pipeline.base import Stage
+    from te_passes.testing.harness import run_passes
 
     gm = _cast_graph()
-    res = InsertEarlyFrees(policy=policy).run(
-        gm, PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState(), None, "t0"))
-    freed = sorted(r.node for r in res.records if r.kind == "free")
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    want = gm(x, w)
+    run = run_passes(gm, InsertEarlyFrees(policy=policy), Stage.POST_GRAD_FWD, graph_id="t0")
+    freed = sorted(r.node for r in run.records("free"))
     assert freed == (["_to_copy", "_to_copy_1", "getitem"] if policy == "all" else ["_to_copy", "getitem"])
+    assert run.diff() == {"te_passes.free_storage.default": len(freed)}
+    frees = [n for n in gm.graph.nodes if n.target is torch.ops.te_passes.free_storage.default]
+    assert sorted(n.args[0].name for n in frees) == freed
     marked = [n.name for n in gm.graph.nodes if n.meta.get("inductor_realize_to_strides")]
     assert marked == ["_to_copy"]  # the cast keep_and_gemm reads; not getitem, not the ATen-only cast
+    torch.testing.assert_close(gm(x, w), want)
 
 
-def test_undo_removes_the_frees_and_the_realize_flag():
-    from te_passes.config import TePassesOptions
-    from te_passes.pipeline.base import PassContext, Stage
+def test_undo_removes_the_frees_and_the_realize_flag(monkeypatch):
+    """A failure after the rewrite (a later pass of the stage): the manager rolls back through
+    the pass's own undo (no graph copy), which erases the frees and the realize flag."""
+    import te_passes.pipeline.manager as mgr
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
-    from te_passes.te.state import TEState
+    from te_passes.pipeline.base import Stage, TEPass
+    from te_passes.testing.harness import run_passes
+
+    seen = []
+
+    class FailAfter(TEPass):
+        name, stages, description, checkpoints_itself = "fail_after", frozenset({Stage.POST_GRAD_FWD}), "test", True
+
+        def run(self, gm, ctx):
+            assert InsertEarlyFrees().run(gm, ctx).modified
+            seen.append(gm.graph.python_code("self").src)
+            raise RuntimeError("boom after rewriting")
 
     gm = _cast_graph()
     before = gm.graph.python_code("self").src
-    undos = []
-    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState(), None, "t0")
-    ctx.checkpoint = undos.append  # capture the pass's own undo
-    InsertEarlyFrees().run(gm, ctx)
-    assert gm.graph.python_code("self").src != before
-    (undo,) = undos
-    undo()
-    assert gm.graph.python_code("self").src == before
+    monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
+    with pytest.warns(RuntimeWarning, match="boom after rewriting"):
+        run = run_passes(gm, FailAfter(), Stage.POST_GRAD_FWD, graph_id="t0")
+    assert run.report.runs[0].status == "failed"
+    (rewritten,) = seen
+    assert rewritten != before and "free_storage" in rewritten
+    assert gm.graph.python_code("self").src == before and run.diff() == {}
     assert not any("inductor_realize_to_strides" in n.meta for n in gm.graph.nodes)
 
 

@@ -40,6 +40,7 @@ def test_run_passes_snapshots_counts_and_numerics():
     assert "mul" in run.before_code and "mul" not in run.after_code
     assert run.changed and [r.kind for r in run.records()] == ["rewrote", "rewrote"]
     assert run.facts == [("rewrote", 2, "g0")]
+    assert run.ctx.graph_id == "g0" and run.ctx.stage is Stage.DYNAMO and run.ctx.analyses == {}
     torch.testing.assert_close(gm(x), want)
 
 
@@ -77,3 +78,24 @@ def test_compilation_collects_stage_reports_and_facts():
     assert [(s.graph_id, s.stage) for s in report.stages] == [("g7", "dynamo"), ("g7.fwd", "post_grad_fwd")]
     assert comp.facts() == [("rewrote", 2, "g7"), ("rewrote", 2, "g7.fwd")]
     assert comp.facts(int) == [] and report.time_ms_passes > 0
+
+
+#: Test files that may build a ``PassContext`` by hand: tests of the manager proper (it takes one).
+#: Every other test goes through the harness (``run_passes`` / ``pass_context``), the backend's path.
+HAND_BUILT_CONTEXT_ALLOWED = {"test_manager.py"}
+
+
+def test_no_test_builds_a_pass_context_by_hand():
+    """A new hand-built ``PassContext`` call in tests/ (outside the allow-list) fails here: use
+    ``te_passes.testing.harness`` (issue 12 item 6)."""
+    import pathlib
+    import re
+
+    tests = pathlib.Path(__file__).resolve().parent
+    needle = re.compile(r"\bPassContext" + r"\(")
+    found = [f"{p.relative_to(tests)}:{i}" for p in sorted(tests.rglob("*.py"))
+             if p.name not in HAND_BUILT_CONTEXT_ALLOWED
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if needle.search(line)]
+    assert found == [], f"build contexts through te_passes.testing.harness, not by hand: {found}"
+    # the check sees what it looks for
+    assert needle.search("ctx = Pass" + "Context(Stage.DYNAMO, opts, TEState())")

@@ -36,7 +36,8 @@ from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
 from te_passes.pipeline.base import TEPassResult  # noqa: E402
 from te_passes.te.graph_scan import find_recipe_and_pg_objects, object_occurrences  # noqa: E402
-from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
+from te_passes.runtime.constants import hoisted_name  # noqa: E402
+from te_passes.runtime.install import install  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
 from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
@@ -68,6 +69,13 @@ def ctx(stage=Stage.DYNAMO):
     """The pass reads TE's autocast state from the compilation's TE snapshot, taken here (as
     ``te_inductor`` takes it when a compilation begins)."""
     return pass_context(stage, te_state=TEState.capture(), strict=True)
+
+
+@pytest.fixture(autouse=True)
+def _runtime():
+    """``runtime.install()``, as the backend does before any pass runs (it wraps TE's constant
+    classes' ``__fx_repr__``, which ``hoist_te_constants`` needs and never patches itself)."""
+    install()
 
 
 def run_pass(gm, fp8_state=None, stage=Stage.DYNAMO, **kw):
@@ -493,8 +501,7 @@ def test_post_grad_constants_are_named_copies(te_aot_graphs, graph):
         node = next(n for n in gm.graph.nodes if n.name == node_name)
         new = (node.args if node.op != "output" else node.args[0])[i]
         assert new == orig and new is not orig           # equal value, own object per slot
-        assert hoisted_name(new) is not None and hoisted_name(orig) is None
-        assert hoisted_owner(new) is gm
+        assert hoisted_name(new, gm) is not None and hoisted_name(orig, gm) is None
     # Equal-valued constants stay distinct objects (TE ops update quantizer usage in place).
     objs = [a for n in gm.graph.nodes for a in (n.args if n.op != "output" else n.args[0])
             if te_const_kind(a) in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER)]

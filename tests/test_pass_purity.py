@@ -6,16 +6,21 @@ op, the ``__fx_repr__`` wrappers of TE's value-opaque constant classes — is in
 through the manager on real captured TE graphs (fp8 te.Linear, every stage, and a UB te.Linear
 whose TE op checks and trace-time folds make ``fold_ub_predicates`` return a dependence), and the
 process state that passes used to write is compared before/after: the UB guard's registries and
-token, TE module functions, TE constant classes' ``__fx_repr__``, Inductor's lowering table.
+token, TE module functions, TE constant classes' ``__fx_repr__``, Inductor's lowering table, and
+every module-level container (dict, list, set, ...) of every loaded ``te_passes`` module — which
+is what catches a registry like the former ``runtime.constants._NAMED`` (the names
+``hoist_te_constants`` gives its constants now live in the post-grad graph's own ``gm.meta``).
+Memo caches of pure functions are listed in :data:`MEMO_CACHES` with the reason.
 
-Known remaining global (not checked here): :data:`te_passes.runtime.constants._NAMED`, the weak
-registry of the names ``hoist_te_constants`` gives the constants it hoists (it holds no object
-and no graph alive; an entry goes with its object).
+Without ``runtime.install()``, ``insert_early_frees`` leaves the graph alone with a record saying
+why and registers no Inductor lowering (it used to register it while it ran).
 """
 
 from __future__ import annotations
 
+import collections
 import sys
+import weakref
 
 import pytest
 import torch
@@ -34,6 +39,41 @@ TE_FUNCTIONS = (("transformer_engine.pytorch.module.base", ("initialize_ub", "de
                                                               "get_ub_is_fp8")))
 
 
+#: Module-level containers passes may fill: memos of pure functions of a class or a source text,
+#: holding no pass result. ``(module, name)``.
+MEMO_CACHES = {
+    ("te_passes.runtime.constants", "_LIFTABLE_TYPES"),  # id(class) -> is a liftable TE constant class
+    ("te_passes.te.graph_model", "_KIND_CACHE"),  # id(class) -> TEConstKind
+    ("te_passes.te.graph_model", "_SLOTS_CACHE"),  # id(schema) -> its slot layout
+    ("te_passes.te.quantized", "_TARGET_KIND"),  # id(op target) -> its quantized-op kind
+    ("te_passes.te.graph_scan", "_KIND_BY_TYPE"),  # class -> TEConstKind
+    ("te_passes.te.graph_scan", "_RECIPE_OR_PG_TYPES"),  # id(class) -> is a recipe / process group class
+    ("te_passes.analyses.liveness", "_RULES"),  # id(OpOverload) -> its alias rule (from the schema)
+}
+_CONTAINERS = (dict, list, set, collections.deque, weakref.WeakKeyDictionary, weakref.WeakValueDictionary,
+               weakref.WeakSet)
+
+
+def _module_containers() -> dict:
+    """``{(module, name): snapshot}`` of every module-level container of every loaded te_passes
+    module (keys and value identities, so an added, removed or replaced entry shows)."""
+    out = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "te_passes" or mod_name.startswith("te_passes.")):
+            continue
+        for name, v in list(vars(mod).items()):
+            if not isinstance(v, _CONTAINERS) or (mod_name, name) in MEMO_CACHES:
+                continue
+            if isinstance(v, (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)):
+                out[(mod_name, name)] = {repr(k) if not isinstance(k, (int, str)) else k: id(x)
+                                         for k, x in list(v.items())}
+            elif isinstance(v, (set, weakref.WeakSet)):
+                out[(mod_name, name)] = {id(x) for x in list(v)}
+            else:
+                out[(mod_name, name)] = [id(x) for x in v]
+    return out
+
+
 def _process_state() -> dict:
     from torch._inductor import lowering
 
@@ -48,6 +88,7 @@ def _process_state() -> dict:
         "te_functions": {(m, n): getattr(sys.modules.get(m), n, None) for m, ns in TE_FUNCTIONS for n in ns},
         "fx_repr": {c: c.__dict__.get("__fx_repr__") for c in constants.te_constant_classes()},
         "inductor_lowerings": (len(lowering.lowerings), set(lowering.lowerings)),
+        **{f"{m}.{n}": v for (m, n), v in _module_containers().items()},
     }
 
 
@@ -84,3 +125,40 @@ def test_fold_ub_predicates_returns_its_dependence_instead_of_registering_it():
     deps = [f for s in reps for r in s.runs for f in r.facts if isinstance(f, ub_guard.UbDependence)]
     assert deps and all(d.checks for d in deps)  # the TE ops' UB configurations, as facts
     assert _diff(before, after) == []
+
+
+def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_alone(monkeypatch):
+    """As in a process where ``runtime.install()`` never ran: the free op's lowering is not
+    registered. Through the harness (no install): the pass is skipped with the reason, the graph
+    is unchanged, and the pass did not register the lowering itself."""
+    from torch._inductor import lowering
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from _qgraphs import QGEMM, QUANTIZE2, record_vals
+    from te_passes.passes.insert_early_frees import InsertEarlyFrees
+    from te_passes.runtime import free_op
+    from te_passes.testing.harness import run_passes
+
+    def f(x, w):
+        data, sinv = QUANTIZE2(x)
+        return (torch.relu(QGEMM(data, sinv, w)),)
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    gm = make_fx(f)(x, w)
+    record_vals(gm, x, w)
+    assert install()  # then undo what install() registered for the free op (monkeypatch restores it)
+    monkeypatch.setattr(free_op, "_lowering_registered", None)
+    monkeypatch.delitem(lowering.lowerings, free_op.free_storage, raising=False)
+    before = _process_state()
+    run = run_passes(gm, InsertEarlyFrees(), Stage.POST_GRAD_FWD, install=False)
+    after = _process_state()
+    (r,) = run.report.runs
+    assert r.status == "skipped" and not r.changed
+    (why,) = [rec.data["reason"] for rec in run.records("skipped")]
+    assert "not installed" in why and "runtime.install.install()" in why and "reuse a freed buffer" in why
+    assert run.diff() == {} and run.after_code == run.before_code
+    assert free_op.free_storage not in lowering.lowerings and _diff(before, after) == []
+    # installed: the same graph gets its free
+    monkeypatch.undo()
+    run = run_passes(gm, InsertEarlyFrees(), Stage.POST_GRAD_FWD)
+    assert run.diff() == {"te_passes.free_storage.default": 1}

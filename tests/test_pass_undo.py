@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.fx
 
-from te_passes.config import TePassesOptions
-from te_passes.passes import PassContext, Stage, TEPass, TEPassResult
+from te_passes.passes import Stage, TEPass, TEPassResult
 from te_passes.passes.hoist_te_constants import HoistTEConstants
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs
-from te_passes.pipeline.manager import PassManager
 from te_passes.te.state import TEState
+from te_passes.testing.harness import run_passes
 
 
 def _snapshot(graph: torch.fx.Graph):
@@ -54,10 +53,10 @@ def _run_failing(gm, stage, inner, monkeypatch):
     import te_passes.pipeline.manager as mgr
 
     monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
-    ctx = PassContext(stage, TePassesOptions(), TEState.capture())
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
-        rep = PassManager([_FailAfter(inner)]).run(gm, ctx)
-    assert rep.runs[0].status == "failed"
+        run = run_passes(gm, _FailAfter(inner), stage, te_state=TEState.capture())
+    assert run.report.runs[0].status == "failed"
+    assert run.before_code == run.after_code and run.diff() == {}
 
 
 def test_hoist_dynamo_undo_restores_graph(te_dynamo_graph, monkeypatch):
@@ -110,12 +109,13 @@ def test_liveness_shared_within_stage(te_aot_graphs, monkeypatch):
     real = liveness.analyze
     monkeypatch.setattr(liveness, "analyze", lambda *a, **k: calls.append(1) or real(*a, **k))
     aot = te_aot_graphs(precision="fp8-cs")
-    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
-    rep = PassManager().run(aot.forward, ctx)
-    by = {r.name: r for r in rep.runs}
+    run = run_passes(aot.forward, None, Stage.POST_GRAD_FWD, te_state=TEState.capture())  # the configured pipeline
+    by = {r.name: r for r in run.report.runs}
+    assert {"insert_early_frees", "check_cudagraph_pool"} <= set(by)
+    assert by["insert_early_frees"].status == by["check_cudagraph_pool"].status == "ok"
     assert not by["insert_early_frees"].changed  # nothing qualifies on TE 2.20.2 te.Linear graphs
     assert len(calls) == 1
-    assert ctx.analyses == {}  # dropped when the stage ends
+    assert run.ctx.analyses == {}  # dropped when the stage ends
 
 
 def test_analyses_dropped_after_a_change():
@@ -151,5 +151,6 @@ def test_analyses_dropped_after_a_change():
             return TEPassResult(gm, False)
 
     gm = torch.fx.symbolic_trace(lambda x, y: x + y)
-    PassManager([Put(), Change(), Read()]).run(gm, PassContext(Stage.DYNAMO, TePassesOptions(), TEState()))
+    run = run_passes(gm, [Put(), Change(), Read()], Stage.DYNAMO)
     assert seen == [{"k": 1}, {}]
+    assert [(r.name, r.changed) for r in run.report.runs] == [("put", False), ("change", True), ("read", False)]

@@ -29,7 +29,9 @@ groups, value fields) comes from :mod:`te_passes.te.graph_model`.
 from __future__ import annotations
 
 import builtins
+import contextvars
 import enum
+import functools
 import operator
 from typing import Any, Iterable, Mapping
 
@@ -65,9 +67,27 @@ def node_type(node: torch.fx.Node) -> str | None:
     return format_tensor_type(node_value(node))
 
 
-def constant_name(v: Any) -> str | None:
+#: The graph whose nodes are being printed (:func:`format_node` / :func:`node_fields` set it):
+#: hoisted constants' names are kept per graph (``runtime.constants.NamedConstants``).
+_PRINTING: contextvars.ContextVar[Any] = contextvars.ContextVar("te_passes_printing_graph", default=None)
+
+
+def _of_node_graph(fn):
+    """Run ``fn(node, ...)`` with :data:`_PRINTING` set to ``node``'s owning ``GraphModule``."""
+    @functools.wraps(fn)
+    def wrapper(node: torch.fx.Node, *args: Any, **kwargs: Any) -> Any:
+        token = _PRINTING.set(getattr(node.graph, "owning_module", None))
+        try:
+            return fn(node, *args, **kwargs)
+        finally:
+            _PRINTING.reset(token)
+    return wrapper
+
+
+def constant_name(v: Any, owner: torch.fx.GraphModule | None = None) -> str | None:
     """The wrapper-global name of a TE constant that ``hoist_te_constants`` built once
-    (``_te_const_<n>``), or ``None``.
+    (``_te_const_<n>``) in post-grad graph ``owner`` (default: the graph being printed), or
+    ``None``.
 
     TE's own ``__fx_repr__`` is a rebuild expression (``_rebuild_quantizer(...)``,
     ``OpaqueValueBundle({...})``); a hoisted constant renders as its bare name only in the
@@ -75,7 +95,7 @@ def constant_name(v: Any) -> str | None:
     (:func:`te_passes.runtime.constants.name_constant`), so the name is read from the
     pass (:func:`~te_passes.runtime.constants.hoisted_name`), not from the repr.
     """
-    return hoisted_name(v)
+    return hoisted_name(v, _PRINTING.get() if owner is None else owner)
 
 
 def format_quantizer(q: Any) -> str:
@@ -196,6 +216,7 @@ def _grouped_config(config: Mapping[str, Any]) -> list[tuple[str, list[tuple[str
     return [(g, groups[g]) for g in order if g in groups]
 
 
+@_of_node_graph
 def node_fields(node: torch.fx.Node) -> dict[str, str]:
     """A node's printed fields as a flat ``{path: text}`` map (the unit of structured diffs).
 
@@ -285,6 +306,7 @@ def _with_comment(line: str, comment: str | None, width: int = 60) -> str:
     return f"{line.ljust(width)}  # {comment}"
 
 
+@_of_node_graph
 def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
     """Source lines (unindented) for one non-placeholder node; see the module docstring."""
     lines = [f"# <- {n}" for n in notes]

@@ -46,7 +46,7 @@ import torch.fx
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime import direct_call as dc, direct_lowering, te_base_op
 from te_passes.runtime.te_base_op import DirectCallUnavailable, op_family, op_qualname, overload
-from te_passes.runtime.constants import hoisted_name, hoisted_owner
+from te_passes.runtime.constants import hoisted_name
 
 
 def _plain_tensor_types() -> tuple[type, ...]:
@@ -126,7 +126,7 @@ def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[li
         if v is None:
             consts.append((i, None))
             continue
-        if hoisted_name(v) is None or hoisted_owner(v) is not gm:
+        if hoisted_name(v, gm) is None:
             return consts, (f"slot {a.name} holds a {type(v).__name__} that is not a hoisted constant of this graph "
                             "(hoist_te_constants off or skipped): the op path rebuilds it on every call, a "
                             "direct call would keep one object")

@@ -33,7 +33,8 @@ import torch.fx
 from te_passes.analyses.liveness import gc_paused
 from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime.constants import hoisted_owner, is_liftable_constant, name_constant, names_in, rebuild_cached
+from te_passes.runtime.constants import (can_name, hoisted_name, is_liftable_constant, name_constant, names_in,
+                                         rebuild_cached)
 from te_passes.te.graph_model import te_const_kind
 
 #: Prefix of the wrapper-module globals that hold hoisted TE constants.
@@ -61,7 +62,13 @@ class HoistTEConstants(TEPass):
       (default ``True``; ``False``: the pass is skipped and the constants stay inline).
 
     Records (``PassRecord.kind``): ``"hoisted_constant"`` (a constant built once: ``name``,
-    ``slot``, ``const_kind``, ``type``; ``node`` is the op or output using it).
+    ``slot``, ``const_kind``, ``type``; ``node`` is the op or output using it); ``"kept_inline"``
+    (``slot``, ``type``, ``reason``: its class's ``__fx_repr__`` is not wrapped because
+    ``runtime.install()`` has not run since it was loaded — the pass changes no class).
+
+    The names live in the graph's own ``gm.meta`` (:class:`te_passes.runtime.constants.NamedConstants`),
+    which the wrapped ``__fx_repr__`` reads while Inductor lowers this graph: no process-global
+    state is written.
     """
 
     name = "hoist_te_constants"
@@ -109,7 +116,12 @@ class HoistTEConstants(TEPass):
             nonlocal count, hoisted
             if not is_liftable_constant(v):
                 return v
-            if hoisted_owner(v) is gm:
+            if hoisted_name(v, gm) is not None:
+                return v
+            why = can_name(v)
+            if why is not None:  # runtime.install() has not wrapped this class: a pass patches no class
+                records.append(PassRecord("kept_inline", user.name, {"slot": slot, "type": type(v).__name__,
+                                                                     "reason": why}))
                 return v
             while f"{CONST_ATTR_PREFIX}{count}" in taken:
                 count += 1

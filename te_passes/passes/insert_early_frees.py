@@ -86,7 +86,9 @@ class InsertEarlyFrees(TEPass):
     ``"saved_roles"`` (``count``, ``roles``: ``{node: {role, field, inner_name, storage_cls}}``).
 
     Raises:
-        PassSkipped: the Inductor lowering of ``free_storage`` cannot be registered.
+        PassSkipped: the Inductor lowering of ``free_storage`` is not in place
+            (:func:`te_passes.runtime.free_op.lowering_reason`: ``runtime.install()`` has not run,
+            or could not register it); the graph is left alone and the record says why.
         AssertionError: the rewritten graph fails the re-analysis (a free before a use); the
             pass manager then restores the graph.
     """
@@ -112,9 +114,9 @@ class InsertEarlyFrees(TEPass):
         return h.hexdigest()
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        if not free_op.register_inductor_lowering():
-            raise PassSkipped("cannot register the Inductor lowering of te_passes::free_storage "
-                              f"({free_op.lowering_error()}); without it Inductor could reuse a freed buffer")
+        why = free_op.lowering_reason()  # a lookup: runtime.install() registers the lowering, never a pass
+        if why is not None:
+            raise PassSkipped(f"{why}; without it Inductor could reuse a freed buffer")
         with gc_paused():
             return self._run(gm, ctx)
 

@@ -1,8 +1,12 @@
 """Named TE constants: value-opaque constants built once and rendered as a wrapper-global name
-inside their own graph's Inductor wrapper (process-level: wraps TE classes' ``__fx_repr__``).
+inside their own graph's Inductor wrapper.
 
-Used by the post-grad constant hoisting of ``hoist_te_constants``
-(docs/passes/hoist_te_constants.md); the printer reads :func:`hoisted_name`.
+Process-level (installed once by ``runtime.install()``): the wrapped ``__fx_repr__`` of TE's
+constant classes (:func:`wrap_te_constant_classes`). Per graph: the names, in the post-grad
+``GraphModule``'s ``meta[NAMES_KEY]`` (:class:`NamedConstants`), written by
+:func:`name_constant` (the ``hoist_te_constants`` pass, on the graph it rewrites) and read by the
+wrapped ``__fx_repr__`` while Inductor lowers that graph (docs/passes/hoist_te_constants.md);
+the printer and ``call_te_impl_directly`` read :func:`hoisted_name`.
 """
 
 from __future__ import annotations
@@ -104,23 +108,66 @@ def _liftable_type(t: type, v: Any) -> bool:
 _LIFTABLE_TYPES: dict[int, tuple[type, bool]] = {}
 
 
-#: ``id(obj) -> (weakref to obj, name, weakref to the owning post-grad GraphModule)`` for every
-#: object :func:`name_constant` named. Kept outside the objects (not in their ``__dict__``), so
-#: pickled copies (FX-graph-cache entries) carry no name, and nothing here keeps an object or
-#: its graph alive; an entry goes when its object does.
-_NAMED: dict[int, tuple[Any, str, Any]] = {}
+#: ``owner.meta`` key of the :class:`NamedConstants` table of a post-grad ``GraphModule``.
+NAMES_KEY = "te_passes.named_constants"
 _render = threading.local()
 
 
-def _forget(ref: Any, key: int) -> None:
-    entry = _NAMED.get(key)
-    if entry is not None and entry[0] is ref:  # not a newer object that reuses the id
-        del _NAMED[key]
+class NamedConstants:
+    """The names :func:`name_constant` gave constants of one post-grad graph: per-graph state,
+    kept in its owner's ``GraphModule.meta[NAMES_KEY]`` (the graph the pass rewrote and Inductor
+    lowers), never in a process-global registry (issue 12).
+
+    ``id(obj) -> (weakref to obj, name)``: nothing here keeps an object alive (an entry goes with
+    its object; the graph's nodes hold the objects). Pickled or deep-copied (a ``GraphModule``
+    pickle, ``copy.deepcopy``), the table is empty: a copy of a named object is not named
+    (names are kept by object identity), and a table holds no weak reference that cannot pickle.
+    """
+
+    __slots__ = ("_by_id", "__weakref__")
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Any, str]] = {}
+
+    def add(self, v: Any, name: str) -> None:
+        """Name ``v`` (``TypeError``: its class takes no weak reference)."""
+        key = id(v)
+        table = weakref.ref(self)
+        self._by_id[key] = (weakref.ref(v, functools.partial(_forget, table, key)), name)
+
+    def name(self, v: Any) -> str | None:
+        """``v``'s name in this graph, or ``None``."""
+        entry = self._by_id.get(id(v))
+        return entry[1] if entry is not None and entry[0]() is v else None
+
+    def names(self) -> set[str]:
+        """The names of live named objects."""
+        return {name for ref, name in list(self._by_id.values()) if ref() is not None}
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __reduce__(self):
+        return (NamedConstants, ())
+
+    def __deepcopy__(self, memo: dict) -> "NamedConstants":
+        return NamedConstants()
 
 
-def _entry(v: Any) -> tuple[Any, str, Any] | None:
-    entry = _NAMED.get(id(v))
-    return entry if entry is not None and entry[0]() is v else None
+def _forget(table: Any, key: int, ref: Any) -> None:
+    t = table()
+    if t is not None:
+        entry = t._by_id.get(key)
+        if entry is not None and entry[0] is ref:  # not a newer object that reuses the id
+            del t._by_id[key]
+
+
+def named_constants(owner: Any) -> NamedConstants | None:
+    """The :class:`NamedConstants` of post-grad graph ``owner`` (``None``: none named, or not a
+    ``GraphModule``)."""
+    meta = getattr(owner, "meta", None)
+    table = meta.get(NAMES_KEY) if isinstance(meta, dict) else None
+    return table if isinstance(table, NamedConstants) else None
 
 
 @contextlib.contextmanager
@@ -150,36 +197,44 @@ def _current_lowering_module() -> Any:
 
 
 def _name_in_lowering(v: Any) -> str | None:
-    """``v``'s name if ``v`` is being rendered by its owner's Inductor lowering, else ``None``."""
-    entry = _NAMED.get(id(v))
-    if entry is None or entry[0]() is not v or getattr(_render, "full", False):
+    """``v``'s name if ``v`` is being rendered by its owner's Inductor lowering, else ``None``:
+    the name table of the graph Inductor lowers now (``V.graph.module.meta``)."""
+    if getattr(_render, "full", False):
         return None
-    owner = entry[2]()
-    return entry[1] if owner is not None and _current_lowering_module() is owner else None
+    table = named_constants(_current_lowering_module())
+    return table.name(v) if table is not None else None
 
 
-def hoisted_name(v: Any) -> str | None:
-    """The wrapper-global name :func:`name_constant` gave ``v`` (``"_te_const_<n>"``), or
-    ``None``. ``v`` renders as that name only in its owner's Inductor wrapper
-    (:func:`hoisted_owner`).
+def hoisted_name(v: Any, owner: torch.fx.GraphModule | None) -> str | None:
+    """The wrapper-global name :func:`name_constant` gave ``v`` (``"_te_const_<n>"``) in post-grad
+    graph ``owner``, or ``None`` (not named there; ``owner=None``: ``None``). ``v`` renders as
+    that name only in ``owner``'s Inductor wrapper.
 
     A copy of a named object (``copy.copy`` / pickling) is *not* named: names are kept by
     object identity."""
-    entry = _entry(v)
-    return entry[1] if entry is not None else None
+    table = named_constants(owner)
+    return table.name(v) if table is not None else None
 
 
 def names_in(owner: torch.fx.GraphModule) -> set[str]:
     """The wrapper-global names :func:`name_constant` gave to live constants of post-grad graph
     ``owner`` (so a second hoisting run over the same graph picks names that are not taken)."""
-    return {e[1] for e in list(_NAMED.values()) if e[2]() is owner and e[0]() is not None}
+    table = named_constants(owner)
+    return table.names() if table is not None else set()
 
 
-def hoisted_owner(v: Any) -> torch.fx.GraphModule | None:
-    """The post-grad ``GraphModule`` whose Inductor wrapper holds ``v`` as a global, or ``None``
-    (``v`` not named, or that graph is gone)."""
-    entry = _entry(v)
-    return entry[2]() if entry is not None else None
+def can_name(v: Any) -> str | None:
+    """Why :func:`name_constant` cannot name ``v`` (``None``: it can): its class's
+    ``__fx_repr__`` must already be wrapped by :func:`wrap_te_constant_classes`
+    (``runtime.install()``), since a pass changes no class while it runs."""
+    cls = type(v)
+    for klass in cls.__mro__:
+        if "__fx_repr__" in klass.__dict__:
+            if getattr(klass.__dict__["__fx_repr__"], _WRAPPED_FLAG, False):
+                return None
+            return (f"{cls.__qualname__}.__fx_repr__ is not wrapped: te_passes.runtime.install.install() wraps "
+                    "TE's constant classes (the backend calls it on every te_inductor call)")
+    return f"{cls.__qualname__} has no __fx_repr__: not a value-opaque constant"
 
 
 def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
@@ -212,35 +267,33 @@ def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
     "Inductor is lowering ``owner``" is ``V.graph.module is owner``: ``GraphLowering`` is built on
     the very ``GraphModule`` the ``post_grad_custom_pre_pass`` hook rewrote
     (``torch/_inductor/compile_fx.py`` ``_InProcessFxCompile.codegen_and_compile``; torch 2.14.1).
-    The name, the object and the owner are held weakly (nothing is kept alive by being named).
+    The name is kept in ``owner``'s own :class:`NamedConstants` (``owner.meta[NAMES_KEY]``), which
+    is exactly what the wrapped ``__fx_repr__`` reads at lowering time (``V.graph.module.meta``):
+    per-graph state carried by the graph, no process-global registry, and the object is held
+    weakly (nothing is kept alive by being named).
 
-    The class's ``__fx_repr__`` is wrapped once (idempotent, process-wide) to answer the name in
-    that one situation; every other call renders exactly as before. :func:`wrap_te_constant_classes`
-    (``te_passes.runtime.install.install``, called by the backend) wraps every loaded TE constant
-    class up front, so a pass naming a constant changes no class; a class loaded later is wrapped
-    here, on first use.
+    The class's ``__fx_repr__`` must already be wrapped (:func:`can_name`): the wrapper answers
+    the name in that one situation and every other call renders exactly as before.
+    :func:`wrap_te_constant_classes` (``te_passes.runtime.install.install``, called by the
+    backend on every ``te_inductor`` call) wraps every loaded TE constant class, so naming a
+    constant changes no class.
 
     Raises:
-        TypeError: ``owner`` is not a ``torch.fx.GraphModule``, or ``v``'s class has no
+        TypeError: ``owner`` is not a ``torch.fx.GraphModule``, ``v``'s class has no
             ``__fx_repr__`` (not a value-opaque constant) or takes no weak reference.
+        RuntimeError: ``v``'s class is not wrapped yet (``runtime.install()`` has not run since
+            it was loaded; :func:`can_name` says so beforehand).
     """
     if not isinstance(owner, torch.fx.GraphModule):
         raise TypeError(f"name_constant: owner must be the post-grad torch.fx.GraphModule whose wrapper holds "
                         f"{name!r}, got {type(owner).__name__}")
-    cls = type(v)
-    orig = cls.__dict__.get("__fx_repr__")
-    if orig is None:
-        for klass in cls.__mro__:
-            if "__fx_repr__" in klass.__dict__:
-                orig = klass.__dict__["__fx_repr__"]
-                break
-    if orig is None:
-        raise TypeError(f"{cls.__name__} has no __fx_repr__: not a value-opaque constant")
-    key = id(v)
-    ref = weakref.ref(v, functools.partial(_forget, key=key))  # TypeError: no weak references
-    if not getattr(orig, _WRAPPED_FLAG, False):
-        _wrap_fx_repr(cls, orig)
-    _NAMED[key] = (ref, name, weakref.ref(owner))
+    why = can_name(v)
+    if why is not None:
+        raise (TypeError if "no __fx_repr__" in why else RuntimeError)(f"name_constant: {why}")
+    table = named_constants(owner)
+    if table is None:
+        table = owner.meta[NAMES_KEY] = NamedConstants()
+    table.add(v, name)  # TypeError: no weak references
 
 
 def _wrap_fx_repr(cls: type, orig: Callable) -> None:

@@ -111,6 +111,7 @@ def register_inductor_lowering() -> bool:
     readers, or copied by them) it emits nothing and creates no buffer. Uses ``torch._inductor.lowering.register_lowering`` (torch 2.14); when that
     internal API is unavailable it returns False and :func:`lowering_error` says why — the
     ``insert_early_frees`` pass then refuses to insert frees into graphs Inductor will compile.
+    Called by ``te_passes.runtime.install.install()`` only; passes read :func:`lowering_reason`.
     """
     global _lowering_registered, _lowering_error
     with _lowering_lock:
@@ -207,3 +208,15 @@ def _log_dropped_free(t) -> None:
 def lowering_error() -> str | None:
     """Why :func:`register_inductor_lowering` failed (``None`` if it did not fail)."""
     return _lowering_error
+
+
+def lowering_reason() -> str | None:
+    """Why :data:`free_storage`'s Inductor lowering is not in place (``None``: it is). A pure
+    lookup of what :func:`register_inductor_lowering` (run by
+    ``te_passes.runtime.install.install()``) did: a pass asks, it never registers (issue 12)."""
+    if _lowering_registered:
+        return None
+    if _lowering_registered is False:
+        return f"cannot register the Inductor lowering of {QUALNAME} ({_lowering_error})"
+    return (f"the Inductor lowering of {QUALNAME} is not installed: te_passes.runtime.install.install() "
+            "registers it (the backend calls it on every te_inductor call)")

@@ -76,6 +76,7 @@ from te_passes.report import CompileReport
 from te_passes.te import graph_model as gmod
 from te_passes.te.state import TEState
 from te_passes.te.version import is_supported, te_version
+from te_passes.testing.inductor_state import clear_system_info
 
 #: Precisions :func:`capture_dynamo` / :func:`capture_aot` capture: ``"bf16"`` (bf16 params and
 #: activations, no quantization, no ``te.autocast``), ``"fp8-cs"``
@@ -373,6 +374,7 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
     with ``fake_ub``, TE's Userbuffers registry (``module.base._ub_communicators`` /
     ``_ub_initialized``). ``torch.cuda.is_available`` is *not* patched here (Dynamo would then
     query CUDA RNG state): patch it only around construction (:func:`_constructing`).
+    Inductor's cached system info is cleared on entry and exit (:mod:`te_passes.testing.inductor_state`).
     """
     if precision not in DEVICE_CAPABILITY:
         raise CaptureError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
@@ -384,6 +386,7 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
     cap = DEVICE_CAPABILITY[precision]
     props = _FakeProps(cap)
     with contextlib.ExitStack() as stack:
+        stack.callback(clear_system_info)  # runs last: after the patches are undone
         for flag in _TE_SUPPORT_FLAGS:
             if hasattr(te_quant, flag):
                 stack.enter_context(mock.patch.object(te_quant, flag, (True, "")))
@@ -395,6 +398,7 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
         if fake_ub:
             stack.enter_context(mock.patch.object(te_base, "_ub_communicators", _FakeUbTable(ub_fp8)))
             stack.enter_context(mock.patch.object(te_base, "_ub_initialized", True))
+        clear_system_info()
         yield
 
 

@@ -6,9 +6,10 @@ through the path the backend takes, with before/after snapshots and op counts.
   stage suffix), with test defaults: ``TePassesOptions(**opts)``, an empty ``TEState()``;
 * :func:`run_passes` — :class:`~te_passes.pipeline.manager.PassManager` +
   :class:`~te_passes.pipeline.compilation.Compilation` (the backend's driver: disable list,
-  rollback copies, lint, recompile, observers' stage hooks) on ``gm``, returning a
-  :class:`HarnessRun` with the graph's code and op counts before and after, the stage report and
-  the typed facts;
+  rollback copies, lint, recompile, observers' stage hooks) on ``gm``, after
+  :func:`te_passes.runtime.install.install` as the backend does (``install=False``: not), returning a
+  :class:`HarnessRun` with the graph's code and op counts before and after, the stage report,
+  the typed facts and the stage's context;
 * :func:`count_ops` / :func:`diff` — ``call_function`` targets of a graph and what changed.
 
 Used by tests/ instead of per-file copies of a context helper (issue 12 item 6).
@@ -28,6 +29,7 @@ from te_passes.pipeline.compilation import Compilation
 from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import configured_passes
 from te_passes.report import CompileReport, StageReport
+from te_passes.runtime.install import install as install_runtime
 from te_passes.te.state import TEState
 
 __all__ = ["HarnessRun", "count_ops", "diff", "op_name", "pass_context", "run_passes"]
@@ -87,7 +89,8 @@ def pass_context(stage: Stage | str = Stage.DYNAMO, *, te_state: TEState | None 
 @dataclasses.dataclass
 class HarnessRun:
     """What :func:`run_passes` saw: the graph code (``gm.code``) and :func:`count_ops` before and
-    after, the :class:`~te_passes.report.StageReport`, and the typed facts the passes returned."""
+    after, the :class:`~te_passes.report.StageReport`, the typed facts the passes returned, and
+    the :class:`PassContext` the stage's passes got (``ctx.analyses`` as the stage left it)."""
 
     before_code: str
     after_code: str
@@ -95,6 +98,7 @@ class HarnessRun:
     after_ops: collections.Counter
     report: StageReport
     facts: list[Any]
+    ctx: PassContext | None = None
 
     @property
     def changed(self) -> bool:
@@ -114,12 +118,15 @@ class HarnessRun:
 def run_passes(gm: torch.fx.GraphModule, passes: TEPass | Sequence[TEPass] | None = None,
                stage: Stage | str = Stage.DYNAMO, *, example_inputs: Any = None, te_state: TEState | None = None,
                options: TePassesOptions | None = None, graph_id: str = "g0", inputs: dict | None = None,
-               observers: Sequence[Any] = (), **opts: Any) -> HarnessRun:
+               observers: Sequence[Any] = (), install: bool = True, **opts: Any) -> HarnessRun:
     """Run ``passes`` (one pass, a list, or ``None``: the configured pipeline,
     :func:`te_passes.pipeline.registry.configured_passes` of ``options.pass_config``) for
     ``stage`` on ``gm`` in place, through :class:`PassManager` and
     :meth:`Compilation.run_stage` as the backend does.
 
+    ``install``: first call :func:`te_passes.runtime.install.install` (idempotent, process-wide),
+    as the backend does before any pass runs (the Inductor lowerings passes look up, the TE
+    constant classes' ``__fx_repr__``); ``False`` for tests of a pass without the runtime.
     Other arguments as :func:`pass_context`.
 
     Raises:
@@ -132,8 +139,22 @@ def run_passes(gm: torch.fx.GraphModule, passes: TEPass | Sequence[TEPass] | Non
         passes = configured_passes(options.pass_config)
     elif isinstance(passes, TEPass):
         passes = [passes]
-    comp = Compilation(PassManager(list(passes), observers=observers), options,
+    if install:
+        install_runtime()
+    seen: list[PassContext] = []
+    comp = Compilation(PassManager(list(passes), observers=[*observers, _ContextSpy(seen)]), options,
                        TEState() if te_state is None else te_state, CompileReport(graph_id=graph_id))
     before_code, before_ops = gm.code, count_ops(gm)
     report = comp.run_stage(gm, stage, example_inputs, inputs)
-    return HarnessRun(before_code, gm.code, before_ops, count_ops(gm), report, comp.facts())
+    return HarnessRun(before_code, gm.code, before_ops, count_ops(gm), report, comp.facts(),
+                      seen[-1] if seen else None)
+
+
+class _ContextSpy:
+    """An observer that keeps the stage's :class:`PassContext` (``after_stage`` hook)."""
+
+    def __init__(self, out: list[PassContext]) -> None:
+        self.out = out
+
+    def after_stage(self, gm: torch.fx.GraphModule, ctx: PassContext, report: StageReport) -> None:
+        self.out.append(ctx)
