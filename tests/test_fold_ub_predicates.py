@@ -30,8 +30,8 @@ from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
 from te_passes.runtime import ub_guard as guards  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
-from te_passes.te.ub import (TE_UB_MODULE, UbConfigError, UbSnapshot, check_linear_ub_config,  # noqa: E402
-                             linear_ub_buffer_uses)
+from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot  # noqa: E402
+from te_passes.te.ub_rules import check_linear_ub_config, linear_ub_buffer_uses  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, ub_registry  # noqa: E402
 
 pytestmark = pytest.mark.te
@@ -368,7 +368,7 @@ ROW = dict(ub_name="proj", parallel_mode="row", sequence_parallel=True, tp_size=
 
 
 def _buf(buffer, mode, phase, overlap, flag, source_bwd, *, fp8ubuf, registered=True):
-    from te_passes.te.ub import LINEAR_SOURCE_BWD, LINEAR_SOURCE_FWD
+    from te_passes.te.ub_rules import LINEAR_SOURCE_BWD, LINEAR_SOURCE_FWD
     return {"buffer": buffer, "use_fp8": mode == "fp8", "phase": phase, "overlap": overlap, "flag": flag,
             "source": LINEAR_SOURCE_BWD if source_bwd else LINEAR_SOURCE_FWD, "mode": mode,
             "registered": registered, "is_fp8_ubuf": fp8ubuf if registered else None,

@@ -57,8 +57,9 @@ import torch.fx
 
 from te_passes.fx.graph import copy_graph
 from te_passes.te import graph_model as gmod
-from te_passes.te.ub import (TE_UB_MODULE, UB_PREDICATE_METHODS, UbConfigError, UbSnapshot, check_linear_ub_config,
-                             ub_query_function)
+from te_passes.te.ub import TE_UB_MODULE, UB_PREDICATE_METHODS, UbConfigError, UbSnapshot
+from te_passes.te.ub_queries import ub_query_function
+from te_passes.te.ub_rules import check_linear_ub_config
 from te_passes.te.version import te_module
 
 #: The UB state token Dynamo guards on (``"ub-<fingerprint[:16]>"``); renewed on every UB change.
