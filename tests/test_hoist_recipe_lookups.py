@@ -39,6 +39,7 @@ from te_passes.te.graph_scan import find_recipe_and_pg_objects, object_occurrenc
 from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
+from te_passes.te import recipe_table  # noqa: E402
 from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
@@ -123,11 +124,11 @@ def test_state_lookup_attribute_chain_folds_to_the_tables_bool(cls, gemm_name):
     flag = g.call_function(getattr, (mm, "use_split_accumulator"))
     g.output(g.call_function(gemm, (x,), {"split": flag}))
     gm = gm_of(g)
-    recipe = recipes.default_recipe(cls)
+    recipe = recipe_table.default_recipe(cls)
     with autocast_cpu(recipe):
         expected = gm(X)
         res = run_pass(gm)  # folds against the TE snapshot taken inside the autocast
-    want = recipes.resolve_recipe(recipe).use_split_accumulator(gemm_name)
+    want = recipe_table.resolve_recipe(recipe).use_split_accumulator(gemm_name)
     assert ops(gm) == [("placeholder", "x"), ("call_function", "gemm"), ("output", "output")]
     (call,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert call.kwargs == {"split": want} and call.kwargs["split"] is want
@@ -146,11 +147,11 @@ def test_hasattr_lookup_folds_for_every_recipe_class(cls):
     has = g.call_function(hasattr, (r, "fp8_gemm_fprop"))
     g.output(g.call_function(gemm, (x, has)))
     gm = gm_of(g)
-    recipe = recipes.default_recipe(cls)
+    recipe = recipe_table.default_recipe(cls)
     res = run_pass(gm, recipes.Fp8State(fp8_enabled=True, recipe=recipe))
     (call,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert call.args[1] is hasattr(recipe, "fp8_gemm_fprop")
-    assert call.args[1] is (recipes.resolve_recipe(recipe).split_accumulator["fprop"].source != "module/base.py:_2X_ACC_FPROP")
+    assert call.args[1] is (recipe_table.resolve_recipe(recipe).split_accumulator["fprop"].source != "module/base.py:_2X_ACC_FPROP")
     assert kinds(res) == {"hoisted": 1}
 
 
