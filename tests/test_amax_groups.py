@@ -173,9 +173,9 @@ def test_row_parallel_first_trace_fails_on_the_group_guard_without_hooks(sp, hoo
 def _process_groups_in_graph(gm: torch.fx.GraphModule) -> list[str]:
     """Every quantizer constant (incl. inside bundles) that holds a ProcessGroup."""
     from te_passes.runtime import amax_groups
-    from te_passes.te import graph_model
+    from te_passes.te import graph_constants
 
-    return [f"{node.name}: {type(obj).__name__}" for node, obj, _ in graph_model.iter_te_constants(gm.graph)
+    return [f"{node.name}: {type(obj).__name__}" for node, obj, _ in graph_constants.iter_te_constants(gm.graph)
             if amax_groups.holds_process_group(obj)]
 
 

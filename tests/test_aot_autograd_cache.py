@@ -46,7 +46,7 @@ from torch._inductor.virtualized import V  # noqa: E402
 from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.runtime.constants import (  # noqa: E402
     hoisted_name, hoisted_owner, name_constant, rebuild_constant, rendered_in_full)
-from te_passes.te.graph_model import bundle_dict  # noqa: E402
+from te_passes.te.graph_constants import bundle_dict  # noqa: E402
 
 _NAME = re.compile(r"_te_const_\d+")
 _INLINE = re.compile(r"_rebuild_quantizer\(|OpaqueValueBundle\(")

@@ -16,7 +16,7 @@ from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
 from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
-from te_passes.te.graph_model import TEConstKind, te_const_kind  # noqa: E402
+from te_passes.te.graph_constants import TEConstKind, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 
 

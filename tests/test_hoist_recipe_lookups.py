@@ -40,7 +40,7 @@ from te_passes.runtime.constants import hoisted_name, hoisted_owner  # noqa: E40
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
 from te_passes.te import recipe_table  # noqa: E402
-from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
+from te_passes.te.graph_constants import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
 

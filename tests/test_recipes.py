@@ -30,7 +30,7 @@ from transformer_engine.pytorch.quantization import QuantizerRole, RecipeState  
 
 from te_passes.te import recipes  # noqa: E402
 from te_passes.te import recipe_table  # noqa: E402
-from te_passes.te.graph_model import quantizer_fields  # noqa: E402
+from te_passes.te.graph_constants import quantizer_fields  # noqa: E402
 
 QP = te_recipe.QParams
 MM = te_recipe.MMParams
