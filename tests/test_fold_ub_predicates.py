@@ -28,6 +28,7 @@ from te_passes.pipeline.manager import TePassError  # noqa: E402
 from te_passes.pipeline.registry import pass_names  # noqa: E402
 from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
 from te_passes.runtime import ub_guard as guards  # noqa: E402
+from te_passes.runtime import ub_graph_guard  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
 from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot  # noqa: E402
@@ -69,7 +70,7 @@ def run_pass(gm, **kw):
 
 def dependence(res):
     """The UB dependence the pass returned as a typed fact (empty if none)."""
-    return guards.UbDependence.merged(f for f in res.facts if isinstance(f, guards.UbDependence))
+    return ub_graph_guard.UbDependence.merged(f for f in res.facts if isinstance(f, ub_graph_guard.UbDependence))
 
 
 def records(res):
@@ -408,7 +409,7 @@ def test_real_linear_missing_wgrad_buffer_is_an_error():
     report = CompileReport("g99", stages=[StageReport("g99", "dynamo", runs=[PassRun("fold_ub_predicates", "dynamo",
                                                                                     records=res.records)])])
     with pytest.raises(UbConfigError, match="graph g99: UB configuration does not match the UB state") as ei:
-        guards.wrap_with_te_state_guard(lambda *a: None, report, TEState.capture(), TePassesOptions())
+        ub_graph_guard.wrap_with_te_state_guard(lambda *a: None, report, TEState.capture(), TePassesOptions())
     assert msg in str(ei.value)
 
 

@@ -17,7 +17,6 @@ PASS_LIMIT = 300
 OVER_LIMIT = {
     "runtime/cudagraphs.py": 815,  # issue 14's lean CUDA-graph policy; to be split
     "testing/capture.py": 960,
-    "runtime/ub_guard.py": 660,
 }
 
 

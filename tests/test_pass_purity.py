@@ -26,6 +26,7 @@ from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.pipeline.registry import pass_names  # noqa: E402
 from te_passes.runtime import constants, ub_guard  # noqa: E402
+from te_passes.runtime import ub_graph_guard  # noqa: E402
 from te_passes.runtime.install import install  # noqa: E402
 from te_passes.testing.capture import capture_aot, fake_gpu, run_pipeline  # noqa: E402
 
@@ -81,6 +82,6 @@ def test_fold_ub_predicates_returns_its_dependence_instead_of_registering_it():
         reps = run_pipeline(aot, [Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD],
                             options=TePassesOptions(), graph_id="gpure_ub")
         after = _process_state()
-    deps = [f for s in reps for r in s.runs for f in r.facts if isinstance(f, ub_guard.UbDependence)]
+    deps = [f for s in reps for r in s.runs for f in r.facts if isinstance(f, ub_graph_guard.UbDependence)]
     assert deps and all(d.checks for d in deps)  # the TE ops' UB configurations, as facts
     assert _diff(before, after) == []

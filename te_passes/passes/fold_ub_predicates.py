@@ -16,6 +16,7 @@ from torch.fx.node import map_arg
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
 from te_passes.runtime import ub_guard as guards
+from te_passes.runtime import ub_graph_guard
 from te_passes.te.ub import UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import describe_ub_query, find_ub_queries
 from te_passes.te.ub_rules import check_linear_ub_config, ub_flags_set
@@ -73,7 +74,7 @@ class FoldUbPredicates(TEPass):
     (under ``te_passes.strict`` the pass raises at once).
 
     Every dependence (folded values, checked configs, a pre-pass copy of the graph when nodes
-    were folded) is returned as one typed fact, a :class:`te_passes.runtime.ub_guard.UbDependence`
+    were folded) is returned as one typed fact, a :class:`te_passes.runtime.ub_graph_guard.UbDependence`
     (``TEPassResult.facts``); the backend guards the compiled graph with it.
 
     Records: ``"folded"`` (``api``, ``args``, ``value``, ``source`` = ``"fx"`` /
@@ -96,7 +97,7 @@ class FoldUbPredicates(TEPass):
         return queries
 
     def _check_te_ops(self, gm: torch.fx.GraphModule, snap: UbSnapshot, records: list[PassRecord],
-                      checks: list[guards.UbCheckSpec]) -> None:
+                      checks: list[ub_graph_guard.UbCheckSpec]) -> None:
         unknown: list[str] = []
         for call in gmod.te_op_calls(gm.graph, unknown=unknown):
             if call.module_kind != "linear":
@@ -108,7 +109,7 @@ class FoldUbPredicates(TEPass):
             if not flags:
                 continue
             res = check_linear_ub_config(call.op, call.config, snap)
-            checks.append(guards.UbCheckSpec(call.op, dict(call.config), call.node.name))
+            checks.append(ub_graph_guard.UbCheckSpec(call.op, dict(call.config), call.node.name))
             buffers = []
             for use in res.uses:
                 key = f"{use.buffer}[{'fp8' if use.use_fp8 else 'none'}]"
@@ -134,7 +135,7 @@ class FoldUbPredicates(TEPass):
             snap = UbSnapshot(source="absent")
         records: list[PassRecord] = []
         folds: list[guards.UbFold] = []
-        checks: list[guards.UbCheckSpec] = []
+        checks: list[ub_graph_guard.UbCheckSpec] = []
 
         # 1. folds Dynamo made while tracing this graph (TE's get_ub_is_fp8 under our hook).
         if ctx.stage is Stage.DYNAMO:
@@ -167,13 +168,13 @@ class FoldUbPredicates(TEPass):
             raise UbConfigError("; ".join(str(r.data["message"]) for r in mismatches))
 
         # 4. mutate: keep a pre-pass copy for recompiles, then fold.
-        pristine = guards.pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
+        pristine = ub_graph_guard.pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
         modified = False
         if values:
             modified = True
             ctx.checkpoint()
             self._fold(gm.graph, values, records, folds)
-        facts = [guards.UbDependence(folds, checks, pristine)] if folds or checks else []
+        facts = [ub_graph_guard.UbDependence(folds, checks, pristine)] if folds or checks else []
         return TEPassResult(gm, modified, records, facts)
 
     def _record_trace_folds(self, snap: UbSnapshot, ctx: PassContext, records: list[PassRecord],
