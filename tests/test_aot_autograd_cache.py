@@ -76,9 +76,9 @@ def _standin_compiled_forward(gm, example_inputs):
     from te_passes.pipeline.base import PassContext, Stage
     from te_passes.pipeline.manager import PassManager
     from te_passes.te.state import TEState
-    from te_passes.testing import capture
+    from te_passes.testing import captured as CG
 
-    g = torch.fx.GraphModule(gm, capture._copy_gm(gm).graph)
+    g = torch.fx.GraphModule(gm, CG.copy_gm(gm).graph)
     ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture(), example_inputs, "primer.fwd")
     report = PassManager([HoistTEConstants()]).run(g, ctx)
     assert report.runs[0].status == "ok" and report.runs[0].changed
@@ -91,11 +91,12 @@ def _primed_linear(variant: str = "default"):
     returned hoisted quantizers; yields ``(f, x, mode, lin)``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.testing import capture
+    from te_passes.testing import dynamo_capture as DC
+    from te_passes.testing import fake_gpu as FG
 
-    with capture._quiet(), capture.fake_gpu("fp8-cs"):
+    with FG.quiet(), FG.fake_gpu("fp8-cs"):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, capture._constructing():
+        with mode, FG.constructing():
             lin = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
             x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         recipe = _recipe(variant)
@@ -105,7 +106,7 @@ def _primed_linear(variant: str = "default"):
                 return lin(inp)
 
         torch._dynamo.reset()
-        primed = torch.compile(capture._fresh_function(f), backend=_standin_compiled_forward, fullgraph=True)
+        primed = torch.compile(DC.fresh_function(f), backend=_standin_compiled_forward, fullgraph=True)
         with mode:
             for _ in range(3):
                 primed(x)
@@ -123,7 +124,7 @@ def _te_inductor_frame(f, x, mode, *, training: bool):
     from torch._functorch._aot_autograd import autograd_cache
 
     from te_passes.backend import te_inductor
-    from te_passes.testing import capture
+    from te_passes.testing import dynamo_capture as DC
 
     from test_hoist_recipe_lookups import _inductor_codegen_on_cpu
 
@@ -151,7 +152,7 @@ def _te_inductor_frame(f, x, mode, *, training: bool):
     torch._dynamo.reset()
     error = None
     with _inductor_codegen_on_cpu() as loaded, mock.patch.object(autograd_cache, "autograd_cache_key", spy):
-        fn = torch.compile(capture._fresh_function(f), backend=backend, fullgraph=True)
+        fn = torch.compile(DC.fresh_function(f), backend=backend, fullgraph=True)
         try:
             with mode, (contextlib.nullcontext() if training else torch.no_grad()):
                 fn(x)

@@ -93,7 +93,7 @@ def test_a_different_fp8_state_changes_the_uuid(change):
 
 def test_te_snapshot_captures_the_autocast_state():
     te = pytest.importorskip("transformer_engine.pytorch")
-    from te_passes.testing.capture import fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu
 
     outside = TEState.capture()
     assert outside.fp8 is not None and outside.fp8.fp8_enabled is False

@@ -12,7 +12,8 @@ import torch
 
 from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
-from te_passes.testing.capture import PRECISIONS, node_value, te_op_names
+from te_passes.testing.captured import node_value, te_op_names
+from te_passes.testing.fake_gpu import PRECISIONS
 
 pytestmark = pytest.mark.te
 

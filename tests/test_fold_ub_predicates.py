@@ -319,9 +319,9 @@ def capture_ub_linear(precision="bf16", *, training=True, in_features=64, out_fe
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import transformer_engine.pytorch as te
-    from te_passes.testing.capture import _make_recipe, fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu, make_recipe
 
-    recipe = _make_recipe(precision)
+    recipe = make_recipe(precision)
     recorded = []
     with fake_gpu(precision):
         mode = FakeTensorMode(allow_non_fake_inputs=True)

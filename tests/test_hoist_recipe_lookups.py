@@ -91,7 +91,7 @@ def kinds(res):
 @contextlib.contextmanager
 def autocast_cpu(recipe):
     """``te.autocast`` on this GPU-less machine (TE's device-support answers preset)."""
-    from te_passes.testing.capture import fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu
 
     with fake_gpu("fp8-cs"), te.autocast(enabled=True, recipe=recipe):
         yield
@@ -518,7 +518,7 @@ def _inductor_codegen_on_cpu(precision="fp8-cs"):
     import torch._inductor.scheduler as sch
     from torch._inductor.codecache import PyCodeCache
 
-    from te_passes.testing.capture import fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu
 
     loaded = []
     orig = PyCodeCache.load_by_key_path.__func__
@@ -582,7 +582,7 @@ def test_te_inductor_backend_end_to_end_and_fx_graph_cache_hit(tmp_path, monkeyp
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from te_passes.backend import te_inductor
-    from te_passes.testing import capture
+    from te_passes.testing import fake_gpu as FG
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     recipe = te_recipe.Float8CurrentScaling()
@@ -596,7 +596,7 @@ def test_te_inductor_backend_end_to_end_and_fx_graph_cache_hit(tmp_path, monkeyp
 
         with _inductor_codegen_on_cpu() as loaded:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode, capture._constructing():
+            with mode, FG.constructing():
                 lin = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
                 x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
 
@@ -631,7 +631,8 @@ def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3)
     from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.testing import capture
+    from te_passes.testing import dynamo_capture as DC
+    from te_passes.testing import fake_gpu as FG
 
     compiles = []
 
@@ -640,9 +641,9 @@ def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3)
         return gm.forward  # TE's fake impls under the fake mode: nothing runs on a device
 
     torch._dynamo.reset()
-    with capture.fake_gpu("fp8-cs"):
+    with FG.fake_gpu("fp8-cs"):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, capture._constructing():
+        with mode, FG.constructing():
             lin = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
             x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         state = {"recipe": te_recipe.Float8CurrentScaling()}
@@ -651,7 +652,7 @@ def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3)
             with te.autocast(enabled=True, recipe=state["recipe"]):
                 return lin(inp)
 
-        cf = torch.compile(capture._fresh_function(f), backend=backend, fullgraph=True)
+        cf = torch.compile(DC.fresh_function(f), backend=backend, fullgraph=True)
 
         def steps(n):
             before, graphs_before = len(compiles), counters["stats"]["unique_graphs"]

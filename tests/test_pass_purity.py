@@ -28,7 +28,8 @@ from te_passes.pipeline.registry import pass_names  # noqa: E402
 from te_passes.runtime import constants, ub_guard  # noqa: E402
 from te_passes.runtime import ub_graph_guard  # noqa: E402
 from te_passes.runtime.install import install  # noqa: E402
-from te_passes.testing.capture import capture_aot, fake_gpu, run_pipeline  # noqa: E402
+from te_passes.testing.capture import capture_aot, run_pipeline  # noqa: E402
+from te_passes.testing.fake_gpu import fake_gpu  # noqa: E402
 
 TE_FUNCTIONS = (("transformer_engine.pytorch.module.base", ("initialize_ub", "destroy_ub", "get_ub_is_fp8")),
                 ("transformer_engine.pytorch.module.linear", ("_linear_forward_impl", "_linear_backward_impl",

@@ -367,12 +367,12 @@ def test_real_te_linear_recompiles_only_when_its_ub_answer_changes(hooked):
 
     import transformer_engine.pytorch as te
     from te_passes.te import graph_model as gmod
-    from te_passes.testing.capture import _make_recipe, fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu, make_recipe
 
     class NeverRun(Exception):
         pass
 
-    recipe = _make_recipe("fp8-cs")
+    recipe = make_recipe("fp8-cs")
     seen: dict[str, list] = {"ub": [], "plain": []}
 
     def backend_for(key):
