@@ -41,8 +41,9 @@ from te_passes.report import CompileReport, cache_hit_note, new_compile_report
 from te_passes.runtime.cudagraph_engine import CudagraphRecorder
 from te_passes.runtime.cudagraph_policy import LeanCUDAGraphPolicy
 from te_passes.runtime.install import install as _install_runtime
-from te_passes.runtime.ub_guard import (dynamo_stage_inputs, raise_ub_mismatches, ub_dependence_of, ub_state_reads,
-                                        wrap_with_te_state_guard)
+from te_passes.runtime.ub_guard import dynamo_stage_inputs
+from te_passes.runtime.ub_graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
+                                              wrap_with_te_state_guard)
 from te_passes.te.capture_state import te_capture_state
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError

@@ -60,7 +60,7 @@ class PassRun:
     records: list[PassRecord] = dataclasses.field(default_factory=list)
     error: str | None = None
     #: Typed facts the pass returned for the pipeline (``TEPassResult.facts``, e.g. a
-    #: ``te_passes.runtime.ub_guard.UbDependence``); empty unless the run succeeded. Not in JSON.
+    #: ``te_passes.runtime.ub_graph_guard.UbDependence``); empty unless the run succeeded. Not in JSON.
     facts: list[Any] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:

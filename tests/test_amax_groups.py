@@ -1,7 +1,7 @@
 """Issue 8: fp8 sequence-parallel te.Linear compiles on the first call under te_inductor.
 
 No GPU: a ``fake`` torch.distributed process group of size 2 (``FakeStore``), TE on fake CUDA
-tensors (te_passes.testing.capture.fake_gpu). The eager step is TE's real eager Linear forward:
+tensors (te_passes.testing.fake_gpu.fake_gpu). The eager step is TE's real eager Linear forward:
 it runs ``_linear_forward_impl`` up to its first CUDA kernel (no GPU here), i.e. past
 ``set_quantizer_amax_reduction_group(input_quantizer, tp_group)`` (linear.py:448) — exactly the
 state an eager step leaves on a GPU. The row-parallel group is set by TE's backward impl
@@ -44,15 +44,16 @@ class _SP:
         import transformer_engine.pytorch as te
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from te_passes.testing import capture as C
+        from te_passes.testing import dynamo_capture as DC
+        from te_passes.testing import fake_gpu as FG
 
-        self.C, self.te, self.group = C, te, group
-        self.recipe = C._make_recipe("fp8-cs")
+        self.DC, self.te, self.group = DC, te, group
+        self.recipe = FG.make_recipe("fp8-cs")
         self.stack = contextlib.ExitStack()
-        self.stack.enter_context(C._quiet())
-        self.stack.enter_context(C.fake_gpu("fp8-cs"))
+        self.stack.enter_context(FG.quiet())
+        self.stack.enter_context(FG.fake_gpu("fp8-cs"))
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with self.mode, C._constructing():
+        with self.mode, FG.constructing():
             self.lin = te.Linear(64, 128, params_dtype=torch.bfloat16, device="cuda",
                                  parallel_mode=parallel_mode, sequence_parallel=True, tp_group=group)
             self.x = torch.randn(32, int(self.lin.weight.shape[1]), dtype=torch.bfloat16, device="cuda",
@@ -94,7 +95,7 @@ class _SP:
         def step(inp):
             with te.autocast(enabled=True, recipe=recipe):
                 return lin(inp)
-        return torch.compile(self.C._fresh_function(step), backend=backend, fullgraph=True)
+        return torch.compile(self.DC.fresh_function(step), backend=backend, fullgraph=True)
 
     def call(self, fn):
         with self.mode:
@@ -173,9 +174,9 @@ def test_row_parallel_first_trace_fails_on_the_group_guard_without_hooks(sp, hoo
 def _process_groups_in_graph(gm: torch.fx.GraphModule) -> list[str]:
     """Every quantizer constant (incl. inside bundles) that holds a ProcessGroup."""
     from te_passes.runtime import amax_groups
-    from te_passes.te import graph_model
+    from te_passes.te import graph_constants
 
-    return [f"{node.name}: {type(obj).__name__}" for node, obj, _ in graph_model.iter_te_constants(gm.graph)
+    return [f"{node.name}: {type(obj).__name__}" for node, obj, _ in graph_constants.iter_te_constants(gm.graph)
             if amax_groups.holds_process_group(obj)]
 
 

@@ -47,7 +47,7 @@ from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.runtime.constants import (  # noqa: E402
     NamedConstants, hoisted_name, name_constant, named_constants, rebuild_constant, rendered_in_full)
 from te_passes.runtime.install import install  # noqa: E402
-from te_passes.te.graph_model import bundle_dict  # noqa: E402
+from te_passes.te.graph_constants import bundle_dict  # noqa: E402
 
 _NAME = re.compile(r"_te_const_\d+")
 _INLINE = re.compile(r"_rebuild_quantizer\(|OpaqueValueBundle\(")
@@ -76,10 +76,10 @@ def _standin_compiled_forward(gm, example_inputs):
     The graphs it hoisted into are kept in :data:`_PRIMED` (names are kept per graph)."""
     from te_passes.pipeline.base import Stage
     from te_passes.te.state import TEState
-    from te_passes.testing import capture
+    from te_passes.testing import captured as CG
     from te_passes.testing.harness import run_passes
 
-    g = torch.fx.GraphModule(gm, capture._copy_gm(gm).graph)
+    g = torch.fx.GraphModule(gm, CG.copy_gm(gm).graph)
     run = run_passes(g, HoistTEConstants(), Stage.POST_GRAD_FWD, example_inputs=example_inputs,
                      te_state=TEState.capture(), graph_id="primer")
     assert run.report.graph_id == "primer.fwd"
@@ -106,11 +106,12 @@ def _primed_linear(variant: str = "default"):
     returned hoisted quantizers; yields ``(f, x, mode, lin)``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.testing import capture
+    from te_passes.testing import dynamo_capture as DC
+    from te_passes.testing import fake_gpu as FG
 
-    with capture._quiet(), capture.fake_gpu("fp8-cs"):
+    with FG.quiet(), FG.fake_gpu("fp8-cs"):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, capture._constructing():
+        with mode, FG.constructing():
             lin = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
             x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         recipe = _recipe(variant)
@@ -121,7 +122,7 @@ def _primed_linear(variant: str = "default"):
 
         torch._dynamo.reset()
         _PRIMED.clear()
-        primed = torch.compile(capture._fresh_function(f), backend=_standin_compiled_forward, fullgraph=True)
+        primed = torch.compile(DC.fresh_function(f), backend=_standin_compiled_forward, fullgraph=True)
         with mode:
             for _ in range(3):
                 primed(x)
@@ -144,7 +145,7 @@ def _te_inductor_frame(f, x, mode, *, training: bool):
     from torch._functorch._aot_autograd import autograd_cache
 
     from te_passes.backend import te_inductor
-    from te_passes.testing import capture
+    from te_passes.testing import dynamo_capture as DC
 
     from test_hoist_recipe_lookups import _inductor_codegen_on_cpu
 
@@ -172,7 +173,7 @@ def _te_inductor_frame(f, x, mode, *, training: bool):
     torch._dynamo.reset()
     error = None
     with _inductor_codegen_on_cpu() as loaded, mock.patch.object(autograd_cache, "autograd_cache_key", spy):
-        fn = torch.compile(capture._fresh_function(f), backend=backend, fullgraph=True)
+        fn = torch.compile(DC.fresh_function(f), backend=backend, fullgraph=True)
         try:
             with mode, (contextlib.nullcontext() if training else torch.no_grad()):
                 fn(x)

@@ -32,6 +32,7 @@ from te_passes.pipeline.compilation import pipeline_uuid
 from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import default_passes
 from te_passes.te import recipes
+from te_passes.te import recipe_table
 from te_passes.te.state import TEState
 from te_passes.testing.harness import run_passes
 
@@ -81,7 +82,7 @@ _FP8 = {"te_version": "2.20.2"}
 def test_a_different_fp8_state_changes_the_uuid(change):
     pytest.importorskip("transformer_engine.common.recipe")
     m = PassManager(default_passes())
-    kw = {k: (recipes.default_recipe(v) if k == "recipe" else v) for k, v in change.items()}
+    kw = {k: (recipe_table.default_recipe(v) if k == "recipe" else v) for k, v in change.items()}
     plain = TEState(fp8=recipes.Fp8State(), **_FP8)
     other = TEState(fp8=recipes.Fp8State(**kw), **_FP8)
     same = TEState(fp8=recipes.Fp8State(), **_FP8)
@@ -93,11 +94,11 @@ def test_a_different_fp8_state_changes_the_uuid(change):
 
 def test_te_snapshot_captures_the_autocast_state():
     te = pytest.importorskip("transformer_engine.pytorch")
-    from te_passes.testing.capture import fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu
 
     outside = TEState.capture()
     assert outside.fp8 is not None and outside.fp8.fp8_enabled is False
-    recipe = recipes.default_recipe("Float8CurrentScaling")
+    recipe = recipe_table.default_recipe("Float8CurrentScaling")
     with fake_gpu("fp8-cs"), te.autocast(enabled=True, recipe=recipe):
         inside = TEState.capture()
     assert inside.fp8.fp8_enabled is True and inside.fp8.recipe is recipe

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from te_passes.te import graph_model as gmod
-from te_passes.testing.capture import PRECISIONS, node_value, te_op_names
+from te_passes.te import graph_constants as gconst
+from te_passes.testing.captured import node_value, te_op_names
+from te_passes.testing.fake_gpu import PRECISIONS
 
 pytestmark = pytest.mark.te
 
@@ -190,7 +192,7 @@ def test_decoded_structure_linear(te_aot_graphs, precision):
         # saved by the forward: every buffer is a backward input
         assert all(b.node in placeholders for b in f.buffers)
         assert type(f.quantizer).__name__ == qcls
-        qf = gmod.quantizer_fields(f.quantizer)
+        qf = gconst.quantizer_fields(f.quantizer)
         assert (qf["rowwise_usage"], qf["columnwise_usage"], qf["internal"]) == (*usage, True)
         assert f.meta["nontensor_kwargs"]["fake_dtype"] is torch.bfloat16
     assert len(bwd.quantized_buffers()) == sum(len(b) for _, b, _ in BWD_STORAGE[precision].values())

@@ -65,7 +65,8 @@ def fp8_dump(tmp_path_factory):
 def independent_run():
     """The same passes on the same real graphs, run in this process without the dump code."""
     from te_passes.runtime.install import install
-    from te_passes.testing.capture import capture_aot, fake_gpu, run_pipeline
+    from te_passes.testing.capture import capture_aot, run_pipeline
+    from te_passes.testing.fake_gpu import fake_gpu
 
     aot = capture_aot("linear", "fp8-cs", 1, 32, 64, 128)
     install()  # as the backend does before any pass runs (the direct-call lowerings)
@@ -403,13 +404,13 @@ def test_backend_emits_tlparse_artifacts_without_a_dump_dir(tmp_path):
 TE_FALLBACK_SCRIPT = '''
 import json, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from te_passes.testing.capture import fake_gpu, _constructing, _import_te
+from te_passes.testing.fake_gpu import constructing, fake_gpu, import_te
 from te_passes.debug.graph_breaks import CompileEvents
 
-te = _import_te()
+te = import_te()
 with fake_gpu("bf16"):
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, _constructing():
+    with mode, constructing():
         lin = te.Linear(64, 128, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True)
         lin.weight.main_grad = torch.zeros(128, 64, dtype=torch.float32, device="cuda")
         x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)

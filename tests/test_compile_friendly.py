@@ -21,13 +21,13 @@ from te_passes.rewrite import module_state, norm_act, rewriters
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.testing.capture import _constructing, _quiet, fake_gpu  # noqa: E402
+from te_passes.testing.fake_gpu import constructing, fake_gpu, quiet  # noqa: E402
 
 
 @contextlib.contextmanager
 def _cpu_te(precision="bf16"):
     """Build TE modules on ``cpu`` (TE's CUDA check patched)."""
-    with _quiet(), fake_gpu(precision), _constructing():
+    with quiet(), fake_gpu(precision), constructing():
         yield
 
 
@@ -47,9 +47,9 @@ def _capture(precision: str, build, x_shape, *, rewrite=True, autocast=True, **c
     counters.clear()
     recipe = te_recipe.Float8CurrentScaling()
     enabled = precision == "fp8-cs"
-    with _quiet(), fake_gpu(precision):
+    with quiet(), fake_gpu(precision):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, _constructing():
+        with mode, constructing():
             model = build()
             x = torch.randn(*x_shape, dtype=torch.bfloat16, device="cuda", requires_grad=True)
             if rewrite:
@@ -360,9 +360,9 @@ def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = T
     recipe = te_recipe.Float8CurrentScaling()
     fp8 = precision == "fp8-cs"
     reasons: list[str] = []
-    with _quiet(), fake_gpu(precision):
+    with quiet(), fake_gpu(precision):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, _constructing():
+        with mode, constructing():
             layer = _layer("cuda")
             rewrite(layer)
             if prepare:
@@ -377,7 +377,7 @@ def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = T
         fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
         seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
         for _ in range(calls):
-            with mode, _constructing():
+            with mode, constructing():
                 x = torch.randn(16, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
             with mode:
                 fn(x)

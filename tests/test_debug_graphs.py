@@ -14,6 +14,7 @@ from te_passes.debug.diff import GraphSnapshot, graph_changes, unified_diff
 from te_passes.debug.graph_io import GraphFileError, load_graph, save_graph
 from te_passes.debug.printer import format_graph, node_fields
 from te_passes.te import graph_model as gmod
+from te_passes.te import graph_constants as gconst
 from te_passes.te.fallbacks import classify_graph_break, fallback_reason_from_warning
 
 
@@ -93,9 +94,9 @@ def test_tegraph_round_trip_keeps_names_meta_and_te_constants(te_aot_graphs, tmp
         if isinstance(va, torch.Tensor):
             assert (vb.shape, vb.dtype, vb.device, vb.stride()) == (va.shape, va.dtype, va.device, va.stride())
     # TE constants come back by value, with a hash valid in this process (TE caches it)
-    for (n1, o1, k1), (n2, o2, k2) in zip(gmod.iter_te_constants(gm.graph), gmod.iter_te_constants(gm2.graph)):
+    for (n1, o1, k1), (n2, o2, k2) in zip(gconst.iter_te_constants(gm.graph), gconst.iter_te_constants(gm2.graph)):
         assert (n1.name, k1) == (n2.name, k2)
-        if k1 in (gmod.TEConstKind.BUNDLE, gmod.TEConstKind.QUANTIZER):
+        if k1 in (gconst.TEConstKind.BUNDLE, gconst.TEConstKind.QUANTIZER):
             assert o2 == o1 and hash(o2) == hash(o1) and o2 is not o1
     assert [tuple(t.shape) for t in payload["example_inputs_fake"]] == [tuple(t.shape) for t in aot.forward_inputs]
     gm2.graph.lint()

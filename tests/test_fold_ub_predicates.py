@@ -28,10 +28,11 @@ from te_passes.pipeline.manager import TePassError  # noqa: E402
 from te_passes.pipeline.registry import pass_names  # noqa: E402
 from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
 from te_passes.runtime import ub_guard as guards  # noqa: E402
+from te_passes.runtime import ub_graph_guard  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
-from te_passes.te.ub import (TE_UB_MODULE, UbConfigError, UbSnapshot, check_linear_ub_config,  # noqa: E402
-                             linear_ub_buffer_uses)
+from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot  # noqa: E402
+from te_passes.te.ub_rules import check_linear_ub_config, linear_ub_buffer_uses  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, ub_registry  # noqa: E402
 
 pytestmark = pytest.mark.te
@@ -69,7 +70,7 @@ def run_pass(gm, **kw):
 
 def dependence(res):
     """The UB dependence the pass returned as a typed fact (empty if none)."""
-    return guards.UbDependence.merged(f for f in res.facts if isinstance(f, guards.UbDependence))
+    return ub_graph_guard.UbDependence.merged(f for f in res.facts if isinstance(f, ub_graph_guard.UbDependence))
 
 
 def records(res):
@@ -318,9 +319,9 @@ def capture_ub_linear(precision="bf16", *, training=True, in_features=64, out_fe
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import transformer_engine.pytorch as te
-    from te_passes.testing.capture import _make_recipe, fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu, make_recipe
 
-    recipe = _make_recipe(precision)
+    recipe = make_recipe(precision)
     recorded = []
     with fake_gpu(precision):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -368,7 +369,7 @@ ROW = dict(ub_name="proj", parallel_mode="row", sequence_parallel=True, tp_size=
 
 
 def _buf(buffer, mode, phase, overlap, flag, source_bwd, *, fp8ubuf, registered=True):
-    from te_passes.te.ub import LINEAR_SOURCE_BWD, LINEAR_SOURCE_FWD
+    from te_passes.te.ub_rules import LINEAR_SOURCE_BWD, LINEAR_SOURCE_FWD
     return {"buffer": buffer, "use_fp8": mode == "fp8", "phase": phase, "overlap": overlap, "flag": flag,
             "source": LINEAR_SOURCE_BWD if source_bwd else LINEAR_SOURCE_FWD, "mode": mode,
             "registered": registered, "is_fp8_ubuf": fp8ubuf if registered else None,
@@ -408,7 +409,7 @@ def test_real_linear_missing_wgrad_buffer_is_an_error():
     report = CompileReport("g99", stages=[StageReport("g99", "dynamo", runs=[PassRun("fold_ub_predicates", "dynamo",
                                                                                     records=res.records)])])
     with pytest.raises(UbConfigError, match="graph g99: UB configuration does not match the UB state") as ei:
-        guards.wrap_with_te_state_guard(lambda *a: None, report, TEState.capture(), TePassesOptions())
+        ub_graph_guard.wrap_with_te_state_guard(lambda *a: None, report, TEState.capture(), TePassesOptions())
     assert msg in str(ei.value)
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.fx
 
 from te_passes.te import graph_model as gmod
+from te_passes.te import graph_constants as gconst
 from te_passes.te import version as vmod
 
 te = pytest.importorskip("transformer_engine.pytorch")
@@ -47,9 +48,9 @@ def test_non_te_nodes_and_objects():
     assert not gmod.is_te_op_node(n)
     with pytest.raises(gmod.UnknownTEOp, match="does not call a transformer_engine_compile op"):
         gmod.decode(n)
-    assert gmod.te_const_kind(3) is None and gmod.te_const_kind(torch.float32) is None
+    assert gconst.te_const_kind(3) is None and gconst.te_const_kind(torch.float32) is None
     with pytest.raises(TypeError, match="not a TE OpaqueValueBundle: dict"):
-        gmod.bundle_dict({"a": 1})
+        gconst.bundle_dict({"a": 1})
 
 
 def test_te_objects_are_classified():
@@ -58,10 +59,10 @@ def test_te_objects_are_classified():
     from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 
     b = OpaqueValueBundle({"fp8": True, "ub_name": "qkv"})
-    assert gmod.te_const_kind(b) is gmod.TEConstKind.BUNDLE
-    assert gmod.bundle_dict(b) == {"fp8": True, "ub_name": "qkv"}
-    assert gmod.te_const_kind(recipe.Float8CurrentScaling()) is gmod.TEConstKind.RECIPE
-    assert gmod.te_const_kind(Float8TensorStorage) is gmod.TEConstKind.STORAGE
+    assert gconst.te_const_kind(b) is gconst.TEConstKind.BUNDLE
+    assert gconst.bundle_dict(b) == {"fp8": True, "ub_name": "qkv"}
+    assert gconst.te_const_kind(recipe.Float8CurrentScaling()) is gconst.TEConstKind.RECIPE
+    assert gconst.te_const_kind(Float8TensorStorage) is gconst.TEConstKind.STORAGE
 
 
 def test_version_parsing():

@@ -40,7 +40,8 @@ from te_passes.runtime.constants import hoisted_name  # noqa: E402
 from te_passes.runtime.install import install  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402
-from te_passes.te.graph_model import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
+from te_passes.te import recipe_table  # noqa: E402
+from te_passes.te.graph_constants import TEConstKind, bundle_dict, te_const_kind  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
 
@@ -98,7 +99,7 @@ def kinds(res):
 @contextlib.contextmanager
 def autocast_cpu(recipe):
     """``te.autocast`` on this GPU-less machine (TE's device-support answers preset)."""
-    from te_passes.testing.capture import fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu
 
     with fake_gpu("fp8-cs"), te.autocast(enabled=True, recipe=recipe):
         yield
@@ -131,11 +132,11 @@ def test_state_lookup_attribute_chain_folds_to_the_tables_bool(cls, gemm_name):
     flag = g.call_function(getattr, (mm, "use_split_accumulator"))
     g.output(g.call_function(gemm, (x,), {"split": flag}))
     gm = gm_of(g)
-    recipe = recipes.default_recipe(cls)
+    recipe = recipe_table.default_recipe(cls)
     with autocast_cpu(recipe):
         expected = gm(X)
         res = run_pass(gm)  # folds against the TE snapshot taken inside the autocast
-    want = recipes.resolve_recipe(recipe).use_split_accumulator(gemm_name)
+    want = recipe_table.resolve_recipe(recipe).use_split_accumulator(gemm_name)
     assert ops(gm) == [("placeholder", "x"), ("call_function", "gemm"), ("output", "output")]
     (call,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert call.kwargs == {"split": want} and call.kwargs["split"] is want
@@ -154,11 +155,11 @@ def test_hasattr_lookup_folds_for_every_recipe_class(cls):
     has = g.call_function(hasattr, (r, "fp8_gemm_fprop"))
     g.output(g.call_function(gemm, (x, has)))
     gm = gm_of(g)
-    recipe = recipes.default_recipe(cls)
+    recipe = recipe_table.default_recipe(cls)
     res = run_pass(gm, recipes.Fp8State(fp8_enabled=True, recipe=recipe))
     (call,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert call.args[1] is hasattr(recipe, "fp8_gemm_fprop")
-    assert call.args[1] is (recipes.resolve_recipe(recipe).split_accumulator["fprop"].source != "module/base.py:_2X_ACC_FPROP")
+    assert call.args[1] is (recipe_table.resolve_recipe(recipe).split_accumulator["fprop"].source != "module/base.py:_2X_ACC_FPROP")
     assert kinds(res) == {"hoisted": 1}
 
 
@@ -524,7 +525,7 @@ def _inductor_codegen_on_cpu(precision="fp8-cs"):
     import torch._inductor.scheduler as sch
     from torch._inductor.codecache import PyCodeCache
 
-    from te_passes.testing.capture import fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu
 
     loaded = []
     orig = PyCodeCache.load_by_key_path.__func__
@@ -588,7 +589,7 @@ def test_te_inductor_backend_end_to_end_and_fx_graph_cache_hit(tmp_path, monkeyp
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from te_passes.backend import te_inductor
-    from te_passes.testing import capture
+    from te_passes.testing import fake_gpu as FG
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     recipe = te_recipe.Float8CurrentScaling()
@@ -602,7 +603,7 @@ def test_te_inductor_backend_end_to_end_and_fx_graph_cache_hit(tmp_path, monkeyp
 
         with _inductor_codegen_on_cpu() as loaded:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode, capture._constructing():
+            with mode, FG.constructing():
                 lin = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
                 x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
 
@@ -637,7 +638,8 @@ def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3)
     from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.testing import capture
+    from te_passes.testing import dynamo_capture as DC
+    from te_passes.testing import fake_gpu as FG
 
     compiles = []
 
@@ -646,9 +648,9 @@ def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3)
         return gm.forward  # TE's fake impls under the fake mode: nothing runs on a device
 
     torch._dynamo.reset()
-    with capture.fake_gpu("fp8-cs"):
+    with FG.fake_gpu("fp8-cs"):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, capture._constructing():
+        with mode, FG.constructing():
             lin = te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
             x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         state = {"recipe": te_recipe.Float8CurrentScaling()}
@@ -657,7 +659,7 @@ def _recompile_counts(second, *, warm_repr=False, first_steps=3, second_steps=3)
             with te.autocast(enabled=True, recipe=state["recipe"]):
                 return lin(inp)
 
-        cf = torch.compile(capture._fresh_function(f), backend=backend, fullgraph=True)
+        cf = torch.compile(DC.fresh_function(f), backend=backend, fullgraph=True)
 
         def steps(n):
             before, graphs_before = len(compiles), counters["stats"]["unique_graphs"]

@@ -10,7 +10,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from te_passes.analyses.liveness import BufferOrigin, analyze, is_opaque_call
+from te_passes.analyses.alias_rules import is_opaque_call
+from te_passes.analyses.buffers import BufferOrigin
+from te_passes.analyses.liveness import analyze
 from te_passes.analyses.memory import estimate, estimate_graph
 from te_passes.te.quantized import QUANTIZED_DTYPES, classify_quantized, link_saved_roles
 

@@ -31,8 +31,10 @@ from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.pipeline.registry import pass_names  # noqa: E402
 from te_passes.runtime import constants, ub_guard  # noqa: E402
+from te_passes.runtime import ub_graph_guard  # noqa: E402
 from te_passes.runtime.install import install  # noqa: E402
-from te_passes.testing.capture import capture_aot, fake_gpu, run_pipeline  # noqa: E402
+from te_passes.testing.capture import capture_aot, run_pipeline  # noqa: E402
+from te_passes.testing.fake_gpu import fake_gpu  # noqa: E402
 
 TE_FUNCTIONS = (("transformer_engine.pytorch.module.base", ("initialize_ub", "destroy_ub", "get_ub_is_fp8")),
                 ("transformer_engine.pytorch.module.linear", ("_linear_forward_impl", "_linear_backward_impl",
@@ -122,7 +124,7 @@ def test_fold_ub_predicates_returns_its_dependence_instead_of_registering_it():
         reps = run_pipeline(aot, [Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD],
                             options=TePassesOptions(), graph_id="gpure_ub")
         after = _process_state()
-    deps = [f for s in reps for r in s.runs for f in r.facts if isinstance(f, ub_guard.UbDependence)]
+    deps = [f for s in reps for r in s.runs for f in r.facts if isinstance(f, ub_graph_guard.UbDependence)]
     assert deps and all(d.checks for d in deps)  # the TE ops' UB configurations, as facts
     assert _diff(before, after) == []
 

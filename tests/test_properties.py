@@ -356,7 +356,8 @@ _TE_SKIP = None if te_available() else "transformer_engine not installed"
 @settings(max_examples=EXAMPLES["te"], **_SETTINGS)
 @given(te_mutations())
 def test_mutated_real_te_graphs_through_their_stage(m):
-    from te_passes.testing.capture import cached_aot, fake_gpu
+    from te_passes.testing.capture import cached_aot
+    from te_passes.testing.fake_gpu import fake_gpu
 
     (precision, layers), which, muts, policy = m
     aot = cached_aot(precision, layers)

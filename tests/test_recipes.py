@@ -1,4 +1,4 @@
-"""The recipe resolution table (te_passes/te/recipes.py) against TE 2.20.2's own resolution code.
+"""The recipe resolution table (te_passes/te/recipe_table.py) against TE 2.20.2's own resolution code.
 
 Everything runs on CPU with real TE installed:
 
@@ -29,7 +29,8 @@ from transformer_engine.pytorch.module import base as te_base  # noqa: E402
 from transformer_engine.pytorch.quantization import QuantizerRole, RecipeState  # noqa: E402
 
 from te_passes.te import recipes  # noqa: E402
-from te_passes.te.graph_model import quantizer_fields  # noqa: E402
+from te_passes.te import recipe_table  # noqa: E402
+from te_passes.te.graph_constants import quantizer_fields  # noqa: E402
 
 QP = te_recipe.QParams
 MM = te_recipe.MMParams
@@ -164,15 +165,15 @@ def test_found_every_te_site():
 
 
 def test_module_defaults_are_tes():
-    assert recipes.module_default_split_accumulator() == {
+    assert recipe_table.module_default_split_accumulator() == {
         "fprop": te_base._2X_ACC_FPROP, "dgrad": te_base._2X_ACC_DGRAD, "wgrad": te_base._2X_ACC_WGRAD}
-    assert dict(recipes.PINNED_MODULE_DEFAULTS) == recipes.module_default_split_accumulator()
+    assert dict(recipes.PINNED_MODULE_DEFAULTS) == recipe_table.module_default_split_accumulator()
 
 
 @pytest.mark.parametrize("rid,make", RECIPES, ids=IDS)
 def test_split_accumulator_matches_every_te_site(rid, make):
     r = make()
-    res = recipes.resolve_recipe(r)
+    res = recipe_table.resolve_recipe(r)
     for site in SITES:
         te_value, te_bo = run_te_site(site, r)
         gemm = site[2]
@@ -187,7 +188,7 @@ def test_backward_override_is_resolved_by_some_te_site():
 
 def test_table_rows_at_defaults():
     """Spot values of the documented table (these are what TE's sites resolved above)."""
-    t = recipes.resolution_table()
+    t = recipe_table.resolution_table()
     assert set(t) == set(recipes.RECIPE_CLASSES)
     assert {g: t["Float8CurrentScaling"].use_split_accumulator(g) for g in recipes.GEMMS} == \
         {"fprop": False, "dgrad": True, "wgrad": True}
@@ -196,7 +197,7 @@ def test_table_rows_at_defaults():
         assert t[cls].split_accumulator["fprop"].source == "module/base.py:_2X_ACC_FPROP"
     assert t["Float8CurrentScaling"].split_accumulator["dgrad"].source == "recipe.fp8_gemm_dgrad.use_split_accumulator"
     assert t["CustomRecipe"].quantizer_class is None and t["CustomRecipe"].quantizers == {}
-    md = recipes.table_markdown()
+    md = recipe_table.table_markdown()
     assert md.count("\n") == len(recipes.RECIPE_CLASSES) + 1
 
 
@@ -236,7 +237,7 @@ def te_linear_quantizers(recipe):
                          ids=[i for i in IDS if i != "CustomRecipe"])
 def test_quantizer_fields_match_te_recipe_state(rid, make):
     r = make()
-    res = recipes.resolve_recipe(r)
+    res = recipe_table.resolve_recipe(r)
     qs = te_linear_quantizers(r)
     for role, q in qs.items():
         assert type(q).__name__ == res.quantizer_class, (rid, role)
@@ -253,7 +254,7 @@ def test_nondefault_current_scaling_quirk_is_mirrored():
     """``use_power_2_scales`` reaches only the quantizers the module does not customise
     (output / grad_input); input/weight/grad_output take ``fp8_quant_*.power_2_scale``."""
     r = te_recipe.Float8CurrentScaling(use_power_2_scales=True)
-    res = recipes.resolve_recipe(r)
+    res = recipe_table.resolve_recipe(r)
     assert res.quantizer_values("output")["force_pow_2_scales"] is True
     assert res.quantizer_values("input")["force_pow_2_scales"] is False  # class-attribute QParams default
     assert quantizer_fields(te_linear_quantizers(r)["input"])["force_pow_2_scales"] is False
@@ -268,7 +269,7 @@ def test_custom_recipe_quantizers_come_from_qfactory():
                                                 device=torch.device("cpu"))
 
     r = te_recipe.CustomRecipe(qfactory=qfactory)
-    res = recipes.resolve_recipe(r)
+    res = recipe_table.resolve_recipe(r)
     assert res.quantizer_class is None and res.quantizers == {}
     assert calls == []  # resolution never calls the user's factory
 
@@ -276,11 +277,11 @@ def test_custom_recipe_quantizers_come_from_qfactory():
 # --------------------------------------------------------------------------- errors and lookups
 def test_bad_input_errors_name_the_problem():
     with pytest.raises(recipes.RecipeResolutionError, match="not a TE recipe: int"):
-        recipes.resolve_recipe(3)
+        recipe_table.resolve_recipe(3)
     with pytest.raises(recipes.RecipeResolutionError, match="unknown TE recipe class 'Foo'"):
-        recipes.default_recipe("Foo")
+        recipe_table.default_recipe("Foo")
     with pytest.raises(KeyError, match="unknown GEMM 'xgrad'"):
-        recipes.resolve_recipe(te_recipe.Float8CurrentScaling()).use_split_accumulator("xgrad")
+        recipe_table.resolve_recipe(te_recipe.Float8CurrentScaling()).use_split_accumulator("xgrad")
     with pytest.raises(recipes.RecipeResolutionError, match="qfactory is not a plain data field"):
         recipes.read_recipe_attr(_custom(), "qfactory")
     with pytest.raises(recipes.RecipeResolutionError, match="not a pure TE recipe function"):
@@ -328,4 +329,4 @@ def test_docs_page_table_is_current():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "passes" / "fold_recipe_lookups.md").read_text()
     start = doc.index("<!-- table:")
     body = doc[doc.index("\n", start) + 1: doc.index("<!-- /table -->")].strip()
-    assert body == recipes.table_markdown()
+    assert body == recipe_table.table_markdown()

@@ -24,7 +24,7 @@ def test_op_called_from_compiled_code_sees_the_autocast_recipe():
     from transformer_engine.common import recipe as R
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
 
-    from te_passes.testing import capture
+    from te_passes.testing import fake_gpu as FG
 
     seen = []
 
@@ -43,7 +43,7 @@ def test_op_called_from_compiled_code_sees_the_autocast_recipe():
         with te.autocast(enabled=True, recipe=rec):
             return probe(x)
 
-    with capture.fake_gpu("fp8-cs"):
+    with FG.fake_gpu("fp8-cs"):
         x = torch.randn(4)
         f(x)
         assert seen == [R.Float8BlockScaling]  # eager: the autocast's recipe

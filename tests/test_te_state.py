@@ -23,7 +23,7 @@ from transformer_engine.common import recipe as te_recipe  # noqa: E402
 
 from te_passes.rewrite import compile_friendly as cf  # noqa: E402
 from te_passes.rewrite.te_state import prepare_te_state, prime_recipe, te_modules_to_prepare  # noqa: E402
-from te_passes.testing.capture import _constructing, _quiet, fake_gpu  # noqa: E402
+from te_passes.testing.fake_gpu import constructing as _constructing, fake_gpu, quiet as _quiet  # noqa: E402
 
 
 def _layer():

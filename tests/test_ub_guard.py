@@ -22,7 +22,9 @@ import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 from te_passes.backend import te_inductor  # noqa: E402
 from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
 from te_passes.runtime import ub, ub_guard as guards  # noqa: E402
-from te_passes.runtime.ub_guard import UbCheckSpec, UbDependence, UbGuard, UbStateChanged, make_guarded  # noqa: E402
+from te_passes.runtime import ub_graph_guard  # noqa: E402
+from te_passes.runtime.ub_guard import UbStateChanged  # noqa: E402
+from te_passes.runtime.ub_graph_guard import UbCheckSpec, UbDependence, UbGuard, make_guarded  # noqa: E402
 from te_passes.te.ub import UbConfigError, UbSnapshot  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
 
@@ -305,17 +307,17 @@ def test_trace_time_folds_only_need_no_runtime_wrapper():
         return a
 
     trace_only = UbDependence(folds=[guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, None, "dynamo_trace")])
-    assert guards.wrap_with_te_state_guard(compiled, _report("g900"), TEState.capture(), TePassesOptions(),
+    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g900"), TEState.capture(), TePassesOptions(),
                                            dependence=trace_only) is compiled
     checked = UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")])
-    wrapped = guards.wrap_with_te_state_guard(compiled, _report("g901"), TEState.capture(), TePassesOptions(),
+    wrapped = ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g901"), TEState.capture(), TePassesOptions(),
                                               dependence=checked)
     assert wrapped is not compiled and wrapped.te_ub_guard.dependence.checks[0].config == LINEAR_CFG
     # the dependence comes from the report's facts by default
-    assert guards.wrap_with_te_state_guard(compiled, _report("g903", checked), TEState.capture(),
+    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g903", checked), TEState.capture(),
                                            TePassesOptions()).te_ub_guard.dependence.checks == checked.checks
     # an explicit offline snapshot is not guarded against the live registry
-    assert guards.wrap_with_te_state_guard(compiled, _report("g902"), TEState.capture(),
+    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g902"), TEState.capture(),
                                            TePassesOptions(ub_snapshot={"initialized": False}),
                                            dependence=checked) is compiled
 
@@ -365,12 +367,12 @@ def test_real_te_linear_recompiles_only_when_its_ub_answer_changes(hooked):
 
     import transformer_engine.pytorch as te
     from te_passes.te import graph_model as gmod
-    from te_passes.testing.capture import _make_recipe, fake_gpu
+    from te_passes.testing.fake_gpu import fake_gpu, make_recipe
 
     class NeverRun(Exception):
         pass
 
-    recipe = _make_recipe("fp8-cs")
+    recipe = make_recipe("fp8-cs")
     seen: dict[str, list] = {"ub": [], "plain": []}
 
     def backend_for(key):
@@ -496,12 +498,12 @@ def test_gpu_graph_guard_recompiles_under_cudagraph_trees():
     # a graph with a UB TE-op check (stand-in: the plain graph + the linear config) re-records on
     # an equal-answer re-initialisation
     dep = UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
-                       pristine=guards.pristine_copy(plain_graph()))
+                       pristine=ub_graph_guard.pristine_copy(plain_graph()))
     from te_passes.config import TePassesOptions
     from te_passes.te.state import TEState
 
     inner = te_inductor(plain_graph(), [x], mode="reduce-overhead")
-    fn = guards.wrap_with_te_state_guard(inner, _report("g_cg", dep), TEState.capture(), TePassesOptions(),
+    fn = ub_graph_guard.wrap_with_te_state_guard(inner, _report("g_cg", dep), TEState.capture(), TePassesOptions(),
                                          recompile=lambda g, a: te_inductor(g, a, mode="reduce-overhead"),
                                          cudagraphs=True)
     for _ in range(3):

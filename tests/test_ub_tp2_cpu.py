@@ -161,14 +161,14 @@ class _Layers:
         import transformer_engine.pytorch as te
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from te_passes.testing import capture as C
+        from te_passes.testing import fake_gpu as FG
 
         self.stack = contextlib.ExitStack()
-        self.stack.enter_context(C._quiet())
-        self.stack.enter_context(C.fake_gpu("fp8-cs"))
+        self.stack.enter_context(FG.quiet())
+        self.stack.enter_context(FG.fake_gpu("fp8-cs"))
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        recipe = C._make_recipe("fp8-cs")
-        with self.mode, C._constructing():
+        recipe = FG.make_recipe("fp8-cs")
+        with self.mode, FG.constructing():
             col = te.Linear(HIDDEN, HIDDEN, bias=False, params_dtype=torch.bfloat16, device="cuda",
                             parallel_mode="column", sequence_parallel=True, tp_group=world, tp_size=2,
                             ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True, ub_name="qkv")

@@ -1,5 +1,5 @@
 """The UB snapshot is part of a graph's pipeline uuid (Inductor FX-graph-cache key) only when
-the graph reads UB state (te_passes.runtime.ub_guard.ub_state_reads, te_passes.backend.pipeline_uuid):
+the graph reads UB state (te_passes.runtime.ub_graph_guard.ub_state_reads, te_passes.backend.pipeline_uuid):
 after a UB change, graphs that never look at UB state keep their uuid and hit the FX graph
 cache; graphs that do still change their key. Also: the backward TE op's ``ub_overlap_ag``
 flag (TE 2.20.2 ``LinearBwdArgs``) counts as UB use (graph_model.UB_CONFIG_KEYS).
@@ -26,6 +26,7 @@ from te_passes.backend import te_inductor  # noqa: E402
 from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
 from te_passes.te import graph_model as gmod  # noqa: E402
 from te_passes.runtime import ub_guard as guards  # noqa: E402
+from te_passes.runtime import ub_graph_guard  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
 
@@ -160,7 +161,7 @@ def test_backward_ub_overlap_ag_is_a_ub_config_key(ub_linear_aot):
     assert bwd.ub_config() == {"ub_name": "proj", "ub_overlap_rs_dgrad": False, "ub_bulk_dgrad": False,
                                "ub_bulk_wgrad": False, "ub_overlap_ag": True}
     assert bwd.uses_ub()
-    assert guards.ub_state_reads(ub_linear_aot.backward) == [
+    assert ub_graph_guard.ub_state_reads(ub_linear_aot.backward) == [
         f"TE op {bwd.node.name} (linear_backward) sets ub_overlap_ag"]
     from te_passes.debug.printer import summarize_te_ops
 
@@ -173,15 +174,16 @@ def test_real_te_linear_dynamo_graphs(ub_linear_aot):
 
     gm = ub_linear_aot.dynamo.gm
     (call,) = gmod.te_op_calls(gm.graph)
-    assert guards.ub_state_reads(gm) == [
+    assert ub_graph_guard.ub_state_reads(gm) == [
         f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"]
     plain = capture_dynamo("linear", "bf16")
-    assert guards.ub_state_reads(plain.gm) == []
+    assert ub_graph_guard.ub_state_reads(plain.gm) == []
 
 
 def _dependence(rep):
     """The UB dependence fold_ub_predicates returned (a typed fact of its run)."""
-    return guards.UbDependence.merged(f for r in rep.runs for f in r.facts if isinstance(f, guards.UbDependence))
+    return ub_graph_guard.UbDependence.merged(f for r in rep.runs for f in r.facts
+                                              if isinstance(f, ub_graph_guard.UbDependence))
 
 
 @pytest.mark.parametrize("disable", [(), ("fold_ub_predicates",)], ids=["all_passes", "fold_disabled"])
@@ -204,14 +206,14 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
     assert [r.name for r in rep.runs if r.status == "ok"] == \
         [n for n in ("fold_ub_predicates", "fold_recipe_lookups", "remove_quantizer_setattrs") if n not in disable]
     (call,) = gmod.te_op_calls(rep.gm.graph)
-    reasons = guards.ub_state_reads(rep.gm, _dependence(rep))
+    reasons = ub_graph_guard.ub_state_reads(rep.gm, _dependence(rep))
     flags = f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"
     if disable:
         assert reasons == [flags]
     else:
         assert reasons[-1] == flags
         assert f"fold_ub_predicates checked the UB configuration of TE ops {call.node.name}" in reasons
-    assert guards.ub_state_reads(plain_rep.gm, _dependence(plain_rep)) == []
+    assert ub_graph_guard.ub_state_reads(plain_rep.gm, _dependence(plain_rep)) == []
 
 
 def test_index_md_says_which_graphs_read_ub_state(tmp_path):
@@ -235,7 +237,7 @@ def test_query_nodes_left_unfolded_count_as_ub_reads():
     still reads UB state (its uuid changes with it)."""
     off = {"te_passes.disable": ["fold_ub_predicates"]}
     gm = ub_graph()
-    reasons = guards.ub_state_reads(gm)
+    reasons = ub_graph_guard.ub_state_reads(gm)
     assert reasons == ["UB query node get_ub (get_ub)", "UB query node is_fp8_ubuf (get_ub.is_fp8_ubuf)"]
     x = torch.randn(8)
     te_inductor(ub_graph(), [x], options=off)

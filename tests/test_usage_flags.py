@@ -70,17 +70,18 @@ def _layer(parallel_mode, group, precision="fp8-cs", sequence_parallel=True):
     import transformer_engine.pytorch as te
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.testing import capture as C
+    from te_passes.testing import dynamo_capture as DC
+    from te_passes.testing import fake_gpu as FG
 
-    m.C, m.te, m.group = C, te, group
-    m.recipe = C._make_recipe(precision)
+    m.DC, m.te, m.group = DC, te, group
+    m.recipe = FG.make_recipe(precision)
     m.stack = contextlib.ExitStack()
-    m.stack.enter_context(C._quiet())
-    m.stack.enter_context(C.fake_gpu(precision))
+    m.stack.enter_context(FG.quiet())
+    m.stack.enter_context(FG.fake_gpu(precision))
     m.mode = FakeTensorMode(allow_non_fake_inputs=True)
     kw = {} if parallel_mode is None else dict(parallel_mode=parallel_mode, sequence_parallel=sequence_parallel,
                                                tp_group=group)
-    with m.mode, C._constructing():
+    with m.mode, FG.constructing():
         m.lin = te.Linear(64, 128, params_dtype=torch.bfloat16, device="cuda", **kw)
         m.x = torch.randn(32, int(m.lin.weight.shape[1]), dtype=torch.bfloat16, device="cuda", requires_grad=True)
     if precision == "bf16":  # te.autocast(enabled=True, recipe=None) would pick TE's default fp8 recipe

@@ -29,7 +29,8 @@ import sympy
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import Buffer, BufferOrigin, Liveness, analyze, gc_paused, live_intervals
+from te_passes.analyses.buffers import Buffer, BufferOrigin, Liveness, live_intervals
+from te_passes.analyses.liveness import analyze, gc_paused
 
 __all__ = ["MemoryEstimate", "estimate", "estimate_graph", "shape_hints"]
 

@@ -9,7 +9,7 @@ so a graph is saved node by node instead (``*.tegraph``, a pickle):
   and ``meta['val']`` as :class:`TensorMeta` (shape/stride with symbolic sizes as sympy text,
   dtype, device) — plus ``stack_trace`` / ``nn_module_stack`` when present;
 * ``OpOverload`` / ``OpOverloadPacket`` targets by qualified name (``ns::op`` + overload);
-* TE constants by value through :func:`te_passes.te.graph_model.te_reduce`
+* TE constants by value through :func:`te_passes.te.graph_constants.te_reduce`
   (``OpaqueValueBundle(contents)``, ``_rebuild_quantizer(cls, items)``);
 * the stage, graph id, options and the TE state snapshot (``TEState.to_json``) it was compiled
   under, and the example inputs' :class:`TensorMeta`.
@@ -34,6 +34,7 @@ import torch
 import torch.fx
 
 from te_passes.te import graph_model as gmod
+from te_passes.te import graph_constants as gconst
 from te_passes.debug.graph_safety import (GraphFileError, UnsafeGraphFileError, _SafeUnpickler, _import_te,
     _symbol_names, check_sym_expr, resolve_function)
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
@@ -119,7 +120,7 @@ def encode_val(val: Any) -> Any:
         return _sym(val)
     if isinstance(val, (list, tuple)):
         return type(val)(encode_val(v) for v in val) if isinstance(val, list) else tuple(encode_val(v) for v in val)
-    if val is None or isinstance(val, (bool, int, float, str)) or gmod.te_const_kind(val) is not None:
+    if val is None or isinstance(val, (bool, int, float, str)) or gconst.te_const_kind(val) is not None:
         return val
     return None
 
@@ -147,7 +148,7 @@ def _encode_arg(a: Any) -> Any:
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
-        red = gmod.te_reduce(obj)
+        red = gconst.te_reduce(obj)
         if red is not None:
             return red
         if isinstance(obj, torch.Tensor):

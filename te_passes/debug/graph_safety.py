@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.te import graph_model as gmod
+from te_passes.te import graph_constants as gconst
 
 
 # ------------------------------------------------------------- renamed modules (issue 12 layout)
@@ -112,7 +112,7 @@ def allowed_global(module: str, name: str) -> bool:
 
     Allowed: :data:`ALLOWED_GLOBALS`; torch's dtype / layout / memory-format values
     (``torch.float32``); classes in ``transformer_engine*`` modules that are TE graph constants
-    (:func:`te_passes.te.graph_model.te_const_kind`: OpaqueValueBundle, quantizers, quantized
+    (:func:`te_passes.te.graph_constants.te_const_kind`: OpaqueValueBundle, quantizers, quantized
     storages, recipes, TE enums such as ``DType``). Deciding the rule-based cases imports the
     (installed, trusted) module named; nothing from the file runs. Everything else — ``os``,
     ``subprocess``, ``builtins.eval``, any function outside the list — is refused.
@@ -131,9 +131,9 @@ def allowed_global(module: str, name: str) -> bool:
             return False
         if isinstance(obj, type) and issubclass(obj, enum.Enum):  # TE's Python enums (_TensorOrQuantizedKind)
             return True
-        return isinstance(obj, type) and gmod.te_const_kind(obj) in (
-            gmod.TEConstKind.BUNDLE, gmod.TEConstKind.QUANTIZER, gmod.TEConstKind.STORAGE,
-            gmod.TEConstKind.RECIPE, gmod.TEConstKind.ENUM)
+        return isinstance(obj, type) and gconst.te_const_kind(obj) in (
+            gconst.TEConstKind.BUNDLE, gconst.TEConstKind.QUANTIZER, gconst.TEConstKind.STORAGE,
+            gconst.TEConstKind.RECIPE, gconst.TEConstKind.ENUM)
     return False
 
 

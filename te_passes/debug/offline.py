@@ -31,7 +31,7 @@ from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, pipeline_uu
 from te_passes.pipeline.manager import PassManager
 from te_passes.pipeline.registry import PASS_ALIASES, pass_names
 from te_passes.report import CompileReport, new_compile_report
-from te_passes.runtime.ub_guard import ub_dependence_of, ub_state_reads
+from te_passes.runtime.ub_graph_guard import ub_dependence_of, ub_state_reads
 from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot

@@ -41,6 +41,7 @@ from torch.utils._dtype_abbrs import dtype_abbrs
 
 from te_passes.runtime.constants import hoisted_name
 from te_passes.te import graph_model as gmod
+from te_passes.te import graph_constants as gconst
 
 INDENT = "    "
 
@@ -101,10 +102,10 @@ def constant_name(v: Any, owner: torch.fx.GraphModule | None = None) -> str | No
 def format_quantizer(q: Any) -> str:
     """``Float8CurrentScalingQuantizer(rowwise_usage, internal, dtype=DType.kFloat8E4M3,
     amax_epsilon=0.0)``: the quantizer's class and its value fields
-    (:func:`te_passes.te.graph_model.quantizer_fields`); boolean fields that are ``True`` are
+    (:func:`te_passes.te.graph_constants.quantizer_fields`); boolean fields that are ``True`` are
     listed by name, ``False`` ones are left out, the others print as ``name=value``."""
     try:
-        fields = gmod.quantizer_fields(q)
+        fields = gconst.quantizer_fields(q)
     except TypeError:
         return repr(q)
     parts = []
@@ -124,11 +125,11 @@ def format_value(v: Any) -> str:
     name, everything else by ``repr``."""
     if isinstance(v, torch.fx.Node):
         return v.name
-    kind = gmod.te_const_kind(v)
-    if kind is gmod.TEConstKind.QUANTIZER:
+    kind = gconst.te_const_kind(v)
+    if kind is gconst.TEConstKind.QUANTIZER:
         return format_quantizer(v)
-    if kind is gmod.TEConstKind.BUNDLE:
-        body = ", ".join(f"{k}={format_value(x)}" for k, x in gmod.bundle_dict(v).items())
+    if kind is gconst.TEConstKind.BUNDLE:
+        body = ", ".join(f"{k}={format_value(x)}" for k, x in gconst.bundle_dict(v).items())
         name = constant_name(v)
         return f"Bundle({body})" + (f" as {name}" if name else "")
     if isinstance(v, type):
@@ -271,9 +272,9 @@ def _put_field(out: dict[str, str], path: str, v: Any) -> None:
     """``out[path]`` = the value's text; a quantizer is split into ``path`` (its class, and
     ``as <name>`` when hoisted) and one ``path.<value field>`` per field, so a diff names the
     flipped flag."""
-    if gmod.te_const_kind(v) is gmod.TEConstKind.QUANTIZER:
+    if gconst.te_const_kind(v) is gconst.TEConstKind.QUANTIZER:
         try:
-            fields = gmod.quantizer_fields(v)
+            fields = gconst.quantizer_fields(v)
         except TypeError:
             fields = None
         if fields:
@@ -322,7 +323,7 @@ def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
         return lines
     if node.op == "get_attr":
         value = _attr_value(node)
-        comment = format_value(value) if gmod.te_const_kind(value) is not None else None
+        comment = format_value(value) if gconst.te_const_kind(value) is not None else None
         lines.append(_with_comment(f"{_lhs(node)} = self.{node.target}", comment, 0))
         return lines
     call = _try_decode(node) if node.op == "call_function" else None

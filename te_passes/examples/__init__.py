@@ -30,7 +30,8 @@ from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
 from te_passes.pipeline.registry import PASS_ALIASES, pass_names
 from te_passes.report import compile_reports
-from te_passes.testing.capture import _make_recipe, capture_aot, fake_gpu
+from te_passes.testing.capture import capture_aot
+from te_passes.testing.fake_gpu import fake_gpu, make_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,7 @@ def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | N
     out_features = ex.hidden if ex.model == "stack" else 2 * ex.hidden
     layers = [te.Linear(ex.hidden, out_features, params_dtype=torch.bfloat16, device="cuda")
               for _ in range(ex.layers)]
-    recipe = _make_recipe(precision)
+    recipe = make_recipe(precision)
     x = torch.randn(ex.tokens, ex.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
 
     def step(inp):

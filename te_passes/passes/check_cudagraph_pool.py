@@ -8,7 +8,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import BufferOrigin, Liveness, analyze_shared
+from te_passes.analyses.buffers import BufferOrigin, Liveness
+from te_passes.analyses.liveness import analyze_shared
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 
 

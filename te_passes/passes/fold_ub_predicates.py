@@ -16,8 +16,10 @@ from torch.fx.node import map_arg
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
 from te_passes.runtime import ub_guard as guards
-from te_passes.te.ub import (UB_PREDICATE_METHODS, UbConfigError, UbSnapshot, check_linear_ub_config,
-                             ub_flags_set, ub_query_function)
+from te_passes.runtime import ub_graph_guard
+from te_passes.te.ub import UbConfigError, UbSnapshot
+from te_passes.te.ub_queries import describe_ub_query, find_ub_queries
+from te_passes.te.ub_rules import check_linear_ub_config, ub_flags_set
 
 #: Pure functions whose call nodes are folded once all their arguments are constants (so
 #: ``not get_ub_is_fp8(...)``, ``a and b``, ``x == 2`` disappear with the query).
@@ -27,42 +29,6 @@ _PURE_FOLDABLE = frozenset({
     operator.is_not, operator.getitem, operator.add, operator.sub, operator.mul,
     operator.floordiv, operator.mod, bool, int, float, str, max, min, all, any,
 })
-
-# Argument names of the folded TE functions (TE 2.20.2 module/base.py signatures).
-_SIGNATURES = {
-    "get_ub_is_fp8": ("name", "use_fp8"),
-    "get_ub": ("name", "use_fp8"),
-    "is_ub_initialized": (),
-    "using_cublasmp_backend": (),
-    "ub_query": ("name", "use_fp8", "method"),
-}
-
-
-class _NotConstant(Exception):
-    pass
-
-
-def _bind(node: torch.fx.Node, fn_name: str) -> tuple:
-    """Positional argument tuple of a UB call node, all constants (defaults filled for ub_query)."""
-    params = _SIGNATURES[fn_name]
-    values = list(node.args)
-    if len(values) > len(params):
-        raise _NotConstant(f"{len(values)} arguments for {fn_name}{params}")
-    for p in params[len(values):]:
-        if p in node.kwargs:
-            values.append(node.kwargs[p])
-        elif fn_name == "ub_query" and p == "method":
-            values.append("is_fp8_ubuf")
-        else:
-            raise _NotConstant(f"missing argument {p!r} of {fn_name}")
-    extra = set(node.kwargs) - set(params)
-    if extra:
-        raise _NotConstant(f"unexpected keyword arguments {sorted(extra)} for {fn_name}")
-    for p, v in zip(params, values):
-        if isinstance(v, torch.fx.Node) or not isinstance(v, (str, bool, int)):
-            raise _NotConstant(f"argument {p}={v!r} is not a compile-time constant")
-    return tuple(values)
-
 
 class FoldUbPredicates(TEPass):
     """Fold UB predicates to constants against the UB snapshot; check TE ops' UB configs.
@@ -99,7 +65,7 @@ class FoldUbPredicates(TEPass):
     snapshot the graph is compiled with.
 
     **TE op checks**: for every ``transformer_engine_compile.linear[_backward]`` node whose
-    config bundle sets a UB overlap flag, :func:`te_passes.te.ub.check_linear_ub_config` checks
+    config bundle sets a UB overlap flag, :func:`te_passes.te.ub_rules.check_linear_ub_config` checks
     that every buffer the op will fetch (``{ub_name}_fprop|_dgrad|_wgrad`` in mode
     ``fp8``/``none``) exists, tp sizes agree, and fp8-dependent fields (``fp8_output`` for an FP8
     reduce-scatter ``_fprop`` buffer, ``grad_input_quantizer`` for an FP8 RS ``_dgrad`` buffer)
@@ -108,7 +74,7 @@ class FoldUbPredicates(TEPass):
     (under ``te_passes.strict`` the pass raises at once).
 
     Every dependence (folded values, checked configs, a pre-pass copy of the graph when nodes
-    were folded) is returned as one typed fact, a :class:`te_passes.runtime.ub_guard.UbDependence`
+    were folded) is returned as one typed fact, a :class:`te_passes.runtime.ub_graph_guard.UbDependence`
     (``TEPassResult.facts``); the backend guards the compiled graph with it.
 
     Records: ``"folded"`` (``api``, ``args``, ``value``, ``source`` = ``"fx"`` /
@@ -125,32 +91,13 @@ class FoldUbPredicates(TEPass):
 
     # ------------------------------------------------------------------ analysis
     def _find_queries(self, graph: torch.fx.Graph, records: list[PassRecord]) -> list[tuple[torch.fx.Node, str, tuple]]:
-        out = []
-        for node in graph.nodes:
-            try:
-                if node.op == "call_function":
-                    fn = ub_query_function(node.target)
-                    if fn in ("get_ub_is_fp8", "is_ub_initialized", "using_cublasmp_backend"):
-                        out.append((node, fn, _bind(node, fn)))
-                    elif fn == "ub_query":
-                        name, use_fp8, method = _bind(node, fn)
-                        if method not in UB_PREDICATE_METHODS:
-                            raise _NotConstant(f"method {method!r} is not one of {list(UB_PREDICATE_METHODS)}")
-                        out.append((node, f"get_ub.{method}", (name, bool(use_fp8))))
-                elif node.op == "call_method" and node.target in UB_PREDICATE_METHODS:
-                    recv = node.args[0] if node.args else None
-                    if isinstance(recv, torch.fx.Node) and recv.op == "call_function" \
-                            and ub_query_function(recv.target) == "get_ub":
-                        if len(node.args) != 1 or node.kwargs:
-                            raise _NotConstant(f"{node.target}() takes no arguments, got {node.args[1:]} {node.kwargs}")
-                        name, use_fp8 = _bind(recv, "get_ub")
-                        out.append((node, f"get_ub.{node.target}", (name, bool(use_fp8))))
-            except _NotConstant as e:
-                records.append(PassRecord("skipped", node.name, {"reason": f"UB query not folded: {e}"}))
-        return out
+        queries, refused = find_ub_queries(graph)
+        for node, reason in refused:
+            records.append(PassRecord("skipped", node.name, {"reason": f"UB query not folded: {reason}"}))
+        return queries
 
     def _check_te_ops(self, gm: torch.fx.GraphModule, snap: UbSnapshot, records: list[PassRecord],
-                      checks: list[guards.UbCheckSpec]) -> None:
+                      checks: list[ub_graph_guard.UbCheckSpec]) -> None:
         unknown: list[str] = []
         for call in gmod.te_op_calls(gm.graph, unknown=unknown):
             if call.module_kind != "linear":
@@ -162,7 +109,7 @@ class FoldUbPredicates(TEPass):
             if not flags:
                 continue
             res = check_linear_ub_config(call.op, call.config, snap)
-            checks.append(guards.UbCheckSpec(call.op, dict(call.config), call.node.name))
+            checks.append(ub_graph_guard.UbCheckSpec(call.op, dict(call.config), call.node.name))
             buffers = []
             for use in res.uses:
                 key = f"{use.buffer}[{'fp8' if use.use_fp8 else 'none'}]"
@@ -188,7 +135,7 @@ class FoldUbPredicates(TEPass):
             snap = UbSnapshot(source="absent")
         records: list[PassRecord] = []
         folds: list[guards.UbFold] = []
-        checks: list[guards.UbCheckSpec] = []
+        checks: list[ub_graph_guard.UbCheckSpec] = []
 
         # 1. folds Dynamo made while tracing this graph (TE's get_ub_is_fp8 under our hook).
         if ctx.stage is Stage.DYNAMO:
@@ -221,13 +168,13 @@ class FoldUbPredicates(TEPass):
             raise UbConfigError("; ".join(str(r.data["message"]) for r in mismatches))
 
         # 4. mutate: keep a pre-pass copy for recompiles, then fold.
-        pristine = guards.pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
+        pristine = ub_graph_guard.pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
         modified = False
         if values:
             modified = True
             ctx.checkpoint()
             self._fold(gm.graph, values, records, folds)
-        facts = [guards.UbDependence(folds, checks, pristine)] if folds or checks else []
+        facts = [ub_graph_guard.UbDependence(folds, checks, pristine)] if folds or checks else []
         return TEPassResult(gm, modified, records, facts)
 
     def _record_trace_folds(self, snap: UbSnapshot, ctx: PassContext, records: list[PassRecord],
@@ -259,7 +206,7 @@ class FoldUbPredicates(TEPass):
     def _fold(self, graph: torch.fx.Graph, values: dict[torch.fx.Node, Any], records: list[PassRecord],
               folds: list[guards.UbFold]) -> None:
         for node, value in values.items():
-            api, args = self._describe(node)
+            api, args = describe_ub_query(node)
             folds.append(guards.UbFold(api, args, value, node.name, "fx"))
             records.append(PassRecord("folded", node.name, {"api": api, "args": list(args), "value": value,
                                                             "source": "fx"}))
@@ -298,19 +245,6 @@ class FoldUbPredicates(TEPass):
                     changed = True
         if removed:
             records.append(PassRecord("removed", None, {"nodes": removed}))
-
-    @staticmethod
-    def _describe(node: torch.fx.Node) -> tuple[str, tuple]:
-        if node.op == "call_method":
-            name, use_fp8 = _bind(node.args[0], "get_ub")
-            return f"get_ub.{node.target}", (name, bool(use_fp8))
-        fn = ub_query_function(node.target)
-        args = _bind(node, fn)
-        if fn == "ub_query":
-            return f"get_ub.{args[2]}", (args[0], bool(args[1]))
-        if fn == "get_ub_is_fp8":
-            return fn, (args[0], bool(args[1]))
-        return fn, args
 
 
 __all__ = ["FoldUbPredicates"]

@@ -35,7 +35,7 @@ from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.constants import (can_name, hoisted_name, is_liftable_constant, name_constant, names_in,
                                          rebuild_cached)
-from te_passes.te.graph_model import te_const_kind
+from te_passes.te.graph_constants import te_const_kind
 
 #: Prefix of the wrapper-module globals that hold hoisted TE constants.
 CONST_ATTR_PREFIX = "_te_const_"

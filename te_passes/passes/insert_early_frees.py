@@ -9,8 +9,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.analyses.liveness import (Buffer, BufferOrigin, Liveness, analyze, analyze_shared, gc_paused,
-                                         is_opaque_call)
+from te_passes.analyses.alias_rules import is_opaque_call
+from te_passes.analyses.buffers import Buffer, BufferOrigin, Liveness
+from te_passes.analyses.liveness import analyze, analyze_shared, gc_paused
 from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime import free_op
@@ -38,7 +39,7 @@ class InsertEarlyFrees(TEPass):
       ``retain_graph=False``, while with ``retain_graph=True`` the autograd graph still holds
       them for the next backward, so an in-graph free would break it);
     * no graph output aliases it (saved-for-backward values are forward outputs) and it does
-      not escape (:class:`~te_passes.analyses.liveness.Escape`);
+      not escape (:class:`~te_passes.analyses.buffers.Escape`);
     * a node holds it as a whole tensor (``getitem`` or single-output op), so there is a
       handle to free;
     * policy ``"opaque"`` (default): an opaque op (a custom op such as TE's

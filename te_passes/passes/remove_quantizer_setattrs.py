@@ -22,7 +22,7 @@ from te_passes.analyses.liveness import gc_paused
 from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
 from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
-from te_passes.te.graph_model import TEConstKind
+from te_passes.te.graph_constants import TEConstKind
 from te_passes.te.graph_scan import _bundle_quantizers, _kind, _users_of_objects, _values  # shared scans
 
 

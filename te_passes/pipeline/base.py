@@ -98,7 +98,7 @@ class TEPassResult(PassResult):
 
     Fields: ``graph_module`` (the same module, rewritten in place), ``modified`` (bool),
     ``records`` (list of :class:`PassRecord`, for people) and ``facts`` (typed objects for the
-    pipeline, e.g. ``te_passes.runtime.ub_guard.UbDependence``: what the compiled graph depends
+    pipeline, e.g. ``te_passes.runtime.ub_graph_guard.UbDependence``: what the compiled graph depends
     on). A pass hands results to the pipeline only this way, never through module globals.
     """
 

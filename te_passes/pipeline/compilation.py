@@ -33,7 +33,7 @@ def pipeline_uuid(manager: PassManager, options: TePassesOptions, te_state: TESt
     te_passes package source (:func:`te_passes.pipeline.base.package_source_hash`), the option
     values that change what passes do, and the TE state fingerprint (:meth:`TEState.fingerprint`:
     TE version, fp8 autocast state and, for a graph that reads it, the UB snapshot). The UB snapshot is part of that fingerprint only when the
-    graph reads UB state: ``ub_reads`` is :func:`te_passes.runtime.ub_guard.ub_state_reads` of the
+    graph reads UB state: ``ub_reads`` is :func:`te_passes.runtime.ub_graph_guard.ub_state_reads` of the
     graph (reasons; empty: it does not read UB state, so a UB change keeps its FX-graph-cache
     key), ``None`` when not known (the UB snapshot is then included, the safe default).
 

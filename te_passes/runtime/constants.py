@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
-from te_passes.te.graph_model import TEConstKind, te_const_kind
+from te_passes.te.graph_constants import TEConstKind, te_const_kind
 
 
 def rebuild_constant(v: Any) -> Any:

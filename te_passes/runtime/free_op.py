@@ -61,7 +61,7 @@ import threading
 import torch
 
 from te_passes._logging import get_logger
-from te_passes.analyses.liveness import is_opaque_call
+from te_passes.analyses.alias_rules import is_opaque_call
 
 OP_NAMESPACE = "te_passes"
 OP_NAME = "free_storage"

@@ -17,7 +17,8 @@ import torch.fx
 
 from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
 from te_passes.te import recipes
-from te_passes.te.graph_model import TEConstKind, bundle_dict, is_te_op_node, quantizer_fields, te_const_kind
+from te_passes.te.graph_model import is_te_op_node
+from te_passes.te.graph_constants import TEConstKind, bundle_dict, quantizer_fields, te_const_kind
 
 _UNKNOWN = object()
 

@@ -39,13 +39,13 @@ def _real_hook_graphs(precision: str, layers: int, tokens: int = 32, hidden: int
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    from te_passes.testing.capture import _make_recipe
+    from te_passes.testing.fake_gpu import make_recipe
 
     out_features = 2 * hidden if layers == 1 else hidden
     dims = [hidden] * layers + [out_features]
     mods = torch.nn.ModuleList(te.Linear(dims[i], dims[i + 1], params_dtype=torch.bfloat16, device="cuda")
                                for i in range(layers))
-    recipe = _make_recipe(precision)
+    recipe = make_recipe(precision)
     gelu = torch.nn.functional.gelu
 
     def step(inp):  # same shape and closure names as capture_dynamo's, so Dynamo names match

@@ -1,0 +1,224 @@
+"""Storages of an FX graph and their lifetimes: the result types of
+:func:`te_passes.analyses.liveness.analyze`.
+
+A :class:`Buffer` is one storage a graph value may point into (a graph input, a constant, or
+memory a node allocates); :class:`Liveness` maps every node to the buffers it may alias and
+every buffer to its first definition and last use; :class:`Escape` records a buffer still
+referenced past the graph's end without being an output. :func:`tensor_nbytes` sizes a
+storage (``torch._prims_common.compute_required_storage_length``, torch 2.14).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx
+from torch._prims_common import compute_required_storage_length
+
+from te_passes.te.quantized import QuantizedInfo
+
+__all__ = ["Buffer", "BufferOrigin", "Escape", "Liveness", "live_intervals", "names", "tensor_nbytes"]
+
+
+_UNSET = object()
+
+
+class BufferOrigin(str, enum.Enum):
+    """Who owns a buffer's storage."""
+
+    INPUT = "input"          # a placeholder: owned by the caller for the whole call
+    CONSTANT = "constant"    # a get_attr constant / parameter of the GraphModule
+    ALLOCATED = "allocated"  # allocated by a node inside the graph
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Buffer:
+    """One storage a graph value may point into.
+
+    * ``id`` — dense index; ``node`` — the node that creates it (placeholder, get_attr or
+      call); ``index`` — output position within ``node`` (``None`` for single-output nodes);
+    * ``origin`` — :class:`BufferOrigin`; ``val`` — the (fake) tensor from ``meta['val']``
+      or ``None`` when the graph carries no metadata;
+    * ``handle`` — the node whose value *is* this tensor (``node`` itself, or the ``getitem``
+      that extracts output ``index``), ``None`` when no node extracts it;
+    * ``quantized`` — :class:`~te_passes.te.quantized.QuantizedInfo` when the buffer is part
+      of a quantized tensor, else ``None``.
+    """
+
+    id: int
+    node: torch.fx.Node
+    index: int | None
+    origin: BufferOrigin
+    val: Any = None
+    handle: torch.fx.Node | None = None
+    quantized: QuantizedInfo | None = None
+    _nbytes: Any = _UNSET
+    _nbytes_val: Any = None
+
+    @property
+    def name(self) -> str:
+        """``node`` name, with ``[index]`` for a multi-output node's element."""
+        if self.handle is not None:
+            return self.handle.name
+        return self.node.name if self.index is None else f"{self.node.name}[{self.index}]"
+
+    def nbytes(self):
+        """Bytes of the storage (int, or a ``sympy.Expr`` with symbolic sizes); ``None`` unknown."""
+        if self._nbytes is _UNSET or self._nbytes_val is not self.val:
+            self._nbytes = tensor_nbytes(self.val)
+            self._nbytes_val = self.val
+        return self._nbytes
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.name}, {self.origin.value})"
+
+
+@dataclasses.dataclass
+class Escape:
+    """A buffer that stays referenced past the graph's end without being a graph output.
+
+    ``buffer`` escapes at ``node`` (an FX node) ``how``: e.g. ``"set_ into graph input
+    primals_3"`` or ``"stored into a Python object by setattr"``.
+    """
+
+    buffer: Buffer
+    node: torch.fx.Node
+    how: str
+
+
+def tensor_nbytes(val: Any):
+    """Storage bytes a tensor value needs: ``required_storage_length(shape, stride, offset)``
+    times the element size (``torch._prims_common.compute_required_storage_length``); with
+    symbolic sizes ``numel × element size`` (no boolean test on a ``SymInt``, which would add
+    guards).
+
+    Returns an ``int`` for static shapes, a ``sympy.Expr`` when sizes are ``SymInt``\\ s, or
+    ``None`` for non-tensors. Sub-byte dtypes (``float4_e2m1fn_x2``) count packed bytes.
+    """
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        if val._has_symbolic_sizes_strides:
+            # Symbolic sizes: no boolean test on SymInts (it would add guards to the ShapeEnv).
+            n = val.numel()
+        elif val.is_contiguous() and val.storage_offset() == 0:
+            n = val.numel()
+        else:
+            n = compute_required_storage_length(val.shape, val.stride(), val.storage_offset())
+    except Exception:  # noqa: BLE001 - sparse / nested / odd layouts
+        n = val.numel()
+    nbytes = n * val.element_size()
+    if isinstance(nbytes, torch.SymInt):
+        return nbytes.node.expr
+    return int(nbytes)
+
+
+@dataclasses.dataclass
+class Liveness:
+    """Result of :func:`te_passes.analyses.liveness.analyze` (see that module's docstring).
+
+    * ``order`` — ``{node: position}`` in graph order;
+    * ``buffers`` — every :class:`Buffer`;
+    * ``aliases`` — ``{node: frozenset[Buffer]}``: the buffers a node's value may point into
+      (the union over elements for multi-output nodes; empty for non-tensor values);
+    * ``elements`` — ``{node: [frozenset[Buffer], ...]}`` per output of multi-output nodes;
+    * ``first_def`` / ``last_use`` — ``{buffer: node}``: where it is created, and the last
+      node using any alias of it (the ``output`` node for graph outputs);
+    * ``holders`` — ``{buffer: set[Buffer]}`` buffers whose storage now also holds it
+      (``aten.set_`` destinations);
+    * ``output_buffers`` — buffers a graph output aliases;
+    * ``escapes`` — :class:`Escape`\\ s (referenced past the end without being outputs);
+    * ``saved_inputs`` — placeholders of an AOT backward that are saved tensors (``stage``
+      ``post_grad_bwd``: every non-``tangents_*`` placeholder);
+    * ``opaque_uses`` — ``{buffer: [node]}`` opaque calls (:func:`te_passes.analyses.alias_rules.is_opaque_call`) using it;
+    * ``unknown_alias_nodes`` — nodes whose alias behaviour was guessed conservatively.
+    """
+
+    graph: torch.fx.Graph
+    order: dict[torch.fx.Node, int]
+    buffers: list[Buffer]
+    aliases: dict[torch.fx.Node, frozenset[Buffer]]
+    elements: dict[torch.fx.Node, list[frozenset[Buffer]]]
+    first_def: dict[Buffer, torch.fx.Node]
+    last_use: dict[Buffer, torch.fx.Node]
+    holders: dict[Buffer, set[Buffer]]
+    output_buffers: frozenset[Buffer]
+    escapes: list[Escape]
+    saved_inputs: frozenset[torch.fx.Node]
+    opaque_uses: dict[Buffer, list[torch.fx.Node]]
+    unknown_alias_nodes: list[torch.fx.Node]
+
+    def buffers_of(self, node: torch.fx.Node) -> frozenset[Buffer]:
+        """The buffers ``node``'s value may alias."""
+        return self.aliases.get(node, frozenset())
+
+    def owned_buffer(self, node: torch.fx.Node) -> Buffer | None:
+        """The buffer ``node`` is the handle of (its value *is* that storage's base), else None."""
+        bufs = self.aliases.get(node, frozenset())
+        if len(bufs) == 1:
+            (b,) = bufs
+            if b.handle is node:
+                return b
+        return None
+
+    def escaped(self, buf: Buffer) -> list[Escape]:
+        """Escapes of ``buf`` (directly, or through a buffer that holds it)."""
+        if not self.escapes:
+            return []
+        seen = self._holder_closure(buf)
+        return [e for e in self.escapes if e.buffer in seen]
+
+    def is_output(self, buf: Buffer) -> bool:
+        """Whether a graph output aliases ``buf`` or a buffer holding it."""
+        if buf in self.output_buffers:
+            return True
+        if not self.holders:
+            return False
+        return any(b in self.output_buffers for b in self._holder_closure(buf))
+
+    def live_at_end(self, buf: Buffer) -> bool:
+        """Whether ``buf``'s storage is still referenced when the graph returns."""
+        return buf.origin is not BufferOrigin.ALLOCATED or self.is_output(buf) or bool(self.escaped(buf))
+
+    def _holder_closure(self, buf: Buffer) -> set[Buffer]:
+        seen = {buf}
+        stack = [buf]
+        while stack:
+            for h in self.holders.get(stack.pop(), ()):
+                if h not in seen:
+                    seen.add(h)
+                    stack.append(h)
+        return seen
+
+    def quantized_buffers(self) -> list[Buffer]:
+        """Buffers classified as parts of quantized tensors, in graph order."""
+        return [b for b in self.buffers if b.quantized is not None]
+
+    def users_of(self, buf: Buffer) -> list[torch.fx.Node]:
+        """Nodes that use a value aliasing ``buf`` (graph order). O(nodes): for reports and
+        tests, not for per-buffer loops."""
+        return sorted({u for n, bs in self.aliases.items() if buf in bs for u in n.users},
+                      key=self.order.__getitem__)
+
+
+def live_intervals(lv: Liveness, buffers: Iterable[Buffer] | None = None) -> dict[Buffer, tuple[int, int]]:
+    """``{buffer: (def position, last-use position)}``; graph outputs and escapes extend to the
+    output node, inputs/constants span the whole graph."""
+    end = len(lv.order) - 1
+    out = {}
+    for b in (lv.buffers if buffers is None else buffers):
+        if b.origin is not BufferOrigin.ALLOCATED:
+            out[b] = (0, end)
+        elif lv.live_at_end(b):
+            out[b] = (lv.order[b.node], end)
+        else:
+            out[b] = (lv.order[b.node], lv.order[lv.last_use[b]])
+    return out
+
+
+def names(bufs: Sequence[Buffer]) -> list[str]:
+    """Buffer names (for messages and tests)."""
+    return [b.name for b in bufs]

@@ -1,0 +1,314 @@
+"""Layer 2 of the UB guards: compiled graphs that depend on TE's Userbuffers (UB) state are
+wrapped in a guard that re-checks them when that state changes (see
+:mod:`te_passes.runtime.ub_guard` for both layers and why).
+
+``fold_ub_predicates`` returns what a graph depends on as a typed fact (:class:`UbDependence`:
+its folds and TE op UB checks); :func:`ub_state_reads` says why a Dynamo graph's compilation
+reads UB state (the backend keys Inductor's FX graph cache on the UB snapshot only then);
+:func:`wrap_with_te_state_guard` wraps a compiled graph in a :class:`UbGuard` that compares the
+UB generation per call (:func:`make_guarded`) and, on a change, keeps, recompiles or refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from te_passes.fx.graph import copy_graph
+from te_passes.runtime.ub_guard import (UbFold, UbStateChanged, current_generation, guard_stats, install_te_ub_hooks,
+                                        live_snapshot, ub_global_state, ub_state_lock)
+from te_passes.te import graph_model as gmod
+from te_passes.te.ub import UB_PREDICATE_METHODS, UbConfigError, UbSnapshot
+from te_passes.te.ub_queries import ub_query_function
+from te_passes.te.ub_rules import check_linear_ub_config
+
+
+@dataclasses.dataclass(frozen=True)
+class UbCheckSpec:
+    """A TE op UB configuration check to redo when the UB state changes: op name, its config
+    bundle contents and the FX node name."""
+
+    op: str
+    config: dict
+    node: str
+
+
+@dataclasses.dataclass
+class UbDependence:
+    """What one compiled graph (``graph_id`` ``"g<N>"``) depends on in the UB state."""
+
+    folds: list[UbFold] = dataclasses.field(default_factory=list)
+    checks: list[UbCheckSpec] = dataclasses.field(default_factory=list)
+    pristine: torch.fx.GraphModule | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.folds or self.checks)
+
+    @classmethod
+    def merged(cls, deps: Any) -> "UbDependence":
+        """One dependence holding every fold (once) and check of ``deps`` (an iterable of
+        :class:`UbDependence`), and the first pre-pass copy."""
+        out = cls()
+        for d in deps:
+            out.folds.extend(f for f in d.folds if f not in out.folds)
+            out.checks.extend(d.checks)
+            if out.pristine is None:
+                out.pristine = d.pristine
+        return out
+
+
+def ub_dependence_of(report: Any, stages: Any = None) -> UbDependence:
+    """The UB dependence ``fold_ub_predicates`` returned (as :class:`UbDependence` facts) for
+    ``report`` (a :class:`te_passes.report.CompileReport`; ``stages``: only those stage reports),
+    merged; empty when it returned none."""
+    return UbDependence.merged(report.typed_facts(UbDependence, stages))
+
+
+def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = None, *,
+                   trace_folds: Any = ()) -> list[str]:
+    """Why the compilation of a Dynamo graph reads the UB state, one sentence per
+    reason; empty when it does not. ``te_inductor`` calls it after the Dynamo-stage passes and
+    before ``compile_fx``, and puts the UB snapshot into the pipeline uuid (Inductor's FX graph
+    cache key) only when the list is non-empty (:func:`te_passes.backend.pipeline_uuid`), so a
+    UB change does not make graphs that never look at UB state miss the cache.
+
+    Conservative: any of these counts as a read —
+
+    * the dependence ``fold_ub_predicates`` returned at the Dynamo stage (``dependence``, its
+      :class:`UbDependence` fact: folded query nodes, folds Dynamo made while tracing TE's
+      ``get_ub_is_fp8``, checked TE op UB configurations);
+    * folds Dynamo made while tracing this graph (``trace_folds``, which the backend took from the
+      runtime before the passes ran) that no pass collected (the pass disabled);
+    * a UB query node left in ``gm`` (a later stage could fold it): a ``call_function`` of a TE
+      UB function (``get_ub`` included) or :func:`te_passes.runtime.ub_guard.ub_query`, or a ``call_method`` in
+      :data:`te_passes.te.ub.UB_PREDICATE_METHODS` on a ``get_ub`` node;
+    * a TE op whose config bundle sets a UB overlap flag
+      (:data:`te_passes.te.graph_model.UB_CONFIG_KEYS`; ``fold_ub_predicates`` checks its buffers
+      at the post-grad stages too), or a TE op that cannot be decoded (its UB use is unknown).
+
+    Args:
+        gm: the Dynamo graph after the Dynamo-stage passes.
+        dependence: :func:`ub_dependence_of` its report's Dynamo stage (``None``: none).
+        trace_folds: :func:`te_passes.runtime.ub_guard.drain_trace_folds` of its compilation.
+    """
+    reasons: list[str] = []
+    dep = dependence
+    pending = [f for f in trace_folds if dep is None or f not in dep.folds]
+    if dep is not None and dep.folds:
+        what = sorted({f"{f.api}{tuple(f.args)!r}" for f in dep.folds})
+        reasons.append(f"fold_ub_predicates folded UB queries: {', '.join(what)}")
+    if dep is not None and dep.checks:
+        reasons.append("fold_ub_predicates checked the UB configuration of TE ops "
+                       + ", ".join(sorted({c.node for c in dep.checks})))
+    if pending:
+        reasons.append(f"Dynamo folded {len(pending)} UB quer{'y' if len(pending) == 1 else 'ies'} while tracing")
+    for node in gm.graph.nodes:
+        fn = ub_query_function(node.target) if node.op == "call_function" else None
+        if fn is not None:  # get_ub itself too (conservative: a communicator in the graph)
+            reasons.append(f"UB query node {node.name} ({fn})")
+        elif node.op == "call_method" and node.target in UB_PREDICATE_METHODS and node.args \
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "call_function" \
+                and ub_query_function(node.args[0].target) == "get_ub":
+            reasons.append(f"UB query node {node.name} (get_ub.{node.target})")
+    unknown: list[str] = []
+    for call in gmod.te_op_calls(gm.graph, unknown=unknown):
+        flags = [k for k in gmod.UB_CONFIG_KEYS if call.config.get(k)]
+        if flags:
+            reasons.append(f"TE op {call.node.name} ({call.op}) sets {', '.join(flags)}")
+    reasons.extend(f"TE op not decoded, UB use unknown: {msg}" for msg in unknown)
+    return reasons
+
+
+def evaluate_dependence(dep: UbDependence, snap: UbSnapshot) -> tuple[list[tuple[UbFold, Any]], list[str]]:
+    """Re-evaluate ``dep`` on ``snap``: ``(changed folds with their new value or error text,
+    check problem messages)``."""
+    changed: list[tuple[UbFold, Any]] = []
+    for f in dep.folds:
+        try:
+            new = snap.query(f.api, f.args)
+        except UbConfigError as e:
+            changed.append((f, f"<error: {e}>"))
+            continue
+        if new != f.value or type(new) is not type(f.value):
+            changed.append((f, new))
+    problems = [msg for c in dep.checks for _, msg in check_linear_ub_config(c.op, c.config, snap).problems]
+    return changed, problems
+
+
+class UbGuard:
+    """State of one UB-guarded compiled graph (the wrapper's ``te_ub_guard`` attribute).
+
+    Fields: ``graph_id``, ``compiled`` (the inner callable), ``dependence``
+    (:class:`UbDependence`), ``generation`` / ``fingerprint`` it is valid for, ``on_change``,
+    ``recompile`` (``(gm, args) -> compiled``) and ``recompiles`` (count).
+    """
+
+    def __init__(self, graph_id: str, compiled: Callable, dependence: UbDependence, fingerprint: str,
+                 on_change: str, recompile: Callable | None, cudagraphs: bool = False) -> None:
+        self.graph_id = graph_id
+        self.compiled = compiled
+        self.dependence = dependence
+        self.fingerprint = fingerprint
+        self.on_change = on_change
+        self.recompile = recompile
+        self.cudagraphs = cudagraphs
+        self.recompiles = 0
+        live = live_snapshot()
+        # UB changed while this graph compiled: examine on the first call.
+        self.generation = current_generation() if live.fingerprint() == fingerprint else -1
+
+    @property
+    def rerecord_on_any_change(self) -> bool:
+        """Whether every UB re-initialisation invalidates the compiled code: the graph runs TE ops
+        with UB overlap and is replayed as a CUDA graph, whose recorded kernels hold the addresses
+        of the communicators' buffers (``destroy_ub`` frees them), even when the new UB state
+        answers every query the same."""
+        return self.cudagraphs and bool(self.dependence.checks)
+
+    def revalidate(self, args: list) -> None:
+        """Slow path, after the UB generation changed (see the module docstring).
+
+        Raises:
+            UbConfigError: the UB state no longer satisfies a TE op's UB configuration or a
+                folded query (its buffer is gone).
+            UbStateChanged: the graph must be recompiled and ``on_change="error"``, or it cannot
+                be recompiled here (values folded by Dynamo at trace time, no pre-pass copy).
+        """
+        with ub_state_lock():
+            guard_stats["slow_checks"] += 1
+            gen = current_generation()
+            live = live_snapshot()
+            fp = live.fingerprint()
+            if fp == self.fingerprint and not self.rerecord_on_any_change:
+                self.generation = gen
+                guard_stats["kept"] += 1
+                return
+            changed, problems = evaluate_dependence(self.dependence, live)
+            problems += [f"{f.api}{f.args!r}: {new[len('<error: '):-1]}" for f, new in changed
+                         if isinstance(new, str) and new.startswith("<error: ")]
+            if problems:
+                guard_stats["errors"] += 1
+                raise UbConfigError(f"te_passes: UB state changed since graph {self.graph_id} was compiled "
+                                    "and no longer satisfies what it was compiled against:\n  - "
+                                    + "\n  - ".join(problems))
+            if not changed and not self.rerecord_on_any_change:
+                self.generation, self.fingerprint = gen, fp
+                guard_stats["kept"] += 1
+                return
+            if changed:
+                diff = "; ".join(f"{f.api}{f.args!r}: {f.value!r} -> {new!r}" for f, new in changed)
+            else:
+                diff = ("UB was re-initialised and the graph replays TE ops with UB overlap as a CUDA graph "
+                        "(its recorded kernels use the old communicators' buffers)")
+            where = (f"graph {self.graph_id} was compiled against UB state {self.fingerprint[:16]}, "
+                     f"now {fp[:16]}: {diff}")
+            if self.on_change == "error":
+                guard_stats["errors"] += 1
+                raise UbStateChanged(f"te_passes: {where} (te_passes.ub_on_change='error'; use "
+                                     "'recompile' to recompile the graph)")
+            if any(f.source != "fx" for f, _ in changed) or self.recompile is None or self.dependence.pristine is None:
+                guard_stats["errors"] += 1
+                raise UbStateChanged(f"te_passes: {where}; this graph cannot be recompiled here "
+                                     "(values were folded while Dynamo traced it, or no pre-pass copy "
+                                     "was kept) — re-run torch.compile")
+            gm = _copy_gm(self.dependence.pristine)
+            new = self.recompile(gm, list(args))
+            inner = getattr(new, "te_ub_guard", None)
+            if inner is not None:
+                self.compiled, self.dependence, self.fingerprint = inner.compiled, inner.dependence, inner.fingerprint
+            else:
+                self.compiled, self.dependence, self.fingerprint = new, UbDependence(), fp
+            self.generation = gen
+            self.recompiles += 1
+            guard_stats["recompiles"] += 1
+
+
+def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A node-for-node copy of ``gm`` sharing its parameters/submodules (kept for recompiles)."""
+    return _copy_gm(gm)
+
+
+def make_guarded(guard: UbGuard) -> Callable:
+    """The per-call wrapper around ``guard.compiled``: one integer compare on the fast path.
+
+    Called as Dynamo calls a backend's output, ``fn(*args)`` (Dynamo ignores ``_boxed_call`` on
+    backend outputs; Inductor's ``compile_fx`` result takes ``*args`` although it carries one).
+    """
+    state = ub_global_state()
+
+    def guarded(*args):
+        if state.generation != guard.generation:
+            guard.revalidate(list(args))
+        return guard.compiled(*args)
+
+    guarded.te_ub_guard = guard  # type: ignore[attr-defined]
+    return guarded
+
+
+def raise_ub_mismatches(report: Any, stages: Any = None) -> None:
+    """Raise :class:`~te_passes.te.ub.UbConfigError` listing every ``"ub_mismatch"`` record of
+    ``report`` (a :class:`te_passes.report.CompileReport`; ``stages``: only the records of those
+    stage reports, so that each stage's records are turned into an error once); no-op when there
+    are none."""
+    stages = getattr(report, "stages", []) if stages is None else stages
+    mismatches = [r for s in stages for run in s.runs for r in run.records if r.kind == "ub_mismatch"]
+    if mismatches:
+        raise UbConfigError(f"te_passes: graph {getattr(report, 'graph_id', 'g?')}: UB configuration does not "
+                            "match the UB state (fold_ub_predicates):\n  - "
+                            + "\n  - ".join(str(r.data.get("message")) for r in mismatches))
+
+
+def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any,
+                             recompile: Callable | None = None, cudagraphs: bool = False, *,
+                             dependence: UbDependence | None = None, checked_stages: int = 0) -> Callable:
+    """Wrap a ``te_inductor``-compiled graph with a UB-state guard when it depends on UB state.
+
+    Args:
+        compiled: Inductor's compiled callable (called ``compiled(*args)``).
+        report: the graph's :class:`te_passes.report.CompileReport` (``graph_id``; its
+            ``"ub_mismatch"`` records are raised here).
+        te_state: the :class:`te_passes.te.state.TEState` the passes used (``.ub``).
+        opts: :class:`te_passes.config.TePassesOptions` (``ub_on_change``, ``ub_snapshot``).
+        recompile: ``(gm, args) -> compiled`` used to recompile the pre-pass graph (the backend
+            passes ``te_inductor`` with the same mode/options).
+        cudagraphs: the graph is replayed as a CUDA graph (``triton.cudagraphs``, e.g.
+            ``mode="reduce-overhead"``): graphs with UB TE ops then recompile on *every* UB
+            re-initialisation (see :attr:`UbGuard.rerecord_on_any_change`).
+        dependence: what the graph depends on in the UB state (default: :func:`ub_dependence_of`
+            ``report``, the facts ``fold_ub_predicates`` returned at every stage so far).
+        checked_stages: the first ``checked_stages`` stage reports' ``"ub_mismatch"`` records
+            were already raised on (the backend does so after the Dynamo stage): only later
+            stages' records are raised here.
+
+    Returns:
+        ``compiled`` itself when the graph needs no run-time UB guard — no UB dependence, only
+        values Dynamo folded while tracing (Dynamo's own guard on :data:`te_passes.runtime.ub_guard.UB_STATE_TOKEN` covers
+        them), or an explicit ``te_passes.ub_snapshot`` (offline use) — else the guarded callable
+        (``fn(*args)``, attribute ``te_ub_guard``: :class:`UbGuard`).
+
+    Raises:
+        UbConfigError: the passes found TE op UB configurations that the UB state cannot
+            satisfy (all messages listed) — instead of a ``KeyError`` at run time.
+    """
+    install_te_ub_hooks()
+    graph_id = getattr(report, "graph_id", "g?")
+    dep = ub_dependence_of(report) if dependence is None else dependence
+    raise_ub_mismatches(report, getattr(report, "stages", [])[checked_stages:])
+    if getattr(opts, "ub_snapshot", None) is not None:
+        return compiled
+    if not dep.checks and all(f.source == "dynamo_trace" for f in dep.folds):
+        return compiled
+    ub = getattr(te_state, "ub", None)
+    fingerprint = ub.fingerprint() if ub is not None else live_snapshot().fingerprint()
+    guard = UbGuard(graph_id, compiled, dep, fingerprint, getattr(opts, "ub_on_change", "recompile"), recompile,
+                    cudagraphs=cudagraphs)
+    return make_guarded(guard)

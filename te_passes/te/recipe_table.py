@@ -1,0 +1,269 @@
+"""The fp8 recipe resolution table: what each TE recipe class resolves to, per GEMM and tensor role.
+
+Transformer Engine reads its recipe objects at run time in many places; te_passes resolves
+every such read once, at compile time, into plain constants (pass ``fold_recipe_lookups``).
+This module is the one place that knows how TE resolves a recipe. It mirrors TE 2.20.2:
+
+* **split accumulator per GEMM** — ``transformer_engine/pytorch/module/linear.py``
+  (``_linear_forward_impl``: fprop; ``Linear.forward``: dgrad/wgrad into ``LinearFwdArgs``),
+  ``layernorm_linear.py``, ``layernorm_mlp.py``, ``grouped_linear.py``: every site reads
+  ``recipe.fp8_gemm_<gemm>.use_split_accumulator`` **if the recipe has that attribute**
+  (``hasattr``), else falls back to the module defaults ``_2X_ACC_FPROP`` / ``_2X_ACC_DGRAD`` /
+  ``_2X_ACC_WGRAD`` of ``transformer_engine/pytorch/module/base.py`` (False / True / True).
+  Only ``Float8CurrentScaling`` and ``Float8BlockScaling`` have ``fp8_gemm_*`` fields
+  (``transformer_engine/common/recipe/__init__.py``);
+* **backward_override** — ``recipe.backward_override`` (``Linear.forward``; ``None`` when fp8 is
+  off);
+* **quantizer fields** — what ``RecipeState.create(recipe, ...).make_quantizers()``
+  (``transformer_engine/pytorch/quantization.py``) sets on the quantizers it builds for a
+  module's slots (forward: input / weight / output; backward: grad_output / grad_input), plus
+  the Float8CurrentScaling customisation every TE module applies in ``set_meta_tensor``
+  (``Linear._customize_quantizers_float8_current_scaling``: input, weight and grad_output get
+  ``force_pow_2_scales`` / ``amax_epsilon`` from ``recipe.fp8_quant_{fwd_inp,fwd_weight,bwd_grad}``).
+
+Usage flags (``rowwise_usage``, ``columnwise_usage``, ``internal``, ``optimize_for_gemm``) are
+set by the modules per call, not by recipes; they are not in the table. ``CustomRecipe``'s
+quantizers come from the user's ``qfactory`` and cannot be resolved statically (its table row
+has ``quantizer_class=None``); its GEMMs use the module defaults.
+
+``tests/test_recipes.py`` checks this table against TE's own resolution code, run on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+from te_passes.te.recipes import (BWD_ROLES, FWD_ROLES, GEMMS, PINNED_MODULE_DEFAULTS, QUANTIZER_CLASS, RECIPE_CLASSES,
+                                  ROLES, RecipeResolutionError, recipe_class_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """One resolved value and where TE reads it from (``source``: an attribute path on the
+    recipe such as ``"recipe.fp8_gemm_dgrad.use_split_accumulator"``, or a TE module default
+    such as ``"module/base.py:_2X_ACC_DGRAD"``)."""
+
+    value: Any
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeResolution:
+    """What one recipe object resolves to.
+
+    Fields:
+        recipe_class: the TE recipe class (:data:`RECIPE_CLASSES`).
+        split_accumulator: ``{gemm: Resolved(bool)}`` for ``fprop``/``dgrad``/``wgrad``.
+        backward_override: ``Resolved(None | "high_precision" | "dequantized")``.
+        quantizer_class: the TE quantizer class the recipe builds (``None``: CustomRecipe).
+        quantizers: ``{role: {field: Resolved}}`` for the roles of :data:`ROLES`: the
+            quantizer value fields the recipe sets (``dtype`` as TE's ``DType`` name,
+            ``force_pow_2_scales``, ``amax_epsilon``, ``block_scaling_dim``, NVFP4's
+            ``with_rht``/``stochastic_rounding``/..., MXFP8's ``with_2d_quantization``).
+            Empty for CustomRecipe.
+    """
+
+    recipe_class: str
+    split_accumulator: Mapping[str, Resolved]
+    backward_override: Resolved
+    quantizer_class: str | None
+    quantizers: Mapping[str, Mapping[str, Resolved]]
+
+    def use_split_accumulator(self, gemm: str) -> bool:
+        """The resolved flag of ``gemm`` (``"fprop"``, ``"dgrad"`` or ``"wgrad"``).
+
+        Raises:
+            KeyError: unknown GEMM name.
+        """
+        if gemm not in self.split_accumulator:
+            raise KeyError(f"unknown GEMM {gemm!r}; expected one of {GEMMS}")
+        return bool(self.split_accumulator[gemm].value)
+
+    def quantizer_values(self, role: str) -> dict[str, Any]:
+        """``{field: value}`` the recipe sets on the quantizer of ``role``."""
+        if role not in ROLES:
+            raise KeyError(f"unknown quantizer role {role!r}; expected one of {ROLES}")
+        return {k: r.value for k, r in self.quantizers.get(role, {}).items()}
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form: ``{"recipe_class", "use_split_accumulator": {gemm: bool},
+        "backward_override", "quantizer_class", "quantizers": {role: {field: value}}}``."""
+        return {
+            "recipe_class": self.recipe_class,
+            "use_split_accumulator": {g: r.value for g, r in self.split_accumulator.items()},
+            "backward_override": self.backward_override.value,
+            "quantizer_class": self.quantizer_class,
+            "quantizers": {role: self.quantizer_values(role) for role in self.quantizers},
+        }
+
+
+@functools.lru_cache(maxsize=None)
+def module_default_split_accumulator() -> dict[str, bool]:
+    """``{gemm: bool}`` from TE's ``module/base.py`` ``_2X_ACC_*`` (live when TE imports, else
+    :data:`PINNED_MODULE_DEFAULTS`)."""
+    try:
+        import torch  # noqa: F401  (TE needs torch imported first)
+        from transformer_engine.pytorch.module import base as te_base
+    except Exception:  # noqa: BLE001 - TE absent or its core library does not load
+        return dict(PINNED_MODULE_DEFAULTS)
+    return {"fprop": bool(te_base._2X_ACC_FPROP), "dgrad": bool(te_base._2X_ACC_DGRAD),
+            "wgrad": bool(te_base._2X_ACC_WGRAD)}
+
+
+def _format_name(fmt: Any) -> str:
+    return getattr(fmt, "name", str(fmt))
+
+
+def fp8_dtype_name(recipe: Any, fprop_tensor: bool) -> str:
+    """TE ``DType`` member name of the fp8 data of a tensor, as ``get_fp8_te_dtype`` resolves it
+    (``quantization.py``): E4M3 for ``Format.E4M3`` and for forward tensors of
+    ``Format.HYBRID``, else E5M2."""
+    fmt = _format_name(recipe.fp8_format)
+    return "kFloat8E4M3" if fmt == "E4M3" or (fmt == "HYBRID" and fprop_tensor) else "kFloat8E5M2"
+
+
+def _quantizers_for(recipe: Any, cls: str, module_type: str) -> dict[str, dict[str, Resolved]]:
+    out: dict[str, dict[str, Resolved]] = {}
+    if cls == "CustomRecipe":
+        return out
+    for role in ROLES:
+        fwd = role in FWD_ROLES
+        f: dict[str, Resolved] = {}
+        if cls in ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling"):
+            f["dtype"] = Resolved(fp8_dtype_name(recipe, fwd), "get_fp8_te_dtype(recipe.fp8_format, fprop)")
+        if cls == "Float8CurrentScaling":
+            # RecipeState: force_pow_2_scales=recipe.use_power_2_scales, amax_epsilon default 0.0;
+            # then the module's set_meta_tensor customisation overrides input/weight/grad_output.
+            qp = {"input": "fp8_quant_fwd_inp", "weight": "fp8_quant_fwd_weight",
+                  "grad_output": "fp8_quant_bwd_grad"}.get(role)
+            if qp is not None:
+                params = getattr(recipe, qp)
+                f["force_pow_2_scales"] = Resolved(bool(params.power_2_scale), f"recipe.{qp}.power_2_scale")
+                f["amax_epsilon"] = Resolved(float(params.amax_epsilon), f"recipe.{qp}.amax_epsilon")
+            else:
+                f["force_pow_2_scales"] = Resolved(bool(recipe.use_power_2_scales), "recipe.use_power_2_scales")
+                f["amax_epsilon"] = Resolved(0.0, "Float8CurrentScalingQuantizer default")
+        elif cls == "MXFP8BlockScaling":
+            two_d = (fwd and bool(recipe.enable_2d_quantization) and role == "weight"
+                     and module_type in ("linear", "grouped_linear"))
+            f["with_2d_quantization"] = Resolved(two_d, "recipe.enable_2d_quantization (forward weight)")
+        elif cls == "Float8BlockScaling":
+            if role == "weight":
+                qp, dim, dt = "fp8_quant_fwd_weight", "w_block_scaling_dim", True
+            elif role in BWD_ROLES:
+                qp, dim, dt = "fp8_quant_bwd_grad", "grad_block_scaling_dim", False
+            else:
+                qp, dim, dt = "fp8_quant_fwd_inp", "x_block_scaling_dim", True
+            params = getattr(recipe, qp)
+            f["dtype"] = Resolved(fp8_dtype_name(recipe, dt), "get_fp8_te_dtype(recipe.fp8_format, fprop)")
+            f["amax_epsilon"] = Resolved(float(params.amax_epsilon), f"recipe.{qp}.amax_epsilon")
+            f["force_pow_2_scales"] = Resolved(bool(params.power_2_scale), f"recipe.{qp}.power_2_scale")
+            f["block_scaling_dim"] = Resolved(int(getattr(recipe, dim)), f"recipe.{dim}")
+        elif cls == "NVFP4BlockScaling":
+            qp = ("fp4_quant_bwd_grad" if role in BWD_ROLES else
+                  "fp4_quant_fwd_weight" if role == "weight" else "fp4_quant_fwd_inp")
+            params = getattr(recipe, qp)
+            use_4over6 = False
+            scope = recipe.nvfp4_4over6
+            if role not in BWD_ROLES:
+                use_4over6 = (scope == "all" or (scope == "weights" and role == "weight")
+                              or (scope == "activations" and role != "weight"))
+            e4m3_max = 448
+            if use_4over6:
+                s256 = recipe.nvfp4_4over6_e4m3_use_256
+                if s256 == "all" or (s256 == "weights" and role == "weight") or (
+                        s256 == "activations" and role != "weight"):
+                    e4m3_max = 256
+            f["dtype"] = Resolved("kFloat4E2M1", "get_fp4_te_dtype(recipe.fp4_format)")
+            f["with_rht"] = Resolved(bool(params.random_hadamard_transform), f"recipe.{qp}.random_hadamard_transform")
+            f["with_post_rht_amax"] = Resolved(bool(params.random_hadamard_transform),
+                                               f"recipe.{qp}.random_hadamard_transform")
+            f["with_2d_quantization"] = Resolved(bool(params.fp4_2d_quantization), f"recipe.{qp}.fp4_2d_quantization")
+            f["stochastic_rounding"] = Resolved(bool(params.stochastic_rounding), f"recipe.{qp}.stochastic_rounding")
+            f["row_scaled_nvfp4"] = Resolved(fwd and role != "weight" and bool(recipe.row_scaled_activation),
+                                             "recipe.row_scaled_activation (forward activations)")
+            f["nvfp4_use_4over6"] = Resolved(use_4over6, "recipe.nvfp4_4over6")
+            f["nvfp4_e4m3_max"] = Resolved(e4m3_max, "recipe.nvfp4_4over6_e4m3_use_256")
+            f["nvfp4_4over6_err_mode"] = Resolved(recipe.nvfp4_4over6_err_mode, "recipe.nvfp4_4over6_err_mode")
+        out[role] = f
+    return out
+
+
+def resolve_recipe(recipe: Any, *, module_type: str = "linear") -> RecipeResolution:
+    """Resolve ``recipe`` as TE 2.20.2 does for a module of ``module_type``.
+
+    Args:
+        recipe: a TE recipe instance (any class of :data:`RECIPE_CLASSES` or a subclass).
+        module_type: the TE module whose quantizer roles are resolved (``"linear"``,
+            ``"grouped_linear"``, ``"layernorm_linear"``, ``"layernorm_mlp"``); only MXFP8's
+            2D weight quantization depends on it (``linear`` / ``grouped_linear`` only).
+
+    Returns:
+        A :class:`RecipeResolution` (pure data; reading it never touches the recipe again).
+
+    Raises:
+        RecipeResolutionError: ``recipe`` is not a TE recipe of a known class.
+    """
+    cls = recipe_class_name(recipe)
+    defaults = module_default_split_accumulator()
+    split: dict[str, Resolved] = {}
+    for gemm in GEMMS:
+        attr = f"fp8_gemm_{gemm}"
+        if hasattr(recipe, attr):
+            split[gemm] = Resolved(bool(getattr(recipe, attr).use_split_accumulator),
+                                   f"recipe.{attr}.use_split_accumulator")
+        else:
+            split[gemm] = Resolved(defaults[gemm], f"module/base.py:_2X_ACC_{gemm.upper()}")
+    return RecipeResolution(
+        recipe_class=cls,
+        split_accumulator=split,
+        backward_override=Resolved(getattr(recipe, "backward_override", None), "recipe.backward_override"),
+        quantizer_class=QUANTIZER_CLASS[cls],
+        quantizers=_quantizers_for(recipe, cls, module_type),
+    )
+
+
+def _dummy_qfactory(role: Any = None) -> Any:  # pragma: no cover - never called by resolution
+    raise RuntimeError("te_passes' placeholder CustomRecipe qfactory must not be called")
+
+
+def default_recipe(cls_name: str) -> Any:
+    """A default-constructed TE recipe of class ``cls_name`` (CustomRecipe gets a placeholder
+    ``qfactory`` that raises if called).
+
+    Raises:
+        RecipeResolutionError: unknown class name. ImportError: TE not installed.
+    """
+    if cls_name not in RECIPE_CLASSES:
+        raise RecipeResolutionError(f"unknown TE recipe class {cls_name!r}; known: {RECIPE_CLASSES}")
+    from transformer_engine.common import recipe as te_recipe
+
+    cls = getattr(te_recipe, cls_name)
+    return cls(qfactory=_dummy_qfactory) if cls_name == "CustomRecipe" else cls()
+
+
+def resolution_table(module_type: str = "linear") -> dict[str, RecipeResolution]:
+    """``{class name: RecipeResolution}`` of every TE recipe class at its defaults (the
+    environment variables TE reads at import, e.g. ``NVTE_BACKWARD_OVERRIDE``, apply)."""
+    return {name: resolve_recipe(default_recipe(name), module_type=module_type) for name in RECIPE_CLASSES}
+
+
+def table_markdown(module_type: str = "linear") -> str:
+    """The resolution table at class defaults as Markdown (the docs page embeds it)."""
+    table = resolution_table(module_type)
+    lines = ["| recipe class | fprop split acc. | dgrad split acc. | wgrad split acc. | backward_override "
+             "| quantizer | recipe-set quantizer fields (input / weight / grad_output) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, res in table.items():
+        cells = []
+        for g in GEMMS:
+            r = res.split_accumulator[g]
+            origin = "recipe" if r.source.startswith("recipe.") else "default"
+            cells.append(f"{r.value} ({origin})")
+        q = "; ".join(f"{role}: " + ", ".join(f"{k}={v!r}" for k, v in res.quantizer_values(role).items())
+                      for role in ("input", "weight", "grad_output") if res.quantizer_values(role)) or "from qfactory"
+        lines.append(f"| {name} | {' | '.join(cells)} | {res.backward_override.value!r} "
+                     f"| {res.quantizer_class or '-'} | {q} |")
+    return "\n".join(lines)

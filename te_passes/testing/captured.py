@@ -1,0 +1,187 @@
+"""What a CPU capture returns: :class:`CapturedGraph` (a Dynamo graph of a TE model, as a
+``torch.compile`` backend receives it) and :class:`CapturedAOT` (its AOTAutograd joint / forward /
+backward graphs, as Inductor's custom-pass hooks receive them), with node helpers. Made by
+:func:`te_passes.testing.capture.capture_dynamo` / :func:`~te_passes.testing.capture.capture_aot`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+
+from te_passes.fx.graph import copy_graph
+from te_passes.te import graph_model as gmod
+
+
+def _te_node_summary(gm: torch.fx.GraphModule) -> list[str]:
+    out = []
+    for node in gm.graph.nodes:
+        op = gmod.te_op_name(node)
+        if op is None:
+            continue
+        line = f"{node.name}: {gmod.TE_OP_NAMESPACE}.{op}"
+        try:
+            call = gmod.decode(node)
+        except gmod.UnknownTEOp as e:
+            out.append(f"{line}  <undecodable: {e}>")
+            continue
+        parts = [f"{k}={_val_str(v)}" for k, v in call.tensors.items() if v is not None]
+        for name, f in call.tq_fields.items():
+            if f.kind == "storage":
+                bufs = ", ".join(f"{b.inner_name}:{_val_str(b.node)}" for b in f.buffers)
+                parts.append(f"{name}={f.storage_cls}[{bufs}]")
+            elif f.kind == "tensor":
+                parts.append(f"{name}={_val_str(f.tensor)}")
+        if "fp8" in call.config:
+            parts.append(f"fp8={call.config['fp8']}")
+        qs = {type(q).__name__ for q in call.quantizers().values()}
+        if qs:
+            parts.append("quantizers=" + "/".join(sorted(qs)))
+        out.append(f"{line}({', '.join(parts)})")
+    return out
+
+
+def _val_str(node: Any) -> str:
+    v = node_value(node) if isinstance(node, torch.fx.Node) else None
+    if isinstance(v, torch.Tensor):
+        return f"{_dtype_abbr(v.dtype)}{list(v.shape)}"
+    return getattr(node, "name", repr(node))
+
+
+def node_value(node: torch.fx.Node) -> Any:
+    """A node's fake value: ``meta["val"]`` (AOT graphs) or ``meta["example_value"]`` (Dynamo
+    graphs), else ``None``."""
+    v = node.meta.get("val")
+    return node.meta.get("example_value") if v is None else v
+
+
+def _dtype_abbr(dtype: torch.dtype) -> str:
+    """``bf16`` / ``u8`` / ``f32`` ... as FX's ``print_readable`` writes dtypes."""
+    try:
+        from torch.utils._dtype_abbrs import dtype_abbrs
+
+        return dtype_abbrs[dtype]
+    except (ImportError, KeyError):  # pragma: no cover - other torch versions
+        return str(dtype).removeprefix("torch.")
+
+
+def te_op_names(gm: torch.fx.GraphModule) -> list[str]:
+    """Names (``"linear"``, ``"linear_backward"``, ...) of the TE op nodes of ``gm``, in order."""
+    return [op for op in (gmod.te_op_name(n) for n in gm.graph.nodes) if op is not None]
+
+
+def copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A node-for-node copy of ``gm`` (TE constants and ``node.meta`` values are shared)."""
+    graph = copy_graph(gm.graph)
+    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for old_n, new_n in zip(gm.graph.nodes, new.graph.nodes):
+        new_n.meta = dict(old_n.meta)
+    return new
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    """A Dynamo graph of a TE model, as a ``torch.compile`` backend receives it.
+
+    Fields: ``gm`` (``torch.fx.GraphModule``: placeholders for the layers' ``weight`` bf16[N, K]
+    and ``bias`` bf16[N] per layer, then the input bf16[tokens, hidden]; one
+    ``transformer_engine_compile.linear`` OpOverloadPacket call per layer),
+    ``example_inputs`` (Dynamo's fake tensors on ``cuda:0``, in placeholder order),
+    ``precision``, ``model``, ``layers``, ``tokens``, ``hidden``, ``out_features`` (of the last
+    layer), ``linear_kwargs`` (extra ``te.Linear`` arguments), ``training`` (``False``: traced under
+    ``torch.no_grad()``), ``te_version``, ``torch_version``.
+    """
+
+    gm: torch.fx.GraphModule
+    example_inputs: list[Any]
+    precision: str
+    model: str
+    layers: int
+    tokens: int
+    hidden: int
+    out_features: int
+    linear_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    training: bool = True
+    te_version: str | None = None
+    torch_version: str = torch.__version__
+
+    def te_nodes(self) -> list[torch.fx.Node]:
+        """The ``transformer_engine_compile`` op nodes of :attr:`gm`, in order."""
+        return [n for n in self.gm.graph.nodes if gmod.is_te_op_node(n)]
+
+    def describe(self) -> str:
+        """A few lines: what was captured and every TE op node with its decoded fields."""
+        head = (f"dynamo graph: {self.model} x{self.layers} {self.precision} tokens={self.tokens} "
+                f"hidden={self.hidden} out={self.out_features} (TE {self.te_version}, torch "
+                f"{self.torch_version}), {len(self.gm.graph.nodes)} nodes")
+        return "\n".join([head, *("  " + s for s in _te_node_summary(self.gm))])
+
+    def copy(self) -> "CapturedGraph":
+        """A copy whose graph can be rewritten without touching this one (TE constant objects
+        and fake ``meta`` values are shared; passes replace them, never mutate them)."""
+        return dataclasses.replace(self, gm=copy_gm(self.gm), example_inputs=list(self.example_inputs),
+                                   linear_kwargs=dict(self.linear_kwargs))
+
+
+@dataclasses.dataclass
+class CapturedAOT:
+    """The AOTAutograd graphs of a TE model, as Inductor's custom-pass hooks receive them.
+
+    Fields:
+      * ``forward`` — partitioned forward (``primals_*`` placeholders; per layer one
+        ``transformer_engine_compile.linear.default``; returns the output, quantizer constants
+        (fp8), the saved tensors: for fp8-cs the input transpose u8[K, M], weight data u8[N, K],
+        weight transpose u8[K, N] and f32[1] ``scale_inv``\\ s);
+      * ``backward`` — partitioned backward (saved tensors then ``tangents_*``; per layer one
+        ``linear_backward.default``; returns dW, dbias, dx per layer); ``None`` for
+        ``training=False``;
+      * ``joint`` — the joint forward+backward graph (``joint_custom_pre_pass``); ``None`` for
+        ``training=False``;
+      * ``forward_inputs`` / ``backward_inputs`` / ``joint_inputs`` — fake ``cuda`` tensors
+        matching the placeholders (the joint's are ``[primals, tangents]`` flattened);
+      * ``dynamo`` — the :class:`CapturedGraph` they were made from;
+      * ``partitioner`` — ``"min_cut"`` (Inductor's) or ``"default"``.
+    """
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule | None
+    joint: torch.fx.GraphModule | None
+    forward_inputs: list[Any]
+    backward_inputs: list[Any]
+    joint_inputs: list[Any]
+    dynamo: CapturedGraph
+    partitioner: str = "min_cut"
+
+    precision = property(lambda self: self.dynamo.precision)
+    model = property(lambda self: self.dynamo.model)
+    layers = property(lambda self: self.dynamo.layers)
+    te_version = property(lambda self: self.dynamo.te_version)
+    example_inputs = property(lambda self: self.forward_inputs)
+
+    def graphs(self) -> dict[str, torch.fx.GraphModule]:
+        """``{"joint": ..., "forward": ..., "backward": ...}`` (graphs that exist)."""
+        out = {"joint": self.joint, "forward": self.forward, "backward": self.backward}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def describe(self) -> str:
+        """What was captured and the TE op nodes of each AOT graph with their decoded fields."""
+        d = self.dynamo
+        lines = [f"aot graphs: {d.model} x{d.layers} {d.precision} tokens={d.tokens} hidden={d.hidden} "
+                 f"out={d.out_features} partitioner={self.partitioner} (TE {d.te_version}, torch "
+                 f"{d.torch_version})"]
+        for name, gm in self.graphs().items():
+            lines.append(f" {name}: {len(gm.graph.nodes)} nodes")
+            lines.extend("  " + s for s in _te_node_summary(gm))
+        return "\n".join(lines)
+
+    def copy(self) -> "CapturedAOT":
+        """A copy whose graphs can be rewritten independently (see :meth:`CapturedGraph.copy`)."""
+        return dataclasses.replace(
+            self, forward=copy_gm(self.forward),
+            backward=copy_gm(self.backward) if self.backward is not None else None,
+            joint=copy_gm(self.joint) if self.joint is not None else None,
+            forward_inputs=list(self.forward_inputs), backward_inputs=list(self.backward_inputs),
+            joint_inputs=list(self.joint_inputs), dynamo=self.dynamo.copy())

@@ -1,0 +1,169 @@
+"""Capture the Dynamo graph of a TE model without a GPU (:func:`capture_dynamo`): the graph
+``torch.compile`` hands a backend for ``te.Linear`` layers, traced on fake ``cuda`` tensors under
+:func:`te_passes.testing.fake_gpu.fake_gpu` (step 1 of :mod:`te_passes.testing.capture`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from te_passes.te.version import te_version
+from te_passes.testing.captured import CapturedGraph
+from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing, fake_gpu, import_te, make_recipe,
+                                        quiet)
+
+#: Models: ``"linear"`` (one ``te.Linear``) and ``"stack"`` (``layers`` ``te.Linear`` with GELU
+#: between).
+MODELS: tuple[str, ...] = ("linear", "stack")
+
+#: ``te.Linear`` keyword arguments that turn on Userbuffers overlap (a capture then installs
+#: fake UB communicators by default).
+UB_OVERLAP_FLAGS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
+
+_counter = itertools.count()
+
+
+def fresh_function(fn: Callable) -> Callable:
+    """``fn`` with a new code object, so Dynamo's per-code cache starts empty for every capture
+    (no recompiles against earlier captures' guards, no recompile limit, nothing kept alive)."""
+    code = fn.__code__.replace(co_name=f"te_capture_{next(_counter)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class _NeverRun(Exception):
+    """Raised by the recording backend's compiled callable: the captured graph is never run."""
+
+
+def _resolve_model(model: str | None, layers: int) -> str:
+    if layers < 1:
+        raise CaptureError(f"layers must be >= 1, got {layers}")
+    if model is None:
+        return "linear" if layers == 1 else "stack"
+    if model not in MODELS:
+        raise CaptureError(f"unknown model {model!r}; expected one of {MODELS}")
+    if model == "linear" and layers != 1:
+        return "stack"
+    return model
+
+
+def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", layers: int = 1,
+                   tokens: int = 32, hidden: int = 64, out_features: int | None = None, *,
+                   training: bool = True, fake_ub: bool | None = None, ub_fp8: Any = None,
+                   **linear_kwargs: Any) -> CapturedGraph:
+    """Capture the Dynamo graph of a TE model without a GPU.
+
+    Mirrors ``torch.compile(fn, backend=..., fullgraph=True, dynamic=False)(x)`` where ``fn`` runs
+    ``te.Linear`` layer(s) inside ``te.autocast(enabled=True, recipe=recipe)`` (fp8) — TE 2.20.2
+    then traces each layer as ``torch.ops.transformer_engine_compile.linear``
+    (``module/linear.py`` ``Linear.forward`` → ``_linear_op``).
+
+    Args:
+        model: ``"linear"`` — ``te.Linear(hidden, out_features)``; ``"stack"`` — ``layers``
+            ``te.Linear`` with ``torch.nn.functional.gelu`` between, all ``hidden -> hidden``
+            except the last (``hidden -> out_features``); ``None`` picks ``"linear"`` for
+            ``layers == 1`` else ``"stack"``; ``"linear"`` with ``layers > 1`` means ``"stack"``.
+        precision: one of :data:`te_passes.testing.fake_gpu.PRECISIONS`.
+        layers: number of ``te.Linear`` layers (1 for ``"linear"``).
+        tokens, hidden: the input is bf16[tokens, hidden] with ``requires_grad=True``
+            (row-parallel: bf16[tokens, hidden / tp_size], the first layer's weight width).
+        out_features: the last layer's output width; default ``2 * hidden`` for ``"linear"``
+            (the reference graphs' ``te.Linear(64, 128)``) and ``hidden`` for ``"stack"``.
+        training: ``False`` traces under ``torch.no_grad()`` (inference graph).
+        fake_ub: install fake Userbuffers communicators (see :func:`te_passes.testing.fake_gpu.fake_gpu`); default: when
+            ``linear_kwargs`` sets any ``ub_*`` overlap flag.
+        ub_fp8: what the fake communicators' ``is_fp8_ubuf()`` answers in FP8 mode: ``None``
+            (default) — :data:`te_passes.testing.fake_gpu.DEFAULT_UB_FP8` (TE's default UB config); a bool for every
+            buffer; or ``{"qkv_fprop": bool, ...}`` overriding the defaults per buffer.
+        **linear_kwargs: passed to every ``te.Linear`` (``bias``, ``parallel_mode``,
+            ``sequence_parallel``, ``tp_size``, ``ub_name``, ``ub_overlap_*``, ...). Params are
+            ``params_dtype=torch.bfloat16, device="cuda"`` unless given. With ``tp_size > 1``
+            and no ``tp_group`` there is no process group: the layers get
+            ``set_tensor_parallel_group(None)`` (TE's required call), so the config bundles
+            carry ``tp_group=None`` where a real run carries the group's name; TP collectives
+            live inside the TE ops and are not in the graph either way.
+
+    Returns:
+        :class:`CapturedGraph`.
+
+    Raises:
+        CaptureError: TE not importable, unknown precision/model, or TE fell back to eager
+            (``fullgraph`` graph break; the message carries TE's reason).
+    """
+    model = _resolve_model(model, layers)
+    te = import_te()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if out_features is None:
+        out_features = 2 * hidden if model == "linear" else hidden
+    if fake_ub is None:
+        fake_ub = any(bool(linear_kwargs.get(k)) for k in UB_OVERLAP_FLAGS)
+    recipe = make_recipe(precision)
+    kwargs = dict(linear_kwargs)
+    kwargs.setdefault("params_dtype", torch.bfloat16)
+    kwargs["device"] = "cuda"
+
+    with capture_lock, quiet(), fake_gpu(precision, fake_ub=fake_ub, ub_fp8=ub_fp8):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, constructing():
+            dims = [hidden] * layers + [out_features]
+            mods = torch.nn.ModuleList(te.Linear(dims[i], dims[i + 1], **kwargs) for i in range(layers))
+            for lin in mods:
+                if lin.tp_size > 1 and not getattr(lin, "tp_group_initialized", False):
+                    lin.set_tensor_parallel_group(kwargs.get("tp_group"))
+            # Row-parallel layers take their input's shard: [tokens, in_features / tp_size].
+            in_width = int(mods[0].weight.shape[-1])
+            x = torch.randn(tokens, in_width, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+
+        gelu = torch.nn.functional.gelu
+
+        def step(inp):
+            with (te.autocast(enabled=True, recipe=recipe) if recipe is not None else contextlib.nullcontext()):
+                for i, lin in enumerate(mods):
+                    if i:
+                        inp = gelu(inp)
+                    inp = lin(inp)
+            return inp
+
+        recorded: list[tuple[torch.fx.GraphModule, list[Any]]] = []
+
+        def backend(gm, example_inputs):
+            recorded.append((gm, list(example_inputs)))
+
+            def never_run(*args, **kwargs):
+                raise _NeverRun()
+            return never_run
+
+        fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
+        try:
+            with mode, (contextlib.nullcontext() if training else torch.no_grad()):
+                fn(x)
+        except _NeverRun:
+            pass
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise CaptureError(f"capturing {model} x{layers} {precision} failed: {type(e).__name__}: "
+                               f"{first_line(e)}") from e
+    if len(recorded) != 1:
+        raise CaptureError(f"expected one Dynamo graph, got {len(recorded)}")
+    gm, example_inputs = recorded[0]
+    return CapturedGraph(gm=gm, example_inputs=example_inputs, precision=precision, model=model,
+                         layers=layers, tokens=tokens, hidden=hidden, out_features=out_features,
+                         linear_kwargs=dict(linear_kwargs), training=training, te_version=te_version())
+
+
+def first_line(e: BaseException) -> str:
+    """The informative part of a (Dynamo) exception message: TE's eager-fallback reason, the
+    exception Dynamo observed, or the first line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    for ln in lines:
+        if "falling back to eager" in ln:
+            return ln[ln.index("te.") if "te." in ln else 0:]
+    for ln in lines:
+        if ln.startswith("Developer debug context:"):
+            return ln.removeprefix("Developer debug context:").strip()
+    return lines[0] if lines else type(e).__name__

@@ -1,0 +1,203 @@
+"""A fake GPU for capturing real Transformer Engine graphs on a CPU-only machine: TE believes a
+Hopper / Blackwell device is present (:func:`fake_gpu`), with optional Userbuffers stand-ins.
+
+Part of the CPU capture helpers (:mod:`te_passes.testing.capture` explains how a capture works);
+mirrors the device queries TE 2.20.2 makes (``transformer_engine/pytorch/quantization.py``
+support flags, ``utils._get_device_compute_capability``, ``module/base.py`` UB registry) and
+torch 2.14's ``torch.cuda`` device-property calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any, Iterator
+from unittest import mock
+
+import torch
+
+from te_passes.testing.inductor_state import clear_system_info
+
+#: Precisions :func:`~te_passes.testing.capture.capture_dynamo` / :func:`~te_passes.testing.capture.capture_aot`
+#: capture: ``"bf16"`` (bf16 params and
+#: activations, no quantization, no ``te.autocast``), ``"fp8-cs"``
+#: (``transformer_engine.common.recipe.Float8CurrentScaling()``, device capability (9, 0)) and
+#: ``"mxfp8"`` (``MXFP8BlockScaling()``, device capability (10, 0)).
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8-cs", "mxfp8")
+
+#: Device capability each precision is captured under (Hopper for bf16/FP8, Blackwell for MXFP8).
+DEVICE_CAPABILITY: dict[str, tuple[int, int]] = {"bf16": (9, 0), "fp8-cs": (9, 0), "mxfp8": (10, 0)}
+
+_TE_SUPPORT_FLAGS = ("_FP8_SUPPORT", "_MXFP8_SUPPORT", "_NVFP4_SUPPORT", "_FP8_BLOCK_SCALING_SUPPORT")
+
+#: ``is_fp8_ubuf()`` of TE 2.20.2's default Userbuffers config in FP8 mode (measured with
+#: ``initialize_ub(..., quantization_modes=[NONE, FP8])``, ../shared/notes/ub-tp2.md): the
+#: reduce-scatter ``*_fprop`` and bulk ``*_wgrad`` buffers of the ag layers are not FP8; every
+#: other buffer is. Names not listed answer ``True``.
+DEFAULT_UB_FP8: dict[str, bool] = {
+    "qkv_fprop": True, "qkv_dgrad": True, "qkv_wgrad": False,
+    "proj_fprop": False, "proj_dgrad": True, "proj_wgrad": True,
+    "fc1_fprop": True, "fc1_dgrad": True, "fc1_wgrad": False,
+    "fc2_fprop": False, "fc2_dgrad": True, "fc2_wgrad": True,
+}
+
+#: Serialises captures (TE's module globals and ``torch.cuda`` are patched while one runs);
+#: re-entrant, as the cached captures take it around a capture.
+capture_lock = threading.RLock()
+
+
+class CaptureError(RuntimeError):
+    """Capturing failed: TE fell back to eager (graph break, message has TE's reason), a
+    precision/model is unknown, or tracing raised (chained)."""
+
+
+class _FakeProps:
+    """Stands in for ``torch.cuda.get_device_properties`` (``_CudaDeviceProperties``)."""
+
+    def __init__(self, cap: tuple[int, int]) -> None:
+        self.major, self.minor = cap
+        self.name = f"te_passes fake sm_{cap[0]}{cap[1]}"
+        self.total_memory = 141 * 2**30
+        self.multi_processor_count = 132
+        self.gcnArchName = ""
+        self.L2_cache_size = 50 * 2**20
+        self.warp_size = 32
+
+    def __repr__(self) -> str:
+        return f"_FakeProps({self.name})"
+
+
+class _FakeUb:
+    """Stands in for a Userbuffers communicator (``tex.CommOverlap``) at trace time: answers the
+    predicates TE queries while tracing (``is_fp8_ubuf()``, ``with_cublasmp()``)."""
+
+    def __init__(self, name: str, fp8_mode: bool, ub_fp8: Any) -> None:
+        self.name, self.fp8_mode, self._fp8 = name, fp8_mode, ub_fp8
+
+    def is_fp8_ubuf(self) -> bool:
+        if not self.fp8_mode:
+            return False
+        if isinstance(self._fp8, dict):
+            return bool(self._fp8.get(self.name, DEFAULT_UB_FP8.get(self.name, True)))
+        if self._fp8 is None:
+            return DEFAULT_UB_FP8.get(self.name, True)
+        return bool(self._fp8)
+
+    def with_cublasmp(self) -> bool:
+        return False
+
+    def is_atomic_gemm(self) -> bool:
+        return False
+
+    def is_p2p_overlap(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"_FakeUb({self.name!r}, fp8={self.fp8_mode})"
+
+
+class _FakeUbTable(dict):
+    """``base._ub_communicators`` stand-in: every ``(name, mode)`` key resolves to a
+    :class:`_FakeUb`."""
+
+    def __init__(self, ub_fp8: Any) -> None:
+        super().__init__()
+        self.ub_fp8 = ub_fp8
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and len(key) == 2
+
+    def __missing__(self, key):
+        name, mode = key
+        ub = _FakeUb(name, getattr(mode, "name", str(mode)) == "FP8", self.ub_fp8)
+        self[key] = ub
+        return ub
+
+
+def import_te():
+    """``transformer_engine.pytorch``, imported (torch first, as TE requires).
+
+    Raises:
+        CaptureError: TE does not import (ImportError or TE's own load errors), chained.
+    """
+    try:
+        import transformer_engine  # noqa: F401  (torch is imported above, as TE requires)
+        import transformer_engine.pytorch as te
+    except Exception as e:  # noqa: BLE001 - ImportError or TE's own load errors
+        raise CaptureError(f"transformer_engine is not importable: {type(e).__name__}: {e}") from e
+    return te
+
+
+@contextlib.contextmanager
+def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = None) -> Iterator[None]:
+    """Make TE believe a GPU of ``DEVICE_CAPABILITY[precision]`` is present (no CUDA calls).
+
+    Patches, restored on exit: TE's cached support flags (``quantization._FP8_SUPPORT``,
+    ``_MXFP8_SUPPORT``, ``_NVFP4_SUPPORT``, ``_FP8_BLOCK_SCALING_SUPPORT`` = ``(True, "")``),
+    ``transformer_engine.pytorch.utils._get_device_compute_capability``,
+    ``torch.cuda.current_device`` / ``get_device_capability`` / ``get_device_properties`` and,
+    with ``fake_ub``, TE's Userbuffers registry (``module.base._ub_communicators`` /
+    ``_ub_initialized``). ``torch.cuda.is_available`` is *not* patched here (Dynamo would then
+    query CUDA RNG state): patch it only around construction (:func:`constructing`).
+    Inductor's cached system info is cleared on entry and exit (:mod:`te_passes.testing.inductor_state`).
+    """
+    if precision not in DEVICE_CAPABILITY:
+        raise CaptureError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    import_te()
+    import transformer_engine.pytorch.module.base as te_base
+    import transformer_engine.pytorch.quantization as te_quant
+    import transformer_engine.pytorch.utils as te_utils
+
+    cap = DEVICE_CAPABILITY[precision]
+    props = _FakeProps(cap)
+    with contextlib.ExitStack() as stack:
+        stack.callback(clear_system_info)  # runs last: after the patches are undone
+        for flag in _TE_SUPPORT_FLAGS:
+            if hasattr(te_quant, flag):
+                stack.enter_context(mock.patch.object(te_quant, flag, (True, "")))
+        stack.enter_context(mock.patch.object(te_utils, "_get_device_compute_capability",
+                                              lambda device=None: cap))
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
+        stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: cap))
+        stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: props))
+        if fake_ub:
+            stack.enter_context(mock.patch.object(te_base, "_ub_communicators", _FakeUbTable(ub_fp8)))
+            stack.enter_context(mock.patch.object(te_base, "_ub_initialized", True))
+        clear_system_info()
+        yield
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence the warnings every TE trace emits on torch 2.14 (Dynamo tracing through TE's
+    ``functools.lru_cache``-wrapped ``_nvtx_enabled``; TE's ComplexHalf ``None`` sentinel)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
+        warnings.filterwarnings("ignore", message=r"ComplexHalf support is experimental")
+        yield
+
+
+@contextlib.contextmanager
+def constructing() -> Iterator[None]:
+    """``torch.cuda.is_available()`` answers ``True`` inside (TE's modules check it when built on ``cuda``)."""
+    with mock.patch.object(torch.cuda, "is_available", lambda: True):
+        yield
+
+
+def make_recipe(precision: str):
+    """The TE recipe of a precision: ``None`` (bf16), ``Float8CurrentScaling()`` (fp8-cs) or
+    ``MXFP8BlockScaling()`` (mxfp8), from ``transformer_engine.common.recipe`` (TE 2.20.2).
+
+    Raises:
+        CaptureError: unknown precision.
+    """
+    if precision == "bf16":
+        return None
+    from transformer_engine.common import recipe as te_recipe
+
+    if precision == "fp8-cs":
+        return te_recipe.Float8CurrentScaling()
+    if precision == "mxfp8":
+        return te_recipe.MXFP8BlockScaling()
+    raise CaptureError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
