@@ -134,6 +134,12 @@ def test_transformer_layer_te_fused_one_graph_and_numerics(mode):
     ref_fn = layer_fn(ref)
     gen = torch.Generator(device="cuda").manual_seed(11)
     torch._dynamo.reset()
+    # TE's eager reference torch.compiles its own fused helpers on first use (jit.py
+    # ``lazy_compile``, TE 2.20.2's ``jit_fuser``): warm it up outside the watch.
+    w = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref_fn(w).backward(torch.randn_like(w))
+    for p in ref.parameters():
+        p.grad = None
     with CompileWatch() as watch:
         for step in range(3):
             x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
