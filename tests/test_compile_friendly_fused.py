@@ -108,3 +108,67 @@ def test_fused_call_refusals():
         q32 = torch.empty(8, 2, 4, 16, device="cuda")
         with pytest.raises(cf.CompileFriendlyError, match="q is torch.float32 on cuda"):
             dpa(q32, q32, q32)
+
+
+# ------------------------------------------------------------------- attention="auto"
+def test_auto_picks_the_fused_op_for_a_transformer_layer():
+    graphs, records, breaks, _ = _capture("bf16", lambda: _layer("cuda"), (16, 2, 64), attention="auto")
+    core = records[2]
+    assert core.action == "rewritten" and core.detail.startswith("auto: TE fused attention op"), core
+    assert len(graphs) == 1 and breaks == {}
+    assert _targets(graphs[0]).count("transformer_engine_compile.fused_attn") == 1
+
+
+@pytest.mark.parametrize("build,expect", [
+    (lambda: te.DotProductAttention(4, 12), "head dim k=12: cuDNN's fused attention takes multiples of 8"),
+    (lambda: te.DotProductAttention(2, 512), "head dim k=512"),
+])
+def test_auto_falls_back_to_sdpa_where_the_fused_op_does_not_fit(build, expect):
+    with _cpu_te():
+        mod = build()
+        holder = torch.nn.Sequential(mod)
+        cf.compile_friendly(holder, attention="auto")
+    (rec,) = cf.rewrite_records(holder)
+    assert rec.action == "rewritten" and rec.detail.startswith("scaled_dot_product_attention"), rec
+    assert f"(te_fused not used: {expect}" in rec.detail, rec
+    assert "_te_passes_attention_auto" not in mod.__dict__
+
+
+def test_auto_switched_off_op_uses_sdpa(monkeypatch):
+    monkeypatch.setenv("TE_PASSES_FUSED_ATTN", "off")
+    with _cpu_te():
+        holder = torch.nn.Sequential(te.DotProductAttention(4, 16))
+        cf.compile_friendly(holder, attention="auto", strict=True)
+    (rec,) = cf.rewrite_records(holder)
+    assert rec.action == "rewritten" and "te_fused not used: TE fused-attention op unavailable: switched off" \
+        in rec.detail, rec
+
+
+def test_auto_refuses_with_both_reasons_when_neither_path_fits():
+    with _cpu_te():
+        mod = te.DotProductAttention(4, 16, attention_dropout=0.1)
+        holder = torch.nn.Sequential(mod)
+        cf.compile_friendly(holder, attention="auto")
+    (rec,) = cf.rewrite_records(holder)
+    assert rec.action == "refused" and rec.reason.startswith("te_fused: ") and "; sdpa: " in rec.reason, rec
+    assert not cf.is_rewritten(mod)
+
+
+def test_auto_call_with_fp32_qkv_goes_through_sdpa_and_restore_drops_the_flag():
+    """A call the fused op cannot take (fp32 q/k/v) falls back to SDPA under "auto" (under
+    "te_fused" it raises, test_fused_call_refusals): same numbers as the SDPA rewrite."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_passes.testing.capture import fake_gpu
+
+    with _cpu_te():
+        dpa, ref = te.DotProductAttention(4, 16), te.DotProductAttention(4, 16)
+        cf.compile_friendly(torch.nn.Sequential(dpa), attention="auto")
+        cf.compile_friendly(torch.nn.Sequential(ref), attention="sdpa")
+    with fake_gpu("bf16"), FakeTensorMode(allow_non_fake_inputs=True):
+        q32 = torch.empty(8, 2, 4, 16, device="cuda")
+        out, want = dpa(q32, q32, q32), ref(q32, q32, q32)
+    assert out.shape == want.shape == (8, 2, 64) and out.dtype == want.dtype == torch.float32
+    q = torch.randn(8, 2, 4, 16)  # CPU fp32: SDPA numerics against the SDPA rewrite
+    torch.testing.assert_close(dpa(q, q, q), ref(q, q, q))
+    assert cf.restore(torch.nn.Sequential(dpa)) == ["0"] and "_te_passes_attention_auto" not in dpa.__dict__

@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from te_passes.rewrite.fused_attention import _rewrite_fused_attention, fused_attention_problem
+from te_passes.rewrite.fused_attention import (AUTO_ATTR, _rewrite_fused_attention, auto_attention_problem,
+                                               fused_attention_problem)
 from te_passes.rewrite.module_state import (  # noqa: F401 - is_rewritten: public, re-exported
     _STATE_ATTR, CompileFriendlyError, _te, is_rewritten)
 from te_passes.rewrite.refusals import (attention_problem, layernorm_linear_problem, layernorm_mlp_problem,
@@ -53,7 +54,7 @@ from te_passes.rewrite.rewriters import (_rewrite_attention, _rewrite_layernorm_
                                          _rewrite_multihead_attention)
 from te_passes.te.version import is_supported, te_version
 
-ATTENTION_CHOICES: tuple[str, ...] = ("sdpa", "te_fused", "keep")
+ATTENTION_CHOICES: tuple[str, ...] = ("sdpa", "te_fused", "auto", "keep")
 
 #: Model attribute holding the records of the last :func:`compile_friendly` call.
 RECORDS_ATTR = "te_passes_rewrites"
@@ -102,9 +103,24 @@ def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, s
             elif attention == "te_fused":
                 plan.append((name, mod, "DotProductAttention", fused_attention_problem(mod),
                              _rewrite_fused_attention))
+            elif attention == "auto":
+                plan.append((name, mod, "DotProductAttention", *_auto_choice(mod)))
             else:
                 plan.append((name, mod, "DotProductAttention", attention_problem(mod), _rewrite_attention))
     return plan
+
+
+def _auto_choice(mod: Any) -> tuple[str | None, Callable]:
+    """``attention="auto"``: TE's fused attention op when :func:`auto_attention_problem` finds
+    nothing against it (measured faster than SDPA on the H200, docs/benchmarks.md), else SDPA
+    (the record says why the fused op was not used), else refused with both reasons."""
+    fused = auto_attention_problem(mod)
+    if fused is None:
+        return None, lambda m: _rewrite_fused_attention(m, auto=True)
+    sdpa = attention_problem(mod)
+    if sdpa is None:
+        return None, lambda m: f"{_rewrite_attention(m)} (te_fused not used: {fused})"
+    return f"te_fused: {fused}; sdpa: {sdpa}", _rewrite_attention
 
 
 def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict: bool = False) -> torch.nn.Module:
@@ -119,7 +135,9 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
             ``"keep"`` — leave ``DotProductAttention`` as TE wrote it; ``"te_fused"`` — TE's
             fused (cuDNN) attention as the ``transformer_engine_compile::fused_attn`` custom op
             (registered on first use, TE 2.20.x only; when it is unavailable every
-            ``DotProductAttention`` is refused with the reason).
+            ``DotProductAttention`` is refused with the reason); ``"auto"`` — ``"te_fused"``
+            where its checks and cuDNN's head-dim range allow it, per call falling back to SDPA
+            for q/k/v that are not bf16/fp16 on CUDA; else ``"sdpa"`` (the record says why).
         strict: raise :class:`CompileFriendlyError` listing every refused module, before
             changing any, instead of leaving refused modules as they are.
 
@@ -159,6 +177,7 @@ def restore(model: torch.nn.Module) -> list[str]:
     out = []
     for name, mod in model.named_modules():
         st = mod.__dict__.pop(_STATE_ATTR, None)
+        mod.__dict__.pop(AUTO_ATTR, None)
         if st is not None:
             mod.__class__ = st.original_cls
             out.append(name)

@@ -22,6 +22,7 @@ import torch
 
 from te_passes.rewrite.module_state import _STATE_ATTR, CompileFriendlyError, _State
 from te_passes.rewrite.refusals import _check_sdpa_call, attention_problem
+from te_passes.rewrite.rewriters import _classes
 from te_passes.runtime.fused_attn_op import FusedAttentionOpUnavailable, fused_attention_op
 
 PATH = "te_fused"
@@ -46,6 +47,28 @@ def fused_attention_problem(mod: Any) -> str | None:
         fused_attention_op()
     except FusedAttentionOpUnavailable as e:
         return str(e)
+    return None
+
+
+#: cuDNN's fused attention (F16_arbitrary_seqlen) head dims: multiples of 8 up to 256 (TE 2.20.2
+#: ``get_attention_backend``'s checks for sm80+; cuDNN 9 frontend).
+CUDNN_MAX_HEAD_DIM = 256
+
+
+def auto_attention_problem(mod: Any) -> str | None:
+    """What keeps ``attention="auto"`` from choosing the fused op for ``mod``, or ``None``:
+    :func:`fused_attention_problem`, or head dims outside cuDNN's range (a multiple of 8 up to
+    :data:`CUDNN_MAX_HEAD_DIM`; TE's own backend selection would not pick FusedAttention), or a
+    GPU older than sm80 (checked only when CUDA is available)."""
+    p = fused_attention_problem(mod)
+    if p:
+        return p
+    for what in ("k", "v"):
+        d = getattr(mod, f"hidden_size_per_attention_head_{what}", None)
+        if not isinstance(d, int) or d % 8 or d > CUDNN_MAX_HEAD_DIM:
+            return f"head dim {what}={d}: cuDNN's fused attention takes multiples of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        return f"GPU compute capability {torch.cuda.get_device_capability()} < (8, 0)"
     return None
 
 
@@ -101,6 +124,10 @@ def _fused_class() -> type:
                                             fmt, qkv_interleave_dim, kwargs.get("inference_params"))
             for name, t in (("q", q), ("k", k), ("v", v)):
                 if t.dtype not in (torch.bfloat16, torch.float16) or t.device.type != "cuda":
+                    if self.__dict__.get(AUTO_ATTR):  # attention="auto": this call goes through SDPA
+                        return _sdpa_forward()(self, query_layer, key_layer, value_layer, attention_mask,
+                                               qkv_format, attn_mask_type, qkv_layer, kv_layer,
+                                               qkv_interleave_dim, **kwargs)
                     raise CompileFriendlyError(f"{where}: {name} is {t.dtype} on {t.device}; the fused op "
                                                "runs TE's bf16/fp16 cuDNN kernels on CUDA")
             q, k, v = (t.contiguous() for t in (q, k, v))
@@ -130,8 +157,18 @@ def _fused_class() -> type:
 _CLASS: list[type] = []
 
 
-def _rewrite_fused_attention(mod: Any) -> str:
+#: Module attribute set by ``attention="auto"``: calls the fused op cannot take go through SDPA.
+AUTO_ATTR = "_te_passes_attention_auto"
+
+
+def _sdpa_forward() -> Any:
+    return _classes()["DotProductAttention"].forward
+
+
+def _rewrite_fused_attention(mod: Any, auto: bool = False) -> str:
     mod.__dict__[_STATE_ATTR] = _State(type(mod))
     mod.__class__ = _fused_class()
-    return (f"TE fused attention op transformer_engine_compile::fused_attn ({mod.attn_mask_type}, "
-            f"{mod.qkv_format}, scale {mod.softmax_scale:.4g})")
+    if auto:
+        mod.__dict__[AUTO_ATTR] = True
+    return (("auto: " if auto else "") + "TE fused attention op transformer_engine_compile::fused_attn "
+            f"({mod.attn_mask_type}, {mod.qkv_format}, scale {mod.softmax_scale:.4g})")
