@@ -255,18 +255,25 @@ def _layer_recompiles(precision, layers, prepare, calls=3):
             with te.autocast(enabled=fp8, recipe=recipe):
                 return model(x)
 
-        fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
-        seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
-        per_call = []
-        for _ in range(calls):
-            with mode, _constructing():
-                x = torch.randn(16, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-            with mode:
-                fn(x)
-            new = [m for m in torch._dynamo.utils.get_compilation_metrics() if id(m) not in seen]
-            seen |= {id(m) for m in new}
-            per_call.append([f"{m.co_name}: {m.recompile_reason}" for m in new if m.recompile_reason])
+        per_call = _recompiles_per_call(step, mode, (16, 2, 64), calls)
     return per_call[0], [r for c in per_call[1:] for r in c]
+
+
+def _recompiles_per_call(step, mode, shape, calls):
+    """Compile ``step`` with a pass-through backend and call it ``calls`` times on fresh fake
+    CUDA inputs of ``shape``; per call, the ``"<frame>: <recompile reason>"`` of its new compiles."""
+    fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
+    seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+    per_call = []
+    for _ in range(calls):
+        with mode, _constructing():
+            x = torch.randn(*shape, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        with mode:
+            fn(x)
+        new = [m for m in torch._dynamo.utils.get_compilation_metrics() if id(m) not in seen]
+        seen |= {id(m) for m in new}
+        per_call.append([f"{m.co_name}: {m.recompile_reason}" for m in new if m.recompile_reason])
+    return per_call
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
@@ -313,15 +320,7 @@ def test_stack4_fp8_recompile_of_h200_and_what_removes_it(setup, expect):
             with te.autocast(enabled=True, recipe=recipe):
                 return model(x)
 
-        fn = torch.compile(fwd_fp8, backend=lambda gm, ex: gm.forward, dynamic=False)
-        seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
-        for _ in range(3):
-            with mode, _constructing():
-                x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-            with mode:
-                fn(x)
-        reasons = [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
-                   if id(m) not in seen and m.recompile_reason]
+        reasons = [r for c in _recompiles_per_call(fwd_fp8, mode, (32, 64), 3) for r in c]
     if expect is None:
         assert reasons == [], reasons
     else:
