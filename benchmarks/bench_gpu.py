@@ -242,6 +242,8 @@ def _measure(variant: str, tokens: int, precision: str, ref_model, x, dy, ref_ou
             row.cudagraph_records += [{"graph": lr.name, "event": "stats", "count": 0, **lr.stats,
                                        "replay_host_us_per_call": (lr.stats["replay_host_ns"] / 1e3 / lr.stats["replay"]
                                                                    if lr.stats["replay"] else None),
+                                       "launch_host_us_per_call": (lr.stats["launch_host_ns"] / 1e3 / lr.stats["replay"]
+                                                                   if lr.stats["replay"] else None),
                                        "held_mib": lr.held_bytes / 2**20} for lr in mine]
             if mine:
                 row.lean_saved_mib = sum(lr.held_bytes for lr in mine if lr.name.endswith(".fwd")) / 2**20

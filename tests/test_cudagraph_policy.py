@@ -189,7 +189,7 @@ def test_steady_state_replays_bit_identical_to_eager(engine):
     assert pair.f.captured and pair.b.captured
     assert {k: v for k, v in pair.f.stats.items() if k != "replay_host_ns"} == \
         {"warmup": 1, "capture": 1, "replay": 5, "eager": 0, "copies": 4}
-    assert pair.f.stats["replay_host_ns"] > 0
+    assert pair.f.stats["replay_host_ns"] >= pair.f.stats["launch_host_ns"] > 0
     assert pair.b.stats["eager"] == 0 and pair.b.stats["replay"] == 5
     assert engine.pools == 1, "the backward must join its forward's pool"
     assert pair.b.pool is pair.f.pool and pair.f.pool.members == [pair.f, pair.b]

@@ -93,7 +93,8 @@ class LeanCUDAGraph(ReplayHazards):
             without a CUDA graph for good (recorded).
 
     ``stats`` counts ``warmup``, ``capture``, ``replay``, ``eager`` (calls run without the CUDA
-    graph) and ``copies`` (non-static inputs copied); ``replay_host_ns`` sums the host time of the
+    graph) and ``copies`` (non-static inputs copied); ``launch_host_ns`` sums the host time of the
+    replay launches alone (``CUDAGraph.replay``); ``replay_host_ns`` sums the host time of the
     calls that took the replay path (checks, copies, the replay launch, building the outputs;
     nanoseconds, ``time.perf_counter_ns``; a call that fell back from there includes running the
     compiled graph). Per-reason counts of the fallbacks are the records' ``count``.
@@ -137,7 +138,8 @@ class LeanCUDAGraph(ReplayHazards):
         self._consumed: set[int] = set()     # outputs a backward read (SAVED_BY_DATAFLOW)
         self._recent: list[int] = []
         self._self_ref = weakref.ref(self)
-        self.stats = {"warmup": 0, "capture": 0, "replay": 0, "eager": 0, "copies": 0, "replay_host_ns": 0}
+        self.stats = {"warmup": 0, "capture": 0, "replay": 0, "eager": 0, "copies": 0, "replay_host_ns": 0,
+                      "launch_host_ns": 0}
         RUNNERS.add(self)
 
     # -------------------------------------------------------------------------- helpers
@@ -393,7 +395,9 @@ class LeanCUDAGraph(ReplayHazards):
                     dst.copy_(src)
                 self.stats["copies"] += 1
         inputs.clear()
+        t0 = now_ns()
         self._engine.replay(self._graph)
+        self.stats["launch_host_ns"] += now_ns() - t0
         self.stats["replay"] += 1
         self._last_replay_seq = next(SEQ)
         return emit(self._plan)
