@@ -245,6 +245,10 @@ def test_replay_reproduces_the_report(fp8_dump, tmp_path):
     one = run_cli("replay", str(d / "g0" / "post_grad_fwd" / "input.tegraph"), "--check", cwd=str(tmp_path))
     assert one.returncode == 0, one.stderr[-2000:]
     assert "reproduces the saved report" in one.stdout
+    # a stage directory is that stage's graph file: the other saved stages are not "missing"
+    stage = run_cli("replay", str(d / "g0" / "dynamo"), "--check", cwd=str(tmp_path))
+    assert stage.returncode == 0, stage.stdout[-2000:] + stage.stderr[-2000:]
+    assert "reproduces the saved report" in stage.stdout and "no replayable graph file" not in stage.stdout
 
 
 def test_replay_check_fails_when_the_passes_differ(fp8_dump, tmp_path):
