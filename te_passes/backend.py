@@ -32,6 +32,7 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 from te_passes._logging import get_logger
 from te_passes.config import TePassesOptionError, TePassesOptions
 from te_passes.debug.dump import DumpWriter, tracing_enabled
+from te_passes.debug.dump_files import DumpDirError
 from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import Compilation, pipeline_uuid, post_grad_stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
@@ -251,7 +252,11 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     observers = []
     if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
         source = "option" if options and options.get("te_passes.dump_dir") is not None else "env"
-        observers.append(DumpWriter.for_backend(opts.dump_dir, source))  # DIR/<session>/ unless te-passes dump owns DIR
+        try:
+            observers.append(DumpWriter.for_backend(opts.dump_dir, source))  # DIR/<session>/ unless te-passes dump owns DIR
+        except DumpDirError as e:  # an option we cannot honour: refused, named, unwrapped
+            where = "option te_passes.dump_dir" if source == "option" else "environment variable TE_PASSES_DUMP_DIR"
+            raise TePassesOptionError(f"{where}: {e}") from None
     manager = PassManager(configured_passes(opts.pass_config), observers=observers)
     report = new_compile_report(mode)
     report.uuid = pipeline_uuid(manager, opts, te_state)

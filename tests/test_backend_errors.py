@@ -148,3 +148,21 @@ def test_bad_ub_snapshot_is_an_option_error(value, match):
     assert not isinstance(ei.value, BackendCompilerFailed)
     # a loadable snapshot is accepted
     te_passes.te_inductor_backend(options={"te_passes.ub_snapshot": {"initialized": False}})
+
+
+@pytest.mark.parametrize("via", ["option", "env"])
+def test_unwritable_dump_dir_is_an_option_error(via, tmp_path, monkeypatch):
+    """A dump directory that cannot be created is refused naming the option (or variable) and
+    why, as TePassesOptionError at the first call (not BackendCompilerFailed(DumpDirError))."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    opts = {}
+    if via == "option":
+        opts = {"te_passes.dump_dir": str(afile / "sub")}
+    else:
+        monkeypatch.setenv("TE_PASSES_DUMP_DIR", str(afile / "sub"))
+    f = torch.compile(lambda x: x * 3, backend="te_inductor", options=opts)
+    where = "option te_passes.dump_dir" if via == "option" else "environment variable TE_PASSES_DUMP_DIR"
+    with pytest.raises(te_passes.TePassesOptionError, match=f"{where}: dump directory .*afile/sub is not writable") as ei:
+        f(torch.ones(2))
+    assert not isinstance(ei.value, BackendCompilerFailed)
