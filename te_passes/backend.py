@@ -32,6 +32,7 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 from te_passes._logging import get_logger
 from te_passes.config import TePassesOptionError, TePassesOptions
 from te_passes.debug.dump import DumpWriter, tracing_enabled
+from te_passes.debug.dump_files import DumpDirError
 from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import Compilation, pipeline_uuid, post_grad_stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
@@ -46,7 +47,7 @@ from te_passes.runtime.ub_graph_guard import (raise_ub_mismatches, ub_dependence
                                               wrap_with_te_state_guard)
 from te_passes.te.capture_state import te_capture_state
 from te_passes.te.state import TEState
-from te_passes.te.ub import UbConfigError
+from te_passes.te.ub import UbConfigError, UbSnapshot
 
 log = get_logger()
 
@@ -140,6 +141,22 @@ def _documented_errors() -> tuple[type, ...]:
     return (TePassesOptionError, TePassError, UbConfigError)
 
 
+def _ub_snapshot_option(opts: TePassesOptions) -> UbSnapshot | None:
+    """``te_passes.ub_snapshot`` loaded (``UbSnapshot.load``: a ``UbSnapshot``, dict or JSON file
+    path), or ``None`` when not given (fold against TE's live registry).
+
+    Raises:
+        te_passes.config.TePassesOptionError: the value is none of those, the file cannot be
+            read, or its content is not a UB snapshot (the message names the option and why).
+    """
+    if opts.ub_snapshot is None:
+        return None
+    try:
+        return UbSnapshot.load(opts.ub_snapshot)
+    except (TypeError, UbConfigError) as e:
+        raise TePassesOptionError(f"option te_passes.ub_snapshot: {e}") from None
+
+
 def _warn_capture_state(where: str) -> bool:
     """Warn (te_passes logger and ``warnings.warn``) when TE is in CUDA-graph-capture state
     (:func:`te_passes.te.capture_state.te_capture_state`): Dynamo then cannot trace TE modules
@@ -167,7 +184,8 @@ def te_inductor_backend(*, mode: str | None = None, options: dict[str, Any] | No
 
     Raises:
         te_passes.config.TePassesOptionError: a ``te_passes.*`` key/value, a pass_config value,
-            a pass name, or an Inductor configuration te_inductor refuses.
+            a pass name, a ``te_passes.ub_snapshot`` that cannot be loaded, or an Inductor
+            configuration te_inductor refuses.
         RuntimeError: unknown mode or Inductor option (Inductor's message).
     """
     import functools
@@ -175,6 +193,7 @@ def te_inductor_backend(*, mode: str | None = None, options: dict[str, Any] | No
     opts, inductor_options = TePassesOptions.parse(options, known_passes=set(pass_names()),
                                                    aliases=PASS_ALIASES)
     configured_passes(opts.pass_config)
+    _ub_snapshot_option(opts)
     _refuse_unsupported(_inductor_config_patches(mode, inductor_options))
     return functools.partial(te_inductor, mode=mode, options=options)
 
@@ -228,12 +247,16 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     config_patches = _inductor_config_patches(mode, inductor_options)
     _refuse_unsupported(config_patches)
     _warn_capture_state("te_inductor")
-    te_state = TEState.capture(ub_snapshot=opts.ub_snapshot)
+    te_state = TEState.capture(ub_snapshot=_ub_snapshot_option(opts))
 
     observers = []
     if opts.dump_dir or tracing_enabled():  # TORCH_TRACE alone: tlparse artifacts, no directory
         source = "option" if options and options.get("te_passes.dump_dir") is not None else "env"
-        observers.append(DumpWriter.for_backend(opts.dump_dir, source))  # DIR/<session>/ unless te-passes dump owns DIR
+        try:
+            observers.append(DumpWriter.for_backend(opts.dump_dir, source))  # DIR/<session>/ unless te-passes dump owns DIR
+        except DumpDirError as e:  # an option we cannot honour: refused, named, unwrapped
+            where = "option te_passes.dump_dir" if source == "option" else "environment variable TE_PASSES_DUMP_DIR"
+            raise TePassesOptionError(f"{where}: {e}") from None
     manager = PassManager(configured_passes(opts.pass_config), observers=observers)
     report = new_compile_report(mode)
     report.uuid = pipeline_uuid(manager, opts, te_state)

@@ -129,3 +129,40 @@ def test_warning_when_te_is_left_in_graph_capture_state(caplog):
     finally:
         qs.fp8_graph_capturing = old
     assert te_capture_state() == []
+
+
+@pytest.mark.parametrize("value, match", [
+    (42, r"option te_passes.ub_snapshot: te_passes.ub_snapshot must be a UbSnapshot, dict or JSON path, got int"),
+    ("/nonexistent/ub.json", r"option te_passes.ub_snapshot: cannot read UB snapshot '/nonexistent/ub.json'"),
+    ({"bogus": 1}, r"option te_passes.ub_snapshot: UB snapshot has unknown keys \['bogus'\]"),
+])
+def test_bad_ub_snapshot_is_an_option_error(value, match):
+    """A te_passes.ub_snapshot that cannot be loaded is refused as an option: by
+    te_inductor_backend at construction, and unwrapped (not BackendCompilerFailed) at the first
+    call of torch.compile(backend="te_inductor")."""
+    with pytest.raises(te_passes.TePassesOptionError, match=match):
+        te_passes.te_inductor_backend(options={"te_passes.ub_snapshot": value})
+    f = torch.compile(lambda x: x + 1, backend="te_inductor", options={"te_passes.ub_snapshot": value})
+    with pytest.raises(te_passes.TePassesOptionError, match=match) as ei:
+        f(torch.ones(2))
+    assert not isinstance(ei.value, BackendCompilerFailed)
+    # a loadable snapshot is accepted
+    te_passes.te_inductor_backend(options={"te_passes.ub_snapshot": {"initialized": False}})
+
+
+@pytest.mark.parametrize("via", ["option", "env"])
+def test_unwritable_dump_dir_is_an_option_error(via, tmp_path, monkeypatch):
+    """A dump directory that cannot be created is refused naming the option (or variable) and
+    why, as TePassesOptionError at the first call (not BackendCompilerFailed(DumpDirError))."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    opts = {}
+    if via == "option":
+        opts = {"te_passes.dump_dir": str(afile / "sub")}
+    else:
+        monkeypatch.setenv("TE_PASSES_DUMP_DIR", str(afile / "sub"))
+    f = torch.compile(lambda x: x * 3, backend="te_inductor", options=opts)
+    where = "option te_passes.dump_dir" if via == "option" else "environment variable TE_PASSES_DUMP_DIR"
+    with pytest.raises(te_passes.TePassesOptionError, match=f"{where}: dump directory .*afile/sub is not writable") as ei:
+        f(torch.ones(2))
+    assert not isinstance(ei.value, BackendCompilerFailed)

@@ -245,6 +245,10 @@ def test_replay_reproduces_the_report(fp8_dump, tmp_path):
     one = run_cli("replay", str(d / "g0" / "post_grad_fwd" / "input.tegraph"), "--check", cwd=str(tmp_path))
     assert one.returncode == 0, one.stderr[-2000:]
     assert "reproduces the saved report" in one.stdout
+    # a stage directory is that stage's graph file: the other saved stages are not "missing"
+    stage = run_cli("replay", str(d / "g0" / "dynamo"), "--check", cwd=str(tmp_path))
+    assert stage.returncode == 0, stage.stdout[-2000:] + stage.stderr[-2000:]
+    assert "reproduces the saved report" in stage.stdout and "no replayable graph file" not in stage.stdout
 
 
 def test_replay_check_fails_when_the_passes_differ(fp8_dump, tmp_path):
@@ -347,7 +351,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize("case", ["missing_file", "raises", "compiles_nothing", "unknown_pass", "unknown_pass_env",
                                   "out_is_a_file", "out_under_a_file", "unknown_example", "replay_missing",
-                                  "replay_not_a_graph", "show_missing", "file_with_mode"])
+                                  "replay_not_a_graph", "show_missing", "show_pass_name", "file_with_mode"])
 def test_bad_input_gets_one_clear_line(case, tmp_path):
     (tmp_path / "raises.py").write_text("def main():\n    raise ValueError('boom: bad config')\n")
     (tmp_path / "nothing.py").write_text("import torch\n\ndef main():\n    return torch.ones(2) + 1\n")
@@ -369,6 +373,8 @@ def test_bad_input_gets_one_clear_line(case, tmp_path):
         "replay_missing": (["replay", "nothing/here"], {}, 2, "no such graph file or dump directory"),
         "replay_not_a_graph": (["replay", "junk.tegraph"], {}, 2, "is not a te_passes graph file"),
         "show_missing": (["show", "nowhere"], {}, 2, "no te_passes dump at nowhere"),
+        "show_pass_name": (["show", "fold_ub_predicates"], {}, 2,
+                           "fold_ub_predicates is a pass name: te-passes show takes a dump directory"),
         "file_with_mode": (["dump", "nothing.py", "--mode", "reduce-overhead"], {}, 2,
                            "--mode/--precision apply to module:function targets"),
     }[case]

@@ -237,6 +237,10 @@ def test_strict_changes_nothing_and_keep_and_te_fused():
         cf.compile_friendly(layer, attention="keep")
     with pytest.raises(ValueError, match="attention must be one of"):
         cf.compile_friendly(layer, attention="flash")
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        cf.compile_friendly(layer, strict="no")  # truthy: refused, not read as True
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        cf.compile_friendly("layer")
     # rewriting twice refuses the already rewritten modules
     with _cpu_te():
         cf.compile_friendly(layer)

@@ -107,8 +107,13 @@ def test_prepare_refusals():
         lin = te.Linear(64, 64, params_dtype=torch.float32, device="cuda")
         with pytest.raises(ValueError, match="fp8=True needs the recipe"):
             prepare_te_state(lin, None, fp8=True)
-        with pytest.raises(TypeError, match="Data types for parameters must match"):
+        with pytest.raises(TypeError, match=r"prepare_te_state: <model> \(Linear\) with dtype=torch.bfloat16: "
+                                            "Data types for parameters must match"):
             prepare_te_state(lin, None, fp8=False, dtype=torch.bfloat16)
+        with pytest.raises(TypeError, match="dtype must be a torch.dtype .*got 'bf16'"):
+            prepare_te_state(lin, None, fp8=False, dtype="bf16")
+        with pytest.raises(TypeError, match="fp8 must be a bool .*got 'no'"):
+            prepare_te_state(lin, None, fp8="no")
     with pytest.raises(TypeError, match="expected a transformer_engine.common.recipe.Recipe"):
         prime_recipe("Float8CurrentScaling")
 

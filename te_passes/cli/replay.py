@@ -36,7 +36,10 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     payload = []
     for report, saved in results:
         rj = report.to_json()
-        diffs = compare_reports(rj, saved, require_all=os.path.isdir(args.path)) if saved is not None else None
+        # a dump or graph directory replays every saved stage; a stage directory (g0/dynamo, holding
+        # input.tegraph) or one .tegraph file only its own
+        whole = os.path.isdir(args.path) and not os.path.isfile(os.path.join(args.path, "input.tegraph"))
+        diffs = compare_reports(rj, saved, require_all=whole) if saved is not None else None
         versions = version_differences(getattr(report, "saved_versions", None))
         payload.append({"report": rj, "differences": diffs, "versions": versions})
         if versions is not None:

@@ -164,7 +164,14 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
     path = _newest_session(args.dir, out, "showing", to_stderr=args.json)
     rp = os.path.join(path, "report.json") if os.path.isdir(path) else path
     if not os.path.isfile(rp):
-        raise CliError(f"no te_passes dump at {path} (no report.json); create one with te-passes dump")
+        hint = ""
+        if not os.path.exists(path):  # `te-passes show fold_ub_predicates`: a pass name, not a dump
+            from te_passes.pipeline.registry import PASS_ALIASES, PASS_REGISTRY
+
+            if path in {n for n, _ in PASS_REGISTRY} | set(PASS_ALIASES):
+                hint = (f"; {path} is a pass name: te-passes show takes a dump directory (te-passes list "
+                        f"describes the passes, docs/passes/{path}.md documents this one)")
+        raise CliError(f"no te_passes dump at {path} (no report.json); create one with te-passes dump{hint}")
     from te_passes.debug.dump_files import DumpFormatError, check_summary, read_json
 
     try:

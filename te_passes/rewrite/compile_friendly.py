@@ -147,14 +147,19 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
 
     Raises:
         ValueError: ``attention`` is not one of :data:`ATTENTION_CHOICES`.
+        TypeError: ``model`` is not a ``torch.nn.Module`` or ``strict`` is not a bool.
         CompileFriendlyError: ``strict=True`` and a module was refused.
         ImportError: Transformer Engine is not importable.
 
     Parameters, buffers, ``state_dict`` keys and values and ``_extra_state`` are unchanged
     (the module objects stay; see :func:`restore`).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"compile_friendly: model must be a torch.nn.Module, got {type(model).__name__}")
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
+    if not isinstance(strict, bool):  # strict="no" is truthy: never guess
+        raise TypeError(f"compile_friendly: strict must be a bool (True or False), got {strict!r}")
     if not is_supported():
         raise CompileFriendlyError(f"compile_friendly mirrors TE 2.20.x module internals; installed TE is "
                                    f"{te_version()}")

@@ -142,12 +142,18 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
 
     Raises:
         ValueError: ``fp8=True`` without a recipe.
-        TypeError: a prepared module's parameters are not ``dtype`` (TE's ``set_activation_dtype``;
-            a model run under ``torch.autocast`` must be prepared inside the same ``torch.autocast``,
-            where TE takes the autocast dtype instead), or ``recipe`` is not a TE ``Recipe``.
+        TypeError: a prepared module's parameters are not ``dtype`` (TE's ``set_activation_dtype``,
+            message prefixed with the module's name; a model run under ``torch.autocast`` must be
+            prepared inside the same ``torch.autocast``, where TE takes the autocast dtype
+            instead), ``recipe`` is not a TE ``Recipe``, ``fp8`` is not a bool or ``dtype`` not a
+            ``torch.dtype``.
     """
     import transformer_engine.pytorch as te
 
+    if not isinstance(fp8, bool):  # fp8="no" is truthy: never guess
+        raise TypeError(f"prepare_te_state: fp8 must be a bool (True or False), got {fp8!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"prepare_te_state: dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     if fp8 and recipe is None:
         raise ValueError("prepare_te_state: fp8=True needs the recipe the compiled function uses")
     done = []
@@ -162,11 +168,15 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
     mods, skipped = te_modules_to_prepare(model)
     with te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else contextlib.nullcontext():
         probe = torch.empty(0, dtype=dtype)
-        for _, m, (num_gemms, allow_mixed) in mods:
+        for name, m, (num_gemms, allow_mixed) in mods:
             _ = m.is_fsdp2
             # what prepare_forward(inp, num_gemms, ...) does before and in its lazy-init calls
             m.fast_setattr("allow_different_data_and_param_types", allow_mixed)
-            m.set_activation_dtype(probe)
+            try:
+                m.set_activation_dtype(probe)
+            except TypeError as e:  # TE: parameters of another dtype than the activations
+                raise TypeError(f"prepare_te_state: {name} ({type(m).__name__}) with dtype={dtype}: "
+                                f"{e} (pass dtype= the dtype the model is called with)") from e
             m.init_fp8_metadata(num_gemms=num_gemms)
     if recipe is not None:  # again: NVTE_DPA_FP8_RECIPE=F16 makes DPA set recipe attributes (clears the repr)
         prime_recipe(recipe)
