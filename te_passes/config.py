@@ -47,15 +47,15 @@ def _as_bool(key: str, value: Any) -> bool:
 
 
 #: Environment spellings of a bool option (``TE_PASSES_STRICT=1``); anything else is refused.
-_ENV_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+ENV_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
               "off": False}
 
 
 def _env_bool(key: str, text: str) -> bool:
     try:
-        return _ENV_BOOLS[text.strip().lower()]
+        return ENV_BOOLS[text.strip().lower()]
     except KeyError:
-        raise TePassesOptionError(f"option {PREFIX}{key} must be a bool (one of {', '.join(_ENV_BOOLS)}), "
+        raise TePassesOptionError(f"option {PREFIX}{key} must be a bool (one of {', '.join(ENV_BOOLS)}), "
                                   f"got {text!r}") from None
 
 

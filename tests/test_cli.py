@@ -647,3 +647,12 @@ def test_stray_graph_whose_own_dump_failed_gets_its_report(tmp_path):
     assert strays == [{"graph_id": "g5", "dump_dir": None, "copied": False, "dump_failed": True}]
     assert read_graph_report(str(tmp_path), "g5")["graph_id"] == "g5"
     assert "writing its dump failed" in elsewhere_warnings({"elsewhere": strays})[0]
+
+
+def test_dump_with_a_bad_te_passes_env_value_is_bad_input_exit_2(tmp_path):
+    """A TE_PASSES_* value the options refuse is bad input (exit 2, docs/cli.md), not a failed target."""
+    proc = run_cli("dump", "--example", "linear-bf16", "--out", "D", cwd=str(tmp_path),
+                   env={"TE_PASSES_STRICT": "maybe"})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-1500:])
+    assert "TePassesOptionError" in proc.stderr and "must be a bool" in proc.stderr
+    assert not (tmp_path / "D").exists()

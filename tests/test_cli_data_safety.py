@@ -129,3 +129,16 @@ def test_out_is_locked_while_a_dump_runs(dump_copy, tmp_path):
         proc = run_cli("replay", "D/g0", "--out", "R", cwd=str(tmp_path))  # reading D is fine
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert snapshot(dump_copy) == before
+
+
+def test_dump_into_a_folder_of_unrelated_files_is_refused(tmp_path):
+    """`--out /` (or any folder of your own files without an earlier dump) is refused before
+    anything is written; a folder holding only graph folders (g0/ notes) stays allowed (above)."""
+    d = tmp_path / "proj"
+    d.mkdir()
+    (d / "train.py").write_text("x\n")
+    (d / "data").mkdir()
+    proc = run_cli("dump", "--example", "linear-bf16", "--out", "proj", cwd=str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "holds 2 entries that are not from a te_passes dump (data, train.py)" in proc.stderr
+    assert sorted(p.name for p in d.iterdir()) == ["data", "train.py"]

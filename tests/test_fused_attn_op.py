@@ -279,3 +279,14 @@ def test_runtime_install_registers_the_family_in_a_fresh_process():
         "['transformer_engine_compile::fused_attn', 'transformer_engine_compile::fused_attn_backward', "
         "'transformer_engine_compile::fused_attn_backward_base', 'transformer_engine_compile::fused_attn_base'] "
         "[None, None]")
+
+
+def test_switch_that_is_not_a_bool_keeps_the_op_unregistered_with_the_reason(monkeypatch):
+    from te_passes.runtime import fused_attn_op as fao
+
+    monkeypatch.setenv(fao.ENV_SWITCH, "maybe")
+    assert "TE_PASSES_FUSED_ATTN='maybe' is not a bool" in fao._switched_off()
+    monkeypatch.setenv(fao.ENV_SWITCH, "On")
+    assert fao._switched_off() is None
+    monkeypatch.setenv(fao.ENV_SWITCH, "no")
+    assert fao._switched_off().startswith("switched off")

@@ -9,11 +9,12 @@ import os
 import traceback
 from typing import Any, Sequence
 
-from te_passes.cli._common import (CLI_CAUSED_WARNINGS, CliError, EXIT_FAIL, EXIT_OK, Out, _check_mode,
-    _check_pass_names, _check_writable_dir)
+from te_passes.cli._common import (CLI_CAUSED_WARNINGS, CliError, EXIT_FAIL, EXIT_OK, EXIT_USAGE, Out,
+    _check_mode, _check_pass_names, _check_writable_dir)
 from te_passes.cli.dumpdir import _staged_out
 from te_passes.cli.targets import _check_target_file, _run_target
 from te_passes.cli.show import _print_summary
+from te_passes.config import TePassesOptionError
 
 
 # --------------------------------------------------------------------------- dump
@@ -81,7 +82,9 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
             except Exception as e:  # noqa: BLE001
                 if args.verbose:
                     traceback.print_exc()
-                raise CliError(f"example {args.example} failed: {type(e).__name__}: {e}", EXIT_FAIL) from e
+                bad_input = isinstance(e, TePassesOptionError)  # an option / TE_PASSES_* value: exit 2
+                raise CliError(f"example {args.example} failed: {type(e).__name__}: {e}",
+                               EXIT_USAGE if bad_input else EXIT_FAIL) from e
             extra.update(compile_path=result.compile_path, note=result.note)
         else:
             extra.update(target=args.target, precision=args.precision,

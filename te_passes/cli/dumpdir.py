@@ -16,6 +16,8 @@ from te_passes.cli._common import CliError
 #: The list of files a dump wrote into its directory (relative paths): the only files a later
 #: dump or ``replay --out`` into the same directory removes.
 MANIFEST = ".te_passes_manifest.json"
+#: Top-level folders a dump writes (``g<N>``): a new dump may go into a folder holding only these.
+_GRAPH_DIR = re.compile(r"g\d+")
 MANIFEST_SCHEMA = "te_passes.dump_manifest/1"
 _STAGE_DIR = r"(?:dynamo|joint|post_grad_fwd|post_grad_bwd)(?:_\d+)?"
 #: Files a dump written before manifests existed holds inside a ``g<N>/`` folder (the layout of
@@ -50,6 +52,12 @@ def _check_old_dump(path: str) -> list[str] | None:
         if clash:
             raise CliError(f"{path} holds {', '.join(clash)} but no te_passes report.json; not overwriting "
                            f"them: choose another --out")
+        foreign = sorted(n for n in os.listdir(path) if not _GRAPH_DIR.fullmatch(n) and not n.startswith("."))
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise CliError(f"{path} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that are not "
+                           f"from a te_passes dump ({shown}); a dump goes into a new or empty folder, or one "
+                           f"holding an earlier te_passes dump: choose another --out")
         return None
     try:
         with open(rp) as f:

@@ -24,13 +24,15 @@ import os
 import threading
 from typing import Any, Callable
 
+from te_passes.config import ENV_BOOLS
 from te_passes.te import version as te_version_mod
 from te_passes.te.fused_attn import make_fakes
 from te_passes.te.op_families import TE_OP_NAMESPACE
 
 #: Family name: the four ops live in ``transformer_engine_compile``.
 OP_NAME = "fused_attn"
-#: Environment switch; ``0`` / ``false`` / ``off`` / ``no`` keep the op unregistered.
+#: Environment switch; ``0`` / ``false`` / ``off`` / ``no`` keep the op unregistered (any other
+#: value but the true spellings too, with that reason).
 ENV_SWITCH = "TE_PASSES_FUSED_ATTN"
 #: ``FusedAttnFwdArgs`` fields that receive gradients, in ``_fused_attn_backward_impl``'s order.
 GRAD_FIELDS: tuple[str, ...] = ("q", "k", "v", "attn_bias", "softmax_offset")
@@ -46,7 +48,10 @@ _state: dict[str, Any] = {"forward_fn": None, "error": None}
 
 def _switched_off() -> str | None:
     v = os.environ.get(ENV_SWITCH, "").strip().lower()
-    if v in ("0", "false", "off", "no"):
+    if v and v not in ENV_BOOLS:
+        return (f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is not a bool (one of {', '.join(ENV_BOOLS)}): "
+                "not registering the op until it is")
+    if v and not ENV_BOOLS[v]:
         return f"switched off ({ENV_SWITCH}={os.environ[ENV_SWITCH]!r})"
     return None
 
