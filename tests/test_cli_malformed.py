@@ -172,3 +172,19 @@ def test_replay_check_without_a_saved_report_is_an_error(small_dump, tmp_path, c
     code, out, err = _run(capsys, "replay", str(d), "--check")
     assert code == 2
     assert "--check: no saved report.json to compare with for g0" in _one_line(err)
+
+
+def test_replay_of_a_directory_looks_only_where_dumps_put_graphs(small_dump, tmp_path, capsys):
+    """`te-passes replay DIR` reads the dump layouts only (debug.offline.DUMP_LAYOUTS), never a
+    search of the whole tree (`replay /usr` used to walk every folder); a stray graph file deeper
+    down is not picked up."""
+    import shutil
+
+    deep = tmp_path / "a" / "b" / "c" / "d"
+    deep.mkdir(parents=True)
+    shutil.copy(small_dump / "g0" / "dynamo" / "input.tegraph", deep / "input.tegraph")
+    code, out, err = _run(capsys, "replay", str(tmp_path / "a"))
+    assert code == 2 and "in a dump's layout" in _one_line(err)
+    shutil.copytree(small_dump, tmp_path / "sessions" / "s1")  # a backend dump dir of sessions
+    code, out, err = _run(capsys, "replay", str(tmp_path / "sessions"), "--check")
+    assert code == 0, err

@@ -112,9 +112,15 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, optio
 
 
 # --------------------------------------------------------------------------- replay
+#: Where a directory's saved graphs are looked for, relative to it: a stage directory, a graph
+#: directory (``g0/``), a dump directory, a backend dump directory of sessions.
+DUMP_LAYOUTS: tuple[str, ...] = ("input.tegraph", "*/input.tegraph", "g*/*/input.tegraph", "*/g*/*/input.tegraph")
+
+
 def find_graph_files(path: str) -> dict[str, list[str]]:
     """``{graph dir: [input.tegraph files in stage order]}`` under ``path`` (a ``.tegraph``
-    file, a graph directory ``g0/`` or a dump directory).
+    file, or a directory in one of the :data:`DUMP_LAYOUTS`: a stage, graph, dump or sessions
+    directory).
 
     Raises:
         ReplayError: ``path`` does not exist or holds no ``.tegraph`` file.
@@ -123,11 +129,11 @@ def find_graph_files(path: str) -> dict[str, list[str]]:
         raise ReplayError(f"no such file or directory: {path}")
     if os.path.isfile(path):
         files = [path]
-    else:
-        files = sorted(glob.glob(os.path.join(path, "**", "*.tegraph"), recursive=True))
+    else:  # the dump layouts only, never a search of the whole tree under path
+        files = sorted({f for pat in DUMP_LAYOUTS for f in glob.glob(os.path.join(path, pat))})
     if not files:
-        raise ReplayError(f"no saved graphs (*.tegraph) under {path}; dump with te-passes dump or "
-                          f"options={{'te_passes.dump_dir': DIR}} first")
+        raise ReplayError(f"no saved graphs (*.tegraph) under {path} in a dump's layout ({', '.join(DUMP_LAYOUTS)}); "
+                          f"dump with te-passes dump or options={{'te_passes.dump_dir': DIR}} first")
     out: dict[str, list[str]] = {}
     for f in files:
         out.setdefault(os.path.dirname(os.path.dirname(os.path.abspath(f))), []).append(f)
