@@ -188,3 +188,9 @@ def test_replay_of_a_directory_looks_only_where_dumps_put_graphs(small_dump, tmp
     shutil.copytree(small_dump, tmp_path / "sessions" / "s1")  # a backend dump dir of sessions
     code, out, err = _run(capsys, "replay", str(tmp_path / "sessions"), "--check")
     assert code == 0, err
+
+
+def test_show_of_a_graph_folder_points_at_the_dump_above_it(small_dump, capsys):
+    code, out, err = _run(capsys, "show", str(small_dump / "g0"))
+    assert code == 2 and "is one graph's report (a graph folder)" in _one_line(err)
+    assert str(small_dump) in _one_line(err)

@@ -229,6 +229,9 @@ def check_schema(path: str, data: Any) -> None:
     if not isinstance(data, dict):
         raise DumpFormatError(f"{path} is not a te_passes dump summary (it holds {_json_type(data)}, not an object)")
     if schema is None:
+        if "graph_id" in data and "stages" in data:  # a graph folder's g<N>/report.json
+            raise DumpFormatError(f"{path} is one graph's report (a graph folder), not a dump summary: show the "
+                                  f"dump directory above it ({os.path.dirname(os.path.dirname(os.path.abspath(path)))})")
         raise DumpFormatError(f"{path} is not a te_passes dump summary (no schema)")
     name, _, version = str(schema).rpartition("/")
     if name == SCHEMA.rpartition("/")[0]:
