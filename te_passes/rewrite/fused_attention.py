@@ -24,6 +24,7 @@ from te_passes.rewrite.module_state import _STATE_ATTR, CompileFriendlyError, _S
 from te_passes.rewrite.refusals import _check_sdpa_call, attention_problem
 from te_passes.rewrite.rewriters import _classes
 from te_passes.runtime.fused_attn_op import FusedAttentionOpUnavailable, fused_attention_op
+from te_passes.te.fused_attn import head_dim_problem
 
 PATH = "te_fused"
 
@@ -50,23 +51,18 @@ def fused_attention_problem(mod: Any) -> str | None:
     return None
 
 
-#: cuDNN's fused attention (F16_arbitrary_seqlen) head dims: multiples of 8 up to 256 (TE 2.20.2
-#: ``get_attention_backend``'s checks for sm80+; cuDNN 9 frontend).
-CUDNN_MAX_HEAD_DIM = 256
-
-
 def auto_attention_problem(mod: Any) -> str | None:
     """What keeps ``attention="auto"`` from choosing the fused op for ``mod``, or ``None``:
     :func:`fused_attention_problem`, or head dims outside cuDNN's range (a multiple of 8 up to
-    :data:`CUDNN_MAX_HEAD_DIM`; TE's own backend selection would not pick FusedAttention), or a
+    :data:`te_passes.te.fused_attn.CUDNN_MAX_HEAD_DIM`; TE's own backend selection would not pick FusedAttention), or a
     GPU older than sm80 (checked only when CUDA is available)."""
     p = fused_attention_problem(mod)
     if p:
         return p
     for what in ("k", "v"):
-        d = getattr(mod, f"hidden_size_per_attention_head_{what}", None)
-        if not isinstance(d, int) or d % 8 or d > CUDNN_MAX_HEAD_DIM:
-            return f"head dim {what}={d}: cuDNN's fused attention takes multiples of 8 up to {CUDNN_MAX_HEAD_DIM}"
+        p = head_dim_problem(getattr(mod, f"hidden_size_per_attention_head_{what}", None))
+        if p:
+            return f"head dim {what}={p}"
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
         return f"GPU compute capability {torch.cuda.get_device_capability()} < (8, 0)"
     return None

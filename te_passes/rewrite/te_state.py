@@ -39,29 +39,7 @@ from typing import Any
 import torch
 
 from te_passes.rewrite.module_state import _state, is_rewritten
-
-
-def _forward_prepare_args(module: Any) -> tuple[int, bool] | None:
-    """``(num_gemms, allow_different_data_and_param_types)`` that ``module``'s TE 2.20.2 forward
-    passes to ``prepare_forward``, or ``None`` for a class not audited here.
-
-    Mirrors: ``module/linear.py:2407`` and ``module/layernorm_linear.py:1726`` (1, False),
-    ``module/layernorm_mlp.py:2320`` (2, False), ``module/grouped_linear.py:2222``
-    (``num_gemms``, False), ``attention/dot_product_attention/dot_product_attention.py:2318``
-    (3, ``softmax_type != "vanilla"``). Exact classes only: a subclass may call it otherwise.
-    """
-    import transformer_engine.pytorch as te
-
-    cls = type(module)
-    if cls in (te.Linear, te.LayerNormLinear):
-        return 1, False
-    if cls is te.LayerNormMLP:
-        return 2, False
-    if cls is te.GroupedLinear:
-        return int(module.num_gemms), False
-    if cls is te.DotProductAttention:
-        return 3, module.softmax_type != "vanilla"
-    return None
+from te_passes.te.module_init import forward_prepare_args
 
 
 def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, tuple[int, bool]]], list[str]]:
@@ -75,7 +53,7 @@ def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, 
     Returns:
         ``(prepared, skipped)``: ``prepared`` = ``(qualified name, module, (num_gemms,
         allow_different_data_and_param_types))``; ``skipped`` = one line per TE module of a
-        class :func:`_forward_prepare_args` does not know (its ``num_gemms`` cannot be guessed:
+        class :func:`te_passes.te.module_init.forward_prepare_args` does not know (its ``num_gemms`` cannot be guessed:
         a wrong one would leave TE with the wrong quantizers, since ``init_fp8_metadata`` does
         not re-run once initialised).
     """
@@ -89,7 +67,7 @@ def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, 
             continue
         if not isinstance(m, TransformerEngineBaseModule):
             continue
-        args = _forward_prepare_args(m)
+        args = forward_prepare_args(m)
         if args is None:
             skipped.append(f"{name or '<model>'} ({type(m).__qualname__}): not an audited TE 2.20.2 class, "
                            "its prepare_forward arguments are unknown; not prepared (may recompile on step 2)")

@@ -154,3 +154,15 @@ def make_fakes() -> tuple[Callable[[Any], tuple], Callable[[Any], tuple]]:
         return (*grads, None, None)
 
     return forward_fake, backward_fake
+
+
+#: cuDNN's fused attention (F16_arbitrary_seqlen) head dims: multiples of 8 up to 256 (TE 2.20.2
+#: ``get_attention_backend``'s checks for sm80+; cuDNN 9 frontend).
+CUDNN_MAX_HEAD_DIM = 256
+
+
+def head_dim_problem(d: Any) -> str | None:
+    """``None`` when ``d`` is a head dim cuDNN's fused attention takes, else ``"<d>: why"``."""
+    if not isinstance(d, int) or d % 8 or d > CUDNN_MAX_HEAD_DIM:
+        return f"{d}: cuDNN's fused attention takes multiples of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    return None

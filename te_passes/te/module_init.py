@@ -1,0 +1,31 @@
+"""What TE 2.20.2 modules' first forward initialises lazily, as tables (TE knowledge for
+:func:`te_passes.rewrite.te_state.prepare_te_state`, which runs that initialisation eagerly so a
+compiled step 2 sees the same state as step 1's trace).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def forward_prepare_args(module: Any) -> tuple[int, bool] | None:
+    """``(num_gemms, allow_different_data_and_param_types)`` that ``module``'s TE 2.20.2 forward
+    passes to ``prepare_forward``, or ``None`` for a class not audited here.
+
+    Mirrors: ``module/linear.py:2407`` and ``module/layernorm_linear.py:1726`` (1, False),
+    ``module/layernorm_mlp.py:2320`` (2, False), ``module/grouped_linear.py:2222``
+    (``num_gemms``, False), ``attention/dot_product_attention/dot_product_attention.py:2318``
+    (3, ``softmax_type != "vanilla"``). Exact classes only: a subclass may call it otherwise.
+    """
+    import transformer_engine.pytorch as te
+
+    cls = type(module)
+    if cls in (te.Linear, te.LayerNormLinear):
+        return 1, False
+    if cls is te.LayerNormMLP:
+        return 2, False
+    if cls is te.GroupedLinear:
+        return int(module.num_gemms), False
+    if cls is te.DotProductAttention:
+        return 3, module.softmax_type != "vanilla"
+    return None
