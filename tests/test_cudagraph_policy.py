@@ -164,6 +164,14 @@ def _w(seed=0, d=8):
     return torch.randn(d, d, generator=torch.Generator().manual_seed(100 + seed)).requires_grad_()
 
 
+def _train(pair, w, steps):
+    """``steps`` plain training steps (``w.grad = None``, forward, backward) on ``_data(0..)``."""
+    for step in range(steps):
+        x, dy = _data(step)
+        w.grad = None
+        pair(x, w).backward(dy)
+
+
 def _ref_step(w0, x, dy):
     w = w0.detach().clone().requires_grad_()
     xx = x.clone().requires_grad_()
@@ -470,10 +478,7 @@ def test_inference_graph_clones_every_output(engine):
 def test_second_forward_before_backward_runs_without_graph_and_stays_correct(engine):
     pair = Pair(engine)
     w = _w()
-    for step in range(3):  # capture first
-        x, dy = _data(step)
-        w.grad = None
-        pair(x, w).backward(dy)
+    _train(pair, w, 3)  # warm-up, capture, replay
     assert pair.f.captured and pair.b.captured
     # pipeline-style: two forwards, then both backwards
     (x1, dy1), (x2, dy2) = _data(10), _data(11)
@@ -530,10 +535,7 @@ def test_gradient_accumulation_over_4_micro_batches_equals_eager(engine):
 def test_grad_kept_by_caller_is_not_overwritten_by_the_next_forward(engine):
     pair = Pair(engine)
     w = _w()
-    for step in range(3):
-        x, dy = _data(step)
-        w.grad = None
-        pair(x, w).backward(dy)
+    _train(pair, w, 3)  # warm-up, capture, replay
     x, dy = _data(20)
     w.grad = None
     pair(x, w).backward(dy)
@@ -549,10 +551,7 @@ def test_grad_kept_by_caller_is_not_overwritten_by_the_next_forward(engine):
 def test_parameter_reassigned_runs_without_graph(engine):
     pair = Pair(engine)
     w = _w()
-    for step in range(3):
-        x, dy = _data(step)
-        w.grad = None
-        pair(x, w).backward(dy)
+    _train(pair, w, 3)  # warm-up, capture, replay
     w2 = _w(1)
     x, dy = _data(30)
     y = pair(x, w2)
