@@ -17,13 +17,14 @@ layout check and wrapper are exercised); the quantizer is TE's real
 from __future__ import annotations
 
 import sys
-import threading
 import types
 
 import pytest
 import torch
 
 from te_passes.testing.capture import capture_skip_reason
+
+from _overlap import b_runs_inside_a  # noqa: E402
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
@@ -103,34 +104,9 @@ def test_concurrent_call_on_another_thread_does_not_strip_the_group(group, stub_
 
     linear, body = stub_impls
     q = _quantizer()
-    a_set, b_done = threading.Event(), threading.Event()
-    seen, errors = [], []
-
-    def fwd(args):
-        if args.who == "a":
-            a_set.set()
-            assert b_done.wait(10)
-            seen.append(holds_process_group(q))
-        return args
-    body["fwd"] = fwd
-
-    def run(who):
-        try:
-            if who == "b":
-                assert a_set.wait(10)
-            linear._linear_forward_impl(types.SimpleNamespace(input_quantizer=q, tp_group=group, who=who))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-        finally:
-            if who == "b":
-                b_done.set()
-    threads = [threading.Thread(target=run, args=(w,)) for w in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert not errors, errors
-    assert seen == [True], "thread b's release stripped the group from thread a's running call"
+    seen = b_runs_inside_a(body, lambda who: linear._linear_forward_impl(
+        types.SimpleNamespace(input_quantizer=q, tp_group=group, who=who)), lambda: holds_process_group(q))
+    assert seen is True, "thread b's release stripped the group from thread a's running call"
     assert not holds_process_group(q)
 
 

@@ -18,7 +18,6 @@ Inductor (``compile_fx`` stands in: no GPU to compile for) and by Dynamo's guard
 
 from __future__ import annotations
 
-import threading
 import types
 from unittest import mock
 
@@ -27,6 +26,8 @@ import torch
 
 from te_passes.runtime import quantizer_usage
 from te_passes.testing.capture import capture_skip_reason
+
+from _overlap import b_runs_inside_a  # noqa: E402
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
@@ -331,34 +332,9 @@ def test_concurrent_call_on_another_thread_does_not_restore_under_it(stub_impls)
     linear, body = stub_impls
     q = _quantizer()
     q.set_usage(rowwise=False, columnwise=True)
-    a_set, b_done = threading.Event(), threading.Event()
-    seen, errors = [], []
-
-    def fwd(args):
-        if args.who == "a":
-            a_set.set()
-            assert b_done.wait(10)
-            seen.append((q.rowwise_usage, q.columnwise_usage))
-        return args
-    body["fwd"] = fwd
-
-    def run(who):
-        try:
-            if who == "b":
-                assert a_set.wait(10)
-            linear._linear_forward_impl(_args(q, who=who))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-        finally:
-            if who == "b":
-                b_done.set()
-    threads = [threading.Thread(target=run, args=(w,)) for w in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert not errors, errors
-    assert seen == [(True, False)]
+    seen = b_runs_inside_a(body, lambda who: linear._linear_forward_impl(_args(q, who=who)),
+                           lambda: (q.rowwise_usage, q.columnwise_usage))
+    assert seen == (True, False)
     assert (q.rowwise_usage, q.columnwise_usage) == (False, True)
 
 
