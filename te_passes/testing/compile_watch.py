@@ -164,3 +164,14 @@ def fresh_compile_state() -> Iterator[None]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+def assert_one_graph(st: CompileStats, first: CompileStats, *, cudagraphs: bool) -> None:
+    """Assert what a fully traceable model compiles to over a :class:`CompileWatch` region: one
+    Dynamo graph, no graph break, no recompile (``first``: the snapshot after the first step,
+    none there either) and, with ``cudagraphs``, no cudagraph skip. Raises ``AssertionError``
+    with the stats."""
+    assert st.graphs == 1 and st.graph_breaks == 0, st.to_json()
+    assert st.recompiles == first.recompiles == 0, st.recompile_reasons
+    if cudagraphs:
+        assert st.cudagraph_skips == 0, st.to_json()
