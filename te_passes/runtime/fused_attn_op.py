@@ -62,11 +62,7 @@ def refused_reason() -> str | None:
     v = te_version_mod.te_version()
     if v is None:
         return "Transformer Engine is not installed"
-    try:
-        series = te_version_mod.parse_version(v)
-    except (ValueError, IndexError):
-        return f"TE version {v!r} is not parseable"
-    if series != (2, 20):
+    if not te_version_mod.is_supported(v):  # the TE series the graph model decodes (2.20.x)
         return (f"TE {v}: the fused-attention op wraps TE 2.20.x's FusedAttnFwdArgs / "
                 "_fused_attn_forward_impl layout and its fakes mirror TE 2.20's kernels; not registered "
                 "for other versions")
