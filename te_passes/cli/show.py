@@ -10,7 +10,7 @@ import sys
 from typing import Any, Callable
 
 from te_passes.debug.graph_breaks import no_islands_text
-from te_passes.cli._common import CliError, EXIT_OK, Out, _registry
+from te_passes.cli._common import CliError, EXIT_OK, Out, pass_registry
 
 
 # --------------------------------------------------------------------------- show
@@ -45,7 +45,7 @@ def _grouped(items: list[dict[str, Any]], key: Callable[[dict[str, Any]], tuple]
     return [[*k, len(nodes), _short(", ".join(nodes), 50)] for k, nodes in groups.items()]
 
 
-def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
+def print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     v = s.get("versions", {})
     out.heading("te_passes dump")
     out.line(f"target:       {s.get('target', '')}")
@@ -139,7 +139,7 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     out.line(f"\ndump: {os.path.join(root, 'index.md')}  (report: {os.path.join(root, 'report.json')})")
 
 
-def _newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> str:
+def newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> str:
     """``path`` itself, or its newest backend dump session folder when ``path`` is a directory
     of sessions (``te_passes.dump_dir`` without the CLI; :func:`te_passes.debug.dump_sessions.read_sessions`),
     saying which one is used."""
@@ -161,7 +161,7 @@ def _newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> 
 
 
 def cmd_show(args: argparse.Namespace, out: Out) -> int:
-    path = _newest_session(args.dir, out, "showing", to_stderr=args.json)
+    path = newest_session(args.dir, out, "showing", to_stderr=args.json)
     rp = os.path.join(path, "report.json") if os.path.isdir(path) else path
     if not os.path.isfile(rp):
         hint = ""
@@ -182,7 +182,7 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
         print(json.dumps(s, indent=2))
     else:
         try:
-            _print_summary(out, s, os.path.dirname(rp) or ".")
+            print_summary(out, s, os.path.dirname(rp) or ".")
         except (TypeError, AttributeError, KeyError, ValueError, IndexError) as e:  # a field check_summary lets by
             raise CliError(f"{rp}: malformed summary ({type(e).__name__}: {e})") from None
     return EXIT_OK
@@ -192,7 +192,7 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
 def cmd_list(args: argparse.Namespace, out: Out) -> int:
     from te_passes.pipeline.registry import PASS_ALIASES
 
-    names, classes = _registry()
+    names, classes = pass_registry()
     env_disable = {n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()}
     env_disable |= {m for n in env_disable & set(PASS_ALIASES) for m in PASS_ALIASES[n]}
     rows = []

@@ -36,8 +36,8 @@ from te_passes.analyses.liveness import gc_paused
 from te_passes.fx.journal import GraphJournal, replace_uses_with_constant
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import recipes
-from te_passes.te.graph_scan import (_LOOKUP_BUILTINS, _UNKNOWN, _get_attr, _may_be_te_lookup,  # shared scans
-                                     _walk, find_recipe_and_pg_objects)
+from te_passes.te.graph_scan import (LOOKUP_BUILTINS, UNKNOWN, get_attr_path, may_be_te_lookup,  # shared scans
+                                     walk_values, find_recipe_and_pg_objects)
 
 
 @dataclasses.dataclass
@@ -123,14 +123,14 @@ class FoldRecipeLookups(TEPass):
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
                       log: GraphJournal | None = None, ctx: PassContext | None = None) -> bool:
         graph = gm.graph
-        state: recipes.Fp8State | None | object = _UNKNOWN  # captured lazily, once
+        state: recipes.Fp8State | None | object = UNKNOWN  # captured lazily, once
         known: dict[torch.fx.Node, _Known] = {}
 
         def value_of(a: Any) -> tuple[Any, str] | None:
             if isinstance(a, torch.fx.Node):
                 k = known.get(a)
                 return None if k is None else (k.value, k.lookup)
-            if any(isinstance(x, torch.fx.Node) for _, x in _walk(a, ())):
+            if any(isinstance(x, torch.fx.Node) for _, x in walk_values(a, ())):
                 return None
             return a, repr(a) if not recipes.is_recipe(a) else f"<{type(a).__name__} constant>"
 
@@ -138,7 +138,7 @@ class FoldRecipeLookups(TEPass):
             try:
                 res = self._evaluate(node, value_of, lambda: state)
             except _NeedState:
-                if state is _UNKNOWN:
+                if state is UNKNOWN:
                     state = self._state(ctx)
                 try:
                     res = self._evaluate(node, value_of, lambda: state)
@@ -179,21 +179,21 @@ class FoldRecipeLookups(TEPass):
         :class:`_NeedState` when TE's autocast state is needed but not yet captured."""
         if node.op == "get_attr":
             owner = node.graph.owning_module
-            val = _get_attr(owner, str(node.target)) if owner is not None else _UNKNOWN
-            if val is not _UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)
+            val = get_attr_path(owner, str(node.target)) if owner is not None else UNKNOWN
+            if val is not UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)
                                         or recipes.recipe_predicate(val) is not None):
                 return val, f"self.{node.target}"
             return None
         if node.op == "call_function":
             tgt = node.target
-            if tgt not in _LOOKUP_BUILTINS and not _may_be_te_lookup(tgt):
+            if tgt not in LOOKUP_BUILTINS and not may_be_te_lookup(tgt):
                 return None
             lookup = recipes.state_lookup_name(node.target)
             if lookup is not None:
                 if node.args or node.kwargs:
                     raise _NotFoldable(f"FP8GlobalStateManager.{lookup} called with arguments")
                 state = get_state()
-                if state is _UNKNOWN:
+                if state is UNKNOWN:
                     raise _NeedState()
                 if state is None:
                     raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): the compilation's TE state has no fp8 "
