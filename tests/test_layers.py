@@ -163,3 +163,12 @@ def test_underscore_check_sees_what_it_looks_for(tmp_path):
     assert _underscore_imports(str(p), "te_passes.a.m", False) == [
         "te_passes.a.m:1 from te_passes.debug.dump_files import _hidden", "te_passes.a.m:2 from te_passes.a.sibling import _x"]
 
+
+def test_pipeline_never_imports_a_pass():
+    """The framework is handed the ordered pass list (te_passes.passes.order); it imports no pass,
+    by name or by string (the import-linter contract "the pass framework imports no pass" checks
+    the first; this the second)."""
+    for m, path in _modules().items():
+        if m.startswith("te_passes.pipeline"):
+            text = open(path).read()
+            assert "importlib" not in text and "te_passes.passes." not in text.replace("te_passes.passes.order", ""), m

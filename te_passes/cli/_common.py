@@ -105,7 +105,7 @@ def print_error(msg: str) -> None:
 
 # --------------------------------------------------------------------------- helpers
 def pass_registry() -> tuple[list[str], list[Any]]:
-    from te_passes.pipeline.registry import pass_classes, pass_names
+    from te_passes.passes.order import pass_classes, pass_names
 
     try:
         return pass_names(), list(pass_classes())
@@ -114,11 +114,9 @@ def pass_registry() -> tuple[list[str], list[Any]]:
 
 
 def check_pass_names(names: Iterable[str], where: str) -> list[str]:
-    from te_passes.pipeline.registry import PASS_ALIASES
-
     known, _ = pass_registry()
     names = [n for n in names if n]
-    unknown = [n for n in names if n not in known and n not in PASS_ALIASES]  # aliases: expanded when parsed
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise CliError(f"unknown pass name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "
                        f"known passes: {', '.join(known) or '(none registered)'}")

@@ -76,6 +76,7 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
 
 def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_dir: str | None) -> list:
     from te_passes.debug.offline import ReplayError, replay
+    from te_passes.passes.order import configured_passes
     from te_passes.runtime.install import install
 
     import torch  # noqa: F401  (before transformer_engine)
@@ -84,6 +85,6 @@ def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_
     install()  # as the backend does before any pass runs (call_te_impl_directly's lowering)
     try:
         with out.status(f"replaying {args.path}"):
-            return replay(args.path, disable=disable, dump_dir=dump_dir)
+            return replay(args.path, configured_passes(), disable=disable, dump_dir=dump_dir)
     except ReplayError as e:
         raise CliError(str(e)) from e

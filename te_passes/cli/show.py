@@ -166,9 +166,9 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
     if not os.path.isfile(rp):
         hint = ""
         if not os.path.exists(path):  # `te-passes show fold_ub_predicates`: a pass name, not a dump
-            from te_passes.pipeline.registry import PASS_ALIASES, PASS_REGISTRY
+            from te_passes.passes.order import pass_names
 
-            if path in {n for n, _ in PASS_REGISTRY} | set(PASS_ALIASES):
+            if path in pass_names():
                 hint = (f"; {path} is a pass name: te-passes show takes a dump directory (te-passes list "
                         f"describes the passes, docs/passes/{path}.md documents this one)")
         raise CliError(f"no te_passes dump at {path} (no report.json); create one with te-passes dump{hint}")
@@ -190,11 +190,8 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
 
 # --------------------------------------------------------------------------- list
 def cmd_list(args: argparse.Namespace, out: Out) -> int:
-    from te_passes.pipeline.registry import PASS_ALIASES
-
     names, classes = pass_registry()
     env_disable = {n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()}
-    env_disable |= {m for n in env_disable & set(PASS_ALIASES) for m in PASS_ALIASES[n]}
     rows = []
     for cls in classes:
         order = {"dynamo": 0, "joint": 1, "post_grad_fwd": 2, "post_grad_bwd": 3}
@@ -207,10 +204,7 @@ def cmd_list(args: argparse.Namespace, out: Out) -> int:
     rows = [[n, ", ".join(st), k, "yes" if en else "no (TE_PASSES_DISABLE)", d] for n, st, k, en, d in rows]
     out.table(f"te_passes pipeline ({len(rows)} passes, in order)", ["pass", "stages", "kind", "enabled",
                                                                      "description"], rows, limit=None)
-    for old, new in PASS_ALIASES.items():
-        out.line(f"deprecated: {old} (until issue 12 one pass) is now {', '.join(new)}; the old name still "
-                 "disables all of them (te_passes.disable, TE_PASSES_DISABLE, --disable) until the next release")
-    unknown = sorted(env_disable - set(names) - set(PASS_ALIASES))
+    unknown = sorted(env_disable - set(names))
     if unknown:
         out.line(f"warning: TE_PASSES_DISABLE names unknown passes: {', '.join(unknown)}")
     return EXIT_OK

@@ -59,6 +59,7 @@ from te_passes._logging import trace_artifact
 from te_passes.debug.diff import GraphSnapshot, format_changes, graph_changes, unified_diff
 from te_passes.debug.graph_io import save_graph
 from te_passes.debug.printer import format_graph
+from te_passes.pipeline.manager import PassObserver
 from te_passes.te.graph_model import is_te_op_node
 from te_passes.debug.dump_files import slug, ensure_writable_dir, log
 from te_passes.debug.dump_sessions import backend_session, claimed_dirs, is_claimed, session_id, write_sessions_index
@@ -84,7 +85,7 @@ def _records_notes(run: Any) -> dict[str, list[str]]:
     return notes
 
 
-class DumpWriter:
+class DumpWriter(PassObserver):
     """Pass-manager observer writing the dump of one ``te_inductor`` call (see module docstring).
 
     Build with :meth:`for_backend` (``te_inductor``: a per-process session folder unless

@@ -107,7 +107,7 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
     * ``graph_breaks[]``, ``eager_fallbacks[]``, ``recompiles[]``, ``frames[]`` from ``extra``
       (:class:`te_passes.debug.graph_breaks.CompileEvents`);
     * ``uuid``: ``{graph_id: {"uuid", "passes", "options", "te_state", "reads_ub", "ub_reads"}}``
-      — what each graph's pass-pipeline uuid was built from (:func:`te_passes.backend.pipeline_uuid`);
+      — what each graph's pass-pipeline uuid was built from (:func:`te_passes.pipeline.compilation.pipeline_uuid`);
       ``graphs[]``: id, mode, stage list, time.
     """
     graphs = list(graphs)

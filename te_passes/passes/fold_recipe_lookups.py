@@ -33,8 +33,8 @@ import torch
 import torch.fx
 
 from te_passes.analyses.liveness import gc_paused
-from te_passes.fx.journal import GraphJournal, replace_uses_with_constant
-from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.fx.journal import GraphJournal
+from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import recipes
 from te_passes.te.graph_scan import (LOOKUP_BUILTINS, UNKNOWN, get_attr_path, may_be_te_lookup,  # shared scans
                                      walk_values, find_recipe_and_pg_objects)
@@ -83,18 +83,15 @@ class FoldRecipeLookups(TEPass):
     name = "fold_recipe_lookups"
     stages = frozenset({Stage.DYNAMO})
     description = "fold fp8 recipe/autocast lookups (FP8GlobalStateManager, recipe attributes) to constants"
-    checkpoints_itself = True
 
-    def __init__(self, *, fp8_state: recipes.Fp8State | None = None) -> None:
-        if fp8_state is not None and not isinstance(fp8_state, recipes.Fp8State):
-            raise TypeError(f"fp8_state must be a te_passes.te.recipes.Fp8State, got {type(fp8_state).__name__}")
-        super().__init__(**({"fp8_state": fp8_state} if fp8_state is not None else {}))
-        self._fp8_state = fp8_state
+    @dataclasses.dataclass(frozen=True)
+    class Config(PassConfig):
+        fp8_state: recipes.Fp8State | None = None
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {}
-        if self._fp8_state is not None:
-            s = self._fp8_state
+        if self.cfg.fp8_state is not None:
+            s = self.cfg.fp8_state
             cfg["fp8_state"] = {"fp8_enabled": s.fp8_enabled, "fp8_calibration": s.fp8_calibration,
                                 "fp8_parameters": s.fp8_parameters, "recipe": repr(s.recipe),
                                 "fp8_group": None if s.fp8_group is None else type(s.fp8_group).__name__}
@@ -106,7 +103,7 @@ class FoldRecipeLookups(TEPass):
         # automatic collections would rescan it again and again (superlinear on 100k nodes).
         with gc_paused():
             records: list[PassRecord] = []
-            changed = self._fold_lookups(gm, records, GraphJournal(gm.graph, ctx), ctx)
+            changed = self._fold_lookups(gm, records, ctx.journal, ctx)
             for node_name, path, tname in find_recipe_and_pg_objects(gm):
                 records.append(PassRecord("kept", node_name, {
                     "object": tname, "path": path,
@@ -116,12 +113,12 @@ class FoldRecipeLookups(TEPass):
     def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
         """The fp8 state lookups fold to: the ``fp8_state`` config, else the compilation's TE
         snapshot (``ctx.te_state.fp8``, part of the pipeline uuid) — never TE's live globals."""
-        if self._fp8_state is not None:
-            return self._fp8_state
+        if self.cfg.fp8_state is not None:
+            return self.cfg.fp8_state
         return getattr(getattr(ctx, "te_state", None), "fp8", None)
 
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                      log: GraphJournal | None = None, ctx: PassContext | None = None) -> bool:
+                      log: GraphJournal, ctx: PassContext | None = None) -> bool:
         graph = gm.graph
         state: recipes.Fp8State | None | object = UNKNOWN  # captured lazily, once
         known: dict[torch.fx.Node, _Known] = {}
@@ -152,11 +149,10 @@ class FoldRecipeLookups(TEPass):
                 known[node] = _Known(*res)
 
         changed = False
-        log = log or GraphJournal(graph, None)
         # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
         for node, k in known.items():
             if recipes.is_plain_constant(k.value) and node.users:
-                users = replace_uses_with_constant(node, k.value, log)
+                users = [u.name for u in log.replace_uses(node, k.value)]
                 records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
                                                                  "users": users}))
                 changed = True

@@ -53,17 +53,16 @@ class RemoveQuantizerSetattrs(TEPass):
     name = "remove_quantizer_setattrs"
     stages = frozenset({Stage.DYNAMO})
     description = "remove side-effect-only quantizer __setattr__ residue from Dynamo graphs"
-    checkpoints_itself = True
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         """Stage ``dynamo``: remove the setattr groups that provably have no effect."""
         with gc_paused():  # see fold_recipe_lookups: no automatic collections over a large heap
             records: list[PassRecord] = []
-            changed = self._fold_setattrs(gm, records, GraphJournal(gm.graph, ctx))
+            changed = self._fold_setattrs(gm, records, ctx.journal)
             return TEPassResult(gm, changed, records)
 
     def _fold_setattrs(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                       log: GraphJournal | None = None) -> bool:
+                       log: GraphJournal) -> bool:
         graph = gm.graph
         groups: dict[int, list[torch.fx.Node]] = {}
         for node in graph.nodes:
@@ -107,7 +106,6 @@ class RemoveQuantizerSetattrs(TEPass):
                 records.append(PassRecord("folded_setattr", n.name, {
                     "receiver": cls, "field": n.args[1], "value": n.args[2], "reason": reason}))
                 to_erase.append(n)
-        log = log or GraphJournal(graph, None)
         for n in to_erase:
             log.erase(n)
         after = bundle_quantizers(graph)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from te_passes.rewrite.module_state import state_of, is_rewritten
+from te_passes.rewrite.module_state import is_rewritten, state_of
 from te_passes.te.module_init import forward_prepare_args
 
 
