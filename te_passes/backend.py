@@ -1,12 +1,7 @@
-"""The ``te_inductor`` torch.compile backend: TE-aware passes, then Inductor.
-
-Registered as the ``torch_dynamo_backends`` entry point ``te_inductor`` (pyproject.toml), so
-``torch.compile(model, backend="te_inductor", mode=..., options=...)`` needs no import. One call
-compiles one Dynamo graph: options parsed once (:class:`~te_passes.pipeline.compilation.CompileSettings`),
-the ordered passes (:mod:`te_passes.passes.order`) handed to one
-:class:`~te_passes.pipeline.compilation.Compilation`, which runs the Dynamo stage, hooks the AOT
-stages into ``compile_fx(config_patches=...)`` (the process's Inductor config is never mutated)
-and guards the result. docs/design.md "The driver", docs/usage.md.
+"""The ``te_inductor`` torch.compile backend (entry point ``te_inductor``, pyproject.toml): options
+parsed once, the ordered passes (:mod:`te_passes.passes.order`) and the observers handed to one
+:class:`~te_passes.pipeline.compilation.Compilation`, then ``compile_fx(config_patches=...)`` (the
+process's Inductor config is never mutated). docs/design.md "Stages and the driver", docs/usage.md.
 """
 
 from __future__ import annotations
@@ -33,14 +28,8 @@ DOCUMENTED_ERRORS: tuple[type[Exception], ...] = (TePassesOptionError, TePassErr
 
 
 def te_inductor_backend(*, mode: str | None = None, options: dict[str, Any] | None = None):
-    """``functools.partial(te_inductor, mode=mode, options=options)`` with every option checked
-    now (``torch.compile`` hands them to the backend only at the first call).
-
-    Raises:
-        te_passes.config.TePassesOptionError: a ``te_passes.*`` key/value, pass_config, pass name,
-            ``te_passes.ub_snapshot`` or an Inductor configuration te_inductor refuses.
-        RuntimeError: unknown mode or Inductor option (Inductor's message).
-    """
+    """``functools.partial(te_inductor, mode=mode, options=options)`` with every option checked now
+    (``torch.compile`` hands them over only at the first call). Raises as :func:`te_inductor`."""
     configured_passes(CompileSettings.parse(mode, options, set(pass_names())).options.pass_config)
     return functools.partial(te_inductor, mode=mode, options=options)
 
@@ -49,22 +38,17 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
                 options: dict[str, Any] | None = None):
     """Compile a Dynamo graph with te_passes' passes, then Inductor.
 
-    Args:
-        gm, example_inputs: what Dynamo hands a backend (fake tensors / SymInts).
-        mode: a ``torch.compile`` mode, mapped as for ``backend="inductor"``.
-        options: Inductor config overrides plus ``te_passes.*`` keys (:data:`te_passes.config.OPTION_SPECS`);
-            a user-given ``joint_custom_pre_pass`` / ``post_grad_custom_pre_pass`` runs before ours.
+    ``gm``, ``example_inputs``: what Dynamo hands a backend; ``mode``: mapped as for
+    ``backend="inductor"``; ``options``: Inductor config plus ``te_passes.*`` keys (a user-given
+    ``joint_custom_pre_pass`` / ``post_grad_custom_pre_pass`` runs before ours). Returns Inductor's
+    callable, UB-guarded when it depends on UB state.
 
-    Returns:
-        Inductor's compiled callable, wrapped by a UB-state guard when it depends on UB state.
-
-    Raises:
-        te_passes.config.TePassesOptionError: a bad option (see :func:`te_inductor_backend`).
+    Raises (the te_passes errors reach a ``torch.compile``'d function's caller unwrapped):
+        te_passes.config.TePassesOptionError: a bad ``te_passes.*`` key/value, pass_config, pass
+            name, ``ub_snapshot``, or an Inductor configuration te_inductor refuses.
         te_passes.pipeline.manager.TePassError: a pass failed under ``te_passes.strict``.
         te_passes.te.ub.UbConfigError: a TE op's UB configuration the UB state cannot satisfy.
-        RuntimeError: unknown mode or Inductor option (from Inductor).
-
-    The three te_passes errors reach the caller of a ``torch.compile``'d function unwrapped.
+        RuntimeError: unknown mode or Inductor option (Inductor's message).
     """
     try:
         _install_te_hooks()
@@ -87,10 +71,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
 def _observers(opts: TePassesOptions) -> list[PassObserver]:
     """The dump writer when ``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR`` or ``TORCH_TRACE`` is on.
-
-    Raises:
-        TePassesOptionError: the dump directory cannot be written (names option or variable).
-    """
+    Raises ``TePassesOptionError``: the dump directory cannot be written (names option or variable)."""
     if not (opts.dump_dir or tracing_enabled()):
         return []
     source = "env" if "dump_dir" in opts.from_env else "option"
@@ -105,10 +86,8 @@ _UNWRAPPED: dict[type, type] = {}
 
 
 def _unwrapped(e: BaseException) -> BaseException:
-    """``e`` as an instance of a subclass of its class that is also a
-    ``torch._dynamo.exc.ShortenTraceback``, which Dynamo re-raises as it is instead of wrapping it
-    in ``BackendCompilerFailed`` (``_dynamo/output_graph.py`` ``call_user_compiler``). It keeps the
-    original's name, module, message, attributes and cause."""
+    """``e`` as a subclass of its class that is also a ``torch._dynamo.exc.ShortenTraceback`` (Dynamo
+    re-raises those unwrapped: ``_dynamo/output_graph.py``), keeping name, message, attributes, cause."""
     from torch._dynamo.exc import ShortenTraceback
 
     if isinstance(e, ShortenTraceback):

@@ -131,20 +131,9 @@ class TePassesOptions:
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,
               environ: Mapping[str, str] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
-        """Split ``options`` into our options and Inductor's.
-
-        Args:
-            options: the dict given to ``torch.compile(options=...)`` (may be ``None``).
-            known_passes: valid pass names; ``disable`` entries outside it raise.
-            environ: environment to read ``TE_PASSES_*`` from (default ``os.environ``).
-
-        Returns:
-            ``(TePassesOptions, inductor_options)``; ``inductor_options`` holds every key that
-            does not start with ``te_passes.``, unchanged.
-
-        Raises:
-            TePassesOptionError: unknown ``te_passes.*`` key, bad value, unknown pass name.
-        """
+        """``(TePassesOptions, inductor_options)`` from ``torch.compile``'s ``options`` (``None``
+        ok) and ``environ`` (default ``os.environ``); ``known_passes``: valid ``disable`` names.
+        Raises ``TePassesOptionError``: unknown ``te_passes.*`` key, bad value, unknown pass name."""
         environ = os.environ if environ is None else environ
         ours: dict[str, Any] = {}
         inductor: dict[str, Any] = {}
@@ -187,8 +176,7 @@ class TePassesOptions:
         return parsed, inductor
 
     def fingerprint_data(self) -> dict[str, Any]:
-        """The options that change what passes do (everything but where dumps go and how CUDA
-        graphs are replayed: the cudagraph policy is not part of Inductor's cache key either)."""
+        """The options that change what passes do (not dump_dir, cudagraphs: no cache-key part)."""
         d = dataclasses.asdict(self)
         for k in ("dump_dir", "cudagraphs", "from_env"):
             d.pop(k)

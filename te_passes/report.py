@@ -92,8 +92,7 @@ class CompileReport:
     cudagraphs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: The Inductor cache that served the compile when the AOT stages did not run, else ``None``.
     cache_hit: str | None = None
-    #: The dump directory this graph was written to (``None``: no dump), and for a replayed
-    #: graph the ``{"torch", "transformer_engine"}`` versions it was saved under. Not in JSON.
+    #: Where its dump went (``None``: none); a replayed graph's saved torch/TE versions. Not in JSON.
     dump_dir: str | None = None
     saved_versions: dict[str, Any] | None = None
 
@@ -107,22 +106,19 @@ class CompileReport:
                 if kind is None or r.kind == kind]
 
     def typed_facts(self, cls: type | None = None, stages: "list[StageReport] | None" = None) -> list[Any]:
-        """The typed facts (:attr:`PassRun.facts`) of all runs of ``stages`` (default: every
-        stage so far), optionally only instances of ``cls``."""
+        """The typed facts of all runs of ``stages`` (default: all so far), only ``cls``'s if given."""
         return [f for s in (self.stages if stages is None else stages) for run in s.runs for f in run.facts
                 if cls is None or isinstance(f, cls)]
 
     def to_json(self) -> dict[str, Any]:
         return {"graph_id": self.graph_id, "mode": self.mode, "uuid": jsonable(self.uuid),
                 "te_state": jsonable(self.te_state), "stages": [s.to_json() for s in self.stages],
-                "time_ms_passes": round(self.time_ms_passes, 3),
-                "time_ms_total": round(self.time_ms_total, 3),
+                "time_ms_passes": round(self.time_ms_passes, 3), "time_ms_total": round(self.time_ms_total, 3),
                 "cudagraphs": jsonable(self.cudagraphs), "cache_hit": self.cache_hit}
 
 
 def cache_hit_note(cache: str) -> str:
-    """The sentence ``te-passes show``, ``index.md`` and the te_passes log print for a compile
-    whose joint / post-grad stages did not run because ``cache`` (:attr:`CompileReport.cache_hit`) hit."""
+    """What ``te-passes show``, ``index.md`` and the log say when ``cache`` skipped the AOT stages."""
     return (f"{cache} hit: the joint and post-grad passes did not run (Inductor reused code compiled "
             f"earlier with the same pass-pipeline uuid, which already holds their rewrites)")
 

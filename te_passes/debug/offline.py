@@ -29,6 +29,7 @@ from te_passes.pipeline.base import Stage, TEPass
 from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver
 from te_passes.report import CompileReport
+from te_passes.runtime.install import install as install_runtime
 from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot
@@ -81,6 +82,7 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], passes: 
         te_passes.debug.dump_files.DumpDirError: ``dump_dir`` is not writable.
         te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
+    install_runtime()  # as the backend does before any pass runs (lowerings, constant names)
     options = options or TePassesOptions()
     observers = [*observers, *([DumpWriter.for_dir(dump_dir)] if dump_dir is not None else [])]
     comp = Compilation(PassManager(passes, observers), CompileSettings(mode, options, {}),

@@ -105,41 +105,23 @@ class PassContext:
     te_state: TEState
     example_inputs: Any = None
     graph_id: str = "g0"
-    #: Where the pass makes every graph edit; the manager opens one per pass run and undoes it
-    #: when the pass is skipped or fails.
+    #: Where the pass makes every graph edit (one per pass run; undone when it is skipped or fails).
     journal: GraphJournal = dataclasses.field(default_factory=GraphJournal)
-    #: Analyses of the current graph shared by the passes of one stage; emptied whenever a pass
-    #: changes (or fails on) the graph.
+    #: Analyses of the current graph shared in a stage; emptied whenever a pass changes the graph.
     analyses: dict = dataclasses.field(default_factory=dict)
-    #: Facts the driver hands the passes (``"ub_trace_folds"``, ``"ub_prev_token"``); passes never
-    #: read them from module globals.
+    #: Facts the driver hands the passes (``"ub_trace_folds"``, ``"ub_prev_token"``), never globals.
     inputs: dict = dataclasses.field(default_factory=dict)
 
 
 def _type_error(ann: Any, value: Any) -> str | None:
-    """Why ``value`` is not of type ``ann`` (bool/int/float/str/a class, ``X | None``, ``Literal``);
-    ``None``: it is (or ``ann`` is ``Any``)."""
+    """Why ``value`` is not of type ``ann`` (a class, ``X | None``, a ``Literal``'s type); ``None``: it is."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if ann is Any:
-        return None
     if origin is typing.Literal:
         return _type_error(type(args[0]), value)
-    if origin is typing.Union or origin is types.UnionType:
-        errs = [_type_error(a, value) for a in args]
-        return None if None in errs else "must be " + " | ".join(_type_name(a) for a in args)
-    if ann is type(None):
-        ok = value is None
-    elif ann is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif ann is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, ann)
-    return None if ok else f"must be {_type_name(ann)}"
-
-
-def _type_name(ann: Any) -> str:
-    return "None" if ann is type(None) else getattr(ann, "__name__", str(ann))
+    classes = args if origin is typing.Union or origin is types.UnionType else (ann,)
+    ok = ann is Any or any(isinstance(value, c) and not (isinstance(value, bool) and c in (int, float))
+                           or (c is float and type(value) is int) for c in classes)
+    return None if ok else "must be " + " | ".join("None" if c is type(None) else c.__name__ for c in classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,14 +151,10 @@ class PassConfig:
 
 
 class TEPass(PassBase):
-    """Base class of every te_passes pass.
-
-    Class attributes: ``name`` (unique; ``te-passes list``, ``te_passes.disable``), ``stages``,
-    ``description`` (one line), ``Config`` (a :class:`PassConfig` subclass; the constructor's
-    keywords), ``analysis_only`` (never edits). Contract of :meth:`run`: analyse first, edit last
-    and only through ``ctx.journal``; raise :class:`PassSkipped` when the rewrite cannot be proven
-    safe; never leave a graph that fails ``graph.lint()`` (the manager lints and undoes on error).
-    """
+    """Base class of every pass: ``name`` (``te-passes list``, ``te_passes.disable``), ``stages``,
+    ``description``, ``Config`` (its :class:`PassConfig`: the constructor's keywords),
+    ``analysis_only``. :meth:`run`: analyse first, edit last and only through ``ctx.journal``;
+    :class:`PassSkipped` when unsafe; leave a graph that passes ``graph.lint()``."""
 
     name: ClassVar[str] = ""
     stages: ClassVar[frozenset[Stage]] = frozenset()

@@ -58,11 +58,9 @@ def post_grad_stage(graph: torch.fx.Graph | torch.fx.GraphModule) -> Stage:
 
 def pipeline_uuid(passes: Sequence[TEPass], options: TePassesOptions, te_state: TEState,
                   ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
-    """What the pipeline's cache identity is built from, and its sha256 under ``"uuid"``: every
-    pass's ``uuid()``, the package source, the options that change what passes do and the TE state
-    fingerprint — with the UB snapshot only when the graph reads UB state (``ub_reads``:
-    :func:`te_passes.runtime.ub_graph_guard.ub_state_reads`, ``None``: unknown, included).
-    ``"ub_reads"`` (the reasons, naming nodes) is returned but not hashed."""
+    """The pipeline's cache identity (passes' ``uuid()``, package source, options, TE state; the UB
+    snapshot only if ``ub_reads`` — :func:`~te_passes.runtime.ub_graph_guard.ub_state_reads`, ``None``:
+    unknown — is non-empty) and its sha256 under ``"uuid"``; ``"ub_reads"`` is not hashed."""
     reads_ub = ub_reads is None or bool(ub_reads)
     parts: dict[str, Any] = {"package": base.package_source_hash(base.PACKAGE_ROOT),
                              "passes": {p.name: p.uuid() for p in passes},
@@ -139,10 +137,8 @@ def _cache_hits() -> dict[str, int]:
 
 
 class InductorStageHook(CustomInferenceAwareGraphPass):
-    """Runs a :class:`Compilation`'s AOT stages inside Inductor: ``joint_custom_pre_pass`` (stage
-    ``joint``) or ``post_grad_custom_pre_pass`` (``post_grad_fwd`` / ``post_grad_bwd`` by
-    :func:`post_grad_stage`). ``uuid()`` is the pipeline uuid, so Inductor's FX graph cache hits
-    only when passes, their config and the TE state they read are unchanged."""
+    """A :class:`Compilation`'s AOT stage inside Inductor (``joint_custom_pre_pass`` or
+    ``post_grad_custom_pre_pass``); ``uuid()`` is the pipeline uuid (FX-graph-cache key part)."""
 
     def __init__(self, compilation: "Compilation", joint: bool) -> None:
         self.compilation, self.joint = compilation, joint
@@ -159,21 +155,11 @@ class InductorStageHook(CustomInferenceAwareGraphPass):
 
 
 class Compilation:
-    """One compilation (one Dynamo graph) as the pipeline runs it.
-
-    Args:
-        manager: the :class:`PassManager` (passes and observers).
-        options: parsed options, or the :class:`CompileSettings` (backend: mode and Inductor config too).
-        te_state: the compilation's TE snapshot.
-        report: the :class:`CompileReport` stage reports go to (default: a new registered one).
-        graph_id: the compilation's graph id (default ``report.graph_id``).
-        recompile: ``(gm, args) -> compiled`` for the UB guard (the backend's own compile path).
-        live: a ``torch.compile`` compilation (the backend): the Dynamo stage gets the runtime's
-            facts, UB mismatches raise, the result is UB-guarded. ``False``: offline replay.
-
-    The backend: :meth:`begin`, :meth:`inductor_hooks`, ``compile_fx``, :meth:`finish`; offline
-    replay: :meth:`begin`, :meth:`run_stage`, :meth:`finish`; the CPU capture: :meth:`run_stage`.
-    """
+    """One compilation (one Dynamo graph): ``manager`` (passes, observers), ``options`` (parsed, or
+    the backend's :class:`CompileSettings`), ``te_state``, ``report`` (default: a new registered
+    one), ``graph_id``, ``recompile`` (``(gm, args) -> compiled``, for the UB guard) and ``live``
+    (``torch.compile``: runtime facts in, UB mismatches raised, result guarded; ``False``: offline).
+    Backend: :meth:`begin`, :meth:`inductor_hooks`, ``compile_fx``, :meth:`finish`."""
 
     def __init__(self, manager: PassManager, options: TePassesOptions | CompileSettings, te_state: TEState,
                  report: CompileReport | None = None, *, graph_id: str | None = None,
@@ -198,12 +184,8 @@ class Compilation:
 
     def run_stage(self, gm: torch.fx.GraphModule, stage: Stage | str, example_inputs: Any = None,
                   inputs: dict | None = None) -> StageReport:
-        """Run ``stage``'s passes on ``gm`` in place (``inputs``: :attr:`PassContext.inputs`); the
-        stage report is appended to the report and returned, the time added to ``time_ms_passes``.
-
-        Raises:
-            te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
-        """
+        """Run ``stage``'s passes on ``gm`` in place; the stage report is appended and returned.
+        Raises ``TePassError``: a pass failed under ``options.strict``."""
         t0 = time.perf_counter()
         try:
             stage_report = self.manager.run(gm, self.context(stage, example_inputs, inputs))
@@ -213,15 +195,9 @@ class Compilation:
         return stage_report
 
     def begin(self, gm: torch.fx.GraphModule | None, example_inputs: Any = None) -> None:
-        """The Dynamo stage on ``gm`` (``None``: no Dynamo graph, offline), then the pipeline uuid,
-        once: with the UB snapshot only if the graph reads UB state. A live compilation hands the
-        Dynamo stage the runtime's facts (:func:`dynamo_stage_inputs`: UB trace folds).
-
-        Raises:
-            te_passes.te.ub.UbConfigError: (live) the passes found UB configurations the UB state
-                cannot satisfy (their ``UbMismatch`` facts), before Inductor runs.
-            te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
-        """
+        """The Dynamo stage on ``gm`` (``None``: none, offline; live: with the runtime's UB trace
+        folds), then the pipeline uuid, once. Raises ``UbConfigError`` (live): ``UbMismatch`` facts
+        (before Inductor runs); ``TePassError``: a pass failed under ``options.strict``."""
         reads = None
         if gm is not None:
             inputs = dynamo_stage_inputs() if self.live else {}
@@ -234,9 +210,8 @@ class Compilation:
         self._checked_stages = len(self.report.stages)
 
     def inductor_hooks(self) -> dict[str, Any]:
-        """The Inductor config patches to compile with: the settings' own plus our two
-        :class:`InductorStageHook`\\ s (after a user-given ``joint_custom_pre_pass`` /
-        ``post_grad_custom_pre_pass``) and, under ``te_passes.cudagraphs="lean"``, the cudagraph policy."""
+        """The settings' Inductor config patches plus our two :class:`InductorStageHook`\\ s (after
+        a user's own) and, under ``te_passes.cudagraphs="lean"``, the cudagraph policy."""
         patches = dict(self.settings.config_patches)
         for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
             ours, user = InductorStageHook(self, joint), patches.get(key)
@@ -268,13 +243,8 @@ class Compilation:
             obs.finish(self.report)
 
     def finish(self, compiled: Callable | None = None) -> Callable | None:
-        """After ``compile_fx`` (offline: after the stages): note a cache hit that skipped the AOT
-        stages, tell the observers, and (live) wrap ``compiled`` in the UB guard when it depends on
-        UB state.
-
-        Raises:
-            te_passes.te.ub.UbConfigError: UB mismatches found at the AOT stages.
-        """
+        """After ``compile_fx`` (offline: the stages): note a cache hit that skipped the AOT stages,
+        tell the observers, (live) UB-guard ``compiled``. Raises ``UbConfigError``: AOT-stage mismatches."""
         if self.live and not {s.stage for s in self.report.stages} & {Stage.JOINT.value, Stage.POST_GRAD_FWD.value}:
             hit = [k for k, n in _cache_hits().items() if n > self._hits_before.get(k, 0)]
             if hit:

@@ -1,10 +1,7 @@
-"""The pass manager: applies every pass of a stage the same way (docs/design.md "The manager").
-
-Per pass, in the order it was given: disabled? (``te_passes.disable``) record it; else open an
-edit journal (``ctx.journal``), run the pass under torch's ``GraphTransformObserver`` (provenance,
-``from_node`` meta when Inductor's provenance tracking is on), lint the graph if the journal
-recorded edits; on :class:`PassSkipped` or any exception undo the journal (``te_passes.strict``:
-re-raise as :class:`TePassError`). Observers (:class:`PassObserver`) see every stage and pass.
+"""The pass manager: applies every pass of a stage the same way — disable switch, an edit journal
+(``ctx.journal``) per pass undone on :class:`PassSkipped` or any exception (``te_passes.strict``:
+:class:`TePassError`), torch's ``GraphTransformObserver`` for provenance, lint, observers
+(:class:`PassObserver`). docs/design.md "The manager".
 """
 
 from __future__ import annotations
