@@ -7,7 +7,7 @@ captured on this CPU machine by te_passes.testing.capture) are replicated K time
 (placeholders shared, every copy's outputs returned) until it has about N nodes; the full
 PassManager then runs at the stage each graph belongs to (Dynamo graph: ``dynamo``; AOT forward:
 ``post_grad_fwd``; AOT backward: ``post_grad_bwd``). Printed per size: nodes, pass time (sum of the
-passes' own time, rollback checkpoints included), manager time (passes + lint + ``recompile``),
+passes' own time, their edit journals included), manager time (passes + lint + ``recompile``),
 microseconds per node, the ratio of per-node cost to the smallest size's (1.0 = perfectly
 linear), and each pass's own time. Goal: 100k nodes < 1 s. The garbage of building each copy is
 collected before its timed run (``gc.collect()``), so a pending full collection of the 100k-node
@@ -40,7 +40,9 @@ import torch.fx
 
 from te_passes.config import TePassesOptions
 from te_passes.pipeline.base import PassContext, Stage
-from te_passes.pipeline.manager import PassManager, copy_graph
+from te_passes.fx.graph import copy_graph
+from te_passes.passes.order import default_passes
+from te_passes.pipeline.manager import PassManager
 from te_passes.te.state import TEState
 
 
@@ -83,7 +85,7 @@ def time_stage(gm: torch.fx.GraphModule, stage: Stage, repeat: int,
         gc.collect()
         ctx = PassContext(stage, TePassesOptions(), TEState.capture())
         t0 = time.perf_counter()
-        rep = PassManager().run(work, ctx)
+        rep = PassManager(default_passes()).run(work, ctx)
         total_ms.append((time.perf_counter() - t0) * 1e3)
         pass_ms.append(sum(r.time_ms for r in rep.runs))
         for r in rep.runs:

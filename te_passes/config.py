@@ -1,24 +1,15 @@
-"""te_passes options: the ``te_passes.*`` namespace inside ``torch.compile(..., options=...)``.
-
-``torch.compile(model, backend="te_inductor", options={...})`` receives one dict. Keys starting
-with ``te_passes.`` are ours and parsed here into :class:`TePassesOptions`; every other key is
-an Inductor config key and goes to Inductor unchanged (Inductor itself rejects unknown ones).
-An unknown ``te_passes.*`` key raises :class:`TePassesOptionError` listing the valid keys.
-
-Environment variables (read when options are parsed; an explicit option wins):
-
-* ``TE_PASSES_DISABLE`` — comma-separated pass names to disable (added to ``te_passes.disable``);
-* ``TE_PASSES_STRICT`` — ``1`` makes every pass failure / finding an error;
-* ``TE_PASSES_DUMP_DIR`` — write per-pass dumps there (same as ``te_passes.dump_dir``);
-* ``TE_PASSES_CUDAGRAPHS`` — ``lean`` / ``trees`` (same as ``te_passes.cudagraphs``).
+"""te_passes options: the ``te_passes.*`` keys of ``torch.compile(..., options=...)``, parsed into
+:class:`TePassesOptions` (every other key is Inductor's and passes through unchanged); an unknown
+``te_passes.*`` key or a bad value raises :class:`TePassesOptionError` naming it. ``TE_PASSES_*``
+environment variables (:data:`OPTION_SPECS`) fill in options not given (``TE_PASSES_DISABLE`` adds
+to ``te_passes.disable``). docs/usage.md "Options".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from te_passes._json import jsonable
 
@@ -38,8 +29,7 @@ def _as_name_list(key: str, value: Any) -> tuple[str, ...]:
 
 
 def _as_bool(key: str, value: Any) -> bool:
-    """Option values: ``True``/``False`` only (``"yes"``, ``"false"``, ``0`` are refused: a
-    string that reads as the opposite of its truthiness must never be guessed)."""
+    """``True``/``False`` only: ``"false"`` or ``0`` are refused, never guessed."""
     if isinstance(value, bool):
         return value
     raise TePassesOptionError(f"option {PREFIX}{key} must be a bool (True or False), got {value!r} "
@@ -109,7 +99,6 @@ OPTION_SPECS: dict[str, _Spec] = {
     "ub_on_change": _Spec(_as_choice("recompile", "error"),
                           "what a UB-dependent compiled graph does when the UB state changed"),
     "pass_config": _Spec(_as_pass_config, "per-pass constructor arguments: {pass name: {parameter: value}}"),
-    # issue 14: how mode="reduce-overhead" replays CUDA graphs (te_passes/runtime/cudagraph_policy.py)
     "cudagraphs": _Spec(_as_choice("lean", "trees"),
                         "CUDA-graph replay under reduce-overhead: 'trees' (Inductor's cudagraph trees, the default) "
                         "or 'lean' (te_passes' policy, opt-in: falls back to trees per graph where unsafe; "
@@ -119,25 +108,10 @@ OPTION_SPECS: dict[str, _Spec] = {
 
 #: ``te_passes.*`` keys that are refused with a reason (not options a backend can honour).
 REFUSED_OPTIONS: dict[str, str] = {
-    # issue 15: a backend receives FX graphs that Dynamo traced after TE's disabled forwards
-    # already cut the model into segments; a module rewrite cannot be applied from there.
     "compile_friendly": "te_passes.compile_friendly is a model rewrite, not a backend option: a backend only "
                         "sees FX graphs traced after TE's eager islands were cut. Call "
                         "te_passes.compile_friendly(model) on the model before torch.compile",
 }
-
-
-def _expand_aliases(names: Sequence[str], aliases: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
-    """``names`` with each deprecated pass name replaced by the passes it became (order kept, no
-    duplicates); warns ``DeprecationWarning`` once per deprecated name."""
-    out: list[str] = []
-    for n in names:
-        if n in aliases:
-            warnings.warn(f"pass name {n!r} in {PREFIX}disable / TE_PASSES_DISABLE is deprecated and will be "
-                          f"removed in the next release: it was split into {', '.join(aliases[n])}, which it "
-                          "disables; name those instead", DeprecationWarning, stacklevel=4)
-        out += [m for m in aliases.get(n, (n,)) if m not in out]
-    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,28 +125,15 @@ class TePassesOptions:
     ub_on_change: str = "recompile"
     pass_config: Any = None
     cudagraphs: str = "trees"
+    #: The options whose value came from a ``TE_PASSES_*`` environment variable (not hashed).
+    from_env: frozenset[str] = frozenset()
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,
-              environ: Mapping[str, str] | None = None,
-              aliases: Mapping[str, Sequence[str]] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
-        """Split ``options`` into our options and Inductor's.
-
-        Args:
-            options: the dict given to ``torch.compile(options=...)`` (may be ``None``).
-            known_passes: valid pass names; ``disable`` entries outside it raise.
-            environ: environment to read ``TE_PASSES_*`` from (default ``os.environ``).
-            aliases: deprecated pass names -> the passes they became
-                (``te_passes.pipeline.registry.PASS_ALIASES``); a ``disable`` entry naming one is
-                replaced by those passes, with a ``DeprecationWarning``.
-
-        Returns:
-            ``(TePassesOptions, inductor_options)``; ``inductor_options`` holds every key that
-            does not start with ``te_passes.``, unchanged.
-
-        Raises:
-            TePassesOptionError: unknown ``te_passes.*`` key, bad value, unknown pass name.
-        """
+              environ: Mapping[str, str] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
+        """``(TePassesOptions, inductor_options)`` from ``torch.compile``'s ``options`` (``None``
+        ok) and ``environ`` (default ``os.environ``); ``known_passes``: valid ``disable`` names.
+        Raises ``TePassesOptionError``: unknown ``te_passes.*`` key, bad value, unknown pass name."""
         environ = os.environ if environ is None else environ
         ours: dict[str, Any] = {}
         inductor: dict[str, Any] = {}
@@ -202,9 +163,8 @@ class TePassesOptions:
                 ours[short] = tuple(ours.get(short, ())) + value
             elif short not in ours:
                 ours[short] = value
-        if aliases and any(p in aliases for p in ours.get("disable", ())):
-            ours["disable"] = _expand_aliases(ours["disable"], aliases)
-        parsed = cls(**ours)
+                from_env[short] = value
+        parsed = cls(**ours, from_env=frozenset(from_env))
         if known_passes is not None:
             unknown = [p for p in parsed.disable if p not in known_passes]
             if unknown:
@@ -216,9 +176,8 @@ class TePassesOptions:
         return parsed, inductor
 
     def fingerprint_data(self) -> dict[str, Any]:
-        """The options that change what passes do (everything but where dumps go and how CUDA
-        graphs are replayed: the cudagraph policy is not part of Inductor's cache key either)."""
+        """The options that change what passes do (not dump_dir, cudagraphs: no cache-key part)."""
         d = dataclasses.asdict(self)
-        d.pop("dump_dir")
-        d.pop("cudagraphs")
+        for k in ("dump_dir", "cudagraphs", "from_env"):
+            d.pop(k)
         return jsonable(d)

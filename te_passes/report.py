@@ -1,10 +1,6 @@
-"""What te_passes did, as data: per pass run, per stage, per compiled graph.
-
-Every ``te_inductor`` call (one Dynamo graph) creates a :class:`CompileReport`; each stage the
-pass manager runs on it (Dynamo, joint, post-grad forward/backward) appends a
-:class:`StageReport` of :class:`PassRun`\\ s. Reports are kept in a process-wide list
-(:func:`compile_reports`) that the CLI and tests read; the dump writer serialises them to
-``report.json``.
+"""What te_passes did, as data: one :class:`CompileReport` per ``te_inductor`` call (one Dynamo
+graph), a :class:`StageReport` per stage, a :class:`PassRun` per pass; kept process-wide
+(:func:`compile_reports`) for the CLI and tests; the dump writer saves them as ``report.json``.
 """
 
 from __future__ import annotations
@@ -19,14 +15,8 @@ from te_passes._json import jsonable
 
 @dataclasses.dataclass
 class PassRecord:
-    """One structured fact a pass reports: what it folded, freed, found, or refused to do.
-
-    ``kind`` is a short word naming the record type (``"folded"``, ``"hoisted"``, ``"free"``,
-    ``"check"``, ``"pool_leak"``, ``"skipped"``, ...); ``node`` the FX node name it concerns
-    (``None`` for graph-level facts); ``data`` JSON-serialisable details (values are rendered
-    with ``repr`` when they are not JSON types). Dump reports (``report.json``) list records
-    grouped by ``kind``.
-    """
+    """One fact a pass reports for people: ``kind`` (``"folded"``, ``"free"``, ``"skipped"``, ...),
+    ``node`` (the FX node name, ``None`` for the graph) and ``data`` (JSON-able details)."""
 
     kind: str
     node: str | None = None
@@ -42,13 +32,9 @@ class PassRecord:
 
 @dataclasses.dataclass
 class PassRun:
-    """One pass applied to one graph at one stage.
-
-    ``status``: ``"ok"`` (ran), ``"disabled"`` (switched off by option/env), ``"skipped"``
-    (refused: could not prove the rewrite safe, graph untouched), ``"failed"`` (raised; the
-    graph was restored). ``time_ms`` is wall time in milliseconds; ``nodes_before/after`` node
-    counts of the graph.
-    """
+    """One pass applied to one graph at one stage. ``status``: ``"ok"``, ``"disabled"``,
+    ``"skipped"`` (refused, its edits undone) or ``"failed"`` (raised, its edits undone);
+    ``changed``: its edit journal recorded edits; ``time_ms``: wall time (ms)."""
 
     name: str
     stage: str
@@ -59,9 +45,12 @@ class PassRun:
     nodes_after: int = 0
     records: list[PassRecord] = dataclasses.field(default_factory=list)
     error: str | None = None
-    #: Typed facts the pass returned for the pipeline (``TEPassResult.facts``, e.g. a
-    #: ``te_passes.runtime.ub_graph_guard.UbDependence``); empty unless the run succeeded. Not in JSON.
+    #: Typed facts for the pipeline (``TEPassResult.facts``); empty unless it succeeded. Not in JSON.
     facts: list[Any] = dataclasses.field(default_factory=list)
+    #: Where the dump writer wrote this run (``g0/dynamo/01_<pass>``) and its change counts
+    #: (``{"added", "removed", "changed"}``); ``None`` without a dump. Not in JSON.
+    dump_dir: str | None = None
+    dump_changes: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("name", "stage", "status", "changed", "nodes_before",
@@ -88,14 +77,9 @@ class StageReport:
 
 @dataclasses.dataclass
 class CompileReport:
-    """Everything te_passes did for one ``te_inductor`` call (one Dynamo graph).
-
-    ``graph_id``: ``"g<N>"`` in call order within the process; ``mode``: the torch.compile mode,
-    ``"default"`` for ``None`` (``torch.compile`` passes no mode for ``mode="default"``), as in
-    every report, summary and printout;
-    ``uuid``: the pass-pipeline uuid and what it was built from; ``te_state``: the TE state
-    snapshot (JSON); ``stages``: :class:`StageReport`\\ s in the order they ran.
-    """
+    """Everything te_passes did for one ``te_inductor`` call: ``graph_id`` (``"g<N>"`` in call
+    order), ``mode`` (``"default"`` for ``None``), ``uuid`` (the pipeline uuid and its parts),
+    ``te_state`` (JSON), ``stages`` (in run order), times in ms."""
 
     graph_id: str
     mode: str | None = None
@@ -104,12 +88,13 @@ class CompileReport:
     stages: list[StageReport] = dataclasses.field(default_factory=list)
     time_ms_passes: float = 0.0
     time_ms_total: float = 0.0
-    #: CUDA-graph decisions and fallbacks of the lean policy (te_passes/runtime/cudagraph_policy.py):
-    #: ``{"graph", "event", "reason", "count", ...}``; appended at compile time and at run time.
+    #: The lean CUDA-graph policy's decisions and fallbacks (``{"graph", "event", "reason", "count"}``).
     cudagraphs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    #: Which Inductor cache served the compile when the joint / post-grad stages did not run
-    #: (``"AOTAutograd cache"``, ``"FX graph cache"``), else ``None`` (te_passes.backend).
+    #: The Inductor cache that served the compile when the AOT stages did not run, else ``None``.
     cache_hit: str | None = None
+    #: Where its dump went (``None``: none); a replayed graph's saved torch/TE versions. Not in JSON.
+    dump_dir: str | None = None
+    saved_versions: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -121,22 +106,19 @@ class CompileReport:
                 if kind is None or r.kind == kind]
 
     def typed_facts(self, cls: type | None = None, stages: "list[StageReport] | None" = None) -> list[Any]:
-        """The typed facts (:attr:`PassRun.facts`) of all runs of ``stages`` (default: every
-        stage so far), optionally only instances of ``cls``."""
+        """The typed facts of all runs of ``stages`` (default: all so far), only ``cls``'s if given."""
         return [f for s in (self.stages if stages is None else stages) for run in s.runs for f in run.facts
                 if cls is None or isinstance(f, cls)]
 
     def to_json(self) -> dict[str, Any]:
         return {"graph_id": self.graph_id, "mode": self.mode, "uuid": jsonable(self.uuid),
                 "te_state": jsonable(self.te_state), "stages": [s.to_json() for s in self.stages],
-                "time_ms_passes": round(self.time_ms_passes, 3),
-                "time_ms_total": round(self.time_ms_total, 3),
+                "time_ms_passes": round(self.time_ms_passes, 3), "time_ms_total": round(self.time_ms_total, 3),
                 "cudagraphs": jsonable(self.cudagraphs), "cache_hit": self.cache_hit}
 
 
 def cache_hit_note(cache: str) -> str:
-    """The sentence ``te-passes show``, ``index.md`` and the te_passes log print for a compile
-    whose joint / post-grad stages did not run because ``cache`` (:attr:`CompileReport.cache_hit`) hit."""
+    """What ``te-passes show``, ``index.md`` and the log say when ``cache`` skipped the AOT stages."""
     return (f"{cache} hit: the joint and post-grad passes did not run (Inductor reused code compiled "
             f"earlier with the same pass-pipeline uuid, which already holds their rewrites)")
 

@@ -138,7 +138,7 @@ class _CountAdds(TEPass):
 
 def test_user_post_grad_pass_runs_before_ours(monkeypatch):
     order = []
-    monkeypatch.setattr("te_passes.pipeline.registry.default_passes", lambda: [_Spy(order)])
+    monkeypatch.setattr("te_passes.passes.order.default_passes", lambda: [_Spy(order)])
 
     def user_pass(graph):
         order.append("user")
@@ -165,7 +165,7 @@ class _Spy(TEPass):
 
 
 def test_dynamo_and_post_grad_passes_see_their_graphs(monkeypatch):
-    monkeypatch.setattr("te_passes.pipeline.registry.default_passes", lambda: [_CountAdds()])
+    monkeypatch.setattr("te_passes.passes.order.default_passes", lambda: [_CountAdds()])
     with torch.no_grad():
         torch.compile(lambda x, y: (x + y) * 2 + 1, backend="te_inductor")(torch.ones(2), torch.ones(2))
     (rep,) = compile_reports()
@@ -194,7 +194,7 @@ def test_pass_config_reaches_the_passes_and_their_uuid():
     with torch.no_grad():
         te_inductor(gm, [torch.ones(2)], options={"te_passes.pass_config": {"insert_early_frees": {"policy": "all"}}})
     (rep,) = compile_reports()
-    from te_passes.pipeline.registry import configured_passes
+    from te_passes.passes.order import configured_passes
     (frees,) = [p for p in configured_passes({"insert_early_frees": {"policy": "all"}}) if p.name == "insert_early_frees"]
     assert frees.config()["policy"] == "all"
     assert rep.uuid["passes"]["insert_early_frees"] == frees.uuid()

@@ -47,7 +47,6 @@ def test_option_error_at_first_call_is_unwrapped(how):
 
 
 def test_pass_error_under_strict_is_unwrapped(monkeypatch):
-    from te_passes.pipeline import registry
     from te_passes.pipeline.base import Stage, TEPass
 
     class Boom(TEPass):
@@ -57,7 +56,6 @@ def test_pass_error_under_strict_is_unwrapped(monkeypatch):
         def run(self, gm, ctx):
             raise RuntimeError("boom in a pass")
 
-    monkeypatch.setattr(registry, "configured_passes", lambda cfg=None: [Boom()])
     import te_passes.backend as backend
 
     monkeypatch.setattr(backend, "configured_passes", lambda cfg=None: [Boom()])

@@ -3,6 +3,8 @@ config or the TE state the passes read changed (the post-grad passes' ``uuid()``
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch._dynamo
@@ -11,6 +13,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.utils import fresh_cache
 
 from te_passes.passes import PassRecord, Stage, TEPass, TEPassResult
+from te_passes.pipeline.base import PassConfig
 from te_passes.report import clear_compile_reports, compile_reports
 from te_passes.te.state import TEState
 
@@ -23,12 +26,16 @@ class Tagger(TEPass):
     description = "records the config it ran with"
     analysis_only = True
 
+    @dataclasses.dataclass(frozen=True)
+    class Config(PassConfig):
+        level: int = 0
+
     def run(self, gm, ctx):
         return TEPassResult(gm, False, [PassRecord("tag", None, self.config())])
 
 
 def _compile_once(monkeypatch, **cfg):
-    monkeypatch.setattr("te_passes.pipeline.registry.default_passes", lambda: [Tagger(**cfg)])
+    monkeypatch.setattr("te_passes.passes.order.default_passes", lambda: [Tagger(**cfg)])
     torch._dynamo.reset()
     with torch.no_grad():
         out = torch.compile(lambda x: torch.sin(x) * 3, backend="te_inductor")(torch.arange(4.0))

@@ -29,8 +29,7 @@ from te_passes.config import TePassesOptions
 from te_passes.pipeline import base
 from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import pipeline_uuid
-from te_passes.pipeline.manager import PassManager
-from te_passes.pipeline.registry import default_passes
+from te_passes.passes.order import default_passes
 from te_passes.te import recipes
 from te_passes.te import recipe_table
 from te_passes.te.state import TEState
@@ -41,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _uuids():
     passes = default_passes()
-    return {p.name: p.uuid() for p in passes}, pipeline_uuid(PassManager(passes), TePassesOptions(), TEState())["uuid"]
+    return {p.name: p.uuid() for p in passes}, pipeline_uuid(passes, TePassesOptions(), TEState())["uuid"]
 
 
 def test_editing_an_analysis_rule_changes_every_pass_uuid_and_the_pipeline_uuid(tmp_path, monkeypatch):
@@ -81,7 +80,7 @@ _FP8 = {"te_version": "2.20.2"}
 ])
 def test_a_different_fp8_state_changes_the_uuid(change):
     pytest.importorskip("transformer_engine.common.recipe")
-    m = PassManager(default_passes())
+    m = default_passes()
     kw = {k: (recipe_table.default_recipe(v) if k == "recipe" else v) for k, v in change.items()}
     plain = TEState(fp8=recipes.Fp8State(), **_FP8)
     other = TEState(fp8=recipes.Fp8State(**kw), **_FP8)

@@ -305,7 +305,7 @@ def test_run_pipeline_with_registry_passes(te_aot_graphs, monkeypatch):
 
     # hoist_te_constants names constants from a process-global counter; keep this test from
     # shifting the names later tests (test_cli) compare against a fresh subprocess's.
-    from te_passes.pipeline.registry import pass_classes
+    from te_passes.passes.order import pass_classes
 
     pass_classes()  # imports every registered pass module
     hoist = sys.modules.get("te_passes.passes.hoist_te_constants")

@@ -41,7 +41,7 @@ def run_cli(*args: str, cwd: str, env: dict[str, str] | None = None, timeout: in
 
 
 def registered():
-    from te_passes.pipeline.registry import pass_classes
+    from te_passes.passes.order import pass_classes
 
     return list(pass_classes())
 

@@ -19,11 +19,12 @@ from te_passes.debug.dump_files import SCHEMA
 def small_dump(tmp_path_factory):
     """A real dump of a small graph through the backend's stage runner (no TE, fast)."""
     from te_passes.debug.offline import run_stages
+    from te_passes.passes.order import configured_passes
     from te_passes.pipeline.base import Stage
 
     d = tmp_path_factory.mktemp("small") / "D"
     gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
-    run_stages([(Stage.DYNAMO, gm, [torch.ones(4)])], dump_dir=str(d), graph_id="g0")
+    run_stages([(Stage.DYNAMO, gm, [torch.ones(4)])], configured_passes(), dump_dir=str(d), graph_id="g0")
     return d
 
 

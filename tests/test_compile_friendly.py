@@ -156,9 +156,9 @@ def test_state_dict_identity_and_reload():
     assert all(p is params0[n] for n, p in layer.named_parameters()) and len(list(layer.parameters())) == len(params0)
     # the hidden te.Linear modules run on the very same Parameter objects
     mlp = layer.layernorm_mlp
-    fc1, fc2 = module_state._state(mlp).linears
+    fc1, fc2 = module_state.state_of(mlp).linears
     assert fc1.fc1_weight is mlp.fc1_weight and fc2.fc2_bias is mlp.fc2_bias and fc1.weight_names == ["fc1_weight"]
-    qkv_lin = module_state._state(layer.self_attention.layernorm_qkv).linears[0]
+    qkv_lin = module_state.state_of(layer.self_attention.layernorm_qkv).linears[0]
     assert qkv_lin.query_weight is layer.self_attention.layernorm_qkv.query_weight
     with torch.no_grad():
         for p in layer.parameters():
@@ -177,7 +177,7 @@ def test_state_dict_identity_and_reload():
 def test_train_eval_reach_hidden_linears():
     with _cpu_te():
         layer = cf.compile_friendly(_layer())
-    fc1, fc2 = module_state._state(layer.layernorm_mlp).linears
+    fc1, fc2 = module_state.state_of(layer.layernorm_mlp).linears
     layer.eval()
     assert not fc1.training and not fc2.training
     layer.train()
@@ -439,7 +439,7 @@ def test_prepare_removes_recompiles_of_the_segments_between_eager_islands(precis
     monkeypatch.setattr(te.LayerNormMLP, "forward", lnmlp)
 
     def sdpa_only(layer):
-        rewriters._rewrite_attention(layer.self_attention.core_attention)
+        rewriters.rewrite_attention(layer.self_attention.core_attention)
 
     graphs, reasons, breaks = _run_calls(precision, prepare=False, rewrite=sdpa_only)
     assert breaks >= 2 and len(reasons) >= 1 and any("_is_fsdp2" in r or "fp8 ==" in r for r in reasons), reasons

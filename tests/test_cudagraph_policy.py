@@ -821,24 +821,27 @@ def test_user_policy_wins(captured_patches):
 def test_ub_hazard_only_when_ub_is_initialised():
     """Every TE op carries UB flags (so a TE graph always "reads UB state"); only an initialised
     UB makes lean replay step aside for the graph."""
-    from types import SimpleNamespace
-
-    from te_passes.backend import _cudagraph_policy
+    from te_passes.pipeline.compilation import Compilation
+    from te_passes.pipeline.manager import PassManager
     from te_passes.report import new_compile_report
+    from te_passes.te.state import TEState
     from te_passes.te.ub import UbSnapshot
 
     opts = TePassesOptions.parse({"te_passes.cudagraphs": "lean"})[0]
     rep = new_compile_report("reduce-overhead")
+
+    def policy(ub, patches={"triton.cudagraphs": True}):  # noqa: B006 - read only
+        comp = Compilation(PassManager([]), opts, TEState(ub=ub), rep)
+        return comp.cudagraph_policy(patches)
+
     rep.uuid = {"ub_reads": ["te op linear: ub_overlap_ag_fprop flag"]}
-    patches = {"triton.cudagraphs": True}
-    off = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(source="absent")), [])
+    off = policy(UbSnapshot(source="absent"))
     assert isinstance(off, LeanCUDAGraphPolicy) and off.static_hazards == ()
-    on = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(initialized=True, source="live")), [])
+    on = policy(UbSnapshot(initialized=True, source="live"))
     assert len(on.static_hazards) == 1 and "Userbuffers" in on.static_hazards[0]
     rep.uuid = {"ub_reads": []}
-    pol = _cudagraph_policy(opts, patches, rep, SimpleNamespace(ub=UbSnapshot(initialized=True)), [])
-    assert pol.static_hazards == ()
-    assert _cudagraph_policy(opts, {"triton.cudagraphs": False}, rep, SimpleNamespace(ub=None), []) is None
+    assert policy(UbSnapshot(initialized=True)).static_hazards == ()
+    assert policy(None, {"triton.cudagraphs": False}) is None
 
 
 def test_report_json_carries_cudagraph_records():

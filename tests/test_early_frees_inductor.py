@@ -214,8 +214,7 @@ def test_pass_marks_only_aten_values_an_opaque_op_reads(policy):
 
 def test_undo_removes_the_frees_and_the_realize_flag(monkeypatch):
     """A failure after the rewrite (a later pass of the stage): the manager rolls back through
-    the pass's own undo (no graph copy), which erases the frees and the realize flag."""
-    import te_passes.pipeline.manager as mgr
+    the edit journal, which erases the frees and the realize flag."""
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
     from te_passes.pipeline.base import Stage, TEPass
     from te_passes.testing.harness import run_passes
@@ -223,7 +222,7 @@ def test_undo_removes_the_frees_and_the_realize_flag(monkeypatch):
     seen = []
 
     class FailAfter(TEPass):
-        name, stages, description, checkpoints_itself = "fail_after", frozenset({Stage.POST_GRAD_FWD}), "test", True
+        name, stages, description = "fail_after", frozenset({Stage.POST_GRAD_FWD}), "test"
 
         def run(self, gm, ctx):
             assert InsertEarlyFrees().run(gm, ctx).modified
@@ -232,7 +231,6 @@ def test_undo_removes_the_frees_and_the_realize_flag(monkeypatch):
 
     gm = _cast_graph()
     before = gm.graph.python_code("self").src
-    monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
         run = run_passes(gm, FailAfter(), Stage.POST_GRAD_FWD, graph_id="t0")
     assert run.report.runs[0].status == "failed"
@@ -251,7 +249,7 @@ def test_lowering_warns_when_an_opaque_reader_got_a_copy(monkeypatch, caplog):
     from te_passes._logging import get_logger
     from te_passes.runtime import free_op
 
-    monkeypatch.setattr(free_op, "mark_realize", lambda node: None)
+    monkeypatch.setattr(free_op, "mark_realize", lambda node, journal: None)
     get_logger()  # registered with torch._logging
     caplog.set_level(logging.DEBUG, logger="te_passes")
     x, w = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)

@@ -25,7 +25,7 @@ from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.fold_ub_predicates import FoldUbPredicates  # noqa: E402
 from te_passes.pipeline.manager import TePassError  # noqa: E402
-from te_passes.pipeline.registry import pass_names  # noqa: E402
+from te_passes.passes.order import pass_names  # noqa: E402
 from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
 from te_passes.runtime import ub_guard as guards  # noqa: E402
 from te_passes.runtime import ub_graph_guard  # noqa: E402
@@ -407,7 +407,8 @@ def test_real_linear_missing_wgrad_buffer_is_an_error():
     assert recs[1:] == [{"kind": "ub_mismatch", "node": te_node, "ub_name": "qkv", "buffer": "qkv_wgrad", "message": msg}]
     # te_inductor raises it before returning the compiled graph
     report = CompileReport("g99", stages=[StageReport("g99", "dynamo", runs=[PassRun("fold_ub_predicates", "dynamo",
-                                                                                    records=res.records)])])
+                                                                                    records=res.records,
+                                                                                    facts=res.facts)])])
     with pytest.raises(UbConfigError, match="graph g99: UB configuration does not match the UB state") as ei:
         ub_graph_guard.wrap_with_te_state_guard(lambda *a: None, report, TEState.capture(), TePassesOptions())
     assert msg in str(ei.value)

@@ -46,18 +46,20 @@ def test_old_layout_pickle_names_are_mapped():
     assert q.name == "ub_query" and q.args == ("proj_fprop", True)
 
 
+#: The pass the saved dump ran (issue 12) -> the passes it was split into.
+SPLIT_PASSES = {"hoist_recipe_lookups": ("fold_recipe_lookups", "remove_quantizer_setattrs", "hoist_te_constants")}
+
+
 def _as_old_pipeline(report: dict) -> dict:
     """``report`` as the pipeline of the saved dump would have written it: the runs of the passes
-    ``hoist_recipe_lookups`` was split into (issue 12: ``PASS_ALIASES``) become one run of the old
+    ``hoist_recipe_lookups`` was split into (:data:`SPLIT_PASSES`) become one run of the old
     name at the same place — status / error of its runs (which must agree), changed if any
     changed, nodes before the first and after the last, records concatenated in run order."""
-    from te_passes.pipeline.registry import PASS_ALIASES
-
     out = dict(report, stages=[])
     for stage in report["stages"]:
         runs: list = []
         for r in stage["runs"]:
-            old = next((o for o, news in PASS_ALIASES.items() if r["name"] in news), None)
+            old = next((o for o, news in SPLIT_PASSES.items() if r["name"] in news), None)
             if old is None:
                 runs.append(r)
                 continue
@@ -91,11 +93,12 @@ def test_split_passes_are_mapped_back_to_the_old_run():
 def test_old_layout_dump_replays_to_the_saved_report(monkeypatch):
     pytest.importorskip("transformer_engine.pytorch")
     from te_passes.debug.offline import compare_reports, replay
+    from te_passes.passes.order import configured_passes
 
     # passes added after the dump was written (call_te_impl_directly, 2026-12-01) are switched off,
     # so the replay runs the pipeline the dump recorded (their runs are dropped before comparing)
     monkeypatch.setenv("TE_PASSES_DISABLE", "call_te_impl_directly")
-    results = replay(os.path.join(DATA, "linear_fp8"))
+    results = replay(os.path.join(DATA, "linear_fp8"), configured_passes())
     assert len(results) == 1
     new, saved = results[0]
     assert saved is not None and {s["stage"] for s in saved["stages"]} == {

@@ -128,3 +128,47 @@ def test_te_passes_imports_are_module_level():
             if not top and target.startswith("te_passes"):
                 lazy.append(f"{m}:{line} {target}")
     assert sorted(set(lazy)) == []
+
+
+def _underscore_imports(path: str, module: str, is_pkg: bool) -> list[str]:
+    """``from <other te_passes module> import _name`` statements of ``path`` (dunder names aside)."""
+    tree = ast.parse(open(path).read(), path)
+    out = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.ImportFrom):
+            continue
+        base = n.module or ""
+        if n.level:
+            parts = module.split(".")
+            parts = parts if is_pkg else parts[:-1]
+            base = ".".join(parts[: len(parts) - (n.level - 1)] + ([n.module] if n.module else []))
+        if not base.startswith("te_passes") or base == module:
+            continue
+        out += [f"{module}:{n.lineno} from {base} import {a.name}" for a in n.names
+                if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_underscore_names():
+    """A private name is private to its module: a seam two modules share is public, or the split
+    is merged back (issue 25)."""
+    found = [hit for m, path in _modules().items() for hit in _underscore_imports(path, m, path.endswith("__init__.py"))]
+    assert found == []
+
+
+def test_underscore_check_sees_what_it_looks_for(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("from te_passes.debug.dump_files import slug, _hidden\nfrom .sibling import _x\n"
+                 "from te_passes.a.m import _own\nfrom te_passes.x import __version__\n")
+    assert _underscore_imports(str(p), "te_passes.a.m", False) == [
+        "te_passes.a.m:1 from te_passes.debug.dump_files import _hidden", "te_passes.a.m:2 from te_passes.a.sibling import _x"]
+
+
+def test_pipeline_never_imports_a_pass():
+    """The framework is handed the ordered pass list (te_passes.passes.order); it imports no pass,
+    by name or by string (the import-linter contract "the pass framework imports no pass" checks
+    the first; this the second)."""
+    for m, path in _modules().items():
+        if m.startswith("te_passes.pipeline"):
+            text = open(path).read()
+            assert "importlib" not in text and "te_passes.passes." not in text.replace("te_passes.passes.order", ""), m

@@ -1,7 +1,9 @@
-"""PassManager: disable switches, rollback, strict mode, lint, records, observers, logging."""
+"""PassManager: disable switches, the edit journal and its undo (the one rollback), strict mode,
+lint, records, observers (the PassObserver base), provenance, logging."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import os
@@ -15,7 +17,8 @@ import torch.fx
 
 from te_passes.config import TePassesOptions
 from te_passes.passes import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.pipeline.manager import PassManager, TePassError, copy_graph, restore_graph
+from te_passes.pipeline.base import PassConfig
+from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
 from te_passes.te.state import TEState
 from te_passes.testing.harness import pass_context
 
@@ -39,10 +42,9 @@ class MulToAdd(TEPass):
         recs = []
         for n in list(gm.graph.nodes):
             if n.op == "call_function" and n.target is operator.mul and n.args[1] == 2:
-                with gm.graph.inserting_before(n):
-                    new = gm.graph.call_function(operator.add, (n.args[0], n.args[0]))
-                n.replace_all_uses_with(new)
-                gm.graph.erase_node(n)
+                new = ctx.journal.call_function(operator.add, (n.args[0], n.args[0]), before=n)
+                ctx.journal.replace_uses(n, new)
+                ctx.journal.erase(n)
                 recs.append(PassRecord("rewrote", new.name, {"from": n.name}))
         return TEPassResult(gm, bool(recs), recs)
 
@@ -57,8 +59,8 @@ class Explodes(TEPass):
     def run(self, gm, ctx):
         for n in list(gm.graph.nodes):
             if n.op == "call_function" and n.target is torch.relu:
-                n.replace_all_uses_with(n.args[0])
-                gm.graph.erase_node(n)
+                ctx.journal.replace_uses(n, n.args[0])
+                ctx.journal.erase(n)
                 break
         raise ValueError("boom")
 
@@ -82,7 +84,7 @@ class LeavesBadGraph(TEPass):
     def run(self, gm, ctx):
         nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
         first, last = nodes[0], nodes[-1]
-        first.args = (last, first.args[1])
+        ctx.journal.set_args(first, (last, first.args[1]))
         return TEPassResult(gm, True)
 
 
@@ -163,33 +165,130 @@ def _has_mul(gm):
 def test_observers_see_before_and_after():
     seen = []
 
-    class Obs:
+    class Obs(PassObserver):  # the base's other hooks are no-ops
         def before_pass(self, gm, p, ctx):
             seen.append(("before", p.name, _has_mul(gm)))
 
         def after_pass(self, gm, p, ctx, run):
             seen.append(("after", p.name, _has_mul(gm), run.changed))
 
+        def after_stage(self, gm, ctx, report):
+            seen.append(("stage", ctx.stage.value, len(report.runs)))
+
     PassManager([MulToAdd()], observers=[Obs()]).run(_gm(), pass_context(Stage.DYNAMO))
-    assert seen == [("before", "mul_to_add", True), ("after", "mul_to_add", False, True)]
+    assert seen == [("before", "mul_to_add", True), ("after", "mul_to_add", False, True), ("stage", "dynamo", 1)]
 
 
-def test_copy_and_restore_graph_roundtrip():
+def _exact(graph):
+    """Everything an undo must restore: order, names, ops, targets, args/kwargs (by name), meta."""
+    ref = lambda a: torch.fx.node.map_arg(a, lambda n: ("node", n.name))  # noqa: E731
+    return [(n.name, n.op, n.target, repr(ref(n.args)), repr(ref(n.kwargs)), dict(n.meta)) for n in graph.nodes]
+
+
+class EditsEverything(TEPass):
+    """Every kind of journal edit, then ``then`` (raise, skip or return)."""
+
+    name = "edits_everything"
+    stages = frozenset({Stage.DYNAMO})
+
+    def __init__(self, then):
+        super().__init__()
+        self.then = then
+
+    def run(self, gm, ctx):
+        j = ctx.journal
+        nodes = {n.name: n for n in gm.graph.nodes}
+        add, mul, relu, sub = nodes["add"], nodes["mul"], nodes["relu"], nodes["sub"]
+        new = j.call_function(operator.neg, (add,), after=add, meta={"tag": 1})
+        j.set_args(mul, (new, 3))
+        j.set_target(sub, operator.add)
+        j.set_meta(relu, "k", "v")
+        j.set_meta(add, "stack_trace", None)
+        j.replace_uses(relu, mul)
+        j.erase(relu)
+        j.erase(j.call_function(operator.pos, (new,), before=mul))  # created, then erased
+        gm.graph.lint()
+        if self.then == "raise":
+            raise RuntimeError("after editing")
+        if self.then == "skip":
+            raise PassSkipped("changed its mind")
+        return TEPassResult(gm, True)
+
+
+@pytest.mark.parametrize("then, status", [("raise", "failed"), ("skip", "skipped")])
+def test_journal_undo_is_exact(then, status, recwarn):
     gm = _gm()
-    backup = copy_graph(gm.graph)
-    for n in reversed([n for n in gm.graph.nodes if n.op == "call_function"]):
-        n.replace_all_uses_with(list(gm.graph.nodes)[0])
-        gm.graph.erase_node(n)
-    restore_graph(gm.graph, backup)
-    gm.recompile()
-    x, y = torch.randn(3), torch.randn(3)
-    torch.testing.assert_close(gm(x, y), torch.relu((x + y) * 2) - y)
+    before, code = _exact(gm.graph), gm.code
+    x, y = torch.randn(4), torch.randn(4)
+    ref = gm(x, y)
+    rep = PassManager([EditsEverything(then)]).run(gm, pass_context(Stage.DYNAMO))
+    assert rep.runs[0].status == status and not rep.runs[0].changed
+    assert _exact(gm.graph) == before and gm.code == code
+    gm.graph.lint()
+    torch.testing.assert_close(gm(x, y), ref)
+    # names stay free for the next pass: a rewrite after the undo gets the names it would have had
+    rep = PassManager([MulToAdd()]).run(gm, pass_context(Stage.DYNAMO))
+    assert rep.runs[0].records[0].node == "add_1"
+
+
+def test_journal_edits_kept_when_the_pass_succeeds():
+    gm = _gm()
+    rep = PassManager([EditsEverything("return")]).run(gm, pass_context(Stage.DYNAMO))
+    assert rep.runs[0].changed and "relu" not in gm.code and "neg" in gm.code
+    assert next(n for n in gm.graph.nodes if n.target is operator.neg).meta["tag"] == 1
+
+
+def test_changed_comes_from_the_journal():
+    class SaysNothing(MulToAdd):  # edits, but reports modified=False
+        name = "says_nothing"
+
+        def run(self, gm, ctx):
+            return TEPassResult(gm, False, super().run(gm, ctx).records)
+
+    class EditsBehindTheJournal(TEPass):  # reports a change it made outside ctx.journal
+        name = "behind"
+        stages = frozenset({Stage.DYNAMO})
+
+        def run(self, gm, ctx):
+            return TEPassResult(gm, True)
+
+    gm = _gm()
+    rep = PassManager([SaysNothing()]).run(gm, pass_context(Stage.DYNAMO))
+    assert rep.runs[0].changed and "mul" not in gm.code  # and recompiled
+    with pytest.warns(RuntimeWarning, match="reported a change but made no edit through ctx.journal"):
+        rep = PassManager([EditsBehindTheJournal()]).run(_gm(), pass_context(Stage.DYNAMO))
+    assert rep.runs[0].status == "failed"
+
+
+def test_provenance_through_graph_transform_observer():
+    """Under Inductor's provenance tracking, torch's GraphTransformObserver (the manager wraps every
+    pass in one) stamps the nodes a pass created with ``from_node`` naming the pass."""
+    from torch._inductor import config as inductor_config
+
+    gm = _gm()
+    with inductor_config.patch({"trace.provenance_tracking_level": 1}):
+        PassManager([MulToAdd()]).run(gm, pass_context(Stage.DYNAMO))
+    (new,) = [n for n in gm.graph.nodes if n.name == "add_1"]
+    assert [s.pass_name for s in new.meta["from_node"]] == ["mul_to_add"]
+    gm2 = _gm()
+    PassManager([MulToAdd()]).run(gm2, pass_context(Stage.DYNAMO))  # off: no meta written
+    assert all("from_node" not in n.meta for n in gm2.graph.nodes)
+
+
+class Scaled(MulToAdd):
+    name = "scaled"
+
+    @dataclasses.dataclass(frozen=True)
+    class Config(PassConfig):
+        threshold: int = 0
 
 
 def test_uuid_covers_source_and_config():
-    a, b = MulToAdd(), MulToAdd(threshold=1)
-    assert a.uuid() == MulToAdd().uuid() != b.uuid()
-    assert len(a.uuid()) == 64
+    a, b = Scaled(), Scaled(threshold=1)
+    assert a.uuid() == Scaled().uuid() != b.uuid() != MulToAdd().uuid()
+    assert len(a.uuid()) == 64 and b.config() == {"threshold": 1}
+    with pytest.raises(TypeError, match="threshold must be int, got '1'"):
+        Scaled(threshold="1")
 
 
 def test_torch_logs_enables_debug_log():
@@ -215,11 +314,10 @@ def test_trace_structured_artifact_written(tmp_path):
     code = textwrap.dedent("""
         import torch
         from tests.test_manager import MulToAdd
-        import te_passes.pipeline.registry as reg
-        reg.default_passes = lambda: [MulToAdd()]
-        reg.pass_names = lambda: ["mul_to_add"]
+        import te_passes.passes.order as order
+        order.default_passes = lambda: [MulToAdd()]
         import te_passes.backend as b
-        b.pass_names = reg.pass_names
+        b.pass_names = lambda: ["mul_to_add"]
         f = torch.compile(lambda x: torch.relu(x * 2), backend=b.te_inductor)
         with torch.no_grad():
             f(torch.ones(3))
@@ -231,29 +329,3 @@ def test_trace_structured_artifact_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
     assert "te_passes_g0_dynamo_mul_to_add" in text
-
-
-class LazyRewrite(MulToAdd):
-    """Checkpoints only when it has something to rewrite."""
-
-    name = "lazy_rewrite"
-    checkpoints_itself = True
-
-    def run(self, gm, ctx):
-        if any(n.target is operator.mul for n in gm.graph.nodes):
-            ctx.checkpoint()
-            return super().run(gm, ctx)
-        return TEPassResult(gm, False)
-
-
-def test_lazy_checkpoint_copies_only_when_rewriting(monkeypatch):
-    import te_passes.pipeline.manager as mgr
-
-    copies = []
-    real = mgr.copy_graph
-    monkeypatch.setattr(mgr, "copy_graph", lambda g: copies.append(1) or real(g))
-    gm = _gm()
-    PassManager([LazyRewrite(), LazyRewrite()]).run(gm, pass_context(Stage.DYNAMO))  # 2nd run finds nothing
-    assert len(copies) == 1
-    PassManager([MulToAdd()]).run(_gm(), pass_context(Stage.DYNAMO))  # not self-checkpointing: copies up front
-    assert len(copies) == 2

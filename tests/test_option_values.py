@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from te_passes.config import TePassesOptionError, TePassesOptions
-from te_passes.pipeline.registry import configured_passes, pass_names
+from te_passes.passes.order import configured_passes, pass_names
 
 
 @pytest.mark.parametrize("value", ["yes", "false", "no", "1", 0, 1, None, "True"])
@@ -74,11 +74,12 @@ def test_unknown_te_passes_disable_is_refused_by_backend_and_replay(monkeypatch,
     with pytest.raises(TePassesOptionError, match="nope_pass"):
         te_inductor(gm, [torch.ones(2)])
     monkeypatch.delenv("TE_PASSES_DISABLE")
-    run_stages([(Stage.DYNAMO, gm, [torch.ones(2)])], dump_dir=str(tmp_path / "d"), graph_id="g0")
+    run_stages([(Stage.DYNAMO, gm, [torch.ones(2)])], configured_passes(), dump_dir=str(tmp_path / "d"),
+               graph_id="g0")
     monkeypatch.setenv("TE_PASSES_DISABLE", "nope_pass")
     with pytest.raises(ReplayError, match=r"unknown pass name\(s\) in TE_PASSES_DISABLE: \['nope_pass'\]"):
-        replay(str(tmp_path / "d"))
+        replay(str(tmp_path / "d"), configured_passes())
     # a known name is applied by replay too (as by the backend)
     monkeypatch.setenv("TE_PASSES_DISABLE", pass_names()[0])
-    ((report, _saved),) = replay(str(tmp_path / "d"))
+    ((report, _saved),) = replay(str(tmp_path / "d"), configured_passes())
     assert [r.status for s in report.stages for r in s.runs if r.name == pass_names()[0]] == ["disabled"]

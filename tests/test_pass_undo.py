@@ -1,9 +1,11 @@
-"""Rollback without graph copies: ``ctx.checkpoint(undo)``, the recipe passes' undo logs,
-insert_early_frees' undo, and liveness shared between the passes of a stage (``ctx.analyses``)."""
+"""The one rollback: the manager undoes a pass's edit journal (``ctx.journal``) when it fails or is
+skipped — on real TE graphs, for every rewrite pass — no graph copy; and liveness shared between the
+passes of a stage (``ctx.analyses``); and no pass edits a graph behind the journal's back."""
 
 from __future__ import annotations
 
 import operator
+import re
 
 import pytest
 import torch
@@ -37,7 +39,6 @@ class _FailAfter(TEPass):
     name = "fail_after"
     stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD})
     description = "test"
-    checkpoints_itself = True
 
     def __init__(self, inner):
         super().__init__()
@@ -50,9 +51,9 @@ class _FailAfter(TEPass):
 
 
 def _run_failing(gm, stage, inner, monkeypatch):
-    import te_passes.pipeline.manager as mgr
+    import te_passes.fx.graph as fx_graph
 
-    monkeypatch.setattr(mgr, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
+    monkeypatch.setattr(fx_graph, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
         run = run_passes(gm, _FailAfter(inner), stage, te_state=TEState.capture())
     assert run.report.runs[0].status == "failed"
@@ -82,7 +83,7 @@ def test_hoist_post_grad_undo_restores_args(te_aot_graphs, monkeypatch):
 
 def test_undo_recreates_erased_chain():
     """A chain erased tail-first (b uses a) plus an argument replacement comes back exactly."""
-    from te_passes.fx.journal import GraphJournal as _UndoLog
+    from te_passes.fx.journal import GraphJournal
 
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -91,7 +92,7 @@ def test_undo_recreates_erased_chain():
     c = g.call_function(operator.sub, (x, b))
     g.output(c)
     before = _snapshot(g)
-    log = _UndoLog(g, None)
+    log = GraphJournal()
     log.set_args(c, (x, 3), {})
     log.erase(b)
     log.erase(a)
@@ -138,7 +139,7 @@ def test_analyses_dropped_after_a_change():
         def run(self, gm, ctx):
             seen.append(dict(ctx.analyses))
             n = next(n for n in gm.graph.nodes if n.op == "call_function")
-            n.args = (n.args[0], n.args[0])
+            ctx.journal.set_args(n, (n.args[0], n.args[0]))
             return TEPassResult(gm, True)
 
     class Read(TEPass):
@@ -154,3 +155,53 @@ def test_analyses_dropped_after_a_change():
     run = run_passes(gm, [Put(), Change(), Read()], Stage.DYNAMO)
     assert seen == [{"k": 1}, {}]
     assert [(r.name, r.changed) for r in run.report.runs] == [("put", False), ("change", True), ("read", False)]
+
+
+def test_fold_ub_undo_restores_the_query_nodes(monkeypatch):
+    """fold_ub_predicates folds UB query nodes (argument replacements, erasures of the queries and
+    of get_ub); the manager's undo of its journal brings every node back exactly."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import transformer_engine.pytorch.module.base as te_base
+
+    from te_passes.passes.fold_ub_predicates import FoldUbPredicates
+    from te_passes.testing.ub import StandInCommunicator, ub_registry
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    ub = g.call_function(te_base.get_ub, ("proj_fprop", True))
+    q = g.call_method("is_fp8_ubuf", (ub,))
+    nq = g.call_function(operator.not_, (q,))
+    g.output((g.call_function(operator.add, (x, nq)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    before = _snapshot(gm.graph)
+    with ub_registry({("proj_fprop", "fp8"): StandInCommunicator(fp8_ubuf=True, tp_size=2)}):
+        _run_failing(gm, Stage.DYNAMO, FoldUbPredicates(), monkeypatch)
+    assert _snapshot(gm.graph) == before
+    gm.graph.lint()
+
+
+#: Direct graph edits a pass must make through ``ctx.journal`` instead (what the manager undoes).
+DIRECT_EDITS = re.compile(
+    r"\.(args|kwargs|target|meta)\s*=[^=]|\.meta\[[^\]]+\]\s*=[^=]|\.meta\.(pop|update|setdefault|clear)\("
+    r"|\berase_node\(|\binserting_(before|after)\(|\bgraph\.(call_function|call_method|call_module|create_node"
+    r"|placeholder|get_attr|output)\(|\.replace_all_uses_with\(|\.replace_input_with\(|\._remove_from_list\(")
+
+
+def test_passes_edit_graphs_only_through_the_journal():
+    """No module of te_passes/passes/ assigns ``node.args`` / ``kwargs`` / ``target`` / ``meta``,
+    erases or inserts nodes itself: every edit goes through ``ctx.journal`` (te_passes.fx.journal),
+    so the manager can undo it exactly."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "te_passes" / "passes"
+    found = [f"{p.name}:{i}: {line.strip()}" for p in sorted(root.glob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if DIRECT_EDITS.search(line.split("#")[0]) and not line.lstrip().startswith(("#", "``", "%"))]
+    assert found == [], f"edit graphs through ctx.journal: {found}"
+    # the check sees what it looks for
+    for bad in ("node.args = (a,)", "n.target = t", "n.meta['k'] = 1", "graph.erase_node(n)",
+                "with graph.inserting_after(n):", "graph.call_function(f, ())", "n.replace_all_uses_with(m)",
+                "n.meta.pop('k')"):
+        assert DIRECT_EDITS.search(bad), bad
+    for ok in ("ctx.journal.set_args(n, a)", "x == n.target", "if n.args == b:", "n.meta.get('val')"):
+        assert not DIRECT_EDITS.search(ok), ok

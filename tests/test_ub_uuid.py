@@ -77,9 +77,9 @@ def test_unknown_ub_use_keeps_the_ub_snapshot_in_the_uuid():
     """pipeline_uuid without ub_reads (offline, not determined) includes the UB snapshot."""
     from te_passes.pipeline.compilation import pipeline_uuid
     from te_passes.config import TePassesOptions
-    from te_passes.pipeline.manager import PassManager
+    from te_passes.passes.order import default_passes
 
-    m, opts = PassManager(), TePassesOptions()
+    m, opts = default_passes(), TePassesOptions()
     a = pipeline_uuid(m, opts, TEState.capture())
     set_ub_registry(BF16_RS)
     b = pipeline_uuid(m, opts, TEState.capture())

@@ -365,23 +365,23 @@ def test_debug_quantizer_around_no_quantizer_is_skipped(stub_impls):
 
 
 def test_weight_quantizer_left_alone_for_quantized_or_distributed_weights(hooks):
-    from te_passes.runtime.quantizer_usage import _usage_targets
+    from te_passes.runtime.quantizer_usage import usage_targets
 
     wq, iq = object(), object()
     plain = types.SimpleNamespace(weight=torch.zeros(1), weight_quantizer=wq, input_quantizer=iq)
-    assert _usage_targets(plain, ("input_quantizer", "weight_quantizer"), "weight") == [iq, wq]
+    assert usage_targets(plain, ("input_quantizer", "weight_quantizer"), "weight") == [iq, wq]
     dist_w = torch.zeros(1)
     dist_w.is_distributed_weight = True
-    assert _usage_targets(types.SimpleNamespace(weight=dist_w, weight_quantizer=wq), ("weight_quantizer",),
+    assert usage_targets(types.SimpleNamespace(weight=dist_w, weight_quantizer=wq), ("weight_quantizer",),
                           "weight") is None
     bwd = types.SimpleNamespace(saved_weight=torch.zeros(1), weight_quantizer=wq, is_weight_param_quantized=True)
-    assert _usage_targets(bwd, ("weight_quantizer",), "saved_weight") is None
+    assert usage_targets(bwd, ("weight_quantizer",), "saved_weight") is None
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 
     qt = Float8TensorStorage(data=torch.zeros(4, 4, dtype=torch.uint8), fp8_scale_inv=torch.ones(1),
                              fp8_dtype=tex.DType.kFloat8E4M3, quantizer=None)  # a quantized weight
-    assert _usage_targets(types.SimpleNamespace(weight=qt, weight_quantizer=wq), ("weight_quantizer",),
+    assert usage_targets(types.SimpleNamespace(weight=qt, weight_quantizer=wq), ("weight_quantizer",),
                           "weight") is None
 
 

@@ -98,14 +98,14 @@ class Out:
             yield
 
 
-def _error(msg: str) -> None:
+def print_error(msg: str) -> None:
     first = " ".join(str(msg).split("\n")[0].split())
     print(f"te-passes: error: {first}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- helpers
-def _registry() -> tuple[list[str], list[Any]]:
-    from te_passes.pipeline.registry import pass_classes, pass_names
+def pass_registry() -> tuple[list[str], list[Any]]:
+    from te_passes.passes.order import pass_classes, pass_names
 
     try:
         return pass_names(), list(pass_classes())
@@ -113,19 +113,17 @@ def _registry() -> tuple[list[str], list[Any]]:
         raise CliError(f"the pass registry does not import: {type(e).__name__}: {e}", EXIT_FAIL) from e
 
 
-def _check_pass_names(names: Iterable[str], where: str) -> list[str]:
-    from te_passes.pipeline.registry import PASS_ALIASES
-
-    known, _ = _registry()
+def check_pass_names(names: Iterable[str], where: str) -> list[str]:
+    known, _ = pass_registry()
     names = [n for n in names if n]
-    unknown = [n for n in names if n not in known and n not in PASS_ALIASES]  # aliases: expanded when parsed
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise CliError(f"unknown pass name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "
                        f"known passes: {', '.join(known) or '(none registered)'}")
     return names
 
 
-def _check_mode(mode: str | None) -> None:
+def check_mode(mode: str | None) -> None:
     if mode is None:
         return
     from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
@@ -136,7 +134,7 @@ def _check_mode(mode: str | None) -> None:
         raise CliError(f"unknown --mode {mode!r}: {e}") from e
 
 
-def _check_writable_dir(path: str) -> None:
+def check_writable_dir(path: str) -> None:
     """What :func:`te_passes.debug.dump_files.ensure_writable_dir` checks, without importing torch."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"dump directory {path} exists and is not a directory")

@@ -10,10 +10,10 @@ import traceback
 from typing import Any, Sequence
 
 from te_passes.cli._common import (CLI_CAUSED_WARNINGS, CliError, EXIT_FAIL, EXIT_OK, EXIT_USAGE, Out,
-    _check_mode, _check_pass_names, _check_writable_dir)
-from te_passes.cli.dumpdir import _staged_out
-from te_passes.cli.targets import _check_target_file, _run_target
-from te_passes.cli.show import _print_summary
+    check_mode, check_pass_names, check_writable_dir)
+from te_passes.cli.dumpdir import staged_out
+from te_passes.cli.targets import check_target_file, run_target
+from te_passes.cli.show import print_summary
 from te_passes.config import TePassesOptionError
 
 
@@ -32,20 +32,20 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
         if ":" not in args.target and (args.mode is not None or args.precision is not None):
             raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
                            "sets its own torch.compile(mode=...)")
-    _check_writable_dir(args.out)  # the cheap checks first: no torch import yet
-    disable = _check_pass_names([n.strip() for a in (args.disable or []) for n in a.split(",")], "--disable")
+    check_writable_dir(args.out)  # the cheap checks first: no torch import yet
+    disable = check_pass_names([n.strip() for a in (args.disable or []) for n in a.split(",")], "--disable")
     env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
-    _check_pass_names(env_disable, "TE_PASSES_DISABLE")
-    _check_mode(args.mode)
-    with _staged_out(args.out) as stage:
+    check_pass_names(env_disable, "TE_PASSES_DISABLE")
+    check_mode(args.mode)
+    with staged_out(args.out) as stage:
         summary = _dump_into(args, out, stage, disable, env_disable)
-    _print_summary(out, summary, args.out)
+    print_summary(out, summary, args.out)
     return EXIT_OK
 
 
 def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str],
                env_disable: list[str]) -> dict[str, Any]:
-    """Run the dump of ``args`` into staging folder ``root`` (see :func:`_staged_out`); return
+    """Run the dump of ``args`` into staging folder ``root`` (see :func:`staged_out`); return
     the summary."""
     import torch
 
@@ -96,7 +96,7 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
             os.environ.update(env)
             try:
                 with out.status(f"running {args.target}"), events:
-                    _run_target(args.target, args.mode, args.precision, args.verbose)
+                    run_target(args.target, args.mode, args.precision, args.verbose)
             finally:
                 for k, v in saved_env.items():
                     if v is None:
@@ -153,6 +153,6 @@ def _load_target_precheck(target: str) -> None:
     """Fail fast on a missing target file (before torch is imported)."""
     path, sep, _ = target.rpartition(":") if ":" in target else (target, "", "")
     if sep and (path.endswith(".py") or os.sep in path):
-        _check_target_file(path)
+        check_target_file(path)
     if not sep:
-        _check_target_file(target)
+        check_target_file(target)

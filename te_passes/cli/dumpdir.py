@@ -139,7 +139,7 @@ def _commit(stage: str, path: str) -> None:
     """Move the finished dump in ``stage`` into ``path``: the earlier dump's files are removed
     (:func:`_clear_old_dump`), every new file is moved in (``os.replace``, same filesystem) and
     the manifest lists them."""
-    from te_passes.debug.dump_files import _atomic_write
+    from te_passes.debug.dump_files import atomic_write
 
     new = []
     for dirpath, _dirs, names in os.walk(stage):
@@ -150,7 +150,7 @@ def _commit(stage: str, path: str) -> None:
         dest = os.path.join(path, rel)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         os.replace(os.path.join(stage, rel), dest)
-    _atomic_write(os.path.join(path, MANIFEST), json.dumps({"schema": MANIFEST_SCHEMA, "files": sorted(new)},
+    atomic_write(os.path.join(path, MANIFEST), json.dumps({"schema": MANIFEST_SCHEMA, "files": sorted(new)},
                                                            indent=1))
 
 
@@ -160,7 +160,7 @@ def _overlaps(a: str, b: str) -> bool:
 
 
 @contextlib.contextmanager
-def _staged_out(path: str, *, sources: Sequence[str] = ()):
+def staged_out(path: str, *, sources: Sequence[str] = ()):
     """Yield a staging folder for a dump into ``path`` (``--out``) and move it into place only
     if the body succeeds.
 

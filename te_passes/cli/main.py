@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Sequence
 
-from te_passes.cli._common import CliError, DEFAULT_OUT, EXIT_FAIL, EXIT_OK, Out, _error
+from te_passes.cli._common import CliError, DEFAULT_OUT, EXIT_FAIL, EXIT_OK, Out, print_error
 from te_passes.cli.dump_cmd import cmd_dump
 from te_passes.cli.show import cmd_list, cmd_show
 from te_passes.cli.replay import cmd_replay
@@ -95,13 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stdout_gone()
         return EXIT_OK
     except CliError as e:
-        _error(str(e))
+        print_error(str(e))
         return e.code
     except KeyboardInterrupt:
-        _error("interrupted")
+        print_error("interrupted")
         return 130
     except OSError as e:  # an unreadable/unwritable path found late: still one line
-        _error(f"{type(e).__name__}: {e}")
+        print_error(f"{type(e).__name__}: {e}")
         return EXIT_FAIL
 
 

@@ -9,21 +9,21 @@ import json
 import os
 import sys
 
-from te_passes.cli._common import CliError, EXIT_FAIL, EXIT_OK, Out, _check_pass_names
-from te_passes.cli.dumpdir import _staged_out
-from te_passes.cli.show import _newest_session
+from te_passes.cli._common import CliError, EXIT_FAIL, EXIT_OK, Out, check_pass_names
+from te_passes.cli.dumpdir import staged_out
+from te_passes.cli.show import newest_session
 
 
 # --------------------------------------------------------------------------- replay
 def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     if not os.path.exists(args.path):
         raise CliError(f"no such graph file or dump directory: {args.path}")
-    disable = _check_pass_names([n.strip() for a in args.disable for n in a.split(",")], "--disable") \
+    disable = check_pass_names([n.strip() for a in args.disable for n in a.split(",")], "--disable") \
         if args.disable is not None else None
     source = args.path
-    args.path = _newest_session(args.path, out, "replaying", to_stderr=args.json)
+    args.path = newest_session(args.path, out, "replaying", to_stderr=args.json)
     if args.out:
-        with _staged_out(args.out, sources=(source, args.path)) as stage:
+        with staged_out(args.out, sources=(source, args.path)) as stage:
             results = _replay(args, out, disable, stage)
             from te_passes.debug.dump_summary import write_summary
 
@@ -76,6 +76,7 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
 
 def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_dir: str | None) -> list:
     from te_passes.debug.offline import ReplayError, replay
+    from te_passes.passes.order import configured_passes
     from te_passes.runtime.install import install
 
     import torch  # noqa: F401  (before transformer_engine)
@@ -84,6 +85,6 @@ def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_
     install()  # as the backend does before any pass runs (call_te_impl_directly's lowering)
     try:
         with out.status(f"replaying {args.path}"):
-            return replay(args.path, disable=disable, dump_dir=dump_dir)
+            return replay(args.path, configured_passes(), disable=disable, dump_dir=dump_dir)
     except ReplayError as e:
         raise CliError(str(e)) from e

@@ -10,7 +10,7 @@ import sys
 from typing import Any, Callable
 
 from te_passes.debug.graph_breaks import no_islands_text
-from te_passes.cli._common import CliError, EXIT_OK, Out, _registry
+from te_passes.cli._common import CliError, EXIT_OK, Out, pass_registry
 
 
 # --------------------------------------------------------------------------- show
@@ -45,7 +45,7 @@ def _grouped(items: list[dict[str, Any]], key: Callable[[dict[str, Any]], tuple]
     return [[*k, len(nodes), _short(", ".join(nodes), 50)] for k, nodes in groups.items()]
 
 
-def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
+def print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     v = s.get("versions", {})
     out.heading("te_passes dump")
     out.line(f"target:       {s.get('target', '')}")
@@ -139,7 +139,7 @@ def _print_summary(out: Out, s: dict[str, Any], root: str) -> None:
     out.line(f"\ndump: {os.path.join(root, 'index.md')}  (report: {os.path.join(root, 'report.json')})")
 
 
-def _newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> str:
+def newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> str:
     """``path`` itself, or its newest backend dump session folder when ``path`` is a directory
     of sessions (``te_passes.dump_dir`` without the CLI; :func:`te_passes.debug.dump_sessions.read_sessions`),
     saying which one is used."""
@@ -161,14 +161,14 @@ def _newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> 
 
 
 def cmd_show(args: argparse.Namespace, out: Out) -> int:
-    path = _newest_session(args.dir, out, "showing", to_stderr=args.json)
+    path = newest_session(args.dir, out, "showing", to_stderr=args.json)
     rp = os.path.join(path, "report.json") if os.path.isdir(path) else path
     if not os.path.isfile(rp):
         hint = ""
         if not os.path.exists(path):  # `te-passes show fold_ub_predicates`: a pass name, not a dump
-            from te_passes.pipeline.registry import PASS_ALIASES, PASS_REGISTRY
+            from te_passes.passes.order import pass_names
 
-            if path in {n for n, _ in PASS_REGISTRY} | set(PASS_ALIASES):
+            if path in pass_names():
                 hint = (f"; {path} is a pass name: te-passes show takes a dump directory (te-passes list "
                         f"describes the passes, docs/passes/{path}.md documents this one)")
         raise CliError(f"no te_passes dump at {path} (no report.json); create one with te-passes dump{hint}")
@@ -182,7 +182,7 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
         print(json.dumps(s, indent=2))
     else:
         try:
-            _print_summary(out, s, os.path.dirname(rp) or ".")
+            print_summary(out, s, os.path.dirname(rp) or ".")
         except (TypeError, AttributeError, KeyError, ValueError, IndexError) as e:  # a field check_summary lets by
             raise CliError(f"{rp}: malformed summary ({type(e).__name__}: {e})") from None
     return EXIT_OK
@@ -190,11 +190,8 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
 
 # --------------------------------------------------------------------------- list
 def cmd_list(args: argparse.Namespace, out: Out) -> int:
-    from te_passes.pipeline.registry import PASS_ALIASES
-
-    names, classes = _registry()
+    names, classes = pass_registry()
     env_disable = {n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()}
-    env_disable |= {m for n in env_disable & set(PASS_ALIASES) for m in PASS_ALIASES[n]}
     rows = []
     for cls in classes:
         order = {"dynamo": 0, "joint": 1, "post_grad_fwd": 2, "post_grad_bwd": 3}
@@ -207,10 +204,7 @@ def cmd_list(args: argparse.Namespace, out: Out) -> int:
     rows = [[n, ", ".join(st), k, "yes" if en else "no (TE_PASSES_DISABLE)", d] for n, st, k, en, d in rows]
     out.table(f"te_passes pipeline ({len(rows)} passes, in order)", ["pass", "stages", "kind", "enabled",
                                                                      "description"], rows, limit=None)
-    for old, new in PASS_ALIASES.items():
-        out.line(f"deprecated: {old} (until issue 12 one pass) is now {', '.join(new)}; the old name still "
-                 "disables all of them (te_passes.disable, TE_PASSES_DISABLE, --disable) until the next release")
-    unknown = sorted(env_disable - set(names) - set(PASS_ALIASES))
+    unknown = sorted(env_disable - set(names))
     if unknown:
         out.line(f"warning: TE_PASSES_DISABLE names unknown passes: {', '.join(unknown)}")
     return EXIT_OK

@@ -20,7 +20,7 @@ def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | Non
 
     path, sep, func = target.rpartition(":") if ":" in target else (target, "", "")
     if sep and (path.endswith(".py") or os.sep in path):
-        _check_target_file(path)
+        check_target_file(path)
         try:
             ns = runpy.run_path(path, run_name="te_passes_target")
         except Exception as e:  # noqa: BLE001
@@ -40,11 +40,11 @@ def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | Non
         if not callable(fn):
             raise CliError(f"target module {path} has no function {func!r}")
         return "callable", fn, None
-    _check_target_file(target)
+    check_target_file(target)
     return "file", None, target
 
 
-def _check_target_file(path: str) -> None:
+def check_target_file(path: str) -> None:
     if os.path.isdir(path):
         raise CliError(f"target {path} is a directory, not a Python file (give FILE.py, module:function or "
                        f"FILE.py:function)")
@@ -107,7 +107,7 @@ def _call_target(kind: str, fn: Callable[..., Any] | None, file: str | None, mod
     fn(**kwargs)
 
 
-def _run_target(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
+def run_target(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
     with _first_on_sys_path(_target_dir(target)):
         _run_target_on_path(target, mode, precision, verbose)
 

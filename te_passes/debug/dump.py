@@ -59,9 +59,10 @@ from te_passes._logging import trace_artifact
 from te_passes.debug.diff import GraphSnapshot, format_changes, graph_changes, unified_diff
 from te_passes.debug.graph_io import save_graph
 from te_passes.debug.printer import format_graph
+from te_passes.pipeline.manager import PassObserver
 from te_passes.te.graph_model import is_te_op_node
-from te_passes.debug.dump_files import _slug, ensure_writable_dir, log
-from te_passes.debug.dump_sessions import _backend_session, _claimed, is_claimed, session_id, write_sessions_index
+from te_passes.debug.dump_files import slug, ensure_writable_dir, log
+from te_passes.debug.dump_sessions import backend_session, claimed_dirs, is_claimed, session_id, write_sessions_index
 from te_passes.debug.dump_summary import report_json, write_summary
 
 
@@ -84,7 +85,7 @@ def _records_notes(run: Any) -> dict[str, list[str]]:
     return notes
 
 
-class DumpWriter:
+class DumpWriter(PassObserver):
     """Pass-manager observer writing the dump of one ``te_inductor`` call (see module docstring).
 
     Build with :meth:`for_backend` (``te_inductor``: a per-process session folder unless
@@ -133,7 +134,7 @@ class DumpWriter:
         if path is None:
             return cls.for_dir(None)
         if is_claimed(path):
-            return cls.for_dir(_claimed[os.path.realpath(os.fspath(path))])
+            return cls.for_dir(claimed_dirs[os.path.realpath(os.fspath(path))])
         parent = ensure_writable_dir(path)
         root = os.path.join(parent, session_id())
         first = not os.path.isdir(root)
@@ -154,18 +155,18 @@ class DumpWriter:
     def _stage_dir(self, ctx: Any) -> str:
         key = self._stage_key(ctx)
         if key not in self._stage_dirs:
-            rel = os.path.join(_slug(self._base_id(ctx.graph_id)), ctx.stage.value)
+            rel = os.path.join(slug(self._base_id(ctx.graph_id)), ctx.stage.value)
             n = 2
             while self.root is not None and os.path.exists(os.path.join(self.root, rel)) \
                     and rel not in self._stage_dirs.values():
-                rel = os.path.join(_slug(self._base_id(ctx.graph_id)), f"{ctx.stage.value}_{n}")
+                rel = os.path.join(slug(self._base_id(ctx.graph_id)), f"{ctx.stage.value}_{n}")
                 n += 1
             self._stage_dirs[key] = rel
         return self._stage_dirs[key]
 
     def _write(self, rel: str, text: str | bytes, artifact: str | None = None) -> None:
         if artifact is not None and isinstance(text, str):
-            trace_artifact("te_passes_" + _slug(artifact), lambda: text)
+            trace_artifact("te_passes_" + slug(artifact), lambda: text)
         if self.root is None:
             return
         path = os.path.join(self.root, rel)
@@ -219,7 +220,7 @@ class DumpWriter:
     def _after_pass(self, gm: torch.fx.GraphModule, tepass: Any, ctx: Any, run: Any) -> None:
         key = self._stage_key(ctx)
         self._pass_index[key] = self._pass_index.get(key, 0) + 1
-        pdir = os.path.join(self._stage_dir(ctx), f"{self._pass_index[key]:02d}_{_slug(tepass.name)}")
+        pdir = os.path.join(self._stage_dir(ctx), f"{self._pass_index[key]:02d}_{slug(tepass.name)}")
         run.dump_dir = pdir  # PassRun gets where its dump lives (read by the summary)
         before = self._snapshot
         after = GraphSnapshot.take(gm, notes=_records_notes(run))
@@ -260,7 +261,7 @@ class DumpWriter:
         report.dump_dir = self.root  # where this graph's dump went (te-passes dump collects strays)
         data = report_json(report, self._stage_dirs)
         data["te_ops"] = self._te_ops  # TE op nodes in the Dynamo graph (None: stage not seen)
-        gdir = _slug(report.graph_id)
+        gdir = slug(report.graph_id)
         text = json.dumps(data, indent=2, sort_keys=False)
         self._write(os.path.join(gdir, "report.json"), text, f"{report.graph_id}_report")
         self._write(os.path.join(gdir, "te_state.json"), json.dumps(report.te_state, indent=2), None)
@@ -269,7 +270,7 @@ class DumpWriter:
             # written straight into (te-passes dump, replay --out, run_stages) keeps the session.json
             # its owner wrote.
             # te-passes dump (a claimed directory) emits the final summary artifact itself
-            write_summary(self.root, _backend_session(self.source) if self.sessions_dir is not None else None,
+            write_summary(self.root, backend_session(self.source) if self.sessions_dir is not None else None,
                           emit=not is_claimed(self.root))
             if self.sessions_dir is not None:
                 write_sessions_index(self.sessions_dir)

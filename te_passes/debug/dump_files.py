@@ -31,7 +31,7 @@ SKIPPED_KINDS = ("skipped", "kept")
 #: symbolic, ``*_concrete`` in bytes); ``StageReport.facts["memory"]`` is read as well.
 MEMORY_KINDS = ("memory",)
 #: Record fields that say *what* was folded/hoisted, in preference order (for ``expr``).
-_WHAT_KEYS = ("api", "lookup", "field", "attr")
+WHAT_KEYS = ("api", "lookup", "field", "attr")
 
 
 class DumpDirError(OSError):
@@ -58,11 +58,11 @@ def ensure_writable_dir(path: str | os.PathLike) -> str:
     return path
 
 
-def _slug(s: str) -> str:
+def slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)
 
 _SESSION_LOCK_FILE = ".te_passes_sessions.lock"
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -116,7 +116,7 @@ def dir_lock(root: str, *, blocking: bool = True):
 
 GRAPH_DIR_RE = re.compile(r"g\d+")
 
-def _md_table(headers: list[str], rows: list[list[Any]]) -> str:
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
         return str("" if v is None else v).replace("|", "\\|").replace("\n", " ")
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -124,7 +124,7 @@ def _md_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _link(root: str, rel: str | None, text: str) -> str:
+def md_link(root: str, rel: str | None, text: str) -> str:
     if not rel:
         return text
     return f"[{text}]({rel})" if os.path.exists(os.path.join(root, rel)) else text

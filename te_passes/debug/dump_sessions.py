@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from te_passes.debug.graph_breaks import current_events
-from te_passes.debug.dump_files import GRAPH_DIR_RE, _atomic_write, _md_table, _slug, dir_lock, log
+from te_passes.debug.dump_files import GRAPH_DIR_RE, atomic_write, md_table, slug, dir_lock, log
 
 
 SESSIONS_SCHEMA = "te_passes.dump_sessions/1"
@@ -23,7 +23,7 @@ SESSIONS_INDEX_TITLE = "# te_passes dump sessions"
 
 _session_lock = threading.Lock()
 _session: dict[str, Any] = {}  # {"pid": int, "id": str, "started": str}
-_claimed: dict[str, str] = {}  # realpath claimed by te-passes dump in this process -> where it writes
+claimed_dirs: dict[str, str] = {}  # realpath claimed by te-passes dump in this process -> where it writes
 _warned_foreign_index: set[str] = set()
 
 
@@ -35,7 +35,7 @@ def session_id() -> str:
         if _session.get("pid") != os.getpid():
             now = time.gmtime()
             _session.update(pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
-                            id=f"{time.strftime('%Y%m%dT%H%M%SZ', now)}-{_slug(socket.gethostname()) or 'host'}"
+                            id=f"{time.strftime('%Y%m%dT%H%M%SZ', now)}-{slug(socket.gethostname()) or 'host'}"
                                f"-p{os.getpid()}")
         return _session["id"]
 
@@ -46,20 +46,20 @@ def claim_dir(path: str | os.PathLike, into: str | os.PathLike | None = None) ->
     itself; the CLI gives its staging folder, moved into ``path`` only when the run succeeded),
     and the CLI writes the summary, instead of a session folder of their own
     (:meth:`DumpWriter.for_backend`)."""
-    _claimed[os.path.realpath(os.fspath(path))] = os.fspath(into if into is not None else path)
+    claimed_dirs[os.path.realpath(os.fspath(path))] = os.fspath(into if into is not None else path)
 
 
 def unclaim_dir(path: str | os.PathLike) -> None:
     """Undo :func:`claim_dir`."""
-    _claimed.pop(os.path.realpath(os.fspath(path)), None)
+    claimed_dirs.pop(os.path.realpath(os.fspath(path)), None)
 
 
 def is_claimed(path: str | os.PathLike) -> bool:
     """Whether ``te-passes dump`` in this process owns ``path`` (:func:`claim_dir`)."""
-    return os.path.realpath(os.fspath(path)) in _claimed
+    return os.path.realpath(os.fspath(path)) in claimed_dirs
 
 
-def _backend_session(source: str | None = None) -> dict[str, Any]:
+def backend_session(source: str | None = None) -> dict[str, Any]:
     """Session facts for a dump written by the backend alone (``te_passes.dump_dir``): the
     session id, pid, host, start time and command line, and the process's graph breaks, TE
     eager islands and recompiles so far (:func:`te_passes.debug.graph_breaks.current_events`)."""
@@ -129,7 +129,7 @@ def write_sessions_index(root: str) -> list[dict[str, Any]]:
     replaced atomically. Returns the sessions."""
     with dir_lock(root):
         sessions = read_sessions(root)
-        _atomic_write(os.path.join(root, "sessions.json"),
+        atomic_write(os.path.join(root, "sessions.json"),
                       json.dumps({"schema": SESSIONS_SCHEMA, "sessions": sessions}, indent=2, default=repr))
         index = os.path.join(root, "index.md")
         ours = True
@@ -142,7 +142,7 @@ def write_sessions_index(root: str) -> list[dict[str, Any]]:
             except (OSError, UnicodeDecodeError):
                 ours = False
         if ours:
-            _atomic_write(index, render_sessions_index(sessions))
+            atomic_write(index, render_sessions_index(sessions))
         elif root not in _warned_foreign_index:
             _warned_foreign_index.add(root)
             log.warning("te_passes dump: %s already holds a te-passes dump or an index.md of its own; this "
@@ -160,5 +160,5 @@ def render_sessions_index(sessions: list[dict[str, Any]]) -> str:
          "shows the newest.", ""]
     rows = [[f"[{e['session']}]({e['dir']}/index.md)", e.get("started"), e.get("host"), e.get("pid"),
              " ".join(e.get("argv") or []), ", ".join(e["graphs"])] for e in reversed(sessions)]
-    L.append(_md_table(["session", "started (UTC)", "host", "pid", "command", "graphs"], rows))
+    L.append(md_table(["session", "started (UTC)", "host", "pid", "command", "graphs"], rows))
     return "\n".join(L)

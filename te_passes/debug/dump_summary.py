@@ -16,7 +16,7 @@ from te_passes.debug.graph_breaks import no_islands_text
 from te_passes.report import cache_hit_note
 from te_passes.te.version import te_version
 from te_passes.debug.dump_files import (FOLDED_KINDS, FREE_KINDS, GRAPH_DIR_RE, MEMORY_KINDS, POOL_KINDS, SCHEMA,
-    SKIPPED_KINDS, _WHAT_KEYS, _link, _md_table)
+    SKIPPED_KINDS, WHAT_KEYS, md_link, md_table)
 
 
 # --------------------------------------------------------------------------- reports
@@ -70,7 +70,7 @@ def _folded_expr(rec: dict[str, Any]) -> str | None:
     attr = rec.get("attr") or rec.get("name")
     if attr is not None and rec.get("type") is not None:
         return f"self.{attr}: {rec['type']}"
-    what = next((rec[k] for k in _WHAT_KEYS if rec.get(k) is not None), None)
+    what = next((rec[k] for k in WHAT_KEYS if rec.get(k) is not None), None)
     if what is None:
         return None
     args = rec.get("args")
@@ -107,7 +107,7 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
     * ``graph_breaks[]``, ``eager_fallbacks[]``, ``recompiles[]``, ``frames[]`` from ``extra``
       (:class:`te_passes.debug.graph_breaks.CompileEvents`);
     * ``uuid``: ``{graph_id: {"uuid", "passes", "options", "te_state", "reads_ub", "ub_reads"}}``
-      — what each graph's pass-pipeline uuid was built from (:func:`te_passes.backend.pipeline_uuid`);
+      — what each graph's pass-pipeline uuid was built from (:func:`te_passes.pipeline.compilation.pipeline_uuid`);
       ``graphs[]``: id, mode, stage list, time.
     """
     graphs = list(graphs)
@@ -269,7 +269,7 @@ def render_index(summary: dict[str, Any], root: str) -> str:
     for w in elsewhere_warnings(summary):
         L.append(f"\n> **Warning:** {w}\n")
     L.append("\nMachine-readable: [report.json](report.json) · per graph: " +
-             ", ".join(_link(root, f"{g['graph_id']}/report.json", g["graph_id"]) for g in summary["graphs"]) + "\n")
+             ", ".join(md_link(root, f"{g['graph_id']}/report.json", g["graph_id"]) for g in summary["graphs"]) + "\n")
 
     L.append("\n## Graphs and stages\n")
     rows = []
@@ -281,11 +281,11 @@ def render_index(summary: dict[str, Any], root: str) -> str:
             d = next((p.get("dump") for p in summary["passes"] if p["graph_id"] == sgid and p["stage"] == stage
                       and p.get("dump")), None)
             sdir = os.path.dirname(d) if d else f"{gid}/{stage}"
-            stage_links.append(f"{_link(root, f'{sdir}/input.py', stage)} "
-                               f"({_link(root, f'{sdir}/input.tegraph', 'tegraph')})")
+            stage_links.append(f"{md_link(root, f'{sdir}/input.py', stage)} "
+                               f"({md_link(root, f'{sdir}/input.tegraph', 'tegraph')})")
         rows.append([gid, g["mode"] or "default", ", ".join(stage_links),
                      g["time_ms_passes"], g["time_ms_total"]])
-    L.append(_md_table(["graph", "mode", "stages (input graph, replayable file)", "passes ms", "total ms"], rows))
+    L.append(md_table(["graph", "mode", "stages (input graph, replayable file)", "passes ms", "total ms"], rows))
     for g in summary["graphs"]:
         if g.get("cache_hit"):
             L.append(f"\n{g['graph_id']}: {cache_hit_note(g['cache_hit'])}.\n")
@@ -301,11 +301,11 @@ def render_index(summary: dict[str, Any], root: str) -> str:
     rows = []
     for p in summary["passes"]:
         d = p.get("dump")
-        links = " · ".join(_link(root, f"{d}/{f}", f.split('.')[0]) for f in ("before.py", "after.py", "diff.patch",
+        links = " · ".join(md_link(root, f"{d}/{f}", f.split('.')[0]) for f in ("before.py", "after.py", "diff.patch",
                                                                               "changes.txt")) if d else ""
         rows.append([p["graph_id"], p["stage"], p["name"], p["status"], "yes" if p["changed"] else "no",
                      f"{p['time_ms']:.2f}", f"{p['nodes_before']} → {p['nodes_after']}", p["records"], links])
-    L.append(_md_table(["graph", "stage", "pass", "status", "changed", "ms", "nodes", "records", "dump"], rows)
+    L.append(md_table(["graph", "stage", "pass", "status", "changed", "ms", "nodes", "records", "dump"], rows)
              if rows else "No passes ran (none registered for these stages).\n")
 
     def section(title: str, key: str, cols: list[str], empty: str) -> None:
@@ -314,7 +314,7 @@ def render_index(summary: dict[str, Any], root: str) -> str:
         if not items:
             L.append(empty + "\n")
             return
-        L.append(_md_table(cols, [[it.get(c) for c in cols] for it in items]))
+        L.append(md_table(cols, [[it.get(c) for c in cols] for it in items]))
 
     section("Folded and hoisted constants", "folded", ["graph_id", "stage", "pass", "kind", "node", "expr",
                                                         "value", "source"], "None.")
@@ -326,7 +326,7 @@ def render_index(summary: dict[str, Any], root: str) -> str:
                 "peak_node_before", "peak_node_after", "input_bytes")
         present = {k for m in mem["stages"] for k in m}
         cols = [c for c in want if c in present] or sorted(present - {"graph_id", "stage"})
-        L.append(_md_table(["graph_id", "stage", *cols],
+        L.append(md_table(["graph_id", "stage", *cols],
                            [[m["graph_id"], m["stage"], *[_cell(m.get(c)) for c in cols]]
                             for m in mem["stages"]]))
     else:
@@ -349,7 +349,7 @@ def render_index(summary: dict[str, Any], root: str) -> str:
              json.dumps((u or {}).get("options")), str((u or {}).get("te_state", ""))[:16],
              {True: "yes", False: "no"}.get((u or {}).get("reads_ub"), "")]
             for gid, u in summary["uuid"].items()]
-    L.append(_md_table(["graph", "uuid", "passes (source+config hash)", "options", "te_state",
+    L.append(md_table(["graph", "uuid", "passes (source+config hash)", "options", "te_state",
                         "reads UB (UB snapshot in te_state)"], rows))
     reads = [(gid, u["ub_reads"]) for gid, u in summary["uuid"].items() if (u or {}).get("ub_reads")]
     if reads:

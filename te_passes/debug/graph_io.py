@@ -35,8 +35,8 @@ import torch.fx
 
 from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
-from te_passes.debug.graph_safety import (GraphFileError, UnsafeGraphFileError, _SafeUnpickler, _import_te,
-    _symbol_names, check_sym_expr, resolve_function)
+from te_passes.debug.graph_safety import (GraphFileError, UnsafeGraphFileError, SafeUnpickler, import_te,
+    symbol_names, check_sym_expr, resolve_function)
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
     ALLOWED_GLOBALS, RENAMED_MODULES, allowed_global, pickle_globals, renamed_module)
 
@@ -58,7 +58,7 @@ class _OpRef:
     def resolve(self) -> Any:
         ns, name = self.qualname.split("::")
         if ns == gmod.TE_OP_NAMESPACE:
-            _import_te()
+            import_te()
         try:
             packet = getattr(getattr(torch.ops, ns), name)
         except (AttributeError, RuntimeError) as e:
@@ -306,7 +306,7 @@ class _Builder:
 
         check_sym_expr(s.expr, "symbolic size")
         expr = sympy.sympify(s.expr, locals={name: sympy.Symbol(name, integer=True, positive=True)
-                                             for name in _symbol_names(s.expr)})
+                                             for name in symbol_names(s.expr)})
         if s.kind != "int":
             return s.hint
         return self.shape_env.create_symintnode(expr, hint=s.hint)
@@ -346,9 +346,9 @@ def load_payload(path: str | os.PathLike) -> dict[str, Any]:
     with open(path, "rb") as f:
         data = f.read()
     if b"transformer_engine" in data:
-        _import_te()
+        import_te()
     try:
-        payload = _SafeUnpickler(io.BytesIO(data), path).load()
+        payload = SafeUnpickler(io.BytesIO(data), path).load()
     except UnsafeGraphFileError:
         raise
     except GraphFileError:

@@ -1,5 +1,5 @@
 """What a ``.tegraph`` file (:mod:`te_passes.debug.graph_io`) may reference, checked before anything
-in it is built: the restricted unpickler (:class:`_SafeUnpickler`, the allow-list
+in it is built: the restricted unpickler (:class:`SafeUnpickler`, the allow-list
 :data:`ALLOWED_GLOBALS` / :func:`allowed_global`), the module paths that moved
 (:data:`RENAMED_MODULES`), the allowed node-target modules, a static list of a pickle's globals
 (:func:`pickle_globals`) and the check of symbolic size expressions (:func:`check_sym_expr`).
@@ -44,7 +44,7 @@ class UnsafeGraphFileError(GraphFileError):
     """A graph file references a global outside the allow-list (:func:`allowed_global`): refused
     before anything in it is built or run."""
 
-def _import_te() -> None:
+def import_te() -> None:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means the ops are missing
@@ -169,7 +169,7 @@ def resolve_function(module_name: str, qualname: str) -> Any:
     return obj
 
 
-class _SafeUnpickler(pickle.Unpickler):
+class SafeUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose ``find_class`` maps through :data:`RENAMED_MODULES`, then
     accepts only :func:`allowed_global` (the restricted-unpickler pattern of Python's pickle
     docs, "Restricting Globals")."""
@@ -255,7 +255,7 @@ def check_sym_expr(expr: Any, where: str) -> str:
                                  f"({type(n).__name__} not allowed)")
     return expr
 
-def _symbol_names(expr: str) -> list[str]:
+def symbol_names(expr: str) -> list[str]:
     import re
 
     return sorted(set(re.findall(r"\b[a-zA-Z_]\w*\b", expr)) - {"Max", "Min", "floor", "ceiling",

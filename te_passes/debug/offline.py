@@ -16,7 +16,6 @@ changes, node counts and records means the dump was reproduced.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any, Iterable, Sequence
 
@@ -26,12 +25,11 @@ from te_passes.config import TePassesOptionError, TePassesOptions
 from te_passes.debug.dump_files import DumpFormatError, check_graph_report, read_json
 from te_passes.debug.dump import DumpWriter
 from te_passes.debug.graph_io import GraphFileError, load_graph
-from te_passes.pipeline.base import Stage
-from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, pipeline_uuid
-from te_passes.pipeline.manager import PassManager
-from te_passes.pipeline.registry import PASS_ALIASES, pass_names
-from te_passes.report import CompileReport, new_compile_report
-from te_passes.runtime.ub_graph_guard import ub_dependence_of, ub_state_reads
+from te_passes.pipeline.base import Stage, TEPass
+from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, CompileSettings
+from te_passes.pipeline.manager import PassManager, PassObserver
+from te_passes.report import CompileReport
+from te_passes.runtime.install import install as install_runtime
 from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot
@@ -65,50 +63,38 @@ def te_state_from_json(data: dict[str, Any] | None) -> TEState:
     return TEState(te_version=data.get("te_version"), ub=ub, extra=extra, fp8=fp8)
 
 
-def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], *, options: TePassesOptions | None = None,
-               te_state: TEState | None = None, mode: str | None = None, dump_dir: str | None = None,
-               manager: PassManager | None = None, graph_id: str | None = None) -> CompileReport:
-    """Run the pipeline on ``jobs`` = ``[(stage, gm, example_inputs), ...]`` (graphs rewritten in
-    place) the way ``te_inductor`` does, and return the registered :class:`CompileReport`.
+def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], passes: Sequence[TEPass], *,
+               options: TePassesOptions | None = None, te_state: TEState | None = None, mode: str | None = None,
+               dump_dir: str | None = None, observers: Sequence[PassObserver] = (),
+               graph_id: str | None = None) -> CompileReport:
+    """Run ``passes`` (in order; ``te_passes.passes.order.configured_passes()`` for the
+    backend's) on ``jobs`` = ``[(stage, gm, example_inputs), ...]`` (graphs rewritten in place)
+    through the backend's driver, and return the registered :class:`CompileReport`.
 
     Args:
         options: parsed options (default ``TePassesOptions()``); ``options.disable`` applies.
         te_state: the TE state (default ``TEState.capture()``).
         mode: recorded in the report only.
-        dump_dir: write a dump there (:class:`~te_passes.debug.dump.DumpWriter`).
-        manager: a ready manager (its observers are kept; default: the registry's passes).
+        dump_dir: write a dump there (:class:`~te_passes.debug.dump.DumpWriter`); ``observers``: more.
         graph_id: force the report's graph id (replay uses the saved one); default ``g<N>``.
 
     Raises:
         te_passes.debug.dump_files.DumpDirError: ``dump_dir`` is not writable.
         te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
-    import time
-
+    install_runtime()  # as the backend does before any pass runs (lowerings, constant names)
     options = options or TePassesOptions()
-    te_state = te_state or TEState.capture()
-    manager = manager or PassManager()
-    writer = None
-    if dump_dir is not None:
-        writer = DumpWriter.for_dir(dump_dir)
-        manager.observers.append(writer)
-    t_start = time.perf_counter()
-    report = new_compile_report(mode)
-    if graph_id is not None:
-        report.graph_id = graph_id
-    report.uuid = pipeline_uuid(manager, options, te_state)  # UB part not known yet: included
-    report.te_state = te_state.to_json()
-    compilation = Compilation(manager, options, te_state, report)
-    for stage, gm, inputs in sorted(jobs, key=lambda j: STAGE_ORDER.index(j[0])):
-        compilation.run_stage(gm, stage, inputs)
-        if stage is Stage.DYNAMO:  # as te_inductor: the UB part of the uuid once the Dynamo stage ran
-            reads = ub_state_reads(gm, ub_dependence_of(report))
-            report.uuid = pipeline_uuid(manager, options, te_state, ub_reads=reads)
-    report.time_ms_total = (time.perf_counter() - t_start) * 1e3
-    if writer is not None:
-        writer.finish(report)
-        manager.observers.remove(writer)
-    return report
+    observers = [*observers, *([DumpWriter.for_dir(dump_dir)] if dump_dir is not None else [])]
+    comp = Compilation(PassManager(passes, observers), CompileSettings(mode, options, {}),
+                       te_state or TEState.capture(), graph_id=graph_id, live=False)
+    jobs = sorted(jobs, key=lambda j: STAGE_ORDER.index(j[0]))
+    dynamo = [j for j in jobs if j[0] is Stage.DYNAMO]
+    comp.begin(dynamo[0][1] if dynamo else None, dynamo[0][2] if dynamo else None)
+    for stage, gm, inputs in jobs:
+        if stage is not Stage.DYNAMO:
+            comp.run_stage(gm, stage, inputs)
+    comp.finish()
+    return comp.report
 
 
 # --------------------------------------------------------------------------- replay
@@ -145,9 +131,10 @@ def find_graph_files(path: str) -> dict[str, list[str]]:
     return {k: out[k] for k in sorted(out, key=order)}
 
 
-def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | None = None,
-           strict: bool | None = None) -> list[tuple[CompileReport, dict[str, Any] | None]]:
-    """Re-run the current passes on the graphs saved under ``path``; no GPU needed.
+def replay(path: str, passes: Sequence[TEPass], *, disable: Iterable[str] | None = None,
+           dump_dir: str | None = None, strict: bool | None = None) -> list[tuple[CompileReport, dict[str, Any] | None]]:
+    """Re-run ``passes`` (the current ones: ``te_passes.passes.order.configured_passes()``) on
+    the graphs saved under ``path``; no GPU needed.
 
     Each graph directory becomes one :class:`CompileReport` (its stages in the backend's order,
     graph id, TE state and options as saved; ``disable`` replaces the saved disable list when
@@ -186,12 +173,11 @@ def replay(path: str, *, disable: Iterable[str] | None = None, dump_dir: str | N
         try:
             options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()
                                                 if k in ("disable", "strict", "ub_on_change")},
-                                               known_passes=set(pass_names()), environ=env,
-                                               aliases=PASS_ALIASES)
+                                               known_passes={p.name for p in passes}, environ=env)
         except TePassesOptionError as e:
             raise ReplayError(f"{files[0]}: {e}") from None
         graph_id = str(first.get("graph_id", "g0")).split(".")[0]
-        report = run_stages(jobs, options=options, te_state=te_state_from_json(first.get("te_state")),
+        report = run_stages(jobs, passes, options=options, te_state=te_state_from_json(first.get("te_state")),
                             dump_dir=dump_dir, graph_id=graph_id)
         saved = None
         rpath = os.path.join(gdir, "report.json")

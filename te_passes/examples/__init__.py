@@ -28,7 +28,7 @@ from te_passes.config import TePassesOptions
 from te_passes.debug.offline import run_stages
 from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
-from te_passes.pipeline.registry import PASS_ALIASES, pass_names
+from te_passes.passes.order import configured_passes, pass_names
 from te_passes.report import compile_reports
 from te_passes.testing.capture import capture_aot
 from te_passes.testing.fake_gpu import fake_gpu, make_recipe
@@ -126,8 +126,7 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
                  disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
     import torch
 
-    opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()),
-                                    aliases=PASS_ALIASES)
+    opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))
     patches = _inductor_config_patches(mode, {})
     say(f"capturing the Dynamo and AOTAutograd graphs of {ex.name} ({precision}) on fake CUDA tensors")
     out_features = ex.hidden if ex.model == "stack" else 2 * ex.hidden
@@ -141,7 +140,7 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
     say(f"running the pass pipeline on {len(jobs)} stages")
     with fake_gpu(precision), torch._inductor.config.patch(
             {k: v for k, v in patches.items() if not k.endswith("_custom_pre_pass")}):
-        report = run_stages(jobs, options=opts, mode=mode, dump_dir=dump_dir)
+        report = run_stages(jobs, configured_passes(), options=opts, mode=mode, dump_dir=dump_dir)
     note = ("No GPU here: te_passes ran its full pass pipeline at every stage on the real Dynamo, joint, "
             "forward and backward graphs captured on fake CUDA tensors (te_passes.testing.capture); "
             "Inductor's code generation needs a GPU and was not run. The forward/backward graphs were "

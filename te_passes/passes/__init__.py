@@ -1,5 +1,5 @@
-"""Passes: the interface (:mod:`.base`), the ordered registry (:mod:`.registry`), the manager
-(:mod:`.manager`), and one module per pass named for what it does."""
+"""The passes: one module per pass named for what it does, and their order (:mod:`.registry`).
+The interface they implement is :mod:`te_passes.pipeline.base` (re-exported here)."""
 
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 

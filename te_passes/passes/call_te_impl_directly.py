@@ -35,6 +35,7 @@ Records: ``"retargeted"`` (``from``, ``to``), ``"direct_call"`` (``op``, ``impl`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import sys
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime import direct_call as dc, direct_lowering, te_base_op
 from te_passes.runtime.te_base_op import DirectCallUnavailable, op_family, op_qualname, overload
 from te_passes.runtime.constants import hoisted_name
@@ -156,11 +157,10 @@ class CallTEImplDirectly(TEPass):
     name = "call_te_impl_directly"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "retarget TE wrapper ops to their base ops; Inductor calls TE's impl directly (no dispatcher)"
-    checkpoints_itself = True
 
-    def __init__(self, *, direct_call: bool = True) -> None:
-        super().__init__(direct_call=bool(direct_call))
-        self._direct = bool(direct_call)
+    @dataclasses.dataclass(frozen=True)
+    class Config(PassConfig):
+        direct_call: bool = True
 
     @classmethod
     def source_hash(cls) -> str:
@@ -192,7 +192,7 @@ class CallTEImplDirectly(TEPass):
                 new_target = overload(base_q)
             base_op = overload(base_q)
             call, why = None, None
-            if not self._direct:
+            if not self.cfg.direct_call:
                 why = "direct_call=False (retarget only)"
             else:
                 if base_op not in lowering_reason:
@@ -223,22 +223,12 @@ class CallTEImplDirectly(TEPass):
                 return TEPassResult(gm, False, records)
             raise PassSkipped("no TE op nodes")
 
-        undo: list[tuple[torch.fx.Node, Any, bool]] = []
-
-        def restore() -> None:
-            for n, target, had in reversed(undo):
-                n.target = target
-                if not had:
-                    n.meta.pop(dc.META_KEY, None)
-
-        ctx.checkpoint(restore)
         for node, new_target, call in plans:
-            undo.append((node, node.target, dc.META_KEY in node.meta))
             if new_target is not None:
                 records.append(PassRecord("retargeted", node.name, {"from": op_qualname(node.target),
                                                                     "to": op_qualname(new_target)}))
-                node.target = new_target
+                ctx.journal.set_target(node, new_target)
             if call is not None:
-                node.meta[dc.META_KEY] = call
+                ctx.journal.set_meta(node, dc.META_KEY, call)
                 records.append(PassRecord("direct_call", node.name, call.describe()))
         return TEPassResult(gm, True, records)

@@ -33,11 +33,11 @@ import torch
 import torch.fx
 
 from te_passes.analyses.liveness import gc_paused
-from te_passes.fx.journal import GraphJournal, replace_uses_with_constant
-from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.fx.journal import GraphJournal
+from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import recipes
-from te_passes.te.graph_scan import (_LOOKUP_BUILTINS, _UNKNOWN, _get_attr, _may_be_te_lookup,  # shared scans
-                                     _walk, find_recipe_and_pg_objects)
+from te_passes.te.graph_scan import (LOOKUP_BUILTINS, UNKNOWN, get_attr_path, may_be_te_lookup,  # shared scans
+                                     walk_values, find_recipe_and_pg_objects)
 
 
 @dataclasses.dataclass
@@ -83,18 +83,15 @@ class FoldRecipeLookups(TEPass):
     name = "fold_recipe_lookups"
     stages = frozenset({Stage.DYNAMO})
     description = "fold fp8 recipe/autocast lookups (FP8GlobalStateManager, recipe attributes) to constants"
-    checkpoints_itself = True
 
-    def __init__(self, *, fp8_state: recipes.Fp8State | None = None) -> None:
-        if fp8_state is not None and not isinstance(fp8_state, recipes.Fp8State):
-            raise TypeError(f"fp8_state must be a te_passes.te.recipes.Fp8State, got {type(fp8_state).__name__}")
-        super().__init__(**({"fp8_state": fp8_state} if fp8_state is not None else {}))
-        self._fp8_state = fp8_state
+    @dataclasses.dataclass(frozen=True)
+    class Config(PassConfig):
+        fp8_state: recipes.Fp8State | None = None
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {}
-        if self._fp8_state is not None:
-            s = self._fp8_state
+        if self.cfg.fp8_state is not None:
+            s = self.cfg.fp8_state
             cfg["fp8_state"] = {"fp8_enabled": s.fp8_enabled, "fp8_calibration": s.fp8_calibration,
                                 "fp8_parameters": s.fp8_parameters, "recipe": repr(s.recipe),
                                 "fp8_group": None if s.fp8_group is None else type(s.fp8_group).__name__}
@@ -106,7 +103,7 @@ class FoldRecipeLookups(TEPass):
         # automatic collections would rescan it again and again (superlinear on 100k nodes).
         with gc_paused():
             records: list[PassRecord] = []
-            changed = self._fold_lookups(gm, records, GraphJournal(gm.graph, ctx), ctx)
+            changed = self._fold_lookups(gm, records, ctx.journal, ctx)
             for node_name, path, tname in find_recipe_and_pg_objects(gm):
                 records.append(PassRecord("kept", node_name, {
                     "object": tname, "path": path,
@@ -116,21 +113,21 @@ class FoldRecipeLookups(TEPass):
     def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
         """The fp8 state lookups fold to: the ``fp8_state`` config, else the compilation's TE
         snapshot (``ctx.te_state.fp8``, part of the pipeline uuid) — never TE's live globals."""
-        if self._fp8_state is not None:
-            return self._fp8_state
+        if self.cfg.fp8_state is not None:
+            return self.cfg.fp8_state
         return getattr(getattr(ctx, "te_state", None), "fp8", None)
 
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                      log: GraphJournal | None = None, ctx: PassContext | None = None) -> bool:
+                      log: GraphJournal, ctx: PassContext | None = None) -> bool:
         graph = gm.graph
-        state: recipes.Fp8State | None | object = _UNKNOWN  # captured lazily, once
+        state: recipes.Fp8State | None | object = UNKNOWN  # captured lazily, once
         known: dict[torch.fx.Node, _Known] = {}
 
         def value_of(a: Any) -> tuple[Any, str] | None:
             if isinstance(a, torch.fx.Node):
                 k = known.get(a)
                 return None if k is None else (k.value, k.lookup)
-            if any(isinstance(x, torch.fx.Node) for _, x in _walk(a, ())):
+            if any(isinstance(x, torch.fx.Node) for _, x in walk_values(a, ())):
                 return None
             return a, repr(a) if not recipes.is_recipe(a) else f"<{type(a).__name__} constant>"
 
@@ -138,7 +135,7 @@ class FoldRecipeLookups(TEPass):
             try:
                 res = self._evaluate(node, value_of, lambda: state)
             except _NeedState:
-                if state is _UNKNOWN:
+                if state is UNKNOWN:
                     state = self._state(ctx)
                 try:
                     res = self._evaluate(node, value_of, lambda: state)
@@ -152,11 +149,10 @@ class FoldRecipeLookups(TEPass):
                 known[node] = _Known(*res)
 
         changed = False
-        log = log or GraphJournal(graph, None)
         # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
         for node, k in known.items():
             if recipes.is_plain_constant(k.value) and node.users:
-                users = replace_uses_with_constant(node, k.value, log)
+                users = [u.name for u in log.replace_uses(node, k.value)]
                 records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
                                                                  "users": users}))
                 changed = True
@@ -179,21 +175,21 @@ class FoldRecipeLookups(TEPass):
         :class:`_NeedState` when TE's autocast state is needed but not yet captured."""
         if node.op == "get_attr":
             owner = node.graph.owning_module
-            val = _get_attr(owner, str(node.target)) if owner is not None else _UNKNOWN
-            if val is not _UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)
+            val = get_attr_path(owner, str(node.target)) if owner is not None else UNKNOWN
+            if val is not UNKNOWN and (recipes.is_recipe(val) or recipes.is_recipe_part(val)
                                         or recipes.recipe_predicate(val) is not None):
                 return val, f"self.{node.target}"
             return None
         if node.op == "call_function":
             tgt = node.target
-            if tgt not in _LOOKUP_BUILTINS and not _may_be_te_lookup(tgt):
+            if tgt not in LOOKUP_BUILTINS and not may_be_te_lookup(tgt):
                 return None
             lookup = recipes.state_lookup_name(node.target)
             if lookup is not None:
                 if node.args or node.kwargs:
                     raise _NotFoldable(f"FP8GlobalStateManager.{lookup} called with arguments")
                 state = get_state()
-                if state is _UNKNOWN:
+                if state is UNKNOWN:
                     raise _NeedState()
                 if state is None:
                     raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): the compilation's TE state has no fp8 "

@@ -13,6 +13,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
+from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
 from te_passes.runtime import ub_guard as guards
@@ -87,7 +88,6 @@ class FoldUbPredicates(TEPass):
     name = "fold_ub_predicates"
     stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "fold Userbuffers queries to guarded constants; check TE ops' UB buffers against the UB state"
-    checkpoints_itself = True
 
     # ------------------------------------------------------------------ analysis
     def _find_queries(self, graph: torch.fx.Graph, records: list[PassRecord]) -> list[tuple[torch.fx.Node, str, tuple]]:
@@ -169,13 +169,11 @@ class FoldUbPredicates(TEPass):
 
         # 4. mutate: keep a pre-pass copy for recompiles, then fold.
         pristine = ub_graph_guard.pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
-        modified = False
         if values:
-            modified = True
-            ctx.checkpoint()
-            self._fold(gm.graph, values, records, folds)
-        facts = [ub_graph_guard.UbDependence(folds, checks, pristine)] if folds or checks else []
-        return TEPassResult(gm, modified, records, facts)
+            self._fold(ctx.journal, values, records, folds)
+        facts: list[Any] = [ub_graph_guard.UbDependence(folds, checks, pristine)] if folds or checks else []
+        facts += [ub_graph_guard.UbMismatch(r.node, str(r.data["message"])) for r in mismatches]
+        return TEPassResult(gm, bool(values), records, facts)
 
     def _record_trace_folds(self, snap: UbSnapshot, ctx: PassContext, records: list[PassRecord],
                             folds: list[guards.UbFold]) -> None:
@@ -203,7 +201,7 @@ class FoldUbPredicates(TEPass):
                 "message": (f"Dynamo frame {compile_id} is being re-traced because the UB state changed "
                             f"(token {old} -> {new}) and te_passes.ub_on_change='error'")}))
 
-    def _fold(self, graph: torch.fx.Graph, values: dict[torch.fx.Node, Any], records: list[PassRecord],
+    def _fold(self, journal: GraphJournal, values: dict[torch.fx.Node, Any], records: list[PassRecord],
               folds: list[guards.UbFold]) -> None:
         for node, value in values.items():
             api, args = describe_ub_query(node)
@@ -217,8 +215,8 @@ class FoldUbPredicates(TEPass):
             node = work.pop(0)
             value = const[node]
             for user in list(node.users):
-                user.args = map_arg(user.args, lambda n: value if n is node else n)
-                user.kwargs = map_arg(user.kwargs, lambda n: value if n is node else n)
+                journal.set_args(user, map_arg(user.args, lambda n: value if n is node else n),
+                                 map_arg(user.kwargs, lambda n: value if n is node else n))
                 if (user.op == "call_function" and user.target in _PURE_FOLDABLE and user not in const
                         and not any(isinstance(a, torch.fx.Node) for a in (*user.args, *user.kwargs.values()))):
                     try:
@@ -239,7 +237,7 @@ class FoldUbPredicates(TEPass):
             changed = False
             for n in candidates:
                 if n not in erased and not n.users:
-                    graph.erase_node(n)
+                    journal.erase(n)
                     erased.add(n)
                     removed.append(n.name)
                     changed = True

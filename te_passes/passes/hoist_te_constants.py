@@ -20,19 +20,19 @@ update a quantizer's usage flags in place, as TE's eager modules do with their p
 quantizers), and the graph's original objects — possibly shared with the Dynamo graph — are
 never touched.
 
-Until issue 12 this was part 3 of ``hoist_recipe_lookups`` (docs/passes/hoist_te_constants.md).
+docs/passes/hoist_te_constants.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 import torch.fx
 
 from te_passes.analyses.liveness import gc_paused
-from te_passes.fx.journal import GraphJournal
-from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.constants import (can_name, hoisted_name, is_liftable_constant, name_constant, names_in,
                                          rebuild_cached)
 from te_passes.te.graph_constants import te_const_kind
@@ -74,14 +74,10 @@ class HoistTEConstants(TEPass):
     name = "hoist_te_constants"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "build TE constants (quantizers, OpaqueValueBundles) once at compile time, not on every call"
-    checkpoints_itself = True
 
-    def __init__(self, *, hoist_constants: bool = True) -> None:
-        super().__init__(hoist_constants=bool(hoist_constants))
-        self._hoist_constants = bool(hoist_constants)
-
-    def config(self) -> dict[str, Any]:
-        return {"hoist_constants": self._hoist_constants}
+    @dataclasses.dataclass(frozen=True)
+    class Config(PassConfig):
+        hoist_constants: bool = True
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         """Post-grad stages: build TE constants once (when ``hoist_constants``).
@@ -89,7 +85,7 @@ class HoistTEConstants(TEPass):
         Raises:
             PassSkipped: ``hoist_constants=False``.
         """
-        if not self._hoist_constants:
+        if not self.cfg.hoist_constants:
             raise PassSkipped("hoist_constants=False: TE constants are left inline")
         # The scans allocate a few objects per constant while the heap holds the whole graph:
         # automatic collections would rescan it again and again (superlinear on 100k nodes).
@@ -98,13 +94,10 @@ class HoistTEConstants(TEPass):
             changed = self._lift_constants(gm, records, ctx)
             return TEPassResult(gm, changed, records)
 
-    def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                        ctx: PassContext | None = None) -> bool:
+    def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord], ctx: PassContext) -> bool:
         graph = gm.graph
         count = hoisted = 0
-        # The rewrite only replaces nodes' args/kwargs: the undo log restores them (the manager
-        # then needs no copy of the graph).
-        log = GraphJournal(graph, ctx)
+        log = ctx.journal
         # ``id(constant) -> (constant, compiled expression, globals)`` for this run: a constant
         # used in several slots is rendered once (the constant is held, so its id stays valid).
         rebuilds: dict[int, tuple[Any, Any, dict]] = {}
@@ -147,10 +140,17 @@ class HoistTEConstants(TEPass):
                              for i, a in enumerate(node.args))
             new_kwargs = {k: _lift_top(a, lambda v, j, u=node, k=k: lift(v, u, f"{k}{j}"))
                           for k, a in node.kwargs.items()}
-            if any(x is not y for x, y in zip(new_args, node.args)) or any(
-                    new_kwargs[k] is not node.kwargs[k] for k in node.kwargs):
+            if not all(map(_same, new_args, node.args)) or not all(
+                    _same(new_kwargs[k], node.kwargs[k]) for k in node.kwargs):
                 log.set_args(node, new_args, new_kwargs)
         return hoisted > 0
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a is b``, element-wise for the list/tuple :func:`_lift_top` rebuilds."""
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return a is b
 
 
 def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:

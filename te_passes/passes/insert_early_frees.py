@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -13,13 +14,11 @@ from te_passes.analyses.alias_rules import is_opaque_call
 from te_passes.analyses.buffers import Buffer, BufferOrigin, Liveness
 from te_passes.analyses.liveness import analyze, analyze_shared, gc_paused
 from te_passes.analyses.memory import MemoryEstimate, estimate
-from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
+from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime import free_op
 from te_passes.te import quantized
 
 POLICIES = ("opaque", "all")
-_REALIZE_KEY = "inductor_realize_to_strides"
-_ABSENT = object()
 
 
 class InsertEarlyFrees(TEPass):
@@ -97,13 +96,14 @@ class InsertEarlyFrees(TEPass):
     name = "insert_early_frees"
     stages = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "free quantized buffers (FP8/MXFP8 data, transposes, scales) right after their last use"
-    checkpoints_itself = True
 
-    def __init__(self, policy: str = "opaque", **config: Any) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"insert_early_frees: policy must be one of {POLICIES}, got {policy!r}")
-        super().__init__(policy=policy, **config)
-        self.policy = policy
+    @dataclasses.dataclass(frozen=True)
+    class Config(PassConfig):
+        policy: Literal["opaque", "all"] = "opaque"
+
+    def __init__(self, policy: str = "opaque") -> None:
+        super().__init__(policy=policy)
+        self.policy = self.cfg.policy
 
     @classmethod
     def source_hash(cls) -> str:
@@ -135,33 +135,17 @@ class InsertEarlyFrees(TEPass):
         plan, records = self.plan(lv, ctx.stage)
         inserted: list[torch.fx.Node] = []
         last_inserted: dict[torch.fx.Node, torch.fx.Node] = {}
-        marked: list[tuple[torch.fx.Node, Any]] = []
-        if plan:
-            # The rewrite only adds user-less free nodes and sets one meta flag: erasing them
-            # and restoring the flag restores the graph, so the manager needs no copy of it.
-            def undo() -> None:
-                for n in reversed(inserted):
-                    if not n._erased:
-                        graph.erase_node(n)
-                for n, old in reversed(marked):
-                    if old is _ABSENT:
-                        n.meta.pop(_REALIZE_KEY, None)
-                    else:
-                        n.meta[_REALIZE_KEY] = old
-            ctx.checkpoint(undo)
         for buf, after in plan:
             if lv.opaque_uses.get(buf) and _may_lower_unrealized(buf.handle):
                 # The opaque reader must receive the buffer the free will empty: realize the
                 # value where it is defined (else a custom op's stride constraint copies an
                 # unrealized Pointwise and the op keeps the copy; free_op.is_materialized).
-                marked.append((buf.handle, buf.handle.meta.get(_REALIZE_KEY, _ABSENT)))
-                free_op.mark_realize(buf.handle)
-            anchor = last_inserted.get(after, after)
-            with graph.inserting_after(anchor):
-                free = graph.call_function(free_op.free_storage, (buf.handle,))
+                free_op.mark_realize(buf.handle, ctx.journal)
+            free = ctx.journal.call_function(free_op.free_storage, (buf.handle,), after=last_inserted.get(after, after),
+                                             meta={"val": None, "te_passes": {
+                                                 "pass": self.name,
+                                                 "role": buf.quantized.role if buf.quantized else None}})
             inserted.append(free)
-            free.meta["val"] = None
-            free.meta["te_passes"] = {"pass": self.name, "role": buf.quantized.role if buf.quantized else None}
             last_inserted[after] = free
         after_est = before
         if inserted:

@@ -23,7 +23,7 @@ from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
 from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te.graph_constants import TEConstKind
-from te_passes.te.graph_scan import _bundle_quantizers, _kind, _users_of_objects, _values  # shared scans
+from te_passes.te.graph_scan import bundle_quantizers, const_kind, users_of_objects, leaf_values  # shared scans
 
 
 class RemoveQuantizerSetattrs(TEPass):
@@ -53,27 +53,26 @@ class RemoveQuantizerSetattrs(TEPass):
     name = "remove_quantizer_setattrs"
     stages = frozenset({Stage.DYNAMO})
     description = "remove side-effect-only quantizer __setattr__ residue from Dynamo graphs"
-    checkpoints_itself = True
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         """Stage ``dynamo``: remove the setattr groups that provably have no effect."""
         with gc_paused():  # see fold_recipe_lookups: no automatic collections over a large heap
             records: list[PassRecord] = []
-            changed = self._fold_setattrs(gm, records, GraphJournal(gm.graph, ctx))
+            changed = self._fold_setattrs(gm, records, ctx.journal)
             return TEPassResult(gm, changed, records)
 
     def _fold_setattrs(self, gm: torch.fx.GraphModule, records: list[PassRecord],
-                       log: GraphJournal | None = None) -> bool:
+                       log: GraphJournal) -> bool:
         graph = gm.graph
         groups: dict[int, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             if (node.op == "call_method" and node.target == "__setattr__" and len(node.args) == 3
-                    and _kind(node.args[0]) is TEConstKind.QUANTIZER):
+                    and const_kind(node.args[0]) is TEConstKind.QUANTIZER):
                 groups.setdefault(id(node.args[0]), []).append(node)
         if not groups:
             return False
-        before = _bundle_quantizers(graph)
-        users = _users_of_objects(graph, set(groups))
+        before = bundle_quantizers(graph)
+        users = users_of_objects(graph, set(groups))
         to_erase: list[torch.fx.Node] = []
         for rid, nodes in groups.items():
             recv = nodes[0].args[0]
@@ -82,7 +81,7 @@ class RemoveQuantizerSetattrs(TEPass):
             observers = sorted({n.name for n in users.get(rid, ()) if n not in own})
             bad = [n for n in nodes if n.users or n.kwargs or not isinstance(n.args[1], str)
                    or (not isinstance(n.args[2], _PLAIN_TYPES)  # a plain value holds no node
-                       and any(isinstance(x, torch.fx.Node) for x in _values(n.args[2])))]
+                       and any(isinstance(x, torch.fx.Node) for x in leaf_values(n.args[2])))]
             if bad:
                 for n in nodes:
                     records.append(PassRecord("kept", n.name, {
@@ -107,10 +106,9 @@ class RemoveQuantizerSetattrs(TEPass):
                 records.append(PassRecord("folded_setattr", n.name, {
                     "receiver": cls, "field": n.args[1], "value": n.args[2], "reason": reason}))
                 to_erase.append(n)
-        log = log or GraphJournal(graph, None)
         for n in to_erase:
             log.erase(n)
-        after = _bundle_quantizers(graph)
+        after = bundle_quantizers(graph)
         if [(a[0], a[1], id(a[2]), a[3]) for a in before] != [(a[0], a[1], id(a[2]), a[3]) for a in after]:
             raise RuntimeError("remove_quantizer_setattrs: op bundle quantizers changed while folding __setattr__ "
                                "residue (identity or value); refusing the rewrite")

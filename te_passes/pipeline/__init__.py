@@ -1,3 +1,2 @@
-"""The pass framework: the pass interface (:mod:`.base`), the manager (:mod:`.manager`), the
-ordered registry (:mod:`.registry`) and the compilation driver's shared pieces
-(:mod:`.compilation`)."""
+"""The pass framework: the pass interface (:mod:`.base`), the manager (:mod:`.manager`) and the
+compilation driver (:mod:`.compilation`). The ordered pass list is ``te_passes.passes.order``."""

@@ -1,13 +1,9 @@
-"""The one pass interface every te_passes pass implements.
+"""The one pass interface every te_passes pass implements (docs/design.md "The pass interface").
 
-A pass is a class with a ``name``, the ``stages`` it runs at, a one-line ``description`` and a
-``run(gm, ctx)`` method that rewrites ``gm`` in place and returns a :class:`TEPassResult`:
-whether it changed the graph plus structured :class:`PassRecord`\\ s of what it did (folded
-constants, inserted frees, findings, and the reasons for every rewrite it refused).
-
-Modelled on ``torch.fx.passes.infra.pass_base.PassBase`` (torch 2.14) — :class:`TEPass` is one —
-and on vLLM's ``InductorPass`` (``uuid()`` hashes the pass's source and config, so Inductor's FX
-graph cache misses exactly when a pass or its configuration changed).
+A pass is a :class:`TEPass` (a ``torch.fx.passes.infra.pass_base.PassBase``) with a ``name``, the
+``stages`` it runs at, a typed :class:`PassConfig` and ``run(gm, ctx)``: it edits ``gm`` only
+through ``ctx.journal`` and returns a :class:`TEPassResult` (records for people, typed facts for
+the pipeline). ``uuid()`` hashes the pass's source and config (vLLM ``InductorPass`` style).
 """
 
 from __future__ import annotations
@@ -20,27 +16,28 @@ import inspect
 import json
 import os
 import sys
-from typing import Any, Callable, ClassVar
+import types
+import typing
+from typing import Any, ClassVar
 
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from te_passes._json import jsonable
 from te_passes.config import TePassesOptions
+from te_passes.fx.journal import GraphJournal
 from te_passes.report import PassRecord
 from te_passes.te.state import TEState
 
-__all__ = ["ALL_STAGES", "AOT_STAGES", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass", "TEPassResult",
-           "jsonable"]
-
+__all__ = ["ALL_STAGES", "AOT_STAGES", "PassConfig", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass",
+           "TEPassResult", "jsonable"]
 
 #: The te_passes package directory whose sources :func:`package_source_hash` covers.
 PACKAGE_ROOT: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def package_source_files(root: str) -> list[str]:
-    """Every ``.py`` file under ``root`` (the te_passes package), as sorted ``/``-separated paths
-    relative to it (``__pycache__`` skipped)."""
+    """Every ``.py`` file under ``root``, as sorted ``/``-separated relative paths (no ``__pycache__``)."""
     out = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
@@ -50,33 +47,20 @@ def package_source_files(root: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def package_source_hash(root: str | None = None) -> str:
-    """sha256 over the path and bytes of every te_passes source file (:func:`package_source_files`
-    of ``root``, default :data:`PACKAGE_ROOT`), computed once per process and root.
-
-    Part of every pass's :meth:`TEPass.uuid` and of the pipeline uuid: what a pass does depends on
-    more than its own module (analyses, the TE graph model, recipe tables, the runtime's free op
-    and constant naming), so any source change re-keys Inductor's FX graph cache (issue 12).
-    """
+    """sha256 over path and bytes of every te_passes source file (default :data:`PACKAGE_ROOT`),
+    once per process and root: any source change re-keys Inductor's FX graph cache."""
     root = root or PACKAGE_ROOT
     h = hashlib.sha256()
     for rel in package_source_files(root):
-        h.update(rel.encode() + b"\0")
         with open(os.path.join(root, rel), "rb") as f:
-            h.update(f.read())
-        h.update(b"\0")
+            h.update(rel.encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()
 
 
 class Stage(str, enum.Enum):
-    """Where in the torch.compile pipeline a pass runs.
-
-    * ``DYNAMO`` — on the graph Dynamo hands to the backend (torch-level ops, ``call_method``
-      nodes, TE ops as ``transformer_engine_compile.<op>`` OpOverloadPackets);
-    * ``JOINT`` — on AOTAutograd's joint forward+backward graph (Inductor's
-      ``joint_custom_pre_pass`` hook);
-    * ``POST_GRAD_FWD`` / ``POST_GRAD_BWD`` — on the partitioned, functionalized ATen forward /
-      backward graphs (Inductor's ``post_grad_custom_pre_pass`` hook).
-    """
+    """Where a pass runs: ``DYNAMO`` (the graph Dynamo hands the backend), ``JOINT`` (Inductor's
+    ``joint_custom_pre_pass``), ``POST_GRAD_FWD`` / ``POST_GRAD_BWD`` (``post_grad_custom_pre_pass``
+    on the partitioned ATen forward / backward graphs)."""
 
     DYNAMO = "dynamo"
     JOINT = "joint"
@@ -94,13 +78,8 @@ AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stag
 
 
 class TEPassResult(PassResult):
-    """A ``torch.fx.passes.infra.pass_base.PassResult`` plus the pass's records and facts.
-
-    Fields: ``graph_module`` (the same module, rewritten in place), ``modified`` (bool),
-    ``records`` (list of :class:`PassRecord`, for people) and ``facts`` (typed objects for the
-    pipeline, e.g. ``te_passes.runtime.ub_graph_guard.UbDependence``: what the compiled graph depends
-    on). A pass hands results to the pipeline only this way, never through module globals.
-    """
+    """``PassResult(graph_module, modified)`` plus ``records`` (:class:`PassRecord`, for people) and
+    ``facts`` (typed objects for the pipeline, e.g. ``runtime.ub_graph_guard.UbDependence``)."""
 
     def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool,
                 records: list[PassRecord] | None = None, facts: list[Any] | None = None) -> "TEPassResult":
@@ -111,91 +90,91 @@ class TEPassResult(PassResult):
 
 
 class PassSkipped(Exception):
-    """Raised by a pass that cannot prove its rewrite safe *before* touching the graph.
-
-    The manager records it as a ``"skipped"`` record with the message (never a warning: the
-    graph is intact and the refusal is part of the design).
-    """
+    """Raised by a pass that cannot prove its rewrite safe: recorded as ``"skipped"`` with the
+    message (not a warning); the manager undoes any edit the pass made."""
 
 
 @dataclasses.dataclass
 class PassContext:
-    """What a pass may read besides the graph.
-
-    * ``stage`` — the :class:`Stage` being run;
-    * ``options`` — the parsed ``te_passes.*`` options (:class:`te_passes.config.TePassesOptions`);
-    * ``te_state`` — the TE state snapshot taken for this compilation
-      (:class:`te_passes.te.state.TEState`: TE version, UB snapshot, active recipe);
-    * ``example_inputs`` — the compiled graph's example inputs (fake tensors / SymInts), or ``None``;
-    * ``graph_id`` — a stable name for the graph being compiled (``"g0"``, ``"g0.fwd"``, ...).
-    """
+    """What a pass may read besides the graph: ``stage``, ``options`` (parsed), ``te_state`` (the
+    compilation's TE snapshot), ``example_inputs`` (fake tensors / SymInts or ``None``) and
+    ``graph_id`` (``"g0"``, ``"g0.fwd"``, ...)."""
 
     stage: Stage
-    options: "TePassesOptions"
-    te_state: "TEState"
+    options: TePassesOptions
+    te_state: TEState
     example_inputs: Any = None
     graph_id: str = "g0"
-    #: Call before the first mutation (passes with ``checkpoints_itself = True``): the manager
-    #: then takes its rollback copy only when a pass really rewrites (set by the manager).
-    #: ``checkpoint(undo)`` with a callable instead registers the pass's own undo (e.g. a log
-    #: of the ``args`` it replaced): on rollback the manager calls it instead of restoring a
-    #: copy, so a pass that only rewrites arguments never pays for a graph copy.
-    checkpoint: Callable[..., None] = lambda undo=None: None
-    #: Analyses of the current graph shared between the passes of one stage (e.g. liveness:
-    #: ``{("liveness", stage): Liveness}``). The manager empties it whenever a pass changes (or
-    #: fails on) the graph, so an entry is always an analysis of the graph as it is now.
+    #: Where the pass makes every graph edit (one per pass run; undone when it is skipped or fails).
+    journal: GraphJournal = dataclasses.field(default_factory=GraphJournal)
+    #: Analyses of the current graph shared in a stage; emptied whenever a pass changes the graph.
     analyses: dict = dataclasses.field(default_factory=dict)
-    #: Facts the compilation driver hands to the passes of this compilation, by name: what the
-    #: runtime saw before any pass ran (``"ub_trace_folds"``: UB queries Dynamo folded while it
-    #: traced this graph; ``"ub_prev_token"``: the UB token this Dynamo frame was traced with
-    #: before, on a recompile). Passes read them; they never fetch them from module globals.
+    #: Facts the driver hands the passes (``"ub_trace_folds"``, ``"ub_prev_token"``), never globals.
     inputs: dict = dataclasses.field(default_factory=dict)
 
 
-class TEPass(PassBase):
-    """Base class of every te_passes pass.
+def _type_error(ann: Any, value: Any) -> str | None:
+    """Why ``value`` is not of type ``ann`` (a class, ``X | None``, a ``Literal``'s type); ``None``: it is."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Literal:
+        return _type_error(type(args[0]), value)
+    classes = args if origin is typing.Union or origin is types.UnionType else (ann,)
+    ok = ann is Any or any(isinstance(value, c) and not (isinstance(value, bool) and c in (int, float))
+                           or (c is float and type(value) is int) for c in classes)
+    return None if ok else "must be " + " | ".join("None" if c is type(None) else c.__name__ for c in classes)
 
-    Subclasses set the class attributes ``name`` (snake_case, unique, what ``te-passes list``
-    and ``te_passes.disable`` use), ``stages`` (a frozenset of :class:`Stage`) and
-    ``description`` (one line), and implement :meth:`run`.
 
-    Contract for :meth:`run`:
-      * analyse first, mutate last: raise :class:`PassSkipped` (graph untouched) when the
-        rewrite cannot be proven safe;
-      * mutate ``gm.graph`` in place and return ``TEPassResult(gm, changed, records)``;
-      * never leave a graph that fails ``graph.lint()`` — the manager lints after each pass and
-        restores the pre-pass graph on any exception.
+@dataclasses.dataclass(frozen=True)
+class PassConfig:
+    """Base of a pass's typed configuration (a frozen dataclass; the ``te_passes.pass_config``
+    parameters of that pass are its fields). Every field's value is checked against its annotation
+    here, the one validator of pass configs.
 
-    ``config()`` returns the pass's configuration as JSON-able data; ``uuid()`` hashes the
-    source file of the pass's class and every te_passes source file (:func:`package_source_hash`)
-    together with it (vLLM ``InductorPass.uuid`` style), so it can key Inductor's FX graph cache.
+    Raises:
+        TypeError: a value of another type (``"no"`` for a ``bool``).
+        ValueError: a value that is not one of a ``Literal``'s.
     """
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            ann = hints[f.name]
+            err = _type_error(ann, value)
+            if err is not None:
+                raise TypeError(f"{f.name} {err}, got {value!r} ({type(value).__name__})")
+            if typing.get_origin(ann) is typing.Literal and value not in typing.get_args(ann):
+                raise ValueError(f"{f.name} must be one of {list(typing.get_args(ann))}, got {value!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+class TEPass(PassBase):
+    """Base class of every pass: ``name`` (``te-passes list``, ``te_passes.disable``), ``stages``,
+    ``description``, ``Config`` (its :class:`PassConfig`: the constructor's keywords),
+    ``analysis_only``. :meth:`run`: analyse first, edit last and only through ``ctx.journal``;
+    :class:`PassSkipped` when unsafe; leave a graph that passes ``graph.lint()``."""
 
     name: ClassVar[str] = ""
     stages: ClassVar[frozenset[Stage]] = frozenset()
     description: ClassVar[str] = ""
-    #: Whether the pass only analyses (never mutates the graph). Analysis passes run even
-    #: when a rewrite pass before them failed, and never trigger a rollback copy.
     analysis_only: ClassVar[bool] = False
-    #: Whether the pass calls ``ctx.checkpoint()`` right before its first mutation. Then the
-    #: manager copies the graph (for rollback) only when the pass rewrites something; otherwise
-    #: it copies before every run (O(nodes), ~30 us/node).
-    checkpoints_itself: ClassVar[bool] = False
+    Config: ClassVar[type[PassConfig]] = PassConfig
 
     def __init__(self, **config: Any) -> None:
-        self._config = dict(config)
+        self.cfg = self.Config(**config)
 
     def config(self) -> dict[str, Any]:
         """The pass's configuration (JSON-able), part of :meth:`uuid`."""
-        return dict(self._config)
+        return self.cfg.to_json()
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        """Rewrite ``gm`` in place; see the class docstring for the contract."""
+        """Rewrite ``gm`` in place through ``ctx.journal``; see the class docstring."""
         raise NotImplementedError
 
-    # torch.fx.passes.infra.pass_base.PassBase protocol (lets a TEPass run in torch's own
-    # PassManager too; the stage defaults to DYNAMO there and TE state is taken live).
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        """torch's ``PassBase`` protocol: run at the pass's first stage with TE state taken live."""
         stage = next(iter(sorted(self.stages, key=lambda s: s.value)), Stage.DYNAMO)
         return self.run(graph_module, PassContext(stage, TePassesOptions(), TEState.capture()))
 
@@ -215,9 +194,7 @@ class TEPass(PassBase):
         return h.hexdigest()
 
     def uuid(self) -> str:
-        """Stable id of this pass: its class's source, the te_passes package source
-        (:func:`package_source_hash` of :data:`PACKAGE_ROOT`) and its config; changes when any
-        changes."""
+        """Stable id: the class's source, the package source and the config."""
         payload = json.dumps({"name": self.name, "src": self.source_hash(),
                               "package": package_source_hash(PACKAGE_ROOT),
                               "config": jsonable(self.config())}, sort_keys=True)

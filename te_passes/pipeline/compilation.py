@@ -1,125 +1,180 @@
-"""The one pipeline driver: :class:`Compilation` runs a stage of one compilation and collects
-its stage reports and typed facts; :data:`STAGE_ORDER` / :func:`stage_graph_id` are the one stage
-map and :func:`is_backward_graph` / :func:`post_grad_stage` the one backward-graph rule. Also the
-pipeline uuid (Inductor FX-graph-cache key part) and ``mode``/options -> Inductor config patches.
-Used by :mod:`te_passes.backend` (Dynamo stage and Inductor's custom-pass hooks),
-:mod:`te_passes.debug.offline` (examples, replay) and :mod:`te_passes.testing` (CPU capture
-helpers, the pass-test harness).
+"""The one pipeline driver: :class:`Compilation` takes one Dynamo graph from the backend to Inductor
+(``begin``, ``inductor_hooks``, ``finish``); offline replay and the CPU capture run stages through
+it too. Also the stage map, the backward-graph rule, the pipeline uuid (part of Inductor's
+FX-graph-cache key) and ``mode``/options parsed once (:class:`CompileSettings`). docs/design.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
-from te_passes.config import TePassesOptions
+from te_passes._logging import get_logger
+from te_passes.config import TePassesOptionError, TePassesOptions
 from te_passes.pipeline import base
-from te_passes.pipeline.base import PassContext, Stage
+from te_passes.pipeline.base import PassContext, Stage, TEPass
 from te_passes.pipeline.manager import PassManager
-from te_passes.report import CompileReport, StageReport
+from te_passes.report import CompileReport, StageReport, cache_hit_note, new_compile_report
+from te_passes.runtime.cudagraph_engine import CudagraphRecorder
+from te_passes.runtime.cudagraph_policy import LeanCUDAGraphPolicy
+from te_passes.runtime.ub_graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
+                                              wrap_with_te_state_guard)
+from te_passes.runtime.ub_guard import dynamo_stage_inputs
 from te_passes.te.state import TEState
+from te_passes.te.ub import UbConfigError, UbSnapshot
 
+log = get_logger()
 
-def pipeline_uuid(manager: PassManager, options: TePassesOptions, te_state: TEState,
-                  ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
-    """What the pass pipeline's cache identity is built from, plus its hash under ``"uuid"``.
-
-    Covers every pass's :meth:`~te_passes.pipeline.base.TEPass.uuid` (source + config), the
-    te_passes package source (:func:`te_passes.pipeline.base.package_source_hash`), the option
-    values that change what passes do, and the TE state fingerprint (:meth:`TEState.fingerprint`:
-    TE version, fp8 autocast state and, for a graph that reads it, the UB snapshot). The UB snapshot is part of that fingerprint only when the
-    graph reads UB state: ``ub_reads`` is :func:`te_passes.runtime.ub_graph_guard.ub_state_reads` of the
-    graph (reasons; empty: it does not read UB state, so a UB change keeps its FX-graph-cache
-    key), ``None`` when not known (the UB snapshot is then included, the safe default).
-
-    Returns ``{"package", "passes", "options", "te_state", "reads_ub"}``, their sha256 under ``"uuid"``,
-    and ``"ub_reads"`` (the reasons, or ``None``; not hashed: they name graph nodes).
-    """
-    reads_ub = ub_reads is None or bool(ub_reads)
-    parts: dict[str, Any] = {
-        "package": base.package_source_hash(base.PACKAGE_ROOT),
-        "passes": {p.name: p.uuid() for p in manager.passes},
-        "options": options.fingerprint_data(),
-        "te_state": te_state.fingerprint(include_ub=reads_ub),
-        "reads_ub": reads_ub,
-    }
-    parts["uuid"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-    parts["ub_reads"] = list(ub_reads) if ub_reads is not None else None
-    return parts
-
-
-def run_stage(manager: PassManager, gm: torch.fx.GraphModule, ctx: PassContext, report: CompileReport):
-    """``manager.run(gm, ctx)``, its stage report appended to ``report``, between the observers'
-    optional ``before_stage(gm, ctx)`` / ``after_stage(gm, ctx, stage_report)`` hooks (the dump
-    writer saves each stage's input and output graph there, also for stages with no pass)."""
-    for obs in manager.observers:
-        if hasattr(obs, "before_stage"):
-            obs.before_stage(gm, ctx)
-    stage_report = manager.run(gm, ctx)
-    report.stages.append(stage_report)
-    for obs in manager.observers:
-        if hasattr(obs, "after_stage"):
-            obs.after_stage(gm, ctx, stage_report)
-    return stage_report
-
-
-#: Stage order of a compilation (the order the backend runs them in).
+#: Stage order of a compilation, and the suffix each stage's graph id gets (``"g0"``, ``"g0.joint"``,
+#: ``"g0.fwd"``, ``"g0.bwd"``): the names stage reports, dumps and records use.
 STAGE_ORDER: tuple[Stage, ...] = (Stage.DYNAMO, Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD)
-#: The suffix a stage's graph id gets after the compilation's (``"g0"``, ``"g0.joint"``, ``"g0.fwd"``,
-#: ``"g0.bwd"``): the names stage reports, dumps and records use.
 STAGE_SUFFIX: dict[Stage, str] = {Stage.DYNAMO: "", Stage.JOINT: ".joint", Stage.POST_GRAD_FWD: ".fwd",
                                   Stage.POST_GRAD_BWD: ".bwd"}
 
 
 def stage_graph_id(graph_id: str, stage: Stage | str) -> str:
-    """The graph id of ``stage``'s graph of compilation ``graph_id`` (``"g0"`` + :data:`STAGE_SUFFIX`).
-
-    Raises:
-        ValueError: ``stage`` is not a :class:`Stage` value.
-    """
+    """``graph_id`` + :data:`STAGE_SUFFIX` of ``stage``. Raises ``ValueError`` for a non-stage."""
     return graph_id + STAGE_SUFFIX[Stage(stage)]
 
 
 def is_backward_graph(graph: torch.fx.Graph | torch.fx.GraphModule) -> bool:
     """Whether a partitioned post-grad graph is a backward graph: it has ``tangents_*``
-    placeholders (AOTAutograd's naming of the incoming gradients, torch 2.14
-    ``torch/_functorch/_aot_autograd``; forward graphs have ``primals_*`` only). The one
-    backward-graph rule of the pipeline."""
+    placeholders (AOTAutograd's naming, ``torch/_functorch/_aot_autograd``)."""
     graph = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
     return any(str(n.target).startswith("tangents") for n in graph.find_nodes(op="placeholder"))
 
 
 def post_grad_stage(graph: torch.fx.Graph | torch.fx.GraphModule) -> Stage:
-    """``Stage.POST_GRAD_BWD`` for a backward graph (:func:`is_backward_graph`), else
-    ``Stage.POST_GRAD_FWD``."""
+    """``POST_GRAD_BWD`` for a backward graph (:func:`is_backward_graph`), else ``POST_GRAD_FWD``."""
     return Stage.POST_GRAD_BWD if is_backward_graph(graph) else Stage.POST_GRAD_FWD
 
 
+def pipeline_uuid(passes: Sequence[TEPass], options: TePassesOptions, te_state: TEState,
+                  ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
+    """The pipeline's cache identity (passes' ``uuid()``, package source, options, TE state; the UB
+    snapshot only if ``ub_reads`` — :func:`~te_passes.runtime.ub_graph_guard.ub_state_reads`, ``None``:
+    unknown — is non-empty) and its sha256 under ``"uuid"``; ``"ub_reads"`` is not hashed."""
+    reads_ub = ub_reads is None or bool(ub_reads)
+    parts: dict[str, Any] = {"package": base.package_source_hash(base.PACKAGE_ROOT),
+                             "passes": {p.name: p.uuid() for p in passes},
+                             "options": options.fingerprint_data(),
+                             "te_state": te_state.fingerprint(include_ub=reads_ub), "reads_ub": reads_ub}
+    parts["uuid"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    parts["ub_reads"] = list(ub_reads) if ub_reads is not None else None
+    return parts
+
+
+def inductor_config_patches(mode: str | None, inductor_options: dict[str, Any]) -> dict[str, Any]:
+    """``mode`` + Inductor ``options`` -> config patches exactly as ``torch.compile`` maps them
+    (``torch._TorchCompileInductorWrapper``). Raises ``RuntimeError``: Inductor's own messages."""
+    return dict(torch._TorchCompileInductorWrapper(mode, inductor_options, dynamic=None).config)
+
+
+def _inductor_value(patches: dict[str, Any], key: str) -> Any:
+    """The patched value of Inductor config ``key`` (``"triton.cudagraphs"``), else the process's."""
+    from torch._inductor import config as inductor_config
+
+    if key in patches:
+        return patches[key]
+    obj: Any = inductor_config
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_NON_TREE_CUDAGRAPHS = (
+    "te_inductor refuses triton.cudagraphs=True (an option or the mode) with triton.cudagraph_trees=False: "
+    "non-tree CUDA graphs (torch._inductor.cudagraph_trees off) return the same output tensors on "
+    "every call, overwriting outputs a caller still holds (TE's saved quantized tensors, fp8 outputs "
+    "kept for backward), and with TE fp8 modules the backward crashes inside TE GEMM "
+    "(getGemmOutputShape: Invalid matrix dimensions). Use mode=\"reduce-overhead\" (CUDA graph trees) "
+    "and leave triton.cudagraph_trees at its default (True)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSettings:
+    """``torch.compile``'s ``mode`` and ``options`` parsed once: our :class:`TePassesOptions`, the
+    Inductor config patches, and the loaded ``te_passes.ub_snapshot`` (or ``None``)."""
+
+    mode: str | None
+    options: TePassesOptions
+    config_patches: dict[str, Any]
+    ub_snapshot: UbSnapshot | None = None
+
+    @classmethod
+    def parse(cls, mode: str | None, options: dict[str, Any] | None, known_passes: set[str]) -> "CompileSettings":
+        """Raises:
+            te_passes.config.TePassesOptionError: a ``te_passes.*`` key/value or pass name, a
+                ``te_passes.ub_snapshot`` that cannot be loaded, non-tree cudagraphs.
+            RuntimeError: unknown mode or Inductor option (Inductor's message).
+        """
+        opts, inductor_options = TePassesOptions.parse(options, known_passes=known_passes)
+        patches = inductor_config_patches(mode, inductor_options)
+        if _inductor_value(patches, "triton.cudagraphs") and not _inductor_value(patches, "triton.cudagraph_trees"):
+            raise TePassesOptionError(_NON_TREE_CUDAGRAPHS)
+        snap = None
+        if opts.ub_snapshot is not None:
+            try:
+                snap = UbSnapshot.load(opts.ub_snapshot)
+            except (TypeError, UbConfigError) as e:
+                raise TePassesOptionError(f"option te_passes.ub_snapshot: {e}") from None
+        return cls(mode, opts, patches, snap)
+
+
+def _cache_hits() -> dict[str, int]:
+    """Inductor's FX-graph-cache and AOTAutograd-cache hit counters (``torch._dynamo.utils.counters``)."""
+    from torch._dynamo.utils import counters
+
+    return {"AOTAutograd cache": counters["aot_autograd"]["autograd_cache_hit"],
+            "FX graph cache": counters["inductor"]["fxgraph_cache_hit"]}
+
+
+class InductorStageHook(CustomInferenceAwareGraphPass):
+    """A :class:`Compilation`'s AOT stage inside Inductor (``joint_custom_pre_pass`` or
+    ``post_grad_custom_pre_pass``); ``uuid()`` is the pipeline uuid (FX-graph-cache key part)."""
+
+    def __init__(self, compilation: "Compilation", joint: bool) -> None:
+        self.compilation, self.joint = compilation, joint
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
+        gm = graph.owning_module
+        if gm is None:  # pragma: no cover - Inductor always passes an owned graph
+            log.warning("te_passes: post-grad graph without owning module; passes skipped")
+            return
+        self.compilation.run_stage(gm, Stage.JOINT if self.joint else post_grad_stage(graph))
+
+    def uuid(self) -> str:
+        return self.compilation.report.uuid["uuid"]
+
+
 class Compilation:
-    """One compilation (one Dynamo graph) as the pipeline runs it, stage by stage.
+    """One compilation (one Dynamo graph): ``manager`` (passes, observers), ``options`` (parsed, or
+    the backend's :class:`CompileSettings`), ``te_state``, ``report`` (default: a new registered
+    one), ``graph_id``, ``recompile`` (``(gm, args) -> compiled``, for the UB guard) and ``live``
+    (``torch.compile``: runtime facts in, UB mismatches raised, result guarded; ``False``: offline).
+    Backend: :meth:`begin`, :meth:`inductor_hooks`, ``compile_fx``, :meth:`finish`."""
 
-    Args:
-        manager: the :class:`PassManager` (its passes and observers).
-        options: parsed options (:class:`te_passes.config.TePassesOptions`).
-        te_state: the TE snapshot of this compilation (:class:`te_passes.te.state.TEState`).
-        report: the :class:`CompileReport` stage reports are appended to (``report.graph_id``
-            names the stages' graphs unless ``graph_id`` is given).
-        graph_id: the compilation's graph id (default ``report.graph_id``).
-
-    :meth:`run_stage` is what the backend's Dynamo stage, its Inductor hooks
-    (``te_passes.backend._StagePass``), offline replay (:func:`te_passes.debug.offline.run_stages`)
-    and the CPU capture helpers (:func:`te_passes.testing.capture.run_pipeline`) all call.
-    """
-
-    def __init__(self, manager: PassManager, options: TePassesOptions, te_state: TEState,
-                 report: CompileReport, graph_id: str | None = None) -> None:
-        self.manager, self.options, self.te_state, self.report = manager, options, te_state, report
-        self.graph_id = report.graph_id if graph_id is None else graph_id
+    def __init__(self, manager: PassManager, options: TePassesOptions | CompileSettings, te_state: TEState,
+                 report: CompileReport | None = None, *, graph_id: str | None = None,
+                 recompile: Callable | None = None, live: bool = True) -> None:
+        self.settings = options if isinstance(options, CompileSettings) else CompileSettings(None, options, {})
+        self.manager, self.options, self.te_state = manager, self.settings.options, te_state
+        self.report = new_compile_report(self.settings.mode) if report is None else report
+        if graph_id is not None:
+            self.report.graph_id = graph_id
+        self.graph_id = self.report.graph_id
+        self.report.te_state = te_state.to_json()
+        self.recompile, self.live = recompile, live
+        self._t0 = time.perf_counter()
+        self._checked_stages = 0  # stage reports whose UB mismatches were raised on
+        self._hits_before: dict[str, int] = {}
 
     def context(self, stage: Stage | str, example_inputs: Any = None, inputs: dict | None = None) -> PassContext:
         """The :class:`PassContext` the passes of ``stage`` get (graph id per :func:`stage_graph_id`)."""
@@ -129,34 +184,80 @@ class Compilation:
 
     def run_stage(self, gm: torch.fx.GraphModule, stage: Stage | str, example_inputs: Any = None,
                   inputs: dict | None = None) -> StageReport:
-        """Run ``stage``'s passes on ``gm`` (in place) through :func:`run_stage` (observers' stage
-        hooks included), append the stage report to ``self.report``, add the time to
-        ``report.time_ms_passes`` (ms) and return the stage report.
-
-        ``inputs``: facts handed to the passes (:attr:`PassContext.inputs`).
-
-        Raises:
-            te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
-        """
-        ctx = self.context(stage, example_inputs, inputs)
+        """Run ``stage``'s passes on ``gm`` in place; the stage report is appended and returned.
+        Raises ``TePassError``: a pass failed under ``options.strict``."""
         t0 = time.perf_counter()
         try:
-            return run_stage(self.manager, gm, ctx, self.report)
+            stage_report = self.manager.run(gm, self.context(stage, example_inputs, inputs))
         finally:
             self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
+        self.report.stages.append(stage_report)
+        return stage_report
+
+    def begin(self, gm: torch.fx.GraphModule | None, example_inputs: Any = None) -> None:
+        """The Dynamo stage on ``gm`` (``None``: none, offline; live: with the runtime's UB trace
+        folds), then the pipeline uuid, once. Raises ``UbConfigError`` (live): ``UbMismatch`` facts
+        (before Inductor runs); ``TePassError``: a pass failed under ``options.strict``."""
+        reads = None
+        if gm is not None:
+            inputs = dynamo_stage_inputs() if self.live else {}
+            self.run_stage(gm, Stage.DYNAMO, example_inputs, inputs)
+            reads = ub_state_reads(gm, ub_dependence_of(self.report),
+                                   trace_folds=inputs.get("ub_trace_folds", ()))
+        self.report.uuid = pipeline_uuid(self.manager.passes, self.options, self.te_state, ub_reads=reads)
+        if self.live:
+            raise_ub_mismatches(self.report)
+        self._checked_stages = len(self.report.stages)
+
+    def inductor_hooks(self) -> dict[str, Any]:
+        """The settings' Inductor config patches plus our two :class:`InductorStageHook`\\ s (after
+        a user's own) and, under ``te_passes.cudagraphs="lean"``, the cudagraph policy."""
+        patches = dict(self.settings.config_patches)
+        for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
+            ours, user = InductorStageHook(self, joint), patches.get(key)
+            patches[key] = ours if user is None else [*(user if isinstance(user, (list, tuple)) else [user]), ours]
+        policy = self.cudagraph_policy(patches)
+        if policy is not None:
+            patches["cudagraph_policy"] = policy
+        self._hits_before = _cache_hits()
+        return patches
+
+    def cudagraph_policy(self, patches: dict[str, Any]) -> LeanCUDAGraphPolicy | None:
+        """The lean CUDA-graph policy, or ``None`` (cudagraph trees) unless ``te_passes.cudagraphs ==
+        "lean"`` with cudagraphs and trees on and no user ``cudagraph_policy``; reading UB state with
+        UB initialised is a static hazard."""
+        if self.options.cudagraphs != "lean" or not _inductor_value(patches, "triton.cudagraphs"):
+            return None
+        if not _inductor_value(patches, "triton.cudagraph_trees") or _inductor_value(patches, "cudagraph_policy") is not None:
+            return None
+        hazards, ub_reads = [], self.report.uuid.get("ub_reads")
+        if self.te_state.ub is not None and getattr(self.te_state.ub, "initialized", False) and ub_reads:
+            hazards.append(f"graph reads Userbuffers state with UB initialised ({'; '.join(map(str, ub_reads))[:200]}): "
+                           "UB communicators captured into a CUDA graph are left to cudagraph trees")
+        refresh = (lambda: self._notify_finish()) if self.manager.observers else None
+        return LeanCUDAGraphPolicy(graph_id=self.graph_id, recorder=CudagraphRecorder(self.report.cudagraphs, refresh),
+                                   static_hazards=hazards)
+
+    def _notify_finish(self) -> None:
+        for obs in self.manager.observers:
+            obs.finish(self.report)
+
+    def finish(self, compiled: Callable | None = None) -> Callable | None:
+        """After ``compile_fx`` (offline: the stages): note a cache hit that skipped the AOT stages,
+        tell the observers, (live) UB-guard ``compiled``. Raises ``UbConfigError``: AOT-stage mismatches."""
+        if self.live and not {s.stage for s in self.report.stages} & {Stage.JOINT.value, Stage.POST_GRAD_FWD.value}:
+            hit = [k for k, n in _cache_hits().items() if n > self._hits_before.get(k, 0)]
+            if hit:
+                self.report.cache_hit = " and ".join(hit)
+                log.info("te_passes: %s: %s", self.graph_id, cache_hit_note(self.report.cache_hit))
+        self.report.time_ms_total = (time.perf_counter() - self._t0) * 1e3
+        self._notify_finish()
+        if not self.live or compiled is None:
+            return compiled
+        return wrap_with_te_state_guard(compiled, self.report, self.te_state, self.options, recompile=self.recompile,
+                                        cudagraphs=bool(self.settings.config_patches.get("triton.cudagraphs")),
+                                        checked_stages=self._checked_stages)
 
     def facts(self, kind: type | None = None) -> list[Any]:
-        """The typed facts the passes of every stage run so far returned (in run order), only
-        instances of ``kind`` when given."""
+        """The typed facts of every stage run so far (in run order), only ``kind``'s when given."""
         return self.report.typed_facts(kind)
-
-
-def inductor_config_patches(mode: str | None, inductor_options: dict[str, Any]) -> dict[str, Any]:
-    """Map ``mode`` + Inductor ``options`` to config patches exactly as ``torch.compile`` does.
-
-    Raises:
-        RuntimeError: unknown mode, unknown Inductor option or wrong value type (Inductor's
-            own messages).
-    """
-    wrapper = torch._TorchCompileInductorWrapper(mode, inductor_options, dynamic=None)
-    return dict(wrapper.config)

@@ -44,14 +44,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from te_passes.rewrite.fused_attention import (AUTO_ATTR, _rewrite_fused_attention, auto_attention_problem,
+from te_passes.rewrite.fused_attention import (AUTO_ATTR, rewrite_fused_attention, auto_attention_problem,
                                                fused_attention_problem)
 from te_passes.rewrite.module_state import (  # noqa: F401 - is_rewritten: public, re-exported
-    _STATE_ATTR, CompileFriendlyError, _te, is_rewritten)
+    STATE_ATTR, CompileFriendlyError, te_module, is_rewritten)
 from te_passes.rewrite.refusals import (attention_problem, layernorm_linear_problem, layernorm_mlp_problem,
                                         multihead_attention_problem)
-from te_passes.rewrite.rewriters import (_rewrite_attention, _rewrite_layernorm_linear, _rewrite_layernorm_mlp,
-                                         _rewrite_multihead_attention)
+from te_passes.rewrite.rewriters import (rewrite_attention, rewrite_layernorm_linear, rewrite_layernorm_mlp,
+                                         rewrite_multihead_attention)
 from te_passes.te.version import is_supported, te_version
 
 ATTENTION_CHOICES: tuple[str, ...] = ("sdpa", "te_fused", "auto", "keep")
@@ -83,7 +83,7 @@ class RewriteRecord:
 
 
 def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, str | None, Callable | None]]:
-    te = _te()
+    te = te_module()
     from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
         DotProductAttention,
     )
@@ -92,21 +92,21 @@ def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, s
     for name, mod in model.named_modules():
         if isinstance(mod, te.MultiheadAttention):
             plan.append((name, mod, "MultiheadAttention", multihead_attention_problem(mod),
-                         _rewrite_multihead_attention))
+                         rewrite_multihead_attention))
         if isinstance(mod, te.LayerNormLinear):
-            plan.append((name, mod, "LayerNormLinear", layernorm_linear_problem(mod), _rewrite_layernorm_linear))
+            plan.append((name, mod, "LayerNormLinear", layernorm_linear_problem(mod), rewrite_layernorm_linear))
         elif isinstance(mod, te.LayerNormMLP):
-            plan.append((name, mod, "LayerNormMLP", layernorm_mlp_problem(mod), _rewrite_layernorm_mlp))
+            plan.append((name, mod, "LayerNormMLP", layernorm_mlp_problem(mod), rewrite_layernorm_mlp))
         elif isinstance(mod, DotProductAttention):
             if attention == "keep":
                 plan.append((name, mod, "DotProductAttention", "attention='keep'", None))
             elif attention == "te_fused":
                 plan.append((name, mod, "DotProductAttention", fused_attention_problem(mod),
-                             _rewrite_fused_attention))
+                             rewrite_fused_attention))
             elif attention == "auto":
                 plan.append((name, mod, "DotProductAttention", *_auto_choice(mod)))
             else:
-                plan.append((name, mod, "DotProductAttention", attention_problem(mod), _rewrite_attention))
+                plan.append((name, mod, "DotProductAttention", attention_problem(mod), rewrite_attention))
     return plan
 
 
@@ -116,11 +116,11 @@ def _auto_choice(mod: Any) -> tuple[str | None, Callable]:
     (the record says why the fused op was not used), else refused with both reasons."""
     fused = auto_attention_problem(mod)
     if fused is None:
-        return None, lambda m: _rewrite_fused_attention(m, auto=True)
+        return None, lambda m: rewrite_fused_attention(m, auto=True)
     sdpa = attention_problem(mod)
     if sdpa is None:
-        return None, lambda m: f"{_rewrite_attention(m)} (te_fused not used: {fused})"
-    return f"te_fused: {fused}; sdpa: {sdpa}", _rewrite_attention
+        return None, lambda m: f"{rewrite_attention(m)} (te_fused not used: {fused})"
+    return f"te_fused: {fused}; sdpa: {sdpa}", rewrite_attention
 
 
 def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict: bool = False) -> torch.nn.Module:
@@ -181,7 +181,7 @@ def restore(model: torch.nn.Module) -> list[str]:
     """Undo :func:`compile_friendly` on every module of ``model``; returns their names."""
     out = []
     for name, mod in model.named_modules():
-        st = mod.__dict__.pop(_STATE_ATTR, None)
+        st = mod.__dict__.pop(STATE_ATTR, None)
         mod.__dict__.pop(AUTO_ATTR, None)
         if st is not None:
             mod.__class__ = st.original_cls

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from te_passes.rewrite.module_state import _STATE_ATTR, CompileFriendlyError, _State
-from te_passes.rewrite.refusals import _check_sdpa_call, attention_problem
-from te_passes.rewrite.rewriters import _classes
+from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, ModuleState
+from te_passes.rewrite.refusals import check_sdpa_call, attention_problem
+from te_passes.rewrite.rewriters import rewriter_classes
 from te_passes.runtime.fused_attn_op import FusedAttentionOpUnavailable, fused_attention_op
 from te_passes.te.fused_attn import head_dim_problem
 
@@ -112,7 +112,7 @@ def _fused_class() -> type:
 
             fmt = qkv_format or self.qkv_format
             mask = attn_mask_type or self.attn_mask_type
-            _check_sdpa_call(self, fmt, mask, attention_mask, kwargs, path=PATH)
+            check_sdpa_call(self, fmt, mask, attention_mask, kwargs, path=PATH)
             where = f"rewritten DotProductAttention (layer_number={getattr(self, 'layer_number', None)})"
             if is_cpu_offload_enabled():
                 raise CompileFriendlyError(f"{where}: CPU activation offloading is enabled")
@@ -158,11 +158,11 @@ AUTO_ATTR = "_te_passes_attention_auto"
 
 
 def _sdpa_forward() -> Any:
-    return _classes()["DotProductAttention"].forward
+    return rewriter_classes()["DotProductAttention"].forward
 
 
-def _rewrite_fused_attention(mod: Any, auto: bool = False) -> str:
-    mod.__dict__[_STATE_ATTR] = _State(type(mod))
+def rewrite_fused_attention(mod: Any, auto: bool = False) -> str:
+    mod.__dict__[STATE_ATTR] = ModuleState(type(mod))
     mod.__class__ = _fused_class()
     if auto:
         mod.__dict__[AUTO_ATTR] = True

@@ -18,17 +18,17 @@ class CompileFriendlyError(ValueError):
 
 
 #: Module attribute holding the rewrite's hidden state (hidden ``te.Linear``\ s, the original class).
-_STATE_ATTR = "_te_passes_compile_friendly"
+STATE_ATTR = "_te_passes_compile_friendly"
 
 
-def _te():
+def te_module():
     import transformer_engine.pytorch as te
 
     return te
 
 
 def _split_cat_linear_cls():
-    te = _te()
+    te = te_module()
 
     class _SharedLinear(te.Linear):
         """A ``te.Linear`` running on parameters owned by another module.
@@ -54,7 +54,7 @@ def _split_cat_linear_cls():
 _SHARED_LINEAR: list[type] = []
 
 
-def _shared_linear(owner: torch.nn.Module, *, in_features: int, out_features: int,
+def shared_linear(owner: torch.nn.Module, *, in_features: int, out_features: int,
                    weight_names: list[str], bias_names: list[str], split_sizes: list[int],
                    use_bias: bool, return_bias: bool, parallel_mode: str | None, name: str | None,
                    dtype: torch.dtype) -> torch.nn.Module:
@@ -85,24 +85,24 @@ def _shared_linear(owner: torch.nn.Module, *, in_features: int, out_features: in
 
 
 @dataclasses.dataclass
-class _State:
+class ModuleState:
     original_cls: type
     linears: tuple[torch.nn.Module, ...] = ()
     recipe: Any = None  # MultiheadAttention: the recipe entered when no te.autocast is active
 
 
-def _state(mod: torch.nn.Module) -> _State:
-    return mod.__dict__[_STATE_ATTR]
+def state_of(mod: torch.nn.Module) -> ModuleState:
+    return mod.__dict__[STATE_ATTR]
 
 
-class _HiddenTrainMixin:
+class HiddenTrainMixin:
     def train(self, mode: bool = True):  # noqa: D401 - nn.Module.train
         super().train(mode)
-        for lin in _state(self).linears:
+        for lin in state_of(self).linears:
             lin.train(mode)
         return self
 
 
 def is_rewritten(mod: torch.nn.Module) -> bool:
     """Whether ``mod`` itself was rewritten by :func:`compile_friendly`."""
-    return _STATE_ATTR in mod.__dict__
+    return STATE_ATTR in mod.__dict__

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from te_passes.rewrite.module_state import _STATE_ATTR, CompileFriendlyError, _state, _te
+from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, state_of, te_module
 from te_passes.rewrite.norm_act import ACTIVATIONS
 
 
@@ -57,7 +57,7 @@ def _common_problem(mod: Any) -> str | None:
 def _linear_module_problem(mod: Any, cls: type) -> str | None:
     """What refuses ``mod`` before its class's own checks: already rewritten, a subclass of TE's
     ``cls`` (its forward may differ), or :func:`_common_problem`."""
-    if _STATE_ATTR in mod.__dict__:
+    if STATE_ATTR in mod.__dict__:
         return "already rewritten"
     if type(mod) is not cls:
         return f"{type(mod).__qualname__} is a subclass of te.{cls.__name__} (its forward may differ)"
@@ -66,7 +66,7 @@ def _linear_module_problem(mod: Any, cls: type) -> str | None:
 
 def layernorm_linear_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormLinear`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    p = _linear_module_problem(mod, _te().LayerNormLinear)
+    p = _linear_module_problem(mod, te_module().LayerNormLinear)
     if p:
         return p
     if getattr(mod, "return_layernorm_output_gathered", False):
@@ -80,7 +80,7 @@ def layernorm_mlp_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormMLP`` ``mod`` cannot be rewritten exactly, or ``None``."""
     from transformer_engine.pytorch.module.layernorm_mlp import _get_act_func_supported_list
 
-    p = _linear_module_problem(mod, _te().LayerNormMLP)
+    p = _linear_module_problem(mod, te_module().LayerNormMLP)
     if p:
         return p
     te_acts = set(_get_act_func_supported_list(None))
@@ -115,7 +115,7 @@ def attention_problem(mod: Any, path: str = "SDPA") -> str | None:
         DotProductAttention,
     )
 
-    if _STATE_ATTR in mod.__dict__:
+    if STATE_ATTR in mod.__dict__:
         return "already rewritten"
     if type(mod) is not DotProductAttention:
         return f"{type(mod).__qualname__} is a subclass of DotProductAttention (its forward may differ)"
@@ -147,8 +147,8 @@ def attention_problem(mod: Any, path: str = "SDPA") -> str | None:
 
 def multihead_attention_problem(mod: Any) -> str | None:
     """Why ``te.MultiheadAttention`` ``mod`` is not wrapped (see ``CompileFriendlyMultiheadAttention``)."""
-    te = _te()
-    if _STATE_ATTR in mod.__dict__:
+    te = te_module()
+    if STATE_ATTR in mod.__dict__:
         return "already rewritten"
     if type(mod) is not te.MultiheadAttention:
         return f"{type(mod).__qualname__} is a subclass of te.MultiheadAttention (its forward may differ)"
@@ -196,7 +196,7 @@ _NEUTRAL_KWARGS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _check_norm_call(mod: Any) -> None:
+def check_norm_call(mod: Any) -> None:
     """Per-call refusals of the rewritten LayerNormLinear / LayerNormMLP (trace-time Python)."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
@@ -204,17 +204,17 @@ def _check_norm_call(mod: Any) -> None:
     recipe = qstate.fp8_recipe
     if qstate.fp8_enabled and recipe is not None and recipe.delayed():
         raise CompileFriendlyError(
-            f"rewritten {_state(mod).original_cls.__name__} {mod.name or ''}: DelayedScaling keeps amax "
+            f"rewritten {state_of(mod).original_cls.__name__} {mod.name or ''}: DelayedScaling keeps amax "
             "history in the module's fp8 meta (its _extra_state); the rewrite's te.Linear would keep "
             "its own and checkpoints would not carry it. Use a stateless recipe "
             "(Float8CurrentScaling, MXFP8BlockScaling, ...) or restore() the model")
     if torch.is_autocast_enabled():
         raise CompileFriendlyError(
-            f"rewritten {_state(mod).original_cls.__name__}: torch.autocast is enabled; TE casts the "
+            f"rewritten {state_of(mod).original_cls.__name__}: torch.autocast is enabled; TE casts the "
             "norm input to the autocast dtype inside its kernel, which the rewrite does not express")
 
 
-def _check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, kwargs: dict,
+def check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, kwargs: dict,
                      path: str = "SDPA") -> None:
     """Per-call refusals of the rewritten ``DotProductAttention`` (SDPA, or the fused op: ``path``)."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager

@@ -3,7 +3,7 @@
 hidden state and swaps its class for a subclass of its TE class whose ``forward`` is traceable
 (:class:`CompileFriendlyLayerNormLinear`, :class:`CompileFriendlyLayerNormMLP`,
 :class:`SdpaDotProductAttention`, :class:`CompileFriendlyMultiheadAttention`, built once TE is
-importable by :func:`_classes`).
+importable by :func:`rewriter_classes`).
 
 Mirrors TE 2.20.2 ``module/layernorm_linear.py``, ``module/layernorm_mlp.py``,
 ``attention/dot_product_attention/dot_product_attention.py`` and
@@ -15,22 +15,22 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from te_passes.rewrite.module_state import (_STATE_ATTR, CompileFriendlyError, _HiddenTrainMixin, _shared_linear,
-                                            _State, _state, _te)
+from te_passes.rewrite.module_state import (STATE_ATTR, CompileFriendlyError, HiddenTrainMixin, shared_linear,
+                                            ModuleState, state_of, te_module)
 from te_passes.rewrite.norm_act import activation, normalize
-from te_passes.rewrite.refusals import _check_norm_call, _check_sdpa_call, multihead_attention_note
+from te_passes.rewrite.refusals import check_norm_call, check_sdpa_call, multihead_attention_note
 
 
-def _classes() -> dict[str, type]:
+def rewriter_classes() -> dict[str, type]:
     """The compile-friendly subclasses, built once TE is importable."""
     if _CLASSES:
         return _CLASSES
-    te = _te()
+    te = te_module()
     from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
         DotProductAttention,
     )
 
-    class CompileFriendlyLayerNormLinear(_HiddenTrainMixin, te.LayerNormLinear):
+    class CompileFriendlyLayerNormLinear(HiddenTrainMixin, te.LayerNormLinear):
         """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (traceable; see module doc).
 
         ``forward(inp [..., in_features], is_first_microbatch, fp8_output, fp8_grad)`` returns
@@ -39,14 +39,14 @@ def _classes() -> dict[str, type]:
         """
 
         def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
-            _check_norm_call(self)
+            check_norm_call(self)
             ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                                self.normalization, self.zero_centered_gamma)
-            (lin,) = _state(self).linears
+            (lin,) = state_of(self).linears
             return lin(ln_out, is_first_microbatch=is_first_microbatch, fp8_output=fp8_output,
                        fp8_grad=fp8_grad)
 
-    class CompileFriendlyLayerNormMLP(_HiddenTrainMixin, te.LayerNormMLP):
+    class CompileFriendlyLayerNormMLP(HiddenTrainMixin, te.LayerNormMLP):
         """``te.LayerNormMLP`` as normalisation + ``te.Linear`` + activation + ``te.Linear``.
 
         ``forward(inp [..., hidden], is_first_microbatch)`` returns the output [..., hidden], or
@@ -54,8 +54,8 @@ def _classes() -> dict[str, type]:
         """
 
         def forward(self, inp, is_first_microbatch=None):
-            _check_norm_call(self)
-            fc1, fc2 = _state(self).linears
+            check_norm_call(self)
+            fc1, fc2 = state_of(self).linears
             ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps,
                                self.normalization, self.zero_centered_gamma)
             h = fc1(ln_out, is_first_microbatch=is_first_microbatch)
@@ -83,7 +83,7 @@ def _classes() -> dict[str, type]:
 
             qkv_format = qkv_format or self.qkv_format
             mask = attn_mask_type or self.attn_mask_type
-            _check_sdpa_call(self, qkv_format, mask, attention_mask, kwargs)
+            check_sdpa_call(self, qkv_format, mask, attention_mask, kwargs)
             q, k, v, _ = _unpack_packed_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
                                             qkv_format, qkv_interleave_dim, kwargs.get("inference_params"))
             # [s, b, h, d] / [b, s, h, d] -> [b, h, s, d]
@@ -114,7 +114,7 @@ def _classes() -> dict[str, type]:
             from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
             if FP8GlobalStateManager.quantization_state.fp8_recipe is None:
-                with te.autocast(enabled=False, recipe=_state(self).recipe):
+                with te.autocast(enabled=False, recipe=state_of(self).recipe):
                     return super().forward(*args, **kwargs)
             return super().forward(*args, **kwargs)
 
@@ -127,48 +127,48 @@ def _classes() -> dict[str, type]:
 _CLASSES: dict[str, type] = {}
 
 
-def _rewrite_multihead_attention(mod: Any) -> str:
+def rewrite_multihead_attention(mod: Any) -> str:
     from transformer_engine.pytorch.quantization import get_default_fp8_recipe
 
     recipe = get_default_fp8_recipe()  # eagerly, what TE would build inside the compiled region
     str(recipe)  # TE caches the repr on first use (a guard): cache it now
-    mod.__dict__[_STATE_ATTR] = _State(type(mod), recipe=recipe)
-    mod.__class__ = _classes()["MultiheadAttention"]
+    mod.__dict__[STATE_ATTR] = ModuleState(type(mod), recipe=recipe)
+    mod.__class__ = rewriter_classes()["MultiheadAttention"]
     note = multihead_attention_note(mod)
     return f"TE's default recipe ({type(recipe).__name__}, FP8 off) when no te.autocast is active" + \
         (f"; note: {note}" if note else "")
 
 
-def _rewrite_layernorm_linear(mod: Any) -> str:
-    lin = _shared_linear(mod, in_features=mod.in_features, out_features=mod.out_features,
+def rewrite_layernorm_linear(mod: Any) -> str:
+    lin = shared_linear(mod, in_features=mod.in_features, out_features=mod.out_features,
                          weight_names=mod.weight_names, bias_names=mod.bias_names,
                          split_sizes=mod.parameter_split_sizes, use_bias=mod.use_bias,
                          return_bias=mod.return_bias, parallel_mode=mod.parallel_mode, name=mod.name,
                          dtype=getattr(mod, mod.weight_names[0]).dtype)
-    mod.__dict__[_STATE_ATTR] = _State(type(mod), (lin,))
-    mod.__class__ = _classes()["LayerNormLinear"]
+    mod.__dict__[STATE_ATTR] = ModuleState(type(mod), (lin,))
+    mod.__class__ = rewriter_classes()["LayerNormLinear"]
     return f"{mod.normalization} + te.Linear({mod.in_features}, {mod.out_features})"
 
 
-def _rewrite_layernorm_mlp(mod: Any) -> str:
+def rewrite_layernorm_mlp(mod: Any) -> str:
     hidden = mod.layer_norm_weight.shape[0]
     fc1_out, ffn = mod.fc1_weight.shape[0], mod.fc2_weight.shape[1]
     dtype = mod.fc1_weight.dtype
     name = mod.name
-    fc1 = _shared_linear(mod, in_features=hidden, out_features=fc1_out, weight_names=["fc1_weight"],
+    fc1 = shared_linear(mod, in_features=hidden, out_features=fc1_out, weight_names=["fc1_weight"],
                          bias_names=["fc1_bias"], split_sizes=[fc1_out], use_bias=mod.use_bias,
                          return_bias=False, parallel_mode=None, name=name and name + ".fc1", dtype=dtype)
-    fc2 = _shared_linear(mod, in_features=ffn, out_features=hidden, weight_names=["fc2_weight"],
+    fc2 = shared_linear(mod, in_features=ffn, out_features=hidden, weight_names=["fc2_weight"],
                          bias_names=["fc2_bias"], split_sizes=[hidden], use_bias=mod.use_bias,
                          return_bias=mod.return_bias, parallel_mode=None, name=name and name + ".fc2",
                          dtype=dtype)
-    mod.__dict__[_STATE_ATTR] = _State(type(mod), (fc1, fc2))
-    mod.__class__ = _classes()["LayerNormMLP"]
+    mod.__dict__[STATE_ATTR] = ModuleState(type(mod), (fc1, fc2))
+    mod.__class__ = rewriter_classes()["LayerNormMLP"]
     return (f"{mod.normalization} + te.Linear({hidden}, {fc1_out}) + {mod.activation} + "
             f"te.Linear({ffn}, {hidden})")
 
 
-def _rewrite_attention(mod: Any) -> str:
-    mod.__dict__[_STATE_ATTR] = _State(type(mod))
-    mod.__class__ = _classes()["DotProductAttention"]
+def rewrite_attention(mod: Any) -> str:
+    mod.__dict__[STATE_ATTR] = ModuleState(type(mod))
+    mod.__class__ = rewriter_classes()["DotProductAttention"]
     return f"scaled_dot_product_attention ({mod.attn_mask_type}, {mod.qkv_format}, scale {mod.softmax_scale:.4g})"

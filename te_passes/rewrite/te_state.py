@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from te_passes.rewrite.module_state import _state, is_rewritten
+from te_passes.rewrite.module_state import is_rewritten, state_of
 from te_passes.te.module_init import forward_prepare_args
 
 
@@ -63,7 +63,7 @@ def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, 
     for name, m in model.named_modules():
         if is_rewritten(m):
             prepared.extend((f"{name}.<hidden te.Linear {i}>", lin, (1, False))
-                            for i, lin in enumerate(_state(m).linears))
+                            for i, lin in enumerate(state_of(m).linears))
             continue
         if not isinstance(m, TransformerEngineBaseModule):
             continue
@@ -135,7 +135,7 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
     if fp8 and recipe is None:
         raise ValueError("prepare_te_state: fp8=True needs the recipe the compiled function uses")
     done = []
-    defaults = [_state(m).recipe for m in model.modules() if is_rewritten(m) and _state(m).recipe is not None]
+    defaults = [state_of(m).recipe for m in model.modules() if is_rewritten(m) and state_of(m).recipe is not None]
     for r in defaults:  # CompileFriendlyMultiheadAttention enters these with FP8 off
         prime_recipe(r)
     if defaults:

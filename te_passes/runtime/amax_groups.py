@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterable
 
 from te_passes._logging import get_logger
 from te_passes.runtime.quantizer_usage import (  # noqa: F401 - AUDITED_USAGE_CALLS: re-exported
-    _USAGE_IN_FLIGHT, _WEIGHT_FIELD, AUDITED_USAGE_CALLS, PER_CALL_USAGE_FIELDS, _impl_code, _usage_targets,
+    USAGE_IN_FLIGHT, WEIGHT_FIELD, AUDITED_USAGE_CALLS, PER_CALL_USAGE_FIELDS, impl_code, usage_targets,
     usage_unsafe_reason)
 from te_passes.te.version import te_module
 
@@ -187,7 +187,7 @@ def unsafe_reason(linear_module: Any) -> str | None:
     releasing it after the call changes nothing TE reads later).
     """
     for name in PER_CALL_GROUP_FIELDS:
-        code = _impl_code(linear_module, name)
+        code = impl_code(linear_module, name)
         if code is None:
             return f"{linear_module.__name__}.{name} is missing"
         if SETTER_NAME not in code.co_names:
@@ -204,7 +204,7 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
     a quantizer in ``fields`` returns (or raises), gives that quantizer back the amax-reduction
     group it had before the first of those calls began (i.e. releases the group TE set for the
     call; see :data:`_IN_FLIGHT`); and likewise gives each quantizer in ``usage_fields`` back its
-    ``rowwise_usage`` / ``columnwise_usage`` (:data:`_USAGE_IN_FLIGHT`). The weight quantizer is
+    ``rowwise_usage`` / ``columnwise_usage`` (:data:`USAGE_IN_FLIGHT`). The weight quantizer is
     left alone when ``args.<weight_field>`` is a quantized or distributed weight.
 
     Overhead per call on this project's 2-core CPU box (``benchmarks/bench_amax_hooks.py``):
@@ -222,7 +222,7 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
                     if held is None:
                         held = []
                     held.append((q, getattr(q, "parent_quantizer", q)))
-        usage = _usage_targets(args, usage_fields, weight_field) if usage_fields else None
+        usage = usage_targets(args, usage_fields, weight_field) if usage_fields else None
         if held is None and usage is None:
             return orig(args, *rest, **kwargs)
         with _CALLS_LOCK:
@@ -233,9 +233,9 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
                 else:
                     entry[0] += 1
             for t in usage or ():
-                entry = _USAGE_IN_FLIGHT.get(id(t))
+                entry = USAGE_IN_FLIGHT.get(id(t))
                 if entry is None:
-                    _USAGE_IN_FLIGHT[id(t)] = [1, (getattr(t, "rowwise_usage", None),
+                    USAGE_IN_FLIGHT[id(t)] = [1, (getattr(t, "rowwise_usage", None),
                                                    getattr(t, "columnwise_usage", None))]
                 else:
                     entry[0] += 1
@@ -252,10 +252,10 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
                         last = [(q, t, entry[1])] if last is None else [*last, (q, t, entry[1])]
                 last_usage = None
                 for t in usage or ():
-                    entry = _USAGE_IN_FLIGHT[id(t)]
+                    entry = USAGE_IN_FLIGHT[id(t)]
                     entry[0] -= 1
                     if not entry[0]:
-                        del _USAGE_IN_FLIGHT[id(t)]
+                        del USAGE_IN_FLIGHT[id(t)]
                         last_usage = [(t, entry[1])] if last_usage is None else [*last_usage, (t, entry[1])]
                 for q, t, before in last or ():
                     if before is None:
@@ -352,7 +352,7 @@ def install_amax_group_hooks(*, import_te: bool = False) -> bool:
         originals = {n: getattr(mod, n) for n in PER_CALL_GROUP_FIELDS}
         replacements = {n: _wrap_impl(f, PER_CALL_GROUP_FIELDS[n],
                                       PER_CALL_USAGE_FIELDS[n] if usage_reason is None else (),
-                                      _WEIGHT_FIELD[n])
+                                      WEIGHT_FIELD[n])
                         for n, f in originals.items()}
         for n, f in replacements.items():
             setattr(mod, n, f)

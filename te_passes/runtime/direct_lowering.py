@@ -24,7 +24,7 @@ import torch
 
 from te_passes._logging import get_logger
 from te_passes.runtime.direct_call import EMITTED_KEY, META_KEY, NAME_PREFIX, DirectTECall
-from te_passes.runtime.te_base_op import _opdefs, op_family, overload
+from te_passes.runtime.te_base_op import opdefs, op_family, overload
 from te_passes.te.graph_model import TE_OP_NAMESPACE
 
 log = get_logger()
@@ -120,7 +120,7 @@ def install_lowerings() -> dict[str, str | None]:
     the next call). A family is every full set of four ``transformer_engine_compile`` ops in
     ``torch._library.custom_ops.OPDEFS`` (:func:`op_family`). Returns :func:`lowering_state`."""
     prefix = TE_OP_NAMESPACE + "::"
-    for qual in [q for q in _opdefs() if q.startswith(prefix) and q.endswith("_base")]:
+    for qual in [q for q in opdefs() if q.startswith(prefix) and q.endswith("_base")]:
         fam = op_family(overload(qual))
         if fam is None:
             continue

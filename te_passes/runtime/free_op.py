@@ -62,6 +62,7 @@ import torch
 
 from te_passes._logging import get_logger
 from te_passes.analyses.alias_rules import is_opaque_call
+from te_passes.fx.journal import GraphJournal
 
 OP_NAMESPACE = "te_passes"
 OP_NAME = "free_storage"
@@ -169,10 +170,10 @@ def is_materialized(t) -> bool:
     return True
 
 
-def mark_realize(node: torch.fx.Node) -> None:
+def mark_realize(node: torch.fx.Node, journal: GraphJournal) -> None:
     """Ask Inductor to realize FX ``node``'s value into a buffer right where it is lowered.
 
-    Sets ``node.meta["inductor_realize_to_strides"] = True``, the flag Inductor's own post-grad
+    Sets ``node.meta["inductor_realize_to_strides"] = True`` through the pass's ``journal``, the flag Inductor's own post-grad
     passes set for the same purpose (``torch/_inductor/fx_passes/decompose_mem_bound_mm.py``
     ``realize_inputs``; read in ``GraphLowering.run_node``, torch 2.14): the value becomes a
     ``ComputedBuffer`` with ``meta['val']``'s stride order before any user is lowered. A later
@@ -181,7 +182,7 @@ def mark_realize(node: torch.fx.Node) -> None:
     receive the same buffer. Costs nothing when an extern kernel reads the value anyway (it
     would be materialized once either way; here it is the same single kernel and buffer).
     """
-    node.meta["inductor_realize_to_strides"] = True
+    journal.set_meta(node, "inductor_realize_to_strides", True)
 
 
 def _log_dropped_free(t) -> None:

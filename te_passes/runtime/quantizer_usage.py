@@ -67,7 +67,7 @@ PER_CALL_USAGE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 #: impl -> the args field holding the weight whose kind decides whether ``weight_quantizer`` is
 #: restored (not for a quantized or distributed weight; see the module docstring).
-_WEIGHT_FIELD: dict[str, str] = {"_linear_forward_impl": "weight", "_linear_backward_impl": "saved_weight"}
+WEIGHT_FIELD: dict[str, str] = {"_linear_forward_impl": "weight", "_linear_backward_impl": "saved_weight"}
 #: The usage-setting call sites audited in TE 2.20.2 ``module/linear.py`` (line numbers), per impl
 #: and callee name. :func:`usage_unsafe_reason` requires each impl's code to have exactly this
 #: many calls of each name: an added or removed call site means the audit no longer holds.
@@ -83,12 +83,12 @@ AUDITED_USAGE_CALLS: dict[str, dict[str, tuple[int, ...]]] = {
 #: (rowwise_usage, columnwise_usage) before the first of them began]``; same rule as
 #: :data:`te_passes.runtime.amax_groups._IN_FLIGHT` (and guarded by its ``_CALLS_LOCK``): only the
 #: last running call writes the flags back, so no call ever sees them change under it.
-_USAGE_IN_FLIGHT: dict[int, list] = {}
+USAGE_IN_FLIGHT: dict[int, list] = {}
 _NO_PARENT = object()
 _UNSET = object()
 
 
-def _impl_code(linear_module: Any, name: str) -> Any:
+def impl_code(linear_module: Any, name: str) -> Any:
     fn = getattr(linear_module, name, None)
     fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "_te_passes_amax_hook", False) else fn
     return getattr(fn, "__code__", None)
@@ -122,7 +122,7 @@ def usage_unsafe_reason(linear_module: Any) -> str | None:
     preceded by a ``set_usage`` in the same call" must be re-read before the flags may be put back.
     """
     for name, audited in AUDITED_USAGE_CALLS.items():
-        code = _impl_code(linear_module, name)
+        code = impl_code(linear_module, name)
         if code is None:
             return f"{linear_module.__name__}.{name} is missing"
         found = _calls_by_name(code, audited)
@@ -136,7 +136,7 @@ def usage_unsafe_reason(linear_module: Any) -> str | None:
     return None
 
 
-def _usage_targets(args: Any, fields: tuple[str, ...], weight_field: str | None) -> list | None:
+def usage_targets(args: Any, fields: tuple[str, ...], weight_field: str | None) -> list | None:
     """The objects TE's ``set_usage`` writes to for the quantizers in ``fields`` of ``args``
     (a ``DebugQuantizer``'s ``parent_quantizer``; a DebugQuantizer around no quantizer is a
     per-call object and skipped), or ``None`` when there are none."""

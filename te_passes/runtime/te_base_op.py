@@ -54,7 +54,7 @@ class TEOpFamily:
         return qualname in (self.forward_base, self.backward_base)
 
 
-def _opdefs() -> dict[str, Any]:
+def opdefs() -> dict[str, Any]:
     from torch._library.custom_ops import OPDEFS
 
     return OPDEFS
@@ -80,7 +80,7 @@ def op_family(target: Any) -> TEOpFamily | None:
     ns = TE_OP_NAMESPACE
     fam = TEOpFamily(stem, f"{ns}::{stem}", f"{ns}::{stem}_backward", f"{ns}::{stem}_base",
                      f"{ns}::{stem}_backward_base")
-    defs = _opdefs()
+    defs = opdefs()
     if qual not in (fam.forward, fam.backward, fam.forward_base, fam.backward_base):
         return None
     if not all(q in defs for q in (fam.forward, fam.backward, fam.forward_base, fam.backward_base)):
@@ -97,7 +97,7 @@ def _arg_sig(op: torch._ops.OpOverload) -> tuple:
 
 def overload(qualname: str) -> torch._ops.OpOverload:
     """The ``.default`` ``OpOverload`` of a custom op qualname (``_opoverload`` of its CustomOpDef)."""
-    return _opdefs()[qualname]._opoverload
+    return opdefs()[qualname]._opoverload
 
 
 # --------------------------------------------------------------------------- the base op's impl
@@ -153,7 +153,7 @@ def resolve_base_impl(qualname: str) -> BaseOpImpl:
     """
     import sys
 
-    defs = _opdefs()
+    defs = opdefs()
     opdef = defs.get(qualname)
     if opdef is None:
         raise DirectCallUnavailable(f"{qualname} is not a torch.library custom op (not in OPDEFS)")

@@ -36,6 +36,15 @@ class UbCheckSpec:
     node: str
 
 
+@dataclasses.dataclass(frozen=True)
+class UbMismatch:
+    """A UB configuration the UB state cannot satisfy (``fold_ub_predicates``' typed fact; the
+    driver raises :class:`~te_passes.te.ub.UbConfigError` for it before Inductor runs)."""
+
+    node: str | None
+    message: str
+
+
 @dataclasses.dataclass
 class UbDependence:
     """What one compiled graph (``graph_id`` ``"g<N>"``) depends on in the UB state."""
@@ -72,7 +81,7 @@ def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = N
     """Why the compilation of a Dynamo graph reads the UB state, one sentence per
     reason; empty when it does not. ``te_inductor`` calls it after the Dynamo-stage passes and
     before ``compile_fx``, and puts the UB snapshot into the pipeline uuid (Inductor's FX graph
-    cache key) only when the list is non-empty (:func:`te_passes.backend.pipeline_uuid`), so a
+    cache key) only when the list is non-empty (:func:`te_passes.pipeline.compilation.pipeline_uuid`), so a
     UB change does not make graphs that never look at UB state miss the cache.
 
     Conservative: any of these counts as a read —
@@ -255,16 +264,14 @@ def make_guarded(guard: UbGuard) -> Callable:
 
 
 def raise_ub_mismatches(report: Any, stages: Any = None) -> None:
-    """Raise :class:`~te_passes.te.ub.UbConfigError` listing every ``"ub_mismatch"`` record of
-    ``report`` (a :class:`te_passes.report.CompileReport`; ``stages``: only the records of those
-    stage reports, so that each stage's records are turned into an error once); no-op when there
-    are none."""
-    stages = getattr(report, "stages", []) if stages is None else stages
-    mismatches = [r for s in stages for run in s.runs for r in run.records if r.kind == "ub_mismatch"]
+    """Raise :class:`~te_passes.te.ub.UbConfigError` listing every :class:`UbMismatch` fact of
+    ``report`` (a :class:`te_passes.report.CompileReport`; ``stages``: only those stage reports, so
+    each stage's mismatches are raised once); no-op when there are none."""
+    mismatches = report.typed_facts(UbMismatch, stages)
     if mismatches:
-        raise UbConfigError(f"te_passes: graph {getattr(report, 'graph_id', 'g?')}: UB configuration does not "
+        raise UbConfigError(f"te_passes: graph {report.graph_id}: UB configuration does not "
                             "match the UB state (fold_ub_predicates):\n  - "
-                            + "\n  - ".join(str(r.data.get("message")) for r in mismatches))
+                            + "\n  - ".join(m.message for m in mismatches))
 
 
 def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any,
@@ -275,7 +282,7 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
     Args:
         compiled: Inductor's compiled callable (called ``compiled(*args)``).
         report: the graph's :class:`te_passes.report.CompileReport` (``graph_id``; its
-            ``"ub_mismatch"`` records are raised here).
+            :class:`UbMismatch` facts are raised here).
         te_state: the :class:`te_passes.te.state.TEState` the passes used (``.ub``).
         opts: :class:`te_passes.config.TePassesOptions` (``ub_on_change``, ``ub_snapshot``).
         recompile: ``(gm, args) -> compiled`` used to recompile the pre-pass graph (the backend
@@ -285,7 +292,7 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
             re-initialisation (see :attr:`UbGuard.rerecord_on_any_change`).
         dependence: what the graph depends on in the UB state (default: :func:`ub_dependence_of`
             ``report``, the facts ``fold_ub_predicates`` returned at every stage so far).
-        checked_stages: the first ``checked_stages`` stage reports' ``"ub_mismatch"`` records
+        checked_stages: the first ``checked_stages`` stage reports' :class:`UbMismatch` facts
             were already raised on (the backend does so after the Dynamo stage): only later
             stages' records are raised here.
 
@@ -302,7 +309,7 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
     install_te_ub_hooks()
     graph_id = getattr(report, "graph_id", "g?")
     dep = ub_dependence_of(report) if dependence is None else dependence
-    raise_ub_mismatches(report, getattr(report, "stages", [])[checked_stages:])
+    raise_ub_mismatches(report, report.stages[checked_stages:])
     if getattr(opts, "ub_snapshot", None) is not None:
         return compiled
     if not dep.checks and all(f.source == "dynamo_trace" for f in dep.folds):

@@ -56,6 +56,7 @@ from typing import Any, Callable
 import torch
 
 from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot
+from te_passes.te.ub_queries import register_ub_query_function
 from te_passes.te.version import te_module
 
 #: The UB state token Dynamo guards on (``"ub-<fingerprint[:16]>"``); renewed on every UB change.
@@ -279,6 +280,9 @@ def ub_query(name: str, use_fp8: bool, method: str = "is_fp8_ubuf") -> Any:
     from transformer_engine.pytorch.module import base
 
     return getattr(base.get_ub(name, use_fp8), method)()
+
+
+register_ub_query_function(ub_query, "ub_query")
 
 
 # --------------------------------------------------------------------------- TE hooks

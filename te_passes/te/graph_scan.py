@@ -20,7 +20,7 @@ from te_passes.te import recipes
 from te_passes.te.graph_model import is_te_op_node
 from te_passes.te.graph_constants import TEConstKind, bundle_dict, quantizer_fields, te_const_kind
 
-_UNKNOWN = object()
+UNKNOWN = object()
 
 #: ``class -> te_const_kind`` of its instances: :func:`te_const_kind` depends only on the class
 #: of a non-class value; this plain dict lookup is the scans' per-value check (they visit every
@@ -29,11 +29,11 @@ _UNKNOWN = object()
 _KIND_BY_TYPE: dict[type, TEConstKind | None] = {}
 
 
-def _kind(v: Any) -> TEConstKind | None:
+def const_kind(v: Any) -> TEConstKind | None:
     """``te_const_kind(v)``, memoized per class for instances."""
     t = type(v)
-    k = _KIND_BY_TYPE.get(t, _UNKNOWN)
-    if k is _UNKNOWN:
+    k = _KIND_BY_TYPE.get(t, UNKNOWN)
+    if k is UNKNOWN:
         k = te_const_kind(v)
         if not isinstance(v, type):
             _KIND_BY_TYPE[t] = k
@@ -42,7 +42,7 @@ def _kind(v: Any) -> TEConstKind | None:
 
 
 # --------------------------------------------------------------------------- object scans
-def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
+def walk_values(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
     """Yield ``(path, value)`` for every value inside ``obj`` (args/kwargs), recursing into
     lists/tuples/dicts and TE bundles (pre-order, at most 10 levels deep).
 
@@ -57,7 +57,7 @@ def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
         yield p, o
         if isinstance(o, torch.fx.Node) or isinstance(o, _PLAIN_TYPES):
             continue  # leaves (a plain value is never a bundle, list or dict)
-        if _kind(o) is TEConstKind.BUNDLE:
+        if const_kind(o) is TEConstKind.BUNDLE:
             push([(v, p + (k,), d + 1) for k, v in reversed(list(bundle_dict(o).items()))])
         elif isinstance(o, (list, tuple)):
             push([(o[i], p + (i,), d + 1) for i in range(len(o) - 1, -1, -1)])
@@ -67,7 +67,7 @@ def _walk(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
 
 
 #: ``call_function`` targets that can be part of a recipe lookup (besides TE's own functions).
-_LOOKUP_BUILTINS = frozenset({builtins.getattr, builtins.hasattr, builtins.isinstance, operator.is_,
+LOOKUP_BUILTINS = frozenset({builtins.getattr, builtins.hasattr, builtins.isinstance, operator.is_,
                               operator.is_not})
 
 
@@ -84,18 +84,18 @@ def object_occurrences(graph: torch.fx.Graph) -> dict[int, list[tuple[torch.fx.N
     for node in graph.nodes:
         roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
         if node.op == "get_attr" and owner is not None:
-            val = _get_attr(owner, str(node.target))
-            if val is not _UNKNOWN:
+            val = get_attr_path(owner, str(node.target))
+            if val is not UNKNOWN:
                 roots.append((("get_attr",), val))
         for base, root in roots:
-            for path, v in _walk(root, base):
+            for path, v in walk_values(root, base):
                 if _is_object_constant(v):
                     occ.setdefault(id(v), []).append((node, path))
     return occ
 
 
-def _values(obj: Any, depth: int = 0) -> Iterator[Any]:
-    """The values :func:`_walk` yields, without building paths (for whole-graph scans)."""
+def leaf_values(obj: Any, depth: int = 0) -> Iterator[Any]:
+    """The values :func:`walk_values` yields, without building paths (for whole-graph scans)."""
     stack = [(obj, depth)]
     while stack:
         o, d = stack.pop()
@@ -108,22 +108,22 @@ def _values(obj: Any, depth: int = 0) -> Iterator[Any]:
             stack.extend((v, d + 1) for v in reversed(o))
         elif isinstance(o, dict):
             stack.extend((v, d + 1) for v in reversed(list(o.values())))
-        elif _kind(o) is TEConstKind.BUNDLE:
+        elif const_kind(o) is TEConstKind.BUNDLE:
             stack.extend((v, d + 1) for v in reversed(list(bundle_dict(o).values())))
 
 
-def _users_of_objects(graph: torch.fx.Graph, ids: set[int]) -> dict[int, set[torch.fx.Node]]:
+def users_of_objects(graph: torch.fx.Graph, ids: set[int]) -> dict[int, set[torch.fx.Node]]:
     """``{id(obj): {node, ...}}`` for the objects whose ids are in ``ids``: the nodes of
     :func:`object_occurrences` for those objects, computed without paths (one explicit stack
-    per node; the same values :func:`_values` visits)."""
+    per node; the same values :func:`leaf_values` visits)."""
     out: dict[int, set[torch.fx.Node]] = {}
     owner = graph.owning_module
     node_t, plain, seq = torch.fx.Node, _PLAIN_TYPES, (list, tuple)
     for node in graph.nodes:
         stack: list[tuple[Any, int]] = [(node.args, 0), (node.kwargs, 0)]
         if node.op == "get_attr" and owner is not None:
-            val = _get_attr(owner, str(node.target))
-            if val is not _UNKNOWN:
+            val = get_attr_path(owner, str(node.target))
+            if val is not UNKNOWN:
                 stack.append((val, 0))
         while stack:
             o, d = stack.pop()
@@ -137,18 +137,18 @@ def _users_of_objects(graph: torch.fx.Graph, ids: set[int]) -> dict[int, set[tor
                 stack.extend([(v, d + 1) for v in o])
             elif isinstance(o, dict):
                 stack.extend([(v, d + 1) for v in o.values()])
-            elif _kind(o) is TEConstKind.BUNDLE:
+            elif const_kind(o) is TEConstKind.BUNDLE:
                 stack.extend([(v, d + 1) for v in bundle_dict(o).values()])
     return out
 
 
-def _get_attr(owner: torch.nn.Module, target: str) -> Any:
+def get_attr_path(owner: torch.nn.Module, target: str) -> Any:
     val: Any = owner
     try:
         for part in target.split("."):
             val = getattr(val, part)
     except AttributeError:
-        return _UNKNOWN
+        return UNKNOWN
     return val
 
 
@@ -160,11 +160,11 @@ def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str,
     for node in gm.graph.nodes:
         roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
         if node.op == "get_attr":
-            roots.append((("get_attr",), _get_attr(gm, str(node.target))))
+            roots.append((("get_attr",), get_attr_path(gm, str(node.target))))
         for base, root in roots:
-            if not _has_objects(root) or not any(_is_recipe_or_pg(v) for v in _values(root)):
+            if not _has_objects(root) or not any(_is_recipe_or_pg(v) for v in leaf_values(root)):
                 continue  # the common case, checked without building paths
-            for path, v in _walk(root, base):
+            for path, v in walk_values(root, base):
                 if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
                     continue
                 if recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v):
@@ -192,7 +192,7 @@ def _is_recipe_or_pg(v: Any) -> bool:
 _RECIPE_OR_PG_TYPES: dict[int, tuple[type, bool]] = {}
 
 
-def _may_be_te_lookup(target: Any) -> bool:
+def may_be_te_lookup(target: Any) -> bool:
     """Cheap filter: a classmethod of a class (``FP8GlobalStateManager.*``) or a function defined
     in ``transformer_engine`` (the pure recipe functions)."""
     if isinstance(getattr(target, "__self__", None), type):
@@ -209,15 +209,15 @@ def _has_objects(root: Any) -> bool:
     return not (isinstance(root, _PLAIN_TYPES) or isinstance(root, torch.fx.Node))
 
 
-def _bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]:
+def bundle_quantizers(graph: torch.fx.Graph) -> list[tuple[str, str, Any, Any]]:
     """``(node, path, quantizer object, value key)`` for every quantizer inside a TE op's args."""
     out = []
     keys: dict[int, tuple] = {}  # id(quantizer) -> value key; nothing mutates them during the scan
     for node in graph.nodes:
         if not is_te_op_node(node):
             continue
-        for path, v in _walk(node.args, ("args",)):
-            if _kind(v) is TEConstKind.QUANTIZER:
+        for path, v in walk_values(node.args, ("args",)):
+            if const_kind(v) is TEConstKind.QUANTIZER:
                 key = keys.get(id(v))
                 if key is None:
                     key = keys[id(v)] = tuple(sorted((k, repr(x)) for k, x in quantizer_fields(v).items()))

@@ -65,7 +65,7 @@ class TEState:
         ``include_ub=False`` leaves the UB snapshot out (hashed as if ``ub`` were ``None``, so
         for a state without UB both agree): the fingerprint of what a graph that does not read
         UB state depends on (:func:`te_passes.runtime.ub_graph_guard.ub_state_reads`,
-        :func:`te_passes.backend.pipeline_uuid`).
+        :func:`te_passes.pipeline.compilation.pipeline_uuid`).
         """
         data = self.to_json()
         if not include_ub:

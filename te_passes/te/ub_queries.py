@@ -27,6 +27,22 @@ _SIGNATURES = {
 }
 
 
+#: Functions recognised by identity as UB queries, ``{id(fn): (fn, name)}``; the runtime registers
+#: its own (:func:`register_ub_query_function`), this module imports no runtime code.
+_REGISTERED: dict[int, tuple[Any, str]] = {}
+
+
+def register_ub_query_function(fn: Any, name: str) -> None:
+    """Make :func:`ub_query_function` answer ``name`` for ``fn`` (a key of ``_SIGNATURES``).
+
+    Raises:
+        ValueError: ``name`` is not a UB query this module can bind.
+    """
+    if name not in _SIGNATURES:
+        raise ValueError(f"unknown UB query {name!r}; known: {sorted(_SIGNATURES)}")
+    _REGISTERED[id(fn)] = (fn, name)
+
+
 class UbQueryNotConstant(Exception):
     """A UB query node whose arguments are not all compile-time constants (the message says which)."""
 
@@ -46,15 +62,15 @@ def ub_query_function(target: Any) -> str | None:
 
     Returns ``"get_ub_is_fp8"``, ``"is_ub_initialized"``, ``"using_cublasmp_backend"``,
     ``"get_ub"`` (TE 2.20.2 ``module/base.py`` functions, also when rebound by te_passes' hooks)
-    or ``"ub_query"`` (:func:`te_passes.runtime.ub_guard.ub_query`).
+    or the name a function was registered under (:func:`register_ub_query_function`: the runtime's
+    ``ub_query``).
     """
     fn = _unwrap(target)
     mod, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
     if mod == TE_UB_MODULE and name in (*UB_QUERY_FUNCTIONS, "get_ub"):
         return name
-    if mod == "te_passes.runtime.ub_guard" and name == "ub_query":
-        return "ub_query"
-    return None
+    registered = _REGISTERED.get(id(fn))
+    return registered[1] if registered is not None and registered[0] is fn else None
 
 
 def bind_ub_query(node: torch.fx.Node, fn_name: str) -> tuple:

@@ -66,6 +66,7 @@ import torch.fx
 
 from te_passes.config import TePassesOptions
 from te_passes.pipeline.base import Stage
+from te_passes.passes.order import configured_passes
 from te_passes.pipeline.compilation import Compilation
 from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport
@@ -163,7 +164,7 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
         captured: what :func:`capture_dynamo` / :func:`capture_aot` returned.
         stages: the :class:`~te_passes.pipeline.base.Stage`\\ s (or their values) whose passes
             run; default all. Unselected stages' graphs are still produced (relower).
-        passes: pass instances (default: the registry's, ``PassManager()``; an empty registry
+        passes: pass instances (default: the registry's, ``configured_passes()``; an empty list
             gives reports with no runs).
         options: ``TePassesOptions`` (default: ``TePassesOptions()``).
         te_state: ``TEState`` (default: ``TEState.capture()``).
@@ -184,7 +185,8 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
     options = TePassesOptions() if options is None else options
     te_state = TEState.capture() if te_state is None else te_state
     # The backend's driver, on an unregistered report (not in te_passes.report.compile_reports()).
-    compilation = Compilation(PassManager(passes=passes), options, te_state, CompileReport(graph_id=graph_id))
+    compilation = Compilation(PassManager(configured_passes() if passes is None else passes), options, te_state,
+                              CompileReport(graph_id=graph_id), live=False)
     wanted = None if stages is None else {Stage(s) for s in stages}
     reports: list[Any] = []
 

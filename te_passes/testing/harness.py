@@ -6,13 +6,11 @@ through the path the backend takes, with before/after snapshots and op counts.
   stage suffix), with test defaults: ``TePassesOptions(**opts)``, an empty ``TEState()``;
 * :func:`run_passes` — :class:`~te_passes.pipeline.manager.PassManager` +
   :class:`~te_passes.pipeline.compilation.Compilation` (the backend's driver: disable list,
-  rollback copies, lint, recompile, observers' stage hooks) on ``gm``, after
+  the edit journal and its undo, lint, recompile, observers' stage hooks) on ``gm``, after
   :func:`te_passes.runtime.install.install` as the backend does (``install=False``: not), returning a
   :class:`HarnessRun` with the graph's code and op counts before and after, the stage report,
   the typed facts and the stage's context;
 * :func:`count_ops` / :func:`diff` — ``call_function`` targets of a graph and what changed.
-
-Used by tests/ instead of per-file copies of a context helper (issue 12 item 6).
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ import torch.fx
 from te_passes.config import TePassesOptions
 from te_passes.pipeline.base import PassContext, Stage, TEPass
 from te_passes.pipeline.compilation import Compilation
-from te_passes.pipeline.manager import PassManager
-from te_passes.pipeline.registry import configured_passes
+from te_passes.passes.order import configured_passes
+from te_passes.pipeline.manager import PassManager, PassObserver
 from te_passes.report import CompileReport, StageReport
 from te_passes.runtime.install import install as install_runtime
 from te_passes.te.state import TEState
@@ -82,7 +80,7 @@ def pass_context(stage: Stage | str = Stage.DYNAMO, *, te_state: TEState | None 
         raise TypeError(f"pass_context: give options= or option keywords ({sorted(opts)}), not both")
     options = TePassesOptions(**opts) if options is None else options
     comp = Compilation(PassManager([]), options, TEState() if te_state is None else te_state,
-                       CompileReport(graph_id=graph_id))
+                       CompileReport(graph_id=graph_id), live=False)
     return comp.context(stage, example_inputs, inputs)
 
 
@@ -120,7 +118,7 @@ def run_passes(gm: torch.fx.GraphModule, passes: TEPass | Sequence[TEPass] | Non
                options: TePassesOptions | None = None, graph_id: str = "g0", inputs: dict | None = None,
                observers: Sequence[Any] = (), install: bool = True, **opts: Any) -> HarnessRun:
     """Run ``passes`` (one pass, a list, or ``None``: the configured pipeline,
-    :func:`te_passes.pipeline.registry.configured_passes` of ``options.pass_config``) for
+    :func:`te_passes.passes.order.configured_passes` of ``options.pass_config``) for
     ``stage`` on ``gm`` in place, through :class:`PassManager` and
     :meth:`Compilation.run_stage` as the backend does.
 
@@ -143,14 +141,14 @@ def run_passes(gm: torch.fx.GraphModule, passes: TEPass | Sequence[TEPass] | Non
         install_runtime()
     seen: list[PassContext] = []
     comp = Compilation(PassManager(list(passes), observers=[*observers, _ContextSpy(seen)]), options,
-                       TEState() if te_state is None else te_state, CompileReport(graph_id=graph_id))
+                       TEState() if te_state is None else te_state, CompileReport(graph_id=graph_id), live=False)
     before_code, before_ops = gm.code, count_ops(gm)
     report = comp.run_stage(gm, stage, example_inputs, inputs)
     return HarnessRun(before_code, gm.code, before_ops, count_ops(gm), report, comp.facts(),
                       seen[-1] if seen else None)
 
 
-class _ContextSpy:
+class _ContextSpy(PassObserver):
     """An observer that keeps the stage's :class:`PassContext` (``after_stage`` hook)."""
 
     def __init__(self, out: list[PassContext]) -> None:

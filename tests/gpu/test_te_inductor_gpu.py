@@ -205,7 +205,7 @@ def test_te_inductor_adds_no_recompiles_over_inductor_fp8_stack4():
     """Same model, recipe and steps: te_inductor may not recompile more often than plain Inductor
     (TE's own ``_is_fsdp2`` first-call recompile is the same for both). On failure, each registered
     pass is disabled in turn to name the one that causes the extra recompile."""
-    from te_passes.pipeline.registry import pass_names
+    from te_passes.passes.order import pass_names
 
     base = _recompiles_over_steps("inductor").stats
     ours = _recompiles_over_steps("te_inductor").stats

@@ -1,0 +1,61 @@
+"""te_passes' Dynamo start callbacks (``torch._dynamo.callback_handler``): install the runtime
+hooks at the first Dynamo compile after Transformer Engine is imported, and warn when TE is in
+CUDA-graph-capture state (Dynamo then cannot trace TE modules; the frame runs eagerly).
+:func:`register` is called once, by the backend module. docs/design.md "The driver".
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from te_passes._logging import get_logger
+from te_passes.runtime.install import install
+from te_passes.te.capture_state import te_capture_state
+
+log = get_logger()
+_capture_warned = [False]
+
+
+def warn_capture_state(where: str) -> bool:
+    """Warn (log and ``RuntimeWarning``) when TE is in CUDA-graph-capture state; returns whether it did."""
+    reasons = te_capture_state()
+    if not reasons:
+        return False
+    msg = (f"te_passes: Transformer Engine is in CUDA-graph-capture state ({'; '.join(reasons)}) at {where}: "
+           f"torch.compile cannot trace TE modules in this state and the frame falls back to eager (no "
+           f"te_inductor graph). Finish or reset the capture (transformer_engine.pytorch.graph.set_capture_end())"
+           f" before compiling")
+    log.warning("%s", msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return True
+
+
+def on_compile_start_install(_args: Any) -> None:
+    """Every Dynamo compile until the runtime hooks are in (TE imported after te_passes), then removed."""
+    if not install():
+        return
+    try:
+        torch._dynamo.callback_handler.remove_start_callback(on_compile_start_install)
+    except ValueError:  # pragma: no cover - already removed
+        pass
+
+
+def on_compile_start_capture(_args: Any) -> None:
+    """Every Dynamo compile: warn once per capture-state episode (te_inductor is then never called)."""
+    if not te_capture_state():
+        _capture_warned[0] = False
+    elif not _capture_warned[0]:
+        _capture_warned[0] = warn_capture_state("the start of a Dynamo compile")
+
+
+def register() -> None:
+    """Install the runtime hooks now if TE is imported, else at a later Dynamo compile; register the
+    capture-state warning. Idempotent."""
+    handler = torch._dynamo.callback_handler
+    if not install() and on_compile_start_install not in handler.start_callbacks:
+        handler.register_start_callback(on_compile_start_install)
+    if on_compile_start_capture not in handler.start_callbacks:
+        handler.register_start_callback(on_compile_start_capture)
