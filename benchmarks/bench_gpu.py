@@ -9,7 +9,7 @@ Model "stack4": 4 × ``te.Linear(4096, 4096)`` (bf16 params, bias) with GELU bet
 forward, ``backward(dy)``. Variants and precisions: benchmarks/te_variants.py; compiled
 ``inductor*`` / ``te_inductor*`` variants run ``prepare_te_state`` first (``--no-prepare``: not).
 Writes ``bench_gpu.json`` / ``.md`` under ``--out``; ``--dry-run`` needs no GPU. Docs:
-docs/benchmarks/README.md (columns, goals), benchmarks/gpu_plan.md (the device session).
+docs/benchmarks.md "Benchmark harness" (columns, goals), benchmarks/gpu_plan.md (the device session).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Models (hidden 2048, ffn 8192, 16 heads, bf16 params, dropout 0, TE defaults oth
 2048 × batch 1. Variants (benchmarks/te_variants.py) run on the untouched model: no
 ``compile_friendly``, no ``prepare_te_state`` (``--prepare``: with it); ``cf-<variant>`` on
 ``compile_friendly(model, strict=True)`` (SDPA attention, prepared), ``cf-fused-<variant>`` with
-``attention="te_fused"``. One worker per (model, precision). Docs: docs/benchmarks/README.md.
+``attention="te_fused"``. One worker per (model, precision). Docs: docs/benchmarks.md "Benchmark harness".
 """
 
 from __future__ import annotations

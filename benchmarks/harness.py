@@ -5,7 +5,7 @@ variants ratios are taken against, its goals) and two functions: ``plan(args)`` 
 order) and ``measure(task, args)`` (one row, in a worker). :func:`main` does the rest: ``--dry-run``
 (the same plan, workers and tables with made-up numbers, no GPU, no torch), ``--merge`` of chunk
 outputs, budgets, hung-worker kills. Imports torch lazily (the dry run works without it).
-Docs: docs/benchmarks/README.md.
+Docs: docs/benchmarks.md "Benchmark harness".
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class Bench:
     #: a new worker process starts whenever one of these task fields changes
     worker_split: tuple[str, ...] = ()
     notes: Callable[[argparse.Namespace], str] = lambda args: ""
+    #: markdown after the table (e.g. a per-layer pivot of the rows)
+    appendix: Callable[[list[dict]], str] = lambda rows: ""
+    warmup: int = 6
+    iters: int = 30
     budget_s: float = 400.0
     grace_s: float = 100.0
     worker_timeout_s: float = 240.0
@@ -119,6 +123,29 @@ def time_steps(step: Callable[[], Any], *, warmup: int, iters: int) -> dict[str,
     ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     return dict(median_ms=statistics.median(ms), p10_ms=ms[int(0.1 * (iters - 1))], p90_ms=ms[int(0.9 * (iters - 1))],
                 b2b_ms=starts[0].elapsed_time(ends[-1]) / iters, host_ms=statistics.median(host), iters=iters)
+
+
+def per_call(fns: dict[str, Callable], *, calls: int, rounds: int = 5, warmup: int = 50, args: tuple = (),
+             stat: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """µs per call of ``f(*args)`` for each ``fns`` value: ``rounds`` runs of ``calls`` back-to-back
+    calls, the functions interleaved (a, b, a, b: machine noise hits all alike); ``stat`` of the runs."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f(*args)
+    runs: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f(*args)
+            runs[k].append((time.perf_counter() - t0) / calls * 1e6)
+    return {k: stat(v) for k, v in runs.items()}
+
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table of ``rows`` (cells formatted with ``str``)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *("| " + " | ".join(map(str, r)) + " |" for r in rows)])
 
 
 def host_gpu_split(step: Callable[[], Any], steps: int) -> dict[str, Any]:
@@ -311,6 +338,8 @@ def write(bench: Bench, out: Path, meta: dict, rows: list[dict], dry_run: bool, 
           "Versions: " + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()), ""]
     md += [notes, ""] if notes else []
     md += [table(bench, rows)]
+    extra = bench.appendix(rows)
+    md += ["", extra] if extra else []
     if goals:
         md += ["", "## Goals", "", "| goal | verdict | measured |", "|---|---|---|"]
         md += [f"| {g} | {v} | {m} |" for g, v, m in goals]
@@ -353,8 +382,8 @@ def main(bench: Bench, argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=bench.title)
     ap.add_argument("--out", default=os.environ.get("OUT", f"/tmp/{bench.name}"), help="JSON + markdown go here")
-    ap.add_argument("--warmup", type=int, default=6, help="untimed steps after the first")
-    ap.add_argument("--iters", type=int, default=30, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=bench.warmup, help="untimed steps after the first")
+    ap.add_argument("--iters", type=int, default=bench.iters, help="timed steps")
     ap.add_argument("--budget-s", type=float, default=bench.budget_s,
                     help=f"no worker or task starts after this; a run ends within it + {bench.grace_s:.0f} s")
     ap.add_argument("--worker-timeout-s", type=float, default=bench.worker_timeout_s,

@@ -2,7 +2,7 @@
 
 A variant turns ``(model, recipe, x)`` into a training step (``p.grad = None``, forward, backward);
 :func:`measure` times it with :mod:`benchmarks.harness` and reports numerics against TE eager,
-compile counters and peak memory. Models stay in the scripts. Docs: docs/benchmarks/README.md.
+compile counters and peak memory. Models stay in the scripts. Docs: docs/benchmarks.md "Benchmark harness".
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import harness
 #: ``bf16``: no te.autocast; ``fp8``: Float8CurrentScaling; ``fp8-delayed``: DelayedScaling;
 #: ``fp8-block``: Float8BlockScaling (each built once, outside the compiled function).
 PRECISIONS = ("bf16", "fp8", "fp8-delayed", "fp8-block")
-#: variant -> what it is (``--help`` and docs/benchmarks/README.md print this).
+#: variant -> what it is (``--help`` and docs/benchmarks.md "Benchmark harness" print this).
 VARIANTS: dict[str, str] = {
     "eager": "TE eager",
     "inductor": 'torch.compile(backend="inductor")',
     "inductor-ro": 'torch.compile(backend="inductor", mode="reduce-overhead")',
     "te_inductor": 'torch.compile(backend="te_inductor") (+ --te-option options)',
     "te_inductor-nodirect": "te_inductor with call_te_impl_directly disabled",
+    "te_inductor-nohoist": "te_inductor with hoist_te_constants disabled",
     "te_inductor-ro": 'te_inductor, mode="reduce-overhead" (cudagraph trees)',
     "te_inductor-ro-lean": 'te_inductor-ro with te_passes.cudagraphs="lean"',
     "te_inductor-ro-trees": 'te_inductor-ro with te_passes.cudagraphs="trees" named',
@@ -33,6 +34,7 @@ VARIANTS: dict[str, str] = {
     "mgc": "te.make_graphed_callables(model, (x,)) (TE's capture of the eager module)",
     "mgc-noclone": "mgc with clone_param_grads_on_return=False",
 }
+_WITHOUT = {"te_inductor-nodirect": "call_te_impl_directly", "te_inductor-nohoist": "hoist_te_constants"}
 #: variants whose failure may leave TE in CUDA-graph capture state: a fresh worker after one fails
 ISOLATE = ("mgc", "mgc-noclone", "te_mgc", "te_mgc-noclone")
 
@@ -99,8 +101,8 @@ def build_step(variant: str, model, recipe, x, dy, options: dict[str, Any], prep
     elif variant.startswith("te_inductor"):
         mark = "-ro" in variant
         opts = dict(options)
-        if variant == "te_inductor-nodirect":
-            opts["te_passes.disable"] = ["call_te_impl_directly"]
+        if variant in _WITHOUT:
+            opts["te_passes.disable"] = [_WITHOUT[variant]]
         elif variant.startswith("te_inductor-ro-"):
             opts["te_passes.cudagraphs"] = variant.rsplit("-", 1)[1]
         elif variant not in ("te_inductor", "te_inductor-ro"):
@@ -171,8 +173,10 @@ def measure(task: dict, args, model, x, dy, ref: dict, *, prepare: bool, tag: st
     first call). ``args``: warmup, iters, kernel_steps, split_steps, te_option, profile, trace, out."""
     import torch
 
+    from te_passes.report import clear_compile_reports
     from te_passes.testing.gpu import CompileWatch, rel_err
 
+    clear_compile_reports()
     row: dict[str, Any] = {}
     recipe = recipe_for(task["precision"])
     start = torch.cuda.memory_allocated()
@@ -187,8 +191,8 @@ def measure(task: dict, args, model, x, dy, ref: dict, *, prepare: bool, tag: st
         row["first_call_s"] = round(time.perf_counter() - t0, 2)
         row["first_peak_mib"] = (torch.cuda.max_memory_allocated() - start) / 2**20
         errs = {k: rel_err(v, ref[k]) for k, v in outputs(y, x, model).items() if k in ref}
-        worst = max(errs, key=errs.get)
-        row.update(max_rel_err=errs[worst], worst=worst, y_rel_err=errs.get("y"))
+        worst = max(errs, key=errs.get) if errs else None
+        row.update(max_rel_err=errs.get(worst), worst=worst, y_rel_err=errs.get("y"))
         del y
         first = watch.snapshot()
         torch.cuda.reset_peak_memory_stats()
@@ -231,9 +235,11 @@ def add_args(ap) -> None:
                                               "runs with different --te-option side by side")
     ap.add_argument("--kernel-steps", type=int, default=10, help="steps under torch.profiler for kernel ms (0: off)")
     ap.add_argument("--split-steps", type=int, default=10, help="steps of the host / GPU split (0: off)")
-    ap.add_argument("--profile", nargs="*", default=[], metavar="TAG", help="cProfile 20 steps of CONFIG_VARIANT")
+    ap.add_argument("--profile", nargs="*", default=[], metavar="TAG",
+                    help="cProfile 20 steps of these rows (TAG: <tokens or model>_<precision>_<variant>, "
+                         "e.g. 256_fp8_te_inductor-ro) to profile_TAG.txt")
     ap.add_argument("--trace", nargs="*", default=[], metavar="TAG",
-                    help="write the profiler tables of CONFIG_VARIANT's kernel-sum steps")
+                    help="the profiler tables of these rows' kernel-sum steps to trace_TAG.txt")
 
 
 def fake(task: dict, i: int) -> dict[str, Any]:
