@@ -281,7 +281,7 @@ def run_plan(bench: Bench, tasks: list[dict], args: argparse.Namespace, argv: li
             done = [json.loads(ln[len(RESULT):]) for ln in out.splitlines() if ln.startswith(RESULT)]
             for r in done:
                 print(f"[{bench.name} +{time.time() - t_start:4.0f}s] " + json.dumps(
-                    {k: v for k, v in r.items() if k not in ("tb", "break_reasons", "recompile_reasons")}), flush=True)
+                    {k: v for k, v in r.items() if k != "tb" and not isinstance(v, (dict, list))}), flush=True)
             rows.extend(done)
             rest = pending[len(done):]
             if rest and rc != ISOLATE_RC:  # the worker died or was killed on rest[0]

@@ -17,7 +17,7 @@ import harness
 #: ``bf16``: no te.autocast; ``fp8``: Float8CurrentScaling; ``fp8-delayed``: DelayedScaling;
 #: ``fp8-block``: Float8BlockScaling (each built once, outside the compiled function).
 PRECISIONS = ("bf16", "fp8", "fp8-delayed", "fp8-block")
-#: variant -> what it is (``--help`` and docs/benchmarks.md "Benchmark harness" print this).
+#: variant -> what it is (docs/benchmarks.md "Benchmark harness" lists them).
 VARIANTS: dict[str, str] = {
     "eager": "TE eager",
     "inductor": 'torch.compile(backend="inductor")',
