@@ -173,21 +173,23 @@ def host_gpu_split(step: Callable[[], Any], steps: int) -> dict[str, Any]:
 
 def kernel_sum_ms(step: Callable[[], Any], steps: int = 10, trace_to: Path | None = None) -> float:
     """Sum of the device-side events' durations per step under ``torch.profiler`` (kernels, memcpy,
-    memset; kernels inside CUDA-graph replays included): the step's kernel-time floor, in ms.
-    ``trace_to``: also write the key-averages tables (by device time, by host time) there."""
+    memset; kernels inside CUDA-graph replays included): the step's kernel-time floor, in ms (0
+    without a GPU). ``trace_to``: also write the key-averages tables (by device / host time) there."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        sync()
     if trace_to is not None:
         ka = prof.key_averages()
         trace_to.write_text(f"torch.profiler, {steps} steps\n\n## by device time\n"
-                            + ka.table(sort_by="self_cuda_time_total", row_limit=40)
+                            + ka.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40)
                             + "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40))
     us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
     return us / 1e3 / steps

@@ -63,6 +63,7 @@ def test_dry_runs_write_every_planned_row(tmp_path):
                            capture_output=True, text=True, check=True, cwd=ROOT)
         rows = json.loads((tmp_path / name / f"{name}.json").read_text())["rows"]
         assert len(rows) == len(_plan(script, *args)) and "DRY RUN" in p.stdout
+        assert (tmp_path / name / f"{name}.md").read_text().startswith("# DRY RUN (made-up numbers)")
         assert all(r.get("median_ms") or r.get("unavailable") for r in rows)
 
 
@@ -94,19 +95,50 @@ def test_tl_goals():
         == ("NOT MET", "2 / 0 / 0")
 
 
-def test_gpu_goals_kernel_floor_and_noclone():
+def test_gpu_goals():
     m = _mod("bench_gpu")
     g = dict(tokens=256, precision="bf16")
-    rows = [dict(g, **_row("eager", 2.0)), dict(g, **_row("mgc-noclone", 0.5)),
+    rows = [dict(g, **_row("eager", 2.0)), dict(g, **_row("mgc-noclone", 0.5)), dict(g, **_row("mgc", 0.45)),
             dict(g, **_row("te_step-ro", 0.48, kernel_ms=0.4)), dict(g, **_row("te_mgc-noclone", 0.6, kernel_ms=0.4)),
-            dict(tokens=8192, precision="fp8-block", **_row("te_inductor", 3.0, max_rel_err=1.5e-3, worst="x"))]
+            dict(g, **_row("te_inductor", 2.5, peak_mib=90.0, passes_ms=10.0, te_compile_ms=1000.0)),
+            dict(g, **_row("te_inductor-ro", 0.8, peak_mib=120.0, graph_breaks=1)),
+            dict(g, **_row("te_inductor-ro-lean", 0.9)), dict(g, **_row("te_inductor-ro-trees", 0.8)),
+            dict(tokens=8192, precision="fp8-block", **_row("te_inductor", 3.0, max_rel_err=1.5e-3, worst="x")),
+            dict(tokens=8192, precision="fp8-block", **_row("te_inductor-ro", 2.0)),
+            dict(tokens=8192, precision="fp8-block", variant="te_step-ro", error="RuntimeError: x")]
     goals = {k: (v, msr) for k, v, msr in m.goals(rows)}
     assert goals["issue 22: te_step-ro ≥ 1.0× mgc-noclone, 256/bf16"][0] == "MET"
     assert goals["issue 22: te_step-ro within 1.3× of the kernel-time sum, 256/bf16"] == ("MET", "1.20× the kernel sum")
     assert goals["issue 22: te_mgc-noclone within 1.3× of the kernel-time sum, 256/bf16"][0] == "NOT MET"
     assert goals["issue 22: te_mgc-noclone ≥ 1.0× mgc-noclone, 256/bf16"][0] == "NOT MET"
     assert goals["issue 26: te_inductor numerics vs TE eager, 8192/fp8-block"] == ("INFO", "max rel err 1.50e-03 (x)")
-    assert not any("te_inductor-ro" in k and "256/bf16" in k for k in goals)  # not in the run: no goal line
+    assert goals["te_inductor default ≥ 1.0× TE eager, 256/bf16"] == (
+        "NOT MET", "eager 2.000 ms / te_inductor 2.500 ms = 0.80×")
+    assert goals["te_inductor-ro ≥ 1.0× mgc, 256/bf16"][0] == "NOT MET"
+    assert goals["te_inductor-ro ≥ 0.8× mgc-noclone, 256/bf16"][0] == "NOT MET"
+    assert goals["lean ≥ 1.0× trees, 256/bf16"][0] == "NOT MET"
+    assert goals["te_inductor peak memory ≤ TE eager, 256/bf16"] == ("MET", "90 vs 100 MiB")
+    assert goals["te_inductor-ro peak memory ≤ TE eager, 256/bf16"][0] == "NOT MET"
+    assert goals["te_passes passes ≤ 5% of te_inductor compile time"] == ("MET", "max 1.00% over 1 compiles")
+    assert goals["compiled rows: 0 graph breaks, 0 cudagraph skips"] == (
+        "NOT MET", "256/bf16/te_inductor-ro: 1 breaks, 0 skips")
+    assert goals["issue 22: te_step-ro not slower than te_inductor-ro, 8192/fp8-block"][0] == "NOT MEASURED"
+    assert not any("mgc" in k and "8192/fp8-block" in k for k in goals)  # not in the run: no goal line
+
+
+def test_kernel_sum_and_trace_tables_on_cpu(tmp_path):
+    """--trace's tables (by device, by host time) from harness.kernel_sum_ms on a CPU step; no
+    device events there, so the kernel sum is 0."""
+    import torch
+
+    sys.path.insert(0, str(BENCH_DIR))
+    import harness
+
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(4, 4)
+    assert harness.kernel_sum_ms(lambda: lin(x).sum().backward(), 2, tmp_path / "t.txt") == 0.0
+    text = (tmp_path / "t.txt").read_text()
+    assert "## by device time" in text and "## by host time" in text and "aten::addmm" in text
 
 
 def test_new_variants_call_the_agreed_api(monkeypatch):
