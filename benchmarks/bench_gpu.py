@@ -125,6 +125,7 @@ BENCH = harness.Bench(
     name="bench_gpu", script=__file__, title="te_passes GPU benchmark: stack4", group=("tokens", "precision"),
     columns=tv.COLUMNS, ratios={"× eager": "eager", "× mgc-noclone": "mgc-noclone"}, mem_vs="eager",
     plan=plan, measure=measure, add_args=add_args, goals=goals, fake=tv.fake, budget_s=400.0,
+    worker_split=("tokens", "precision"),  # a capture (mgc, te_mgc) never shares a process with the next config
     notes=lambda a: (f"stack{a.layers}: {a.layers} × te.Linear({a.hidden}) + GELU, fwd + bwd; median of {a.iters} "
                      f"CUDA-event step times after {a.warmup} warm-up steps; kernel ms = device time per step "
                      f"under torch.profiler; ÷ kernel = median / kernel ms."))

@@ -66,14 +66,16 @@ CHUNKS: tuple[Chunk, ...] = (
     Chunk("stack4-delayed-block", _GPU, "--configs 256:fp8-delayed 8192:fp8-delayed 256:fp8-block 8192:fp8-block "
           "--variants eager te_inductor te_inductor-ro te_step-ro mgc mgc-noclone",
           "issues 24 / 26: DelayedScaling and Float8BlockScaling stack4 rows (numerics vs eager per row)", budget_s=330.0),
-    Chunk("tl-delayed", _TL, "--models layer1 stack4 --precisions fp8-delayed --variants eager te_inductor "
-          "te_inductor-ro mgc", "issue 24: DelayedScaling te.TransformerLayer rows", budget_s=420.0),
+    Chunk("tl-delayed", _TL, "--models layer1 --precisions fp8-delayed --variants eager te_inductor "
+          "te_inductor-ro mgc", "issue 24: DelayedScaling te.TransformerLayer, 1 layer", budget_s=250.0),
     Chunk("tl-norm-switch", _TL, "--models layer1 --precisions bf16 fp8 --variants te_inductor te_inductor-ro "
           "--tag norm --te-option \"${TE_NORM_OPTION:?set TE_NORM_OPTION=KEY=VALUE, the untouched norm switch}\"",
           "issue 21: TE layernorm kernel vs torch-ops norm (run after tl-untouched-layer1; merge the two)", budget_s=250.0),
     Chunk("stack4-rest", _GPU, "--configs 256:fp8 8192:fp8 256:bf16 8192:bf16 --variants eager inductor inductor-ro "
           "te_inductor-nodirect te_inductor-ro-lean te_inductor-ro-trees",
           "the rest of stack4: plain inductor, direct-call pass off, lean vs trees (issue 22 item 4)", budget_s=330.0),
+    Chunk("tl-delayed-stack4", _TL, "--models stack4 --precisions fp8-delayed --variants eager te_inductor "
+          "te_inductor-ro mgc", "issue 24: DelayedScaling te.TransformerLayer, 4 layers", budget_s=330.0),
     Chunk("tl-compile-friendly", _TL, "--models layer1 stack4 --precisions bf16 fp8 --variants cf-te_inductor-ro",
           "compile_friendly (the explicit form) next to the untouched rows", budget_s=420.0),
 )
@@ -92,8 +94,8 @@ def dry_plan(chunk: Chunk) -> dict:
             *shlex.split(args), "--plan"]
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True, cwd=HERE.parent)
     plan = json.loads(out.stdout)
-    workers = 1 + sum(1 for a, b in zip(plan["tasks"], plan["tasks"][1:])
-                      if chunk.script == _TL and (a["model"], a["precision"]) != (b["model"], b["precision"]))
+    key = ("model", "precision") if chunk.script == _TL else ("tokens", "precision")  # the scripts' worker_split
+    workers = 1 + sum(1 for a, b in zip(plan["tasks"], plan["tasks"][1:]) if any(a[k] != b[k] for k in key))
     plan["estimate_s"] = workers * COST_S["worker"] + sum(map(_task_cost, plan["tasks"]))
     return plan
 

@@ -191,7 +191,8 @@ def kernel_sum_ms(step: Callable[[], Any], steps: int = 10, trace_to: Path | Non
         trace_to.write_text(f"torch.profiler, {steps} steps\n\n## by device time\n"
                             + ka.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40)
                             + "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40))
-    us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    us = sum(e.time_range.elapsed_us() for e in prof.events()  # GPU-side user ranges would double count
+             if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
     return us / 1e3 / steps
 
 

@@ -179,3 +179,59 @@ def test_new_variants_call_the_agreed_api(monkeypatch):
     assert tv.build_step("te_mgc", model, None, x, dy, {}, False)[1] == {"unavailable": "te_passes.make_graphed missing"}
     with pytest.raises(ValueError, match="unknown variant"):
         tv.build_step("te_inductor-bogus", model, None, x, dy, {}, False)
+
+
+class _Event:
+    """torch.cuda.Event stand-in: host clock (the measurement code path on CPU, not a timing)."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        import time
+
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+    def query(self):
+        return True
+
+
+def test_measure_row_on_cpu_with_cuda_timing_stood_in(monkeypatch, tmp_path):
+    """te_variants.measure end to end on a CPU module (eager and te_inductor), torch.cuda's
+    events / memory counters replaced by host stand-ins: every column is filled, numerics are
+    against the eager reference, te_passes' compile report is read for te_inductor."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import argparse
+
+    import torch
+
+    tv = _mod("te_variants")
+    for name, val in (("Event", _Event), ("synchronize", lambda: None), ("memory_allocated", lambda: 0),
+                      ("max_memory_allocated", lambda: 2**20), ("reset_peak_memory_stats", lambda: None),
+                      ("_sleep", lambda n: None)):
+        monkeypatch.setattr(torch.cuda, name, val)
+    from te_passes.testing.gpu import ensure_te_inductor_backend
+
+    ensure_te_inductor_backend()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    dy = torch.randn(4, 8)
+    ref = tv.reference(model, None, x, dy)
+    assert set(ref) == {"y", "x", "0.weight", "0.bias", "2.weight", "2.bias"}
+    args = argparse.Namespace(warmup=1, iters=3, kernel_steps=1, split_steps=2, te_option=None, profile=["p"],
+                              trace=["p"], out=str(tmp_path))
+    rows = {}
+    for v in ("eager", "te_inductor"):
+        torch._dynamo.reset()
+        rows[v] = tv.measure(dict(precision="bf16", variant=v), args, model, x, dy, ref, prepare=False, tag="p")
+    for r in rows.values():
+        assert r["median_ms"] > 0 and r["host_ms"] > 0 and r["kernel_ms"] == 0.0 and r["split_gpu_ms"] >= 0
+        assert r["peak_mib"] == 1.0 and r["iters"] == 3 and r["max_rel_err"] < 1e-5, r
+    assert rows["eager"]["graphs"] == 0 and rows["te_inductor"]["graphs"] == 1
+    assert rows["te_inductor"]["te_compile_ms"] > 0 and "passes_ms" in rows["te_inductor"]
+    assert (tmp_path / "profile_p.txt").is_file() and (tmp_path / "trace_p.txt").is_file()
+    torch._dynamo.reset()
