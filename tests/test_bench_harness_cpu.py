@@ -140,7 +140,7 @@ def test_gpu_plan_covers_the_rounds_rows():
             ("bench_gpu.py", 256, "fp8", "te_step-ro"), ("bench_gpu.py", 256, "bf16", "te_mgc-noclone"),
             ("bench_gpu.py", 256, "fp8", "mgc-noclone"), ("bench_gpu.py", 8192, "bf16", "te_step-ro"),
             ("bench_gpu.py", 256, "fp8-delayed", "te_inductor-ro"), ("bench_gpu.py", 8192, "fp8-block", "eager"),
-            ("bench_transformer_layer.py", "stack4", "fp8-delayed", "te_inductor"),
+            ("bench_transformer_layer.py", "layer1", "fp8-delayed", "te_inductor-ro"),
             ("bench_transformer_layer.py", "layer1", "fp8", "te_mgc")}
     seen = set()
     for c in gpu_plan.CHUNKS[:gpu_plan.CORE]:
