@@ -76,6 +76,7 @@ def measure(task: dict, args) -> dict:
     import torch
 
     import te_passes
+    from te_passes.rewrite.te_state import unprepared_te_state
     from te_passes.testing.gpu import copy_params, ensure_te_inductor_backend, fresh_compile_state
 
     ensure_te_inductor_backend()
@@ -97,11 +98,13 @@ def measure(task: dict, args) -> dict:
         if attention is not None:
             te_passes.compile_friendly(model, strict=True, attention=attention)
         tag = f"{task['model']}_{task['precision']}_{task['variant']}"
-        row = tv.measure(dict(task, variant=base), args, model, x, dy, out,
-                         prepare=attention is not None or args.prepare, tag=tag)
+        prepare = attention is not None or args.prepare
+        unprepared = [] if prepare or base == "eager" else unprepared_te_state(
+            model, tv.recipe_for(task["precision"]), fp8=task["precision"] != "bf16")  # TE's lazy state left
+        row = tv.measure(dict(task, variant=base), args, model, x, dy, out, prepare=prepare, tag=tag)
         x.grad = None
         del model
-    return dict(row, layers=layers, seq=seq, batch=batch)
+    return dict(row, layers=layers, seq=seq, batch=batch, unprepared=unprepared)
 
 
 def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
