@@ -16,10 +16,13 @@ import datetime as _dt
 import json
 import math
 import os
+import queue
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -246,25 +249,40 @@ def _worker(bench: Bench, tasks: list[dict], args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_worker(cmd: list[str], timeout: float) -> tuple[str, str, int | None]:
-    """Run one worker in its own process group; on ``timeout`` kill the group. ``rc`` None = killed."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return out, err, proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return out, err, None
+def _run_worker(cmd: list[str], task_timeout: float, total_timeout: float,
+                on_result: Callable[[dict], None]) -> tuple[int, str, int | None]:
+    """Run one worker in its own process group, handing each ``RESULT`` row to ``on_result`` as it
+    comes; kill the group when a task runs past ``task_timeout`` or the worker past
+    ``total_timeout``. Returns ``(rows seen, stderr tail, rc)``; ``rc`` None = killed."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)], daemon=True).start()
+        seen, end, task_end, killed = 0, time.time() + total_timeout, time.time() + task_timeout, False
+        while True:
+            try:
+                line = lines.get(timeout=max(min(task_end, end) - time.time(), 0.01))
+            except queue.Empty:
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed = True
+                break
+            if line is None:
+                break
+            if line.startswith(RESULT):
+                seen += 1
+                on_result(json.loads(line[len(RESULT):]))
+                task_end = time.time() + task_timeout
+        proc.wait()
+        err.seek(0)
+        return seen, err.read()[-4000:], None if killed else proc.returncode
 
 
 def run_plan(bench: Bench, tasks: list[dict], args: argparse.Namespace, argv: list[str], rows: list[dict],
              save: Callable[[], None]) -> None:
     """Run ``tasks`` in worker processes, one at a time (a fresh one per :attr:`Bench.worker_split`
     group and after a failed ``isolate`` task); after the budget no worker starts and the rest is
-    written as skipped; a worker past its timeout (per pending task, capped by budget + grace) is
-    killed, its task in flight written as such."""
+    written as skipped; a worker whose task runs past ``--worker-timeout-s`` (or past budget +
+    grace) is killed and that task written as failed. Rows are saved as they come."""
     t_start = time.time()
     deadline = t_start + args.budget_s
     groups: list[list[dict]] = []
@@ -272,24 +290,25 @@ def run_plan(bench: Bench, tasks: list[dict], args: argparse.Namespace, argv: li
         if not groups or any(t.get(k) != groups[-1][0].get(k) for k in bench.worker_split):
             groups.append([])
         groups[-1].append(t)
+
+    def on_result(r: dict) -> None:
+        print(f"[{bench.name} +{time.time() - t_start:4.0f}s] " + json.dumps(
+            {k: v for k, v in r.items() if k != "tb" and not isinstance(v, (dict, list))}), flush=True)
+        rows.append(r)
+        save()
+
     for pending in groups:
         while pending:
             left = deadline + bench.grace_s - time.time()
             if time.time() > deadline or left < bench.start_s:
                 rows.extend(dict(t, skipped=f"budget {args.budget_s:.0f}s spent") for t in pending)
                 break
-            timeout = min(left, args.worker_timeout_s * len(pending))
             cmd = [sys.executable, bench.script, *argv, "--worker", json.dumps(pending), "--deadline", str(deadline)]
-            out, err, rc = _run_worker(cmd, timeout)
-            done = [json.loads(ln[len(RESULT):]) for ln in out.splitlines() if ln.startswith(RESULT)]
-            for r in done:
-                print(f"[{bench.name} +{time.time() - t_start:4.0f}s] " + json.dumps(
-                    {k: v for k, v in r.items() if k != "tb" and not isinstance(v, (dict, list))}), flush=True)
-            rows.extend(done)
-            rest = pending[len(done):]
+            seen, err, rc = _run_worker(cmd, args.worker_timeout_s, left, on_result)
+            rest = pending[seen:]
             if rest and rc != ISOLATE_RC:  # the worker died or was killed on rest[0]
-                tail = " | ".join((err or "").strip().splitlines()[-6:])[-600:]
-                why = f"worker killed after {timeout:.0f}s (hung)" if rc is None else f"worker rc={rc}"
+                tail = " | ".join(err.strip().splitlines()[-6:])[-600:]
+                why = "worker killed (task past --worker-timeout-s or the budget)" if rc is None else f"worker rc={rc}"
                 rows.append(dict(rest[0], error=f"{why}: {tail}"))
                 rest = rest[1:]
             pending = rest

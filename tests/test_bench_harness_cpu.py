@@ -83,7 +83,7 @@ def test_hung_worker_is_killed_and_the_rest_still_runs(tmp_path):
     rows, _ = _toy(tmp_path, "--variants", "base", "hang", "fast", "--worker-timeout-s", "4", "--budget-s", "60")
     by = {(r["cfg"], r["variant"]): r for r in rows}
     assert len(rows) == 6
-    assert by[("a", "hang")]["error"].startswith("worker killed after")
+    assert by[("a", "hang")]["error"].startswith("worker killed (task past")
     assert harness.ok(by[("a", "fast")]) and harness.ok(by[("b", "base")])
 
 
