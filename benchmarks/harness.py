@@ -21,7 +21,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -249,12 +248,13 @@ def _worker(bench: Bench, tasks: list[dict], args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_worker(cmd: list[str], task_timeout: float, total_timeout: float,
-                on_result: Callable[[dict], None]) -> tuple[int, str, int | None]:
-    """Run one worker in its own process group, handing each ``RESULT`` row to ``on_result`` as it
-    comes; kill the group when a task runs past ``task_timeout`` or the worker past
-    ``total_timeout``. Returns ``(rows seen, stderr tail, rc)``; ``rc`` None = killed."""
-    with tempfile.TemporaryFile("w+") as err:
+def _run_worker(cmd: list[str], task_timeout: float, total_timeout: float, on_result: Callable[[dict], None],
+                log: Path) -> tuple[int, str, int | None]:
+    """Run one worker in its own process group (stderr to ``log``), handing each ``RESULT`` row to
+    ``on_result`` as it comes; kill the group when a task runs past ``task_timeout`` or the worker
+    past ``total_timeout``. Returns ``(rows seen, stderr tail, rc)``; ``rc`` None = killed."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)], daemon=True).start()
@@ -280,7 +280,7 @@ def _run_worker(cmd: list[str], task_timeout: float, total_timeout: float,
 def run_plan(bench: Bench, tasks: list[dict], args: argparse.Namespace, argv: list[str], rows: list[dict],
              save: Callable[[], None]) -> None:
     """Run ``tasks`` in worker processes, one at a time (a fresh one per :attr:`Bench.worker_split`
-    group and after a failed ``isolate`` task); after the budget no worker starts and the rest is
+    group and after a failed ``isolate`` task; stderr in ``<out>/<name>.worker<N>.log``); after the budget no worker starts and the rest is
     written as skipped; a worker whose task runs past ``--worker-timeout-s`` (or past budget +
     grace) is killed and that task written as failed. Rows are saved as they come."""
     t_start = time.time()
@@ -297,6 +297,7 @@ def run_plan(bench: Bench, tasks: list[dict], args: argparse.Namespace, argv: li
         rows.append(r)
         save()
 
+    n_workers = 0
     for pending in groups:
         while pending:
             left = deadline + bench.grace_s - time.time()
@@ -304,7 +305,9 @@ def run_plan(bench: Bench, tasks: list[dict], args: argparse.Namespace, argv: li
                 rows.extend(dict(t, skipped=f"budget {args.budget_s:.0f}s spent") for t in pending)
                 break
             cmd = [sys.executable, bench.script, *argv, "--worker", json.dumps(pending), "--deadline", str(deadline)]
-            seen, err, rc = _run_worker(cmd, args.worker_timeout_s, left, on_result)
+            n_workers += 1
+            seen, err, rc = _run_worker(cmd, args.worker_timeout_s, left, on_result,
+                                        Path(args.out) / f"{bench.name}.worker{n_workers}.log")
             rest = pending[seen:]
             if rest and rc != ISOLATE_RC:  # the worker died or was killed on rest[0]
                 tail = " | ".join(err.strip().splitlines()[-6:])[-600:]
