@@ -26,7 +26,6 @@ DEFAULT_CONFIGS = ("256:fp8", "8192:fp8", "256:bf16", "8192:bf16")
 DEFAULT_VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-nodirect", "te_inductor-ro",
                     "te_inductor-ro-lean", "te_inductor-ro-trees", "te_step-ro", "te_mgc", "te_mgc-noclone",
                     "mgc", "mgc-noclone")
-_refs: dict = {}  # worker: (tokens, precision) -> (ref model, x, dy, eager outputs)
 
 
 def add_args(ap) -> None:
@@ -52,38 +51,16 @@ def plan(args) -> list[dict]:
 
 
 def measure(task: dict, args) -> dict:
-    import torch
+    from te_passes.testing.gpu import build_stack
 
-    from te_passes.testing.gpu import build_stack, copy_params, ensure_te_inductor_backend, fresh_compile_state
-
-    ensure_te_inductor_backend()
-    key = (task["tokens"], task["precision"])
-    if key not in _refs:
-        _refs.clear()
-        torch.cuda.empty_cache()
-        ref = build_stack(args.layers, args.hidden, seed=0)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        x = torch.randn(task["tokens"], args.hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        dy = torch.randn(task["tokens"], args.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-        _refs[key] = (ref, x, dy, tv.reference(ref, tv.recipe_for(task["precision"]), x, dy))
-    ref, x, dy, out = _refs[key]
-    with fresh_compile_state():
-        model = build_stack(args.layers, args.hidden, seed=0)
-        copy_params(ref, model)
-        tag = f"{task['tokens']}_{task['precision']}_{task['variant']}"
-        task = dict(task, variant=task["variant"].split("+")[0])
-        row = tv.measure(task, args, model, x, dy, out, prepare=not args.no_prepare, tag=tag)
-        x.grad = None
-        del model
-    return row
+    return tv.run_task(task, args, (task["tokens"], task["precision"]), lambda: build_stack(args.layers, args.hidden),
+                       (task["tokens"], args.hidden), prepare=not args.no_prepare,
+                       tag=f"{task['tokens']}_{task['precision']}_{task['variant']}")
 
 
 def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
-    by: dict = {}
-    for r in rows:
-        by.setdefault((r["tokens"], r["precision"]), {})[r["variant"]] = r
     out: list = []
-    for (t, p), g in sorted(by.items()):
+    for (t, p), g in harness.by_group(rows, ("tokens", "precision")):
         c = f"{t}/{p}"
         tv.pair(out, g, f"te_inductor default ≥ 1.0× TE eager, {c}", "te_inductor", "eager", 1.0)
         tv.pair(out, g, f"te_inductor-ro ≥ 1.0× mgc, {c}", "te_inductor-ro", "mgc", 1.0)

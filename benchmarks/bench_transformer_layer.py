@@ -30,7 +30,6 @@ DEFAULT_PRECISIONS = ("bf16", "fp8")
 DEFAULT_VARIANTS = ("eager", "te_inductor", "te_inductor-ro", "mgc", "mgc-noclone", "cf-te_inductor-ro")
 VARIANTS = tuple(tv.VARIANTS) + tuple(f"cf-{v}" for v in tv.VARIANTS) + tuple(
     f"cf-fused-{v}" for v in ("eager", "te_inductor", "te_inductor-ro"))
-_refs: dict = {}  # worker: (model, precision) -> (ref model, x, dy, eager outputs)
 
 
 def split_variant(variant: str) -> tuple[str | None, str]:
@@ -73,46 +72,27 @@ def build(model: str):
 
 
 def measure(task: dict, args) -> dict:
-    import torch
-
     import te_passes
     from te_passes.rewrite.te_state import unprepared_te_state
-    from te_passes.testing.gpu import copy_params, ensure_te_inductor_backend, fresh_compile_state
 
-    ensure_te_inductor_backend()
     layers, seq, batch = MODELS[task["model"]]
-    key = (task["model"], task["precision"])
-    if key not in _refs:
-        _refs.clear()
-        torch.cuda.empty_cache()
-        ref = build(task["model"])
-        g = torch.Generator(device="cuda").manual_seed(1)
-        x = torch.randn(seq, batch, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        dy = torch.randn(seq, batch, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
-        _refs[key] = (ref, x, dy, tv.reference(ref, tv.recipe_for(task["precision"]), x, dy))
-    ref, x, dy, out = _refs[key]
     attention, base = split_variant(task["variant"].split("+")[0])
-    with fresh_compile_state():
-        model = build(task["model"])
-        copy_params(ref, model)
+    prepare = attention is not None or args.prepare
+
+    def rewrite(model):
         if attention is not None:
             te_passes.compile_friendly(model, strict=True, attention=attention)
-        tag = f"{task['model']}_{task['precision']}_{task['variant']}"
-        prepare = attention is not None or args.prepare
-        unprepared = [] if prepare or base == "eager" else unprepared_te_state(
-            model, tv.recipe_for(task["precision"]), fp8=task["precision"] != "bf16")  # TE's lazy state left
-        row = tv.measure(dict(task, variant=base), args, model, x, dy, out, prepare=prepare, tag=tag)
-        x.grad = None
-        del model
-    return dict(row, layers=layers, seq=seq, batch=batch, unprepared=unprepared)
+        return dict(layers=layers, seq=seq, batch=batch, unprepared=[] if prepare or base == "eager" else
+                    unprepared_te_state(model, tv.recipe_for(task["precision"]), fp8=task["precision"] != "bf16"))
+
+    return tv.run_task(dict(task, variant=base), args, (task["model"], task["precision"]), lambda: build(task["model"]),
+                       (seq, batch, HIDDEN), prepare=prepare, rewrite=rewrite,
+                       tag=f"{task['model']}_{task['precision']}_{task['variant']}")
 
 
 def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
-    by: dict = {}
-    for r in rows:
-        by.setdefault((r["model"], r["precision"]), {})[r["variant"]] = r
     out: list = []
-    for (m, p), g in sorted(by.items()):
+    for (m, p), g in harness.by_group(rows, ("model", "precision")):
         c, issue, need = f"{m}/{p}", ("issue 24" if p == "fp8-delayed" else "issue 21"), (1.0 if p == "fp8-delayed" else 1.2)
         tv.pair(out, g, f"{issue}: untouched te_inductor-ro ≥ 1.0× mgc, {c}", "te_inductor-ro", "mgc", 1.0)
         tv.pair(out, g, f"{issue}: untouched te_inductor ≥ {need}× TE eager, {c}", "te_inductor", "eager", need)

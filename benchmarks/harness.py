@@ -319,6 +319,15 @@ def run_plan(bench: Bench, tasks: list[dict], args: argparse.Namespace, argv: li
 
 
 # ------------------------------------------------------------------------------------- reports
+def by_group(rows: list[dict], keys: tuple[str, ...]) -> list[tuple[tuple, dict[str, dict]]]:
+    """``[(group values, {variant: row})]`` sorted by group (the goals' view of the rows)."""
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r.get(k) for k in keys), {})[r["variant"]] = r
+    return sorted(out.items(), key=lambda kv: [(0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))
+                                               for v in kv[0]])
+
+
 def fill_ratios(bench: Bench, rows: list[dict]) -> None:
     """``ratio:<header>`` = baseline median ms / row median ms, per group (absent if either is missing)."""
     base = {(tuple(r.get(k) for k in bench.group), r["variant"]): r["median_ms"] for r in rows if ok(r)}

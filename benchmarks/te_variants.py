@@ -166,6 +166,39 @@ def reference(model, recipe, x, dy) -> dict:
     return ref
 
 
+_refs: dict = {}  # worker: key -> (reference model, x, dy, its eager outputs); one key at a time
+
+
+def run_task(task: dict, args, key: tuple, build: Callable, shape: tuple, *, prepare: bool, tag: str,
+             rewrite: Callable | None = None) -> dict[str, Any]:
+    """One task in a worker: the reference model, inputs (bf16, ``shape``) and TE eager outputs of
+    ``key`` built once, then a fresh ``build()`` with the reference's weights (``rewrite(model)``
+    applied) measured under ``task["variant"]`` (a ``+tag`` suffix ignored)."""
+    import torch
+
+    from te_passes.testing.gpu import copy_params, ensure_te_inductor_backend, fresh_compile_state
+
+    ensure_te_inductor_backend()
+    if key not in _refs:
+        _refs.clear()
+        torch.cuda.empty_cache()
+        ref = build()
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        dy = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        _refs[key] = (ref, x, dy, reference(ref, recipe_for(task["precision"]), x, dy))
+    ref, x, dy, out = _refs[key]
+    with fresh_compile_state():
+        model = build()
+        copy_params(ref, model)
+        extra = rewrite(model) if rewrite is not None else {}
+        row = measure(dict(task, variant=task["variant"].split("+")[0]), args, model, x, dy, out, prepare=prepare,
+                      tag=tag)
+        x.grad = None
+        del model
+    return dict(row, **extra)
+
+
 def measure(task: dict, args, model, x, dy, ref: dict, *, prepare: bool, tag: str) -> dict[str, Any]:
     """One row: first call (compile / capture + one step) and its numerics against ``ref``, timed
     steps, kernel-time sum, host / GPU split, compile counters, peak memory (MiB over what was
