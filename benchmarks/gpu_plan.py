@@ -105,6 +105,8 @@ def markdown() -> str:
              "On the device, after the gpu-kit bring-up, one device call per chunk, in this order (value first):",
              "`bash tests/gpu/run_on_device.sh chunk NAME` (= the command below, log in `$OUT/NAME.log`).",
              "Each call ends within its `--budget-s` + 100 s (tasks that would start later are written as skipped).",
+             "Optional first (~1–2 min, in the same call as chunk 1 if it fits): the harness's own GPU smoke test,",
+             "`python3 -m pytest -m gpu tests/gpu/test_bench_smoke_gpu.py -q -s` (it is also part of the GPU suite).",
              "After the run: copy `$OUT/*` to `docs/benchmarks/h200_<date>/`; merge a script's chunks with",
              "`python3 benchmarks/<script> --out DIR --merge $OUT/<chunk> ...`.", "",
              "| # | chunk | estimate s | max s | what | command |", "|---|---|---|---|---|---|"]
@@ -115,6 +117,11 @@ def markdown() -> str:
         core += p["estimate_s"] if i <= CORE else 0.0
         lines.append(f"| {i} | {c.name} | {p['estimate_s']:.0f} | {p['max_wall_s']:.0f} | {c.what} | "
                      f"`{c.command()}` |")
+    lines += ["", "After the chunks (CPU is enough): one table per script, every chunk side by side:", "", "```"]
+    for script, out in ((_TL, "tl-all"), (_GPU, "stack4-all")):
+        dirs = " ".join(f"$OUT/{c.name}" for c in CHUNKS if c.script == script)
+        lines.append(f"python3 benchmarks/{script} --out $OUT/{out} --merge {dirs}")
+    lines += ["```", "(a chunk that did not run makes --merge stop and name it: leave it out)"]
     lines += ["", f"Estimated: chunks 1–{CORE} (the core, value first) {core:.0f} s ({core / 60:.1f} min); "
               f"all {len(CHUNKS)} {total:.0f} s ({total / 60:.1f} min). Estimates: `COST_S` in benchmarks/gpu_plan.py."]
     return "\n".join(lines) + "\n"
