@@ -242,10 +242,20 @@ def _worker(bench: Bench, tasks: list[dict], args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others
             row = dict(task, error=f"{type(exc).__name__}: {exc}"[:800], tb=traceback.format_exc()[-1500:])
         row["wall_s"] = round(time.perf_counter() - t0, 2)
-        print(RESULT + json.dumps(row), flush=True)
+        print(RESULT + json.dumps(row, default=str), flush=True)
         if task.get("isolate") and row.get("error"):
             return ISOLATE_RC
     return 0
+
+
+def _die_with_parent() -> None:
+    """In the worker, before exec: SIGKILL when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    except Exception:  # noqa: BLE001 - not Linux: the parent's finally still kills the group
+        pass
 
 
 def _run_worker(cmd: list[str], task_timeout: float, total_timeout: float, on_result: Callable[[dict], None],
@@ -255,23 +265,34 @@ def _run_worker(cmd: list[str], task_timeout: float, total_timeout: float, on_re
     past ``total_timeout``. Returns ``(rows seen, stderr tail, rc)``; ``rc`` None = killed."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)], daemon=True).start()
         seen, end, task_end, killed = 0, time.time() + total_timeout, time.time() + task_timeout, False
-        while True:
-            try:
-                line = lines.get(timeout=max(min(task_end, end) - time.time(), 0.01))
-            except queue.Empty:
-                os.killpg(proc.pid, signal.SIGKILL)
-                killed = True
-                break
-            if line is None:
-                break
-            if line.startswith(RESULT):
-                seen += 1
-                on_result(json.loads(line[len(RESULT):]))
-                task_end = time.time() + task_timeout
+        try:
+            while True:
+                try:
+                    line = lines.get(timeout=max(min(task_end, end) - time.time(), 0.01))
+                except queue.Empty:
+                    killed = True
+                    break
+                if line is None:
+                    break
+                if line.startswith(RESULT):
+                    seen += 1
+                    on_result(json.loads(line[len(RESULT):]))
+                    task_end = time.time() + task_timeout
+            if not killed:
+                try:
+                    proc.wait(timeout=max(min(task_end, end) - time.time(), 1.0))
+                except subprocess.TimeoutExpired:
+                    killed = True
+        except BaseException:  # the parent interrupted (SIGTERM, Ctrl-C): its worker goes with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        if killed:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         err.seek(0)
         return seen, err.read()[-4000:], None if killed else proc.returncode
@@ -453,6 +474,7 @@ def main(bench: Bench, argv: list[str] | None = None) -> int:
     def save() -> None:
         write(bench, out, meta, rows, args.dry_run, bench.notes(args))
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the worker
     run_plan(bench, tasks, args, worker_argv, rows, save)
     meta["wall_s"] = round(time.time() - t0, 1)
     text = write(bench, out, meta, rows, args.dry_run, bench.notes(args))

@@ -4,9 +4,12 @@ with ratios, merging; and the GPU session plan (benchmarks/gpu_plan.py) fitting 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ def plan(args):
 
 def fake(task, i):
     if task["variant"] == "hang":
+        open(os.path.join(os.environ["TOY_PID_DIR"], "hang.pid"), "w").write(str(os.getpid()))
         time.sleep(60)
     if task["variant"].endswith("boom"):
         raise RuntimeError("capture failed")
@@ -50,7 +54,7 @@ def _toy(tmp_path, *args, split=(), timeout=60):
     script.write_text(TOY.format(bench_dir=str(ROOT / "benchmarks"), split=split))
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out), *args],
-                       capture_output=True, text=True, timeout=timeout)
+                       capture_output=True, text=True, timeout=timeout, env=dict(os.environ, TOY_PID_DIR=str(tmp_path)))
     assert p.returncode == 0, p.stderr
     return json.loads((out / "toy.json").read_text())["rows"], (out / "toy.md").read_text()
 
@@ -85,6 +89,31 @@ def test_hung_worker_is_killed_and_the_rest_still_runs(tmp_path):
     assert len(rows) == 6
     assert by[("a", "hang")]["error"].startswith("worker killed (task past")
     assert harness.ok(by[("a", "fast")]) and harness.ok(by[("b", "base")])
+
+
+def test_an_interrupted_run_takes_its_worker_with_it(tmp_path):
+    """SIGTERM to the parent (a device call's timeout) kills the worker in flight too: no process
+    is left holding the GPU for the next run."""
+    script = tmp_path / "toy_bench.py"
+    script.write_text(TOY.format(bench_dir=str(ROOT / "benchmarks"), split=()))
+    parent = subprocess.Popen([sys.executable, str(script), "--dry-run", "--out", str(tmp_path / "out"),
+                               "--variants", "hang"], env=dict(os.environ, TOY_PID_DIR=str(tmp_path)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_file = tmp_path / "hang.pid"
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    worker = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == 143
+    for _ in range(100):
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"worker {worker} still alive after its parent was terminated")
 
 
 def test_budget_spent_writes_skipped_rows_never_drops_them(tmp_path, capsys):
