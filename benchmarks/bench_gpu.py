@@ -2,7 +2,7 @@
 """stack4 on the GPU: TE eager vs Inductor vs te_inductor (default, reduce-overhead, whole-step,
 make_graphed) vs TE's make_graphed_callables, side by side in one run.
 
-    source .gpu/s/env.sh; PYTHONPATH=$PWD python3 benchmarks/bench_gpu.py --out $OUT/gpu [--configs 256:fp8 ...]
+    source .gpu/s/env.sh; PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/bench_gpu.py --out $OUT/gpu [--configs 256:fp8 ...]
 
 Model "stack4": 4 × ``te.Linear(4096, 4096)`` (bf16 params, bias) with GELU between
 (``te_passes.testing.gpu.build_stack``); input ``[tokens, 4096]`` bf16; a step = ``p.grad = None``,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host-time split of one training step: where the Python/host time of stack4 goes (issue 13).
 
-    source .gpu/s/env.sh; PYTHONPATH=$PWD python3 benchmarks/bench_host_profile.py --out DIR   # H200
+    source .gpu/s/env.sh; PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/bench_host_profile.py --out DIR   # H200
     PYTHONPATH=$PWD python3 benchmarks/bench_host_profile.py --dry-run --out DIR                  # CPU
 
 Nesting-aware ``perf_counter`` timers monkeypatched around the boundary functions of TE eager,

@@ -2,7 +2,7 @@
 """te.TransformerLayer on the GPU, untouched (as users write it) and rewritten by
 ``compile_friendly``: TE eager vs te_inductor vs TE's make_graphed_callables, side by side.
 
-    source .gpu/s/env.sh; PYTHONPATH=$PWD python3 benchmarks/bench_transformer_layer.py --out $OUT/tl \
+    source .gpu/s/env.sh; PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/bench_transformer_layer.py --out $OUT/tl \
         --models layer1 --precisions bf16 fp8
 
 Models (hidden 2048, ffn 8192, 16 heads, bf16 params, dropout 0, TE defaults otherwise):

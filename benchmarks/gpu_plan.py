@@ -43,7 +43,8 @@ class Chunk:
     budget_s: float = 400.0
 
     def command(self, out_root: str = "$OUT") -> str:
-        return (f"PYTHONPATH=$PWD python3 benchmarks/{self.script} --out {out_root}/{self.name} "
+        # keep the gpu-kit's PYTHONPATH (/root/tek/site: torch 2.14.1 + TE), the checkout first
+        return (f"PYTHONPATH=$PWD${{PYTHONPATH:+:$PYTHONPATH}} python3 benchmarks/{self.script} --out {out_root}/{self.name} "
                 f"--budget-s {self.budget_s:.0f} {self.args}")
 
 
