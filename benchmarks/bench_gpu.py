@@ -78,7 +78,8 @@ def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
             for v in ("te_inductor", "te_inductor-ro"):
                 if harness.ok(g.get(v)):
                     out.append((f"issue 26: {v} numerics vs TE eager, {c}", "INFO",
-                                f"max rel err {g[v]['max_rel_err']:.2e} ({g[v]['worst']})"))
+                                f"max rel err {g[v]['max_rel_err']:.2e} ({g[v]['worst']}), "
+                                f"{g[v].get('bit_identical', '?')} tensors bit-identical"))
         tv.pair(out, g, f"te_inductor-ro ≥ 0.8× mgc-noclone, {c}", "te_inductor-ro", "mgc-noclone", 0.8)
         tv.pair(out, g, f"lean ≥ 1.0× trees, {c}", "te_inductor-ro-lean", "te_inductor-ro-trees", 1.0)
         e = g.get("eager")

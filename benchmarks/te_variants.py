@@ -223,9 +223,12 @@ def measure(task: dict, args, model, x, dy, ref: dict, *, prepare: bool, tag: st
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - t0, 2)
         row["first_peak_mib"] = (torch.cuda.max_memory_allocated() - start) / 2**20
-        errs = {k: rel_err(v, ref[k]) for k, v in outputs(y, x, model).items() if k in ref}
+        got = {k: v for k, v in outputs(y, x, model).items() if k in ref}
+        errs = {k: rel_err(v, ref[k]) for k, v in got.items()}
         worst = max(errs, key=errs.get) if errs else None
-        row.update(max_rel_err=errs.get(worst), worst=worst, y_rel_err=errs.get("y"))
+        row.update(max_rel_err=errs.get(worst), worst=worst, y_rel_err=errs.get("y"),
+                   bit_identical=f"{sum(torch.equal(v, ref[k]) for k, v in got.items())}/{len(got)}")
+        del got
         del y
         first = watch.snapshot()
         torch.cuda.reset_peak_memory_stats()
@@ -282,7 +285,7 @@ def fake(task: dict, i: int) -> dict[str, Any]:
     ms = 4.0 / (1 + i % 7)
     return dict(median_ms=ms, p10_ms=ms * 0.95, p90_ms=ms * 1.1, b2b_ms=ms, host_ms=ms * 0.8, kernel_ms=0.4,
                 peak_mib=300.0 + 10 * (i % 3), first_peak_mib=400.0, first_call_s=0.1 * i, max_rel_err=0.0,
-                worst="y", graphs=1, graph_breaks=0, recompiles=0, recompiles_after_first=0, cudagraph_skips=0)
+                worst="y", bit_identical="3/3", graphs=1, graph_breaks=0, recompiles=0, recompiles_after_first=0, cudagraph_skips=0)
 
 
 def ratio(rows: dict, a: str, b: str) -> float | None:
@@ -323,6 +326,6 @@ COLUMNS = [
     harness.Col("first call s", "first_call_s", "{:.1f}"),
     harness.Col("passes / compile ms", "", lambda r: f"{r['passes_ms']:.1f} / {r['te_compile_ms']:.0f}"
                 if r.get("te_compile_ms") else "-"),
-    harness.Col("max rel err (worst)", "", lambda r: f"{r['max_rel_err']:.2e} ({r['worst']})"
-                if r.get("max_rel_err") is not None else "-"),
+    harness.Col("max rel err (worst; bit-identical tensors)", "", lambda r: f"{r['max_rel_err']:.2e} ({r['worst']}; "
+                f"{r.get('bit_identical', '?')})" if r.get("max_rel_err") is not None else "-"),
 ]
