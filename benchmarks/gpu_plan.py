@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -41,10 +40,12 @@ class Chunk:
     args: str
     what: str
     budget_s: float = 400.0
+    env: str = ""  # VAR=VALUE prefix (the workers inherit it; the run's meta records TE_PASSES_*)
 
     def command(self, out_root: str = "$OUT") -> str:
         # keep the gpu-kit's PYTHONPATH (/root/tek/site: torch 2.14.1 + TE), the checkout first
-        return (f"PYTHONPATH=$PWD${{PYTHONPATH:+:$PYTHONPATH}} python3 benchmarks/{self.script} --out {out_root}/{self.name} "
+        return (f"{self.env + ' ' if self.env else ''}PYTHONPATH=$PWD${{PYTHONPATH:+:$PYTHONPATH}} "
+                f"python3 benchmarks/{self.script} --out {out_root}/{self.name} "
                 f"--budget-s {self.budget_s:.0f} {self.args}")
 
 
@@ -70,8 +71,8 @@ CHUNKS: tuple[Chunk, ...] = (
     Chunk("tl-delayed", _TL, "--models layer1 --precisions fp8-delayed --variants eager te_inductor "
           "te_inductor-ro mgc", "issue 24: DelayedScaling te.TransformerLayer, 1 layer", budget_s=250.0),
     Chunk("tl-norm-switch", _TL, "--models layer1 --precisions bf16 fp8 --variants te_inductor te_inductor-ro "
-          "--tag norm --te-option \"${TE_NORM_OPTION:?set TE_NORM_OPTION=KEY=VALUE, the untouched norm switch}\"",
-          "issue 21: TE layernorm kernel vs torch-ops norm (run after tl-untouched-layer1; merge the two)", budget_s=250.0),
+          "--tag te-norm", "issue 21: TE's layernorm kernel (rows +te-norm) vs the torch-ops norm of "
+          "tl-untouched-layer1 (merge the two)", budget_s=250.0, env="TE_PASSES_UNTOUCHED_NORM=te"),
     Chunk("stack4-rest", _GPU, "--configs 256:fp8 8192:fp8 256:bf16 8192:bf16 --variants eager inductor inductor-ro "
           "te_inductor-nodirect te_inductor-ro-lean te_inductor-ro-trees",
           "the rest of stack4: plain inductor, direct-call pass off, lean vs trees (issue 22 item 4)", budget_s=330.0),
@@ -90,9 +91,8 @@ def _task_cost(t: dict) -> float:
 
 def dry_plan(chunk: Chunk) -> dict:
     """The chunk's task plan from its script's own ``--plan`` (no GPU), with the estimate."""
-    args = re.sub(r'"\$\{TE_NORM_OPTION[^}]*\}"', "te_passes.example=1", chunk.args)
     argv = [str(HERE / chunk.script), "--out", "/tmp/gpu_plan_check", "--budget-s", str(chunk.budget_s),
-            *shlex.split(args), "--plan"]
+            *shlex.split(chunk.args), "--plan"]
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True, cwd=HERE.parent)
     plan = json.loads(out.stdout)
     key = ("model", "precision") if chunk.script == _TL else ("tokens", "precision")  # the scripts' worker_split

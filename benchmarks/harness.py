@@ -467,7 +467,8 @@ def main(bench: Bench, argv: list[str] | None = None) -> int:
     meta = {"command": " ".join([Path(bench.script).name, *argv]),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "versions": {"python": sys.version.split()[0]} if args.dry_run else versions(),
-            "dry_run": args.dry_run, "warmup": args.warmup, "iters": args.iters, "budget_s": args.budget_s}
+            "dry_run": args.dry_run, "warmup": args.warmup, "iters": args.iters, "budget_s": args.budget_s,
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("TE_PASSES_", "NVTE_"))}}
     rows: list[dict] = []
     t0 = time.time()
 
