@@ -168,7 +168,7 @@ def test_new_variants_call_the_agreed_api(monkeypatch):
     monkeypatch.setattr(te_passes, "compile_step", compile_step, raising=False)
     monkeypatch.setattr(te_passes, "make_graphed", make_graphed, raising=False)
     step, info = tv.build_step("te_step-ro", model, None, x, dy, {"te_passes.k": 1}, False)
-    assert info == {} and step().shape == (2, 4) and model.weight.grad is not None and x.grad is not None
+    assert info == {} and step() is None and model.weight.grad is not None and x.grad is not None
     assert calls["step"] == ("reduce-overhead", {"te_passes.k": 1})
     step, info = tv.build_step("te_mgc-noclone", model, None, x, dy, {}, False)
     step()
