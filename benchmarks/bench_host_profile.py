@@ -64,17 +64,10 @@ class HookMissing(RuntimeError):
 
 # --------------------------------------------------------------------------- timers
 class Timers:
-    """Nesting-aware perf_counter accumulation: ``wrap(fn, label)`` returns a timed ``fn``.
-
-    Per label: inclusive seconds, exclusive seconds (minus timed calls inside it, on the same
-    thread, and minus top-level timed calls on other threads while it was the innermost open
-    frame of the main thread), and the call count. ``on`` switches recording (warm-up steps).
-
-    Timer cost: a timed call spends some of its timer's own work outside its measured interval
-    (the wrapper call, the stack push before its first ``perf_counter``, the bookkeeping after its
-    last); that lands in its parent's exclusive time. :meth:`calibrate` measures it per timed
-    call (``overhead_s``) in this process and every frame subtracts ``overhead_s`` per timed
-    child from its exclusive time; the total subtracted is reported per label in ``timer``."""
+    """Nesting-aware perf_counter accumulation: ``wrap(fn, label)`` returns a timed ``fn``. Per
+    label: inclusive and exclusive seconds (minus timed calls inside it, and top-level timed calls
+    on other threads while it was the main thread's innermost frame), calls, and ``timer``: the
+    calibrated timer cost (:meth:`calibrate`) subtracted per timed child. ``on`` switches recording."""
 
     def __init__(self) -> None:
         self.incl: dict[str, float] = defaultdict(float)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU session plan: benchmark chunks, each one device call of < 550 s, in order of value.
 
-    python3 benchmarks/gpu_plan.py --list                 # the commands, estimates, what each measures
+    python3 benchmarks/gpu_plan.py --command NAME         # one chunk's command
     bash tests/gpu/run_on_device.sh chunk NAME [NAME...]  # on the device (gpu-kit env, results in $OUT/NAME)
     python3 benchmarks/gpu_plan.py --check                # CPU: every chunk's plan fits its call (dry runs)
     python3 benchmarks/gpu_plan.py --markdown > benchmarks/gpu_plan.md
@@ -130,7 +130,6 @@ def markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--list", action="store_true")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--check", action="store_true", help="every chunk's plan: estimate and max wall < the call limit")
     ap.add_argument("--command", metavar="NAME", help="print one chunk's shell command")
@@ -153,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"over {CALL_LIMIT_S:.0f} s: {bad}")
             return 1
     else:
-        for i, c in enumerate(CHUNKS, 1):
-            print(f"# {i}. {c.name}: {c.what}\n{c.command()}\n")
+        ap.print_help()
     return 0
 
 

@@ -375,9 +375,7 @@ def table(bench: Bench, rows: list[dict]) -> str:
         if c.key == "peak_mib" and bench.mem_vs:
             cols.append(Col(f"peak / {bench.mem_vs}", "ratio:mem", "{:.2f}"))
     cols.append(Col("status", "", status))
-    lines = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(c.cell(r) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return md_table([c.header for c in cols], [[c.cell(r) for c in cols] for r in rows])
 
 
 def write(bench: Bench, out: Path, meta: dict, rows: list[dict], dry_run: bool, notes: str = "") -> str:
@@ -463,7 +461,6 @@ def main(bench: Bench, argv: list[str] | None = None) -> int:
         print(json.dumps({"tasks": tasks, "budget_s": args.budget_s, "max_wall_s": args.budget_s + bench.grace_s},
                          indent=1))
         return 0
-    worker_argv = [a for a in argv if a not in ("--plan",)]
     meta = {"command": " ".join([Path(bench.script).name, *argv]),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "versions": {"python": sys.version.split()[0]} if args.dry_run else versions(),
@@ -476,7 +473,7 @@ def main(bench: Bench, argv: list[str] | None = None) -> int:
         write(bench, out, meta, rows, args.dry_run, bench.notes(args))
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the worker
-    run_plan(bench, tasks, args, worker_argv, rows, save)
+    run_plan(bench, tasks, args, argv, rows, save)
     meta["wall_s"] = round(time.time() - t0, 1)
     text = write(bench, out, meta, rows, args.dry_run, bench.notes(args))
     print(text)

@@ -17,23 +17,10 @@ import harness
 #: ``bf16``: no te.autocast; ``fp8``: Float8CurrentScaling; ``fp8-delayed``: DelayedScaling;
 #: ``fp8-block``: Float8BlockScaling (each built once, outside the compiled function).
 PRECISIONS = ("bf16", "fp8", "fp8-delayed", "fp8-block")
-#: variant -> what it is (docs/benchmarks.md "Benchmark harness" lists them).
-VARIANTS: dict[str, str] = {
-    "eager": "TE eager",
-    "inductor": 'torch.compile(backend="inductor")',
-    "inductor-ro": 'torch.compile(backend="inductor", mode="reduce-overhead")',
-    "te_inductor": 'torch.compile(backend="te_inductor") (+ --te-option options)',
-    "te_inductor-nodirect": "te_inductor with call_te_impl_directly disabled",
-    "te_inductor-nohoist": "te_inductor with hoist_te_constants disabled",
-    "te_inductor-ro": 'te_inductor, mode="reduce-overhead" (cudagraph trees)',
-    "te_inductor-ro-lean": 'te_inductor-ro with te_passes.cudagraphs="lean"',
-    "te_inductor-ro-trees": 'te_inductor-ro with te_passes.cudagraphs="trees" named',
-    "te_step-ro": "te_passes.compile_step(step): forward + backward as one graph, reduce-overhead",
-    "te_mgc": "te_passes.make_graphed(model, (x,)): TE's make_graphed_callables over te_inductor",
-    "te_mgc-noclone": "te_mgc with clone_param_grads_on_return=False",
-    "mgc": "te.make_graphed_callables(model, (x,)) (TE's capture of the eager module)",
-    "mgc-noclone": "mgc with clone_param_grads_on_return=False",
-}
+#: every variant (what each is: docs/benchmarks.md "Benchmark harness", Variants)
+VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-nodirect", "te_inductor-nohoist",
+            "te_inductor-ro", "te_inductor-ro-lean", "te_inductor-ro-trees", "te_step-ro", "te_mgc", "te_mgc-noclone",
+            "mgc", "mgc-noclone")
 _WITHOUT = {"te_inductor-nodirect": "call_te_impl_directly", "te_inductor-nohoist": "hoist_te_constants"}
 #: variants whose failure may leave TE in CUDA-graph capture state: a fresh worker after one fails
 ISOLATE = ("mgc", "mgc-noclone", "te_mgc", "te_mgc-noclone")
