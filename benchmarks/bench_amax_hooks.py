@@ -24,10 +24,14 @@ Run: ``PYTHONPATH=. python benchmarks/bench_amax_hooks.py [--calls 20000] [--rep
 from __future__ import annotations
 
 import argparse
-import timeit
+import sys
 import types
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 
 def main() -> None:
@@ -66,13 +70,11 @@ def main() -> None:
             return amax_groups._wrap_impl(impl, amax_groups.PER_CALL_GROUP_FIELDS[name],
                                           quantizer_usage.PER_CALL_USAGE_FIELDS[name], quantizer_usage.WEIGHT_FIELD[name])
         fwd, bwd = wrapped("_linear_forward_impl"), wrapped("_linear_backward_impl")
-        best = {"unwrapped": [], "forward wrapper": [], "backward wrapper": []}
-        for _ in range(args.repeats):  # interleaved
-            for name, fn in (("unwrapped", impl), ("forward wrapper", fwd), ("backward wrapper", bwd)):
-                best[name].append(timeit.timeit(lambda fn=fn: fn(a), number=args.calls) / args.calls * 1e9)
-        base = min(best["unwrapped"])
-        for name, ts in best.items():
-            t = min(ts)
+        best = harness.per_call({"unwrapped": impl, "forward wrapper": fwd, "backward wrapper": bwd},
+                                calls=args.calls, rounds=args.repeats, args=(a,), stat=min)
+        base = best["unwrapped"] * 1e3
+        for name, t in best.items():
+            t *= 1e3
             print(f"{name + (' (SP)' if sp else ' (no SP)'):<40} {t:>10.0f} {t - base:>12.0f} {t / base:>7.2f}")
     dist.destroy_process_group()
 

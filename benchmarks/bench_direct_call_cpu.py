@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 NS = "transformer_engine_compile"
@@ -52,15 +50,6 @@ def _stub(is_bwd: bool):
     if is_bwd:
         return lambda args: (a, b, None)
     return lambda args: (a, None, [b, c], None)
-
-
-def _time(fn, flat, iters: int) -> float:
-    for _ in range(50):
-        fn(*flat)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn(*flat)
-    return (time.perf_counter() - t0) * 1e6 / iters
 
 
 def main(argv=None) -> int:
@@ -93,20 +82,15 @@ def main(argv=None) -> int:
             orig = cell.cell_contents
             cell.cell_contents = _stub("backward" in base_q)
             try:
-                res = {
-                    "wrapper op": _time(overload(wrapper_q), flat, args.iters),
-                    "base op": _time(overload(base_q), flat, args.iters),
-                    "DirectTECall": _time(call, flat, args.iters),
-                }
+                res = harness.per_call({"wrapper op": overload(wrapper_q), "base op": overload(base_q),
+                                        "DirectTECall": call}, calls=args.iters, rounds=1, args=tuple(flat))
             finally:
                 cell.cell_contents = orig
             rows.append((precision, wrapper_q.split("::")[1], res))
     print(f"µs per call (CPU, {args.iters} calls, TE impl stubbed; torch {torch.__version__})")
-    print("| precision | op | wrapper op | base op | DirectTECall | wrapper / direct |")
-    print("|---|---|---|---|---|---|")
-    for p, op, r in rows:
-        print(f"| {p} | {op} | {r['wrapper op']:.1f} | {r['base op']:.1f} | {r['DirectTECall']:.1f} | "
-              f"{r['wrapper op'] / r['DirectTECall']:.1f}× |")
+    print(harness.md_table(["precision", "op", "wrapper op", "base op", "DirectTECall", "wrapper / direct"],
+                           [(p, op, *(f"{r[k]:.1f}" for k in r), f"{r['wrapper op'] / r['DirectTECall']:.1f}×")
+                            for p, op, r in rows]))
     return 0
 
 

@@ -7,21 +7,22 @@ wrapper without the pass evaluates every TE constant's ``__fx_repr__`` expressio
 module globals. This times exactly those two per-call code paths (the expressions are compiled
 once, as in the wrapper module) and prints them side by side.
 
-Part 2 (``--gpu``, needs CUDA + TE's compile path): median ms per forward+backward step of
-TE eager, ``te_inductor`` default mode with the pass disabled, and ``te_inductor`` default mode
-with it, measured in one process, with ratios.
+On the GPU the pass is a bench_gpu.py variant: ``--variants eager te_inductor te_inductor-nohoist``.
 
-    PYTHONPATH=. python benchmarks/bench_hoist_constants.py [--layers 4] [--reps 2000] [--gpu]
+    PYTHONPATH=. python benchmarks/bench_hoist_constants.py [--layers 4] [--reps 2000]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 
 def _constants(gm):
@@ -52,16 +53,6 @@ def _per_call_functions(consts):
     exec(compile(rebuild_src, "<wrapper-rebuild>", "exec"), env)  # noqa: S102 - our own generated code
     exec(compile(hoisted_src, "<wrapper-hoisted>", "exec"), hoisted_env)  # noqa: S102
     return env["rebuild"], hoisted_env["hoisted"]
-
-
-def _time_us(fn, reps: int, rounds: int = 7) -> float:
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        samples.append((time.perf_counter() - t0) / reps * 1e6)
-    return statistics.median(samples)
 
 
 def _install() -> None:
@@ -96,8 +87,8 @@ def cpu_part(layers: int, hidden: int, reps: int) -> None:
     rebuild()
     nested_q = calls["n"]
     rebuild.__globals__["_rebuild_quantizer"] = orig
-    t_rebuild = _time_us(rebuild, reps)
-    t_hoisted = _time_us(hoisted, reps)
+    t = harness.per_call({"rebuild": rebuild, "hoisted": hoisted}, calls=reps, rounds=7, warmup=0)
+    t_rebuild, t_hoisted = t["rebuild"], t["hoisted"]
     print(f"fp8-cs stack x{layers} (hidden {hidden}): forward+backward step, per-call TE constant work")
     print(f"  top-level constants in the wrappers: {len(consts)} ({n_b} OpaqueValueBundle, {n_q} quantizers); "
           f"_rebuild_quantizer calls per step incl. those inside bundles: {nested_q}")
@@ -148,65 +139,14 @@ def scaling_part() -> None:
         print(f"  {n:8d}{row[0]:14.1f}{row[1]:16.1f}")
 
 
-def gpu_part(layers: int, hidden: int, tokens: int, steps: int) -> None:
-    from te_passes.testing import gpu as h
-
-    reason = h.gpu_skip_reason()
-    if reason is not None:
-        print(f"GPU part skipped: {reason}")
-        return
-    h.ensure_te_inductor_backend()
-    recipe = h.make_recipe("fp8")
-    eager = h.build_stack(layers, hidden)
-    rows = {}
-    models = {"TE eager": eager}
-    fns = {"TE eager": h.forward_fn(eager, "fp8", recipe)}
-    for tag, opts in (("te_inductor, pass off", {"te_passes.disable": ["hoist_te_constants"]}),
-                      ("te_inductor, hoisted", {})):
-        m = h.build_stack(layers, hidden, seed=1)
-        h.copy_params(eager, m)
-        models[tag] = m
-        fns[tag] = torch.compile(h.forward_fn(m, "fp8", recipe), backend="te_inductor", options=opts)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    for tag, fn in fns.items():
-        params = list(models[tag].parameters())
-        for _ in range(5):
-            h.train_step(fn, x, dy, params)
-        torch.cuda.synchronize()
-    times = {tag: [] for tag in fns}
-    for _ in range(steps):  # interleaved, so drift hits every row alike
-        for tag, fn in fns.items():
-            params = list(models[tag].parameters())
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            h.train_step(fn, x, dy, params)
-            torch.cuda.synchronize()
-            times[tag].append((time.perf_counter() - t0) * 1e3)
-    for tag, ts in times.items():
-        rows[tag] = statistics.median(ts)
-    base = rows["TE eager"]
-    print(f"GPU ({torch.cuda.get_device_name()}): fp8-cs stack x{layers}, {tokens} tokens, hidden {hidden}, "
-          f"median ms per fwd+bwd step over {steps}")
-    for tag, ms in rows.items():
-        print(f"  {tag:24s}{ms:9.3f} ms   x{ms / base:5.2f} of eager")
-    print(f"  hoisted vs pass off: x{rows['te_inductor, hoisted'] / rows['te_inductor, pass off']:.2f}")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64, help="CPU part: capture width (constants do not depend on it)")
     p.add_argument("--reps", type=int, default=2000)
-    p.add_argument("--gpu", action="store_true")
-    p.add_argument("--gpu-hidden", type=int, default=4096)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--steps", type=int, default=50)
     a = p.parse_args(argv)
     cpu_part(a.layers, a.hidden, a.reps)
     scaling_part()
-    if a.gpu:
-        gpu_part(a.layers, a.gpu_hidden, a.tokens, a.steps)
     return 0
 
 

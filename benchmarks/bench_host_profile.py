@@ -1,82 +1,14 @@
 #!/usr/bin/env python3
 """Host-time split of one training step: where the Python/host time of stack4 goes (issue 13).
 
-One command on the H200 (after the gpu-kit bring-up)::
+    source .gpu/s/env.sh; PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/bench_host_profile.py --out DIR   # H200
+    PYTHONPATH=$PWD python3 benchmarks/bench_host_profile.py --dry-run --out DIR                  # CPU
 
-    source .gpu/s/env.sh; PYTHONPATH=$PWD python3 benchmarks/bench_host_profile.py --out DIR
-
-CPU check (no GPU): ``--dry-run`` attaches every timer to TE 2.20.2's real functions for the
-``linear`` op family and fails loudly (exit 2, naming it) when one is missing; then it runs the
-whole measurement on CPU with a toy op family registered through TE's own
-``register_custom_op`` (tests/_toy_te_op.py) so the table and JSON are produced by the same code.
-
-Model: stack4 = 4 × ``te.Linear(4096, 4096)`` + GELU (te_passes/testing/gpu.py ``build_stack``),
-fwd + bwd, 256 tokens, fp8 (Float8CurrentScaling) and bf16. Variants, one after the other in one
-process: TE eager, ``backend="inductor"``, te_inductor, te_inductor with
-``call_te_impl_directly`` disabled (``te_inductor-nodirect``).
-
-Method: nesting-aware timers (``time.perf_counter``) monkeypatched around the boundary functions
-below; each layer reports its *exclusive* time (its own time minus the timed layers inside it)
-per step, and its call count. The autograd engine runs CUDA backward on its device thread: a
-timed call that starts with no timed parent on another thread is subtracted from the main
-thread's innermost open frame (the ``backward()`` call waiting for it). Steps are host time only
-(no synchronize inside the timed region). Layers:
-
-==================================  =============================================================
-step: python                         the step function itself (``p.grad = None``, the calls)
-fwd: dynamo (frame, guards, call)    the compiled function call minus everything below it: the
-                                     eval-frame hook, guard evaluation, Dynamo's bytecode, its
-                                     call of the compiled graph. Eager: ``nn.Module`` calls,
-                                     ``te.autocast``, GELU launches
-bwd: autograd engine (+AOT bwd)      ``y.backward()`` minus the timed layers it reaches: the engine,
-                                     AOTAutograd's backward wrappers (compiled), eager GELU grads
-aot: runtime wrappers (fwd)          the callable the backend returned, minus Inductor's graph
-inductor: wrapper code               ``CompiledFxGraph.__call__``: the generated ``call()`` with its
-                                     kernel launches, size asserts, ``del``s, minus TE op calls
-te op: wrapper op dispatch           ``torch.ops.transformer_engine_compile.<op>.default`` called
-                                     from the wrapper: dispatcher, the op's Python autograd kernel,
-                                     ``backend_impl``, minus its kernel function
-te op: alias check                   torch's output-aliasing check (``_c_check_aliasing_constraint``)
-te op: wrapper kernel + base dispatch the wrapper op's kernel function (dynamo-disable hop, TE's
-                                     slot forwarder) and the base op's dispatcher round trip
-te op: base kernel glue              the base op's kernel function minus unpack / impl / pack
-te: _ArgPlan.unpack                  TE rebuilding the args dataclass from the flat slots
-te: _storage_unflatten               TE rebuilding a quantized storage (``Float8TensorStorage``,
-                                     its quantizer copied) from its buffers: inside unpack, or
-                                     inside a DirectTECall (fp8 backward: inputmat, weight_fp8)
-te: impl                             TE's ``_linear_forward_impl`` / ``_linear_backward_impl``
-                                     (eager: the module attribute, i.e. incl. te_passes' amax-group
-                                     wrapper, ~0.2 us a call)
-te impl: <callee>                    inside the impls (both paths, timed after compiling):
-                                     ``Quantizer.__call__`` (input / grad-output / weight cast),
-                                     ``quantize_weight``, ``general_gemm`` (TE's GEMM wrapper and
-                                     its C++ call, launches included), ``finalize_weight_grads``,
-                                     ``clear_tensor_data``; ``te: impl`` is then the impls' own
-                                     Python only
-te: pack_result                      TE flattening the impl's return
-te_passes: DirectTECall              te_passes' direct call (args object, the autograd guard,
-                                     dropping the args object), minus impl / pack_result /
-                                     _storage_unflatten
-eager: _linear_eager / _Linear.*     eager te.Linear: the autograd.Function apply path
-te.Linear.forward                    eager module Python (quantizer setup, args building)
-==================================  =============================================================
-
-Python's cyclic collector: each collection (``gc.callbacks``) is its own layer ``python: gc
-(generation N)`` and is taken out of the frame it interrupted (a generation-2 collection over a
-process full of Dynamo / Inductor objects takes milliseconds; in a 40-step mean it would make
-whichever layer allocated at that moment look slow). A full ``gc.collect()`` runs after the
-warm-up, before the timed steps, so the collection the compile made due is not among them.
-
-Every timed call costs its timer ~1 µs outside its own interval, which would land in its
-parent's exclusive time (a DirectTECall has 2-4 timed children per call); ``Timers.calibrate``
-measures that cost in the same process and each parent's exclusive time has it subtracted per
-timed child (row "timer cost" = the total subtracted; sum of layers + timer cost = host time).
-
-Guard evaluation alone is measured in a second pass under ``torch.profiler`` (CPU activity): the
-``TorchDynamo Cache Lookup`` events torch's eval-frame records (profiler-inflated; a bound).
-
-Writes ``host_profile.json`` and ``host_profile.md`` under ``--out`` and prints the table
-(µs per step, exclusive; calls per step in the JSON).
+Nesting-aware ``perf_counter`` timers monkeypatched around the boundary functions of TE eager,
+``backend="inductor"``, te_inductor and ``te_inductor-nodirect`` (stack4, 256 tokens, fp8 and bf16);
+each layer's exclusive µs per step. ``--dry-run`` checks every timer attaches to TE's real ``linear``
+family, then runs the same code with tests/_toy_te_op.py's toy family on CPU. Layers, method and
+results: docs/benchmarks.md "Issue 13: host-time split per step".
 """
 
 from __future__ import annotations
@@ -84,10 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as _dt
 import functools
-import json
-import os
 import sys
 import threading
 import time
@@ -100,6 +29,9 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import torch  # noqa: E402  (import torch before transformer_engine)
+
+sys.path.insert(0, str(_ROOT / "benchmarks"))
+import harness  # noqa: E402
 
 NS = "transformer_engine_compile"
 VARIANTS = ("eager", "inductor", "te_inductor", "te_inductor-nodirect")
@@ -132,17 +64,10 @@ class HookMissing(RuntimeError):
 
 # --------------------------------------------------------------------------- timers
 class Timers:
-    """Nesting-aware perf_counter accumulation: ``wrap(fn, label)`` returns a timed ``fn``.
-
-    Per label: inclusive seconds, exclusive seconds (minus timed calls inside it, on the same
-    thread, and minus top-level timed calls on other threads while it was the innermost open
-    frame of the main thread), and the call count. ``on`` switches recording (warm-up steps).
-
-    Timer cost: a timed call spends some of its timer's own work outside its measured interval
-    (the wrapper call, the stack push before its first ``perf_counter``, the bookkeeping after its
-    last); that lands in its parent's exclusive time. :meth:`calibrate` measures it per timed
-    call (``overhead_s``) in this process and every frame subtracts ``overhead_s`` per timed
-    child from its exclusive time; the total subtracted is reported per label in ``timer``."""
+    """Nesting-aware perf_counter accumulation: ``wrap(fn, label)`` returns a timed ``fn``. Per
+    label: inclusive and exclusive seconds (minus timed calls inside it, and top-level timed calls
+    on other threads while it was the main thread's innermost frame), calls, and ``timer``: the
+    calibrated timer cost (:meth:`calibrate`) subtracted per timed child. ``on`` switches recording."""
 
     def __init__(self) -> None:
         self.incl: dict[str, float] = defaultdict(float)
@@ -588,129 +513,110 @@ def _per_op(results: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
-def versions() -> dict[str, str]:
-    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    try:
-        import transformer_engine
-
-        out["transformer_engine"] = transformer_engine.__version__
-    except Exception as e:  # noqa: BLE001
-        out["transformer_engine"] = f"not importable: {e}"
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name(0)
-    return out
-
-
 # --------------------------------------------------------------------------- runs
-def run_gpu(args, hooks: "Hooks") -> dict[str, dict[str, Any]]:
+_state: dict[str, Any] = {}  # worker: timers + hooks (installed once per process), inputs per precision
+
+
+def _hooks(args) -> "Hooks":
+    """Calibrate the timers, check every timer attaches to TE's linear family (else
+    :class:`HookMissing` naming it), then install the runtime timers (toy family in a dry run)."""
+    if "hooks" not in _state:
+        import te_passes.backend  # noqa: F401  (installs te_passes' TE hooks before the timers wrap them)
+
+        timers = Timers()
+        _state["overhead"] = timers.calibrate()
+        probe = Hooks(timers, "linear").install()
+        _state["attached"] = [h.what for h in probe.installed]
+        probe.uninstall()
+        if args.dry_run:
+            sys.path.insert(0, str(_ROOT / "tests"))
+            import _toy_te_op
+
+            hooks = Hooks(timers, _toy_te_op.OP_NAME, eager_module=None)
+        else:
+            hooks = Hooks(timers, "linear")
+        _state["hooks"] = hooks.install(call_sites=False, eager=False)
+    return _state["hooks"]
+
+
+def _result(res: dict[str, Any]) -> dict[str, Any]:
+    return dict(res, median_ms=res["host_us_per_step"] / 1e3, timers_attached=len(_state["attached"]),
+                timer_overhead_us_per_call=_state["overhead"] * 1e6)
+
+
+def measure_task(task: dict, args) -> dict[str, Any]:
     from te_passes.testing.gpu import (build_stack, copy_params, ensure_te_inductor_backend, forward_fn,
                                        fresh_compile_state, gpu_skip_reason, make_recipe)
 
     reason = gpu_skip_reason()
     if reason:
-        sys.exit(f"bench_host_profile: cannot run: {reason}")
+        raise RuntimeError(f"cannot run: {reason}")
     ensure_te_inductor_backend()
-    results: dict[str, dict[str, Any]] = {}
-    for precision in args.precisions:
-        results[precision] = {}
+    hooks = _hooks(args)
+    p = task["precision"]
+    if _state.get("key") != p:
         ref = build_stack(args.layers, args.hidden, seed=0)
         g = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
         dy = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-        for variant in args.variants:
-            print(f"[host-profile] {precision} {variant} ...", flush=True)
-            with fresh_compile_state():
-                model = build_stack(args.layers, args.hidden, seed=0)
-                copy_params(ref, model)
-                fn = forward_fn(model, precision, make_recipe(precision))
-                results[precision][variant] = measure(variant, fn, x, dy, list(model.parameters()), hooks,
-                                                      warmup=args.warmup, iters=args.iters, sync=torch.cuda.synchronize)
-                del fn, model
-    return results
+        _state.update(key=p, inputs=(ref, x, dy))
+    ref, x, dy = _state["inputs"]
+    with fresh_compile_state():
+        model = build_stack(args.layers, args.hidden, seed=0)
+        copy_params(ref, model)
+        fn = forward_fn(model, p, make_recipe(p))
+        return _result(measure(task["variant"], fn, x, dy, list(model.parameters()), hooks, warmup=args.warmup,
+                               iters=args.iters, sync=torch.cuda.synchronize))
 
 
-def run_cpu_toy(args, hooks: "Hooks") -> dict[str, dict[str, Any]]:
-    """The same measurement on CPU with the toy op family (dry run)."""
-    sys.path.insert(0, str(_ROOT / "tests"))
+def toy_task(task: dict, i: int) -> dict[str, Any]:
+    """``--dry-run``: the same measurement on CPU with the toy op family (2 toy linears + tanh)."""
+    hooks = _hooks(argparse.Namespace(dry_run=True))
     import _toy_te_op as toy
 
-    results: dict[str, dict[str, Any]] = {"cpu-toy": {}}
     g = torch.Generator().manual_seed(0)
     w1, b1, w2, b2 = (torch.randn(s, generator=g).requires_grad_() for s in ((64, 32), (64,), (64, 64), (64,)))
     x = torch.randn(16, 32, generator=g).requires_grad_()
-    dy = torch.randn(16, 64, generator=g)
-
-    def fn(inp):
-        return toy.model(inp, w1, b1, w2, b2)
-
-    for variant in args.variants:
-        torch._dynamo.reset()
-        results["cpu-toy"][variant] = measure(variant, fn, x, dy, [w1, b1, w2, b2], hooks, warmup=2,
-                                              iters=5, sync=lambda: None)
     torch._dynamo.reset()
-    return results
+    try:
+        return _result(measure(task["variant"], lambda inp: toy.model(inp, w1, b1, w2, b2), x,
+                               torch.randn(16, 64, generator=g), [w1, b1, w2, b2], hooks, warmup=2, iters=5,
+                               sync=lambda: None))
+    finally:
+        torch._dynamo.reset()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "host_profile_out"))
+def add_args(ap) -> None:
     ap.add_argument("--precisions", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--iters", type=int, default=40)
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU: check every timer attaches to TE's linear family, then run a toy op family")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import te_passes.backend  # noqa: F401  (installs te_passes' TE hooks before the timers wrap them)
 
-    timers = Timers()
-    overhead = timers.calibrate()
-    print(f"timer cost: {overhead * 1e6:.2f} µs per timed call (subtracted from its parent's exclusive time)")
-    try:  # every timer once, to fail loudly before measuring anything
-        hooks = Hooks(timers, "linear").install()
-    except HookMissing as e:
-        print(f"bench_host_profile: cannot attach a timer: {e}", file=sys.stderr)
-        return 2
-    attached = [h.what for h in hooks.installed]
-    hooks.uninstall()
-    print(f"all {len(attached)} timers attach to TE's linear family:\n  " + "\n  ".join(attached))
-    if args.dry_run:
-        sys.path.insert(0, str(_ROOT / "tests"))
-        import _toy_te_op  # noqa: F401  (registers the toy family before its hooks attach)
 
-        hooks = Hooks(timers, _toy_te_op.OP_NAME, eager_module=None)
-    else:
-        hooks = Hooks(timers, "linear")
-    hooks.install(call_sites=False, eager=False)
-    try:
-        results = run_cpu_toy(args, hooks) if args.dry_run else run_gpu(args, hooks)
-    finally:
-        hooks.uninstall()
-    meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-            "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
-            "dry_run": args.dry_run, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
-            "iters": args.iters, "warmup": args.warmup, "timers": attached,
-            "timer_overhead_us_per_call": overhead * 1e6}
-    (out / "host_profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    label = "DRY RUN (CPU, toy op family) — " if args.dry_run else ""
-    md = [f"# {label}host-time split per step", "", f"`{meta['command']}` — {meta['date_utc']}", "",
-          "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
-          ("CPU toy: 2 toy linears + tanh, 16 tokens, 5 steps after 2 warm-up (the code path, not a "
-           "measurement); " if args.dry_run else
-           f"stack{args.layers}, {args.tokens} tokens, {args.iters} steps after {args.warmup} warm-up; ")
-          + "exclusive µs per step (calls per step). Each timed call's own timer cost outside its "
-          f"interval ({overhead * 1e6:.2f} µs, calibrated in this process) is subtracted from its "
-          "parent's exclusive time (row \"timer cost\"; host time per step = sum of layers + timer cost).", "", table(results), "", *_per_op(results)]
-    text = "\n".join(md) + "\n"
-    (out / "host_profile.md").write_text(text)
-    print(text)
-    return 0
+def _appendix(rows: list[dict]) -> str:
+    results: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if harness.ok(r):
+            results.setdefault(r["precision"], {})[r["variant"]] = r
+    if not results:
+        return ""
+    return "\n".join(["Exclusive µs per step (calls per step); host time per step = sum of layers + timer cost "
+                      "(each timed call's calibrated cost, subtracted from its parent).", "", table(results), "",
+                      *_per_op(results)])
 
+
+BENCH = harness.Bench(
+    name="host_profile", script=__file__, title="host-time split per step (stack4)", group=("precision",),
+    columns=[harness.Col("host ms / step", "median_ms", "{:.3f}"),
+             harness.Col("guard µs (profiler, bound)", "guard_us_per_step", "{:.1f}"),
+             harness.Col("timer cost µs", "timer_us_per_step", "{:.1f}"),
+             harness.Col("timers attached", "timers_attached")],
+    ratios={"× eager": "eager"}, plan=lambda a: [dict(precision=p, variant=v) for p in a.precisions for v in a.variants],
+    measure=measure_task, fake=toy_task, add_args=add_args, appendix=_appendix, warmup=10, iters=40,
+    notes=lambda a: ("DRY RUN: CPU toy op family (2 toy linears + tanh, 16 tokens, 5 steps after 2): the code path, "
+                     "not a measurement" if a.dry_run else
+                     f"stack{a.layers}, {a.tokens} tokens, {a.iters} steps after {a.warmup} warm-up"))
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.main(BENCH))

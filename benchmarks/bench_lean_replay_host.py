@@ -15,15 +15,12 @@ clones are cheap and what is left is Python/dispatcher overhead. ::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 from te_passes.runtime.cudagraphs import LeanCUDAGraph  # noqa: E402
@@ -63,17 +60,6 @@ def _graph(n_static: int, n_out: int, n_clone: int):
     return runner, inputs
 
 
-def _time(fn, calls: int) -> float:
-    """Median over 5 rounds of the per-call time in microseconds."""
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(rounds)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20000)
@@ -87,15 +73,14 @@ def main(argv=None) -> int:
         runner(make())
         runner(make())  # warm-up, capture
         x = make()
-        replay_us = _time(lambda: runner(list(x)), args.calls)
         outs = [o for _, o in runner._plan]
-        detach_us = _time(lambda: [o.detach() for o in outs], args.calls)
+        t = harness.per_call({"replay": lambda: runner(list(x)), "detach": lambda: [o.detach() for o in outs]},
+                             calls=args.calls, warmup=0)
+        replay_us, detach_us = t["replay"], t["detach"]
         assert runner.stats["eager"] == 0 and runner.stats["replay"] > args.calls
         rows.append((name, n_static, n_out, replay_us, detach_us))
-    print("| graph | static inputs | outputs | lean replay host µs | detach of every output µs | ratio |")
-    print("|---|---|---|---|---|---|")
-    for name, ns, no, r, d in rows:
-        print(f"| {name} | {ns} | {no} | {r:.1f} | {d:.1f} | {r / d:.2f}× |")
+    print(harness.md_table(["graph", "static inputs", "outputs", "lean replay host µs", "detach of every output µs",
+                            "ratio"], [(n, ns, no, f"{r:.1f}", f"{d:.1f}", f"{r / d:.2f}×") for n, ns, no, r, d in rows]))
     return 0
 
 

@@ -21,31 +21,20 @@ The guard's cost is reported as the difference to its unguarded twin and as a ra
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def per_call_ns(fn, arg, calls: int, repeats: int) -> float:
-    """Median ns per call of ``fn(arg)`` over ``repeats`` runs of ``calls`` calls."""
-    return pair_ns(fn, fn, arg, calls, repeats)[0]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 
 def pair_ns(fa, fb, arg, calls: int, repeats: int) -> tuple[float, float]:
-    """Median ns per call of ``fa(arg)`` and ``fb(arg)``, runs interleaved (a, b, a, b, ...) so
-    that machine noise hits both alike."""
-    for f in (fa, fb):
-        for _ in range(min(calls, 1000)):
-            f(arg)
-    runs: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for i, f in enumerate((fa, fb)):
-            t0 = time.perf_counter_ns()
-            for _ in range(calls):
-                f(arg)
-            runs[i].append((time.perf_counter_ns() - t0) / calls)
-    return statistics.median(runs[0]), statistics.median(runs[1])
+    """Median ns per call of ``fa(arg)`` and ``fb(arg)``, runs interleaved (harness.per_call)."""
+    r = harness.per_call({"a": fa, "b": fb}, calls=calls, rounds=repeats, warmup=min(calls, 1000), args=(arg,))
+    return r["a"] * 1e3, r["b"] * 1e3
 
 
 def main() -> None:
@@ -150,7 +139,7 @@ def main() -> None:
         def replay(_):
             graph.replay()
 
-        t_rep = per_call_ns(replay, None, max(calls // 20, 1000), reps)
+        t_rep = pair_ns(replay, replay, None, max(calls // 20, 1000), reps)[0]
         torch.cuda.synchronize()
         guard_ns = t_gtriv - t_triv
         rows += [("CUDA graph replay (1 kernel, host side)", t_rep, "1.00x"),

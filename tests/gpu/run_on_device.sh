@@ -4,13 +4,14 @@
 #   bash tests/gpu/run_on_device.sh suite   # pytest -m gpu tests/  (every gpu-marked test of the repo)
 #   bash tests/gpu/run_on_device.sh bench   # benchmarks/bench_gpu.py (extra args are passed on)
 #   bash tests/gpu/run_on_device.sh hostprof # benchmarks/bench_host_profile.py (issue 13)
+#   bash tests/gpu/run_on_device.sh chunk NAME... # benchmarks/gpu_plan.py chunks in order ($OUT/NAME/, $OUT/NAME.log)
 #   bash tests/gpu/run_on_device.sh ub      # benchmarks/ub_tp2.sh (2-GPU machine)
 #   bash tests/gpu/run_on_device.sh sp      # benchmarks/sp_fp8_tp2.sh (2-GPU machine; issue 8)
 # Logs and results go to $OUT (default /tmp/gpu_out). te_passes is installed editable (no deps,
 # offline) so backend="te_inductor" resolves through its entry point, as for users.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run_on_device.sh suite|bench|hostprof|ub|sp [args...]}; shift
+what=${1:?usage: run_on_device.sh suite|bench|hostprof|chunk|ub|sp [args...]}; shift
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 source .gpu/s/env.sh
 export TE_PASSES_COMMIT=${TE_PASSES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
@@ -44,6 +45,14 @@ case "$what" in
   hostprof)  # issue 13: host-time split per step
     python3 benchmarks/bench_host_profile.py --out "$OUT" "$@" 2>&1 | tee "$OUT/host_profile.log"
     exit "${PIPESTATUS[0]}" ;;
+  chunk)  # the GPU session plan (benchmarks/gpu_plan.md): one or more chunks, one after the other
+    rc=0
+    for name in "$@"; do
+      cmd=$(python3 benchmarks/gpu_plan.py --command "$name") || exit 2
+      echo "== chunk $name: $cmd"
+      eval "$cmd" 2>&1 | tee "$OUT/$name.log"; rc=$(( rc | PIPESTATUS[0] ))
+    done
+    exit "$rc" ;;
   ub)
     bash benchmarks/ub_tp2.sh "$OUT" "$@" 2>&1 | tee "$OUT/ub_tp2.log"
     exit "${PIPESTATUS[0]}" ;;
