@@ -29,6 +29,9 @@ log = get_logger()
 UPDATE_OP = "te_passes::delayed_scaling_update"
 #: the backend function's module: a compile whose unwrapped ``compiler_fn`` lives here is ours.
 BACKEND_MODULE = "te_passes.backend"
+#: a backend function with this attribute set to True counts as te_inductor for the gate (the CPU
+#: capture's recording backends, which stand in for te_inductor without running Inductor).
+GATE_MARK = "_te_passes_gate"
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"op": None, "installed": False, "refused": None, "pairs": ()}
@@ -56,7 +59,7 @@ def is_te_inductor_backend(fn: Any) -> bool:
     """Whether a Dynamo ``compiler_fn`` is te_passes' backend (``te_inductor`` or
     ``te_inductor_backend(...)``'s partial), through Dynamo's wrappers."""
     inner = _unwrap_backend(fn)
-    return getattr(inner, "__module__", None) == BACKEND_MODULE
+    return getattr(inner, "__module__", None) == BACKEND_MODULE or bool(getattr(inner, GATE_MARK, False))
 
 
 @torch._dynamo.assume_constant_result
@@ -123,31 +126,35 @@ def refused_reason() -> str | None:
 
 
 # --------------------------------------------------------------------------- in-graph update
-def reduce_and_update_in_graph(manager: Any, forward: bool) -> None:
-    """``reduce_and_update_fp8_tensors(forward)`` for Dynamo to trace: per buffer key of the
-    direction, ``torch.cat`` of the histories' row 0, the max all-reduce over the autocast's
-    ``amax_reduction_group`` as a functional collective, then :data:`UPDATE_OP` on the module
+def update_in_graph(histories: list, scales: list, recipe: Any, group: Any, forward: bool) -> None:
+    """One buffer key's reduction and update, for Dynamo to trace: ``torch.cat`` of the histories'
+    row 0, the max all-reduce over ``group`` as a functional collective (when
+    ``recipe.reduce_amax`` and the group has more than one rank), then :data:`UPDATE_OP` on the
     tensors (graph inputs whose writes the op's schema declares)."""
     q = te_module(TE_QUANTIZATION_MODULE)
+    contiguous_amax = torch.cat([h[0] for h in histories])
+    if (recipe.reduce_amax and torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group=group) > 1):
+        from torch.distributed import _functional_collectives as funcol
+
+        contiguous_amax = funcol.all_reduce(
+            contiguous_amax, "max", group if group is not None else torch.distributed.group.WORLD)
+    torch.ops.te_passes.delayed_scaling_update(
+        contiguous_amax, list(histories), list(scales), recipe.amax_compute_algo,
+        int(q.get_fp8_te_dtype(recipe, forward)), float(q.get_fp8_max(recipe, forward)), float(recipe.margin))
+
+
+def reduce_and_update_in_graph(manager: Any, forward: bool) -> None:
+    """``reduce_and_update_fp8_tensors(forward)`` for Dynamo to trace: :func:`update_in_graph` per
+    buffer key of the direction, on the module tensors of TE's global buffers."""
     qstate = manager.quantization_state
     for buffer_key, amax_buffer in qstate.global_amax_buffer.items():
         fwd_update, autocast_key = manager.split_key_in_buffer(buffer_key)
         if fwd_update != forward or len(amax_buffer) == 0:
             continue
         recipe, group = qstate.autocast_arguments[autocast_key]
-        histories = qstate.global_amax_history_buffer[buffer_key]
-        scales = qstate.global_scale_buffer[buffer_key]
-        contiguous_amax = torch.cat([h[0] for h in histories])
-        if (recipe.reduce_amax and torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size(group=group) > 1):
-            from torch.distributed import _functional_collectives as funcol
-
-            contiguous_amax = funcol.all_reduce(
-                contiguous_amax, "max", group if group is not None else torch.distributed.group.WORLD)
-        torch.ops.te_passes.delayed_scaling_update(
-            contiguous_amax, list(histories), list(scales), recipe.amax_compute_algo,
-            int(q.get_fp8_te_dtype(recipe, forward)), float(q.get_fp8_max(recipe, forward)),
-            float(recipe.margin))
+        update_in_graph(qstate.global_amax_history_buffer[buffer_key], qstate.global_scale_buffer[buffer_key],
+                        recipe, group, forward)
 
 
 def _all_updates_compile(manager: Any, forward: bool) -> str | None:
