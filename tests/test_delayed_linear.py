@@ -20,12 +20,25 @@ from te_passes.testing.capture import capture_skip_reason
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
+
+@pytest.fixture(autouse=True)
+def _reset_te_fp8_state():
+    """Leave TE's global fp8 state as a fresh process has it: the delayed-scaling buffers a test
+    registers would make later tests' ``te.autocast`` exits run the update."""
+    yield
+    from transformer_engine.pytorch import quantization as Q
+
+    from te_passes.runtime import delayed_linear
+
+    Q.FP8GlobalStateManager.reset()
+    delayed_linear.TRACE_COUNTS.clear()
+
 RECIPES = [("HYBRID", 1, "max"), ("HYBRID", 16, "most_recent"), ("E4M3", 16, "max"), ("E4M3", 1, "most_recent")]
 FWD, BWD = "te_passes.delayed_linear_fwd.default", "te_passes.delayed_linear_bwd.default"
 UPDATE = "te_passes.delayed_scaling_update.default"
 
 
-def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True):
+def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True, recipe=None, training=True):
     """Dynamo graph (and, with ``aot``, the AOT forward / backward) of ``layers`` te.Linear(64, 64)
     with GELU between under ``te.autocast(DelayedScaling(...))`` inside the compiled function."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -45,8 +58,9 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
     from transformer_engine.pytorch import quantization as Q
 
     install.install()
-    fmt, length, algo = cfg
-    recipe = R.DelayedScaling(fp8_format=getattr(R.Format, fmt), amax_history_len=length, amax_compute_algo=algo)
+    if recipe is None:
+        fmt, length, algo = cfg
+        recipe = R.DelayedScaling(fp8_format=getattr(R.Format, fmt), amax_history_len=length, amax_compute_algo=algo)
     with capture_lock, quiet(), fake_gpu("fp8-cs"), fresh_compile_state():
         Q.FP8GlobalStateManager.reset()
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -55,7 +69,8 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
                                          for _ in range(layers)])
             x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
             prepare_te_state(mods, recipe, fp8=True)  # TE's other first-forward lazy state (issue 15)
-            assert prepare_delayed_scaling(mods, recipe, static=False) == layers
+            if isinstance(recipe, R.DelayedScaling):
+                assert prepare_delayed_scaling(mods, recipe, static=False) == layers
 
         def step(inp):
             with te.autocast(enabled=True, recipe=recipe) if autocast_inside else contextlib.nullcontext():
@@ -75,7 +90,7 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
             setattr(backend, GATE_MARK, True)
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
         with CompileWatch() as watch:
-            with mode:
+            with mode, contextlib.nullcontext() if training else torch.no_grad():
                 for _ in range(calls):
                     if autocast_inside:
                         fn(x)
@@ -94,6 +109,7 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
             cg = CapturedGraph(gm=gm, example_inputs=[n.meta["example_value"] for n in gm.graph.nodes
                                                       if n.op == "placeholder"],
                                precision="fp8-cs", model="stack", layers=layers, tokens=32, hidden=64, out_features=64)
+            cg.training = training
             out["aot"] = capture_aot(dynamo=cg)
         out["mods"] = mods
     return out
@@ -178,3 +194,25 @@ def test_state_tensors_are_graph_inputs():
     vals = [n.meta["example_value"] for n in dyn.graph.nodes if n.op == "placeholder"]
     shapes = sorted(tuple(v.shape) for v in vals if v.dtype == torch.float32)
     assert shapes == sorted([(3,), (16, 3), (2,), (16, 2)] * 2), shapes
+
+
+def test_inference_graph():
+    """Under ``torch.no_grad()``: the forward op per layer, no backward state, no update (TE
+    updates only when grad is enabled)."""
+    got = _capture(("HYBRID", 16, "max"), 2, training=False)
+    st = got["stats"]
+    assert (len(got["dynamo"]), st.graph_breaks) == (1, 0), st
+    fwd = got["aot"].forward
+    assert len(_named(fwd, FWD)) == 2 and not _named(fwd, UPDATE)
+
+
+def test_current_scaling_untouched_under_the_gate():
+    """Float8CurrentScaling under the gate still takes TE's own compiled op (the replacements act
+    on delayed-scaling quantizers only)."""
+    from transformer_engine.common import recipe as R
+
+    got = _capture(None, 2, recipe=R.Float8CurrentScaling(), aot=False)
+    (dyn,) = got["dynamo"]
+    targets = [str(n.target) for n in _calls(dyn)]
+    assert sum("transformer_engine_compile.linear" in t for t in targets) == 2, targets
+    assert not any("te_passes" in t for t in targets), targets

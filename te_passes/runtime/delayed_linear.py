@@ -435,7 +435,10 @@ def _unsupported_reason_wrapper(original):
 
 def _linear_op_wrapper(te_op):
     def linear_op(fwd_args):
+        # type(...).__qualname__ first: Dynamo evaluates it on TE's value-opaque quantizers too
+        # (TE's is_value_opaque_quantizer does the same), where a getattr could not be traced
         if (torch.compiler.is_compiling() and te_inductor_tracing() and fwd_args.fp8
+                and type(fwd_args.input_quantizer).__qualname__ == "Float8Quantizer"
                 and getattr(fwd_args.input_quantizer, TAG, None) is not None and refusal(fwd_args) is None):
             return delayed_linear_call(fwd_args)
         return te_op(fwd_args)
