@@ -216,3 +216,21 @@ def test_current_scaling_untouched_under_the_gate():
     targets = [str(n.target) for n in _calls(dyn)]
     assert sum("transformer_engine_compile.linear" in t for t in targets) == 2, targets
     assert not any("te_passes" in t for t in targets), targets
+
+
+def test_te_passes_pipeline_runs_on_the_graphs():
+    """te_passes' own passes (every stage, as the backend runs them) accept the graphs: no pass
+    fails, and the op pair and the update ops are still there afterwards (no pass drops them)."""
+    from te_passes.testing.capture import run_pipeline
+    from te_passes.testing.fake_gpu import fake_gpu, quiet
+
+    got = _capture(("HYBRID", 16, "max"), 2)
+    with quiet(), fake_gpu("fp8-cs"):
+        reports = run_pipeline(got["aot"])
+    failed = [(r.stage, run.name, run.records) for r in reports for run in r.runs if run.status == "failed"]
+    assert not failed, failed
+    by_stage = {str(r.stage): r.gm for r in reports}
+    fwd = next(gm for st, gm in by_stage.items() if "FWD" in st.upper())
+    bwd = next(gm for st, gm in by_stage.items() if "BWD" in st.upper())
+    assert len(_named(fwd, FWD)) == 2 and len(_named(fwd, UPDATE)) == 1
+    assert len(_named(bwd, BWD)) == 2 and len(_named(bwd, UPDATE)) == 1
