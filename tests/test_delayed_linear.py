@@ -234,3 +234,26 @@ def test_te_passes_pipeline_runs_on_the_graphs():
     bwd = next(gm for st, gm in by_stage.items() if "BWD" in st.upper())
     assert len(_named(fwd, FWD)) == 2 and len(_named(fwd, UPDATE)) == 1
     assert len(_named(bwd, BWD)) == 2 and len(_named(bwd, UPDATE)) == 1
+
+
+def test_layout_check_matches_the_fake_payload():
+    """The forward op's run-time check compares TE's real payload with ``_expected_layout``; that
+    layout must be exactly what the fake op returns (the graph's layout), slot for slot."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_passes.runtime import delayed_linear as DL
+    from te_passes.testing.fake_gpu import fake_gpu, quiet
+
+    got = _capture(("E4M3", 16, "max"), 1, aot=False)
+    (dyn,) = got["dynamo"]
+    lin = got["mods"][0]
+    calls = [n for m in dyn.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+             if "delayed_linear_fwd" in str(n.target)]
+    config = next(a for a in calls[0].args if isinstance(a, str))
+    st = lin.fp8_meta["scaling_fwd"]
+    with quiet(), fake_gpu("fp8-cs"), FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        fake = DL._fwd_fake(lin.weight, x, lin.bias, st.scale, st.amax_history, config)
+        want = DL._expected_layout(DL._decode(config), lin.weight, x, lin.bias, st.scale, st.amax_history, config)
+    assert [(tuple(t.shape), t.dtype) for t in fake[:-1]] == want
+    assert any(dt == torch.uint8 for _, dt in want)  # the fp8 data / transpose of the saved input

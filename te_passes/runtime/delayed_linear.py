@@ -175,25 +175,31 @@ def _layout(fake_result: tuple) -> list[tuple]:
 _LAYOUTS: dict = {}
 
 
-def _check_layout(flat: list, args: Any, config: str) -> None:
-    """The real payload must be the fake's slot for slot (the fake decides the graph's layout):
-    raises ``RuntimeError`` naming the first difference."""
-    key = (config, tuple(args.inp.shape), tuple(args.weight.shape), args.bias is None)
+def _expected_layout(cfg: dict, weight, inp, bias, scale, history, config: str) -> list[tuple]:
+    """The fake's payload layout for this call (cached per config and shapes), from quantizers
+    of its own, built before the real impl changes any usage flag."""
+    key = (config, tuple(inp.shape), tuple(weight.shape), bias is None)
     want = _LAYOUTS.get(key)
     if want is None:
+        args = _fwd_args(cfg, weight, inp, bias, scale, history.clone(), None, None)
         want = _LAYOUTS[key] = _layout(_linear()._linear_forward_fake(_cd()._spec_view(args, _fwd_tensor_fields())))
-    got = [(tuple(t.shape), t.dtype) for t in flat]
-    if got != want:
-        raise RuntimeError(f"te_passes: {FWD_OP}: TE's forward returned the payload {got}, its fake {want}")
+    return want
 
 
 def _fwd_impl(weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
               amax_history: torch.Tensor, config: str) -> list[torch.Tensor]:
+    """TE's forward on quantizers over a copy of ``amax_history``; returns TE's flat payload and
+    the copy. Raises ``RuntimeError`` when TE's payload is not the fake's slot for slot (the fake
+    fixed the graph's layout)."""
     cd = _cd()
+    cfg = _decode(config)
     history = amax_history.clone()
-    args = _fwd_args(_decode(config), weight, inp, bias, scale, history, None, None)
+    want = _expected_layout(cfg, weight, inp, bias, scale, history, config)
+    args = _fwd_args(cfg, weight, inp, bias, scale, history, None, None)
     flat = cd._pack_fwd_result(_linear()._linear_forward_impl(args))
-    _check_layout(flat, args, config)
+    got = [(tuple(t.shape), t.dtype) for t in flat]
+    if got != want:
+        raise RuntimeError(f"te_passes: {FWD_OP}: TE's forward returned the payload {got}, its fake {want}")
     return flat + [history]
 
 
@@ -485,7 +491,7 @@ def install_delayed_linear() -> bool:
         spec_pairs = []
         for name in ("storage_metadata", "inner_tensor_specs"):
             # delayed and current scaling produce the same Float8TensorStorage layout; TE 2.20 gives
-            # only the current-scaling quantizer the TensorSpec methods (checked per call: _check_layout)
+            # only the current-scaling quantizer the TensorSpec methods (checked per call: _expected_layout)
             if getattr(f8.Float8Quantizer, name) is getattr(base, name):
                 setattr(f8.Float8Quantizer, name, f8.Float8CurrentScalingQuantizer.__dict__[name])
                 spec_pairs.append((getattr(base, name), f8.Float8Quantizer.__dict__[name]))

@@ -81,6 +81,7 @@ def _step_fn(recipe, metas):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_update_trajectory(mode):
+    from te_passes.rewrite.te_state import prime_recipe
     from te_passes.runtime.delayed_scaling import mark_delayed_state_static
 
     recipe = _recipe()
@@ -96,6 +97,7 @@ def test_update_trajectory(mode):
         ref.append([t.clone() for t in _tensors(metas)])
 
     metas = _state(recipe)
+    prime_recipe(recipe)  # TE's autocast registry of the fresh global state (no step-2 recompile)
     mark_delayed_state_static(metas)
     compiled = torch.compile(_step_fn(recipe, metas), backend="te_inductor", fullgraph=True,
                              mode=None if mode == "default" else mode)
