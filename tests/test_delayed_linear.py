@@ -257,3 +257,24 @@ def test_layout_check_matches_the_fake_payload():
         want = DL._expected_layout(DL._decode(config), lin.weight, x, lin.bias, st.scale, st.amax_history, config)
     assert [(tuple(t.shape), t.dtype) for t in fake[:-1]] == want
     assert any(dt == torch.uint8 for _, dt in want)  # the fp8 data / transpose of the saved input
+
+
+def test_refusal_names_the_reason():
+    """A te.Linear call the op pair does not cover is named (it then stays TE's eager island)."""
+    from types import SimpleNamespace as NS
+
+    import transformer_engine.pytorch  # noqa: F401  (TE's distributed module, read by refusal)
+
+    from te_passes.runtime import delayed_linear as DL
+
+    q = NS(**{DL.TAG: (None, 0)})
+    base = {name: None for name in DL._MUST_BE_OFF}
+    base.update(fp8=True, input_quantizer=q, weight_quantizer=q, grad_output_quantizer=q, tp_size=1,
+                parallel_mode=None, weight=torch.nn.Parameter(torch.zeros(2, 2)))
+    assert DL.refusal(NS(**base)) is None
+    assert DL.refusal(NS(**{**base, "sequence_parallel": True})) == "sequence parallelism"
+    assert DL.refusal(NS(**{**base, "tp_size": 2})) == "tensor parallelism"
+    assert DL.refusal(NS(**{**base, "output_quantizer": object()})) == "fp8_output=True"
+    assert DL.refusal(NS(**{**base, "ub_overlap_ag_fprop": True})) == "Userbuffers"
+    assert DL.refusal(NS(**{**base, "weight_quantizer": NS()})) == \
+        "the weight_quantizer is not a tagged delayed-scaling quantizer"

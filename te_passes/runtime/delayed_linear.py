@@ -100,6 +100,9 @@ def refusal(fwd_args: Any) -> str | None:
         return "a parallel_mode"
     if isinstance(fwd_args.weight, torch.Tensor) and type(fwd_args.weight).__name__ not in ("Parameter", "Tensor"):
         return "a quantized weight (fp8_model_init)"
+    dist = te_module("transformer_engine.pytorch.distributed")
+    if dist is not None and (dist.is_fp8_activation_recompute_enabled() or dist.in_fp8_activation_recompute_phase()):
+        return "TE activation recompute (te.distributed.checkpoint)"
     return None
 
 
