@@ -278,3 +278,25 @@ def test_refusal_names_the_reason():
     assert DL.refusal(NS(**{**base, "ub_overlap_ag_fprop": True})) == "Userbuffers"
     assert DL.refusal(NS(**{**base, "weight_quantizer": NS()})) == \
         "the weight_quantizer is not a tagged delayed-scaling quantizer"
+
+
+def test_impls_run_under_the_traced_autocast_state():
+    """A compiled ``te.autocast`` region has left TE's fp8 state when the graph runs; the op
+    pair's impls run under the traced recipe (TE's ``autocast_arguments`` entry), restored after."""
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch import quantization as Q
+
+    from te_passes.runtime import delayed_linear as DL
+
+    recipe = R.DelayedScaling(amax_history_len=4)
+    M = Q.FP8GlobalStateManager
+    key = M.get_unique_autocast_key(recipe, None)
+    M.quantization_state.autocast_arguments[key] = (recipe, None)
+    before = M.get_autocast_state()
+    assert not M.is_fp8_enabled()
+    with DL._traced_autocast_state({"autocast_key": key}):
+        assert M.is_fp8_enabled() and M.get_fp8_recipe() is recipe
+    assert M.get_autocast_state() == before
+    with pytest.raises(RuntimeError, match="autocast_arguments has no entry"):
+        with DL._traced_autocast_state({"autocast_key": "recipe=nothing,group=None"}):
+            pass

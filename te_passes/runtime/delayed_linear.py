@@ -10,6 +10,7 @@ first module's backward. Only while ``te_inductor`` traces; docs/design.md "Dela
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -112,9 +113,10 @@ def _desc(q: Any) -> tuple:
 
 
 @torch._dynamo.assume_constant_result
-def _encode(names: tuple, values: tuple, qin: tuple, qw: tuple, qgo: tuple) -> str:
+def _encode(names: tuple, values: tuple, qin: tuple, qw: tuple, qgo: tuple, autocast_key: str) -> str:
     simple = {n: (str(v) if isinstance(v, torch.dtype) else v) for n, v in zip(names, values)}
-    return json.dumps({"simple": simple, "q": {"input": qin, "weight": qw, "grad_output": qgo}}, sort_keys=True)
+    return json.dumps({"simple": simple, "q": {"input": qin, "weight": qw, "grad_output": qgo},
+                       "autocast_key": autocast_key}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,7 +124,38 @@ def _decode(config: str) -> dict:
     cfg = json.loads(config)
     simple = dict(cfg["simple"])
     simple["activation_dtype"] = getattr(torch, simple["activation_dtype"].removeprefix("torch."))
-    return {"simple": simple, "q": cfg["q"]}
+    return {"simple": simple, "q": cfg["q"], "autocast_key": cfg["autocast_key"]}
+
+
+@contextlib.contextmanager
+def _traced_autocast_state(cfg: dict):
+    """TE's fp8 state of the traced ``te.autocast`` around a TE impl call: the impls read the
+    recipe (``FP8GlobalStateManager.get_fp8_recipe()``, ``linear.py:611``), and a compiled
+    ``te.autocast`` region has left TE's state by the time the graph runs. The recipe and group
+    are TE's own entry in ``autocast_arguments`` (filled by every ``te.autocast`` enter); the state
+    is TE's ``get_autocast_state`` / ``set_autocast_state`` tuple, restored afterwards.
+
+    Raises:
+        RuntimeError: TE has no ``autocast_arguments`` entry for the traced key.
+    """
+    manager = _quant().FP8GlobalStateManager
+    qstate = manager.quantization_state
+    key = cfg["autocast_key"]
+    current = manager.get_unique_autocast_key(qstate.fp8_recipe, qstate.fp8_distributed_group)
+    if qstate.fp8_enabled and current == key:
+        yield
+        return
+    entry = qstate.autocast_arguments.get(key)
+    if entry is None:
+        raise RuntimeError(f"te_passes: {FWD_OP}: TE's autocast_arguments has no entry {key!r} (the traced "
+                           "te.autocast recipe); was FP8GlobalStateManager reset after compiling?")
+    saved = manager.get_autocast_state()
+    recipe, group = entry
+    manager.set_autocast_state((True, False, recipe, group, qstate.is_first_fp8_module, False))
+    try:
+        yield
+    finally:
+        manager.set_autocast_state(saved)
 
 
 def _quantizer(scale: torch.Tensor, history: torch.Tensor, i: int, desc) -> Any:
@@ -199,7 +232,8 @@ def _fwd_impl(weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None
     history = amax_history.clone()
     want = _expected_layout(cfg, weight, inp, bias, scale, history, config)
     args = _fwd_args(cfg, weight, inp, bias, scale, history, None, None)
-    flat = cd._pack_fwd_result(_linear()._linear_forward_impl(args))
+    with _traced_autocast_state(cfg):
+        flat = cd._pack_fwd_result(_linear()._linear_forward_impl(args))
     got = [(tuple(t.shape), t.dtype) for t in flat]
     if got != want:
         raise RuntimeError(f"te_passes: {FWD_OP}: TE's forward returned the payload {got}, its fake {want}")
@@ -237,7 +271,8 @@ def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor
     history = amax_history_bwd.clone()
     bwd = _bwd_args(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd.clone(), scale_bwd, history,
                     fwd_flat, config, fake=False)
-    grads = _linear()._linear_backward_impl(bwd)
+    with _traced_autocast_state(_decode(config)):
+        grads = _linear()._linear_backward_impl(bwd)
     return cd._pack_bwd_result(grads, 3, BWD_OP) + [history]
 
 
@@ -302,8 +337,10 @@ def delayed_linear_call(fwd_args: Any):
         raise RuntimeError("te_passes: te.Linear's input / weight quantizers are not slots 0 / 1 of one "
                            "DelayedScalingRecipeState (TE's make_quantizers layout)")
     names = SIMPLE_FIELDS
+    manager = _quant().FP8GlobalStateManager
+    autocast_key = manager.get_unique_autocast_key(manager.get_fp8_recipe(), manager.get_fp8_group())
     config = _encode(names, tuple(getattr(fwd_args, n) for n in names), _desc(qi), _desc(qw),
-                     _desc(qgo) if qgo is not None else None)
+                     _desc(qgo) if qgo is not None else None, autocast_key)
     update = None
     own = 0
     bwd_state: tuple = ()
