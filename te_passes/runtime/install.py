@@ -16,7 +16,12 @@
   lowering (``hoist_te_constants``' named constants);
 * :func:`te_passes.runtime.fused_attn_op.install_fused_attention_op` — TE's fused attention as the
   ``transformer_engine_compile::fused_attn`` family (TE 2.20.x only, ``TE_PASSES_FUSED_ATTN=0``
-  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``).
+  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``);
+* :func:`te_passes.runtime.delayed_scaling.install_delayed_scaling` — DelayedScaling's scale update
+  as the ``te_passes::delayed_scaling_update`` op and the te_inductor-gated replacements of TE's
+  ``check_recipe_support`` / ``reduce_and_update_fp8_tensors`` (checked TE layout only; refusals:
+  ``delayed_scaling.refused_reason()``); :func:`te_passes.runtime.delayed_linear.install_delayed_linear`
+  — te.Linear's delayed-scaling calls as the ``te_passes::delayed_linear_fwd/bwd`` op pair.
 
 So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
 need TE imported; until then they are no-ops and :func:`install` returns ``False``.
@@ -24,7 +29,7 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 
 from __future__ import annotations
 
-from te_passes.runtime import constants, direct_lowering, free_op, fused_attn_op
+from te_passes.runtime import constants, delayed_linear, delayed_scaling, direct_lowering, free_op, fused_attn_op
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -39,4 +44,6 @@ def install() -> bool:
     fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
+    delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
+    delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
     return install_te_ub_hooks() & install_amax_group_hooks()

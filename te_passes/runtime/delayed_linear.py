@@ -1,0 +1,552 @@
+"""te.Linear under DelayedScaling in a te_inductor graph: TE's impls as a functional op pair.
+
+``te_passes::delayed_linear_fwd`` / ``delayed_linear_bwd`` run TE's ``_linear_forward_impl`` /
+``_linear_backward_impl`` (``module/linear.py``) on ``Float8Quantizer``\\ s rebuilt on *copies*
+of the module's ``scale`` / ``amax_history`` (TE's ``make_quantizers`` construction) and return
+the updated history; an ``autograd.Function`` traced by Dynamo writes it back with ``copy_`` (so
+the write is functionalized, never hidden in an op) and runs the post-backward update in the
+first module's backward. Only while ``te_inductor`` traces; docs/design.md "DelayedScaling".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import threading
+from typing import Any
+
+import torch
+
+from te_passes._logging import get_logger
+from te_passes.runtime import delayed_scaling
+from te_passes.runtime.delayed_scaling import te_inductor_tracing, update_in_graph
+from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, module_delayed_state
+from te_passes.te.version import te_module
+
+log = get_logger()
+
+TE_LINEAR = "transformer_engine.pytorch.module.linear"
+FWD_OP = "te_passes::delayed_linear_fwd"
+BWD_OP = "te_passes::delayed_linear_bwd"
+#: TE's reason for refusing a delayed-scaling quantizer (``LinearFwdArgs.compile_unsupported_reason``).
+TE_QUANTIZER_REASON = "a quantizer not registered as a torch.compile value-opaque type"
+#: attribute te_passes sets on each delayed-scaling ``Float8Quantizer``: ``(recipe state, index)``.
+TAG = "_te_passes_delayed"
+
+_TENSOR_FIELDS = ("weight", "inp", "bias", "weight_workspace")
+_QUANTIZER_FIELDS = ("input_quantizer", "weight_quantizer", "output_quantizer", "grad_input_quantizer",
+                     "grad_weight_quantizer", "grad_output_quantizer")
+#: fields that must be ``None`` / ``False`` here, with the reason named when they are not.
+_MUST_BE_OFF = {
+    "weight_workspace": "a cached fp8 weight workspace", "output_quantizer": "fp8_output=True",
+    "grad_input_quantizer": "fp8_grad=True", "grad_weight_quantizer": "a grad-weight quantizer",
+    "tp_group": "tensor parallelism", "fsdp_group": "manual TE FSDP", "wgrad_store": "delayed wgrad compute",
+    "skip_fp8_weight_update": "CUDA-graph weight-update skipping", "debug": "debug instrumentation",
+    "custom": "a custom recipe", "save_original_input": "save_original_input", "fp8_output": "fp8_output=True",
+    "backward_override": "backward_override", "sequence_parallel": "sequence parallelism",
+    "fp8_calibration": "fp8 calibration", "cache_weight": "FP8 weight caching", "is_fsdp2": "FSDP2",
+    "fuse_wgrad_accumulation": "fuse_wgrad_accumulation", "cpu_offloading": "CPU offload",
+    "ub_overlap_ag_fprop": "Userbuffers", "ub_overlap_rs_fprop": "Userbuffers", "ub_overlap_ag_dgrad": "Userbuffers",
+    "ub_overlap_rs_dgrad": "Userbuffers", "ub_bulk_dgrad": "Userbuffers", "ub_bulk_wgrad": "Userbuffers",
+    "symmetric_ar_type": "symmetric all-reduce", "tensor_parallel": "tensor parallelism",
+    "backward_input_needs_gather": "a sequence-parallel input gather",
+}
+_STATE: dict[str, Any] = {"installed": False, "refused": None, "pairs": ()}
+_LOCK = threading.Lock()
+#: per-trace bookkeeping (Dynamo replays writes to it as side effects): buffer key -> number of
+#: backward states the first module's post-backward update covers.
+TRACE_COUNTS: dict[str, int] = {}
+
+
+def _linear():
+    return te_module(TE_LINEAR, import_te=True)
+
+
+def _quant():
+    return te_module(TE_QUANTIZATION_MODULE, import_te=True)
+
+
+#: ``LinearFwdArgs`` fields that cross the op pair in its config string (set at install; a
+#: module-level tuple so that Dynamo reads it as a constant).
+SIMPLE_FIELDS: tuple[str, ...] = ()
+
+
+def _simple_fields_of(args_cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(args_cls)
+                 if f.name not in _TENSOR_FIELDS and f.name not in _QUANTIZER_FIELDS
+                 and f.name not in ("tp_group", "fsdp_group", "wgrad_store"))
+
+
+def refusal(fwd_args: Any) -> str | None:
+    """Why the te.Linear call of ``fwd_args`` (TE's ``LinearFwdArgs``) does not take the
+    delayed-scaling op pair, or ``None``. Trace-time Python (Dynamo traces it)."""
+    if not fwd_args.fp8:
+        return "not fp8"
+    for name in ("input_quantizer", "weight_quantizer"):
+        q = getattr(fwd_args, name)
+        if q is None or getattr(q, TAG, None) is None:
+            return f"the {name} is not a tagged delayed-scaling quantizer"
+    gq = fwd_args.grad_output_quantizer
+    if gq is not None and getattr(gq, TAG, None) is None:
+        return "the grad_output_quantizer is not a tagged delayed-scaling quantizer"
+    for name, why in _MUST_BE_OFF.items():
+        v = getattr(fwd_args, name)
+        if v is not None and v is not False:
+            return why
+    if fwd_args.tp_size != 1:
+        return "tensor parallelism"
+    if fwd_args.parallel_mode is not None:
+        return "a parallel_mode"
+    if isinstance(fwd_args.weight, torch.Tensor) and type(fwd_args.weight).__name__ not in ("Parameter", "Tensor"):
+        return "a quantized weight (fp8_model_init)"
+    dist = te_module("transformer_engine.pytorch.distributed")
+    if dist is not None and (dist.is_fp8_activation_recompute_enabled() or dist.in_fp8_activation_recompute_phase()):
+        return "TE activation recompute (te.distributed.checkpoint)"
+    return None
+
+
+def _desc(q: Any) -> tuple:
+    return (int(q.dtype), bool(q.internal), bool(q.optimize_for_gemm), bool(q.rowwise_usage),
+            bool(q.columnwise_usage))
+
+
+@torch._dynamo.assume_constant_result
+def _encode(names: tuple, values: tuple, qin: tuple, qw: tuple, qgo: tuple, autocast_key: str) -> str:
+    simple = {n: (str(v) if isinstance(v, torch.dtype) else v) for n, v in zip(names, values)}
+    return json.dumps({"simple": simple, "q": {"input": qin, "weight": qw, "grad_output": qgo},
+                       "autocast_key": autocast_key}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(config: str) -> dict:
+    cfg = json.loads(config)
+    simple = dict(cfg["simple"])
+    simple["activation_dtype"] = getattr(torch, simple["activation_dtype"].removeprefix("torch."))
+    return {"simple": simple, "q": cfg["q"], "autocast_key": cfg["autocast_key"]}
+
+
+@contextlib.contextmanager
+def _traced_autocast_state(cfg: dict):
+    """TE's fp8 state of the traced ``te.autocast`` around a TE impl call: the impls read the
+    recipe (``FP8GlobalStateManager.get_fp8_recipe()``, ``linear.py:611``), and a compiled
+    ``te.autocast`` region has left TE's state by the time the graph runs. The recipe and group
+    are TE's own entry in ``autocast_arguments`` (filled by every ``te.autocast`` enter); the state
+    is TE's ``get_autocast_state`` / ``set_autocast_state`` tuple, restored afterwards.
+
+    Raises:
+        RuntimeError: TE has no ``autocast_arguments`` entry for the traced key.
+    """
+    manager = _quant().FP8GlobalStateManager
+    qstate = manager.quantization_state
+    key = cfg["autocast_key"]
+    current = manager.get_unique_autocast_key(qstate.fp8_recipe, qstate.fp8_distributed_group)
+    if qstate.fp8_enabled and current == key:
+        yield
+        return
+    entry = qstate.autocast_arguments.get(key)
+    if entry is None:
+        raise RuntimeError(f"te_passes: {FWD_OP}: TE's autocast_arguments has no entry {key!r} (the traced "
+                           "te.autocast recipe); was FP8GlobalStateManager reset after compiling?")
+    saved = manager.get_autocast_state()
+    recipe, group = entry
+    manager.set_autocast_state((True, False, recipe, group, qstate.is_first_fp8_module, False))
+    try:
+        yield
+    finally:
+        manager.set_autocast_state(saved)
+
+
+def _quantizer(scale: torch.Tensor, history: torch.Tensor, i: int, desc) -> Any:
+    """TE's ``DelayedScalingRecipeState.make_quantizers`` construction for slot ``i``
+    (``quantization.py``), with the usage / flags of the traced call."""
+    from_te = te_module("transformer_engine.pytorch.tensor.float8_tensor", import_te=True)
+    dtype, internal, opt, row, col = desc
+    q = from_te.Float8Quantizer(scale[i], history[0][i].reshape((1,)), _quant().DType(dtype), rowwise=row,
+                                columnwise=col)
+    q.internal, q.optimize_for_gemm = internal, opt
+    return q
+
+
+def _fwd_args(cfg: dict, weight, inp, bias, scale_f, hist_f, scale_b, hist_b) -> Any:
+    lin = _linear()
+    kw = dict(cfg["simple"])
+    q = cfg["q"]
+    kw.update(weight=weight, inp=inp, bias=bias, weight_workspace=None, tp_group=None, fsdp_group=None,
+              wgrad_store=None, output_quantizer=None, grad_input_quantizer=None, grad_weight_quantizer=None,
+              input_quantizer=_quantizer(scale_f, hist_f, 0, q["input"]),
+              weight_quantizer=_quantizer(scale_f, hist_f, 1, q["weight"]),
+              grad_output_quantizer=(_quantizer(scale_b, hist_b, 0, q["grad_output"])
+                                     if q["grad_output"] is not None and scale_b is not None else None))
+    return lin.LinearFwdArgs(**kw)
+
+
+def _cd():
+    return te_module("transformer_engine.pytorch.dynamo.custom_op", import_te=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_tensor_fields() -> tuple:
+    return tuple(_cd()._parse_arg_type(_linear().LinearFwdArgs).tensor_field_names())
+
+
+# --------------------------------------------------------------------------- the ops
+def _layout(fake_result: tuple) -> list[tuple]:
+    """``(shape, dtype)`` per flat slot of a fwd fake result (TensorSpecs, no allocation)."""
+    cd = _cd()
+    n_out = len(fake_result) - 2
+    values = list(fake_result[:n_out]) + list(fake_result[n_out] or ())
+    out = []
+    for v in values:
+        if v is None:
+            out.append(((0,), cd._NONE_SENTINEL_DTYPE))
+        elif v.quantizer is None:
+            out.append((tuple(v.shape), v.dtype))
+        else:
+            out.extend((tuple(sh), dt) for sh, dt in v.quantizer.inner_tensor_specs(tuple(v.shape)).values())
+    return out
+
+
+_LAYOUTS: dict = {}
+
+
+def _expected_layout(cfg: dict, weight, inp, bias, scale, history, config: str) -> list[tuple]:
+    """The fake's payload layout for this call (cached per config and shapes), from quantizers
+    of its own, built before the real impl changes any usage flag."""
+    key = (config, tuple(inp.shape), tuple(weight.shape), bias is None)
+    want = _LAYOUTS.get(key)
+    if want is None:
+        args = _fwd_args(cfg, weight, inp, bias, scale, history.clone(), None, None)
+        want = _LAYOUTS[key] = _layout(_linear()._linear_forward_fake(_cd()._spec_view(args, _fwd_tensor_fields())))
+    return want
+
+
+def _fwd_impl(weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+              amax_history: torch.Tensor, config: str) -> list[torch.Tensor]:
+    """TE's forward on quantizers over a copy of ``amax_history``; returns TE's flat payload and
+    the copy. Raises ``RuntimeError`` when TE's payload is not the fake's slot for slot (the fake
+    fixed the graph's layout)."""
+    cd = _cd()
+    cfg = _decode(config)
+    history = amax_history.clone()
+    want = _expected_layout(cfg, weight, inp, bias, scale, history, config)
+    args = _fwd_args(cfg, weight, inp, bias, scale, history, None, None)
+    with _traced_autocast_state(cfg):
+        flat = cd._pack_fwd_result(_linear()._linear_forward_impl(args))
+    got = [(tuple(t.shape), t.dtype) for t in flat]
+    if got != want:
+        raise RuntimeError(f"te_passes: {FWD_OP}: TE's forward returned the payload {got}, its fake {want}")
+    return flat + [history]
+
+
+def _fwd_fake(weight, inp, bias, scale, amax_history, config):
+    cd = _cd()
+    history = torch.empty_like(amax_history)
+    args = _fwd_args(_decode(config), weight, inp, bias, scale, history, None, None)
+    spec = cd._spec_view(args, _fwd_tensor_fields())
+    return cd._pack_fwd_result(_linear()._linear_forward_fake(spec)) + [history]
+
+
+def _bwd_args(grad_output, weight, inp, bias, scale_f, hist_f, scale_b, hist_b, fwd_flat, config, fake):
+    cd, lin = _cd(), _linear()
+    fwd_args = _fwd_args(_decode(config), weight, inp, bias, scale_f, hist_f, scale_b, hist_b)
+    plan = cd._OutputPlan.parse(lin._linear_forward_fake(cd._spec_view(fwd_args, _fwd_tensor_fields())))
+    flat = [cd._encode_none(None)] + list(fwd_flat)  # the output itself is not kept for backward
+    bwd = lin.LinearBwdArgs()
+    saved = lin._linear_setup_ctx(bwd, fwd_args, tuple(plan.user_outputs(flat)), plan.ctx_attrs,
+                                  tuple(plan.saved_tensors(flat)))
+    bwd.inputmat, bwd.weight_fp8, bwd.saved_weight, bwd.bias = saved
+    bwd.grad_output = grad_output
+    bwd.reduce_and_update_bwd_fp8_tensors = False  # in the graph (the Function's backward)
+    if fake:
+        return cd._spec_view(bwd, tuple(cd._parse_arg_type(lin.LinearBwdArgs).tensor_field_names()))
+    return bwd
+
+
+def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None,
+              scale_fwd: torch.Tensor, amax_history_fwd: torch.Tensor, scale_bwd: torch.Tensor,
+              amax_history_bwd: torch.Tensor, fwd_flat: list[torch.Tensor], config: str) -> list[torch.Tensor]:
+    cd = _cd()
+    history = amax_history_bwd.clone()
+    bwd = _bwd_args(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd.clone(), scale_bwd, history,
+                    fwd_flat, config, fake=False)
+    with _traced_autocast_state(_decode(config)):
+        grads = _linear()._linear_backward_impl(bwd)
+    return cd._pack_bwd_result(grads, 3, BWD_OP) + [history]
+
+
+def _bwd_fake(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd,
+              fwd_flat, config):
+    cd = _cd()
+    history = torch.empty_like(amax_history_bwd)
+    bwd = _bwd_args(grad_output, weight, inp, bias, scale_fwd, torch.empty_like(amax_history_fwd), scale_bwd,
+                    history, fwd_flat, config, fake=True)
+    return cd._pack_bwd_result(_linear()._linear_backward_fake(bwd), 3, BWD_OP) + [history]
+
+
+def _register_ops():
+    fwd = torch.library.custom_op(FWD_OP, _fwd_impl, mutates_args=())
+    fwd.register_fake(_fwd_fake)
+    bwd = torch.library.custom_op(BWD_OP, _bwd_impl, mutates_args=())
+    bwd.register_fake(_bwd_fake)
+    return fwd, bwd
+
+
+# --------------------------------------------------------------------------- the Function
+class DelayedLinearFunction(torch.autograd.Function):
+    """Traced by Dynamo: the op pair plus the write-back of the histories and, for the first fp8
+    module of the forward, the post-backward update of every backward state of its buffer key."""
+
+    @staticmethod
+    def forward(ctx, weight, inp, bias, scale_f, hist_f, config, update, own, *bwd_state):
+        # bwd_state: (histories..., scales...) of the backward states; ``own`` indexes this
+        # module's; ``update`` is (recipe, group) for the first fp8 module (post-backward update)
+        flat = torch.ops.te_passes.delayed_linear_fwd(weight, inp, bias, scale_f, hist_f, config)
+        hist_f.copy_(flat[-1])
+        ctx.save_for_backward(weight, inp, bias, *flat[1:-1])
+        ctx.scale_f, ctx.hist_f, ctx.config, ctx.update, ctx.own, ctx.bwd_state = (
+            scale_f, hist_f, config, update, own, bwd_state)
+        return flat[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, inp, bias, *fwd_flat = ctx.saved_tensors
+        n = len(ctx.bwd_state) // 2
+        histories, scales = list(ctx.bwd_state[:n]), list(ctx.bwd_state[n:])
+        hist_b, scale_b = histories[ctx.own], scales[ctx.own]
+        res = torch.ops.te_passes.delayed_linear_bwd(grad_out.contiguous(), weight, inp, bias, ctx.scale_f,
+                                                     ctx.hist_f, scale_b, hist_b, fwd_flat, ctx.config)
+        hist_b.copy_(res[3])
+        if ctx.update is not None:
+            update_in_graph(histories, scales, ctx.update[0], ctx.update[1], False)
+        cd = _cd()
+        wgrad, dgrad, bgrad = (cd._decode_none(g) for g in res[:3])
+        return (wgrad, dgrad, bgrad) + (None,) * (5 + len(ctx.bwd_state))
+
+
+# --------------------------------------------------------------------------- the trace-time path
+def delayed_linear_call(fwd_args: Any):
+    """What te.Linear's ``_linear_op(fwd_args)`` call becomes for a delayed-scaling call under
+    te_inductor: ``(out, None)`` through :class:`DelayedLinearFunction`. Traced by Dynamo."""
+    lin = _linear()
+    qi, qw, qgo = fwd_args.input_quantizer, fwd_args.weight_quantizer, fwd_args.grad_output_quantizer
+    fstate, i_in = getattr(qi, TAG)
+    fstate_w, i_w = getattr(qw, TAG)
+    if fstate_w is not fstate or (i_in, i_w) != (0, 1):
+        raise RuntimeError("te_passes: te.Linear's input / weight quantizers are not slots 0 / 1 of one "
+                           "DelayedScalingRecipeState (TE's make_quantizers layout)")
+    names = SIMPLE_FIELDS
+    manager = _quant().FP8GlobalStateManager
+    autocast_key = manager.get_unique_autocast_key(manager.get_fp8_recipe(), manager.get_fp8_group())
+    config = _encode(names, tuple(getattr(fwd_args, n) for n in names), _desc(qi), _desc(qw),
+                     _desc(qgo) if qgo is not None else None, autocast_key)
+    update = None
+    own = 0
+    bwd_state: tuple = ()
+    needs_grad = fwd_args.is_grad_enabled and (fwd_args.input_requires_grad or fwd_args.weight_requires_grad
+                                               or fwd_args.bias_requires_grad)
+    if needs_grad:
+        if qgo is None:
+            raise RuntimeError("te_passes: a differentiable delayed-scaling te.Linear call without a "
+                               "grad-output quantizer")
+        bstate, i_go = getattr(qgo, TAG)
+        if i_go != 0:
+            raise RuntimeError("te_passes: te.Linear's grad-output quantizer is not slot 0 of its state")
+        bwd_state = (bstate.amax_history, bstate.scale)
+        if lin._check_fp8_reduce_and_update():
+            manager = _quant().FP8GlobalStateManager
+            qstate = manager.quantization_state
+            recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
+            key = manager.get_key_in_buffer(False, recipe, group)
+            histories = list(qstate.global_amax_history_buffer.get(key, ()))
+            scales = list(qstate.global_scale_buffer.get(key, ()))
+            own = _index_of(histories, bstate.amax_history)
+            TRACE_COUNTS[key] = len(histories)
+            update = (recipe, group)
+            bwd_state = tuple(histories) + tuple(scales)
+        else:
+            _check_covered(qgo)
+    out = DelayedLinearFunction.apply(fwd_args.weight, fwd_args.inp, fwd_args.bias, fstate.scale,
+                                      fstate.amax_history, config, update, own, *bwd_state)
+    return out, None
+
+
+def _index_of(tensors: list, t: torch.Tensor) -> int:
+    for i, x in enumerate(tensors):
+        if x is t:
+            return i
+    raise RuntimeError("te_passes: the first fp8 te.Linear's backward DelayedScaling state is not in TE's "
+                       "global buffer: run one eager step (or register_delayed_state(model)) first")
+
+
+def _check_covered(qgo: Any) -> None:
+    """A later module's backward state must be among those the first module's post-backward
+    update covers (TE registers a module's state in its first forward): else refuse, loudly."""
+    bstate, _ = getattr(qgo, TAG)
+    q = _quant()
+    manager = q.FP8GlobalStateManager
+    key = manager.get_key_in_buffer(False, manager.get_fp8_recipe(), manager.get_fp8_group())
+    histories = manager.quantization_state.global_amax_history_buffer.get(key, ())
+    covered = TRACE_COUNTS.get(key, 0)
+    for i, h in enumerate(histories):
+        if h is bstate.amax_history:
+            if i >= covered:
+                raise RuntimeError(
+                    "te_passes: this te.Linear's DelayedScaling state was registered after the first "
+                    "module of the step was traced, so the compiled post-backward update would miss it; "
+                    "run one eager step (or te_passes.runtime.delayed_linear.register_delayed_state(model)) "
+                    "before the first compiled step")
+            return
+
+
+def register_delayed_state(model: torch.nn.Module) -> int:
+    """TE's ``add_fp8_tensors_to_global_buffer`` for every TE module of ``model`` whose ``fp8_meta``
+    holds delayed-scaling state (what each module's first forward does), and tag its
+    quantizers. Returns the number of modules. Call after the modules' fp8 state exists
+    (``te_passes.prepare_te_state`` or one eager step)."""
+    manager = _quant().FP8GlobalStateManager
+    n = 0
+    for m in model.modules():
+        meta = getattr(m, "fp8_meta", None)
+        if isinstance(meta, dict) and module_delayed_state(meta):
+            _tag_module(m)
+            manager.add_fp8_tensors_to_global_buffer(meta)
+            n += 1
+    # what the first compiled trace will record (same keys and values: no guard changes on step 2)
+    for key, histories in manager.quantization_state.global_amax_history_buffer.items():
+        if key.startswith("backward_"):
+            TRACE_COUNTS[key] = len(histories)
+    return n
+
+
+def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool = True) -> int:
+    """What the first forward under ``te.autocast(recipe=recipe)`` sets up, done eagerly before
+    the first compiled step: every TE module's fp8 metadata (``init_fp8_metadata``, TE's), its
+    registration in TE's global amax buffers, the quantizer tags, and (``static``) the state
+    tensors marked static (:func:`te_passes.runtime.delayed_scaling.mark_delayed_state_static`,
+    for CUDA graphs). Returns the number of modules with delayed-scaling state.
+
+    Raises:
+        TypeError: ``recipe`` is not a TE ``DelayedScaling``.
+    """
+    q = _quant()
+    if not isinstance(recipe, q.DelayedScaling):
+        raise TypeError(f"prepare_delayed_scaling: expected a DelayedScaling recipe, got {type(recipe).__name__}")
+    te = te_module("transformer_engine.pytorch", import_te=True)
+    base = te_module("transformer_engine.pytorch.module.base", import_te=True)
+    with te.autocast(enabled=True, recipe=recipe):
+        for m in model.modules():
+            if isinstance(m, base.TransformerEngineBaseModule):
+                m.init_fp8_metadata(num_gemms=m.fp8_meta.get("num_gemms", 1))
+    n = register_delayed_state(model)
+    if static:
+        delayed_scaling.mark_delayed_state_static(model)
+    return n
+
+
+def _tag_module(m: Any) -> None:
+    for key in ("scaling_fwd", "scaling_bwd"):
+        state = m.fp8_meta.get(key)
+        qs = getattr(m, "quantizers", {}).get(key, ())
+        if type(state).__name__ != "DelayedScalingRecipeState":
+            continue
+        for i, q in enumerate(qs):
+            if getattr(q, "scale", None) is not None and q.scale._base is state.scale:
+                setattr(q, TAG, (state, i))
+
+
+def _make_quantizers_tagged(original):
+    def make_quantizers(self):
+        qs = original(self)
+        for i, q in enumerate(qs):
+            setattr(q, TAG, (self, i))
+        return qs
+
+    make_quantizers.__wrapped__ = original
+    return make_quantizers
+
+
+def _unsupported_reason_wrapper(original):
+    def compile_unsupported_reason(self):
+        reason = original(self)
+        if (reason == TE_QUANTIZER_REASON and torch.compiler.is_compiling() and te_inductor_tracing()
+                and refusal(self) is None):
+            return None
+        return reason
+
+    compile_unsupported_reason.__wrapped__ = original
+    return compile_unsupported_reason
+
+
+def _linear_op_wrapper(te_op):
+    def linear_op(fwd_args):
+        # type(...).__qualname__ first: Dynamo evaluates it on TE's value-opaque quantizers too
+        # (TE's is_value_opaque_quantizer does the same), where a getattr could not be traced
+        if (torch.compiler.is_compiling() and te_inductor_tracing() and fwd_args.fp8
+                and type(fwd_args.input_quantizer).__qualname__ == "Float8Quantizer"
+                and getattr(fwd_args.input_quantizer, TAG, None) is not None and refusal(fwd_args) is None):
+            return delayed_linear_call(fwd_args)
+        return te_op(fwd_args)
+
+    linear_op.__wrapped__ = te_op
+    return linear_op
+
+
+def refused_reason() -> str | None:
+    """Why the te.Linear part is not installed (``None`` when it is or before the install ran)."""
+    return _STATE["refused"]
+
+
+def replacement_pairs() -> tuple:
+    """The ``(TE original, te_passes replacement)`` pairs installed: ``make_quantizers`` of
+    ``DelayedScalingRecipeState`` (tags), ``LinearFwdArgs.compile_unsupported_reason`` and
+    ``module.linear._linear_op`` (the module global te.Linear calls under torch.compile)."""
+    return _STATE["pairs"]
+
+
+def install_delayed_linear() -> bool:
+    """Register the op pair and rebind the three TE names (once; TE's linear module loaded, the
+    update op installed). Returns whether in place; a refusal is kept (:func:`refused_reason`)."""
+    with _LOCK:
+        if _STATE["installed"] or _STATE["refused"] is not None:
+            return _STATE["installed"]
+        lin = te_module(TE_LINEAR)
+        if lin is None or not delayed_scaling.install_delayed_scaling():
+            if delayed_scaling.refused_reason() is not None:
+                _STATE["refused"] = delayed_scaling.refused_reason()
+            return False
+        missing = [n for n in ("LinearFwdArgs", "LinearBwdArgs", "_linear_forward_impl", "_linear_backward_impl",
+                               "_linear_forward_fake", "_linear_backward_fake", "_linear_setup_ctx",
+                               "_check_fp8_reduce_and_update", "_linear_op") if getattr(lin, n, None) is None]
+        cd = te_module("transformer_engine.pytorch.dynamo.custom_op")
+        missing += [n for n in ("_parse_arg_type", "_spec_view", "_pack_fwd_result", "_pack_bwd_result",
+                                "_OutputPlan", "_encode_none", "_decode_none") if getattr(cd, n, None) is None]
+        if missing:
+            _STATE["refused"] = f"TE's linear module lacks {', '.join(missing)}"
+            log.info("te_passes: te.Linear under DelayedScaling stays TE's eager island: %s", _STATE["refused"])
+            return False
+        f8 = te_module("transformer_engine.pytorch.tensor.float8_tensor", import_te=True)
+        base = te_module("transformer_engine.pytorch.quantized_tensor", import_te=True).Quantizer
+        spec_pairs = []
+        for name in ("storage_metadata", "inner_tensor_specs"):
+            # delayed and current scaling produce the same Float8TensorStorage layout; TE 2.20 gives
+            # only the current-scaling quantizer the TensorSpec methods (checked per call: _expected_layout)
+            if getattr(f8.Float8Quantizer, name) is getattr(base, name):
+                setattr(f8.Float8Quantizer, name, f8.Float8CurrentScalingQuantizer.__dict__[name])
+                spec_pairs.append((getattr(base, name), f8.Float8Quantizer.__dict__[name]))
+        global SIMPLE_FIELDS
+        SIMPLE_FIELDS = _simple_fields_of(lin.LinearFwdArgs)
+        _register_ops()
+        q = _quant()
+        rs = q.DelayedScalingRecipeState
+        orig_mq = rs.__dict__["make_quantizers"]
+        rs.make_quantizers = _make_quantizers_tagged(orig_mq)
+        orig_reason = lin.LinearFwdArgs.__dict__["compile_unsupported_reason"]
+        lin.LinearFwdArgs.compile_unsupported_reason = _unsupported_reason_wrapper(orig_reason)
+        orig_op = lin._linear_op
+        lin._linear_op = _linear_op_wrapper(orig_op)
+        _STATE.update(installed=True, pairs=(*spec_pairs, (orig_mq, rs.make_quantizers),
+                                             (orig_reason, lin.LinearFwdArgs.compile_unsupported_reason),
+                                             (orig_op, lin._linear_op)))
+        return True

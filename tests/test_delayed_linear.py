@@ -1,0 +1,302 @@
+"""Issue 24: te.Linear under DelayedScaling in one te_inductor graph (CPU capture, fake GPU).
+
+TE's real modules on fake CUDA tensors (te_passes.testing.fake_gpu); the state a first step
+leaves is made by :func:`te_passes.runtime.delayed_linear.prepare_delayed_scaling` (TE's
+``init_fp8_metadata`` and ``add_fp8_tensors_to_global_buffer``). The Dynamo trace runs with a
+recording backend that carries the gate mark (it stands in for te_inductor; a backend without
+it gets TE's eager island, as without te_passes); the AOT graphs are Inductor's
+(``capture_aot``). No TE kernel runs here: numerics are the GPU test's
+(tests/gpu/test_delayed_scaling_gpu.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from te_passes.testing.capture import capture_skip_reason
+
+pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
+
+
+@pytest.fixture(autouse=True)
+def _reset_te_fp8_state():
+    """Leave TE's global fp8 state as a fresh process has it: the delayed-scaling buffers a test
+    registers would make later tests' ``te.autocast`` exits run the update."""
+    yield
+    from transformer_engine.pytorch import quantization as Q
+
+    from te_passes.runtime import delayed_linear
+
+    Q.FP8GlobalStateManager.reset()
+    delayed_linear.TRACE_COUNTS.clear()
+
+RECIPES = [("HYBRID", 1, "max"), ("HYBRID", 16, "most_recent"), ("E4M3", 16, "max"), ("E4M3", 1, "most_recent")]
+FWD, BWD = "te_passes.delayed_linear_fwd.default", "te_passes.delayed_linear_bwd.default"
+UPDATE = "te_passes.delayed_scaling_update.default"
+
+
+def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True, recipe=None, training=True):
+    """Dynamo graph (and, with ``aot``, the AOT forward / backward) of ``layers`` te.Linear(64, 64)
+    with GELU between under ``te.autocast(DelayedScaling(...))`` inside the compiled function."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformer_engine.common import recipe as R
+
+    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.runtime import install
+    from te_passes.runtime.delayed_linear import prepare_delayed_scaling
+    from te_passes.runtime.delayed_scaling import GATE_MARK
+    from te_passes.testing.aot_capture import capture_aot
+    from te_passes.testing.captured import CapturedGraph
+    from te_passes.testing.compile_watch import CompileWatch, fresh_compile_state
+    from te_passes.testing.dynamo_capture import fresh_function
+    from te_passes.testing.fake_gpu import capture_lock, constructing, fake_gpu, import_te, quiet
+
+    te = import_te()
+    from transformer_engine.pytorch import quantization as Q
+
+    install.install()
+    if recipe is None:
+        fmt, length, algo = cfg
+        recipe = R.DelayedScaling(fp8_format=getattr(R.Format, fmt), amax_history_len=length, amax_compute_algo=algo)
+    with capture_lock, quiet(), fake_gpu("fp8-cs"), fresh_compile_state():
+        Q.FP8GlobalStateManager.reset()
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, constructing():
+            mods = torch.nn.Sequential(*[te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+                                         for _ in range(layers)])
+            x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            prepare_te_state(mods, recipe, fp8=True)  # TE's other first-forward lazy state (issue 15)
+            if isinstance(recipe, R.DelayedScaling):
+                assert prepare_delayed_scaling(mods, recipe, static=False) == layers
+
+        def step(inp):
+            with te.autocast(enabled=True, recipe=recipe) if autocast_inside else contextlib.nullcontext():
+                for i, lin in enumerate(mods):
+                    if i:
+                        inp = torch.nn.functional.gelu(inp)
+                    inp = lin(inp)
+            return inp
+
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward  # runs on the fake tensors (the ops' fake impls)
+
+        if gated:
+            setattr(backend, GATE_MARK, True)
+        fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
+        with CompileWatch() as watch:
+            with mode, contextlib.nullcontext() if training else torch.no_grad():
+                for _ in range(calls):
+                    if autocast_inside:
+                        fn(x)
+                        continue
+                    outer = te.autocast(enabled=True, recipe=recipe)
+                    outer.__enter__()
+                    try:
+                        fn(x)
+                    finally:  # its eager post-forward update would launch TE's kernel: not here
+                        with torch.no_grad():
+                            outer.__exit__(None, None, None)
+            stats = watch.snapshot()
+        out = {"dynamo": graphs, "stats": stats}
+        if aot:
+            gm = graphs[0]
+            cg = CapturedGraph(gm=gm, example_inputs=[n.meta["example_value"] for n in gm.graph.nodes
+                                                      if n.op == "placeholder"],
+                               precision="fp8-cs", model="stack", layers=layers, tokens=32, hidden=64, out_features=64)
+            cg.training = training
+            out["aot"] = capture_aot(dynamo=cg)
+        out["mods"] = mods
+    return out
+
+
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _named(gm, name):
+    return [n for n in _calls(gm) if str(n.target) == name
+            or (str(n.target) == "auto_functionalized_v2" and str(n.args[0]) == name)]
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("cfg", RECIPES, ids=["-".join(map(str, c)) for c in RECIPES])
+def test_one_graph_with_te_ops_and_updates(cfg, layers):
+    """1 Dynamo graph, 0 breaks; AOT forward: one fwd op per layer, one update op (all layers'
+    forward state), each layer's forward scale and history written back by ``copy_`` into its
+    placeholders; AOT backward: the same with the bwd op and the backward state."""
+    got = _capture(cfg, layers)
+    st = got["stats"]
+    assert (len(got["dynamo"]), st.graph_breaks) == (1, 0), st
+    (dyn,) = got["dynamo"]
+    assert [str(n.target) for n in _calls(dyn) if "te_passes" in str(n.target)] == ["te_passes.delayed_scaling_update"]
+    assert sum(1 for n in _calls(dyn) if "autograd_function_apply" in str(n.target)) == layers
+    a = got["aot"]
+    for gm, op in ((a.forward, FWD), (a.backward, BWD)):
+        assert len(_named(gm, op)) == layers, gm.code
+        (update,) = _named(gm, UPDATE)
+        copies = [n for n in _calls(gm) if n.target is torch.ops.aten.copy_.default]
+        assert all(c.args[0].op == "placeholder" for c in copies)
+        assert len({c.args[0] for c in copies}) == 2 * layers, gm.code  # scale + history per layer
+        # the update reads the histories the TE ops produced (data dependence orders it after them)
+        ops = set(_named(gm, op))
+        ancestors, todo = set(), list(update.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n not in ancestors:
+                ancestors.add(n)
+                todo.extend(n.all_input_nodes)
+        assert ops <= ancestors
+    # no TE op of TE's own compiled family: every te.Linear went through our op pair
+    assert not any("transformer_engine_compile" in str(n.target) for n in _calls(a.forward))
+
+
+def test_no_recompile_on_step_2():
+    """The compiled step runs twice on fake tensors (forward only: the autograd engine needs a
+    CUDA device here): one compile, no recompile, no break. Backward recompiles cannot be seen on
+    CPU (the GPU test checks them)."""
+    got = _capture(("HYBRID", 16, "max"), 3, calls=3, aot=False)
+    st = got["stats"]
+    assert (len(got["dynamo"]), st.graph_breaks, st.recompiles) == (1, 0, 0), st
+
+
+def test_other_backends_unchanged():
+    """Without the gate (any backend but te_inductor) TE behaves as without te_passes: te.autocast
+    inside the compiled function raises TE's refusal; outside it, te.Linear is TE's named eager
+    island (a graph break: fullgraph raises)."""
+    with pytest.raises(Exception, match="DelayedScaling is not supported under torch.compile"):
+        _capture(("HYBRID", 16, "max"), 1, aot=False, gated=False)
+    with pytest.raises(Exception, match="a quantizer not registered as a torch.compile value-opaque type"):
+        _capture(("HYBRID", 16, "max"), 1, aot=False, gated=False, autocast_inside=False)
+
+
+def test_autocast_outside_one_graph():
+    """te.autocast outside the compiled function (the post-forward update then runs eagerly at
+    its exit, TE's code): the te.Linear ops and the post-backward update are in the graph."""
+    got = _capture(("HYBRID", 16, "max"), 2, autocast_inside=False)
+    st = got["stats"]
+    assert (len(got["dynamo"]), st.graph_breaks) == (1, 0), st
+    a = got["aot"]
+    assert len(_named(a.forward, FWD)) == 2 and not _named(a.forward, UPDATE)
+    assert len(_named(a.backward, BWD)) == 2 and len(_named(a.backward, UPDATE)) == 1
+
+
+def test_state_tensors_are_graph_inputs():
+    """The Dynamo graph takes each layer's forward / backward scale and history as inputs (one
+    placeholder per tensor, shared by the op pair and the update)."""
+    got = _capture(("E4M3", 16, "max"), 2, aot=False)
+    (dyn,) = got["dynamo"]
+    vals = [n.meta["example_value"] for n in dyn.graph.nodes if n.op == "placeholder"]
+    shapes = sorted(tuple(v.shape) for v in vals if v.dtype == torch.float32)
+    assert shapes == sorted([(3,), (16, 3), (2,), (16, 2)] * 2), shapes
+
+
+def test_inference_graph():
+    """Under ``torch.no_grad()``: the forward op per layer, no backward state, no update (TE
+    updates only when grad is enabled)."""
+    got = _capture(("HYBRID", 16, "max"), 2, training=False)
+    st = got["stats"]
+    assert (len(got["dynamo"]), st.graph_breaks) == (1, 0), st
+    fwd = got["aot"].forward
+    assert len(_named(fwd, FWD)) == 2 and not _named(fwd, UPDATE)
+
+
+def test_current_scaling_untouched_under_the_gate():
+    """Float8CurrentScaling under the gate still takes TE's own compiled op (the replacements act
+    on delayed-scaling quantizers only)."""
+    from transformer_engine.common import recipe as R
+
+    got = _capture(None, 2, recipe=R.Float8CurrentScaling(), aot=False)
+    (dyn,) = got["dynamo"]
+    targets = [str(n.target) for n in _calls(dyn)]
+    assert sum("transformer_engine_compile.linear" in t for t in targets) == 2, targets
+    assert not any("te_passes" in t for t in targets), targets
+
+
+def test_te_passes_pipeline_runs_on_the_graphs():
+    """te_passes' own passes (every stage, as the backend runs them) accept the graphs: no pass
+    fails, and the op pair and the update ops are still there afterwards (no pass drops them)."""
+    from te_passes.testing.capture import run_pipeline
+    from te_passes.testing.fake_gpu import fake_gpu, quiet
+
+    got = _capture(("HYBRID", 16, "max"), 2)
+    with quiet(), fake_gpu("fp8-cs"):
+        reports = run_pipeline(got["aot"])
+    failed = [(r.stage, run.name, run.records) for r in reports for run in r.runs if run.status == "failed"]
+    assert not failed, failed
+    by_stage = {str(r.stage): r.gm for r in reports}
+    fwd = next(gm for st, gm in by_stage.items() if "FWD" in st.upper())
+    bwd = next(gm for st, gm in by_stage.items() if "BWD" in st.upper())
+    assert len(_named(fwd, FWD)) == 2 and len(_named(fwd, UPDATE)) == 1
+    assert len(_named(bwd, BWD)) == 2 and len(_named(bwd, UPDATE)) == 1
+
+
+def test_layout_check_matches_the_fake_payload():
+    """The forward op's run-time check compares TE's real payload with ``_expected_layout``; that
+    layout must be exactly what the fake op returns (the graph's layout), slot for slot."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_passes.runtime import delayed_linear as DL
+    from te_passes.testing.fake_gpu import fake_gpu, quiet
+
+    got = _capture(("E4M3", 16, "max"), 1, aot=False)
+    (dyn,) = got["dynamo"]
+    lin = got["mods"][0]
+    calls = [n for m in dyn.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+             if "delayed_linear_fwd" in str(n.target)]
+    config = next(a for a in calls[0].args if isinstance(a, str))
+    st = lin.fp8_meta["scaling_fwd"]
+    with quiet(), fake_gpu("fp8-cs"), FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        fake = DL._fwd_fake(lin.weight, x, lin.bias, st.scale, st.amax_history, config)
+        want = DL._expected_layout(DL._decode(config), lin.weight, x, lin.bias, st.scale, st.amax_history, config)
+    assert [(tuple(t.shape), t.dtype) for t in fake[:-1]] == want
+    assert any(dt == torch.uint8 for _, dt in want)  # the fp8 data / transpose of the saved input
+
+
+def test_refusal_names_the_reason():
+    """A te.Linear call the op pair does not cover is named (it then stays TE's eager island)."""
+    from types import SimpleNamespace as NS
+
+    import transformer_engine.pytorch  # noqa: F401  (TE's distributed module, read by refusal)
+
+    from te_passes.runtime import delayed_linear as DL
+
+    q = NS(**{DL.TAG: (None, 0)})
+    base = {name: None for name in DL._MUST_BE_OFF}
+    base.update(fp8=True, input_quantizer=q, weight_quantizer=q, grad_output_quantizer=q, tp_size=1,
+                parallel_mode=None, weight=torch.nn.Parameter(torch.zeros(2, 2)))
+    assert DL.refusal(NS(**base)) is None
+    assert DL.refusal(NS(**{**base, "sequence_parallel": True})) == "sequence parallelism"
+    assert DL.refusal(NS(**{**base, "tp_size": 2})) == "tensor parallelism"
+    assert DL.refusal(NS(**{**base, "output_quantizer": object()})) == "fp8_output=True"
+    assert DL.refusal(NS(**{**base, "ub_overlap_ag_fprop": True})) == "Userbuffers"
+    assert DL.refusal(NS(**{**base, "weight_quantizer": NS()})) == \
+        "the weight_quantizer is not a tagged delayed-scaling quantizer"
+
+
+def test_impls_run_under_the_traced_autocast_state():
+    """A compiled ``te.autocast`` region has left TE's fp8 state when the graph runs; the op
+    pair's impls run under the traced recipe (TE's ``autocast_arguments`` entry), restored after."""
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch import quantization as Q
+
+    from te_passes.runtime import delayed_linear as DL
+
+    recipe = R.DelayedScaling(amax_history_len=4)
+    M = Q.FP8GlobalStateManager
+    key = M.get_unique_autocast_key(recipe, None)
+    M.quantization_state.autocast_arguments[key] = (recipe, None)
+    before = M.get_autocast_state()
+    assert not M.is_fp8_enabled()
+    with DL._traced_autocast_state({"autocast_key": key}):
+        assert M.is_fp8_enabled() and M.get_fp8_recipe() is recipe
+    assert M.get_autocast_state() == before
+    with pytest.raises(RuntimeError, match="autocast_arguments has no entry"):
+        with DL._traced_autocast_state({"autocast_key": "recipe=nothing,group=None"}):
+            pass
