@@ -42,6 +42,7 @@ from te_passes.report import CompileReport, cache_hit_note, new_compile_report
 from te_passes.runtime.cudagraph_engine import CudagraphRecorder
 from te_passes.runtime.cudagraph_policy import LeanCUDAGraphPolicy
 from te_passes.runtime.install import install as _install_runtime
+from te_passes.runtime.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.runtime.ub_guard import dynamo_stage_inputs
 from te_passes.runtime.ub_graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
                                               wrap_with_te_state_guard)
@@ -138,7 +139,7 @@ def _unwrapped(e: BaseException) -> BaseException:
 
 
 def _documented_errors() -> tuple[type, ...]:
-    return (TePassesOptionError, TePassError, UbConfigError)
+    return (TePassesOptionError, TePassError, UbConfigError, RecipeStateError)
 
 
 def _ub_snapshot_option(opts: TePassesOptions) -> UbSnapshot | None:
@@ -262,6 +263,7 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     report.uuid = pipeline_uuid(manager, opts, te_state)
     report.te_state = te_state.to_json()
 
+    autocast = autocast_for_graph(gm)  # issue 26: the te.autocast state TE's impls read at run time
     inputs = dynamo_stage_inputs()  # UB folds Dynamo made while tracing, taken from the runtime once
     Compilation(manager, opts, te_state, report).run_stage(gm, Stage.DYNAMO, example_inputs, inputs=inputs)
     # The uuid (FX-graph-cache key part) covers the UB snapshot only if this graph reads UB state.
@@ -288,9 +290,10 @@ def _te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     for obs in observers:
         if hasattr(obs, "finish"):
             obs.finish(report)
-    return _maybe_guard(compiled, report, te_state, opts,
-                        recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options),
-                        cudagraphs=bool(config_patches.get("triton.cudagraphs")), checked_stages=checked)
+    guarded = _maybe_guard(compiled, report, te_state, opts,
+                           recompile=lambda g, args: te_inductor(g, args, mode=mode, options=options),
+                           cudagraphs=bool(config_patches.get("triton.cudagraphs")), checked_stages=checked)
+    return run_under(guarded, autocast)  # issue 26: that state set around each call
 
 
 def _cudagraph_policy(opts: TePassesOptions, config_patches: dict[str, Any], report: CompileReport,

@@ -1,54 +1,327 @@
-"""What recipe TE's impls read at run time when compiled code calls them (finding, issue 13).
+"""TE's impls see the user's ``te.autocast`` state when compiled code calls them (issue 26).
 
 TE 2.20.2's ``_linear_forward_impl`` reads ``FP8GlobalStateManager.get_fp8_recipe()`` while it
 runs (``module/linear.py:611``: ``recipe.fp8_gemm_fprop.use_split_accumulator``; ``:414`` for
-``save_original_input``). Eager runs it inside ``te.autocast``; compiled code runs the TE op
-after Dynamo traced the ``te.autocast`` away, so the state is not set around the op and TE falls
-back to ``get_default_fp8_recipe()`` (on an H200: ``DelayedScaling``, no ``fp8_gemm_fprop``, so
-``_2X_ACC_FPROP = False``). Same result for Float8CurrentScaling (its fprop is ``False`` too),
-not for Float8BlockScaling (``True``, required by its ``__post_init__``). A probe custom op
-called where TE's op would be shows the state such an impl sees (CPU, TE's device checks faked).
+``save_original_input``). Compiled code runs the op after Dynamo traced the ``te.autocast`` away;
+te_inductor sets the state in effect where Dynamo traced the op around the compiled call
+(``te_passes.runtime.recipe_state``). The inventory of such reads is
+``te_passes.te.runtime_reads``.
+
+How the values are seen (CPU, TE's device checks faked): TE's impls (the ``impl`` in the base
+ops' ``_impl`` closure, which the dispatcher and a direct call both run, and the module globals
+``_Linear`` calls eagerly) are replaced by recorders that evaluate every inventoried read through
+TE's own accessors and return what TE's fake impl computes (real CPU tensors from its
+TensorSpecs; no GEMM runs). On CPU ``mode="reduce-overhead"`` is the same Inductor path with
+cudagraphs skipped (Inductor skips them for CPU graphs).
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import os
+import textwrap
+from unittest import mock
 
 import pytest
 import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
+from te_passes.te import runtime_reads as RR  # noqa: E402
+from te_passes.testing import fake_gpu as FG  # noqa: E402
 
-@pytest.mark.xfail(strict=True, reason="TE 2.20.2: compiled code runs TE ops outside te.autocast's "
-                   "state; an impl reads the default recipe (linear.py:611)")
-def test_op_called_from_compiled_code_sees_the_autocast_recipe():
-    from transformer_engine.common import recipe as R
+NS = "transformer_engine_compile"
+RECIPES = ("Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")
+#: The fake device each recipe runs on (MXFP8 needs Blackwell's capability).
+_PRECISION = {"Float8CurrentScaling": "fp8-cs", "Float8BlockScaling": "fp8-cs", "MXFP8BlockScaling": "mxfp8"}
+
+
+# --------------------------------------------------------------------------- what an impl sees
+def _evaluators():
+    """``{read id: () -> value}``: each inventoried read evaluated as TE's code does it."""
+    import transformer_engine.pytorch.cpu_offload as off
+    import transformer_engine.pytorch.distributed as dist
+    import transformer_engine.pytorch.graph as graph
+    import transformer_engine.pytorch.module.base as base
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
 
-    from te_passes.testing import fake_gpu as FG
+    def fprop_split():
+        r = M.get_fp8_recipe()
+        return r.fp8_gemm_fprop.use_split_accumulator if hasattr(r, "fp8_gemm_fprop") else base._2X_ACC_FPROP
 
-    seen = []
+    recipe = lambda: M.get_fp8_recipe()  # noqa: E731
+    ev = {
+        "linear.forward:414": lambda: M.get_fp8_recipe().custom(),
+        "linear.forward:538": off.is_cpu_offload_enabled,
+        "linear.forward:568": dist.is_fp8_activation_recompute_enabled,
+        "linear.forward:569": dist.in_fp8_activation_recompute_phase,
+        "linear.forward:609": lambda: base._2X_ACC_FPROP,
+        "linear.forward:611": fprop_split,
+        "fused_attn.forward:1601": off.is_cpu_offload_enabled,
+        "fused_attn.forward:1606": recipe,
+        "fused_attn.forward:1625": lambda: int(os.getenv("NVTE_FP8_DPA_BWD", "1")),
+        "fused_attn.forward:1717": graph.is_graph_capturing,
+        "fused_attn.backward:2164": graph.is_graph_capturing,
+        "quantization.get_fp8_recipe:609": lambda: M.quantization_state.fp8_recipe,
+        "distributed.is_fp8_activation_recompute_enabled:281": M.is_fp8_enabled,
+    }
+    return ev
 
-    @torch.library.custom_op("te_passes_test::recipe_probe", mutates_args=())
-    def probe(x: torch.Tensor) -> torch.Tensor:
-        seen.append(type(M.get_fp8_recipe()))
-        return x + 1
 
-    @probe.register_fake
-    def _(x):
-        return torch.empty_like(x)
+def _rid(r: RR.StateRead) -> str:
+    return f"{r.impl}:{r.line}"
 
-    rec = R.Float8BlockScaling()
 
-    def f(x):
-        with te.autocast(enabled=True, recipe=rec):
-            return probe(x)
+def _seen_now() -> dict:
+    out = {"recipe": _te_quant().FP8GlobalStateManager.get_fp8_recipe()}
+    for k, fn in _evaluators().items():
+        out[k] = fn()
+    return out
 
-    with FG.fake_gpu("fp8-cs"):
-        x = torch.randn(4)
-        f(x)
-        assert seen == [R.Float8BlockScaling]  # eager: the autocast's recipe
-        seen.clear()
-        torch._dynamo.reset()
-        torch.compile(f, backend="te_inductor")(x)
-        torch._dynamo.reset()
-    assert seen == [R.Float8BlockScaling], f"compiled code's op saw {seen}"
+
+def _te_quant():
+    import transformer_engine.pytorch.quantization as q
+
+    return q
+
+
+def _materialize(v):
+    from transformer_engine.pytorch.dynamo.tensor_spec import TensorSpec
+
+    if isinstance(v, TensorSpec):
+        return v.create_tensor()
+    if isinstance(v, tuple):
+        return tuple(_materialize(x) for x in v)
+    if isinstance(v, list):
+        return [_materialize(x) for x in v]
+    return v
+
+
+@contextlib.contextmanager
+def recording_linear_impls():
+    """Replace TE's linear fwd/bwd impls (op closures and ``module.linear`` globals) by recorders;
+    yields ``{"forward": [seen, ...], "backward": [...]}``."""
+    import transformer_engine.pytorch.dynamo.custom_op as co
+    import transformer_engine.pytorch.module.linear as L
+    from torch._library.custom_ops import OPDEFS
+
+    seen = {"forward": [], "backward": []}
+
+    def fwd(args):
+        seen["forward"].append(_seen_now())
+        spec = co._spec_view(args, co._parse_arg_type(L.LinearFwdArgs).tensor_field_names())
+        return L._linear_forward_fake(spec)
+
+    def bwd(args):
+        seen["backward"].append(_seen_now())
+        spec = co._spec_view(args, co._parse_arg_type(L.LinearBwdArgs).tensor_field_names())
+        return L._linear_backward_fake(spec)
+
+    undo = []
+    for op, rec in (("linear_base", fwd), ("linear_backward_base", bwd)):
+        fn = OPDEFS[f"{NS}::{op}"]._init_fn
+        cell = dict(zip(fn.__code__.co_freevars, fn.__closure__))["impl"]
+        orig = cell.cell_contents
+        cell.cell_contents = rec
+        undo.append(lambda c=cell, o=orig: setattr(c, "cell_contents", o))
+    for name, rec in (("_linear_forward_impl", fwd), ("_linear_backward_impl", bwd)):
+        orig = getattr(L, name)
+
+        @functools.wraps(orig)  # te_passes' own hooks find TE's function through __wrapped__
+        def eager(a, _r=rec):
+            return _materialize(_r(a))
+
+        setattr(L, name, eager)
+        undo.append(lambda n=name, o=orig: setattr(L, n, o))
+    try:
+        yield seen
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+@contextlib.contextmanager
+def cpu_inputs_allowed():
+    """TE's device check in ``TransformerEngineBaseModule.prepare_forward`` (``if not inp.is_cuda:
+    raise RuntimeError("TransformerEngine needs CUDA...")``) skipped: the method rebuilt from TE's
+    source with that one condition made ``False``."""
+    import transformer_engine.pytorch.module.base as base
+
+    cls = base.TransformerEngineBaseModule
+    orig = cls.prepare_forward
+    src = textwrap.dedent(inspect.getsource(orig))
+    assert src.count("if not inp.is_cuda:") == 1, "TE's prepare_forward changed: update the device-check fake"
+    ns: dict = {}
+    exec(compile(src.replace("if not inp.is_cuda:", "if False:"), inspect.getsourcefile(orig), "exec"),  # noqa: S102
+         base.__dict__, ns)
+    with mock.patch.object(cls, "prepare_forward", ns[orig.__name__]):
+        yield
+
+
+def _make_recipe(name: str):
+    from transformer_engine.common import recipe as R
+
+    return getattr(R, name)()
+
+
+# --------------------------------------------------------------------------- runs
+@dataclasses.dataclass
+class Run:
+    forward: list
+    backward: list
+
+
+def _model():
+    with FG.constructing():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(te.Linear(64, 64, params_dtype=torch.bfloat16, device="cpu"),
+                                   torch.nn.GELU(),
+                                   te.Linear(64, 64, params_dtype=torch.bfloat16, device="cpu"))
+
+
+def _run(recipe_name: str, *, compiled: bool, autocast: str, mode: str = "default", direct: bool = True,
+         steps: int = 2) -> Run:
+    """Forward + backward of a 2-layer te.Linear stack, ``steps`` times; what the impls saw."""
+    rec = _make_recipe(recipe_name)
+    with FG.fake_gpu(_PRECISION[recipe_name]), FG.quiet(), cpu_inputs_allowed():
+        model = _model()
+
+        def inner(x):
+            with te.autocast(enabled=True, recipe=rec):
+                return model(x)
+
+        def plain(x):
+            return model(x)
+
+        fn = inner if autocast == "inside" else plain
+        if compiled:
+            torch._dynamo.reset()
+            opts = {} if direct else {"te_passes.disable": ["call_te_impl_directly"]}
+            fn = torch.compile(fn, backend="te_inductor", mode=None if mode == "default" else mode,
+                               options=opts or None)
+        outer = te.autocast(enabled=True, recipe=rec) if autocast == "outside" else contextlib.nullcontext()
+        with recording_linear_impls() as seen:
+            for _ in range(steps):
+                x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+                with outer:
+                    y = fn(x)
+                y.float().sum().backward()
+        if compiled:
+            torch._dynamo.reset()
+    return Run(seen["forward"], seen["backward"]), rec
+
+
+# --------------------------------------------------------------------------- the inventory
+def test_inventory_lines_are_tes():
+    """Every inventoried read is at its file:line in the installed TE (the accessor is on that line)."""
+    import linecache
+
+    for r in RR.READS:
+        ref = RR.IMPLS[r.impl]
+        mod = __import__(ref.module, fromlist=["_"])
+        line = linecache.getline(mod.__file__, r.line)
+        want = "cls.quantization_state" if r.accessor == "cls" else r.accessor
+        assert want in line, f"{ref.path}:{r.line} does not read {want}: {line.strip()!r}"
+        assert r.delivery in RR.DELIVERIES
+
+
+def test_installed_te_reads_only_inventoried_state():
+    import transformer_engine.pytorch.attention.dot_product_attention.backends  # noqa: F401
+
+    for key in RR.IMPLS:
+        assert RR.unknown_reads(key) == [], key
+    from te_passes.te.version import runtime_state_refusal
+
+    assert runtime_state_refusal({"linear", "fused_attn"}) is None
+
+
+def test_an_impl_reading_more_state_is_refused(monkeypatch):
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: F401
+
+    import te_passes.te.version as V
+
+    def impl(args):  # one more recipe read than TE 2.20.2's _linear_backward_impl
+        return FP8GlobalStateManager.get_fp8_recipe()
+
+    impl.__globals__["FP8GlobalStateManager"] = FP8GlobalStateManager
+    problems = RR.unknown_reads("linear.backward", impl)
+    assert any("FP8GlobalStateManager 1 time(s), the inventory lists 0" in p for p in problems), problems
+    assert any("get_ub 0 time(s), the inventory lists 5" in p for p in problems), problems
+    V._unknown_reads.cache_clear()
+    monkeypatch.setattr(RR, "unknown_reads", lambda key, fn=None: problems if key == "linear.backward" else [])
+    reason = V.runtime_state_refusal({"linear"})
+    V._unknown_reads.cache_clear()
+    assert reason is not None and "inventory does not list" in reason and "FP8GlobalStateManager" in reason
+    assert "not inventoried" in V.runtime_state_refusal({"layernorm_linear"})
+    assert "2.20.x only" in V.runtime_state_refusal({"linear"}, v="2.21.0")
+
+
+def test_design_doc_lists_every_read():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = text.split("## TE global state read at run time", 1)[1].split("\n## ", 1)[0]
+    for r in RR.READS:
+        assert f"{RR.IMPLS[r.impl].path}:{r.line}" in section, _rid(r)
+
+
+# --------------------------------------------------------------------------- the state seen
+def test_op_called_from_compiled_code_sees_the_autocast_recipe():
+    """The finding of issue 13 (was a strict xfail): te.autocast inside the compiled function,
+    Float8BlockScaling; TE's forward impl sees that recipe object, fprop split accumulation on."""
+    run, rec = _run("Float8BlockScaling", compiled=True, autocast="inside", steps=1)
+    assert len(run.forward) == 2 and len(run.backward) == 2
+    for s in run.forward:
+        assert s["recipe"] is rec, f"compiled code's op saw {s['recipe']!r}"
+        assert s["linear.forward:611"] is True
+
+
+MATRIX = [(r, a, m, d) for r in RECIPES for a in ("inside", "outside") for m in ("default", "reduce-overhead")
+          for d in (True, False) if m == "default" or d]
+
+
+@pytest.mark.parametrize("recipe_name,autocast,mode,direct", MATRIX,
+                         ids=[f"{r}-{a}-{m}-{'direct' if d else 'dispatcher'}" for r, a, m, d in MATRIX])
+def test_compiled_impls_see_what_eager_impls_see(recipe_name, autocast, mode, direct):
+    """Every inventoried read, forward and backward, each step: compiled == eager."""
+    eager, rec_e = _run(recipe_name, compiled=False, autocast=autocast)
+    comp, rec_c = _run(recipe_name, compiled=True, autocast=autocast, mode=mode, direct=direct)
+    assert len(comp.forward) == len(eager.forward) == 4 and len(comp.backward) == len(eager.backward) == 4
+    for phase in ("forward", "backward"):
+        for i, (c, e) in enumerate(zip(getattr(comp, phase), getattr(eager, phase))):
+            assert type(c["recipe"]) is type(e["recipe"]), (phase, i)
+            if phase == "forward":
+                assert c["recipe"] is rec_c and e["recipe"] is rec_e, (phase, i)
+                assert c["recipe"] == e["recipe"]
+            for k in e:
+                if k != "recipe":
+                    assert c[k] == e[k], f"{phase} call {i}: {k}: compiled {c[k]!r}, eager {e[k]!r}"
+
+
+@pytest.mark.parametrize("rid", [_rid(r) for r in RR.READS if r.delivery == "autocast"
+                                 and r.impl in ("linear.forward", "quantization.get_fp8_recipe",
+                                                "distributed.is_fp8_activation_recompute_enabled")])
+def test_each_autocast_read_of_linear(rid):
+    """One inventoried read at a time, Float8BlockScaling with te.autocast inside the compiled
+    function (the case the default recipe got wrong): compiled equals eager at every call."""
+    if rid not in _evaluators():
+        pytest.skip(f"{rid}: evaluated by the read it feeds (no separate accessor)")
+    eager, _ = _run("Float8BlockScaling", compiled=False, autocast="inside", steps=1)
+    comp, _ = _run("Float8BlockScaling", compiled=True, autocast="inside", steps=1)
+    assert [s[rid] for s in comp.forward] == [s[rid] for s in eager.forward]
+    assert [s[rid] for s in comp.backward] == [s[rid] for s in eager.backward]
+
+
+def test_without_the_state_the_impl_sees_the_default_recipe(monkeypatch):
+    """Control: te_inductor without the state around the call (what it did before) — TE's
+    forward impl falls back to the default recipe (the fake Hopper: DelayedScaling, fprop split
+    accumulation off), so the checks above can fail."""
+    from te_passes import backend
+
+    monkeypatch.setattr(backend, "run_under", lambda compiled, state: compiled)
+    run, rec = _run("Float8BlockScaling", compiled=True, autocast="inside", steps=1)
+    assert [type(s["recipe"]).__name__ for s in run.forward] == ["DelayedScaling"] * 2
+    assert [s["linear.forward:611"] for s in run.forward] == [False, False]

@@ -132,7 +132,10 @@ def install_fused_attention_op(*, import_te: bool = False) -> bool:
                                "transformer_engine.pytorch.utils record_compile_disabled)")
             return False
         _state["forward_fn"] = fn
-        return True
+    from te_passes.runtime import recipe_state
+
+    recipe_state.install_trace_hooks()  # its nodes record the te.autocast state they are traced under
+    return True
 
 
 def fused_attention_op() -> Callable[[Any], Any]:

@@ -16,7 +16,9 @@
   lowering (``hoist_te_constants``' named constants);
 * :func:`te_passes.runtime.fused_attn_op.install_fused_attention_op` — TE's fused attention as the
   ``transformer_engine_compile::fused_attn`` family (TE 2.20.x only, ``TE_PASSES_FUSED_ATTN=0``
-  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``).
+  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``);
+* :func:`te_passes.runtime.recipe_state.install_trace_hooks` — TE op nodes record the
+  ``te.autocast`` state where Dynamo traced them (the backend sets it around the compiled call).
 
 So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
 need TE imported; until then they are no-ops and :func:`install` returns ``False``.
@@ -24,7 +26,7 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 
 from __future__ import annotations
 
-from te_passes.runtime import constants, direct_lowering, free_op, fused_attn_op
+from te_passes.runtime import constants, direct_lowering, free_op, fused_attn_op, recipe_state
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -39,4 +41,5 @@ def install() -> bool:
     fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
+    recipe_state.install_trace_hooks()  # issue 26; refusal kept: trace_hook_refusal(), graphs then refused
     return install_te_ub_hooks() & install_amax_group_hooks()

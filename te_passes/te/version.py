@@ -11,6 +11,7 @@ import functools
 import importlib
 import importlib.metadata
 import sys
+from typing import Iterable
 
 #: TE release series (major, minor) whose op layout te_passes decodes.
 SUPPORTED_TE: frozenset[tuple[int, int]] = frozenset({(2, 20)})
@@ -57,3 +58,35 @@ def te_module(name: str, *, import_te: bool = False):
 
         mod = importlib.import_module(name)
     return mod
+
+
+def runtime_state_refusal(families: Iterable[str], v: str | None = None) -> str | None:
+    """Why compiled calls of these TE op families (``"linear"``, ``"fused_attn"``) cannot be given
+    the user's ``te.autocast`` state on TE ``v`` (default: installed), or ``None``: a TE series
+    other than :data:`SUPPORTED_TE`, a family whose impls are not inventoried
+    (:data:`te_passes.te.runtime_reads.FAMILY_IMPLS`), or an impl / helper whose code reads TE state
+    the inventory does not list (:func:`te_passes.te.runtime_reads.unknown_reads`, checked once per
+    process for the installed TE)."""
+    from te_passes.te import runtime_reads
+
+    v = te_version() if v is None else v
+    if not is_supported(v):
+        return (f"TE {v}: the TE state its impls read at run time is inventoried for TE "
+                f"{', '.join(f'{a}.{b}.x' for a, b in sorted(SUPPORTED_TE))} only (te_passes.te.runtime_reads)")
+    keys = [k for k, r in runtime_reads.IMPLS.items() if r.role == "helper"]
+    for fam in sorted(set(families)):
+        if fam not in runtime_reads.FAMILY_IMPLS:
+            return (f"TE op family {fam!r}: the TE state its impls read at run time is not inventoried "
+                    "(te_passes.te.runtime_reads.FAMILY_IMPLS)")
+        keys.extend(runtime_reads.FAMILY_IMPLS[fam])
+    problems = [p for k in keys for p in _unknown_reads(k)]
+    if problems:
+        return f"TE {v}: its impls read TE state the inventory does not list: " + "; ".join(problems)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _unknown_reads(key: str) -> tuple[str, ...]:
+    from te_passes.te import runtime_reads
+
+    return tuple(runtime_reads.unknown_reads(key))
