@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
            "UbConfigError", "compile_friendly", "prepare_te_state"]
+__all__ += ["RecipeStateError"]  # issue 26: te.autocast state TE's impls read at run time
 
 #: Public names and the module each lives in (imported on first access: ``import te_passes``
 #: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
@@ -40,6 +41,7 @@ _LAZY = {
     "compile_friendly": "te_passes.rewrite.compile_friendly",  # opt-in model rewrite (issue 15)
     "prepare_te_state": "te_passes.rewrite.te_state",  # TE's first-forward lazy state, before compiling
 }
+_LAZY["RecipeStateError"] = "te_passes.runtime.recipe_state"  # issue 26: raised by te_inductor, unwrapped
 
 
 def __getattr__(name):

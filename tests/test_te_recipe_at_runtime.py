@@ -145,9 +145,11 @@ def recording_linear_impls():
 
 @contextlib.contextmanager
 def cpu_inputs_allowed():
-    """TE's device check in ``TransformerEngineBaseModule.prepare_forward`` (``if not inp.is_cuda:
-    raise RuntimeError("TransformerEngine needs CUDA...")``) skipped: the method rebuilt from TE's
-    source with that one condition made ``False``."""
+    """TE's device checks on an eager call answered as on a GPU: the one in
+    ``TransformerEngineBaseModule.prepare_forward`` (``if not inp.is_cuda: raise RuntimeError(
+    "TransformerEngine needs CUDA...")``) skipped — the method rebuilt from TE's source with that
+    one condition made ``False`` — and ``torch.cuda.is_current_stream_capturing()`` answering
+    ``False`` (``FP8GlobalStateManager.fp8_graph_capturing``)."""
     import transformer_engine.pytorch.module.base as base
 
     cls = base.TransformerEngineBaseModule
@@ -157,7 +159,8 @@ def cpu_inputs_allowed():
     ns: dict = {}
     exec(compile(src.replace("if not inp.is_cuda:", "if False:"), inspect.getsourcefile(orig), "exec"),  # noqa: S102
          base.__dict__, ns)
-    with mock.patch.object(cls, "prepare_forward", ns[orig.__name__]):
+    with mock.patch.object(cls, "prepare_forward", ns[orig.__name__]), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False):
         yield
 
 
@@ -212,6 +215,17 @@ def _run(recipe_name: str, *, compiled: bool, autocast: str, mode: str = "defaul
         if compiled:
             torch._dynamo.reset()
     return Run(seen["forward"], seen["backward"]), rec
+
+
+_EAGER: dict = {}
+
+
+def _eager(recipe_name: str, autocast: str):
+    """:func:`_run` eagerly, once per recipe and autocast placement (the same for every mode)."""
+    key = (recipe_name, autocast)
+    if key not in _EAGER:
+        _EAGER[key] = _run(recipe_name, compiled=False, autocast=autocast)
+    return _EAGER[key]
 
 
 # --------------------------------------------------------------------------- the inventory
@@ -279,15 +293,18 @@ def test_op_called_from_compiled_code_sees_the_autocast_recipe():
         assert s["linear.forward:611"] is True
 
 
+#: Every recipe x autocast inside/outside x default/reduce-overhead with direct calls; the
+#: dispatcher path (call_te_impl_directly disabled) for Float8BlockScaling (the mechanism does not
+#: depend on the recipe).
 MATRIX = [(r, a, m, d) for r in RECIPES for a in ("inside", "outside") for m in ("default", "reduce-overhead")
-          for d in (True, False) if m == "default" or d]
+          for d in (True, False) if d or (m == "default" and r == "Float8BlockScaling")]
 
 
 @pytest.mark.parametrize("recipe_name,autocast,mode,direct", MATRIX,
                          ids=[f"{r}-{a}-{m}-{'direct' if d else 'dispatcher'}" for r, a, m, d in MATRIX])
 def test_compiled_impls_see_what_eager_impls_see(recipe_name, autocast, mode, direct):
     """Every inventoried read, forward and backward, each step: compiled == eager."""
-    eager, rec_e = _run(recipe_name, compiled=False, autocast=autocast)
+    eager, rec_e = _eager(recipe_name, autocast)
     comp, rec_c = _run(recipe_name, compiled=True, autocast=autocast, mode=mode, direct=direct)
     assert len(comp.forward) == len(eager.forward) == 4 and len(comp.backward) == len(eager.backward) == 4
     for phase in ("forward", "backward"):
@@ -301,27 +318,127 @@ def test_compiled_impls_see_what_eager_impls_see(recipe_name, autocast, mode, di
                     assert c[k] == e[k], f"{phase} call {i}: {k}: compiled {c[k]!r}, eager {e[k]!r}"
 
 
-@pytest.mark.parametrize("rid", [_rid(r) for r in RR.READS if r.delivery == "autocast"
-                                 and r.impl in ("linear.forward", "quantization.get_fp8_recipe",
-                                                "distributed.is_fp8_activation_recompute_enabled")])
-def test_each_autocast_read_of_linear(rid):
+_COMPILED: dict = {}
+
+
+@pytest.mark.parametrize("rid", [_rid(r) for r in RR.READS if r.impl in ("linear.forward", "quantization.get_fp8_recipe",
+                                                                          "distributed.is_fp8_activation_recompute_enabled")])
+def test_each_read_of_linear(rid):
     """One inventoried read at a time, Float8BlockScaling with te.autocast inside the compiled
-    function (the case the default recipe got wrong): compiled equals eager at every call."""
+    function (the case the default recipe got wrong): compiled equals eager at every forward and
+    backward call (one compiled run shared by these tests)."""
     if rid not in _evaluators():
-        pytest.skip(f"{rid}: evaluated by the read it feeds (no separate accessor)")
-    eager, _ = _run("Float8BlockScaling", compiled=False, autocast="inside", steps=1)
-    comp, _ = _run("Float8BlockScaling", compiled=True, autocast="inside", steps=1)
+        pytest.skip(f"{rid}: not evaluable on CPU alone (UB communicators: tests/test_ub_guard.py; "
+                    "or the same value as another read of this line)")
+    eager, _ = _eager("Float8BlockScaling", "inside")
+    if "run" not in _COMPILED:
+        _COMPILED["run"] = _run("Float8BlockScaling", compiled=True, autocast="inside")[0]
+    comp = _COMPILED["run"]
+    assert len(comp.forward) == len(eager.forward) == 4
     assert [s[rid] for s in comp.forward] == [s[rid] for s in eager.forward]
     assert [s[rid] for s in comp.backward] == [s[rid] for s in eager.backward]
 
 
 def test_without_the_state_the_impl_sees_the_default_recipe(monkeypatch):
     """Control: te_inductor without the state around the call (what it did before) — TE's
-    forward impl falls back to the default recipe (the fake Hopper: DelayedScaling, fprop split
-    accumulation off), so the checks above can fail."""
+    forward impl falls back to the default recipe (a Hopper without MXFP8, as the H200:
+    DelayedScaling, fprop split accumulation off), so the checks above can fail."""
+    import transformer_engine.pytorch.quantization as q
+
     from te_passes import backend
 
     monkeypatch.setattr(backend, "run_under", lambda compiled, state: compiled)
+    real = FG.fake_gpu
+
+    @contextlib.contextmanager
+    def hopper(precision="fp8-cs", **kw):  # fake_gpu presets every support flag; Hopper has no MXFP8
+        with real(precision, **kw), mock.patch.object(q, "_MXFP8_SUPPORT", (False, "MXFP8 needs sm_100")):
+            yield
+
+    monkeypatch.setattr(FG, "fake_gpu", hopper)
     run, rec = _run("Float8BlockScaling", compiled=True, autocast="inside", steps=1)
     assert [type(s["recipe"]).__name__ for s in run.forward] == ["DelayedScaling"] * 2
     assert [s["linear.forward:611"] for s in run.forward] == [False, False]
+
+
+def test_another_recipe_object_is_seen_at_the_next_call():
+    """te.autocast outside the compiled function; the second call's recipe (another object, fprop
+    split accumulation off vs on) is what the impl sees (Dynamo's guard on the recipe's identity
+    recompiles), as eagerly."""
+    from transformer_engine.common import recipe as R
+
+    recs = [R.Float8CurrentScaling(fp8_gemm_fprop=R.MMParams(use_split_accumulator=v)) for v in (False, True)]
+    with FG.fake_gpu("fp8-cs"), FG.quiet(), cpu_inputs_allowed():
+        model = _model()
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: model(x), backend="te_inductor")
+        with recording_linear_impls() as seen:
+            for rec in recs:
+                with te.autocast(enabled=True, recipe=rec):
+                    fn(torch.randn(32, 64, dtype=torch.bfloat16))
+        torch._dynamo.reset()
+    assert [s["recipe"] for s in seen["forward"]] == [recs[0]] * 2 + [recs[1]] * 2
+    assert [s["linear.forward:611"] for s in seen["forward"]] == [False, False, True, True]
+
+
+def test_two_autocast_states_in_one_graph_are_refused():
+    from transformer_engine.common import recipe as R
+
+    from te_passes.runtime.recipe_state import RecipeStateError
+
+    r1, r2 = R.Float8CurrentScaling(), R.Float8BlockScaling()
+    with FG.fake_gpu("fp8-cs"), FG.quiet(), cpu_inputs_allowed():
+        model = _model()
+
+        def f(x):
+            with te.autocast(enabled=True, recipe=r1):
+                x = model[0](x)
+            with te.autocast(enabled=True, recipe=r2):
+                return model[2](x)
+
+        torch._dynamo.reset()
+        with pytest.raises(RecipeStateError, match="traced under different te.autocast states.*Float8CurrentScaling"
+                                                   ".*Float8BlockScaling"):
+            torch.compile(f, backend="te_inductor", fullgraph=True)(torch.randn(32, 64, dtype=torch.bfloat16))
+        torch._dynamo.reset()
+
+
+def test_te_op_node_without_a_traced_state_is_refused(te_dynamo_graph):
+    from te_passes.runtime import recipe_state as RS
+
+    g = te_dynamo_graph("fp8-cs", 1)
+    nodes = RS.te_op_nodes(g.gm)
+    assert nodes, "the captured graph has no TE op node"
+    for n in nodes:
+        n.meta.pop(RS.META_KEY, None)
+    with pytest.raises(RS.RecipeStateError, match="te.autocast state where Dynamo traced them is unknown"):
+        RS.graph_autocast(g.gm)
+
+
+def test_traced_state_records_where_it_came_from():
+    """A te.autocast inside the compiled function is read from Dynamo's side effects ("traced"),
+    one around it from the process ("live"); the recipe is the user's object either way."""
+    from transformer_engine.common import recipe as R
+
+    from te_passes.runtime import recipe_state as RS
+
+    rec = R.Float8CurrentScaling()
+    got = {}
+    with FG.fake_gpu("fp8-cs"), FG.quiet(), cpu_inputs_allowed():
+        model = _model()
+
+        def backend(gm, example_inputs):
+            got[len(got)] = RS.graph_autocast(gm)
+            return gm.forward
+
+        def inner(x):
+            with te.autocast(enabled=True, recipe=rec):
+                return model(x)
+
+        for fn, outer in ((inner, contextlib.nullcontext()), (lambda x: model(x), te.autocast(enabled=True, recipe=rec))):
+            torch._dynamo.reset()
+            with outer, recording_linear_impls():
+                torch.compile(fn, backend=backend, fullgraph=True)(torch.randn(32, 64, dtype=torch.bfloat16))
+        torch._dynamo.reset()
+    assert [(s.source, s.fp8_enabled, s.fp8_recipe is rec, s.guard) for s in got.values()] == \
+        [("traced", True, True, None), ("live", True, True, None)]
