@@ -270,6 +270,10 @@ def test_an_impl_reading_more_state_is_refused(monkeypatch):
     V._unknown_reads.cache_clear()
     assert reason is not None and "inventory does not list" in reason and "FP8GlobalStateManager" in reason
     assert "not inventoried" in V.runtime_state_refusal({"layernorm_linear"})
+    # a family without an inventory: its impls are scanned; any TE state read refuses it
+    assert V.runtime_state_refusal({"toy"}, impls={"toy": [lambda a: a]}) is None
+    reason = V.runtime_state_refusal({"toy"}, impls={"toy": [impl]})
+    assert "reads TE state (FP8GlobalStateManager)" in reason and "not inventoried" in reason
     assert "2.20.x only" in V.runtime_state_refusal({"linear"}, v="2.21.0")
 
 
@@ -442,3 +446,78 @@ def test_traced_state_records_where_it_came_from():
         torch._dynamo.reset()
     assert [(s.source, s.fp8_enabled, s.fp8_recipe is rec, s.guard) for s in got.values()] == \
         [("traced", True, True, None), ("live", True, True, None)]
+
+
+@contextlib.contextmanager
+def recording_fused_attn_impls():
+    """TE's fused-attention fwd/bwd impls (the ``impl`` in the ``fused_attn`` base ops' closures)
+    replaced by recorders returning te_passes' exact fakes; yields the recorded states."""
+    import transformer_engine.pytorch.dynamo.custom_op as co
+    from torch._library.custom_ops import OPDEFS
+
+    from te_passes.te.fused_attn import make_fakes
+
+    fwd_fake, bwd_fake = make_fakes()
+    seen = {"forward": [], "backward": []}
+    undo = []
+    for op, phase, fake in (("fused_attn_base", "forward", fwd_fake), ("fused_attn_backward_base", "backward", bwd_fake)):
+        opdef = OPDEFS[f"{NS}::{op}"]
+        fn = opdef._init_fn
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__))
+        names = cells["plan"].cell_contents.tensor_field_names()
+        cell = cells["impl"]
+        orig = cell.cell_contents
+
+        def rec(args, _p=phase, _f=fake, _n=names):
+            seen[_p].append(_seen_now())
+            return _f(co._spec_view(args, _n))
+
+        cell.cell_contents = rec
+        undo.append(lambda c=cell, o=orig: setattr(c, "cell_contents", o))
+    try:
+        yield seen
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_fused_attention_impls_see_what_eager_impls_see(mode):
+    """The fused_attn family (runtime/fused_attn_op.py): TE's _fused_attn_forward_impl reads the
+    recipe at backends.py:1606; te.autocast(Float8BlockScaling) inside the compiled function:
+    forward and backward impls see what the same op called eagerly sees."""
+    from transformer_engine.common import recipe as R
+
+    from test_fused_attn_op import fwd_args
+
+    from te_passes.runtime import fused_attn_op as fop
+
+    op = fop.fused_attention_op()
+    rec = R.Float8BlockScaling()
+
+    def f(q, k, v):
+        with te.autocast(enabled=True, recipe=rec):
+            out, _ = op(fwd_args(q, k, v, "sbhd"))
+        return out
+
+    runs = {}
+    with FG.fake_gpu("fp8-cs"), FG.quiet():
+        for name in ("eager", "compiled"):
+            fn = f
+            if name == "compiled":
+                torch._dynamo.reset()
+                fn = torch.compile(f, backend="te_inductor", mode=None if mode == "default" else mode)
+            with recording_fused_attn_impls() as seen:
+                for _ in range(2):
+                    q, k, v = (torch.randn(64, 2, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+                    fn(q, k, v).float().sum().backward()
+            runs[name] = seen
+        torch._dynamo.reset()
+    eager, comp = runs["eager"], runs["compiled"]
+    assert len(comp["forward"]) == len(eager["forward"]) == 2 and len(comp["backward"]) == len(eager["backward"]) == 2
+    assert all(s["recipe"] is rec for s in comp["forward"] + eager["forward"])
+    for phase in ("forward", "backward"):
+        for c, e in zip(comp[phase], eager[phase]):
+            for key in e:
+                assert c[key] == e[key], f"{phase}: {key}: compiled {c[key]!r}, eager {e[key]!r}"

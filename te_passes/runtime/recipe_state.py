@@ -19,7 +19,9 @@ import torch
 
 from te_passes._logging import get_logger
 from te_passes.te.graph_model import TE_OP_NAMESPACE
-from te_passes.te.runtime_reads import AUTOCAST_FIELDS
+from te_passes.runtime.te_base_op import DirectCallUnavailable, resolve_base_impl
+from te_passes.te.runtime_reads import AUTOCAST_FIELDS, FAMILY_IMPLS
+from te_passes.te.version import runtime_state_refusal
 
 log = get_logger()
 
@@ -67,8 +69,7 @@ class TracedAutocast:
         group = self.fp8_distributed_group
         recipe = self.fp8_recipe
         return (f"fp8_enabled={self.fp8_enabled}, fp8_calibration={self.fp8_calibration}, "
-                f"recipe={type(recipe).__name__ if recipe is not None else None}"
-                f"{f' at {id(recipe):#x}' if recipe is not None else ''}, "
+                f"recipe={type(recipe).__name__ if recipe is not None else None}, "
                 f"group={type(group).__name__ if group is not None else None} ({self.source})")
 
     def __repr__(self) -> str:
@@ -178,6 +179,9 @@ def _tag(qualname: str) -> None:
         node.meta[META_KEY] = traced_autocast(tx)
     except RecipeStateError as e:  # kept as the reason; graph_autocast refuses the graph with it
         node.meta[META_KEY] = str(e)
+    except Exception as e:  # noqa: BLE001 - Dynamo internals changed: the graph is refused with this reason
+        node.meta[META_KEY] = (f"te_passes could not read the te.autocast state from Dynamo's side effects "
+                               f"({type(e).__name__}: {e})")
 
 
 def _wrap_fake(opdef: Any, qualname: str) -> bool:
@@ -318,6 +322,28 @@ def run_under(compiled: Callable, state: TracedAutocast | None) -> Callable:
     return with_autocast
 
 
+def _family_impls(family: str) -> list[Any]:
+    """The ``impl`` functions the family's base ops run now (:func:`resolve_base_impl`); an op
+    whose kernel is not TE's ``_impl`` is left out (its reads cannot be scanned: refused)."""
+    out = []
+    for op in (f"{family}_base", f"{family}_backward_base"):
+        try:
+            out.append(resolve_base_impl(f"{TE_OP_NAMESPACE}::{op}").impl)
+        except DirectCallUnavailable as e:
+            out.append(_Unscannable(str(e)))
+    return out
+
+
+class _Unscannable:
+    """Stands for an impl whose code cannot be read; scanning it raises TypeError with the reason."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __repr__(self) -> str:
+        return self.why
+
+
 def family_of(qualname: str) -> str:
     """``"transformer_engine_compile::linear_base"`` -> ``"linear"``."""
     return qualname.split("::", 1)[1].removesuffix("_base")
@@ -331,12 +357,12 @@ def autocast_for_graph(gm: torch.fx.GraphModule) -> TracedAutocast | None:
     Raises:
         RecipeStateError: the refusal's reason, or :func:`graph_autocast`'s.
     """
-    from te_passes.te.version import runtime_state_refusal
-
     nodes = te_op_nodes(gm)
     if not nodes:
         return None
-    reason = runtime_state_refusal({family_of(_qualname_of(n.target) or "") for n in nodes})
+    families = {family_of(_qualname_of(n.target) or "") for n in nodes}
+    reason = runtime_state_refusal(families, impls={f: _family_impls(f) for f in families
+                                                    if f not in FAMILY_IMPLS})
     if reason is not None:
         raise RecipeStateError(f"te_passes: {reason}; te_inductor cannot give TE's impls the user's te.autocast "
                                "state and refuses to compile TE ops rather than run them on guesses")
