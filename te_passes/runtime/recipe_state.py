@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from te_passes._logging import get_logger
-from te_passes.te.graph_model import TE_OP_NAMESPACE
+from te_passes.te.graph_model import TE_OP_NAMESPACE, UnknownTEOp, decode
 from te_passes.runtime.te_base_op import DirectCallUnavailable, resolve_base_impl
 from te_passes.te.runtime_reads import AUTOCAST_FIELDS, FAMILY_IMPLS
 from te_passes.te.version import runtime_state_refusal
@@ -260,16 +260,37 @@ def te_op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             if n.op == "call_function" and _qualname_of(n.target) in fwd]
 
 
+def reads_autocast(node: torch.fx.Node) -> bool:
+    """Whether the TE op ``node`` calls an impl that uses an autocast-delivered read
+    (:func:`te_passes.te.runtime_reads.autocast_reads`): every one of them is used only when the
+    op runs quantized (linear.py:414/568/611 and backends.py:1606 sit under ``fp8`` or need a
+    quantizer), so ``config["fp8"]`` (the args bundle, :func:`te_passes.te.graph_model.decode`)
+    decides; a node that cannot be decoded counts as reading it."""
+    try:
+        call = decode(node)
+    except UnknownTEOp:
+        return True
+    return bool(call.config.get("fp8", True))
+
+
 def graph_autocast(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | None = None) -> TracedAutocast | None:
-    """The autocast state to run ``gm``'s TE ops under: the :class:`TracedAutocast` every TE op
-    node recorded while Dynamo traced it; ``None`` when the graph calls no TE op.
+    """The autocast state to run ``gm``'s TE ops under: the :class:`TracedAutocast` its TE op
+    nodes recorded while Dynamo traced them, when they all agree; otherwise the one state of the
+    nodes that use it (:func:`reads_autocast`; the others get a state they do not read). ``None``
+    when the graph calls no TE op, or when the states disagree but no node uses them.
 
     Raises:
-        RecipeStateError: a TE op node has no recorded state (the trace hook was not installed:
-            :func:`trace_hook_refusal`), or the nodes were traced under different states (both
-            named): te_inductor cannot yet give two TE ops of one graph different autocast states.
+        RecipeStateError: a node that uses the state has none recorded (the trace hook was not
+            installed: :func:`trace_hook_refusal`), or such nodes were traced under different
+            states (both named): te_inductor cannot give two TE ops of one graph different states.
     """
     nodes = te_op_nodes(gm) if nodes is None else list(nodes)
+    if not nodes:
+        return None
+    states = [n.meta.get(META_KEY) for n in nodes]
+    if all(isinstance(s, TracedAutocast) for s in states) and all(s.same(states[0]) for s in states):
+        return states[0]
+    nodes = [n for n in nodes if reads_autocast(n)]
     if not nodes:
         return None
     missing = [n.name for n in nodes if not isinstance(n.meta.get(META_KEY), TracedAutocast)]
