@@ -95,6 +95,10 @@ ELSEWHERE: dict[str, str] = {
 }
 
 
+#: The fprop split-accumulator read (module/linear.py:611), the one the default recipe got wrong.
+F611 = "linear.forward:611:FP8GlobalStateManager"
+
+
 def _rid(r: RR.StateRead) -> str:
     return f"{r.impl}:{r.line}:{r.accessor}"
 
@@ -318,7 +322,7 @@ def test_op_called_from_compiled_code_sees_the_autocast_recipe():
     assert len(run.forward) == 2 and len(run.backward) == 2
     for s in run.forward:
         assert s["recipe"] is rec, f"compiled code's op saw {s['recipe']!r}"
-        assert s["linear.forward:611"] is True
+        assert s[F611] is True
 
 
 #: Every recipe x autocast inside/outside x default/reduce-overhead with direct calls; the
@@ -397,7 +401,7 @@ def test_without_the_state_the_impl_sees_the_default_recipe(monkeypatch):
     monkeypatch.setattr(FG, "fake_gpu", hopper)
     run, rec = _run("Float8BlockScaling", compiled=True, autocast="inside", steps=1)
     assert [type(s["recipe"]).__name__ for s in run.forward] == ["DelayedScaling"] * 2
-    assert [s["linear.forward:611"] for s in run.forward] == [False, False]
+    assert [s[F611] for s in run.forward] == [False, False]
 
 
 def test_another_recipe_object_is_seen_at_the_next_call():
@@ -417,7 +421,7 @@ def test_another_recipe_object_is_seen_at_the_next_call():
                     fn(torch.randn(32, 64, dtype=torch.bfloat16))
         torch._dynamo.reset()
     assert [s["recipe"] for s in seen["forward"]] == [recs[0]] * 2 + [recs[1]] * 2
-    assert [s["linear.forward:611"] for s in seen["forward"]] == [False, False, True, True]
+    assert [s[F611] for s in seen["forward"]] == [False, False, True, True]
 
 
 def test_two_autocast_states_in_one_graph_are_refused():
