@@ -1,4 +1,4 @@
-"""The user's ``te.autocast`` state delivered to TE's impls in compiled code (issue 26).
+"""The user's ``te.autocast`` state delivered to TE's impls in compiled code.
 
 Trace time (:func:`install_trace_hooks`): the fake kernel of each TE op family's forward ops is
 wrapped so that, while Dynamo traces a call, the node records the autocast state in effect there
