@@ -23,7 +23,8 @@ Inductor. Layers, top to bottom (a module imports only from layers below it; che
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
-           "UbConfigError", "compile_friendly", "prepare_te_state", "prepare_delayed_scaling"]
+           "UbConfigError", "compile_friendly", "prepare_te_state", "prepare_delayed_scaling",
+           "RecipeStateError"]
 
 #: Public names and the module each lives in (imported on first access: ``import te_passes``
 #: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
@@ -41,6 +42,7 @@ _LAZY = {
     "prepare_te_state": "te_passes.rewrite.te_state",  # TE's first-forward lazy state, before compiling
     # DelayedScaling (issue 24): TE's amax buffers registered, state static, before compiling
     "prepare_delayed_scaling": "te_passes.runtime.delayed_linear",
+    "RecipeStateError": "te_passes.runtime.recipe_state",  # raised by te_inductor, unwrapped
 }
 
 

@@ -20,11 +20,13 @@ from te_passes.pipeline.compilation import Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
 from te_passes.runtime import dynamo_hooks
 from te_passes.runtime.install import install as install_runtime
+from te_passes.runtime.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError
 
 #: The errors that reach a ``torch.compile``'d call's caller as themselves (:func:`_unwrapped`).
-DOCUMENTED_ERRORS: tuple[type[Exception], ...] = (TePassesOptionError, TePassError, UbConfigError)
+DOCUMENTED_ERRORS: tuple[type[Exception], ...] = (TePassesOptionError, TePassError, UbConfigError,
+                                                   RecipeStateError)
 
 
 def te_inductor_backend(*, mode: str | None = None, options: dict[str, Any] | None = None):
@@ -65,8 +67,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     manager = PassManager(configured_passes(settings.options.pass_config), observers=_observers(settings.options))
     comp = Compilation(manager, settings, TEState.capture(ub_snapshot=settings.ub_snapshot),
                        recompile=lambda g, args: compile_graph(g, args, settings))
+    autocast = autocast_for_graph(gm)  # the te.autocast state TE's impls read at run time (before any pass)
     comp.begin(gm, example_inputs)
-    return comp.finish(compile_fx(gm, example_inputs, config_patches=comp.inductor_hooks()))
+    return run_under(comp.finish(compile_fx(gm, example_inputs, config_patches=comp.inductor_hooks())), autocast)
 
 
 def _observers(opts: TePassesOptions) -> list[PassObserver]:

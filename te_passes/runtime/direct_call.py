@@ -51,6 +51,8 @@ dynamo-disable wrapper (the wrapper code is never traced) and torch's output-ali
 (a debugging check; TE's outputs are fresh tensors). Not seen by a direct call: Python
 ``TorchDispatchMode``\\ s active around the compiled call (they would see the op); under
 ``torch.profiler`` the call is recorded as a ``record_function`` range named after the op.
+TE's ``te.autocast`` state, which the impls read while they run, is set around the whole
+compiled call (:mod:`te_passes.runtime.recipe_state`), for direct and dispatcher calls alike.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import threading
 from typing import Any, Callable
 
 from te_passes.config import ENV_BOOLS
+from te_passes.runtime import recipe_state
 from te_passes.te import version as te_version_mod
 from te_passes.te.fused_attn import make_fakes
 from te_passes.te.op_families import TE_OP_NAMESPACE
@@ -132,7 +133,8 @@ def install_fused_attention_op(*, import_te: bool = False) -> bool:
                                "transformer_engine.pytorch.utils record_compile_disabled)")
             return False
         _state["forward_fn"] = fn
-        return True
+    recipe_state.install_trace_hooks()  # its nodes record the te.autocast state they are traced under
+    return True
 
 
 def fused_attention_op() -> Callable[[Any], Any]:

@@ -22,6 +22,8 @@
   ``check_recipe_support`` / ``reduce_and_update_fp8_tensors`` (checked TE layout only; refusals:
   ``delayed_scaling.refused_reason()``); :func:`te_passes.runtime.delayed_linear.install_delayed_linear`
   — te.Linear's delayed-scaling calls as the ``te_passes::delayed_linear_fwd/bwd`` op pair.
+* :func:`te_passes.runtime.recipe_state.install_trace_hooks` — TE op nodes record the
+  ``te.autocast`` state where Dynamo traced them (the backend sets it around the compiled call).
 
 So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
 need TE imported; until then they are no-ops and :func:`install` returns ``False``.
@@ -29,7 +31,8 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 
 from __future__ import annotations
 
-from te_passes.runtime import constants, delayed_linear, delayed_scaling, direct_lowering, free_op, fused_attn_op
+from te_passes.runtime import (constants, delayed_linear, delayed_scaling, direct_lowering, free_op, fused_attn_op,
+                               recipe_state)
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -46,4 +49,5 @@ def install() -> bool:
     constants.wrap_te_constant_classes()
     delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
     delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
+    recipe_state.install_trace_hooks()  # issue 26; refusal kept: trace_hook_refusal(), graphs then refused
     return install_te_ub_hooks() & install_amax_group_hooks()
