@@ -19,15 +19,29 @@ _registered = False
 
 
 def get_logger() -> logging.Logger:
-    """The ``te_passes`` logger, registered with torch._logging on first use."""
+    """The ``te_passes`` logger, registered with torch._logging on first use.
+
+    ``TORCH_LOGS`` was parsed at torch import, before our name existed: only our own logger's
+    level and its one torch-style stderr handler are set from it (torch's ``_init_logs`` is not
+    run again, so torch's loggers keep their single handlers).
+    """
     global _registered
+    log = logging.getLogger(LOG_NAME)
     if not _registered:
         _registered = True
         _internal.register_log(LOG_NAME, LOG_NAME)
-        if LOG_NAME in os.environ.get("TORCH_LOGS", ""):
-            # TORCH_LOGS was parsed at torch import, before our name existed: parse it again.
-            _internal._init_logs()
-    return logging.getLogger(LOG_NAME)
+        setting = os.environ.get("TORCH_LOGS", "")
+        if LOG_NAME in setting:
+            try:
+                level = _internal._parse_log_settings(setting).log_qname_to_level.get(LOG_NAME)
+            except ValueError:  # torch already said what is wrong with TORCH_LOGS
+                level = None
+            if level is not None:
+                log.setLevel(level)
+                log.propagate = False
+                if not any(_internal._is_torch_handler(h) for h in log.handlers):
+                    _internal._setup_handlers(_internal._StderrHandler, log)
+    return log
 
 
 def trace_artifact(name: str, payload_fn: Callable[[], str], encoding: str = "string") -> None:
