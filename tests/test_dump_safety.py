@@ -120,13 +120,20 @@ def _inject(kind: str, payload, marker: str) -> None:
     elif kind == "symbolic_size":
         from te_passes.debug.graph_io import SymMeta, TensorMeta
 
-        val = nodes[first["placeholder"]]["meta"]["val"]
-        nodes[first["placeholder"]]["meta"]["val"] = TensorMeta((SymMeta(code, 4),) + val.shape[1:], val.stride,
-                                                                val.dtype, val.device)
+        _set_size(nodes[first["placeholder"]], code)
     elif kind == "stack_trace":
         nodes[first["call_function"]]["meta"]["stack_trace"] = f'File "x", line 1, in f\n  a\r{code}\n'
     else:  # pragma: no cover
         raise AssertionError(kind)
+
+
+def _set_size(rec, expr: str) -> None:
+    """Make the first size of node record ``rec``'s fake value the symbolic size ``expr``."""
+    from te_passes.debug.graph_io import SymMeta, TensorMeta
+
+    key = "val" if isinstance(rec["meta"].get("val"), TensorMeta) else "example_value"
+    val = rec["meta"][key]
+    rec["meta"][key] = TensorMeta((SymMeta(expr, 4),) + val.shape[1:], val.stride, val.dtype, val.device)
 
 
 INJECTIONS = ["placeholder_target", "node_name", "get_attr_target", "call_module_target", "call_method_target",
@@ -188,8 +195,6 @@ def _splice(payload, data: bytes) -> bytes:
 def test_resource_bombs_are_refused_with_one_line(bomb, dump_copy, tmp_path):
     """A 40-level shared list (2**40 paths), a 200,000-deep list, a cycle, a 10,000-digit integer
     or ``9**9**9**9`` as a size: one line, exit 2 (before: minutes, a segfault, a traceback)."""
-    from te_passes.debug.graph_io import SymMeta, TensorMeta
-
     p = _tegraph(dump_copy)
     payload = _payload(p)
     ci = next(i for i, n in enumerate(payload["nodes"]) if n["op"] == "call_function")
@@ -215,9 +220,7 @@ def test_resource_bombs_are_refused_with_one_line(bomb, dump_copy, tmp_path):
     else:
         expr = {"exponent": "9**9**9**9", "exponent_chain": "((((9**60)**60)**60)**60)",
                 "deep_size_expr": "(" * 150 + "s0" + ")" * 150}[bomb]
-        val = payload["nodes"][ph]["meta"]["val"]
-        payload["nodes"][ph]["meta"]["val"] = TensorMeta((SymMeta(expr, 4),) + val.shape[1:], val.stride,
-                                                         val.dtype, val.device)
+        _set_size(payload["nodes"][ph], expr)
     if data is None:
         _write_payload(p, payload)
     else:
@@ -341,7 +344,7 @@ print("committed", calls[0])
 
 def _kill_offsets() -> list[int]:
     return list(range(0, 400)) if os.environ.get("HYPOTHESIS_PROFILE") == "long" else \
-        [0, 1, 2, 5, 17, 33, 40, 41, 42, 47, 60, 75, 81, 82, 83, 84, 90, 120]
+        [0, 15, 31, 32, 33, 47, 64, 10_000]
 
 
 def test_sigkill_at_every_point_of_the_commit_leaves_one_whole_dump(base_dump, tmp_path):

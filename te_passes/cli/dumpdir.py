@@ -284,6 +284,17 @@ def _clear_old_dump(path: str) -> None:
     _remove_empty_dirs(path, old)
 
 
+def _old_paths(path: str) -> list[str]:
+    """The earlier dump's files in ``path`` that exist (:func:`_check_old_dump`, its manifest
+    included), each checked by :func:`_check_path` (no link, no mount point on the way).
+
+    Raises:
+        CliError: see :func:`_check_old_dump` and :func:`_check_path`.
+    """
+    files = _check_old_dump(path) or []
+    return [f for f in files + [MANIFEST] if os.path.lexists(_check_path(path, f, what="the manifest lists"))]
+
+
 def _commit(stage: str, path: str) -> None:
     """Replace the earlier dump in ``path`` by the finished one in ``stage`` (a folder inside
     ``path``, so every move is a rename within one filesystem), as one step: the journal
@@ -302,8 +313,7 @@ def _commit(stage: str, path: str) -> None:
     import tempfile
     import threading
 
-    old_files = _check_old_dump(path) or []
-    old = [f for f in old_files + [MANIFEST] if os.path.lexists(_check_path(path, f, what="the manifest lists"))]
+    old = _old_paths(path)
     new = _files_under(stage)
     _write_json_atomic(os.path.join(stage, MANIFEST), {"schema": MANIFEST_SCHEMA,
                                                        "files": sorted(n for n in new if n != MANIFEST)})
@@ -392,6 +402,7 @@ def _staged_out(path: str, *, sources: Sequence[str] = ()):
             note = settle(path)
             if note:
                 print(f"te-passes: note: {note}", file=sys.stderr, flush=True)
+            _old_paths(path)  # links / mount points in the way: refused before the target runs
             stage = tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=path)
             if os.lstat(stage).st_dev != os.lstat(path).st_dev:  # pragma: no cover - a folder inside path
                 raise CliError(f"staging folder {stage} is not on the filesystem of {path}")

@@ -276,12 +276,12 @@ def _check_payload(payload: Any, path: str) -> dict[str, Any]:
         check_name(rec["name"], f"{path}: nodes[{i}].name")
         for k in rec["kwargs"]:
             check_name(k, f"{path}: nodes[{i}] ({rec['name']}) keyword")
-        if not isinstance(rec.get("meta", {}).get("stack_trace", ""), (str, type(None))):
-            raise GraphFileError(f"{path}: nodes[{i}].meta['stack_trace'] is not a str")
         if rec["op"] == "output" and len(rec["args"]) != 1:
             raise GraphFileError(f"{path}: nodes[{i}] (output) has {len(rec['args'])} args, expected 1")
         if not isinstance(rec.get("meta", {}), dict):
             raise GraphFileError(f"{path}: nodes[{i}].meta is not a dict")
+        if not isinstance(rec.get("meta", {}).get("stack_trace", ""), (str, type(None))):
+            raise GraphFileError(f"{path}: nodes[{i}].meta['stack_trace'] is not a str")
         t = rec.get("target")
         if rec["op"] in ("call_function",) and not isinstance(t, (_OpRef, _FnRef)):
             raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) call_function target is {type(t).__name__}")
