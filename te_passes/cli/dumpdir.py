@@ -127,7 +127,7 @@ def _check_path(root: str, rel: str, *, what: str) -> str:
     norm = os.path.normpath(rel)
     if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep) or norm in ("", "."):
         raise CliError(f"{what} {rel!r:.80} is outside {root}; not touching it: choose another --out")
-    dev = os.lstat(root).st_dev
+    dev = os.stat(root).st_dev  # --out itself may be a link to a folder (followed once)
     cur = root
     parts = norm.split(os.sep)
     for i, part in enumerate(parts):
@@ -327,10 +327,11 @@ def _commit(stage: str, path: str) -> None:
     trash = tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=path)
     journal = {"schema": JOURNAL_SCHEMA, "stage": os.path.basename(stage), "trash": os.path.basename(trash),
                "old": old, "new": new}
-    main = threading.current_thread() is threading.main_thread()
-    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    if main:
-        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    pending: list[int] = []
+    saved = {}
+    if threading.current_thread() is threading.main_thread():  # hold the signals (any thread may receive them)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, lambda signum, _frame: pending.append(signum))
     try:
         _write_json_atomic(os.path.join(path, JOURNAL), journal)
         try:
@@ -346,8 +347,11 @@ def _commit(stage: str, path: str) -> None:
         os.remove(os.path.join(path, JOURNAL))  # the commit point
         _fsync_dir(path)
     finally:
-        if main:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if pending:
+            shutil.rmtree(trash, ignore_errors=True)
+            signal.raise_signal(pending[0])  # delivered now, to the handler it was meant for
     shutil.rmtree(trash, ignore_errors=True)
     _remove_empty_dirs(path, set(old) - set(new))
 
@@ -404,7 +408,7 @@ def _staged_out(path: str, *, sources: Sequence[str] = ()):
                 print(f"te-passes: note: {note}", file=sys.stderr, flush=True)
             _old_paths(path)  # links / mount points in the way: refused before the target runs
             stage = tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=path)
-            if os.lstat(stage).st_dev != os.lstat(path).st_dev:  # pragma: no cover - a folder inside path
+            if os.lstat(stage).st_dev != os.stat(path).st_dev:  # pragma: no cover - a folder inside path
                 raise CliError(f"staging folder {stage} is not on the filesystem of {path}")
             yield stage
             errors = write_errors(stage)

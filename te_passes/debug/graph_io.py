@@ -12,12 +12,14 @@ so a graph is saved node by node instead (``*.tegraph``, a pickle):
 * TE constants by value through :func:`te_passes.te.graph_constants.te_reduce`
   (``OpaqueValueBundle(contents)``, ``_rebuild_quantizer(cls, items)``);
 * the stage, graph id, options and the TE state snapshot (``TEState.to_json``) it was compiled
-  under, and the example inputs' :class:`TensorMeta`.
+  under, the example inputs' :class:`TensorMeta`, and every symbol's hint and value range
+  (``symbols``).
 
 :func:`load_graph` rebuilds the graph with identical node names, targets, constants and fake
 ``meta['val']`` tensors (on their original device, under a fresh ``FakeTensorMode`` whose
 ``ShapeEnv`` recreates the symbols with their hints), so passes see what they saw at compile
-time. Loading needs the same ops registered: it imports ``transformer_engine.pytorch`` when the
+time. Nothing in the file runs or is evaluated (:mod:`te_passes.debug.graph_safety`). Loading needs
+the same ops registered: it imports ``transformer_engine.pytorch`` when the
 graph has ``transformer_engine_compile`` targets (TE's Python package; no GPU).
 """
 

@@ -1,9 +1,10 @@
-"""What a ``.tegraph`` file (:mod:`te_passes.debug.graph_io`) may reference, checked before anything
-in it is built: the restricted unpickler (:class:`_SafeUnpickler`, the allow-list
+"""What a ``.tegraph`` file (:mod:`te_passes.debug.graph_io`) may hold, checked before anything in
+it is built: the restricted unpickler (:class:`_SafeUnpickler`, the allow-list
 :data:`ALLOWED_GLOBALS` / :func:`allowed_global`), the module paths that moved
-(:data:`RENAMED_MODULES`), the allowed node-target modules, a static list of a pickle's globals
-(:func:`pickle_globals`) and the check of symbolic size expressions (:func:`check_sym_expr`).
-All of it is importable from :mod:`te_passes.debug.graph_io` as well."""
+(:data:`RENAMED_MODULES`), identifier names (:func:`check_name`), node targets resolved by their
+own ``__module__`` (:func:`resolve_function`), the budgeted walk of a loaded structure
+(:func:`check_budget`), symbolic sizes parsed without evaluation (:func:`parse_sym_expr`) and a
+static list of a pickle's globals (:func:`pickle_globals`). See docs/cli.md, "Guarantees"."""
 
 from __future__ import annotations
 
