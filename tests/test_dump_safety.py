@@ -569,8 +569,10 @@ def test_torch_logs_lines_are_printed_once(backend, tmp_path):
         assert sum(ln.endswith("] " + marker) for ln in lines) == 1, marker
     recompiles = [ln for ln in lines if "Recompiling function" in ln]
     assert len(recompiles) == 1, recompiles
-    dupes = [ln for ln in set(lines) if lines.count(ln) > 1]
-    assert not dupes, dupes[:5]
+    # multi-line records repeat their prefix on every line; a duplicated handler repeats whole
+    # records, so the records' first lines are compared
+    firsts = [ln for ln in lines if "TorchDynamo attempted to trace" in ln or "Step 1: torchdynamo start" in ln]
+    assert len(firsts) == len(set(firsts)), firsts
 
 
 # --------------------------------------------------------------------------- 5. dynamic shapes
