@@ -1,6 +1,7 @@
 """The dump directory of ``te-passes dump`` / ``replay --out``: its manifest (the only files a later
-dump removes), refusal of non-dump directories, and staging into a temporary sibling that is
-committed only when the run succeeds."""
+dump removes), refusal of non-dump directories, staging inside it, and the journaled commit that
+replaces the earlier dump in one step (undone after a kill by the next run). Nothing is written
+or deleted through a symbolic link. See docs/cli.md, "How a dump directory is written"."""
 
 from __future__ import annotations
 
