@@ -19,15 +19,43 @@ _registered = False
 
 
 def get_logger() -> logging.Logger:
-    """The ``te_passes`` logger, registered with torch._logging on first use."""
+    """The ``te_passes`` logger, registered with torch._logging on first use.
+
+    ``TORCH_LOGS`` may have been parsed at torch import, before our name existed: only our own
+    logger's level and one stand-in stderr handler are set from it (torch's ``_init_logs`` is not
+    run again, so torch's loggers keep their single handlers; see :class:`_StandInHandler`).
+    """
     global _registered
+    log = logging.getLogger(LOG_NAME)
     if not _registered:
         _registered = True
         _internal.register_log(LOG_NAME, LOG_NAME)
-        if LOG_NAME in os.environ.get("TORCH_LOGS", ""):
-            # TORCH_LOGS was parsed at torch import, before our name existed: parse it again.
-            _internal._init_logs()
-    return logging.getLogger(LOG_NAME)
+        setting = os.environ.get("TORCH_LOGS", "")
+        if LOG_NAME in setting:
+            try:
+                level = _internal._parse_log_settings(setting).log_qname_to_level.get(LOG_NAME)
+            except ValueError:  # torch already said what is wrong with TORCH_LOGS
+                level = None
+            if level is not None:
+                log.setLevel(level)
+                log.propagate = False
+                if not any(_internal._is_torch_handler(h) for h in log.handlers):
+                    _internal._setup_handlers(lambda: _StandInHandler(log), log)
+    return log
+
+
+class _StandInHandler(_internal._StderrHandler):
+    """torch's stderr handler for our logger, standing in until torch configures the logger
+    itself: when torch's ``_init_logs`` runs after us (te_passes imported while torch parses
+    ``TORCH_LOGS``) and adds its own handler, this one prints nothing, so each line prints once."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        super().__init__()
+        self._log = log
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        others = [h for h in self._log.handlers if h is not self and _internal._is_torch_handler(h)]
+        return not others and bool(super().filter(record))
 
 
 def trace_artifact(name: str, payload_fn: Callable[[], str], encoding: str = "string") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from typing import Any, Iterable, Sequence
 
@@ -24,6 +25,19 @@ class CliError(Exception):
 
 
 # --------------------------------------------------------------------------- output
+#: What :func:`clean` removes: C0 controls but tab/newline, DEL, C1 controls (CSI, OSC, ...),
+#: and the Unicode bidirectional overrides (text that reads differently than it is).
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def clean(text: Any, *, one_line: bool = False) -> str:
+    """``str(text)`` safe for a terminal: control characters (escape sequences start with one)
+    removed, tabs as spaces; ``one_line``: newlines as spaces too. Rich markup is not interpreted
+    by :class:`Out` (it prints :class:`rich.text.Text`), so ``[red]`` stays literal."""
+    t = _UNPRINTABLE.sub("", str(text)).replace("\t", " ")
+    return t.replace("\n", " ") if one_line else t
+
+
 class Out:
     """Terminal output: rich tables/spinner on a TTY, plain aligned text otherwise."""
 
@@ -41,20 +55,25 @@ class Out:
                 self.rich = None
 
     def line(self, text: str = "") -> None:
+        text = clean(text)
         if self.rich is not None:
-            self.rich.print(text, markup=False, soft_wrap=True)
+            self.rich.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
         else:
             print(text, flush=True)
 
     def heading(self, text: str) -> None:
+        text = clean(text, one_line=True)
         if self.rich is not None:
-            self.rich.rule(f"[bold]{text}")
+            from rich.text import Text
+
+            self.rich.rule(Text(text, style="bold"))
         else:
             print(f"\n== {text} ==", flush=True)
 
     def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
               limit: int | None = 60) -> None:
-        rows = [["" if v is None else str(v) for v in r] for r in rows]
+        rows = [["" if v is None else clean(v, one_line=True) for v in r] for r in rows]
+        title = clean(title, one_line=True) if title is not None else None
         more = 0
         if limit is not None and len(rows) > limit:
             more = len(rows) - limit
@@ -62,14 +81,16 @@ class Out:
         if self.rich is not None:
             from rich.table import Table
 
-            t = Table(title=title, title_justify="left", show_lines=False)
+            from rich.text import Text
+
+            t = Table(title=Text(title) if title is not None else None, title_justify="left", show_lines=False)
             for i, c in enumerate(columns):  # names stay whole; the last column wraps
                 last = i == len(columns) - 1
                 whole = min(max([len(c)] + [len(r[i]) for r in rows]), 32)
-                t.add_column(c, overflow="fold", no_wrap=i == 0, min_width=whole if i == 0 else None,
+                t.add_column(Text(c), overflow="fold", no_wrap=i == 0, min_width=whole if i == 0 else None,
                              ratio=2 if last else None)
             for r in rows:
-                t.add_row(*r)
+                t.add_row(*(Text(v) for v in r))
             self.rich.print(t)
         else:
             if title:
@@ -86,12 +107,14 @@ class Out:
     @contextlib.contextmanager
     def status(self, text: str):
         """A spinner on a TTY (stderr); a ``» text`` line otherwise; nothing when quiet."""
+        text = clean(text, one_line=True)
         if self.quiet:
             yield
         elif self.rich is not None:
             from rich.console import Console
+            from rich.text import Text
 
-            with Console(stderr=True).status(text):
+            with Console(stderr=True).status(Text(text)):
                 yield
         else:
             print(f"» {text}", flush=True)
@@ -99,7 +122,7 @@ class Out:
 
 
 def print_error(msg: str) -> None:
-    first = " ".join(str(msg).split("\n")[0].split())
+    first = " ".join(clean(str(msg).split("\n")[0]).split())
     print(f"te-passes: error: {first}", file=sys.stderr, flush=True)
 
 

@@ -37,9 +37,10 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
     env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
     check_pass_names(env_disable, "TE_PASSES_DISABLE")
     check_mode(args.mode)
+    shown, args.out = args.out, os.path.abspath(args.out)  # resolved once: the target may chdir
     with staged_out(args.out) as stage:
         summary = _dump_into(args, out, stage, disable, env_disable)
-    print_summary(out, summary, args.out)
+    print_summary(out, summary, shown)
     return EXIT_OK
 
 

@@ -1,6 +1,7 @@
 """The dump directory of ``te-passes dump`` / ``replay --out``: its manifest (the only files a later
-dump removes), refusal of non-dump directories, and staging into a temporary sibling that is
-committed only when the run succeeds."""
+dump removes), refusal of non-dump directories, staging inside it, and the journaled commit that
+replaces the earlier dump in one step (undone after a kill by the next run). Nothing is written
+or deleted through a symbolic link. See docs/cli.md, "How a dump directory is written"."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import contextlib
 import json
 import os
 import re
+import stat
+import sys
 from typing import Iterable, Sequence
 
-from te_passes.cli._common import CliError
+from te_passes._json import read_json_file
+from te_passes.cli._common import CliError, EXIT_FAIL
 
 
 #: The list of files a dump wrote into its directory (relative paths): the only files a later
@@ -60,9 +64,8 @@ def _check_old_dump(path: str) -> list[str] | None:
                            f"holding an earlier te_passes dump: choose another --out")
         return None
     try:
-        with open(rp) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = read_json_file(rp)
+    except (OSError, UnicodeDecodeError, ValueError):  # not JSON, or over the budget
         data = None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         schema = data.get("schema") if isinstance(data, dict) else None
@@ -90,9 +93,8 @@ def _read_manifest(path: str) -> list[str] | None:
     if not os.path.isfile(p):
         return None
     try:
-        with open(p) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = read_json_file(p)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CliError(f"{p} is not readable ({type(e).__name__}: {e}); not overwriting {path}: remove the "
                        f"manifest or choose another --out") from None
     files = data.get("files") if isinstance(data, dict) and data.get("schema") == MANIFEST_SCHEMA else None
@@ -108,14 +110,152 @@ def _read_manifest(path: str) -> list[str] | None:
     return out
 
 
-def _remove_files(path: str, files: Iterable[str]) -> None:
-    """Remove ``path/f`` for each relative ``f`` (plain files only), then the folders they
-    leave empty (never ``path`` itself, never a folder still holding anything)."""
+#: The commit journal: present only while :func:`_commit` moves files (its removal is the commit
+#: point); a later ``dump`` / ``replay --out`` / ``show`` finding one undoes the partial commit.
+JOURNAL = ".te_passes_commit.json"
+JOURNAL_SCHEMA = "te_passes.dump_commit/1"
+_STAGE_PREFIX, _TRASH_PREFIX = ".te_passes-stage-", ".te_passes-old-"
+_WORK_DIR = re.compile(r"\.te_passes-(?:stage|old)-[A-Za-z0-9_]+")
+
+
+def _check_path(root: str, rel: str, *, what: str) -> str:
+    """``root/rel`` when no component of ``rel`` is a symbolic link or on another filesystem than
+    ``root`` and the last one, if present, is a regular file (``os.lstat``: nothing is followed).
+
+    Raises:
+        CliError: naming the component (exit 2; nothing was touched).
+    """
+    norm = os.path.normpath(rel)
+    if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep) or norm in ("", "."):
+        raise CliError(f"{what} {rel!r:.80} is outside {root}; not touching it: choose another --out")
+    dev = os.stat(root).st_dev  # --out itself may be a link to a folder (followed once)
+    cur = root
+    parts = norm.split(os.sep)
+    for i, part in enumerate(parts):
+        cur = os.path.join(cur, part)
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            return os.path.join(root, norm)
+        kind = "file" if i == len(parts) - 1 else "folder"
+        if stat.S_ISLNK(st.st_mode):
+            raise CliError(f"{cur} is a symbolic link; a dump never writes or deletes through one: remove it or "
+                           f"choose another --out")
+        if st.st_dev != dev:
+            raise CliError(f"{cur} is on another filesystem than {root} (a mount point); a dump is committed by "
+                           f"renames within one filesystem: choose another --out")
+        if kind == "folder" and not stat.S_ISDIR(st.st_mode) or kind == "file" and not stat.S_ISREG(st.st_mode):
+            raise CliError(f"{cur} is not a regular {kind}; not touching it: choose another --out")
+    return os.path.join(root, norm)
+
+
+def _files_under(top: str) -> list[str]:
+    """Relative paths of the regular files below ``top`` (symbolic links are not followed;
+    a link or special file there is an error: a staging folder holds only what we wrote)."""
+    out = []
+    for dirpath, dirs, names in os.walk(top):
+        for n in names + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
+            p = os.path.join(dirpath, n)
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                raise CliError(f"{p} is not a regular file; the dump is not committed")
+            out.append(os.path.relpath(p, top))
+    return sorted(out)
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    """``data`` as JSON at ``path``: a fresh file (``O_EXCL | O_NOFOLLOW``) fsynced, then renamed."""
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _move(src: str, dst: str) -> None:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.rename(src, dst)
+
+
+def _undo(path: str, journal: dict) -> None:
+    """Put ``path`` back as it was before the commit ``journal`` describes: new files moved in go
+    back to the staging folder, the earlier dump's files come back from the trash folder. Each
+    step is a rename that is a no-op when already done, so an interrupted undo can run again."""
+    stage, trash = os.path.join(path, journal["stage"]), os.path.join(path, journal["trash"])
+    for rel in journal["new"]:
+        dest, src = os.path.join(path, rel), os.path.join(stage, rel)
+        if os.path.lexists(dest) and not os.path.lexists(src):
+            _move(dest, src)
+    for rel in journal["old"]:
+        if os.path.lexists(os.path.join(trash, rel)):
+            _move(os.path.join(trash, rel), os.path.join(path, rel))
+
+
+def _read_journal(path: str) -> dict | None:
+    p = os.path.join(path, JOURNAL)
+    if not os.path.lexists(p):
+        return None
+    try:
+        j = read_json_file(_check_path(path, JOURNAL, what="the commit journal"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CliError(f"{p} is not readable ({type(e).__name__}: {e}); {path} holds an interrupted dump commit: "
+                       f"remove {p} by hand after checking the folder") from None
+    ok = isinstance(j, dict) and j.get("schema") == JOURNAL_SCHEMA and all(
+        isinstance(j.get(k), str) and _WORK_DIR.fullmatch(j[k]) for k in ("stage", "trash")) and all(
+        isinstance(j.get(k), list) and all(isinstance(f, str) for f in j[k]) for k in ("old", "new"))
+    if not ok:
+        raise CliError(f"{p} is not a te_passes commit journal ({JOURNAL_SCHEMA}); not touching {path}")
+    for rel in (*j["old"], *j["new"]):
+        _check_path(path, rel, what=f"{p} lists")
+    return j
+
+
+def settle(path: str) -> str | None:
+    """Finish what a killed run left in dump directory ``path`` (call with its lock held): an
+    interrupted commit (:data:`JOURNAL`) is undone, so the earlier dump is whole again; staging
+    and trash folders of killed runs are removed. Returns a note saying what was done, or None.
+
+    Raises:
+        CliError: the journal is unreadable or names paths outside ``path`` (nothing touched).
+    """
+    import shutil
+
+    if not os.path.isdir(path):
+        return None
+    notes = []
+    j = _read_journal(path)
+    if j is not None:
+        _undo(path, j)
+        os.remove(os.path.join(path, JOURNAL))
+        _fsync_dir(path)
+        notes.append(f"undid an interrupted dump commit in {path} (the earlier dump is back)")
+    stale = [n for n in os.listdir(path) if _WORK_DIR.fullmatch(n) and not os.path.islink(os.path.join(path, n))]
+    for n in stale:
+        shutil.rmtree(os.path.join(path, n), ignore_errors=True)
+    if stale:
+        notes.append(f"removed {len(stale)} staging folder(s) left by killed runs ({', '.join(sorted(stale)[:3])})")
+    return "; ".join(notes) or None
+
+
+def _remove_empty_dirs(path: str, rels: Iterable[str]) -> None:
     dirs: set[str] = set()
-    for rel in files:
-        p = os.path.join(path, rel)
-        if os.path.isfile(p) or os.path.islink(p):
-            os.remove(p)
+    for rel in rels:
         d = os.path.dirname(rel)
         while d:
             dirs.add(d)
@@ -129,29 +269,92 @@ def _remove_files(path: str, files: Iterable[str]) -> None:
 
 def _clear_old_dump(path: str) -> None:
     """Remove the previous te_passes dump in ``path``: only the files it wrote (its manifest,
-    or :data:`_LEGACY_GRAPH_FILE` for older dumps); see :func:`_check_old_dump` for what is refused."""
+    or :data:`_LEGACY_GRAPH_FILE` for older dumps), never through a symbolic link; see
+    :func:`_check_old_dump` for what is refused."""
+    import shutil
+    import tempfile
+
     files = _check_old_dump(path)
-    if files is not None:
-        _remove_files(path, files + [MANIFEST])
+    if files is None:
+        return
+    old = [f for f in files + [MANIFEST] if os.path.lexists(_check_path(path, f, what="the manifest lists"))]
+    trash = tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=path)
+    for rel in old:
+        _move(os.path.join(path, rel), os.path.join(trash, rel))
+    shutil.rmtree(trash, ignore_errors=True)
+    _remove_empty_dirs(path, old)
+
+
+def _old_paths(path: str) -> list[str]:
+    """The earlier dump's files in ``path`` that exist (:func:`_check_old_dump`, its manifest
+    included), each checked by :func:`_check_path` (no link, no mount point on the way).
+
+    Raises:
+        CliError: see :func:`_check_old_dump` and :func:`_check_path`.
+    """
+    files = _check_old_dump(path) or []
+    return [f for f in files + [MANIFEST] if os.path.lexists(_check_path(path, f, what="the manifest lists"))]
 
 
 def _commit(stage: str, path: str) -> None:
-    """Move the finished dump in ``stage`` into ``path``: the earlier dump's files are removed
-    (:func:`_clear_old_dump`), every new file is moved in (``os.replace``, same filesystem) and
-    the manifest lists them."""
-    from te_passes.debug.dump_files import atomic_write
+    """Replace the earlier dump in ``path`` by the finished one in ``stage`` (a folder inside
+    ``path``, so every move is a rename within one filesystem), as one step: the journal
+    (:data:`JOURNAL`) is written, the earlier dump's files are renamed into a trash folder, the
+    new ones (their manifest included) into place, and removing the journal commits. SIGINT,
+    SIGTERM and SIGHUP wait until it is done; a failure undoes it (:func:`_undo`); a SIGKILL is
+    undone by the next run (:func:`settle`). User files are never touched.
 
-    new = []
-    for dirpath, _dirs, names in os.walk(stage):
-        for n in names:
-            new.append(os.path.relpath(os.path.join(dirpath, n), stage))
-    _clear_old_dump(path)
-    for rel in sorted(new):
-        dest = os.path.join(path, rel)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        os.replace(os.path.join(stage, rel), dest)
-    atomic_write(os.path.join(path, MANIFEST), json.dumps({"schema": MANIFEST_SCHEMA, "files": sorted(new)},
-                                                           indent=1))
+    Raises:
+        CliError: a path to write or remove crosses a symbolic link or a mount point, or a new
+            file would replace a file the earlier dump did not write (checked before any move).
+        OSError: a rename failed (the earlier dump is back in place).
+    """
+    import shutil
+    import signal
+    import tempfile
+    import threading
+
+    old = _old_paths(path)
+    new = _files_under(stage)
+    _write_json_atomic(os.path.join(stage, MANIFEST), {"schema": MANIFEST_SCHEMA,
+                                                       "files": sorted(n for n in new if n != MANIFEST)})
+    new = sorted(set(new) | {MANIFEST})
+    old_set = set(os.path.normpath(f) for f in old)
+    for rel in new:
+        dest = _check_path(path, rel, what="a new file")
+        if os.path.lexists(dest) and os.path.normpath(rel) not in old_set:
+            raise CliError(f"{dest} is not from the earlier dump (not in its manifest); not overwriting it: move "
+                           f"it away or choose another --out")
+    trash = tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=path)
+    journal = {"schema": JOURNAL_SCHEMA, "stage": os.path.basename(stage), "trash": os.path.basename(trash),
+               "old": old, "new": new}
+    pending: list[int] = []
+    saved = {}
+    if threading.current_thread() is threading.main_thread():  # hold the signals (any thread may receive them)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, lambda signum, _frame: pending.append(signum))
+    try:
+        _write_json_atomic(os.path.join(path, JOURNAL), journal)
+        try:
+            for rel in old:
+                _move(os.path.join(path, rel), os.path.join(trash, rel))
+            for rel in new:
+                _move(os.path.join(stage, rel), os.path.join(path, rel))
+            _fsync_dir(path)
+        except BaseException:
+            _undo(path, journal)
+            os.remove(os.path.join(path, JOURNAL))
+            raise
+        os.remove(os.path.join(path, JOURNAL))  # the commit point
+        _fsync_dir(path)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if pending:
+            shutil.rmtree(trash, ignore_errors=True)
+            signal.raise_signal(pending[0])  # delivered now, to the handler it was meant for
+    shutil.rmtree(trash, ignore_errors=True)
+    _remove_empty_dirs(path, set(old) - set(new))
 
 
 def _overlaps(a: str, b: str) -> bool:
@@ -161,25 +364,30 @@ def _overlaps(a: str, b: str) -> bool:
 
 @contextlib.contextmanager
 def staged_out(path: str, *, sources: Sequence[str] = ()):
-    """Yield a staging folder for a dump into ``path`` (``--out``) and move it into place only
-    if the body succeeds.
+    """Yield a staging folder for a dump into ``path`` (``--out``) and commit it only if the
+    body succeeds.
 
-    Checks first (nothing touched): ``path`` is writable and holds no foreign files
+    ``path`` is made absolute first (a target that changes directory does not move the dump).
+    Checks (nothing touched): ``path`` is writable and holds no foreign files
     (:func:`_check_old_dump`) and does not overlap any of ``sources`` (the dump being replayed).
-    Then ``path`` is locked for the whole run (:func:`te_passes.debug.dump_files.dir_lock`, the lock
-    backend dump sessions use) and the body writes into a fresh folder next to it. On success
-    the earlier dump's files (only those) are replaced by the new ones (:func:`_commit`); on any
-    failure — an exception, ``SystemExit``, Ctrl-C — the staging folder is removed and ``path``
-    is exactly as before (a folder this call created is removed again).
+    Then ``path`` is locked for the whole run (:func:`te_passes.debug.dump_files.dir_lock`, the
+    lock backend dump sessions use), what a killed run left there is settled (:func:`settle`),
+    and the body writes into a fresh folder inside ``path`` (same filesystem, checked). On
+    success the earlier dump is replaced by the new one in one step (:func:`_commit`); on any
+    failure — an exception, ``SystemExit``, Ctrl-C, a write error — the staging folder is removed
+    and ``path`` is exactly as before (a folder this call created is removed again).
 
     Raises:
-        CliError: overlap with a source, foreign files, not writable, locked by another run.
+        CliError: overlap with a source, foreign files, not writable, locked by another run,
+            symbolic links or mount points in the way.
     """
     import shutil
     import tempfile
 
     from te_passes.debug.dump_files import DumpDirError, DumpDirLocked, dir_lock, ensure_writable_dir
+    from te_passes.debug.dump_sessions import write_errors
 
+    path = os.path.abspath(path)
     for src in sources:
         if _overlaps(path, src):
             raise CliError(f"--out {path} overlaps the dump being replayed ({src}): writing there would replace "
@@ -191,22 +399,31 @@ def staged_out(path: str, *, sources: Sequence[str] = ()):
     except DumpDirError as e:
         raise CliError(str(e)) from e
     lock_file = os.path.join(path, ".te_passes_sessions.lock")
-    lock_existed = os.path.exists(lock_file)
+    lock_existed = os.path.lexists(lock_file)
     stage = None
     ok = False
     try:
         with dir_lock(path, blocking=False):
-            parent = os.path.dirname(os.path.abspath(path))
-            try:
-                stage = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.te_passes-tmp-",
-                                         dir=parent)
-            except OSError:  # a parent we cannot write to: stage inside path (same filesystem)
-                stage = tempfile.mkdtemp(prefix=".te_passes-tmp-", dir=path)
+            note = settle(path)
+            if note:
+                print(f"te-passes: note: {note}", file=sys.stderr, flush=True)
+            _old_paths(path)  # links / mount points in the way: refused before the target runs
+            stage = tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=path)
+            if os.lstat(stage).st_dev != os.stat(path).st_dev:  # pragma: no cover - a folder inside path
+                raise CliError(f"staging folder {stage} is not on the filesystem of {path}")
             yield stage
+            errors = write_errors(stage)
+            if errors:
+                raise CliError(f"writing the dump failed ({len(errors)} write error{'s' if len(errors) > 1 else ''}, "
+                               f"first: {errors[0]}); {path} is unchanged", EXIT_FAIL)
             _commit(stage, path)
             ok = True
     except DumpDirLocked as e:
         raise CliError(str(e)) from None
+    except OSError as e:
+        if isinstance(e, DumpDirError):
+            raise CliError(str(e)) from None
+        raise CliError(f"writing the dump failed: {type(e).__name__}: {e}; {path} is unchanged", EXIT_FAIL) from None
     finally:
         if stage is not None:
             shutil.rmtree(stage, ignore_errors=True)
@@ -217,3 +434,24 @@ def staged_out(path: str, *, sources: Sequence[str] = ()):
             if not existed:
                 with contextlib.suppress(OSError):
                     os.rmdir(path)
+
+
+def settle_for_reading(path: str) -> None:
+    """Before ``show`` / ``replay`` read dump directory ``path``: when a killed run left an
+    interrupted commit there (:data:`JOURNAL`), undo it under the directory's lock (:func:`settle`)
+    so what is read is one whole dump, and say so on stderr.
+
+    Raises:
+        CliError: another process is writing ``path`` (its lock is held), or the journal is bad.
+    """
+    if not os.path.isdir(path) or not os.path.lexists(os.path.join(path, JOURNAL)):
+        return
+    from te_passes.debug.dump_files import DumpDirError, dir_lock
+
+    try:
+        with dir_lock(path, blocking=False):
+            note = settle(path)
+    except DumpDirError as e:
+        raise CliError(str(e)) from None
+    if note:
+        print(f"te-passes: note: {note}", file=sys.stderr, flush=True)

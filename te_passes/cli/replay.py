@@ -9,8 +9,8 @@ import json
 import os
 import sys
 
-from te_passes.cli._common import CliError, EXIT_FAIL, EXIT_OK, Out, check_pass_names
-from te_passes.cli.dumpdir import staged_out
+from te_passes.cli._common import CliError, EXIT_FAIL, EXIT_OK, Out, check_pass_names, clean
+from te_passes.cli.dumpdir import staged_out, settle_for_reading
 from te_passes.cli.show import newest_session
 
 
@@ -22,6 +22,7 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
         if args.disable is not None else None
     source = args.path
     args.path = newest_session(args.path, out, "replaying", to_stderr=args.json)
+    settle_for_reading(args.path)
     if args.out:
         with staged_out(args.out, sources=(source, args.path)) as stage:
             results = _replay(args, out, disable, stage)
@@ -44,9 +45,10 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
         payload.append({"report": rj, "differences": diffs, "versions": versions})
         if versions is not None:
             sv, iv = versions["saved"], versions["installed"]
-            print(f"te-passes: warning: {report.graph_id} was saved under torch {sv['torch']}, Transformer Engine "
-                  f"{sv['transformer_engine']}; installed here: torch {iv['torch']}, Transformer Engine "
-                  f"{iv['transformer_engine']} (a difference below may come from that)", file=sys.stderr, flush=True)
+            print(clean(f"te-passes: warning: {report.graph_id} was saved under torch {sv['torch']}, Transformer "
+                        f"Engine {sv['transformer_engine']}; installed here: torch {iv['torch']}, Transformer Engine "
+                        f"{iv['transformer_engine']} (a difference below may come from that)", one_line=True),
+                  file=sys.stderr, flush=True)
         if args.json:
             continue
         out.heading(f"replay of {report.graph_id} ({len(report.stages)} stages)")

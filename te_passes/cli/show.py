@@ -10,7 +10,7 @@ import sys
 from typing import Any, Callable
 
 from te_passes.debug.graph_breaks import no_islands_text
-from te_passes.cli._common import CliError, EXIT_OK, Out, pass_registry
+from te_passes.cli._common import CliError, EXIT_OK, Out, pass_registry, clean
 
 
 # --------------------------------------------------------------------------- show
@@ -154,14 +154,17 @@ def newest_session(path: str, out: Out, verb: str, to_stderr: bool = False) -> s
     msg = (f"{path} holds {n} backend dump session{'s' if n != 1 else ''}; {verb} the newest, {latest}"
            + (f" (others: see {os.path.join(path, 'index.md')})" if n > 1 else ""))
     if to_stderr:
-        print(msg, file=sys.stderr)
+        print(clean(msg), file=sys.stderr)
     else:
         out.line(msg)
     return latest
 
 
 def cmd_show(args: argparse.Namespace, out: Out) -> int:
+    from te_passes.cli.dumpdir import settle_for_reading
+
     path = newest_session(args.dir, out, "showing", to_stderr=args.json)
+    settle_for_reading(path)
     rp = os.path.join(path, "report.json") if os.path.isdir(path) else path
     if not os.path.isfile(rp):
         hint = ""

@@ -59,10 +59,10 @@ from te_passes._logging import trace_artifact
 from te_passes.debug.diff import GraphSnapshot, format_changes, graph_changes, unified_diff
 from te_passes.debug.graph_io import save_graph
 from te_passes.debug.printer import format_graph
-from te_passes.pipeline.manager import PassObserver
 from te_passes.te.graph_model import is_te_op_node
 from te_passes.debug.dump_files import slug, ensure_writable_dir, log
-from te_passes.debug.dump_sessions import backend_session, claimed_dirs, is_claimed, session_id, write_sessions_index
+from te_passes.debug.dump_sessions import (backend_session, claimed_dirs, is_claimed, note_write_error, session_id,
+    write_sessions_index)
 from te_passes.debug.dump_summary import report_json, write_summary
 
 
@@ -180,6 +180,7 @@ class DumpWriter(PassObserver):
             fn(*args)
         except Exception as e:  # noqa: BLE001 - a dump must never break compilation
             log.warning("te_passes dump: %s failed: %s: %s", what, type(e).__name__, e)
+            note_write_error(self.root, what, e)  # te-passes dump then fails instead of committing
 
     # ------------------------------------------------------------------ hooks
     def before_stage(self, gm: torch.fx.GraphModule, ctx: Any) -> None:

@@ -9,8 +9,11 @@ import json
 import os
 import re
 import socket
+import stat
+import tempfile
 from typing import Any
 
+from te_passes._json import JsonBudgetError, read_json_file
 from te_passes._logging import get_logger
 
 
@@ -49,9 +52,8 @@ def ensure_writable_dir(path: str | os.PathLike) -> str:
         raise DumpDirError(f"dump directory {path} exists and is not a directory")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".te_passes_write_test_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("")
+        fd, probe = tempfile.mkstemp(prefix=".te_passes_write_test_", dir=path)  # O_EXCL: a fresh file
+        os.close(fd)
         os.remove(probe)
     except OSError as e:
         raise DumpDirError(f"dump directory {path} is not writable: {e.strerror or e}") from e
@@ -63,10 +65,18 @@ def slug(s: str) -> str:
 
 _SESSION_LOCK_FILE = ".te_passes_sessions.lock"
 def atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """``text`` at ``path``: written to a fresh file (``O_EXCL | O_NOFOLLOW``: never through a
+    planted link), then renamed over ``path`` (a link there is replaced, not followed)."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 class DumpDirLocked(DumpDirError):
@@ -89,7 +99,16 @@ def dir_lock(root: str, *, blocking: bool = True):
     except ImportError:  # pragma: no cover - not on Linux
         fcntl = None
     path = os.path.join(root, _SESSION_LOCK_FILE)
-    with open(path, "a+") as lock:
+    try:  # never through a link planted there: O_NOFOLLOW, and no O_TRUNC
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        why = "it is a symbolic link" if os.path.islink(path) else (e.strerror or str(e))
+        raise DumpDirError(f"cannot open the lock {path}: {why}; a dump never writes through a link: remove it "
+                           f"or choose another --out") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DumpDirError(f"the lock {path} is not a regular file; remove it or choose another --out")
+    with os.fdopen(fd, "a+") as lock:
         if fcntl is not None:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
@@ -261,10 +280,11 @@ def read_json(path: str) -> Any:
     """``json.load`` of ``path``; a :class:`DumpFormatError` naming the file when it is not
     readable or not valid JSON."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        return read_json_file(path)
     except json.JSONDecodeError as e:
         raise DumpFormatError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}; "
                               f"truncated?)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DumpFormatError(f"cannot read {path}: {e}") from None
+    except JsonBudgetError as e:
+        raise DumpFormatError(f"{path} is not a te_passes dump file: {e}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DumpFormatError(f"cannot read {path}: {type(e).__name__}: {e}") from None

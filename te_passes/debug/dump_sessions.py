@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from te_passes._json import read_json_file
 from te_passes.debug.graph_breaks import current_events
 from te_passes.debug.dump_files import GRAPH_DIR_RE, atomic_write, md_table, slug, dir_lock, log
 
@@ -25,6 +26,7 @@ _session_lock = threading.Lock()
 _session: dict[str, Any] = {}  # {"pid": int, "id": str, "started": str}
 claimed_dirs: dict[str, str] = {}  # realpath claimed by te-passes dump in this process -> where it writes
 _warned_foreign_index: set[str] = set()
+_write_errors: dict[str, list[str]] = {}  # realpath of a dump folder -> its write errors
 
 
 def session_id() -> str:
@@ -47,6 +49,21 @@ def claim_dir(path: str | os.PathLike, into: str | os.PathLike | None = None) ->
     and the CLI writes the summary, instead of a session folder of their own
     (:meth:`DumpWriter.for_backend`)."""
     claimed_dirs[os.path.realpath(os.fspath(path))] = os.fspath(into if into is not None else path)
+
+
+def note_write_error(root: str | os.PathLike | None, what: str, error: BaseException) -> None:
+    """Record that writing into dump folder ``root`` failed (``what``: the file or step): a
+    ``te-passes dump`` of a claimed directory then fails instead of committing a partial dump
+    (:func:`write_errors`). Other directories: the backend's warning is all (a dump never breaks
+    a compilation)."""
+    if root is not None and isinstance(error, OSError):
+        _write_errors.setdefault(os.path.realpath(os.fspath(root)), []).append(f"{what}: {type(error).__name__}: "
+                                                                              f"{error}")
+
+
+def write_errors(root: str | os.PathLike) -> list[str]:
+    """The write errors :func:`note_write_error` recorded for ``root`` in this process."""
+    return list(_write_errors.get(os.path.realpath(os.fspath(root)), []))
 
 
 def unclaim_dir(path: str | os.PathLike) -> None:
@@ -89,9 +106,8 @@ def read_sessions(root: str) -> list[dict[str, Any]]:
         if not os.path.isfile(p):
             continue
         try:
-            with open(p) as f:
-                data = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            data = read_json_file(p)
+        except (OSError, UnicodeDecodeError, ValueError):  # not JSON, or over the budget
             continue
         if not isinstance(data, dict) or data.get("owner") != "backend" or data.get("session") != name:
             continue

@@ -11,6 +11,7 @@ from typing import Any, Iterable
 import torch.fx
 
 from te_passes import __version__
+from te_passes._json import read_json_file
 from te_passes._logging import trace_artifact
 from te_passes.debug.graph_breaks import no_islands_text
 from te_passes.report import cache_hit_note
@@ -48,9 +49,8 @@ def read_graph_report(root: str, name: str) -> dict[str, Any] | None:
     if not os.path.isfile(p):
         return None
     try:
-        with open(p) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = read_json_file(p)
+    except (OSError, UnicodeDecodeError, ValueError):  # not JSON, or over the budget
         return None
     if not isinstance(data, dict) or data.get("graph_id") != name or not isinstance(data.get("stages"), list):
         return None
@@ -194,8 +194,7 @@ def write_summary(root: str, extra: dict[str, Any] | None = None, *, emit: bool 
         with open(session_path, "w") as f:
             json.dump(extra, f, indent=2, default=repr)
     elif os.path.isfile(session_path):
-        with open(session_path) as f:
-            extra = json.load(f)
+        extra = read_json_file(session_path)
     summary = build_summary(_graph_reports(root), extra)
     with open(os.path.join(root, "report.json"), "w") as f:
         json.dump(summary, f, indent=2, default=repr)

@@ -12,12 +12,14 @@ so a graph is saved node by node instead (``*.tegraph``, a pickle):
 * TE constants by value through :func:`te_passes.te.graph_constants.te_reduce`
   (``OpaqueValueBundle(contents)``, ``_rebuild_quantizer(cls, items)``);
 * the stage, graph id, options and the TE state snapshot (``TEState.to_json``) it was compiled
-  under, and the example inputs' :class:`TensorMeta`.
+  under, the example inputs' :class:`TensorMeta`, and every symbol's hint and value range
+  (``symbols``).
 
 :func:`load_graph` rebuilds the graph with identical node names, targets, constants and fake
 ``meta['val']`` tensors (on their original device, under a fresh ``FakeTensorMode`` whose
 ``ShapeEnv`` recreates the symbols with their hints), so passes see what they saw at compile
-time. Loading needs the same ops registered: it imports ``transformer_engine.pytorch`` when the
+time. Nothing in the file runs or is evaluated (:mod:`te_passes.debug.graph_safety`). Loading needs
+the same ops registered: it imports ``transformer_engine.pytorch`` when the
 graph has ``transformer_engine_compile`` targets (TE's Python package; no GPU).
 """
 
@@ -35,14 +37,16 @@ import torch.fx
 
 from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
-from te_passes.debug.graph_safety import (GraphFileError, UnsafeGraphFileError, SafeUnpickler, import_te,
-    symbol_names, check_sym_expr, resolve_function)
+from te_passes.debug.graph_safety import (BudgetError, GraphFileError, UnsafeGraphFileError, SafeUnpickler,
+    import_te, check_budget, check_name, check_sym_expr, parse_sym_expr, resolve_function)
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
     ALLOWED_GLOBALS, RENAMED_MODULES, allowed_global, pickle_globals, renamed_module)
 
 
 FORMAT = "te_passes.tegraph/1"
 FORMAT_PREFIX, FORMAT_VERSION = "te_passes.tegraph/", 1
+#: The largest ``.tegraph`` file :func:`load_payload` reads.
+MAX_FILE_BYTES = 512 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +65,12 @@ class _OpRef:
             import_te()
         try:
             packet = getattr(getattr(torch.ops, ns), name)
+            op = packet if self.overload is None else getattr(packet, self.overload)
         except (AttributeError, RuntimeError) as e:
             raise GraphFileError(f"op {self.qualname} is not registered in this process ({e})") from e
-        return packet if self.overload is None else getattr(packet, self.overload)
+        if not isinstance(op, torch._ops.OpOverloadPacket if self.overload is None else torch._ops.OpOverload):
+            raise UnsafeGraphFileError(f"op {self.qualname}.{self.overload} is not an operator")
+        return op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +186,46 @@ def graph_payload(gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> dic
         except AttributeError:
             continue
         attrs[str(n.target)] = encode_val(v) if isinstance(v, torch.Tensor) else v
-    return {"format": FORMAT, "torch": str(torch.__version__), "nodes": nodes, "attrs": attrs, **info}
+    return {"format": FORMAT, "torch": str(torch.__version__), "nodes": nodes, "attrs": attrs,
+            "symbols": _symbols_of(graph), **info}
+
+
+def _symbols_of(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
+    """``{name: {"hint", "lower", "upper", "positive"}}`` of every symbol in the graph's fake
+    values, read from their ``ShapeEnv`` (``backed_var_to_val``, ``var_to_range``); ``None``
+    for an unknown hint or an unbounded range end."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            for s in (*v.shape, *v.stride()):
+                visit(s)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            env = v.node.shape_env
+            for sym in getattr(v.node.expr, "free_symbols", ()):
+                if str(sym) in out:
+                    continue
+                hint = env.backed_var_to_val.get(sym) if env is not None else None
+                vr = env.var_to_range.get(sym) if env is not None else None
+
+                def bound(x: Any) -> int | None:
+                    import sympy
+
+                    if isinstance(x, (int, sympy.Integer)) and not isinstance(x, bool):
+                        return int(x)
+                    return None  # +-oo, or not an integer
+                out[str(sym)] = {"hint": bound(hint) if hint is not None else None,
+                                 "lower": bound(vr.lower) if vr is not None else None,
+                                 "upper": bound(vr.upper) if vr is not None else None,
+                                 "positive": bool(sym.is_positive)}
+
+    for n in graph.nodes:
+        visit(n.meta.get("val"))
+        visit(n.meta.get("example_value"))
+    return out
 
 
 def save_graph(path: str | os.PathLike, gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> None:
@@ -216,6 +262,7 @@ def _check_payload(payload: Any, path: str) -> dict[str, Any]:
                              f"reads {FORMAT_VERSION})")
     if fmt != FORMAT:
         raise GraphFileError(f"{path} is not a te_passes graph file (format {fmt!r}, expected {FORMAT})")
+    check_budget(payload, path)
     nodes = payload.get("nodes")
     if not isinstance(nodes, list):
         raise GraphFileError(f"{path}: 'nodes' is a {type(nodes).__name__}, not a list")
@@ -227,25 +274,52 @@ def _check_payload(payload: Any, path: str) -> dict[str, Any]:
                 raise GraphFileError(f"{path}: nodes[{i}].{key} is {type(rec.get(key)).__name__}, expected "
                                      f"{types.__name__}")
         if rec["op"] not in ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output"):
-            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) has unknown op {rec['op']!r}")
+            raise GraphFileError(f"{path}: nodes[{i}] has unknown op {rec['op']!r:.40}")
+        check_name(rec["name"], f"{path}: nodes[{i}].name")
+        for k in rec["kwargs"]:
+            check_name(k, f"{path}: nodes[{i}] ({rec['name']}) keyword")
         if rec["op"] == "output" and len(rec["args"]) != 1:
             raise GraphFileError(f"{path}: nodes[{i}] (output) has {len(rec['args'])} args, expected 1")
         if not isinstance(rec.get("meta", {}), dict):
             raise GraphFileError(f"{path}: nodes[{i}].meta is not a dict")
+        if not isinstance(rec.get("meta", {}).get("stack_trace", ""), (str, type(None))):
+            raise GraphFileError(f"{path}: nodes[{i}].meta['stack_trace'] is not a str")
         t = rec.get("target")
         if rec["op"] in ("call_function",) and not isinstance(t, (_OpRef, _FnRef)):
             raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) call_function target is {type(t).__name__}")
         if rec["op"] in ("placeholder", "get_attr", "call_method", "call_module", "output") \
                 and not isinstance(t, str):
             raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) target is {type(t).__name__}, expected str")
+        if rec["op"] in ("placeholder", "get_attr", "call_method", "call_module", "output"):
+            check_name(t, f"{path}: nodes[{i}] ({rec['name']}) target", dotted=rec["op"] in ("get_attr", "call_module"))
         if isinstance(t, _OpRef) and (not isinstance(t.qualname, str) or t.qualname.count("::") != 1):
-            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) op name {t.qualname!r} is not 'ns::op'")
+            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) op name {str(t.qualname)[:60]!r} is not 'ns::op'")
+        if isinstance(t, _OpRef):
+            for part in t.qualname.split("::"):
+                check_name(part, f"{path}: nodes[{i}] ({rec['name']}) op name")
+            if t.overload is not None:
+                check_name(t.overload, f"{path}: nodes[{i}] ({rec['name']}) op overload")
+        if isinstance(t, _FnRef):
+            check_name(t.module, f"{path}: nodes[{i}] ({rec['name']}) function module", dotted=True)
+            check_name(t.qualname, f"{path}: nodes[{i}] ({rec['name']}) function name", dotted=True)
     for key, types in (("attrs", dict), ("options", dict), ("te_state", dict), ("example_inputs", list)):
         if payload.get(key) is not None and not isinstance(payload[key], types):
             raise GraphFileError(f"{path}: '{key}' is a {type(payload[key]).__name__}, expected {types.__name__}")
     for key in ("stage", "graph_id"):
         if payload.get(key) is not None and not isinstance(payload[key], str):
             raise GraphFileError(f"{path}: '{key}' is a {type(payload[key]).__name__}, expected str")
+    for k in payload.get("attrs") or {}:
+        check_name(k, f"{path}: attrs key", dotted=True)
+    syms = payload.get("symbols")
+    if syms is not None:
+        if not isinstance(syms, dict):
+            raise GraphFileError(f"{path}: 'symbols' is a {type(syms).__name__}, expected dict")
+        for k, v in syms.items():
+            check_name(k, f"{path}: symbols key")
+            if not isinstance(v, dict) or any(v.get(f) is not None and (not isinstance(v.get(f), int)
+                                                                         or isinstance(v.get(f), bool))
+                                              for f in ("hint", "lower", "upper")):
+                raise GraphFileError(f"{path}: symbols[{k!r}] is not {{hint, lower, upper}} of ints")
 
     def check_vals(v: Any, where: str) -> None:
         if isinstance(v, SymMeta):
@@ -292,21 +366,38 @@ class _Builder:
     """Rebuilds fake values; a ``ShapeEnv`` only when the graph has symbolic sizes (its sympy
     machinery costs seconds on first use)."""
 
-    def __init__(self, symbolic: bool = True) -> None:
+    def __init__(self, symbolic: bool = True, symbols: dict[str, dict[str, Any]] | None = None) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         self.shape_env = ShapeEnv() if symbolic else None
         self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
+        self.symbols: dict[str, Any] = {}
+        if self.shape_env is not None:
+            self._restore_symbols(symbols or {})
+
+    def _restore_symbols(self, symbols: dict[str, dict[str, Any]]) -> None:
+        """Recreate the saved symbols in the ``ShapeEnv`` with their hints and value ranges."""
+        import sympy
+        from torch.utils._sympy.value_ranges import ValueRanges
+
+        for name, info in symbols.items():
+            positive = info.get("positive", True)
+            sym = sympy.Symbol(name, integer=True, positive=True) if positive else sympy.Symbol(name, integer=True)
+            self.symbols[name] = sym
+            if info.get("hint") is not None:
+                self.shape_env.backed_var_to_val[sym] = sympy.Integer(info["hint"])
+            lo, hi = info.get("lower"), info.get("upper")
+            if lo is not None or hi is not None:
+                self.shape_env.var_to_range[sym] = ValueRanges(sympy.Integer(lo) if lo is not None else -sympy.oo,
+                                                               sympy.Integer(hi) if hi is not None else sympy.oo)
 
     def sym(self, s: Any) -> Any:
         if not isinstance(s, SymMeta):
             return s
-        import sympy
-
-        check_sym_expr(s.expr, "symbolic size")
-        expr = sympy.sympify(s.expr, locals={name: sympy.Symbol(name, integer=True, positive=True)
-                                             for name in symbol_names(s.expr)})
+        expr = parse_sym_expr(s.expr, "symbolic size", self.symbols)
+        for sym in getattr(expr, "free_symbols", ()):
+            self.symbols.setdefault(str(sym), sym)
         if s.kind != "int":
             return s.hint
         return self.shape_env.create_symintnode(expr, hint=s.hint)
@@ -343,6 +434,8 @@ def load_payload(path: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GraphFileError(f"graph file not found: {path}")
+    if os.path.getsize(path) > MAX_FILE_BYTES:
+        raise BudgetError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB; not a graph file this te_passes wrote")
     with open(path, "rb") as f:
         data = f.read()
     if b"transformer_engine" in data:
@@ -366,7 +459,7 @@ def build_graph_module(payload: dict[str, Any]) -> tuple[torch.fx.GraphModule, l
         GraphFileError: an op is not registered here or a node refers to an unknown node.
     """
     b = _Builder(symbolic=any(_has_sym(rec.get("meta")) for rec in payload["nodes"])
-                 or _has_sym(payload.get("example_inputs")))
+                 or _has_sym(payload.get("example_inputs")), symbols=payload.get("symbols"))
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
 
@@ -395,7 +488,8 @@ def build_graph_module(payload: dict[str, Any]) -> tuple[torch.fx.GraphModule, l
                 val = b.val(meta.pop(key))
                 if val is not None:
                     node.meta[key] = val
-        node.meta.update({k: v for k, v in meta.items() if k == "stack_trace"})
+        if isinstance(meta.get("stack_trace"), str):  # printed in generated code's comments: one line each
+            node.meta["stack_trace"] = "".join(c for c in meta["stack_trace"] if c == "\n" or c >= " ")
         env[node.name] = node
     root = torch.nn.Module()
     for target, v in payload.get("attrs", {}).items():
