@@ -64,6 +64,7 @@ from te_passes.debug.dump_files import slug, ensure_writable_dir, log
 from te_passes.debug.dump_sessions import (backend_session, claimed_dirs, is_claimed, note_write_error, session_id,
     write_sessions_index)
 from te_passes.debug.dump_summary import report_json, write_summary
+from te_passes.pipeline.manager import PassObserver
 
 
 def tracing_enabled() -> bool:

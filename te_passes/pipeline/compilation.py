@@ -188,11 +188,9 @@ class Compilation:
         Raises ``TePassError``: a pass failed under ``options.strict``."""
         t0 = time.perf_counter()
         try:
-            stage_report = self.manager.run(gm, self.context(stage, example_inputs, inputs))
+            return self.manager.run(gm, self.context(stage, example_inputs, inputs), into=self.report)
         finally:
             self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
-        self.report.stages.append(stage_report)
-        return stage_report
 
     def begin(self, gm: torch.fx.GraphModule | None, example_inputs: Any = None) -> None:
         """The Dynamo stage on ``gm`` (``None``: none, offline; live: with the runtime's UB trace

@@ -62,9 +62,11 @@ class PassManager:
         """The passes registered for ``stage``, in order."""
         return [p for p in self.passes if stage in p.stages]
 
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> StageReport:
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext, into: CompileReport | None = None) -> StageReport:
         """Run every pass of ``ctx.stage`` on ``gm`` (in place) between the observers' stage hooks;
-        one ``gm.recompile()`` at the end if any pass changed it. Returns the stage report.
+        one ``gm.recompile()`` at the end if any pass changed it. Returns the stage report, appended
+        to ``into.stages`` (when given) before ``after_stage``: an observer refreshing the compile's
+        report there (the backward, compiled lazily after ``finish``) sees this stage.
 
         Raises:
             TePassError: a pass raised and ``ctx.options.strict`` is set.
@@ -80,6 +82,8 @@ class PassManager:
             ctx.analyses.clear()
             if any(r.changed for r in report.runs):
                 gm.recompile()
+        if into is not None:
+            into.stages.append(report)
         for obs in self.observers:
             obs.after_stage(gm, ctx, report)
         return report
