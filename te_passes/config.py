@@ -10,7 +10,8 @@ Environment variables (read when options are parsed; an explicit option wins):
 * ``TE_PASSES_DISABLE`` — comma-separated pass names to disable (added to ``te_passes.disable``);
 * ``TE_PASSES_STRICT`` — ``1`` makes every pass failure / finding an error;
 * ``TE_PASSES_DUMP_DIR`` — write per-pass dumps there (same as ``te_passes.dump_dir``);
-* ``TE_PASSES_CUDAGRAPHS`` — ``lean`` / ``trees`` (same as ``te_passes.cudagraphs``).
+* ``TE_PASSES_CUDAGRAPHS`` — ``lean`` / ``trees`` (same as ``te_passes.cudagraphs``);
+* ``TE_PASSES_UNTOUCHED`` — ``0`` turns the untouched-model polyfills off (``te_passes.untouched``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ OPTION_SPECS: dict[str, _Spec] = {
                         "CUDA-graph replay under reduce-overhead: 'trees' (Inductor's cudagraph trees, the default) "
                         "or 'lean' (te_passes' policy, opt-in: falls back to trees per graph where unsafe; "
                         "slower than trees on the H200 so far, docs/usage.md)", "TE_PASSES_CUDAGRAPHS"),
+    # issue 21: untouched TE models in one graph (te_passes/runtime/untouched.py, read at trace time)
+    "untouched": _Spec(_as_bool, "trace TE's disabled LayerNormLinear / LayerNormMLP / FusedAttention forwards "
+                       "through te_passes' polyfills (on by default; False: TE's eager islands, as backend='inductor')",
+                       "TE_PASSES_UNTOUCHED"),
 }
 
 
@@ -151,6 +156,7 @@ class TePassesOptions:
     ub_on_change: str = "recompile"
     pass_config: Any = None
     cudagraphs: str = "trees"
+    untouched: bool = True
 
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,

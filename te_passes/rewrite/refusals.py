@@ -14,87 +14,29 @@ from typing import Any, Callable
 import torch
 
 from te_passes.rewrite.module_state import _STATE_ATTR, CompileFriendlyError, _state, _te
-from te_passes.rewrite.norm_act import ACTIVATIONS
-
-
-def _common_problem(mod: Any) -> str | None:
-    """Configurations no rewritten TE module supports (shared by LayerNormLinear / LayerNormMLP)."""
-    from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
-
-    if getattr(mod, "tp_size", 1) != 1:
-        return (f"tensor parallel (tp_size={mod.tp_size}): the norm/GEMM split with sequence-parallel "
-                "gathers is not verified")
-    if getattr(mod, "fuse_wgrad_accumulation", False):
-        return "fuse_wgrad_accumulation (main_grad): te.Linear runs it eagerly under torch.compile"
-    store = getattr(mod, "wgrad_store", None)
-    if store is not None and store.delay_wgrad_compute():
-        return "delay_wgrad_compute: te.Linear runs it eagerly under torch.compile"
-    ub = [k for k in ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad",
-                      "ub_bulk_wgrad", "ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad")
-          if getattr(mod, k, False)]
-    if ub:
-        return f"Userbuffers overlap ({', '.join(ub)}): the norm would leave TE's UB-fused GEMM"
-    if getattr(mod, "return_layernorm_output", False):
-        return "return_layernorm_output: not expressed (TE returns its internal norm output)"
-    if getattr(mod, "symmetric_ar_type", None) is not None:
-        return f"symmetric_ar_type={mod.symmetric_ar_type!r}"
-    if getattr(mod, "primary_weights_in_fp8", False):
-        return "quantized primary weights (fp8_model_init)"
-    if getattr(mod, "fsdp_group", None) is not None:
-        return "manual TE FSDP (fsdp_group)"
-    if getattr(mod, "normalization", None) not in ("LayerNorm", "RMSNorm"):
-        return f"normalization {getattr(mod, 'normalization', None)!r}"
-    if is_cpu_offload_enabled():
-        return "CPU activation offloading is enabled"
-    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-
-    for pname, p in mod.named_parameters(recurse=False):
-        if isinstance(p, QuantizedTensor) or type(p).__name__ in ("DTensor", "DistributedWeight"):
-            return f"parameter {pname} is a {type(p).__name__} (quantized or distributed weight)"
-    return None
+from te_passes.te.untouched_rules import (layernorm_linear_config_problem, layernorm_mlp_config_problem,
+                                          norm_call_problem)
 
 
 def _linear_module_problem(mod: Any, cls: type) -> str | None:
     """What refuses ``mod`` before its class's own checks: already rewritten, a subclass of TE's
-    ``cls`` (its forward may differ), or :func:`_common_problem`."""
+    ``cls`` (its forward may differ); the configuration checks are in
+    :mod:`te_passes.te.untouched_rules`."""
     if _STATE_ATTR in mod.__dict__:
         return "already rewritten"
     if type(mod) is not cls:
         return f"{type(mod).__qualname__} is a subclass of te.{cls.__name__} (its forward may differ)"
-    return _common_problem(mod)
+    return None
 
 
 def layernorm_linear_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormLinear`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    p = _linear_module_problem(mod, _te().LayerNormLinear)
-    if p:
-        return p
-    if getattr(mod, "return_layernorm_output_gathered", False):
-        return "return_layernorm_output_gathered"
-    if mod.parallel_mode not in (None, "column"):
-        return f"parallel_mode={mod.parallel_mode!r}"
-    return None
+    return _linear_module_problem(mod, _te().LayerNormLinear) or layernorm_linear_config_problem(mod)
 
 
 def layernorm_mlp_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormMLP`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    from transformer_engine.pytorch.module.layernorm_mlp import _get_act_func_supported_list
-
-    p = _linear_module_problem(mod, _te().LayerNormMLP)
-    if p:
-        return p
-    te_acts = set(_get_act_func_supported_list(None))
-    if mod.activation not in te_acts:
-        return f"activation {mod.activation!r} is not one of TE's {sorted(te_acts)}"
-    if mod.activation not in ACTIVATIONS:
-        return f"activation {mod.activation!r} has no torch expression here"
-    if getattr(mod, "checkpoint", False):
-        return "checkpoint=True (TE's own activation recompute)"
-    if getattr(mod, "gemm_gelu_fusion", False):
-        return "NVTE_GEMM_GELU_FUSION (GEMM+GELU fused with UB overlap)"
-    if mod.activation_params and mod.activation != "clamped_swiglu":
-        return f"activation_params {mod.activation_params!r} for {mod.activation!r}"
-    return None
+    return _linear_module_problem(mod, _te().LayerNormMLP) or layernorm_mlp_config_problem(mod)
 
 
 #: Mask types the SDPA path expresses; ``causal_bottom_right`` only when s_q == s_kv (checked per call).
@@ -197,21 +139,12 @@ _NEUTRAL_KWARGS: dict[str, Callable[[Any], bool]] = {
 
 
 def _check_norm_call(mod: Any) -> None:
-    """Per-call refusals of the rewritten LayerNormLinear / LayerNormMLP (trace-time Python)."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-    qstate = FP8GlobalStateManager.quantization_state
-    recipe = qstate.fp8_recipe
-    if qstate.fp8_enabled and recipe is not None and recipe.delayed():
-        raise CompileFriendlyError(
-            f"rewritten {_state(mod).original_cls.__name__} {mod.name or ''}: DelayedScaling keeps amax "
-            "history in the module's fp8 meta (its _extra_state); the rewrite's te.Linear would keep "
-            "its own and checkpoints would not carry it. Use a stateless recipe "
-            "(Float8CurrentScaling, MXFP8BlockScaling, ...) or restore() the model")
-    if torch.is_autocast_enabled():
-        raise CompileFriendlyError(
-            f"rewritten {_state(mod).original_cls.__name__}: torch.autocast is enabled; TE casts the "
-            "norm input to the autocast dtype inside its kernel, which the rewrite does not express")
+    """Per-call refusals of the rewritten LayerNormLinear / LayerNormMLP (trace-time Python):
+    :func:`te_passes.te.untouched_rules.norm_call_problem`, raised."""
+    problem = norm_call_problem()
+    if problem is not None:
+        raise CompileFriendlyError(f"rewritten {_state(mod).original_cls.__name__} {mod.name or ''}: {problem}; "
+                                   "or restore() the model")
 
 
 def _check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, kwargs: dict,

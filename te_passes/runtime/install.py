@@ -16,7 +16,10 @@
   lowering (``hoist_te_constants``' named constants);
 * :func:`te_passes.runtime.fused_attn_op.install_fused_attention_op` — TE's fused attention as the
   ``transformer_engine_compile::fused_attn`` family (TE 2.20.x only, ``TE_PASSES_FUSED_ATTN=0``
-  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``).
+  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``);
+* :func:`te_passes.runtime.untouched.install_untouched_polyfills` — polyfills of TE's disabled
+  ``LayerNormLinear`` / ``LayerNormMLP`` / ``FusedAttention`` forwards, taken only by frames
+  compiled for ``te_inductor`` (``te_passes.untouched``; per target: ``polyfill_status()``).
 
 So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
 need TE imported; until then they are no-ops and :func:`install` returns ``False``.
@@ -24,7 +27,7 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 
 from __future__ import annotations
 
-from te_passes.runtime import constants, direct_lowering, free_op, fused_attn_op
+from te_passes.runtime import constants, direct_lowering, free_op, fused_attn_op, untouched
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -39,4 +42,5 @@ def install() -> bool:
     fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
+    untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
     return install_te_ub_hooks() & install_amax_group_hooks()
