@@ -12,6 +12,7 @@ function, as without te_passes. Docs: docs/untouched.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -51,6 +52,10 @@ TARGETS: dict[str, tuple[str, str, str]] = {
     "LayerNormMLP.forward": ("transformer_engine.pytorch.module.layernorm_mlp", "LayerNormMLP", "te.LayerNormMLP"),
     "FusedAttention.forward": ("transformer_engine.pytorch.attention.dot_product_attention.backends",
                                "FusedAttention", "te.FusedAttention"),
+    # no_torch_dynamo(when=_needs_eager_dpa): traced by TE itself; the polyfill replaces the inner
+    # function with TE's fused attention op (no backend selection, no lazy state: no recompile)
+    "DotProductAttention.forward": ("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention",
+                                    "DotProductAttention", "te.DotProductAttention"),
 }
 
 
@@ -225,9 +230,26 @@ def _real(ctx: Any, name: str) -> Any:
         vt = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
     except Exception:  # noqa: BLE001 - no such local / not a plain object
         return None
-    if vt.is_python_constant():
+    if hasattr(vt, "value"):
+        return vt.value
+    try:
         return vt.as_python_constant()
-    return getattr(vt, "value", None)
+    except Exception:  # noqa: BLE001 - a traced value
+        return None
+
+
+def _peek(vt: Any) -> Any:
+    """The Python object a module-like variable tracker stands for, without realising a lazy one
+    (realising would install guards on locals the trace never used)."""
+    peek = getattr(vt, "peek_value", None)
+    if peek is not None and not vt.is_realized():
+        v = peek()
+        return v if isinstance(v, torch.nn.Module) else None
+    vt = vt.unwrap() if hasattr(vt, "unwrap") else vt
+    if type(vt).__name__ in ("NNModuleVariable", "UnspecializedNNModuleVariable", "UnspecializedBuiltinNNModuleVariable",
+                             "FSDPManagedNNModuleVariable"):
+        return getattr(vt, "value", None)
+    return None
 
 
 def _frame_modules(ctx: Any) -> list[torch.nn.Module]:
@@ -240,20 +262,23 @@ def _frame_modules(ctx: Any) -> list[torch.nn.Module]:
         return out
     while tx is not None:
         for vt in list(getattr(tx, "symbolic_locals", {}).values()):
-            v = getattr(vt, "value", None)
+            v = _peek(vt)
             if isinstance(v, torch.nn.Module) and all(v is not o for o in out):
                 out.append(v)
         tx = getattr(tx, "parent", None)
     return out
 
 
-def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any) -> bool:
+def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
+                      args: tuple[int, bool] | None = None) -> bool:
     """Run TE's first-forward lazy initialisation of ``m`` eagerly (what ``prepare_forward``
     does on the first call: ``is_fsdp2``, ``activation_dtype``, ``init_fp8_metadata`` with the
     ``num_gemms`` of its class) inside ``te.autocast(enabled=fp8, recipe=recipe)``; returns
     whether ``m`` is a TE module of a known class (see ``te.module_init.forward_prepare_args``).
-    A module whose parameters are not ``dtype`` is left alone (TE raises on its first forward)."""
-    args = forward_prepare_args(m)
+    A module whose parameters are not ``dtype`` is left alone (TE raises on its first forward).
+    ``args``: ``(num_gemms, allow_different_data_and_param_types)`` for a class not in that table
+    (a hidden ``te.Linear``: ``(1, False)``)."""
+    args = forward_prepare_args(m) if args is None else args
     if args is None:
         return False
     num_gemms, allow_mixed = args
@@ -267,26 +292,46 @@ def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any) -> boo
     return True
 
 
-def _prepare_all(mods: list[Any], dtype: torch.dtype, fp8: bool, recipe: Any) -> None:
-    """``prepare_te_module`` on ``mods`` and every TE module under them, once per
-    (dtype, fp8, recipe) and module; primes the recipe (its cached repr, TE's autocast key)."""
+@contextlib.contextmanager
+def _eager() -> Any:
+    """Run TE's eager code from inside a Dynamo compile session: ``torch.compiler.is_compiling()``
+    answers ``False`` inside (Dynamo sets it for the whole session, and TE's eager-only paths,
+    e.g. ``get_default_fp8_recipe``, assert on it)."""
+    import torch.compiler as tc
+
+    old = getattr(tc, "_is_compiling_flag", False)
+    tc._is_compiling_flag = False
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = old
+
+
+def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: Any, gemms: tuple[Any, ...] = (),
+                 skip: Callable[[Any], bool] = lambda m: False) -> None:
+    """``prepare_te_module`` on ``gemms`` and every TE module under ``mods`` (but those ``skip``
+    names), once per (dtype, fp8, recipe) and module; ``dtype`` ``None``: each module's parameter dtype."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import Recipe
 
     if fp8 and not isinstance(recipe, Recipe):
         return  # a recipe built inside the traced function: TE's own first forward initialises
-    key = (dtype, fp8, id(recipe) if recipe is not None else None)
-    if recipe is not None:
-        str(recipe)
-    with te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else _null():
-        for root in mods:
-            for m in root.modules():
-                if m.__dict__.get("_te_passes_prepared_key") == key:
-                    continue
-                if prepare_te_module(m, dtype, fp8, recipe):
-                    m.__dict__["_te_passes_prepared_key"] = key
-    if recipe is not None:
-        str(recipe)  # NVTE_DPA_FP8_RECIPE may set attributes (clears the cached repr)
+    todo = [(g, (1, False)) for g in gemms] + [(m, None) for root in mods for m in root.modules()]
+    with _eager(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else _null()):
+        for m, args in todo:
+            d = dtype or _param_dtype(m)
+            key = (d, fp8, id(recipe) if recipe is not None else None)
+            if d is None or m.__dict__.get("_te_passes_prepared_key") == key or skip(m):
+                continue
+            if prepare_te_module(m, d, fp8, recipe, args):
+                m.__dict__["_te_passes_prepared_key"] = key
+
+
+def _param_dtype(m: Any) -> torch.dtype | None:
+    for p in m.parameters(recurse=False):
+        if p.is_floating_point():
+            return p.dtype
+    return None
 
 
 class _null:
@@ -295,6 +340,20 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+#: Context managers entered around building a module's hidden ``te.Linear``\ s (the CPU capture's
+#: fake GPU adds one that lets TE's constructor find "CUDA").
+BUILD_CONTEXTS: list[Callable[[], Any]] = []
+
+
+def _built(build: Callable[[Any], UntouchedState], mod: Any) -> UntouchedState:
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        for cm in BUILD_CONTEXTS:
+            stack.enter_context(cm())
+        return build(mod)
 
 
 def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
@@ -307,7 +366,7 @@ def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
     st = mod.__dict__.get(STATE_ATTR)
     if st is None:
         try:
-            st = build(mod)
+            st = _built(build, mod)
         except Exception as e:  # noqa: BLE001 - a configuration the hidden te.Linear cannot take
             st = UntouchedState(f"building the hidden te.Linear failed: {type(e).__name__}: {e}")
         mod.__dict__[STATE_ATTR] = st
@@ -319,7 +378,81 @@ def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
     if fp8 and getattr(recipe, "delayed", lambda: False)():
         return  # an island (norm_call_problem): TE's eager forward initialises its own state
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else inp.dtype
-    _prepare_all(list(st.gemms) + _frame_modules(ctx), dtype, fp8, recipe)
+    touched = _touched(ctx)
+    _prepare_all(_frame_modules(ctx), dtype, fp8, recipe, st.gemms, skip=lambda m: id(m) in touched)
+
+
+def _touched(ctx: Any) -> set[int]:
+    """Ids of the objects the trace has read so far (their attribute reads are guarded: changing
+    them now would fail the guards of the frame being compiled)."""
+    try:
+        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+        cache = tx.output.variable_tracker_cache
+    except Exception:  # noqa: BLE001
+        return set()
+    out = set()
+    for vt in list(cache.values()):
+        v = _peek(vt)
+        if v is not None:
+            out.add(id(v))
+    return out
+
+
+def _compile_frame() -> tuple[Any, dict, tuple, dict] | None:
+    """``(compiler_fn, locals, closure, globals)`` of the frame Dynamo starts compiling (the
+    arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack), or ``None``."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_compile" and f.f_globals.get("__name__") == "torch._dynamo.convert_frame":
+            loc = f.f_locals
+            return loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {}
+        f = f.f_back
+    return None
+
+
+def on_compile_start(_args: Any = None) -> None:
+    """Dynamo start callback: for a frame compiled for te_inductor, do TE's first-forward lazy
+    init before the trace reads it — prime every TE recipe the frame reaches (its cached repr and
+    TE's autocast key) and initialise every TE module it reaches (locals, closure cells, module
+    globals; parameter dtype, the TE autocast state active now). Never raises."""
+    try:
+        found = _compile_frame()
+        if found is None or "transformer_engine.pytorch" not in sys.modules:
+            return
+        compiler_fn, loc, closure, glob = found
+        if not backend_wants_polyfills(compiler_fn):
+            return
+        from transformer_engine.common.recipe import Recipe
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        values = list(loc.values())
+        for c in closure or ():
+            try:
+                values.append(c.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        values += [v for v in glob.values() if isinstance(v, (Recipe, torch.nn.Module))]
+        recipes = [v for v in values if isinstance(v, Recipe)]
+        mods = [v for v in values if isinstance(v, torch.nn.Module)]
+        for r in recipes:
+            prime_recipe(r)
+        if mods:
+            q = FP8GlobalStateManager.quantization_state
+            active = q.autocast_depth > 0
+            _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None)
+    except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
+        return
+
+
+def prime_recipe(recipe: Any) -> None:
+    """What TE's first ``te.autocast(recipe=recipe)`` caches: ``Recipe.__repr__``'s
+    ``_cached_repr`` and the ``autocast_arguments`` entry keyed by it (``pytorch/quantization.py``)."""
+    import transformer_engine.pytorch as te
+
+    with _eager():
+        str(recipe)
+        with te.autocast(enabled=False, recipe=recipe):
+            pass
 
 
 def _has_local(ctx: Any, name: str) -> bool:
@@ -446,6 +579,29 @@ def _fused_attention(self, query_layer, key_layer, value_layer, qkv_layout="sbh3
     return fused_attention_forward(self, query_layer, key_layer, value_layer, call)
 
 
+def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
+                           qkv_format=None, *args, **kwargs):
+    te_forward = _COPIES["DotProductAttention.forward"]
+    if args or not _active():
+        return te_forward(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, *args, **kwargs)
+    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import _unpack_packed_qkv
+
+    from te_passes.runtime.untouched_attention import dpa_fused_forward, dpa_problem
+
+    kw = dict(kwargs)
+    mask = kw.pop("attn_mask_type", None) or self.attn_mask_type
+    qkv_layer, kv_layer = kw.pop("qkv_layer", None), kw.pop("kv_layer", None)
+    interleave = kw.pop("qkv_interleave_dim", -3)
+    fmt = qkv_format or self.qkv_format
+    if fmt in ("sbhd", "bshd"):
+        q, k, v, _ = _unpack_packed_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer, fmt, interleave,
+                                        kw.get("inference_params"))
+        if dpa_problem(self, fmt, mask, attention_mask, q, k, v, kw) is None:
+            return dpa_fused_forward(self, fmt, mask, q, k, v, kw)
+    # TE's own (traced) forward: its backend choice; FusedAttention.forward then meets its polyfill
+    return te_forward(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, *args, **kwargs)
+
+
 def _default_recipe_polyfill():
     if not _active():
         return _COPIES["get_default_fp8_recipe"]()
@@ -461,12 +617,9 @@ def _build_default_recipe(ctx: Any) -> None:
     and primed (cached repr, autocast key)."""
     if _DEFAULT_RECIPE:
         return
-    import transformer_engine.pytorch as te
-
-    r = _COPIES["get_default_fp8_recipe"]()
-    str(r)
-    with te.autocast(enabled=False, recipe=r):
-        pass
+    with _eager():
+        r = _COPIES["get_default_fp8_recipe"]()
+    prime_recipe(r)
     _DEFAULT_RECIPE.append(r)
 
 
@@ -474,6 +627,7 @@ _POLYFILLS: dict[str, Callable[..., Any]] = {
     "LayerNormLinear.forward": _layernorm_linear,
     "LayerNormMLP.forward": _layernorm_mlp,
     "FusedAttention.forward": _fused_attention,
+    "DotProductAttention.forward": _dot_product_attention,
 }
 
 
@@ -495,17 +649,31 @@ def polyfill_status() -> dict[str, PolyfillStatus]:
 
 
 def closure_layout(fn: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | str:
-    """``(disabled_f, f)`` from TE's ``no_torch_dynamo`` wrapper ``fn`` (``co_freevars ==
-    ('disabled_f', 'f')``, ``transformer_engine/pytorch/jit.py``), or why ``fn`` has another layout."""
+    """``(target, f)`` from TE's ``no_torch_dynamo`` wrapper ``fn`` (``transformer_engine/pytorch/
+    jit.py``), or why ``fn`` has another layout. Plain (``co_freevars == ('disabled_f', 'f')``):
+    the target is ``disabled_f`` (``torch.compiler.disable``\\ d ``f``); conditional (``when=``:
+    ``disabled_report_and_run``, ``f``, ``parameter_names``, ``when``): the target is ``f``, which
+    the wrapper calls when TE's ``when`` finds nothing against tracing."""
     code = getattr(fn, "__code__", None)
     if code is None or fn.__closure__ is None:
         return f"{getattr(fn, '__qualname__', fn)!r} is not a closure (TE made it traceable or wraps it otherwise)"
-    if tuple(sorted(code.co_freevars)) != ("disabled_f", "f"):
-        return f"{fn.__qualname__} closes over {code.co_freevars}, not ('disabled_f', 'f')"
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__)))
-    if not getattr(cells["disabled_f"], "_torchdynamo_disable", False):
-        return f"{fn.__qualname__}'s disabled_f is not torch.compiler.disable'd"
-    return cells["disabled_f"], cells["f"]
+    if set(cells) == {"disabled_f", "f"}:
+        if not getattr(cells["disabled_f"], "_torchdynamo_disable", False):
+            return f"{fn.__qualname__}'s disabled_f is not torch.compiler.disable'd"
+        return cells["disabled_f"], cells["f"]
+    if set(cells) == {"disabled_report_and_run", "f", "parameter_names", "when"}:
+        return cells["f"], cells["f"]
+    return f"{fn.__qualname__} closes over {code.co_freevars}, not TE's no_torch_dynamo layout"
+
+
+def _copy(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` with another identity (same code, globals, defaults, closure): Dynamo traces it as TE's
+    own function, never as the polyfill registered for ``f``."""
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = dict(f.__kwdefaults__ or {}) or None
+    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+    return g
 
 
 def _te_ships_op(qualname: str) -> str | None:
@@ -513,7 +681,8 @@ def _te_ships_op(qualname: str) -> str | None:
     from torch._library.custom_ops import OPDEFS
 
     names = {"LayerNormLinear.forward": ("layernorm_linear",), "LayerNormMLP.forward": ("layernorm_mlp",),
-             "FusedAttention.forward": ("fused_attention", "dot_product_attention")}[qualname]
+             "FusedAttention.forward": ("fused_attention", "dot_product_attention"),
+             "DotProductAttention.forward": ("fused_attention", "dot_product_attention")}[qualname]
     for op in OPDEFS:
         ns, _, name = op.partition("::")
         if ns == "transformer_engine_compile" and name in names:
@@ -529,6 +698,7 @@ def install_untouched_polyfills() -> bool:
         return False
     with _lock:
         if _STATUS:
+            _register_start_callback()  # torch._dynamo.reset() clears Dynamo's callbacks
             return any(s.installed for s in _STATUS.values())
         import importlib
 
@@ -550,8 +720,11 @@ def install_untouched_polyfills() -> bool:
                 _STATUS[qualname] = PolyfillStatus(qualname, False, layout)
                 continue
             disabled_f, f = layout
-            _COPIES[qualname] = _disabled(f, None)
-            _ISLAND_FNS[qualname] = _disabled(f, qualname)
+            if disabled_f is f:  # conditional wrapper: TE traces f itself; the fallback is a copy of f
+                _COPIES[qualname] = _copy(f)
+            else:
+                _COPIES[qualname] = _disabled(f, None)
+                _ISLAND_FNS[qualname] = _disabled(f, qualname)
             try:
                 torch.compiler.substitute_in_graph(disabled_f, skip_signature_check=True)(_POLYFILLS[qualname])
             except (TypeError, ValueError) as e:  # someone else registered one
@@ -559,7 +732,17 @@ def install_untouched_polyfills() -> bool:
                 continue
             _STATUS[qualname] = PolyfillStatus(qualname, True)
         _install_default_recipe()
+        from te_passes.runtime.fused_attn_op import install_fused_attention_op
+
+        install_fused_attention_op(import_te=True)  # the FusedAttention polyfill's op (refusal: refused_reason())
+        _register_start_callback()
         return any(s.installed for s in _STATUS.values())
+
+
+def _register_start_callback() -> None:
+    handler = torch._dynamo.callback_handler
+    if on_compile_start not in handler.start_callbacks:
+        handler.register_start_callback(on_compile_start)
 
 
 def _install_default_recipe() -> None:
@@ -572,8 +755,7 @@ def _install_default_recipe() -> None:
                                                     "get_default_fp8_recipe function")
         return
     # a copy with another identity: Dynamo traces it as TE's own (no re-entry into the polyfill)
-    _COPIES[name] = types.FunctionType(orig.__code__, orig.__globals__, orig.__name__, orig.__defaults__,
-                                       orig.__closure__)
+    _COPIES[name] = _copy(orig)
     try:
         torch.compiler.substitute_in_graph(orig, skip_signature_check=True)(_default_recipe_polyfill)
     except (TypeError, ValueError) as e:

@@ -164,8 +164,25 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
         if fake_ub:
             stack.enter_context(mock.patch.object(te_base, "_ub_communicators", _FakeUbTable(ub_fp8)))
             stack.enter_context(mock.patch.object(te_base, "_ub_initialized", True))
+        # TE's attention backend selection asks cuDNN (the driver): the fake GPU's cuDNN takes every
+        # configuration with its F16_arbitrary_seqlen sub-backend (TE's choice for bf16 on sm80+)
+        import transformer_engine.pytorch.attention.dot_product_attention.utils as dpa_utils
+
+        if hasattr(dpa_utils, "_get_fused_attn_backend"):
+            stack.enter_context(mock.patch.object(dpa_utils, "_get_fused_attn_backend", _fake_fused_attn_backend))
+        # the untouched-model polyfills build hidden te.Linear modules during the first trace
+        from te_passes.runtime import untouched
+
+        stack.enter_context(mock.patch.object(untouched, "BUILD_CONTEXTS", [*untouched.BUILD_CONTEXTS, constructing]))
         clear_system_info()
         yield
+
+
+def _fake_fused_attn_backend(**_kwargs: Any) -> tuple[int, str]:
+    """``dpa_utils._get_fused_attn_backend`` on the fake GPU: ``F16_arbitrary_seqlen``, no rejection."""
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    return int(FusedAttnBackend["F16_arbitrary_seqlen"]), ""
 
 
 @contextlib.contextmanager
