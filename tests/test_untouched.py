@@ -132,9 +132,13 @@ def test_transformer_layer_untouched_is_one_graph(precision):
     assert sum("fused_attn" in t for t in r["targets"]) >= 1, r["targets"]
 
 
-@pytest.mark.parametrize("kw", [dict(self_attn_mask_type="causal"), dict(num_gqa_groups=2),
+_GQA_XFAIL = pytest.mark.xfail(strict=True, reason="GQA: TE's MultiheadAttention splits q/k/v with SplitAlongDim, "
+                                                   "an autograd.Function whose backward reads data_ptr (not traced)")
+
+
+@pytest.mark.parametrize("kw", [dict(self_attn_mask_type="causal"), pytest.param(dict(num_gqa_groups=2), marks=_GQA_XFAIL),
                                 dict(fuse_qkv_params=True), dict(fuse_qkv_params=True, self_attn_mask_type="causal"),
-                                dict(num_gqa_groups=2, self_attn_mask_type="causal")],
+                                pytest.param(dict(num_gqa_groups=2, self_attn_mask_type="causal"), marks=_GQA_XFAIL)],
                          ids=["causal", "gqa", "fused_qkv", "fused_qkv_causal", "gqa_causal"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
 def test_transformer_layer_variants(kw, precision):
@@ -142,7 +146,9 @@ def test_transformer_layer_variants(kw, precision):
     _one_graph(r, 4)
 
 
-@pytest.mark.parametrize("autocast", ["inside", "inside_new", "outside"])
+@pytest.mark.parametrize("autocast", ["inside", pytest.param("inside_new", marks=pytest.mark.xfail(
+    strict=True, reason="a recipe built inside the compiled function: Dynamo breaks the graph at TE's pydantic "
+                        "dataclass constructor (gb3383), outside te_passes")), "outside"])
 def test_te_autocast_placement(autocast):
     r = _run(_layer, (16, 2, 64), "fp8-cs", autocast=autocast)
     _one_graph(r, 4)
@@ -204,20 +210,52 @@ def test_multihead_attention(precision):
 
 
 # --------------------------------------------------------------------------- the gate
-def _plain_run(build, shape, precision="bf16"):
-    return _run(build, shape, precision, backend=_plain_backend, calls=1)
+def _fullgraph(build, shape, backend, precision="bf16"):
+    """Compile ``build()`` with ``fullgraph=True`` on fake cuda; returns (graphs, error text or None).
+    TE's eager forwards cannot run on fake tensors, so an island shows as fullgraph's error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch._dynamo.reset()
+    untouched.install_untouched_polyfills()
+    graphs: list = []
+    with quiet(), fake_gpu(precision):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, constructing():
+            model = build()
+            x = torch.randn(*shape, dtype=torch.bfloat16, device="cuda")
+        fn = torch.compile(model, backend=backend(graphs), fullgraph=True, dynamic=False)
+        try:
+            with mode:
+                fn(x)
+        except Exception as e:  # noqa: BLE001 - the text is the result
+            return graphs, str(e)
+    return graphs, None
+
+
+def _lnl():
+    return te.LayerNormLinear(64, 64, params_dtype=torch.bfloat16, device="cuda")
 
 
 def test_other_backends_see_te_as_without_te_passes():
-    """Same process, same layer: a plain backend gets TE's eager islands (graph breaks at the
-    disabled forwards), the te backend one graph; and back again (per-backend cache entries)."""
-    plain = _plain_run(_layer, (16, 2, 64))
-    assert plain["graphs"] > 1 and plain["breaks"], plain
-    assert any("disable" in k for k in plain["breaks"]), plain["breaks"]
-    ours = _run(_layer, (16, 2, 64))
-    _one_graph(ours, 4)
-    again = _plain_run(_layer, (16, 2, 64))
-    assert again["graphs"] == plain["graphs"] and sum(again["breaks"].values()) == sum(plain["breaks"].values())
+    """Same process, same module: a plain backend (what backend='inductor' gets) stops at TE's
+    disabled LayerNormLinear.forward exactly as without te_passes; the te backend traces one graph;
+    the plain backend again stops (per-backend cache entries, the gate folded per trace)."""
+    graphs, err = _fullgraph(_lnl, (32, 64), _plain_backend)
+    assert graphs == [] and err is not None and "torch.compiler.disable" in err and "LayerNormLinear.forward" in err
+    assert "te_passes_untouched_island" not in err
+    graphs, err = _fullgraph(_lnl, (32, 64), _te_backend)
+    assert err is None and len(graphs) == 1
+    graphs, err2 = _fullgraph(_lnl, (32, 64), _plain_backend)
+    assert graphs == [] and err2 is not None and "LayerNormLinear.forward" in err2
+
+
+def test_other_backends_transformer_layer_fails_where_te_fails():
+    """bf16 TransformerLayer without te.autocast under a plain backend: TE's own assertion in
+    get_default_fp8_recipe (as without te_passes); under the te backend: one graph."""
+    graphs, err = _fullgraph(_layer, (16, 2, 64), _plain_backend)
+    assert err is not None and "Creating Recipe objects inside compiled regions" in err
+    graphs, err = _fullgraph(_layer, (16, 2, 64), _te_backend)
+    assert err is None and len(graphs) == 1
 
 
 def test_backend_recognition():
@@ -252,8 +290,8 @@ def test_option_and_env_switch_off(monkeypatch):
 
 def test_switched_off_compile_behaves_as_before(monkeypatch):
     monkeypatch.setenv(untouched.ENV, "0")
-    off = _run(_layer, (16, 2, 64), calls=1)
-    assert off["graphs"] > 1 and off["breaks"], off
+    graphs, err = _fullgraph(_lnl, (32, 64), _te_backend)
+    assert err is not None and "torch.compiler.disable" in err and "LayerNormLinear.forward" in err
 
 
 def test_polyfills_installed_for_the_te_targets():
@@ -283,10 +321,10 @@ def test_delayed_scaling_is_a_named_island_with_a_warning():
             m = step_model()
             x = torch.randn(8, 64, dtype=torch.bfloat16, device="cuda")
         recipe = te_recipe.DelayedScaling()
-        fn = torch.compile(lambda t: m(t) * 2, backend=_te_backend(graphs))
+        fn = torch.compile(lambda t: m(t) * 2, backend=_te_backend(graphs), fullgraph=True)
         with warnings.catch_warnings(record=True) as w, mode:
             warnings.simplefilter("always")
-            with contextlib.suppress(Exception):  # TE's own eager forward on fake tensors may refuse
+            with pytest.raises(Exception, match=r"te_passes_untouched_island\[LayerNormLinear.forward\]"):
                 with te.autocast(enabled=True, recipe=recipe):
                     fn(x)
     isl = untouched.island_records()
@@ -296,11 +334,12 @@ def test_delayed_scaling_is_a_named_island_with_a_warning():
 
 
 def test_unexpressed_configuration_is_a_named_island():
-    r = _run(lambda: te.LayerNormMLP(64, 256, return_layernorm_output=True, params_dtype=torch.bfloat16,
-                                     device="cuda"), (32, 64), "bf16", calls=1)
+    graphs, err = _fullgraph(lambda: te.LayerNormMLP(64, 256, return_layernorm_output=True,
+                                                     params_dtype=torch.bfloat16, device="cuda"), (32, 64), _te_backend)
+    assert err is not None and "te_passes_untouched_island[LayerNormMLP.forward]" in err, err
     isl = untouched.island_records()
-    assert isl and "return_layernorm_output" in isl[0].reason, isl
-    assert any("te_passes_untouched_island" in k for k in r["breaks"]), r["breaks"]
+    assert len(isl) == 1 and isl[0].te_module == "te.LayerNormMLP" and "return_layernorm_output" in isl[0].reason, isl
+    assert "runs eagerly" in str(isl[0])
 
 
 # --------------------------------------------------------------------------- capture

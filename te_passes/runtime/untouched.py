@@ -512,7 +512,7 @@ def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8
     qstate = FP8GlobalStateManager.quantization_state
     fp8, recipe = qstate.fp8_enabled, qstate.fp8_recipe  # noqa: F841 - read by _prepare (comptime)
     comptime(_prepare_layernorm_linear)
-    st = self.__dict__[STATE_ATTR]
+    st = getattr(self, STATE_ATTR)
     problem = st.problem or norm_call_problem()
     if problem is not None:
         _note_island("te.LayerNormLinear", self.name or "", problem, _fix_for(problem))
@@ -530,7 +530,7 @@ def _layernorm_mlp(self, inp, is_first_microbatch=None):
     qstate = FP8GlobalStateManager.quantization_state
     fp8, recipe = qstate.fp8_enabled, qstate.fp8_recipe  # noqa: F841 - read by _prepare (comptime)
     comptime(_prepare_layernorm_mlp)
-    st = self.__dict__[STATE_ATTR]
+    st = getattr(self, STATE_ATTR)
     problem = st.problem or norm_call_problem()
     if problem is not None:
         _note_island("te.LayerNormMLP", self.name or "", problem, _fix_for(problem))
@@ -600,6 +600,16 @@ def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=N
             return dpa_fused_forward(self, fmt, mask, q, k, v, kw)
     # TE's own (traced) forward: its backend choice; FusedAttention.forward then meets its polyfill
     return te_forward(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, *args, **kwargs)
+
+
+def _noop_cat(tensors, dim=0):
+    if not _active():
+        return _COPIES["noop_cat"](tensors, dim)
+    # TE's _NoopCatFunc compares storages / data_ptrs (not traceable); torch.cat gives the same
+    # values (a copy of the weight splits per call, as compile_friendly's hidden te.Linear)
+    if len(tensors) == 1:
+        return tensors[0]
+    return torch.cat(tensors, dim=dim)
 
 
 def _default_recipe_polyfill():
@@ -746,22 +756,25 @@ def _register_start_callback() -> None:
 
 
 def _install_default_recipe() -> None:
-    from transformer_engine.pytorch import quantization
+    """The plain-function polyfills: ``quantization.get_default_fp8_recipe`` and
+    ``module/_common.noop_cat`` (te.Linear's weight splits, e.g. ``MultiheadAttention.qkv``)."""
+    import importlib
 
-    orig = getattr(quantization, "get_default_fp8_recipe", None)
-    name = "get_default_fp8_recipe"
-    if not isinstance(orig, types.FunctionType):
-        _STATUS[name] = PolyfillStatus(name, False, "transformer_engine.pytorch.quantization has no "
-                                                    "get_default_fp8_recipe function")
-        return
-    # a copy with another identity: Dynamo traces it as TE's own (no re-entry into the polyfill)
-    _COPIES[name] = _copy(orig)
-    try:
-        torch.compiler.substitute_in_graph(orig, skip_signature_check=True)(_default_recipe_polyfill)
-    except (TypeError, ValueError) as e:
-        _STATUS[name] = PolyfillStatus(name, False, f"substitute_in_graph: {e}")
-        return
-    _STATUS[name] = PolyfillStatus(name, True)
+    for modname, name, poly in (("transformer_engine.pytorch.quantization", "get_default_fp8_recipe",
+                                 _default_recipe_polyfill),
+                                ("transformer_engine.pytorch.module._common", "noop_cat", _noop_cat)):
+        orig = getattr(importlib.import_module(modname), name, None)
+        if not isinstance(orig, types.FunctionType):
+            _STATUS[name] = PolyfillStatus(name, False, f"{modname} has no {name} function")
+            continue
+        # a copy with another identity: Dynamo traces it as TE's own (no re-entry into the polyfill)
+        _COPIES[name] = _copy(orig)
+        try:
+            torch.compiler.substitute_in_graph(orig, skip_signature_check=True)(poly)
+        except (TypeError, ValueError) as e:
+            _STATUS[name] = PolyfillStatus(name, False, f"substitute_in_graph: {e}")
+            continue
+        _STATUS[name] = PolyfillStatus(name, True)
 
 
 __all__ = [
