@@ -81,6 +81,14 @@ def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
     }
 
 
+def _island_reason(module: str) -> str | None:
+    """The untouched-model polyfills' island records for TE ``module`` (reason and fix), joined."""
+    from te_passes.runtime.untouched import island_records
+
+    texts = [str(i) for i in island_records() if i.te_module == module]
+    return "; ".join(texts) if texts else None
+
+
 def _metrics_entry(m: Any) -> dict[str, Any]:
     return {"compile_id": m.compile_id, "function": m.co_name,
             "location": f"{short_path(m.co_filename)}:{m.co_firstlineno}" if m.co_filename else None,
@@ -172,6 +180,8 @@ class CompileEvents:
             reason = te["reason"]
             if te["kind"] == "conditional" and self.te_warnings:
                 reason = "; ".join(self.te_warnings)
+            if te["kind"] == "untouched_island":
+                reason = _island_reason(te["module"]) or reason
             key = (te["module"], reason, None)  # one island per module and reason, all its breaks
             if key in fallbacks:
                 fallbacks[key]["count"] += e["count"]

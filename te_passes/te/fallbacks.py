@@ -58,6 +58,13 @@ FALLBACK_WARNING_RE = re.compile(r"Falling back to eager execution under torch\.
 #: ``<function Qual.name at 0x...>``, with or without backticks, after "Skip inlining/calling").
 _DISABLED_RE = re.compile(r"<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>")
 _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
+#: The disabled copy of a TE forward the untouched-model polyfills leave a call to
+#: (``te_passes.runtime.untouched``), named after the TE function.
+_ISLAND_RE = re.compile(r"te_passes_untouched_island\[(?P<target>[\w.]+)\]")
+#: Polyfill target -> TE module (the island record, ``untouched.island_records()``, has the reason).
+UNTOUCHED_TARGETS: dict[str, str] = {"LayerNormLinear.forward": "te.LayerNormLinear",
+                                     "LayerNormMLP.forward": "te.LayerNormMLP",
+                                     "FusedAttention.forward": "te.FusedAttention"}
 
 
 #: Follow-on breaks: a TE function whose frame Dynamo cannot resume after an island inside it,
@@ -82,7 +89,8 @@ _CANNOT_RESUME_RE = re.compile(r"step_unsupported|cannot resume from", re.IGNORE
 @dataclasses.dataclass
 class TEFallback:
     """A graph break attributed to TE: ``module`` (``"te.LayerNormLinear"``), ``kind``
-    (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``, ``"eager_body"`` — the
+    (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``, ``"untouched_island"`` — a call
+    te_passes' polyfill left to TE's eager forward, ``"eager_body"`` — the
     eager half of a configuration fallback, ``"follow_on"`` — a TE frame Dynamo could not resume
     after an island inside it), ``reason`` (one line)."""
 
@@ -107,6 +115,12 @@ def classify_graph_break(reason: str, innermost_frame: tuple[str, str] | None = 
     m = _USER_BREAK_RE.search(reason)
     if m and m.group("msg").startswith(LINEAR_FALLBACK_PREFIX):
         return TEFallback("te.Linear", "linear_config", m.group("msg")[len(LINEAR_FALLBACK_PREFIX):].strip())
+    m = _ISLAND_RE.search(reason) if "torch.compiler.disable" in reason else None
+    if m:
+        target = m.group("target")
+        return TEFallback(UNTOUCHED_TARGETS.get(target, target), "untouched_island",
+                          f"te_passes' polyfill of {target} left this call to TE's eager forward "
+                          "(te_passes.runtime.untouched.island_records() names the reason and the fix)")
     m = _DISABLED_RE.search(reason) if "torch.compiler.disable" in reason else None
     if m:
         qual = m.group("qual")
