@@ -116,7 +116,10 @@ def _active() -> bool:
         tx = InstructionTranslator.current_tx()
     except Exception:  # noqa: BLE001 - not tracing
         return False
-    return tx is not None and backend_wants_polyfills(getattr(tx.output, "compiler_fn", None))
+    on = tx is not None and backend_wants_polyfills(getattr(tx.output, "compiler_fn", None))
+    if on:
+        _register_start_callback()  # torch._dynamo.reset() cleared it: the next frames get their lazy init
+    return on
 
 
 # --------------------------------------------------------------------------- islands
