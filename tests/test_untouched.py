@@ -249,6 +249,33 @@ def test_other_backends_see_te_as_without_te_passes():
     assert graphs == [] and err2 is not None and "LayerNormLinear.forward" in err2
 
 
+def test_cache_entries_are_per_backend():
+    """One code object, no reset between: the te backend's cache entry (polyfills folded in) is
+    never reused for the plain backend, and the plain backend's failure does not evict it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch._dynamo.reset()
+    untouched.install_untouched_polyfills()
+    te_graphs: list = []
+    plain_graphs: list = []
+    with quiet(), fake_gpu("bf16"):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, constructing():
+            m = _lnl()
+            x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+
+        def step(t):
+            return m(t) * 2
+
+        ours = _te_backend(te_graphs)
+        with mode:
+            torch.compile(step, backend=ours, fullgraph=True)(x)
+            with pytest.raises(Exception, match=r"torch.compiler.disable"):
+                torch.compile(step, backend=_plain_backend(plain_graphs), fullgraph=True)(x)
+            torch.compile(step, backend=ours, fullgraph=True)(x)  # its cache entry: no new trace
+    assert len(te_graphs) == 1 and plain_graphs == []
+
+
 def test_other_backends_transformer_layer_fails_where_te_fails():
     """bf16 TransformerLayer without te.autocast under a plain backend: TE's own assertion in
     get_default_fp8_recipe (as without te_passes); under the te backend: one graph."""
