@@ -181,6 +181,17 @@ def test_layernorm_linear(normalization, zero_centered_gamma):
     assert any(norm in t for t in r["targets"]), r["targets"]
 
 
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_te_norm_kernel_switch(normalization, monkeypatch):
+    """TE_PASSES_UNTOUCHED_NORM=te: the norm is TE's kernel as the te_passes::te_norm_fwd op."""
+    monkeypatch.setenv(untouched.NORM_ENV, "te")
+    r = _run(lambda: te.LayerNormLinear(64, 128, normalization=normalization, params_dtype=torch.bfloat16,
+                                        device="cuda"), (32, 64), "bf16")
+    _one_graph(r, 1)
+    assert any("te_norm_fwd" in t for t in r["targets"]) and not any("layer_norm" in t or "rms_norm" in t
+                                                                      for t in r["targets"]), r["targets"]
+
+
 ACTIVATIONS = ["gelu", "geglu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu", "swiglu",
                "clamped_swiglu", "glu"]
 

@@ -191,8 +191,13 @@ def norm_impl(environ: Any = None) -> str:
     return v
 
 
+@torch._dynamo.assume_constant_result
+def _norm_choice() -> str:
+    return norm_impl()
+
+
 def _norm(mod: Any, inp: torch.Tensor) -> torch.Tensor:
-    if norm_impl() == "te":
+    if (_norm_choice() if torch.compiler.is_compiling() else norm_impl()) == "te":
         from te_passes.runtime.te_norm_op import te_norm
 
         return te_norm(inp, mod.layer_norm_weight, mod.layer_norm_bias, mod.eps, mod.normalization,
