@@ -170,6 +170,18 @@ def test_bf16_inside_te_autocast():
     _one_graph(r, 4)
 
 
+def test_gqa_break_is_named():
+    """GQA's remaining break (TE's SplitAlongDim) is attributed to te.MultiheadAttention with its reason."""
+    from te_passes.debug.graph_breaks import CompileEvents
+
+    with CompileEvents() as ev:
+        r = _run(lambda: _layer(num_gqa_groups=2), (16, 2, 64), "bf16", calls=1)
+    assert r["breaks"], r
+    mods = {(f["module"], f["kind"]) for f in ev.eager_fallbacks}
+    assert ("te.MultiheadAttention", "untraceable") in mods, ev.eager_fallbacks
+    assert all(f["kind"] != "disabled_forward" for f in ev.eager_fallbacks), ev.eager_fallbacks
+
+
 def test_bf16_without_te_autocast():
     r = _run(_layer, (16, 2, 64), "bf16", autocast="none")
     _one_graph(r, 4)

@@ -81,6 +81,20 @@ FOLLOW_ON_BREAKS: dict[tuple[str, str], tuple[str, str]] = {
         "`with self.prepare_forward_ctx(...)`, which Dynamo cannot resume in: the rest of "
         "DotProductAttention.forward runs eagerly"),
 }
+#: Graph breaks inside TE code Dynamo cannot trace, keyed by (path suffix, function) of the
+#: innermost frame -> (TE module, why, the fix). ``SplitAlongDim`` (``pytorch/utils.py``): TE's
+#: ``MultiheadAttention`` splits q/k/v with it under GQA (``num_gqa_groups`` < heads) or when the
+#: packed pass-through is not eligible; its ``backward`` compares ``untyped_storage().data_ptr()``.
+TE_UNTRACEABLE: dict[tuple[str, str], tuple[str, str]] = {
+    ("transformer_engine/pytorch/utils.py", "backward"): (
+        "te.MultiheadAttention",
+        "q/k/v split with SplitAlongDim (GQA, or no packed pass-through), whose backward reads data_ptr: "
+        "one graph break per layer; no fix inside te_passes (num_gqa_groups == heads avoids it)"),
+    ("transformer_engine/pytorch/utils.py", "forward"): (
+        "te.MultiheadAttention",
+        "q/k/v split with SplitAlongDim (GQA, or no packed pass-through), which reads data_ptr: "
+        "one graph break per layer; no fix inside te_passes (num_gqa_groups == heads avoids it)"),
+}
 #: Dynamo's texts for a graph break it cannot resume from (torch 2.14 ``symbolic_convert``):
 #: the ``step_unsupported`` marker and "Encountered graph break that we cannot resume from".
 _CANNOT_RESUME_RE = re.compile(r"step_unsupported|cannot resume from", re.IGNORECASE)
@@ -90,7 +104,7 @@ _CANNOT_RESUME_RE = re.compile(r"step_unsupported|cannot resume from", re.IGNORE
 class TEFallback:
     """A graph break attributed to TE: ``module`` (``"te.LayerNormLinear"``), ``kind``
     (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``, ``"untouched_island"`` — a call
-    te_passes' polyfill left to TE's eager forward, ``"eager_body"`` — the
+    te_passes' polyfill left to TE's eager forward, ``"untraceable"`` — TE code Dynamo cannot trace, ``"eager_body"`` — the
     eager half of a configuration fallback, ``"follow_on"`` — a TE frame Dynamo could not resume
     after an island inside it), ``reason`` (one line)."""
 
@@ -112,6 +126,12 @@ def classify_graph_break(reason: str, innermost_frame: tuple[str, str] | None = 
         for (suffix, fn_name), (mod, why) in FOLLOW_ON_BREAKS.items():
             if func == fn_name and norm.endswith(suffix):
                 return TEFallback(mod, "follow_on", why)
+    if innermost_frame is not None and "data_ptr" in reason:
+        filename, func = innermost_frame
+        norm = filename.replace("\\", "/")
+        for (suffix, fn_name), (mod, why) in TE_UNTRACEABLE.items():
+            if func == fn_name and norm.endswith(suffix):
+                return TEFallback(mod, "untraceable", why)
     m = _USER_BREAK_RE.search(reason)
     if m and m.group("msg").startswith(LINEAR_FALLBACK_PREFIX):
         return TEFallback("te.Linear", "linear_config", m.group("msg")[len(LINEAR_FALLBACK_PREFIX):].strip())
