@@ -110,7 +110,7 @@ def _layer(**kw):
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("layers", [1, 4])
+@pytest.mark.parametrize("layers", [1, 4], ids=["x1", "x4"])
 def test_untouched_transformer_layer(layers, precision, mode):
     build = (lambda: _layer()) if layers == 1 else \
         (lambda: torch.nn.Sequential(*[_layer(layer_number=i + 1) for i in range(layers)]))
