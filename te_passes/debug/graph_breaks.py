@@ -23,6 +23,7 @@ import dataclasses
 import warnings
 from typing import Any
 
+from te_passes.runtime.untouched_gate import island_records
 from te_passes.te.fallbacks import classify_graph_break, fallback_reason_from_warning
 
 
@@ -83,8 +84,6 @@ def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
 
 def _island_reason(module: str) -> str | None:
     """The untouched-model polyfills' island records for TE ``module`` (reason and fix), joined."""
-    from te_passes.runtime.untouched import island_records
-
     texts = [str(i) for i in island_records() if i.te_module == module]
     return "; ".join(texts) if texts else None
 

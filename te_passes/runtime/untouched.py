@@ -12,38 +12,38 @@ function, as without te_passes. Docs: docs/untouched.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import importlib
 import os
 import sys
 import threading
 import types
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch._dynamo.comptime import comptime
 
-from te_passes.config import OPTION_SPECS, PREFIX, TePassesOptionError, TePassesOptions
-from te_passes.runtime.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
-from te_passes.te.module_init import forward_prepare_args
+from te_passes.config import TePassesOptionError
+from te_passes.runtime.fused_attn_op import install_fused_attention_op
+from te_passes.runtime.te_norm_op import te_norm
+from te_passes.runtime.untouched_attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
+                                                   fused_attention_forward)
+from te_passes.runtime.untouched_gate import (BACKEND_MARK, ENV, OPTION, Island, _fix_for, _note_island,  # noqa: F401
+                                              backend_wants_polyfills, clear_island_records, island_records,
+                                              untouched_enabled)
+from te_passes.runtime.untouched_state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, _active,  # noqa: F401
+                                               _eager, _prepare_layernorm_linear,
+                                               _prepare_layernorm_mlp, _register_start_callback, on_compile_start,
+                                               prepare_te_module, prime_recipe)
 from te_passes.te.norm_act import activation, normalize
-from te_passes.te.untouched_rules import (DELAYED_SCALING_FIX, layernorm_linear_config_problem,
-                                          layernorm_mlp_config_problem, norm_call_problem)
+from te_passes.te.untouched_rules import norm_call_problem
+from te_passes.te.version import is_supported, te_version
 
-#: The ``te_passes.*`` option (``torch.compile(..., options={OPTION: False})``) and its env var.
-OPTION = PREFIX + "untouched"
-ENV = "TE_PASSES_UNTOUCHED"
 #: ``TE_PASSES_UNTOUCHED_NORM``: ``torch`` (default: LayerNorm / RMSNorm in torch ops, fused by
 #: Inductor) or ``te`` (TE's own norm kernels as the ``te_passes::te_norm`` op; numerics of TE eager).
 NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
 NORM_CHOICES = ("torch", "te")
-#: A backend callable (or anything it wraps) with this attribute set to ``True`` takes the
-#: polyfills like ``te_inductor`` (the CPU capture's recording backends set it).
-BACKEND_MARK = "_te_passes_untouched"
-#: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
-STATE_ATTR = "_te_passes_untouched_state"
 
 #: ``disabled_f`` targets: TE function qualname -> (attribute path under ``transformer_engine.pytorch``, TE module).
 TARGETS: dict[str, tuple[str, str, str]] = {
@@ -57,129 +57,6 @@ TARGETS: dict[str, tuple[str, str, str]] = {
     "DotProductAttention.forward": ("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention",
                                     "DotProductAttention", "te.DotProductAttention"),
 }
-
-
-# --------------------------------------------------------------------------- the backend gate
-def _backend_chain(fn: Any) -> list[Any]:
-    """``fn`` and what it wraps: Dynamo's ``WrapBackendDebug``, ``torch.compile``'s
-    ``_TorchCompileWrapper`` (``compiler_fn``), ``functools.partial`` (``func``), ``__wrapped__``."""
-    out: list[Any] = []
-    while fn is not None and len(out) < 16 and all(fn is not o for o in out):
-        out.append(fn)
-        nxt = None
-        for attr in ("_torchdynamo_orig_backend", "_torchdynamo_orig_callable", "compiler_fn", "func", "__wrapped__"):
-            v = getattr(fn, attr, None) if not isinstance(fn, types.ModuleType) else None
-            if v is not None and v is not fn and callable(v):
-                nxt = v
-                break
-        fn = nxt
-    return out
-
-
-def _options_of(chain: list[Any]) -> dict[str, Any] | None:
-    for c in chain:
-        kw = getattr(c, "kwargs", None) if not isinstance(c, functools.partial) else c.keywords
-        if isinstance(kw, dict) and isinstance(kw.get("options"), dict):
-            return kw["options"]
-    return None
-
-
-def untouched_enabled(options: dict[str, Any] | None = None, environ: Any = None) -> bool:
-    """``te_passes.untouched`` from ``options`` (a ``torch.compile`` options dict), else
-    ``TE_PASSES_UNTOUCHED``, else ``True``.
-
-    Raises:
-        TePassesOptionError: a value that is not a bool (option) / not a bool spelling (env).
-    """
-    ours = {OPTION: options[OPTION]} if options and OPTION in options else None
-    parsed, _ = TePassesOptions.parse(ours, environ={ENV: (environ or os.environ).get(ENV, "")})
-    return parsed.untouched
-
-
-def backend_wants_polyfills(compiler_fn: Any) -> bool:
-    """Whether Dynamo's ``compiler_fn`` (``OutputGraph.compiler_fn``) is ``te_inductor`` (or
-    carries :data:`BACKEND_MARK`) with ``te_passes.untouched`` on."""
-    chain = _backend_chain(compiler_fn)
-    te_fn = getattr(sys.modules.get("te_passes.backend"), "te_inductor", None)
-    if not any((te_fn is not None and c is te_fn) or getattr(c, BACKEND_MARK, False) is True for c in chain):
-        return False
-    return untouched_enabled(_options_of(chain))
-
-
-@torch._dynamo.assume_constant_result
-def _active() -> bool:
-    """Trace time: whether the frame Dynamo traces now is compiled for a backend that takes the
-    polyfills (folded as a constant; the cache entry is per backend). ``False`` outside a trace."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-    except Exception:  # noqa: BLE001 - not tracing
-        return False
-    on = tx is not None and backend_wants_polyfills(getattr(tx.output, "compiler_fn", None))
-    if on:
-        _register_start_callback()  # torch._dynamo.reset() cleared it: the next frames get their lazy init
-    return on
-
-
-# --------------------------------------------------------------------------- islands
-@dataclasses.dataclass(frozen=True)
-class Island:
-    """A TE call the polyfill left to TE's eager code under ``te_inductor``: ``te_module``
-    (``"te.LayerNormLinear"``), the module's TE ``name`` (``""`` if unnamed), TE's/our ``reason``
-    and the ``fix`` that would let it compile."""
-
-    te_module: str
-    name: str
-    reason: str
-    fix: str
-
-    def __str__(self) -> str:
-        who = f"{self.te_module} {self.name!r}" if self.name else self.te_module
-        return f"{who} runs eagerly (graph break): {self.reason}. Fix: {self.fix}"
-
-
-_ISLANDS: dict[tuple[str, str, str], Island] = {}
-_ISLAND_LIMIT = 256
-_lock = threading.Lock()
-
-
-def island_records() -> list[Island]:
-    """The islands the polyfills left in this process (deduplicated, in order; at most 256)."""
-    with _lock:
-        return list(_ISLANDS.values())
-
-
-def clear_island_records() -> None:
-    """Forget :func:`island_records` (and re-arm the one-time DelayedScaling warning)."""
-    with _lock:
-        _ISLANDS.clear()
-        _WARNED.clear()
-
-
-_WARNED: set[str] = set()
-
-
-@torch._dynamo.assume_constant_result
-def _note_island(te_module: str, name: str, reason: str, fix: str) -> bool:
-    """Trace time: record an island (and warn once for DelayedScaling). Returns ``True``."""
-    with _lock:
-        key = (te_module, name, reason)
-        if key not in _ISLANDS and len(_ISLANDS) < _ISLAND_LIMIT:
-            _ISLANDS[key] = Island(te_module, name, reason, fix)
-        warn = "DelayedScaling" in reason and "DelayedScaling" not in _WARNED
-        if warn:
-            _WARNED.add("DelayedScaling")
-    if warn:
-        warnings.warn(f"te_passes: {Island(te_module, name, reason, fix)}", RuntimeWarning, stacklevel=2)
-    return True
-
-
-def _fix_for(reason: str) -> str:
-    if "DelayedScaling" in reason:
-        return DELAYED_SCALING_FIX
-    return ("none inside te_passes for this configuration; the rest of the model still compiles "
-            "(see docs/untouched.md for what the polyfills express)")
 
 
 # --------------------------------------------------------------------------- shared forwards
@@ -198,8 +75,6 @@ def _norm_choice() -> str:
 
 def _norm(mod: Any, inp: torch.Tensor) -> torch.Tensor:
     if (_norm_choice() if torch.compiler.is_compiling() else norm_impl()) == "te":
-        from te_passes.runtime.te_norm_op import te_norm
-
         return te_norm(inp, mod.layer_norm_weight, mod.layer_norm_bias, mod.eps, mod.normalization,
                        mod.zero_centered_gamma)
     return normalize(inp, mod.layer_norm_weight, mod.layer_norm_bias, mod.eps, mod.normalization,
@@ -222,280 +97,8 @@ def layernorm_mlp_forward(mod: Any, fc1: torch.nn.Module, fc2: torch.nn.Module, 
     return fc2(activation(h, mod.activation, mod.activation_params), is_first_microbatch=is_first_microbatch)
 
 
-# --------------------------------------------------------------------------- trace-time preparation
-@dataclasses.dataclass
-class UntouchedState:
-    """What the first trace built for one untouched TE module: why its configuration is not
-    expressed (``problem``, ``None`` if it is) and its hidden ``te.Linear``\\ s (``gemms``)."""
-
-    problem: str | None
-    gemms: tuple[torch.nn.Module, ...] = ()
-
-
-def _real(ctx: Any, name: str) -> Any:
-    """The real Python object behind local ``name`` of the frame being traced, or ``None``."""
-    try:
-        vt = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
-    except Exception:  # noqa: BLE001 - no such local / not a plain object
-        return None
-    if hasattr(vt, "value"):
-        return vt.value
-    try:
-        return vt.as_python_constant()
-    except Exception:  # noqa: BLE001 - a traced value
-        return None
-
-
-def _peek(vt: Any) -> Any:
-    """The Python object a module-like variable tracker stands for, without realising a lazy one
-    (realising would install guards on locals the trace never used)."""
-    peek = getattr(vt, "peek_value", None)
-    if peek is not None and not vt.is_realized():
-        v = peek()
-        return v if isinstance(v, torch.nn.Module) else None
-    vt = vt.unwrap() if hasattr(vt, "unwrap") else vt
-    if type(vt).__name__ in ("NNModuleVariable", "UnspecializedNNModuleVariable", "UnspecializedBuiltinNNModuleVariable",
-                             "FSDPManagedNNModuleVariable"):
-        return getattr(vt, "value", None)
-    return None
-
-
-def _frame_modules(ctx: Any) -> list[torch.nn.Module]:
-    """The ``nn.Module`` locals of every frame of the trace (the compiled frame's ``self``, the
-    model a compiled step function closes over, ...)."""
-    out: list[torch.nn.Module] = []
-    try:
-        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
-    except Exception:  # noqa: BLE001
-        return out
-    while tx is not None:
-        for vt in list(getattr(tx, "symbolic_locals", {}).values()):
-            v = _peek(vt)
-            if isinstance(v, torch.nn.Module) and all(v is not o for o in out):
-                out.append(v)
-        tx = getattr(tx, "parent", None)
-    return out
-
-
-def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
-                      args: tuple[int, bool] | None = None) -> bool:
-    """Run TE's first-forward lazy initialisation of ``m`` eagerly (what ``prepare_forward``
-    does on the first call: ``is_fsdp2``, ``activation_dtype``, ``init_fp8_metadata`` with the
-    ``num_gemms`` of its class) inside ``te.autocast(enabled=fp8, recipe=recipe)``; returns
-    whether ``m`` is a TE module of a known class (see ``te.module_init.forward_prepare_args``).
-    A module whose parameters are not ``dtype`` is left alone (TE raises on its first forward).
-    ``args``: ``(num_gemms, allow_different_data_and_param_types)`` for a class not in that table
-    (a hidden ``te.Linear``: ``(1, False)``)."""
-    args = forward_prepare_args(m) if args is None else args
-    if args is None:
-        return False
-    num_gemms, allow_mixed = args
-    try:
-        _ = m.is_fsdp2
-        m.fast_setattr("allow_different_data_and_param_types", allow_mixed)
-        m.set_activation_dtype(torch.empty(0, dtype=dtype))
-        m.init_fp8_metadata(num_gemms=num_gemms)
-    except TypeError:  # TE: parameters of another dtype than the activations
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _eager() -> Any:
-    """Run TE's eager code from inside a Dynamo compile session: ``torch.compiler.is_compiling()``
-    answers ``False`` inside (Dynamo sets it for the whole session, and TE's eager-only paths,
-    e.g. ``get_default_fp8_recipe``, assert on it)."""
-    import torch.compiler as tc
-
-    old = getattr(tc, "_is_compiling_flag", False)
-    tc._is_compiling_flag = False
-    try:
-        yield
-    finally:
-        tc._is_compiling_flag = old
-
-
-def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: Any, gemms: tuple[Any, ...] = (),
-                 skip: Callable[[Any], bool] = lambda m: False) -> None:
-    """``prepare_te_module`` on ``gemms`` and every TE module under ``mods`` (but those ``skip``
-    names), once per (dtype, fp8, recipe) and module; ``dtype`` ``None``: each module's parameter dtype."""
-    import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import Recipe
-
-    if fp8 and not isinstance(recipe, Recipe):
-        return  # a recipe built inside the traced function: TE's own first forward initialises
-    todo = [(g, (1, False)) for g in gemms] + [(m, None) for root in mods for m in root.modules()]
-    with _eager(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else _null()):
-        for m, args in todo:
-            d = dtype or _param_dtype(m)
-            key = (d, fp8, id(recipe) if recipe is not None else None)
-            if d is None or m.__dict__.get("_te_passes_prepared_key") == key or skip(m):
-                continue
-            if prepare_te_module(m, d, fp8, recipe, args):
-                m.__dict__["_te_passes_prepared_key"] = key
-
-
-def _param_dtype(m: Any) -> torch.dtype | None:
-    for p in m.parameters(recurse=False):
-        if p.is_floating_point():
-            return p.dtype
-    return None
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-#: Context managers entered around building a module's hidden ``te.Linear``\ s (the CPU capture's
-#: fake GPU adds one that lets TE's constructor find "CUDA").
-BUILD_CONTEXTS: list[Callable[[], Any]] = []
-
-
-def _built(build: Callable[[Any], UntouchedState], mod: Any) -> UntouchedState:
-    import contextlib
-
-    with contextlib.ExitStack() as stack:
-        for cm in BUILD_CONTEXTS:
-            stack.enter_context(cm())
-        return build(mod)
-
-
-def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
-    """Comptime body of a polyfill: build ``self``'s :class:`UntouchedState` once, then run TE's
-    lazy init (with the traced call's dtype / fp8 / recipe) on its hidden ``te.Linear``\\ s and on
-    every TE module of the traced frames, so step 2 sees step 1's state (no recompile)."""
-    mod = _real(ctx, "self")
-    if not isinstance(mod, torch.nn.Module):
-        return
-    st = mod.__dict__.get(STATE_ATTR)
-    if st is None:
-        try:
-            st = _built(build, mod)
-        except Exception as e:  # noqa: BLE001 - a configuration the hidden te.Linear cannot take
-            st = UntouchedState(f"building the hidden te.Linear failed: {type(e).__name__}: {e}")
-        mod.__dict__[STATE_ATTR] = st
-    inp = ctx.get_local("inp").as_fake() if _has_local(ctx, "inp") else None
-    fp8 = _real(ctx, "fp8")
-    recipe = _real(ctx, "recipe")
-    if inp is None or not isinstance(fp8, bool) or st.problem is not None:
-        return
-    if fp8 and getattr(recipe, "delayed", lambda: False)():
-        return  # an island (norm_call_problem): TE's eager forward initialises its own state
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else inp.dtype
-    touched = _touched(ctx)
-    _prepare_all(_frame_modules(ctx), dtype, fp8, recipe, st.gemms, skip=lambda m: id(m) in touched)
-
-
-def _touched(ctx: Any) -> set[int]:
-    """Ids of the objects the trace has read so far (their attribute reads are guarded: changing
-    them now would fail the guards of the frame being compiled)."""
-    try:
-        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
-        cache = tx.output.variable_tracker_cache
-    except Exception:  # noqa: BLE001
-        return set()
-    out = set()
-    for vt in list(cache.values()):
-        v = _peek(vt)
-        if v is not None:
-            out.add(id(v))
-    return out
-
-
-def _compile_frame() -> tuple[Any, dict, tuple, dict] | None:
-    """``(compiler_fn, locals, closure, globals)`` of the frame Dynamo starts compiling (the
-    arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack), or ``None``."""
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code.co_name == "_compile" and f.f_globals.get("__name__") == "torch._dynamo.convert_frame":
-            loc = f.f_locals
-            return loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {}
-        f = f.f_back
-    return None
-
-
-def on_compile_start(_args: Any = None) -> None:
-    """Dynamo start callback: for a frame compiled for te_inductor, do TE's first-forward lazy
-    init before the trace reads it — prime every TE recipe the frame reaches (its cached repr and
-    TE's autocast key) and initialise every TE module it reaches (locals, closure cells, module
-    globals; parameter dtype, the TE autocast state active now). Never raises."""
-    try:
-        found = _compile_frame()
-        if found is None or "transformer_engine.pytorch" not in sys.modules:
-            return
-        compiler_fn, loc, closure, glob = found
-        if not backend_wants_polyfills(compiler_fn):
-            return
-        from transformer_engine.common.recipe import Recipe
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-        values = list(loc.values())
-        for c in closure or ():
-            try:
-                values.append(c.cell_contents)
-            except ValueError:  # an empty cell
-                pass
-        values += [v for v in glob.values() if isinstance(v, (Recipe, torch.nn.Module))]
-        recipes = [v for v in values if isinstance(v, Recipe)]
-        mods = [v for v in values if isinstance(v, torch.nn.Module)]
-        for r in recipes:
-            prime_recipe(r)
-        if mods:
-            q = FP8GlobalStateManager.quantization_state
-            active = q.autocast_depth > 0
-            _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None)
-    except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
-        return
-
-
-def prime_recipe(recipe: Any) -> None:
-    """What TE's first ``te.autocast(recipe=recipe)`` caches: ``Recipe.__repr__``'s
-    ``_cached_repr`` and the ``autocast_arguments`` entry keyed by it (``pytorch/quantization.py``)."""
-    import transformer_engine.pytorch as te
-
-    with _eager():
-        str(recipe)
-        with te.autocast(enabled=False, recipe=recipe):
-            pass
-
-
-def _has_local(ctx: Any, name: str) -> bool:
-    try:
-        ctx.get_local(name)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _build_layernorm_linear(mod: Any) -> UntouchedState:
-    p = layernorm_linear_config_problem(mod)
-    return UntouchedState(p) if p else UntouchedState(None, (layernorm_linear_gemm(mod),))
-
-
-def _build_layernorm_mlp(mod: Any) -> UntouchedState:
-    p = layernorm_mlp_config_problem(mod)
-    return UntouchedState(p) if p else UntouchedState(None, layernorm_mlp_gemms(mod))
-
-
-def _prepare_layernorm_linear(ctx: Any) -> None:
-    _prepare(ctx, _build_layernorm_linear)
-
-
-def _prepare_layernorm_mlp(ctx: Any) -> None:
-    _prepare(ctx, _build_layernorm_mlp)
-
-
-def _prepare_attention(ctx: Any) -> None:
-    mod = _real(ctx, "self")
-    if isinstance(mod, torch.nn.Module) and STATE_ATTR not in mod.__dict__:
-        mod.__dict__[STATE_ATTR] = UntouchedState(None)
-
-
 # --------------------------------------------------------------------------- the polyfills
+_lock = threading.Lock()
 _COPIES: dict[str, Callable[..., Any]] = {}   # TE's function, disabled: the other backends' path
 _ISLAND_FNS: dict[str, Callable[..., Any]] = {}  # TE's function, disabled, named: te_inductor's islands
 
@@ -578,8 +181,6 @@ def _fused_attention(self, query_layer, key_layer, value_layer, qkv_layout="sbh3
         del call["fused_attention_backend"]
     if not _active():
         return _COPIES["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
-    from te_passes.runtime.untouched_attention import fused_attention_call_problem, fused_attention_forward
-
     problem = fused_attention_call_problem(self, query_layer, key_layer, value_layer, call)
     if problem is not None:
         _note_island("te.FusedAttention", f"layer_number={self.layer_number}", problem, _fix_for(problem))
@@ -593,8 +194,6 @@ def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=N
     if args or not _active():
         return te_forward(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, *args, **kwargs)
     from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import _unpack_packed_qkv
-
-    from te_passes.runtime.untouched_attention import dpa_fused_forward, dpa_problem
 
     kw = dict(kwargs)
     mask = kw.pop("attn_mask_type", None) or self.attn_mask_type
@@ -718,10 +317,6 @@ def install_untouched_polyfills() -> bool:
         if _STATUS:
             _register_start_callback()  # torch._dynamo.reset() clears Dynamo's callbacks
             return any(s.installed for s in _STATUS.values())
-        import importlib
-
-        from te_passes.te.version import is_supported, te_version
-
         for qualname, (modname, cls_name, _te_module) in TARGETS.items():
             if not is_supported():
                 _STATUS[qualname] = PolyfillStatus(qualname, False, f"TE {te_version()} is not a version te_passes "
@@ -750,24 +345,14 @@ def install_untouched_polyfills() -> bool:
                 continue
             _STATUS[qualname] = PolyfillStatus(qualname, True)
         _install_default_recipe()
-        from te_passes.runtime.fused_attn_op import install_fused_attention_op
-
         install_fused_attention_op(import_te=True)  # the FusedAttention polyfill's op (refusal: refused_reason())
         _register_start_callback()
         return any(s.installed for s in _STATUS.values())
 
 
-def _register_start_callback() -> None:
-    handler = torch._dynamo.callback_handler
-    if on_compile_start not in handler.start_callbacks:
-        handler.register_start_callback(on_compile_start)
-
-
 def _install_default_recipe() -> None:
     """The plain-function polyfills: ``quantization.get_default_fp8_recipe`` and
     ``module/_common.noop_cat`` (te.Linear's weight splits, e.g. ``MultiheadAttention.qkv``)."""
-    import importlib
-
     for modname, name, poly in (("transformer_engine.pytorch.quantization", "get_default_fp8_recipe",
                                  _default_recipe_polyfill),
                                 ("transformer_engine.pytorch.module._common", "noop_cat", _noop_cat)):

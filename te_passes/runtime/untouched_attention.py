@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from te_passes.runtime.fused_attn_op import refused_reason
+from te_passes.runtime.fused_attn_op import fused_attention_op, refused_reason
+from te_passes.te.fused_attn import head_dim_problem
+from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask
 
 #: Mask types the op path expresses (``causal_bottom_right`` as TE resolves it: DPA passes the diagonal).
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
@@ -74,8 +76,6 @@ def fused_attention_forward(mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch
     from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
     from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
 
-    from te_passes.runtime.fused_attn_op import fused_attention_op
-
     fmt = _format(call["qkv_layout"])
     q, k, v = (t.contiguous() for t in (q, k, v))
     seq_dim = 0 if fmt == "sbhd" else 1
@@ -110,9 +110,6 @@ def dpa_fused_forward(mod: Any, fmt: str, mask: str, q: torch.Tensor, k: torch.T
     from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
     from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
 
-    from te_passes.runtime.fused_attn_op import fused_attention_op
-    from te_passes.te.untouched_rules import resolve_mask
-
     q, k, v = (t.contiguous() for t in (q, k, v))
     seq_dim = 0 if fmt == "sbhd" else 1
     batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
@@ -140,9 +137,6 @@ def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: A
     ``None``: the configuration (:func:`te_passes.te.untouched_rules.dpa_config_problem`), cuDNN's
     head-dim range, TE's FAv2 backward, the op's availability, the call's arguments, the dtypes."""
     from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
-
-    from te_passes.te.fused_attn import head_dim_problem
-    from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem
 
     p = dpa_config_problem(mod, "fused-op") or dpa_call_problem(fmt, mask, attention_mask, kwargs, "fused-op")
     if p:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from te_passes.runtime.untouched import install_untouched_polyfills
 from te_passes.te.version import te_version
 from te_passes.testing.captured import CapturedGraph
 from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing, fake_gpu, import_te, make_recipe,
@@ -176,8 +177,6 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
             return never_run
         backend._te_passes_untouched = True  # take te_passes' polyfills, as te_inductor does
         if model in UNTOUCHED_MODELS:
-            from te_passes.runtime.untouched import install_untouched_polyfills
-
             install_untouched_polyfills()
 
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)

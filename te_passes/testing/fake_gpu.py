@@ -17,6 +17,7 @@ from unittest import mock
 
 import torch
 
+from te_passes.runtime import untouched_state
 from te_passes.testing.inductor_state import clear_system_info
 
 #: Precisions :func:`~te_passes.testing.capture.capture_dynamo` / :func:`~te_passes.testing.capture.capture_aot`
@@ -171,9 +172,8 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
         if hasattr(dpa_utils, "_get_fused_attn_backend"):
             stack.enter_context(mock.patch.object(dpa_utils, "_get_fused_attn_backend", _fake_fused_attn_backend))
         # the untouched-model polyfills build hidden te.Linear modules during the first trace
-        from te_passes.runtime import untouched
-
-        stack.enter_context(mock.patch.object(untouched, "BUILD_CONTEXTS", [*untouched.BUILD_CONTEXTS, constructing]))
+        stack.enter_context(mock.patch.object(untouched_state, "BUILD_CONTEXTS",
+                                              [*untouched_state.BUILD_CONTEXTS, constructing]))
         clear_system_info()
         yield
 
