@@ -417,3 +417,25 @@ def test_capture_learns_untouched_models(model):
     targets = [str(n.target) for n in cg.gm.graph.nodes if n.op == "call_function"]
     assert _gemms(targets) == {"layernorm_linear": 1, "layernorm_mlp": 2, "multihead_attention": 2,
                                "transformer_layer": 4}[model]
+
+
+# --------------------------------------------------------------------------- te-passes dump --example
+@pytest.mark.parametrize("name", ["transformer-layer-bf16", "transformer-layer-fp8"])
+def test_dump_example_untouched_transformer_layer(name, tmp_path):
+    """The built-in untouched te.TransformerLayer examples: one graph, no breaks, no TE islands."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("TE_PASSES_DISABLE", "TE_PASSES_DUMP_DIR", "TORCH_TRACE", untouched.ENV):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "te_passes.cli", "dump", "--example", name, "--out", "d", "--plain"],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "TE eager islands: none" in out and "graph breaks: none recorded" in out, out
+    assert "recompiles: none recorded" in out, out
+    graphs = [ln for ln in out.splitlines() if ln.startswith("g") and " dynamo" in ln]
+    assert len(graphs) == 1, out
