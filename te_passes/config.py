@@ -103,6 +103,10 @@ OPTION_SPECS: dict[str, _Spec] = {
                         "CUDA-graph replay under reduce-overhead: 'trees' (Inductor's cudagraph trees, the default) "
                         "or 'lean' (te_passes' policy, opt-in: falls back to trees per graph where unsafe; "
                         "slower than trees on the H200 so far, docs/usage.md)", "TE_PASSES_CUDAGRAPHS"),
+    # issue 21: untouched TE models in one graph (te_passes/runtime/untouched.py, read at trace time)
+    "untouched": _Spec(_as_bool, "trace TE's disabled LayerNormLinear / LayerNormMLP / FusedAttention forwards "
+                       "through te_passes' polyfills (on by default; False: TE's eager islands, as backend='inductor')",
+                       "TE_PASSES_UNTOUCHED"),
 }
 
 
@@ -125,6 +129,7 @@ class TePassesOptions:
     ub_on_change: str = "recompile"
     pass_config: Any = None
     cudagraphs: str = "trees"
+    untouched: bool = True
     #: The options whose value came from a ``TE_PASSES_*`` environment variable (not hashed).
     from_env: frozenset[str] = frozenset()
 

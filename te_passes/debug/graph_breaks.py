@@ -23,6 +23,7 @@ import dataclasses
 import warnings
 from typing import Any
 
+from te_passes.runtime.untouched_gate import island_records
 from te_passes.te.fallbacks import classify_graph_break, fallback_reason_from_warning
 
 
@@ -79,6 +80,12 @@ def graph_break_entry(reason: str, user_stack: list[Any]) -> dict[str, Any]:
         "te": dataclasses.asdict(te) if te else None,
         "full_reason": reason,
     }
+
+
+def _island_reason(module: str) -> str | None:
+    """The untouched-model polyfills' island records for TE ``module`` (reason and fix), joined."""
+    texts = [str(i) for i in island_records() if i.te_module == module]
+    return "; ".join(texts) if texts else None
 
 
 def _metrics_entry(m: Any) -> dict[str, Any]:
@@ -172,6 +179,8 @@ class CompileEvents:
             reason = te["reason"]
             if te["kind"] == "conditional" and self.te_warnings:
                 reason = "; ".join(self.te_warnings)
+            if te["kind"] == "untouched_island":
+                reason = _island_reason(te["module"]) or reason
             key = (te["module"], reason, None)  # one island per module and reason, all its breaks
             if key in fallbacks:
                 fallbacks[key]["count"] += e["count"]

@@ -30,8 +30,9 @@ from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
 from te_passes.passes.order import configured_passes, pass_names
 from te_passes.report import compile_reports
-from te_passes.testing.capture import capture_aot
-from te_passes.testing.fake_gpu import fake_gpu, make_recipe
+from te_passes.testing.capture import capture_aot, capture_dynamo
+from te_passes.testing.dynamo_capture import UNTOUCHED_MODELS
+from te_passes.testing.fake_gpu import CaptureError, fake_gpu, make_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,11 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in (
     Example("linear-mxfp8", "linear", "mxfp8", 1, "te.Linear(64, 128), MXFP8BlockScaling, forward + backward"),
     Example("stack-fp8", "stack", "fp8-cs", 2,
             "2 x te.Linear(64, 64) with GELU between, Float8CurrentScaling, forward + backward"),
+    # issue 21: untouched TE modules, traced through te_passes' polyfills (docs/untouched.md)
+    Example("transformer-layer-bf16", "transformer_layer", "bf16", 1,
+            "untouched te.TransformerLayer(64, 256, 4) in bf16, forward + backward", tokens=16),
+    Example("transformer-layer-fp8", "transformer_layer", "fp8-cs", 1,
+            "untouched te.TransformerLayer(64, 256, 4), Float8CurrentScaling, forward + backward", tokens=16),
 )}
 
 #: Precision names accepted by ``--precision``.
@@ -129,14 +135,24 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
     opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))
     patches = _inductor_config_patches(mode, {})
     say(f"capturing the Dynamo and AOTAutograd graphs of {ex.name} ({precision}) on fake CUDA tensors")
-    out_features = ex.hidden if ex.model == "stack" else 2 * ex.hidden
-    aot = capture_aot(ex.model, precision, ex.layers, ex.tokens, ex.hidden, out_features)
-    jobs = [(Stage.DYNAMO, aot.dynamo.gm, aot.dynamo.example_inputs)]
-    if aot.joint is not None:
-        jobs.append((Stage.JOINT, aot.joint, aot.joint_inputs))
-    jobs.append((Stage.POST_GRAD_FWD, aot.forward, aot.forward_inputs))
-    if aot.backward is not None:
-        jobs.append((Stage.POST_GRAD_BWD, aot.backward, aot.backward_inputs))
+    out_features = ex.hidden if ex.model != "linear" else 2 * ex.hidden
+    aot_error = None
+    try:
+        aot = capture_aot(ex.model, precision, ex.layers, ex.tokens, ex.hidden, out_features)
+    except CaptureError as e:
+        if ex.model not in UNTOUCHED_MODELS:
+            raise
+        aot_error = str(e)  # the untouched models' AOT trace on fake tensors: the Dynamo stage only
+        dyn = capture_dynamo(ex.model, precision, ex.layers, ex.tokens, ex.hidden, out_features)
+    if aot_error is None:
+        jobs = [(Stage.DYNAMO, aot.dynamo.gm, aot.dynamo.example_inputs)]
+        if aot.joint is not None:
+            jobs.append((Stage.JOINT, aot.joint, aot.joint_inputs))
+        jobs.append((Stage.POST_GRAD_FWD, aot.forward, aot.forward_inputs))
+        if aot.backward is not None:
+            jobs.append((Stage.POST_GRAD_BWD, aot.backward, aot.backward_inputs))
+    else:
+        jobs = [(Stage.DYNAMO, dyn.gm, dyn.example_inputs)]
     say(f"running the pass pipeline on {len(jobs)} stages")
     with fake_gpu(precision), torch._inductor.config.patch(
             {k: v for k, v in patches.items() if not k.endswith("_custom_pre_pass")}):
@@ -145,6 +161,11 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
             "forward and backward graphs captured on fake CUDA tensors (te_passes.testing.capture); "
             "Inductor's code generation needs a GPU and was not run. The forward/backward graphs were "
             "partitioned from the joint graph before the joint-stage passes ran.")
+    if aot_error is not None:
+        note = ("No GPU here: te_passes ran its Dynamo-stage passes on the real Dynamo graph of the untouched "
+                f"model (one graph, traced through te_passes' polyfills) captured on fake CUDA tensors; the "
+                f"AOTAutograd graphs could not be captured without a GPU ({aot_error}); Inductor was not run.")
+        return ExampleResult("offline pass pipeline on the captured Dynamo graph (untouched model)", note, [report])
     return ExampleResult("offline pass pipeline on captured graphs (Dynamo, joint, post-grad fwd/bwd)", note,
                          [report])
 
@@ -158,10 +179,15 @@ def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | N
     say(f"building {ex.name} on {torch.cuda.get_device_name()}")
     torch.manual_seed(0)
     out_features = ex.hidden if ex.model == "stack" else 2 * ex.hidden
-    layers = [te.Linear(ex.hidden, out_features, params_dtype=torch.bfloat16, device="cuda")
-              for _ in range(ex.layers)]
+    if ex.model == "transformer_layer":  # untouched: no compile_friendly, no prepare_te_state
+        layers = [te.TransformerLayer(ex.hidden, 4 * ex.hidden, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                      params_dtype=torch.bfloat16, device="cuda") for _ in range(ex.layers)]
+        x = torch.randn(ex.tokens, 2, ex.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    else:
+        layers = [te.Linear(ex.hidden, out_features, params_dtype=torch.bfloat16, device="cuda")
+                  for _ in range(ex.layers)]
+        x = torch.randn(ex.tokens, ex.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     recipe = make_recipe(precision)
-    x = torch.randn(ex.tokens, ex.hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
 
     def step(inp):
         ctx = te.autocast(enabled=True, recipe=recipe) if recipe is not None else torch.autocast("cuda", enabled=False)
@@ -169,7 +195,7 @@ def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | N
             y = inp
             for i, layer in enumerate(layers):
                 y = layer(y)
-                if i + 1 < len(layers):
+                if i + 1 < len(layers) and ex.model == "stack":
                     y = torch.nn.functional.gelu(y)
         return y
 

@@ -24,6 +24,7 @@ from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, Mod
 from te_passes.rewrite.refusals import check_sdpa_call, attention_problem
 from te_passes.rewrite.rewriters import rewriter_classes
 from te_passes.runtime.fused_attn_op import FusedAttentionOpUnavailable, fused_attention_op
+from te_passes.runtime.untouched_attention import dpa_fused_forward
 from te_passes.te.fused_attn import head_dim_problem
 
 PATH = "te_fused"
@@ -68,20 +69,6 @@ def auto_attention_problem(mod: Any) -> str | None:
     return None
 
 
-def _resolve_mask(mod: Any, mask: str, window_size: Any, bottom_right_diagonal: Any) -> tuple[Any, bool]:
-    """``(window_size, bottom_right_diagonal)`` as TE 2.20.2 ``DotProductAttention.forward``
-    resolves them (``dpa_utils.check_set_window_size`` and the diagonal rules)."""
-    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
-
-    window = dpa_utils.check_set_window_size(mask, mod.window_size if window_size is None else window_size)
-    brd = mod.bottom_right_diagonal if bottom_right_diagonal is None else bottom_right_diagonal
-    if mask in {"causal", "padding_causal"}:
-        brd = False
-    if brd is None or mask in {"causal_bottom_right", "padding_causal_bottom_right"}:
-        brd = True
-    return tuple(window), brd
-
-
 def _fused_class() -> type:
     if _CLASS:
         return _CLASS[0]
@@ -102,12 +89,9 @@ def _fused_class() -> type:
         def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                     qkv_format=None, attn_mask_type=None, qkv_layer=None, kv_layer=None,
                     qkv_interleave_dim=-3, **kwargs):
-            from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
-            from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
             from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
                 _unpack_packed_qkv,
             )
-            from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
             from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
 
             fmt = qkv_format or self.qkv_format
@@ -126,25 +110,7 @@ def _fused_class() -> type:
                                                qkv_interleave_dim, **kwargs)
                     raise CompileFriendlyError(f"{where}: {name} is {t.dtype} on {t.device}; the fused op "
                                                "runs TE's bf16/fp16 cuDNN kernels on CUDA")
-            q, k, v = (t.contiguous() for t in (q, k, v))
-            seq_dim = 0 if fmt == "sbhd" else 1
-            batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
-            window, brd = _resolve_mask(self, mask, kwargs.get("window_size"), kwargs.get("bottom_right_diagonal"))
-            args = FusedAttnFwdArgs(
-                q=q, k=k, v=v, attn_bias=None, softmax_offset=None,
-                cu_seqlens_q=dpa_utils.get_full_cu_seqlens(batch, s_q, q.device),
-                cu_seqlens_kv=dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device),
-                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
-                packed_qkv=None, packed_kv=None, is_training=self.fused_attention.training,
-                max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv), attn_scale=self.softmax_scale, dropout_p=0.0,
-                fast_zero_fill=kwargs.get("fast_zero_fill", True), qkv_layout=f"{fmt}_{fmt}_{fmt}",
-                attn_bias_type="no_bias", attn_mask_type=mask, softmax_type="vanilla", window_size=window,
-                bottom_right_diagonal=brd, fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"],
-                deterministic=self.deterministic, use_FAv2_bwd=False, return_max_logit=False, rng_gen=None,
-                fp8=False, fp8_meta=None, quantizers=None, fp8_output=False, bf16_backward=False,
-                layer_number=self.fused_attention.layer_number)
-            out, _max_logit = fused_attention_op()(args)
-            return out.view(*out.shape[:-2], -1)
+            return dpa_fused_forward(self, fmt, mask, q, k, v, kwargs)
 
     _CLASS.append(FusedDotProductAttention)
     return FusedDotProductAttention

@@ -14,91 +14,30 @@ from typing import Any, Callable
 import torch
 
 from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, state_of, te_module
-from te_passes.rewrite.norm_act import ACTIVATIONS
-
-
-def _common_problem(mod: Any) -> str | None:
-    """Configurations no rewritten TE module supports (shared by LayerNormLinear / LayerNormMLP)."""
-    from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
-
-    if getattr(mod, "tp_size", 1) != 1:
-        return (f"tensor parallel (tp_size={mod.tp_size}): the norm/GEMM split with sequence-parallel "
-                "gathers is not verified")
-    if getattr(mod, "fuse_wgrad_accumulation", False):
-        return "fuse_wgrad_accumulation (main_grad): te.Linear runs it eagerly under torch.compile"
-    store = getattr(mod, "wgrad_store", None)
-    if store is not None and store.delay_wgrad_compute():
-        return "delay_wgrad_compute: te.Linear runs it eagerly under torch.compile"
-    ub = [k for k in ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad",
-                      "ub_bulk_wgrad", "ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad")
-          if getattr(mod, k, False)]
-    if ub:
-        return f"Userbuffers overlap ({', '.join(ub)}): the norm would leave TE's UB-fused GEMM"
-    if getattr(mod, "return_layernorm_output", False):
-        return "return_layernorm_output: not expressed (TE returns its internal norm output)"
-    if getattr(mod, "symmetric_ar_type", None) is not None:
-        return f"symmetric_ar_type={mod.symmetric_ar_type!r}"
-    if getattr(mod, "primary_weights_in_fp8", False):
-        return "quantized primary weights (fp8_model_init)"
-    if getattr(mod, "fsdp_group", None) is not None:
-        return "manual TE FSDP (fsdp_group)"
-    if getattr(mod, "normalization", None) not in ("LayerNorm", "RMSNorm"):
-        return f"normalization {getattr(mod, 'normalization', None)!r}"
-    if is_cpu_offload_enabled():
-        return "CPU activation offloading is enabled"
-    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-
-    for pname, p in mod.named_parameters(recurse=False):
-        if isinstance(p, QuantizedTensor) or type(p).__name__ in ("DTensor", "DistributedWeight"):
-            return f"parameter {pname} is a {type(p).__name__} (quantized or distributed weight)"
-    return None
+from te_passes.te.untouched_rules import (NEUTRAL_KWARGS, SDPA_MASK_TYPES, dpa_call_problem,  # noqa: F401
+                                          dpa_config_problem, layernorm_linear_config_problem,
+                                          layernorm_mlp_config_problem, norm_call_problem)
 
 
 def _linear_module_problem(mod: Any, cls: type) -> str | None:
     """What refuses ``mod`` before its class's own checks: already rewritten, a subclass of TE's
-    ``cls`` (its forward may differ), or :func:`_common_problem`."""
+    ``cls`` (its forward may differ); the configuration checks are in
+    :mod:`te_passes.te.untouched_rules`."""
     if STATE_ATTR in mod.__dict__:
         return "already rewritten"
     if type(mod) is not cls:
         return f"{type(mod).__qualname__} is a subclass of te.{cls.__name__} (its forward may differ)"
-    return _common_problem(mod)
+    return None
 
 
 def layernorm_linear_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormLinear`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    p = _linear_module_problem(mod, te_module().LayerNormLinear)
-    if p:
-        return p
-    if getattr(mod, "return_layernorm_output_gathered", False):
-        return "return_layernorm_output_gathered"
-    if mod.parallel_mode not in (None, "column"):
-        return f"parallel_mode={mod.parallel_mode!r}"
-    return None
+    return _linear_module_problem(mod, te_module().LayerNormLinear) or layernorm_linear_config_problem(mod)
 
 
 def layernorm_mlp_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormMLP`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    from transformer_engine.pytorch.module.layernorm_mlp import _get_act_func_supported_list
-
-    p = _linear_module_problem(mod, te_module().LayerNormMLP)
-    if p:
-        return p
-    te_acts = set(_get_act_func_supported_list(None))
-    if mod.activation not in te_acts:
-        return f"activation {mod.activation!r} is not one of TE's {sorted(te_acts)}"
-    if mod.activation not in ACTIVATIONS:
-        return f"activation {mod.activation!r} has no torch expression here"
-    if getattr(mod, "checkpoint", False):
-        return "checkpoint=True (TE's own activation recompute)"
-    if getattr(mod, "gemm_gelu_fusion", False):
-        return "NVTE_GEMM_GELU_FUSION (GEMM+GELU fused with UB overlap)"
-    if mod.activation_params and mod.activation != "clamped_swiglu":
-        return f"activation_params {mod.activation_params!r} for {mod.activation!r}"
-    return None
-
-
-#: Mask types the SDPA path expresses; ``causal_bottom_right`` only when s_q == s_kv (checked per call).
-SDPA_MASK_TYPES: frozenset[str] = frozenset({"no_mask", "causal", "causal_bottom_right"})
+    return _linear_module_problem(mod, te_module().LayerNormMLP) or layernorm_mlp_config_problem(mod)
 
 
 def attention_problem(mod: Any, path: str = "SDPA") -> str | None:
@@ -119,30 +58,7 @@ def attention_problem(mod: Any, path: str = "SDPA") -> str | None:
         return "already rewritten"
     if type(mod) is not DotProductAttention:
         return f"{type(mod).__qualname__} is a subclass of DotProductAttention (its forward may differ)"
-    if mod.qkv_format not in ("sbhd", "bshd"):
-        return f"qkv_format={mod.qkv_format!r} ({path} path: sbhd, bshd)"
-    if mod.attn_mask_type not in SDPA_MASK_TYPES:
-        return f"attn_mask_type={mod.attn_mask_type!r} ({path} path: {sorted(SDPA_MASK_TYPES)})"
-    if tuple(mod.window_size or (-1, -1)) not in ((-1, -1), (-1, 0)):
-        return f"sliding window {mod.window_size}"
-    if mod.attention_dropout:
-        return (f"attention_dropout={mod.attention_dropout}: SDPA's dropout draws a different random "
-                "stream than TE's attention backends" if path == "SDPA" else
-                f"attention_dropout={mod.attention_dropout}: the {path} op's philox rng state under CUDA-graph "
-                "replay is not verified against TE eager")
-    if mod.softmax_type != "vanilla":
-        return f"softmax_type={mod.softmax_type!r}"
-    if mod.softcap:
-        return f"softcap={mod.softcap}"
-    if mod.cp_group is not None:
-        return "context parallelism (cp_group)"
-    if getattr(mod, "return_max_logit", False):
-        return "return_max_logit"
-    if mod.hidden_size_per_attention_head_k != mod.hidden_size_per_attention_head_v:
-        return "different K and V head dims"
-    if mod.tp_size != 1:
-        return f"tensor parallel (tp_size={mod.tp_size})"
-    return None
+    return dpa_config_problem(mod, path)
 
 
 def multihead_attention_problem(mod: Any) -> str | None:
@@ -172,69 +88,23 @@ def multihead_attention_note(mod: Any) -> str | None:
     return None
 
 
-#: ``DotProductAttention.forward`` keyword arguments and the values the SDPA path accepts
-#: (TE 2.20.2 signature); a callable decides for the value given.
-_NEUTRAL_KWARGS: dict[str, Callable[[Any], bool]] = {
-    "cu_seqlens_q": lambda v: v is None, "cu_seqlens_kv": lambda v: v is None,
-    "cu_seqlens_q_padded": lambda v: v is None, "cu_seqlens_kv_padded": lambda v: v is None,
-    "max_seqlen_q": lambda v: v is None, "max_seqlen_kv": lambda v: v is None,
-    "window_size": lambda v: v is None or tuple(v) in ((-1, -1), (-1, 0)),
-    "bottom_right_diagonal": lambda v: True,  # only changes causal masks with s_q != s_kv (checked)
-    "softcap": lambda v: not v,
-    "checkpoint_core_attention": lambda v: not v,
-    "core_attention_bias_type": lambda v: v in (None, "no_bias"),
-    "core_attention_bias": lambda v: v is None, "alibi_slopes": lambda v: v is None,
-    "fast_zero_fill": lambda v: True,
-    "inference_params": lambda v: v is None,
-    "pad_between_seqs": lambda v: not v,
-    "fp8_output": lambda v: not v, "bf16_backward": lambda v: not v,
-    "num_splits": lambda v: v in (None, 1),
-    "score_mod": lambda v: v is None, "score_mod_bprop": lambda v: v is None,
-    "score_mod_tensors": lambda v: v is None, "score_mod_bprop_tensors": lambda v: v is None,
-    "thd_attention_policies": lambda v: v is None,
-    "thd_attention_policy_dispatch": lambda v: True,
-}
-
-
 def check_norm_call(mod: Any) -> None:
-    """Per-call refusals of the rewritten LayerNormLinear / LayerNormMLP (trace-time Python)."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-    qstate = FP8GlobalStateManager.quantization_state
-    recipe = qstate.fp8_recipe
-    if qstate.fp8_enabled and recipe is not None and recipe.delayed():
-        raise CompileFriendlyError(
-            f"rewritten {state_of(mod).original_cls.__name__} {mod.name or ''}: DelayedScaling keeps amax "
-            "history in the module's fp8 meta (its _extra_state); the rewrite's te.Linear would keep "
-            "its own and checkpoints would not carry it. Use a stateless recipe "
-            "(Float8CurrentScaling, MXFP8BlockScaling, ...) or restore() the model")
-    if torch.is_autocast_enabled():
-        raise CompileFriendlyError(
-            f"rewritten {state_of(mod).original_cls.__name__}: torch.autocast is enabled; TE casts the "
-            "norm input to the autocast dtype inside its kernel, which the rewrite does not express")
+    """Per-call refusals of the rewritten LayerNormLinear / LayerNormMLP (trace-time Python):
+    :func:`te_passes.te.untouched_rules.norm_call_problem`, raised."""
+    problem = norm_call_problem()
+    if problem is not None:
+        raise CompileFriendlyError(f"rewritten {state_of(mod).original_cls.__name__} {mod.name or ''}: {problem}; "
+                                   "or restore() the model")
 
 
 def check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, kwargs: dict,
                      path: str = "SDPA") -> None:
-    """Per-call refusals of the rewritten ``DotProductAttention`` (SDPA, or the fused op: ``path``)."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
+    """Per-call refusals of the rewritten ``DotProductAttention`` (SDPA, or the fused op: ``path``):
+    :func:`te_passes.te.untouched_rules.dpa_call_problem`, raised."""
     where = f"rewritten DotProductAttention (layer_number={getattr(mod, 'layer_number', None)})"
-    for k, v in kwargs.items():
-        ok = _NEUTRAL_KWARGS.get(k)
-        if ok is None:
-            raise TypeError(f"{where}: unexpected keyword argument {k!r}")
-        if not ok(v):
-            raise CompileFriendlyError(f"{where}: {k}={v!r} is not expressed by the {path} path; "
-                                       "rewrite with attention='keep'")
-    if qkv_format not in ("sbhd", "bshd"):
-        raise CompileFriendlyError(f"{where}: qkv_format={qkv_format!r} ({path} path: sbhd, bshd)")
-    if mask not in SDPA_MASK_TYPES:
-        raise CompileFriendlyError(f"{where}: attn_mask_type={mask!r} ({path} path: {sorted(SDPA_MASK_TYPES)})")
-    if attention_mask is not None:
-        raise CompileFriendlyError(f"{where}: an attention_mask tensor with attn_mask_type={mask!r}")
-    qstate = FP8GlobalStateManager.quantization_state
-    recipe = qstate.fp8_recipe
-    if qstate.fp8_enabled and recipe is not None and (getattr(recipe, "fp8_dpa", False)
-                                                      or getattr(recipe, "fp8_mha", False)):
-        raise CompileFriendlyError(f"{where}: FP8 attention (recipe fp8_dpa/fp8_mha) is not expressed")
+    unknown = [k for k in kwargs if k not in NEUTRAL_KWARGS]
+    if unknown:
+        raise TypeError(f"{where}: unexpected keyword argument {unknown[0]!r}")
+    problem = dpa_call_problem(qkv_format, mask, attention_mask, kwargs, path)
+    if problem is not None:
+        raise CompileFriendlyError(f"{where}: {problem}")

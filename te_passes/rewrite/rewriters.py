@@ -15,10 +15,10 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from te_passes.rewrite.module_state import (STATE_ATTR, CompileFriendlyError, HiddenTrainMixin, shared_linear,
-                                            ModuleState, state_of, te_module)
-from te_passes.rewrite.norm_act import activation, normalize
+from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, HiddenTrainMixin, ModuleState, state_of, te_module
 from te_passes.rewrite.refusals import check_norm_call, check_sdpa_call, multihead_attention_note
+from te_passes.runtime.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
+from te_passes.runtime.untouched import layernorm_linear_forward, layernorm_mlp_forward
 
 
 def rewriter_classes() -> dict[str, type]:
@@ -31,7 +31,8 @@ def rewriter_classes() -> dict[str, type]:
     )
 
     class CompileFriendlyLayerNormLinear(HiddenTrainMixin, te.LayerNormLinear):
-        """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (traceable; see module doc).
+        """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (traceable; see module doc): the
+        untouched-model polyfill's forward (:func:`te_passes.runtime.untouched.layernorm_linear_forward`).
 
         ``forward(inp [..., in_features], is_first_microbatch, fp8_output, fp8_grad)`` returns
         what ``te.LayerNormLinear.forward`` returns for the supported configurations: the output
@@ -40,11 +41,8 @@ def rewriter_classes() -> dict[str, type]:
 
         def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
             check_norm_call(self)
-            ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                               self.normalization, self.zero_centered_gamma)
             (lin,) = state_of(self).linears
-            return lin(ln_out, is_first_microbatch=is_first_microbatch, fp8_output=fp8_output,
-                       fp8_grad=fp8_grad)
+            return layernorm_linear_forward(self, lin, inp, is_first_microbatch, fp8_output, fp8_grad)
 
     class CompileFriendlyLayerNormMLP(HiddenTrainMixin, te.LayerNormMLP):
         """``te.LayerNormMLP`` as normalisation + ``te.Linear`` + activation + ``te.Linear``.
@@ -56,11 +54,7 @@ def rewriter_classes() -> dict[str, type]:
         def forward(self, inp, is_first_microbatch=None):
             check_norm_call(self)
             fc1, fc2 = state_of(self).linears
-            ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                               self.normalization, self.zero_centered_gamma)
-            h = fc1(ln_out, is_first_microbatch=is_first_microbatch)
-            h = activation(h, self.activation, self.activation_params)
-            return fc2(h, is_first_microbatch=is_first_microbatch)
+            return layernorm_mlp_forward(self, fc1, fc2, inp, is_first_microbatch)
 
     class SdpaDotProductAttention(DotProductAttention):
         """``DotProductAttention`` through ``torch.nn.functional.scaled_dot_product_attention``.
@@ -140,12 +134,7 @@ def rewrite_multihead_attention(mod: Any) -> str:
 
 
 def rewrite_layernorm_linear(mod: Any) -> str:
-    lin = shared_linear(mod, in_features=mod.in_features, out_features=mod.out_features,
-                         weight_names=mod.weight_names, bias_names=mod.bias_names,
-                         split_sizes=mod.parameter_split_sizes, use_bias=mod.use_bias,
-                         return_bias=mod.return_bias, parallel_mode=mod.parallel_mode, name=mod.name,
-                         dtype=getattr(mod, mod.weight_names[0]).dtype)
-    mod.__dict__[STATE_ATTR] = ModuleState(type(mod), (lin,))
+    mod.__dict__[STATE_ATTR] = ModuleState(type(mod), (layernorm_linear_gemm(mod),))
     mod.__class__ = rewriter_classes()["LayerNormLinear"]
     return f"{mod.normalization} + te.Linear({mod.in_features}, {mod.out_features})"
 
@@ -153,16 +142,7 @@ def rewrite_layernorm_linear(mod: Any) -> str:
 def rewrite_layernorm_mlp(mod: Any) -> str:
     hidden = mod.layer_norm_weight.shape[0]
     fc1_out, ffn = mod.fc1_weight.shape[0], mod.fc2_weight.shape[1]
-    dtype = mod.fc1_weight.dtype
-    name = mod.name
-    fc1 = shared_linear(mod, in_features=hidden, out_features=fc1_out, weight_names=["fc1_weight"],
-                         bias_names=["fc1_bias"], split_sizes=[fc1_out], use_bias=mod.use_bias,
-                         return_bias=False, parallel_mode=None, name=name and name + ".fc1", dtype=dtype)
-    fc2 = shared_linear(mod, in_features=ffn, out_features=hidden, weight_names=["fc2_weight"],
-                         bias_names=["fc2_bias"], split_sizes=[hidden], use_bias=mod.use_bias,
-                         return_bias=mod.return_bias, parallel_mode=None, name=name and name + ".fc2",
-                         dtype=dtype)
-    mod.__dict__[STATE_ATTR] = ModuleState(type(mod), (fc1, fc2))
+    mod.__dict__[STATE_ATTR] = ModuleState(type(mod), layernorm_mlp_gemms(mod))
     mod.__class__ = rewriter_classes()["LayerNormMLP"]
     return (f"{mod.normalization} + te.Linear({hidden}, {fc1_out}) + {mod.activation} + "
             f"te.Linear({ffn}, {hidden})")

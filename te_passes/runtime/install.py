@@ -24,6 +24,9 @@
   — te.Linear's delayed-scaling calls as the ``te_passes::delayed_linear_fwd/bwd`` op pair.
 * :func:`te_passes.runtime.recipe_state.install_trace_hooks` — TE op nodes record the
   ``te.autocast`` state where Dynamo traced them (the backend sets it around the compiled call).
+* :func:`te_passes.runtime.untouched.install_untouched_polyfills` — polyfills of TE's disabled
+  ``LayerNormLinear`` / ``LayerNormMLP`` / ``FusedAttention`` forwards, taken only by frames
+  compiled for ``te_inductor`` (``te_passes.untouched``; per target: ``polyfill_status()``).
 
 So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
 need TE imported; until then they are no-ops and :func:`install` returns ``False``.
@@ -32,7 +35,7 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 from __future__ import annotations
 
 from te_passes.runtime import (constants, delayed_linear, delayed_scaling, direct_lowering, free_op, fused_attn_op,
-                               recipe_state)
+                               recipe_state, untouched)
 from te_passes.runtime.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub_guard import install_te_ub_hooks
 
@@ -50,4 +53,5 @@ def install() -> bool:
     delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
     delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
     recipe_state.install_trace_hooks()  # issue 26; refusal kept: trace_hook_refusal(), graphs then refused
+    untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
     return install_te_ub_hooks() & install_amax_group_hooks()

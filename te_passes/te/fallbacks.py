@@ -58,6 +58,13 @@ FALLBACK_WARNING_RE = re.compile(r"Falling back to eager execution under torch\.
 #: ``<function Qual.name at 0x...>``, with or without backticks, after "Skip inlining/calling").
 _DISABLED_RE = re.compile(r"<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>")
 _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
+#: The disabled copy of a TE forward the untouched-model polyfills leave a call to
+#: (``te_passes.runtime.untouched``), named after the TE function.
+_ISLAND_RE = re.compile(r"te_passes_untouched_island\[(?P<target>[\w.]+)\]")
+#: Polyfill target -> TE module (the island record, ``untouched.island_records()``, has the reason).
+UNTOUCHED_TARGETS: dict[str, str] = {"LayerNormLinear.forward": "te.LayerNormLinear",
+                                     "LayerNormMLP.forward": "te.LayerNormMLP",
+                                     "FusedAttention.forward": "te.FusedAttention"}
 
 
 #: Follow-on breaks: a TE function whose frame Dynamo cannot resume after an island inside it,
@@ -74,6 +81,20 @@ FOLLOW_ON_BREAKS: dict[tuple[str, str], tuple[str, str]] = {
         "`with self.prepare_forward_ctx(...)`, which Dynamo cannot resume in: the rest of "
         "DotProductAttention.forward runs eagerly"),
 }
+#: Graph breaks inside TE code Dynamo cannot trace, keyed by (path suffix, function) of the
+#: innermost frame -> (TE module, why, the fix). ``SplitAlongDim`` (``pytorch/utils.py``): TE's
+#: ``MultiheadAttention`` splits q/k/v with it under GQA (``num_gqa_groups`` < heads) or when the
+#: packed pass-through is not eligible; its ``backward`` compares ``untyped_storage().data_ptr()``.
+TE_UNTRACEABLE: dict[tuple[str, str], tuple[str, str]] = {
+    ("transformer_engine/pytorch/utils.py", "backward"): (
+        "te.MultiheadAttention",
+        "q/k/v split with SplitAlongDim (GQA, or no packed pass-through), whose backward reads data_ptr: "
+        "one graph break per layer; no fix inside te_passes (num_gqa_groups == heads avoids it)"),
+    ("transformer_engine/pytorch/utils.py", "forward"): (
+        "te.MultiheadAttention",
+        "q/k/v split with SplitAlongDim (GQA, or no packed pass-through), which reads data_ptr: "
+        "one graph break per layer; no fix inside te_passes (num_gqa_groups == heads avoids it)"),
+}
 #: Dynamo's texts for a graph break it cannot resume from (torch 2.14 ``symbolic_convert``):
 #: the ``step_unsupported`` marker and "Encountered graph break that we cannot resume from".
 _CANNOT_RESUME_RE = re.compile(r"step_unsupported|cannot resume from", re.IGNORECASE)
@@ -82,7 +103,8 @@ _CANNOT_RESUME_RE = re.compile(r"step_unsupported|cannot resume from", re.IGNORE
 @dataclasses.dataclass
 class TEFallback:
     """A graph break attributed to TE: ``module`` (``"te.LayerNormLinear"``), ``kind``
-    (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``, ``"eager_body"`` — the
+    (``"disabled_forward"``, ``"linear_config"``, ``"conditional"``, ``"untouched_island"`` — a call
+    te_passes' polyfill left to TE's eager forward, ``"untraceable"`` — TE code Dynamo cannot trace, ``"eager_body"`` — the
     eager half of a configuration fallback, ``"follow_on"`` — a TE frame Dynamo could not resume
     after an island inside it), ``reason`` (one line)."""
 
@@ -104,9 +126,21 @@ def classify_graph_break(reason: str, innermost_frame: tuple[str, str] | None = 
         for (suffix, fn_name), (mod, why) in FOLLOW_ON_BREAKS.items():
             if func == fn_name and norm.endswith(suffix):
                 return TEFallback(mod, "follow_on", why)
+    if innermost_frame is not None and "data_ptr" in reason:
+        filename, func = innermost_frame
+        norm = filename.replace("\\", "/")
+        for (suffix, fn_name), (mod, why) in TE_UNTRACEABLE.items():
+            if func == fn_name and norm.endswith(suffix):
+                return TEFallback(mod, "untraceable", why)
     m = _USER_BREAK_RE.search(reason)
     if m and m.group("msg").startswith(LINEAR_FALLBACK_PREFIX):
         return TEFallback("te.Linear", "linear_config", m.group("msg")[len(LINEAR_FALLBACK_PREFIX):].strip())
+    m = _ISLAND_RE.search(reason) if "torch.compiler.disable" in reason else None
+    if m:
+        target = m.group("target")
+        return TEFallback(UNTOUCHED_TARGETS.get(target, target), "untouched_island",
+                          f"te_passes' polyfill of {target} left this call to TE's eager forward "
+                          "(te_passes.runtime.untouched.island_records() names the reason and the fix)")
     m = _DISABLED_RE.search(reason) if "torch.compiler.disable" in reason else None
     if m:
         qual = m.group("qual")

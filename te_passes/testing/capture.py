@@ -47,9 +47,11 @@ How (TE 2.20.2, torch 2.14.1; measured on a CPU-only machine, see docs/testing-r
    the backend's hooks receive — checked line for line against a real H200 compilation
    (``tests/gpu/test_capture_fidelity.py``: bf16 and fp8-cs, 1 and 4 layers, identical).
 
-Limits: only modules TE traces into the graph (``te.Linear``); ``te.LayerNormLinear`` /
-``LayerNormMLP`` run eagerly under ``torch.compiler.disable`` and cannot be captured without a
-GPU. Userbuffers / tensor-parallel keyword arguments reach ``te.Linear`` unchanged; without a
+Untouched ``te.LayerNormLinear`` / ``LayerNormMLP`` / ``MultiheadAttention`` /
+``TransformerLayer`` (``model="layernorm_linear"``, ...) are captured through te_passes' polyfills
+of TE's disabled forwards (:mod:`te_passes.runtime.untouched`; the recording backend takes them as
+``te_inductor`` does; the fake GPU answers TE's fused-attention backend query with
+``F16_arbitrary_seqlen``); their AOT graphs need a GPU. Userbuffers / tensor-parallel keyword arguments reach ``te.Linear`` unchanged; without a
 process group TE takes ``tp_size`` as given, and UB overlap needs UB communicators: pass
 ``fake_ub=True`` (default when any ``ub_*`` flag is set) to install stand-ins for the lookups TE
 makes while tracing (``get_ub(name, fp8).is_fp8_ubuf()``; ``ub_fp8`` chooses its answer).

@@ -13,14 +13,19 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from te_passes.runtime.untouched import install_untouched_polyfills
 from te_passes.te.version import te_version
 from te_passes.testing.captured import CapturedGraph
 from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing, fake_gpu, import_te, make_recipe,
                                         quiet)
 
 #: Models: ``"linear"`` (one ``te.Linear``) and ``"stack"`` (``layers`` ``te.Linear`` with GELU
-#: between).
-MODELS: tuple[str, ...] = ("linear", "stack")
+#: between); untouched TE modules (traced through te_passes' polyfills,
+#: :mod:`te_passes.runtime.untouched`): ``"layernorm_linear"``, ``"layernorm_mlp"``,
+#: ``"multihead_attention"``, ``"transformer_layer"`` (``layers`` of them in sequence).
+MODELS: tuple[str, ...] = ("linear", "stack", "layernorm_linear", "layernorm_mlp", "multihead_attention",
+                           "transformer_layer")
+UNTOUCHED_MODELS: tuple[str, ...] = MODELS[2:]
 
 #: ``te.Linear`` keyword arguments that turn on Userbuffers overlap (a capture then installs
 #: fake UB communicators by default).
@@ -52,6 +57,21 @@ def _resolve_model(model: str | None, layers: int) -> str:
     return model
 
 
+def _untouched_modules(te: Any, model: str, layers: int, hidden: int, kwargs: dict[str, Any]) -> list[Any]:
+    """``layers`` untouched TE modules ``model`` of width ``hidden`` (4 heads, ffn 4 * hidden,
+    dropout 0 unless ``kwargs`` say otherwise)."""
+    kw = dict(kwargs)
+    if model == "layernorm_linear":
+        return [te.LayerNormLinear(hidden, hidden, **kw) for _ in range(layers)]
+    if model == "layernorm_mlp":
+        return [te.LayerNormMLP(hidden, 4 * hidden, **kw) for _ in range(layers)]
+    kw.setdefault("attention_dropout", 0.0)
+    if model == "multihead_attention":
+        return [te.MultiheadAttention(hidden, 4, **kw) for _ in range(layers)]
+    kw.setdefault("hidden_dropout", 0.0)
+    return [te.TransformerLayer(hidden, 4 * hidden, 4, **kw) for _ in range(layers)]
+
+
 def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", layers: int = 1,
                    tokens: int = 32, hidden: int = 64, out_features: int | None = None, *,
                    training: bool = True, fake_ub: bool | None = None, ub_fp8: Any = None,
@@ -61,13 +81,20 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
     Mirrors ``torch.compile(fn, backend=..., fullgraph=True, dynamic=False)(x)`` where ``fn`` runs
     ``te.Linear`` layer(s) inside ``te.autocast(enabled=True, recipe=recipe)`` (fp8) — TE 2.20.2
     then traces each layer as ``torch.ops.transformer_engine_compile.linear``
-    (``module/linear.py`` ``Linear.forward`` → ``_linear_op``).
+    (``module/linear.py`` ``Linear.forward`` → ``_linear_op``). The untouched models
+    (:data:`UNTOUCHED_MODELS`) are traced through te_passes' polyfills of TE's disabled forwards
+    (the recording backend takes them as ``te_inductor`` does).
 
     Args:
         model: ``"linear"`` — ``te.Linear(hidden, out_features)``; ``"stack"`` — ``layers``
             ``te.Linear`` with ``torch.nn.functional.gelu`` between, all ``hidden -> hidden``
             except the last (``hidden -> out_features``); ``None`` picks ``"linear"`` for
             ``layers == 1`` else ``"stack"``; ``"linear"`` with ``layers > 1`` means ``"stack"``.
+            Untouched: ``"layernorm_linear"`` (``te.LayerNormLinear(hidden, hidden)``, input
+            [tokens, hidden]), ``"layernorm_mlp"`` (``te.LayerNormMLP(hidden, 4 * hidden)``),
+            ``"multihead_attention"`` (``te.MultiheadAttention(hidden, 4)``, input [tokens, 2, hidden]),
+            ``"transformer_layer"`` (``te.TransformerLayer(hidden, 4 * hidden, 4)``, dropout 0);
+            ``layers`` modules in sequence, ``linear_kwargs`` go to each module's constructor.
         precision: one of :data:`te_passes.testing.fake_gpu.PRECISIONS`.
         layers: number of ``te.Linear`` layers (1 for ``"linear"``).
         tokens, hidden: the input is bf16[tokens, hidden] with ``requires_grad=True``
@@ -111,23 +138,33 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
     with capture_lock, quiet(), fake_gpu(precision, fake_ub=fake_ub, ub_fp8=ub_fp8):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode, constructing():
-            dims = [hidden] * layers + [out_features]
-            mods = torch.nn.ModuleList(te.Linear(dims[i], dims[i + 1], **kwargs) for i in range(layers))
-            for lin in mods:
-                if lin.tp_size > 1 and not getattr(lin, "tp_group_initialized", False):
-                    lin.set_tensor_parallel_group(kwargs.get("tp_group"))
-            # Row-parallel layers take their input's shard: [tokens, in_features / tp_size].
-            in_width = int(mods[0].weight.shape[-1])
-            x = torch.randn(tokens, in_width, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            if model in UNTOUCHED_MODELS:
+                mods = torch.nn.ModuleList(_untouched_modules(te, model, layers, hidden, kwargs))
+                out_features = hidden
+                # attention models take [s, b, h] (TE's default sbhd), the others [tokens, h]
+                shape = (tokens, 2, hidden) if model in ("multihead_attention", "transformer_layer") else (tokens, hidden)
+                x = torch.randn(*shape, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            else:
+                dims = [hidden] * layers + [out_features]
+                mods = torch.nn.ModuleList(te.Linear(dims[i], dims[i + 1], **kwargs) for i in range(layers))
+                for lin in mods:
+                    if lin.tp_size > 1 and not getattr(lin, "tp_group_initialized", False):
+                        lin.set_tensor_parallel_group(kwargs.get("tp_group"))
+                # Row-parallel layers take their input's shard: [tokens, in_features / tp_size].
+                in_width = int(mods[0].weight.shape[-1])
+                x = torch.randn(tokens, in_width, dtype=torch.bfloat16, device="cuda", requires_grad=True)
 
         gelu = torch.nn.functional.gelu
+        between = gelu if model == "stack" else (lambda t: t)
 
         def step(inp):
             with (te.autocast(enabled=True, recipe=recipe) if recipe is not None else contextlib.nullcontext()):
                 for i, lin in enumerate(mods):
                     if i:
-                        inp = gelu(inp)
+                        inp = between(inp)
                     inp = lin(inp)
+                    if isinstance(inp, tuple):  # return_bias
+                        inp = inp[0]
             return inp
 
         recorded: list[tuple[torch.fx.GraphModule, list[Any]]] = []
@@ -138,6 +175,9 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
             def never_run(*args, **kwargs):
                 raise _NeverRun()
             return never_run
+        backend._te_passes_untouched = True  # take te_passes' polyfills, as te_inductor does
+        if model in UNTOUCHED_MODELS:
+            install_untouched_polyfills()
 
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
         try:

@@ -17,6 +17,7 @@ from unittest import mock
 
 import torch
 
+from te_passes.runtime import untouched_state
 from te_passes.testing.inductor_state import clear_system_info
 
 #: Precisions :func:`~te_passes.testing.capture.capture_dynamo` / :func:`~te_passes.testing.capture.capture_aot`
@@ -164,8 +165,24 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
         if fake_ub:
             stack.enter_context(mock.patch.object(te_base, "_ub_communicators", _FakeUbTable(ub_fp8)))
             stack.enter_context(mock.patch.object(te_base, "_ub_initialized", True))
+        # TE's attention backend selection asks cuDNN (the driver): the fake GPU's cuDNN takes every
+        # configuration with its F16_arbitrary_seqlen sub-backend (TE's choice for bf16 on sm80+)
+        import transformer_engine.pytorch.attention.dot_product_attention.utils as dpa_utils
+
+        if hasattr(dpa_utils, "_get_fused_attn_backend"):
+            stack.enter_context(mock.patch.object(dpa_utils, "_get_fused_attn_backend", _fake_fused_attn_backend))
+        # the untouched-model polyfills build hidden te.Linear modules during the first trace
+        stack.enter_context(mock.patch.object(untouched_state, "BUILD_CONTEXTS",
+                                              [*untouched_state.BUILD_CONTEXTS, constructing]))
         clear_system_info()
         yield
+
+
+def _fake_fused_attn_backend(**_kwargs: Any) -> tuple[int, str]:
+    """``dpa_utils._get_fused_attn_backend`` on the fake GPU: ``F16_arbitrary_seqlen``, no rejection."""
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    return int(FusedAttnBackend["F16_arbitrary_seqlen"]), ""
 
 
 @contextlib.contextmanager

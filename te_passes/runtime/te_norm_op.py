@@ -1,0 +1,83 @@
+"""TE's own LayerNorm / RMSNorm kernels as the ``te_passes::te_norm_fwd`` / ``te_norm_bwd`` ops:
+the untouched-model polyfills' norm under ``TE_PASSES_UNTOUCHED_NORM=te`` (numerics of TE eager;
+the default is the torch-ops norm, which Inductor fuses). Calls ``transformer_engine_torch``'s
+``layernorm_fwd`` / ``rmsnorm_fwd`` / ``layernorm_bwd`` / ``rmsnorm_bwd`` as TE's
+``ops/basic/layer_norm.py`` / ``rmsnorm.py`` do (no output quantizer). Docs: docs/untouched.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NS = "te_passes"
+
+
+@torch.library.custom_op(f"{_NS}::te_norm_fwd", mutates_args=())
+def te_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,
+                zero_centered_gamma: bool, sm_margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` [..., h] -> ``(y [..., h] in x.dtype, mu [n] fp32 (empty for RMSNorm), rsigma [n] fp32)``."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.constants import TE_DType
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if rms:
+        y, _, rs = tex.rmsnorm_fwd(x2, weight, eps, None, None, TE_DType[x.dtype], sm_margin, zero_centered_gamma)
+        mu = x2.new_empty((0,), dtype=torch.float32)
+    else:
+        y, mu, rs = tex.layernorm_fwd(x2, weight, bias, eps, None, None, TE_DType[x.dtype], sm_margin,
+                                      zero_centered_gamma)
+    return y.view(x.shape), mu, rs
+
+
+@te_norm_fwd.register_fake
+def _(x, weight, bias, eps, rms, zero_centered_gamma, sm_margin):
+    n = x.numel() // x.shape[-1]
+    return (torch.empty_like(x), x.new_empty((0 if rms else n,), dtype=torch.float32),
+            x.new_empty((n,), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{_NS}::te_norm_bwd", mutates_args=())
+def te_norm_bwd(dy: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor, weight: torch.Tensor,
+                rms: bool, zero_centered_gamma: bool, sm_margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [..., h], dweight [h], dbias [h] (empty for RMSNorm))``."""
+    import transformer_engine_torch as tex
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    dy2 = dy.reshape(x2.shape).contiguous()
+    if rms:
+        dx, dw = tex.rmsnorm_bwd(dy2, x2, rsigma, weight, sm_margin, zero_centered_gamma)
+        db = weight.new_empty((0,))
+    else:
+        dx, dw, db = tex.layernorm_bwd(dy2, x2, mu, rsigma, weight, sm_margin, zero_centered_gamma)
+    return dx.view(x.shape), dw, db
+
+
+@te_norm_bwd.register_fake
+def _(dy, x, mu, rsigma, weight, rms, zero_centered_gamma, sm_margin):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty((0,) if rms else weight.shape)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, _eps, rms, zcg, _sm = inputs
+    _, mu, rs = output
+    ctx.save_for_backward(x, mu, rs, weight)
+    ctx.rms, ctx.zcg, ctx.has_bias = rms, zcg, bias is not None
+
+
+def _backward(ctx, dy, _dmu, _drs):
+    x, mu, rs, weight = ctx.saved_tensors
+    dx, dw, db = te_norm_bwd(dy, x, mu, rs, weight, ctx.rms, ctx.zcg, 0)
+    return dx, dw, (db if ctx.has_bias else None), None, None, None, None
+
+
+te_norm_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def te_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, normalization: str,
+            zero_centered_gamma: bool, sm_margin: int = 0) -> torch.Tensor:
+    """TE's ``normalization`` (``"LayerNorm"`` / ``"RMSNorm"``) of ``x`` [..., h] with TE's kernel,
+    output in ``x.dtype``. Raises ``ValueError`` for another normalization."""
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization {normalization!r} is neither 'LayerNorm' nor 'RMSNorm'")
+    rms = normalization == "RMSNorm"
+    return te_norm_fwd(x, weight, None if rms else bias, eps, rms, zero_centered_gamma, sm_margin)[0]

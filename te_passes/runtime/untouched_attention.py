@@ -1,0 +1,158 @@
+"""The ``FusedAttention.forward`` polyfill's body (:mod:`te_passes.runtime.untouched`): TE's
+fused (cuDNN) attention as the ``transformer_engine_compile::fused_attn`` op
+(:mod:`te_passes.runtime.fused_attn_op`) for the calls it expresses exactly, with the
+``FusedAttnFwdArgs`` TE's own ``FusedAttention.forward`` builds (``attention/dot_product_attention/
+backends.py``); q / k / v made contiguous with the layout ``sbhd_sbhd_sbhd`` / ``bshd_bshd_bshd``
+(the same cuDNN graph as TE's packed layouts, other strides). Docs: docs/untouched.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from te_passes.runtime.fused_attn_op import fused_attention_op, refused_reason
+from te_passes.te.fused_attn import head_dim_problem
+from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask
+
+#: Mask types the op path expresses (``causal_bottom_right`` as TE resolves it: DPA passes the diagonal).
+MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
+
+
+def _format(layout: str) -> str | None:
+    """``sbhd`` / ``bshd`` when every part of TE's ``qkv_layout`` (``sb3hd``, ``sbhd_sb2hd``,
+    ``bshd_bshd_bshd``, ...) has that format, else ``None`` (``thd``, paged, mixed)."""
+    parts = {p.replace("3", "").replace("2", "") for p in layout.split("_")}
+    return parts.pop() if len(parts) == 1 and parts <= {"sbhd", "bshd"} else None
+
+
+def fused_attention_call_problem(mod: Any, q: Any, k: Any, v: Any, call: dict[str, Any]) -> str | None:
+    """Why this ``FusedAttention.forward`` call is not expressed by the op (trace-time Python), or ``None``."""
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    reason = refused_reason()
+    if reason is not None:
+        return f"TE fused-attention op unavailable: {reason}"
+    layout = call["qkv_layout"]
+    if _format(layout) is None:
+        return f"qkv_layout={layout!r} (the op path takes sbhd / bshd layouts)"
+    mask = call["attn_mask_type"]
+    if mask not in MASK_TYPES:
+        return f"attn_mask_type={mask!r} (the op path takes {list(MASK_TYPES)})"
+    checks = (
+        (call["attention_mask"] is not None, "an attention_mask tensor"),
+        (call["inference_params"] is not None, "a KV cache (inference_params)"),
+        (call["cp_group"] is not None, "context parallelism (cp_group)"),
+        (call["score_mod"] is not None, "score_mod"),
+        (bool(call["fp8"]) or bool(call["fp8_output"]), "FP8 attention (recipe fp8_dpa / fp8_mha)"),
+        (call["core_attention_bias_type"] != "no_bias", f"core_attention_bias_type={call['core_attention_bias_type']!r}"),
+        (call["softmax_offset"] is not None or mod.softmax_type != "vanilla", f"softmax_type={mod.softmax_type!r}"),
+        (bool(call["pad_between_seqs"]), "pad_between_seqs"),
+        (call["cu_seqlens_q_padded"] is not None or call["cu_seqlens_kv_padded"] is not None, "padded cu_seqlens"),
+        (bool(mod.attention_dropout) and mod.training,
+         f"attention_dropout={mod.attention_dropout} in training: the op's philox rng state under CUDA-graph "
+         "replay is not verified against TE eager"),
+        (bool(mod.return_max_logit), "return_max_logit"),
+        (bool(mod.use_FAv2_bwd), "NVTE_FUSED_ATTN_USE_FAv2_BWD=1 (TE's flash-attn v2 backward)"),
+    )
+    for bad, what in checks:
+        if bad:
+            return f"{what} is not expressed by the fused-attention op path"
+    backend = call.get("fused_attention_backend")
+    if backend != FusedAttnBackend["F16_arbitrary_seqlen"]:
+        return f"fused_attention_backend={backend} (the op path runs F16_arbitrary_seqlen)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in (torch.bfloat16, torch.float16) or t.device.type != "cuda":
+            return f"{name} is {t.dtype} on {t.device} (the op runs TE's bf16/fp16 cuDNN kernels on CUDA)"
+    return None
+
+
+def fused_attention_forward(mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            call: dict[str, Any]) -> torch.Tensor:
+    """TE's ``FusedAttention.forward`` for a call :func:`fused_attention_call_problem` accepts:
+    q [s_q, b, h, d] (``sbhd``) / [b, s_q, h, d] (``bshd``), k / v [s_kv, b, g, d] (GQA: ``g``
+    divides ``h``) -> [s_q, b, h * d_v] / [b, s_q, h * d_v] in q's dtype."""
+    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
+
+    fmt = _format(call["qkv_layout"])
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    seq_dim = 0 if fmt == "sbhd" else 1
+    batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
+    cu_q = call["cu_seqlens_q"]
+    cu_kv = call["cu_seqlens_kv"]
+    cu_q = dpa_utils.get_full_cu_seqlens(batch, s_q, q.device) if cu_q is None else cu_q[: batch + 1]
+    cu_kv = dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device) if cu_kv is None else cu_kv[: batch + 1]
+    args = FusedAttnFwdArgs(
+        q=q, k=k, v=v, attn_bias=None, softmax_offset=None, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+        cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
+        packed_qkv=None, packed_kv=None, is_training=mod.training, max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv),
+        attn_scale=mod.softmax_scale, dropout_p=0.0, fast_zero_fill=call["fast_zero_fill"],
+        qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_bias_type="no_bias", attn_mask_type=call["attn_mask_type"],
+        softmax_type="vanilla", window_size=call["window_size"], bottom_right_diagonal=call["bottom_right_diagonal"],
+        fused_attention_backend=call["fused_attention_backend"], deterministic=mod.deterministic, use_FAv2_bwd=False,
+        return_max_logit=False, rng_gen=None, fp8=False, fp8_meta=None, quantizers=None, fp8_output=False,
+        bf16_backward=False, layer_number=mod.layer_number)
+    out, _max_logit = fused_attention_op()(args)
+    return out.view(*out.shape[:-2], -1)
+
+
+def dpa_fused_forward(mod: Any, fmt: str, mask: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kwargs: dict[str, Any]) -> torch.Tensor:
+    """``DotProductAttention`` ``mod``'s core attention through the ``fused_attn`` op for a call
+    :func:`te_passes.te.untouched_rules.dpa_call_problem` accepts (q/k/v already unpacked, bf16 /
+    fp16 on CUDA): q [s_q, b, h, d] (``sbhd``) / [b, s_q, h, d] (``bshd``), k / v [s_kv, b, g, d]
+    -> [s_q, b, h * d_v] / [b, s_q, h * d_v]. The one implementation behind the untouched-model
+    polyfill and ``compile_friendly(attention="te_fused")``. Mirrors TE's
+    ``DotProductAttention.forward`` (mask / window / diagonal) and ``FusedAttention.forward``."""
+    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
+    from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    seq_dim = 0 if fmt == "sbhd" else 1
+    batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
+    window, brd = resolve_mask(mod, mask, kwargs.get("window_size"), kwargs.get("bottom_right_diagonal"))
+    args = FusedAttnFwdArgs(
+        q=q, k=k, v=v, attn_bias=None, softmax_offset=None,
+        cu_seqlens_q=dpa_utils.get_full_cu_seqlens(batch, s_q, q.device),
+        cu_seqlens_kv=dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device),
+        cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
+        packed_qkv=None, packed_kv=None, is_training=mod.fused_attention.training,
+        max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv), attn_scale=mod.softmax_scale, dropout_p=0.0,
+        fast_zero_fill=kwargs.get("fast_zero_fill", True), qkv_layout=f"{fmt}_{fmt}_{fmt}",
+        attn_bias_type="no_bias", attn_mask_type=mask, softmax_type="vanilla", window_size=window,
+        bottom_right_diagonal=brd, fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"],
+        deterministic=mod.deterministic, use_FAv2_bwd=False, return_max_logit=False, rng_gen=None,
+        fp8=False, fp8_meta=None, quantizers=None, fp8_output=False, bf16_backward=False,
+        layer_number=mod.fused_attention.layer_number)
+    out, _max_logit = fused_attention_op()(args)
+    return out.view(*out.shape[:-2], -1)
+
+
+def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: Any, v: Any,
+                kwargs: dict[str, Any]) -> str | None:
+    """Why this untouched ``DotProductAttention`` call does not take the fused op (trace time), or
+    ``None``: the configuration (:func:`te_passes.te.untouched_rules.dpa_config_problem`), cuDNN's
+    head-dim range, TE's FAv2 backward, the op's availability, the call's arguments, the dtypes."""
+    from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
+
+    p = dpa_config_problem(mod, "fused-op") or dpa_call_problem(fmt, mask, attention_mask, kwargs, "fused-op")
+    if p:
+        return p
+    reason = refused_reason()
+    if reason is not None:
+        return f"TE fused-attention op unavailable: {reason}"
+    if getattr(getattr(mod, "fused_attention", None), "use_FAv2_bwd", False):
+        return "NVTE_FUSED_ATTN_USE_FAv2_BWD=1 (TE's flash-attn v2 backward): not expressed by the fused op"
+    for what in ("k", "v"):
+        p = head_dim_problem(getattr(mod, f"hidden_size_per_attention_head_{what}", None))
+        if p:
+            return f"head dim {what}={p}"
+    if is_cpu_offload_enabled():
+        return "CPU activation offloading is enabled"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in (torch.bfloat16, torch.float16) or t.device.type != "cuda":
+            return f"{name} is {t.dtype} on {t.device} (the op runs TE's bf16/fp16 cuDNN kernels on CUDA)"
+    return None

@@ -1,0 +1,317 @@
+"""TE's first-forward lazy state, done by te_passes for untouched models
+(:mod:`te_passes.runtime.untouched`): a Dynamo start callback (recipes and TE modules the frame
+reaches) and the ``comptime`` body of each polyfill (a module's hidden ``te.Linear``\\ s, modules
+the trace has not read yet), so step 2 sees step 1's state. Docs: docs/untouched.md."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from typing import Any, Callable
+
+import torch
+
+from te_passes.runtime.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
+from te_passes.runtime.untouched_gate import backend_wants_polyfills
+from te_passes.te.module_init import forward_prepare_args
+from te_passes.te.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
+
+#: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
+STATE_ATTR = "_te_passes_untouched_state"
+
+
+@torch._dynamo.assume_constant_result
+def active_frames() -> bool:
+    """Trace time: whether the frame Dynamo traces now is compiled for a backend that takes the
+    polyfills (folded as a constant; the cache entry is per backend). ``False`` outside a trace."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - not tracing
+        return False
+    on = tx is not None and backend_wants_polyfills(getattr(tx.output, "compiler_fn", None))
+    if on:
+        register_start_callback()  # torch._dynamo.reset() cleared it: the next frames get their lazy init
+    return on
+
+
+@dataclasses.dataclass
+class UntouchedState:
+    """What the first trace built for one untouched TE module: why its configuration is not
+    expressed (``problem``, ``None`` if it is) and its hidden ``te.Linear``\\ s (``gemms``)."""
+
+    problem: str | None
+    gemms: tuple[torch.nn.Module, ...] = ()
+
+
+def _real(ctx: Any, name: str) -> Any:
+    """The real Python object behind local ``name`` of the frame being traced, or ``None``."""
+    try:
+        vt = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
+    except Exception:  # noqa: BLE001 - no such local / not a plain object
+        return None
+    if hasattr(vt, "value"):
+        return vt.value
+    try:
+        return vt.as_python_constant()
+    except Exception:  # noqa: BLE001 - a traced value
+        return None
+
+
+def _peek(vt: Any) -> Any:
+    """The Python object a module-like variable tracker stands for, without realising a lazy one
+    (realising would install guards on locals the trace never used)."""
+    peek = getattr(vt, "peek_value", None)
+    if peek is not None and not vt.is_realized():
+        v = peek()
+        return v if isinstance(v, torch.nn.Module) else None
+    vt = vt.unwrap() if hasattr(vt, "unwrap") else vt
+    if type(vt).__name__ in ("NNModuleVariable", "UnspecializedNNModuleVariable", "UnspecializedBuiltinNNModuleVariable",
+                             "FSDPManagedNNModuleVariable"):
+        return getattr(vt, "value", None)
+    return None
+
+
+def _frame_modules(ctx: Any) -> list[torch.nn.Module]:
+    """The ``nn.Module`` locals of every frame of the trace (the compiled frame's ``self``, the
+    model a compiled step function closes over, ...)."""
+    out: list[torch.nn.Module] = []
+    try:
+        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    except Exception:  # noqa: BLE001
+        return out
+    while tx is not None:
+        for vt in list(getattr(tx, "symbolic_locals", {}).values()):
+            v = _peek(vt)
+            if isinstance(v, torch.nn.Module) and all(v is not o for o in out):
+                out.append(v)
+        tx = getattr(tx, "parent", None)
+    return out
+
+
+def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
+                      args: tuple[int, bool] | None = None) -> bool:
+    """Run TE's first-forward lazy initialisation of ``m`` eagerly (what ``prepare_forward``
+    does on the first call: ``is_fsdp2``, ``activation_dtype``, ``init_fp8_metadata`` with the
+    ``num_gemms`` of its class) inside ``te.autocast(enabled=fp8, recipe=recipe)``; returns
+    whether ``m`` is a TE module of a known class (see ``te.module_init.forward_prepare_args``).
+    A module whose parameters are not ``dtype`` is left alone (TE raises on its first forward).
+    ``args``: ``(num_gemms, allow_different_data_and_param_types)`` for a class not in that table
+    (a hidden ``te.Linear``: ``(1, False)``)."""
+    args = forward_prepare_args(m) if args is None else args
+    if args is None:
+        return False
+    num_gemms, allow_mixed = args
+    try:
+        _ = m.is_fsdp2
+        m.fast_setattr("allow_different_data_and_param_types", allow_mixed)
+        m.set_activation_dtype(torch.empty(0, dtype=dtype))
+        m.init_fp8_metadata(num_gemms=num_gemms)
+    except TypeError:  # TE: parameters of another dtype than the activations
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def run_eager() -> Any:
+    """Run TE's eager code from inside a Dynamo compile session: ``torch.compiler.is_compiling()``
+    answers ``False`` inside (Dynamo sets it for the whole session, and TE's eager-only paths,
+    e.g. ``get_default_fp8_recipe``, assert on it)."""
+    import torch.compiler as tc
+
+    old = getattr(tc, "_is_compiling_flag", False)
+    tc._is_compiling_flag = False
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = old
+
+
+def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: Any, gemms: tuple[Any, ...] = (),
+                 skip: Callable[[Any], bool] = lambda m: False) -> None:
+    """``prepare_te_module`` on ``gemms`` and every TE module under ``mods`` (but those ``skip``
+    names), once per (dtype, fp8, recipe) and module; ``dtype`` ``None``: each module's parameter dtype."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import Recipe
+
+    if fp8 and not isinstance(recipe, Recipe):
+        return  # a recipe built inside the traced function: TE's own first forward initialises
+    todo = [(g, (1, False)) for g in gemms] + [(m, None) for root in mods for m in root.modules()]
+    with run_eager(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else _null()):
+        for m, args in todo:
+            d = dtype or _param_dtype(m)
+            key = (d, fp8, id(recipe) if recipe is not None else None)
+            if d is None or m.__dict__.get("_te_passes_prepared_key") == key or skip(m):
+                continue
+            if prepare_te_module(m, d, fp8, recipe, args):
+                m.__dict__["_te_passes_prepared_key"] = key
+
+
+def _param_dtype(m: Any) -> torch.dtype | None:
+    for p in m.parameters(recurse=False):
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+#: Context managers entered around building a module's hidden ``te.Linear``\ s (the CPU capture's
+#: fake GPU adds one that lets TE's constructor find "CUDA").
+BUILD_CONTEXTS: list[Callable[[], Any]] = []
+
+
+def _built(build: Callable[[Any], UntouchedState], mod: Any) -> UntouchedState:
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        for cm in BUILD_CONTEXTS:
+            stack.enter_context(cm())
+        return build(mod)
+
+
+def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
+    """Comptime body of a polyfill: build ``self``'s :class:`UntouchedState` once, then run TE's
+    lazy init (with the traced call's dtype / fp8 / recipe) on its hidden ``te.Linear``\\ s and on
+    every TE module of the traced frames, so step 2 sees step 1's state (no recompile)."""
+    mod = _real(ctx, "self")
+    if not isinstance(mod, torch.nn.Module):
+        return
+    st = mod.__dict__.get(STATE_ATTR)
+    if st is None:
+        try:
+            st = _built(build, mod)
+        except Exception as e:  # noqa: BLE001 - a configuration the hidden te.Linear cannot take
+            st = UntouchedState(f"building the hidden te.Linear failed: {type(e).__name__}: {e}")
+        mod.__dict__[STATE_ATTR] = st
+    inp = ctx.get_local("inp").as_fake() if _has_local(ctx, "inp") else None
+    fp8 = _real(ctx, "fp8")
+    recipe = _real(ctx, "recipe")
+    if inp is None or not isinstance(fp8, bool) or st.problem is not None:
+        return
+    if fp8 and getattr(recipe, "delayed", lambda: False)():
+        return  # an island (norm_call_problem): TE's eager forward initialises its own state
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else inp.dtype
+    touched = _touched(ctx)
+    _prepare_all(_frame_modules(ctx), dtype, fp8, recipe, st.gemms, skip=lambda m: id(m) in touched)
+
+
+def _touched(ctx: Any) -> set[int]:
+    """Ids of the objects the trace has read so far (their attribute reads are guarded: changing
+    them now would fail the guards of the frame being compiled)."""
+    try:
+        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+        cache = tx.output.variable_tracker_cache
+    except Exception:  # noqa: BLE001
+        return set()
+    out = set()
+    for vt in list(cache.values()):
+        v = _peek(vt)
+        if v is not None:
+            out.add(id(v))
+    return out
+
+
+def _compile_frame() -> tuple[Any, dict, tuple, dict] | None:
+    """``(compiler_fn, locals, closure, globals)`` of the frame Dynamo starts compiling (the
+    arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack), or ``None``."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_compile" and f.f_globals.get("__name__") == "torch._dynamo.convert_frame":
+            loc = f.f_locals
+            return loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {}
+        f = f.f_back
+    return None
+
+
+def on_compile_start(_args: Any = None) -> None:
+    """Dynamo start callback: for a frame compiled for te_inductor, do TE's first-forward lazy
+    init before the trace reads it — prime every TE recipe the frame reaches (its cached repr and
+    TE's autocast key) and initialise every TE module it reaches (locals, closure cells, module
+    globals; parameter dtype, the TE autocast state active now). Never raises."""
+    try:
+        found = _compile_frame()
+        if found is None or "transformer_engine.pytorch" not in sys.modules:
+            return
+        compiler_fn, loc, closure, glob = found
+        if not backend_wants_polyfills(compiler_fn):
+            return
+        from transformer_engine.common.recipe import Recipe
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        values = list(loc.values())
+        for c in closure or ():
+            try:
+                values.append(c.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        values += [v for v in glob.values() if isinstance(v, (Recipe, torch.nn.Module))]
+        recipes = [v for v in values if isinstance(v, Recipe)]
+        mods = [v for v in values if isinstance(v, torch.nn.Module)]
+        for r in recipes:
+            prime_recipe(r)
+        if mods:
+            q = FP8GlobalStateManager.quantization_state
+            active = q.autocast_depth > 0
+            _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None)
+    except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
+        return
+
+
+def prime_recipe(recipe: Any) -> None:
+    """What TE's first ``te.autocast(recipe=recipe)`` caches: ``Recipe.__repr__``'s
+    ``_cached_repr`` and the ``autocast_arguments`` entry keyed by it (``pytorch/quantization.py``)."""
+    import transformer_engine.pytorch as te
+
+    with run_eager():
+        str(recipe)
+        with te.autocast(enabled=False, recipe=recipe):
+            pass
+
+
+def _has_local(ctx: Any, name: str) -> bool:
+    try:
+        ctx.get_local(name)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _build_layernorm_linear(mod: Any) -> UntouchedState:
+    p = layernorm_linear_config_problem(mod)
+    return UntouchedState(p) if p else UntouchedState(None, (layernorm_linear_gemm(mod),))
+
+
+def _build_layernorm_mlp(mod: Any) -> UntouchedState:
+    p = layernorm_mlp_config_problem(mod)
+    return UntouchedState(p) if p else UntouchedState(None, layernorm_mlp_gemms(mod))
+
+
+def prepare_layernorm_linear(ctx: Any) -> None:
+    _prepare(ctx, _build_layernorm_linear)
+
+
+def prepare_layernorm_mlp(ctx: Any) -> None:
+    _prepare(ctx, _build_layernorm_mlp)
+
+
+def _prepare_attention(ctx: Any) -> None:
+    mod = _real(ctx, "self")
+    if isinstance(mod, torch.nn.Module) and STATE_ATTR not in mod.__dict__:
+        mod.__dict__[STATE_ATTR] = UntouchedState(None)
+
+
+def register_start_callback() -> None:
+    handler = torch._dynamo.callback_handler
+    if on_compile_start not in handler.start_callbacks:
+        handler.register_start_callback(on_compile_start)
+
+

@@ -1,0 +1,88 @@
+"""TE's LayerNorm / RMSNorm (``module/layernorm_linear.py``) and ``LayerNormMLP`` activations
+(``transformer_engine/common/util/math.h``) in traceable torch ops: the math shared by the
+untouched-model polyfills (:mod:`te_passes.runtime.untouched`) and ``compile_friendly``
+(:mod:`te_passes.rewrite`). Docs: docs/untouched.md."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+              normalization: str, zero_centered_gamma: bool) -> torch.Tensor:
+    """TE's LayerNorm / RMSNorm over the last dim, in fp32, output in ``x.dtype``.
+
+    ``x``: [..., hidden] (bf16/fp16/fp32); ``weight`` (gamma) / ``bias`` (beta): [hidden].
+    ``zero_centered_gamma`` uses ``1 + gamma`` (TE 2.20.2 ``module/layernorm_linear.py``; the
+    kernels compute in fp32 and write the activation dtype). Raises ``ValueError`` for another
+    ``normalization``.
+    """
+    shape = (x.shape[-1],)
+    w = weight.float()
+    if zero_centered_gamma:
+        w = w + 1.0
+    if normalization == "LayerNorm":
+        y = F.layer_norm(x.float(), shape, w, None if bias is None else bias.float(), eps)
+    elif normalization == "RMSNorm":
+        y = F.rms_norm(x.float(), shape, w, eps)
+    else:
+        raise ValueError(f"normalization {normalization!r} is neither 'LayerNorm' nor 'RMSNorm'")
+    return y.to(x.dtype)
+
+
+def _gated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, dict], torch.Tensor]:
+    # TE's gated kernels (gated_act_fn): act(first half) * second half of the last dim.
+    def f(x: torch.Tensor, params: dict) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        return act(a) * b
+    return f
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")  # TE's gelu is the tanh approximation (math.h)
+
+
+def _qgelu(x: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
+    return x * torch.sigmoid(alpha * x)  # "quick GELU" (math.h qgelu_with_alpha)
+
+
+def _srelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+def _clamped_swiglu(x: torch.Tensor, params: dict) -> torch.Tensor:
+    # math.h ClampedSwiGLUParam / clamped_silu: the activated half is clamped from above and goes
+    # through qgelu with ``alpha``; the linear half is clamped to [-limit, limit] plus the offset.
+    limit = float(params.get("limit", 7.0))
+    alpha = float(params.get("alpha", 1.702))
+    offset = float(params.get("glu_linear_offset", 1.0))
+    a, b = x.chunk(2, dim=-1)
+    return _qgelu(a.clamp(max=limit), alpha) * (b.clamp(-limit, limit) + offset)
+
+
+#: TE 2.20.2 ``LayerNormMLP`` activations (``_get_act_func_supported_list``) -> ``f(x_fp32, params)``.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
+    "gelu": lambda x, p: _gelu_tanh(x),
+    "geglu": _gated(_gelu_tanh),
+    "glu": _gated(torch.sigmoid),
+    "qgelu": lambda x, p: _qgelu(x),
+    "qgeglu": _gated(_qgelu),
+    "relu": lambda x, p: F.relu(x),
+    "reglu": _gated(F.relu),
+    "srelu": lambda x, p: _srelu(x),
+    "sreglu": _gated(_srelu),
+    "silu": lambda x, p: F.silu(x),
+    "swiglu": _gated(F.silu),
+    "clamped_swiglu": _clamped_swiglu,
+}
+
+
+def activation(x: torch.Tensor, name: str, params: dict | None = None) -> torch.Tensor:
+    """TE's ``LayerNormMLP`` activation ``name`` of ``x`` ([..., n] or, gated, [..., 2n] ->
+    [..., n]), computed in fp32 like TE's kernels, returned in ``x.dtype``. ``params``:
+    ``activation_params`` (``clamped_swiglu``: ``limit``, ``alpha``, ``glu_linear_offset``).
+    Raises ``KeyError`` for an activation outside :data:`ACTIVATIONS`."""
+    return ACTIVATIONS[name](x.float(), params or {}).to(x.dtype)
