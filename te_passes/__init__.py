@@ -7,6 +7,7 @@ Inductor. Layers, top to bottom (a module imports only from layers below it; che
 
 * :mod:`te_passes.cli` — the ``te-passes`` command; :mod:`te_passes.examples` — built-in models;
 * :mod:`te_passes.testing` — real TE graph capture without a GPU, test backends;
+* :mod:`te_passes.step_capture` — small batches: ``compile_step`` (the whole step, one graph), ``make_graphed``;
 * :mod:`te_passes.backend` — the entry: ``te_inductor`` and its Inductor hooks;
 * :mod:`te_passes.debug` — TE-aware printing, dumps, graph-break report, offline replay;
 * :mod:`te_passes.passes` — one module per pass;
@@ -23,7 +24,8 @@ Inductor. Layers, top to bottom (a module imports only from layers below it; che
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
-           "UbConfigError", "compile_friendly", "prepare_te_state"]
+           "UbConfigError", "compile_friendly", "prepare_te_state",
+           "compile_step", "make_graphed", "StepCaptureError"]  # issue 22
 
 #: Public names and the module each lives in (imported on first access: ``import te_passes``
 #: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
@@ -39,6 +41,10 @@ _LAZY = {
     "UbConfigError": "te_passes.te.ub",
     "compile_friendly": "te_passes.rewrite.compile_friendly",  # opt-in model rewrite (issue 15)
     "prepare_te_state": "te_passes.rewrite.te_state",  # TE's first-forward lazy state, before compiling
+    # issue 22: small batches (whole-step capture; TE's CUDA-graph capture over te_inductor)
+    "compile_step": "te_passes.step_capture",
+    "make_graphed": "te_passes.step_capture",
+    "StepCaptureError": "te_passes.step_capture",
 }
 
 
