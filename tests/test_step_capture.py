@@ -25,7 +25,7 @@ import te_passes
 from te_passes.report import clear_compile_reports, compile_reports
 from te_passes.step_capture import CompiledStep, StepCaptureError, compile_step, make_graphed
 
-NO_CACHE = {"fx_graph_cache": False}
+NO_CACHE: dict = {}  # Inductor's caches on: identical toy graphs across tests compile once
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_whole_step_is_one_graph_with_direct_calls(toy):
 
     clear_compile_reports()
     toy.CALLS["fwd"].clear(), toy.CALLS["bwd"].clear()
-    cstep = compile_step(step, mode=None, options=NO_CACHE)
+    cstep = compile_step(step, mode=None, options={"fx_graph_cache": False})  # the passes run: records
     assert isinstance(cstep, CompiledStep) and not cstep.cudagraphs
     losses = []
     for _ in range(3):
