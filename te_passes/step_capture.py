@@ -114,8 +114,7 @@ def _optimizer_hint(msg: str) -> str | None:
     if "torch/optim/optimizer.py" in msg and "graph_break" in msg:
         return ("the step calls optimizer.step(), which breaks the graph on purpose in torch 2.14 "
                 "(torch/optim/optimizer.py _use_grad: torch._dynamo.graph_break() before and after the update, "
-                "refused under fullgraph=True). Call optimizer.step() outside the compiled step, or pass "
-                "fullgraph=False (the step is then two graphs: forward+backward, and the compiled optimizer)")
+                "refused under fullgraph=True). Call optimizer.step() outside the compiled step")
     return None
 
 

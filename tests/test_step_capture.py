@@ -4,10 +4,11 @@
   ``register_custom_op``, tests/_toy_te_op.py, TE's real impls need a GPU) compiled by
   te_inductor (Inductor on CPU): one Dynamo graph, no graph break, TE's impls called directly,
   loss and every ``.grad`` equal to eager for gradient accumulation, ``zero_grad`` with
-  ``set_to_none`` True and False, an optimizer step inside and outside, a shape change
+  ``set_to_none`` True and False, an optimizer step outside (inside: refused), a shape change
   (recompiles), losses held across steps;
-* real te.Linear (fp8 current scaling, MXFP8, block scaling, bf16) traced whole-step on the
-  fake GPU (``te_passes.testing.fake_gpu``): one graph, no break, TE's backward op in it;
+* real te.Linear is not traced whole-step here: the fake GPU cannot run ``autograd.grad`` on fake
+  ``cuda`` tensors (the autograd engine asks CUDA for a primary context); real TE, all recipes:
+  tests/gpu/test_step_capture_gpu.py;
 * ``trace_autograd_ops`` is set only while the step's frames are traced;
 * refusals: compile_step / make_graphed arguments, TE in capture state, ``te_passes.guards`` given
   to the backend, graph breaks under ``fullgraph``; make_graphed's reset after a failed
@@ -130,7 +131,12 @@ def test_gradient_accumulation_and_zero_grad(toy):
     assert breaks == 0 and graphs == 2  # .grad absent / present
 
 
-def test_optimizer_step_inside_and_outside(toy):
+def test_optimizer_step_outside_and_refused_inside(toy):
+    """Outside: eager's parameters. Inside: torch.optim's step() breaks the graph on purpose
+    (optimizer.py ``_use_grad``), refused under fullgraph with the advice. (With fullgraph=False
+    the step deadlocks in torch 2.14.1: the eager backward Dynamo leaves behind lazily compiles
+    AOT's backward, whose compile-start callbacks Dynamo then tries to compile under
+    callback_handler's non-reentrant lock; docs/usage.md.)"""
     x, ps = _params()
     ref = _clone_params(ps)
     inside_ps = _clone_params(ps)
@@ -141,7 +147,7 @@ def test_optimizer_step_inside_and_outside(toy):
         loss.backward()
         return loss
 
-    def full_step(x):  # zero_grad stays outside: Dynamo never traces Optimizer.zero_grad (a break)
+    def full_step(x):
         loss = fwd_bwd(x, inside_ps)
         iopt.step()
         return loss
@@ -149,9 +155,6 @@ def test_optimizer_step_inside_and_outside(toy):
     outside = compile_step(fwd_bwd, mode=None, options=NO_CACHE)
     with pytest.raises(StepCaptureError, match=r"optimizer.step\(\), which breaks the graph on purpose.*outside"):
         compile_step(full_step, mode=None, options=NO_CACHE)(x)
-    torch._dynamo.reset()
-    counters.clear()
-    inside = compile_step(full_step, mode=None, options=NO_CACHE, fullgraph=False)
     for _ in range(3):
         ropt.zero_grad(set_to_none=True)
         ref_loss = fwd_bwd(x, ref)
@@ -159,13 +162,8 @@ def test_optimizer_step_inside_and_outside(toy):
         opt.zero_grad(set_to_none=True)
         assert _close(outside(x, ps), ref_loss)
         opt.step()
-        iopt.zero_grad(set_to_none=True)
-        assert _close(inside(x), ref_loss)
-    for a, b, r in zip(ps, inside_ps, ref):
-        assert _close(a, r) and _close(b, r)
-    # inside: forward+backward is one graph; the optimizer's own breaks (optimizer.py _use_grad) only
-    assert all("optimizer" in str(k) or "graph_break" in str(k) for k in counters["graph_break"]), \
-        dict(counters["graph_break"])
+    for a, r in zip(ps, ref):
+        assert _close(a, r)
 
 
 def test_shape_change_recompiles_and_held_losses_stay(toy):
@@ -274,56 +272,6 @@ def test_trace_autograd_ops_restored_after_a_failed_compile(toy):
     assert torch._dynamo.config.trace_autograd_ops is False
 
 
-# --------------------------------------------------------------------------- real TE on the fake GPU
-@pytest.mark.parametrize("precision", ["fp8-cs", "mxfp8", "bf16"])
-def test_real_te_linear_whole_step_traces_as_one_graph(precision):
-    from te_passes.testing.capture import capture_skip_reason
-
-    reason = capture_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from te_passes.testing.fake_gpu import PRECISIONS, capture_lock, constructing, fake_gpu, import_te, make_recipe, quiet
-
-    if precision not in PRECISIONS:
-        pytest.skip(f"fake GPU has no precision {precision!r} ({PRECISIONS})")
-    te = import_te()
-    recipe = make_recipe(precision)
-    graphs = []
-
-    class _NeverRun(Exception):
-        pass
-
-    def recording(gm, example_inputs):
-        graphs.append(gm)
-
-        def never_run(*a):
-            raise _NeverRun()
-        return never_run
-
-    with capture_lock, quiet(), fake_gpu(precision):
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, constructing():
-            mods = torch.nn.ModuleList(te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda") for _ in range(2))
-            x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-
-        def step(inp):
-            with te.autocast(enabled=recipe is not None, recipe=recipe):
-                y = mods[1](torch.nn.functional.gelu(mods[0](inp)))
-            loss = y.float().square().mean()
-            loss.backward()
-            return loss
-
-        cstep = compile_step(step, backend=recording)
-        with mode, pytest.raises(_NeverRun):
-            cstep(x)
-    assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
-    assert any("transformer_engine_compile.linear" in t for t in targets), targets
-    assert any("autograd.grad" in t or "accumulate_grad" in t for t in targets), targets
-
-
 # --------------------------------------------------------------------------- refusals
 def test_compile_step_refusals(toy):
     with pytest.raises(TypeError, match="callable"):
@@ -425,7 +373,9 @@ def _damage_like_a_failed_mgc(module, *args, **kwargs):
         return old(self, *a, **k)
 
     cls.__call__ = call_func
-    FP8GlobalStateManager.autocast_enter(enabled=False, _graph=True)
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    FP8GlobalStateManager.autocast_enter(enabled=False, fp8_recipe=Float8CurrentScaling(), _graph=True)  # no CUDA query
     module.forward = lambda *a: None
     raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
@@ -472,9 +422,11 @@ def test_graphed_module_clears_te_capture_flag_around_the_compiled_call(monkeypa
             seen.append(FP8GlobalStateManager.quantization_state.fp8_graph_capturing)
             return t
 
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
     g = GraphedModule(Probe())
     state = FP8GlobalStateManager.get_autocast_state()
-    FP8GlobalStateManager.autocast_enter(enabled=False, _graph=True)
+    FP8GlobalStateManager.autocast_enter(enabled=False, fp8_recipe=Float8CurrentScaling(), _graph=True)
     try:
         g(torch.ones(1))
         assert FP8GlobalStateManager.quantization_state.fp8_graph_capturing is True
