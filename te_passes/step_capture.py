@@ -15,7 +15,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from te_passes._logging import get_logger
+from te_passes.backend import te_inductor_backend
 from te_passes.config import PREFIX, TePassesOptionError, parse_guards_option
+from te_passes.pipeline.compilation import inductor_config_patches
 from te_passes.te.capture_state import te_capture_state
 
 log = get_logger()
@@ -249,9 +251,6 @@ def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-over
     rest = dict(rest or {})
     guard_filter_fn = rest.pop("guard_filter_fn", None)
     if backend is None:
-        from te_passes.backend import te_inductor_backend
-        from te_passes.pipeline.compilation import inductor_config_patches
-
         inductor_options = {k: v for k, v in rest.items() if not k.startswith(PREFIX)}
         backend = te_inductor_backend(mode=mode, options=rest or None)
         cudagraphs = bool(inductor_config_patches(mode, inductor_options).get("triton.cudagraphs"))
@@ -388,8 +387,6 @@ def _check_make_graphed_args(module: Any, sample_args: Any, options: Any, mgc_kw
         raise StepCaptureError("make_graphed: DelayedScaling is not supported: its amax history / scale update "
                                "depends on TE's capture state, which the compiled module cannot see")
     opts = dict(options or {})
-    from te_passes.pipeline.compilation import inductor_config_patches
-
     if inductor_config_patches(None, {k: v for k, v in opts.items() if not k.startswith(PREFIX)}).get(
             "triton.cudagraphs"):
         raise StepCaptureError("make_graphed: options turn Inductor's CUDA graphs on (triton.cudagraphs); the "
@@ -445,8 +442,6 @@ def make_graphed(module: torch.nn.Module, sample_args: Any, *, options: dict[str
     sample_args, opts = _check_make_graphed_args(module, sample_args, options, mgc_kwargs)
     _refuse_capture_state("make_graphed")
     import transformer_engine.pytorch as te
-
-    from te_passes.backend import te_inductor_backend
 
     backend = te_inductor_backend(options=opts or None)
     graphed = GraphedModule(torch.compile(module, backend=backend, dynamic=False))
