@@ -7,6 +7,7 @@ Inductor. Layers, top to bottom (a module imports only from layers below it; che
 
 * :mod:`te_passes.cli` — the ``te-passes`` command; :mod:`te_passes.examples` — built-in models;
 * :mod:`te_passes.testing` — real TE graph capture without a GPU, test backends;
+* :mod:`te_passes.step_capture` — small batches: ``compile_step`` (the whole step, one graph), ``make_graphed``;
 * :mod:`te_passes.backend` — the entry: ``te_inductor`` and its Inductor hooks;
 * :mod:`te_passes.debug` — TE-aware printing, dumps, graph-break report, offline replay;
 * :mod:`te_passes.passes` — one module per pass;
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
            "UbConfigError", "compile_friendly", "prepare_te_state", "prepare_delayed_scaling",
-           "RecipeStateError"]
+           "RecipeStateError", "compile_step", "make_graphed", "StepCaptureError"]
 
 #: Public names and the module each lives in (imported on first access: ``import te_passes``
 #: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
@@ -43,6 +44,10 @@ _LAZY = {
     # DelayedScaling (issue 24): TE's amax buffers registered, state static, before compiling
     "prepare_delayed_scaling": "te_passes.runtime.delayed_linear",
     "RecipeStateError": "te_passes.runtime.recipe_state",  # raised by te_inductor, unwrapped
+    # issue 22: small batches (whole-step capture; TE's CUDA-graph capture over te_inductor)
+    "compile_step": "te_passes.step_capture",
+    "make_graphed": "te_passes.step_capture",
+    "StepCaptureError": "te_passes.step_capture",
 }
 
 

@@ -118,6 +118,28 @@ REFUSED_OPTIONS: dict[str, str] = {
 }
 
 
+# --- issue 22: Dynamo guard evaluation of a compiled step (te_passes/step_capture.py) ---------------
+#: ``te_passes.guards`` values: ``"all"`` (default: Dynamo evaluates every guard on every call) and
+#: ``"skip_unsafe"`` (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` around calls
+#: whose argument signature was already seen: a changed shape still recompiles, a changed global
+#: state — recipe, ``.grad`` presence, module attributes — does not). Honoured by
+#: ``te_passes.compile_step`` only: guards run before any backend does.
+GUARD_MODES: tuple[str, ...] = ("all", "skip_unsafe")
+REFUSED_OPTIONS["guards"] = ("te_passes.guards is not a backend option: Dynamo evaluates guards before a backend "
+                             "runs, so te_inductor cannot honour it. Pass it to te_passes.compile_step(..., "
+                             "options={'te_passes.guards': ...}), or use torch.compile's guard_filter_fn / "
+                             "torch.compiler.set_stance(skip_guard_eval_unsafe=True) yourself")
+
+
+def parse_guards_option(value: Any) -> str:
+    """``te_passes.guards`` checked: one of :data:`GUARD_MODES`.
+
+    Raises:
+        TePassesOptionError: any other value.
+    """
+    return _as_choice(*GUARD_MODES)("guards", value)
+
+
 @dataclasses.dataclass(frozen=True)
 class TePassesOptions:
     """Parsed ``te_passes.*`` options (defaults shown). Immutable; build with :meth:`parse`."""

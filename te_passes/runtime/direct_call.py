@@ -26,8 +26,10 @@ tensor-or-quantized field and every unsupported (always ``None``) field once. Pe
 a fresh args object (TE impls set fields on it), sets the constant fields, the tensor fields
 from its arguments, rebuilds STORAGE fields with TE's ``_storage_unflatten`` (their buffers
 change every call) and resolves process groups by name (as TE's ``unpack`` does), then returns
-``pack_result(impl(obj))`` under ``torch._C._AutoDispatchBelowAutograd`` (where the op's
-kernel runs them). The output list is the op's, so Inductor's ``MultiOutput`` indexing is
+``pack_result(impl(obj))`` under ``torch._C._AutoDispatchBelowADInplaceOrView`` (below the
+op's autograd kernel, as the dispatcher path, and below ADInplaceOrView, as Inductor's own
+fallback kernels in later torch: no view tracking or view-replay records inside TE's impl, so
+its outputs are never views keeping a ``_base`` alive; docs/design.md "Direct calls"). The output list is the op's, so Inductor's ``MultiOutput`` indexing is
 unchanged. It takes the op's flat arguments in schema order (constants included, ignored: it
 holds the same objects), so the generated line keeps the op call's shape::
 
@@ -48,7 +50,10 @@ compiled graphs run TE ops with grad disabled, and the op's own autograd kernel 
 redispatch below autograd, which the guard reproduces), the wrapper's subclass flattening
 (the pass proves no quantized-tensor subclass reaches the node, from ``meta["val"]``), the
 dynamo-disable wrapper (the wrapper code is never traced) and torch's output-aliasing assertion
-(a debugging check; TE's outputs are fresh tensors). Not seen by a direct call: Python
+(a debugging check; TE's outputs are fresh tensors), and ADInplaceOrView inside the impl (view
+metadata and version-counter bumps: nothing inside a compiled graph's TE call is recorded by
+autograd; AOTAutograd's graph-level autograd and its saved-tensor checks see the op's outputs,
+which are plain tensors). Not seen by a direct call: Python
 ``TorchDispatchMode``\\ s active around the compiled call (they would see the op); under
 ``torch.profiler`` the call is recorded as a ``record_function`` range named after the op.
 TE's ``te.autocast`` state, which the impls read while they run, is set around the whole
@@ -77,7 +82,8 @@ NAME_PREFIX = "_te_direct_"
 # --------------------------------------------------------------------------- the call object
 _object_setattr = object.__setattr__
 _profiler = torch.autograd.profiler
-_below_autograd = torch._C._AutoDispatchBelowAutograd
+#: The dispatch guard around TE's impl (see the module docstring; the cost: docs/benchmarks.md, issue 22).
+_below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 def _make_builder(cls: type, fixed: Sequence[tuple[str, Any]], args: Sequence[tuple[str, int]]):
