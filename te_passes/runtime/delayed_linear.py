@@ -493,6 +493,11 @@ def _linear_op_wrapper(te_op):
     return linear_op
 
 
+def installed() -> bool:
+    """Whether the install ran to the end (see :func:`refused_reason` for why not)."""
+    return _STATE["installed"]
+
+
 def refused_reason() -> str | None:
     """Why the te.Linear part is not installed (``None`` when it is or before the install ran)."""
     return _STATE["refused"]

@@ -119,6 +119,11 @@ def update_op():
     return _STATE["op"]
 
 
+def installed() -> bool:
+    """Whether the install ran to the end (see :func:`refused_reason` for why not)."""
+    return _STATE["installed"]
+
+
 def refused_reason() -> str | None:
     """Why the DelayedScaling integration is not installed (``None`` when it is, or before
     :func:`install_delayed_scaling` ran)."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from te_passes._logging import get_logger
+from te_passes.runtime.dynamo_callbacks import drop_start_callback, keep_start_callback
 from te_passes.runtime.install import install
 from te_passes.te.capture_state import te_capture_state
 
@@ -35,12 +36,8 @@ def warn_capture_state(where: str) -> bool:
 
 def on_compile_start_install(_args: Any) -> None:
     """Every Dynamo compile until the runtime hooks are in (TE imported after te_passes), then removed."""
-    if not install():
-        return
-    try:
-        torch._dynamo.callback_handler.remove_start_callback(on_compile_start_install)
-    except ValueError:  # pragma: no cover - already removed
-        pass
+    if install():
+        drop_start_callback(on_compile_start_install)
 
 
 def on_compile_start_capture(_args: Any) -> None:
@@ -53,9 +50,7 @@ def on_compile_start_capture(_args: Any) -> None:
 
 def register() -> None:
     """Install the runtime hooks now if TE is imported, else at a later Dynamo compile; register the
-    capture-state warning. Idempotent."""
-    handler = torch._dynamo.callback_handler
-    if not install() and on_compile_start_install not in handler.start_callbacks:
-        handler.register_start_callback(on_compile_start_install)
-    if on_compile_start_capture not in handler.start_callbacks:
-        handler.register_start_callback(on_compile_start_capture)
+    capture-state warning (both kept over ``torch._dynamo.reset()``). Idempotent."""
+    if not install():
+        keep_start_callback(on_compile_start_install)
+    keep_start_callback(on_compile_start_capture)

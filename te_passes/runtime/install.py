@@ -34,6 +34,8 @@ need TE imported; until then they are no-ops and :func:`install` returns ``False
 
 from __future__ import annotations
 
+import torch
+
 from te_passes.runtime import (constants, delayed_linear, delayed_scaling, direct_lowering, free_op, fused_attn_op,
                                recipe_state, untouched)
 from te_passes.runtime.amax_groups import install_amax_group_hooks
@@ -50,8 +52,13 @@ def install() -> bool:
     fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
-    delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
-    delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
-    recipe_state.install_trace_hooks()  # issue 26; refusal kept: trace_hook_refusal(), graphs then refused
+    recipe_state.install_trace_hooks()  # refusal kept: trace_hook_refusal(), graphs then refused
     untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
-    return install_te_ub_hooks() & install_amax_group_hooks()
+    settled = install_te_ub_hooks() & install_amax_group_hooks()
+    # These rebind TE names (te.autocast's check, Linear's _linear_op, a recipe-state method) that a
+    # trace may have read and guarded on: never while Dynamo compiles a frame (a backend call), only
+    # at a compile's start or outside torch.compile; until then the start callback stays.
+    if torch._guards.TracingContext.try_get() is None:
+        delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
+        delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
+    return settled and all(m.installed() or m.refused_reason() is not None for m in (delayed_scaling, delayed_linear))

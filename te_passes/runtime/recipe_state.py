@@ -265,7 +265,11 @@ def reads_autocast(node: torch.fx.Node) -> bool:
     (:func:`te_passes.te.runtime_reads.autocast_reads`): every one of them is used only when the
     op runs quantized (linear.py:414/568/611 and backends.py:1606 sit under ``fp8`` or need a
     quantizer), so ``config["fp8"]`` (the args bundle, :func:`te_passes.te.graph_model.decode`)
-    decides; a node that cannot be decoded counts as reading it."""
+    decides; a node that cannot be decoded counts as reading it. A family with no inventory
+    (:data:`~te_passes.te.runtime_reads.FAMILY_IMPLS`) reads none: :func:`autocast_for_graph`
+    refuses it first when its impls read any TE state (bytecode scan)."""
+    if family_of(_qualname_of(node.target) or "") not in FAMILY_IMPLS:
+        return False
     try:
         call = decode(node)
     except UnknownTEOp:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from te_passes.runtime.dynamo_callbacks import keep_start_callback
 from te_passes.runtime.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
 from te_passes.runtime.untouched_gate import backend_wants_polyfills
 from te_passes.te.module_init import forward_prepare_args
@@ -310,8 +311,6 @@ def _prepare_attention(ctx: Any) -> None:
 
 
 def register_start_callback() -> None:
-    handler = torch._dynamo.callback_handler
-    if on_compile_start not in handler.start_callbacks:
-        handler.register_start_callback(on_compile_start)
+    keep_start_callback(on_compile_start)  # kept over torch._dynamo.reset()
 
 
