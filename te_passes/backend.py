@@ -6,7 +6,9 @@ process's Inductor config is never mutated). docs/design.md "Stages and the driv
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -18,7 +20,7 @@ from te_passes.debug.dump_files import DumpDirError
 from te_passes.passes.order import configured_passes, pass_names
 from te_passes.pipeline.compilation import Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
-from te_passes.runtime import dynamo_hooks
+from te_passes.runtime import delayed_linear, dynamo_hooks
 from te_passes.runtime.install import install as install_runtime
 from te_passes.runtime.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
@@ -64,12 +66,25 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     from torch._inductor.compile_fx import compile_fx
 
     dynamo_hooks.warn_capture_state("te_inductor")
+    settings = _without_cudagraphs_if_hazard(gm, settings)
     manager = PassManager(configured_passes(settings.options.pass_config), observers=_observers(settings.options))
     comp = Compilation(manager, settings, TEState.capture(ub_snapshot=settings.ub_snapshot),
                        recompile=lambda g, args: compile_graph(g, args, settings))
     autocast = autocast_for_graph(gm)  # the te.autocast state TE's impls read at run time (before any pass)
     comp.begin(gm, example_inputs)
     return run_under(comp.finish(compile_fx(gm, example_inputs, config_patches=comp.inductor_hooks())), autocast)
+
+
+def _without_cudagraphs_if_hazard(gm: torch.fx.GraphModule, settings: CompileSettings) -> CompileSettings:
+    """``settings`` with ``triton.cudagraphs`` off, and a warning naming why, for a graph
+    :func:`te_passes.runtime.delayed_linear.cudagraph_hazard` finds unsafe to CUDA-graph."""
+    if not settings.config_patches.get("triton.cudagraphs"):
+        return settings
+    why = delayed_linear.cudagraph_hazard(gm)
+    if why is None:
+        return settings
+    warnings.warn(f"te_passes: mode='reduce-overhead': {why}", RuntimeWarning, stacklevel=3)
+    return dataclasses.replace(settings, config_patches={**settings.config_patches, "triton.cudagraphs": False})
 
 
 def _observers(opts: TePassesOptions) -> list[PassObserver]:

@@ -24,6 +24,14 @@ te = pytest.importorskip("transformer_engine.pytorch")
 from te_passes.testing.fake_gpu import constructing, fake_gpu, quiet  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _torch_ops_norm(monkeypatch):
+    """These tests check the rewrite's torch-ops norm (its graph nodes, and its numerics against TE's
+    formula on CPU tensors, where TE's norm kernel cannot run); the default, TE's norm kernel, is
+    tests/test_untouched.py::test_te_norm_kernel_switch."""
+    monkeypatch.setenv("TE_PASSES_UNTOUCHED_NORM", "torch")
+
+
 @contextlib.contextmanager
 def _cpu_te(precision="bf16"):
     """Build TE modules on ``cpu`` (TE's CUDA check patched)."""

@@ -289,3 +289,31 @@ def test_pairs_exposed(te_mods):
     assert set(pairs) == {"check_recipe_support", "reduce_and_update_fp8_tensors"}
     assert Q.FP8GlobalStateManager.__dict__["reduce_and_update_fp8_tensors"].__func__ is pairs[
         "reduce_and_update_fp8_tensors"]
+
+
+def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs():
+    """cudagraph trees fail on the delayed-scaling ops (H200, docs/benchmarks.md "Session 5"): a graph
+    calling one is compiled with triton.cudagraphs off, with a warning naming the ops; others keep it."""
+    import warnings
+
+    from te_passes.backend import _without_cudagraphs_if_hazard
+    from te_passes.pipeline.compilation import CompileSettings
+    from te_passes.runtime import delayed_linear, delayed_scaling
+
+    assert delayed_scaling.install_delayed_scaling() or delayed_scaling.refused_reason() is None
+    op = torch.ops.te_passes.delayed_scaling_update.default
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(op, (x,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    plain = torch.fx.symbolic_trace(lambda t: t + 1)
+    settings = CompileSettings.parse("reduce-overhead", None, set())
+    assert settings.config_patches["triton.cudagraphs"] is True
+    assert "te_passes::delayed_scaling_update" in delayed_linear.cudagraph_hazard(gm)
+    assert delayed_linear.cudagraph_hazard(plain) is None
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = _without_cudagraphs_if_hazard(gm, settings)
+        same = _without_cudagraphs_if_hazard(plain, settings)
+    assert out.config_patches["triton.cudagraphs"] is False and same is settings
+    assert [str(x.message) for x in w if "delayed_scaling_update" in str(x.message)]

@@ -201,7 +201,9 @@ def test_four_layer_stack_is_one_graph():
 # --------------------------------------------------------------------------- single modules
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
-def test_layernorm_linear(normalization, zero_centered_gamma):
+def test_layernorm_linear(normalization, zero_centered_gamma, monkeypatch):
+    """TE_PASSES_UNTOUCHED_NORM=torch: the norm in torch ops (Inductor fuses it)."""
+    monkeypatch.setenv(untouched.NORM_ENV, "torch")
     r = _run(lambda: te.LayerNormLinear(64, 128, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                                         params_dtype=torch.bfloat16, device="cuda"), (32, 64), "fp8-cs")
     _one_graph(r, 1)
@@ -211,8 +213,9 @@ def test_layernorm_linear(normalization, zero_centered_gamma):
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_te_norm_kernel_switch(normalization, monkeypatch):
-    """TE_PASSES_UNTOUCHED_NORM=te: the norm is TE's kernel as the te_passes::te_norm_fwd op."""
-    monkeypatch.setenv(untouched.NORM_ENV, "te")
+    """The default (TE_PASSES_UNTOUCHED_NORM unset, or te): the norm is TE's kernel as the
+    te_passes::te_norm_fwd op."""
+    monkeypatch.delenv(untouched.NORM_ENV, raising=False)
     r = _run(lambda: te.LayerNormLinear(64, 128, normalization=normalization, params_dtype=torch.bfloat16,
                                         device="cuda"), (32, 64), "bf16")
     _one_graph(r, 1)

@@ -493,6 +493,21 @@ def _linear_op_wrapper(te_op):
     return linear_op
 
 
+def cudagraph_hazard(gm: torch.fx.GraphModule) -> str | None:
+    """Why ``gm`` must not be CUDA-graphed, or ``None``: it calls the delayed-scaling ops
+    (:data:`FWD_OP`, ``delayed_linear_bwd``, ``te_passes::delayed_scaling_update``), and cudagraph
+    trees fail on them (measured on the H200: an ``AssertionError`` recording their outputs,
+    docs/benchmarks.md "Session 5")."""
+    names = {n.target.name() if hasattr(n.target, "name") else str(n.target)
+             for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+             if n.op == "call_function"}
+    hit = sorted(n for n in names if n.startswith("te_passes::delayed_"))
+    if not hit:
+        return None
+    return (f"the graph calls {', '.join(hit)} (DelayedScaling): CUDA graph trees fail on these ops, so this graph "
+            "is compiled without CUDA graphs (default-mode speed)")
+
+
 def installed() -> bool:
     """Whether the install ran to the end (see :func:`refused_reason` for why not)."""
     return _STATE["installed"]

@@ -40,8 +40,9 @@ from te_passes.te.norm_act import activation, normalize
 from te_passes.te.untouched_rules import norm_call_problem
 from te_passes.te.version import is_supported, te_version
 
-#: ``TE_PASSES_UNTOUCHED_NORM``: ``torch`` (default: LayerNorm / RMSNorm in torch ops, fused by
-#: Inductor) or ``te`` (TE's own norm kernels as the ``te_passes::te_norm`` op; numerics of TE eager).
+#: ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm kernels as the ``te_passes::te_norm``
+#: op; TE eager's numerics, measured as fast as the torch-ops norm: docs/untouched.md) or ``torch``
+#: (LayerNorm / RMSNorm in torch ops, fused by Inductor).
 NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
 NORM_CHOICES = ("torch", "te")
 
@@ -61,8 +62,8 @@ TARGETS: dict[str, tuple[str, str, str]] = {
 
 # --------------------------------------------------------------------------- shared forwards
 def norm_impl(environ: Any = None) -> str:
-    """``TE_PASSES_UNTOUCHED_NORM`` (``torch`` default, or ``te``); raises ``TePassesOptionError``."""
-    v = (environ or os.environ).get(NORM_ENV, "torch").strip().lower() or "torch"
+    """``TE_PASSES_UNTOUCHED_NORM`` (``te`` default, or ``torch``); raises ``TePassesOptionError``."""
+    v = (environ or os.environ).get(NORM_ENV, "te").strip().lower() or "te"
     if v not in NORM_CHOICES:
         raise TePassesOptionError(f"environment variable {NORM_ENV}={v!r}: must be one of {list(NORM_CHOICES)}")
     return v

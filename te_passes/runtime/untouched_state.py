@@ -248,12 +248,7 @@ def on_compile_start(_args: Any = None) -> None:
         from transformer_engine.common.recipe import Recipe
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-        values = list(loc.values())
-        for c in closure or ():
-            try:
-                values.append(c.cell_contents)
-            except ValueError:  # an empty cell
-                pass
+        values = list(loc.values()) + _cell_values(closure)
         values += [v for v in glob.values() if isinstance(v, (Recipe, torch.nn.Module))]
         recipes = [v for v in values if isinstance(v, Recipe)]
         mods = [v for v in values if isinstance(v, torch.nn.Module)]
@@ -265,6 +260,29 @@ def on_compile_start(_args: Any = None) -> None:
             _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None)
     except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
         return
+
+
+def _cell_values(closure: Any, depth: int = 3) -> list[Any]:
+    """The contents of ``closure``'s cells and, ``depth`` levels down, of the closures of the
+    functions found there (a wrapper such as ``te_passes.compile_step``'s step closes over the
+    user's step function, which closes over the recipe and the model)."""
+    out: list[Any] = []
+    seen: set[int] = set()
+    todo = [(c, 0) for c in closure or ()]
+    while todo:
+        cell, d = todo.pop()
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        out.append(v)
+        inner = getattr(v, "__closure__", None)
+        if d + 1 < depth and inner:
+            todo += [(c, d + 1) for c in inner]
+    return out
 
 
 def prime_recipe(recipe: Any) -> None:

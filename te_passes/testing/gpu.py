@@ -199,6 +199,24 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
 
 
+def symmetry_reference(name: str) -> str | None:
+    """For a gradient that is 0 in exact arithmetic, the gradient whose norm its error is measured
+    against: an attention key bias (``...key_bias``; softmax is invariant to adding ``q·b_k`` to every
+    logit of a query, so eager's value is rounding noise) -> the same layer's ``...query_bias``."""
+    return name[: -len("key_bias")] + "query_bias" if name.endswith("key_bias") else None
+
+
+def grad_rel_err(name: str, actual: torch.Tensor, expected: torch.Tensor,
+                 grads: dict[str, torch.Tensor]) -> float:
+    """:func:`rel_err`, except for a gradient with a :func:`symmetry_reference` in ``grads`` (the
+    reference run's gradients by name): ``||actual - expected||_F / ||grads[reference]||_F``."""
+    ref = symmetry_reference(name)
+    if ref is None or ref not in grads:
+        return rel_err(actual, expected)
+    a, e = actual.detach().float(), expected.detach().float()
+    return ((a - e).norm() / grads[ref].detach().float().norm().clamp_min(1e-30)).item()
+
+
 def grads_of(x: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``{"x": x.grad, "<param name>": p.grad, ...}`` cloned (``None`` grads are left out)."""
     out = {"x": x.grad.detach().clone()} if x.grad is not None else {}

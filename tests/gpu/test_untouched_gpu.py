@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from te_passes.testing.compile_watch import assert_one_graph
-from te_passes.testing.gpu import REL_TOL, CompileWatch, copy_params, grads_of, make_recipe, rel_err
+from te_passes.testing.gpu import (REL_TOL, CompileWatch, copy_params, grads_of, make_recipe, rel_err,
+                                   symmetry_reference)
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +57,8 @@ def _close(tag, actual, expected, precision, scale=None):
 def _grads_close(tag, g, g_ref, precision):
     worst = 0.0
     for k in g_ref:
-        scale = g_ref.get(k[: -len("key_bias")] + "query_bias") if k.endswith("key_bias") else None
+        ref = symmetry_reference(k)
+        scale = g_ref.get(ref) if ref else None
         worst = max(worst, _close(f"{tag} grad {k}", g[k], g_ref[k], precision, scale))
     return worst
 
