@@ -219,7 +219,7 @@ def test_resource_bombs_are_refused_with_one_line(bomb, dump_copy, tmp_path):
         payload["nodes"][ci]["args"] = (10 ** 10_000,)
     else:
         expr = {"exponent": "9**9**9**9", "exponent_chain": "((((9**60)**60)**60)**60)",
-                "deep_size_expr": "(" * 150 + "s0" + ")" * 150}[bomb]
+                "deep_size_expr": "(" * 150 + "s0" + "+1)" * 150}[bomb]  # 150 nested additions (bare parentheses collapse)
         _set_size(payload["nodes"][ph], expr)
     if data is None:
         _write_payload(p, payload)
