@@ -1,0 +1,75 @@
+"""Crafted dumps the issue-23 suite (tests/test_dump_safety.py) does not cover, run through the
+CLI as a user runs it: each case was found by trying a shared dump as an adversary and failed
+before its fix (docs/cli.md, "Guarantees")."""
+
+from __future__ import annotations
+
+import json
+import operator
+import shutil
+
+import pytest
+
+from test_cli import run_cli
+
+#: A generous limit for a subprocess that must finish quickly (never a timing assertion).
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def base_dump(tmp_path_factory):
+    """A real dump of ``--example linear-bf16`` (TE graphs captured on fake CUDA tensors)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    d = tmp_path_factory.mktemp("base")
+    proc = run_cli("dump", "--example", "linear-bf16", "--out", str(d / "D"), cwd=str(d))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d / "D"
+
+
+def _add_ub_fold_chain(path: str, kind: str) -> None:
+    """Append to the saved Dynamo graph a TE UB query (``is_ub_initialized()``, folded by
+    ``fold_ub_predicates``) whose folded value feeds a chain of pure operator nodes that the
+    pass's constant propagation would compute: 40 squarings of a 100-digit integer (hours of
+    CPU), or a 1 KiB string doubled 40 times (a TiB)."""
+    import torch
+    import transformer_engine.pytorch.module.base as base
+
+    from te_passes.debug import graph_io
+
+    gm, payload = graph_io.load_graph(path)
+    g = gm.graph
+    out = next(n for n in g.nodes if n.op == "output")
+    with g.inserting_before(out):
+        t = g.call_function(operator.not_, (g.call_function(base.is_ub_initialized, ()),))
+        if kind == "square":
+            x = g.call_function(operator.mul, (t, 10 ** 99))
+            for _ in range(40):
+                x = g.call_function(operator.mul, (x, x))
+        else:
+            x = g.call_function(operator.mul, (t, "A" * 1024))
+            for _ in range(40):
+                x = g.call_function(operator.add, (x, x))
+        g.call_function(torch._assert, (x, "kept"))
+    info = {k: v for k, v in payload.items()
+            if k not in ("format", "torch", "nodes", "attrs", "symbols", "example_inputs_fake")}
+    info["example_inputs"] = payload.get("example_inputs_fake")
+    graph_io.save_graph(path, gm, **info)
+
+
+@pytest.mark.parametrize("kind", ["square", "string_doubling"])
+def test_ub_constant_folding_of_a_crafted_graph_is_bounded(kind, base_dump, tmp_path):
+    """``replay`` of a graph whose folded UB value feeds ``x * x`` forty times: the fold stops at
+    values that are not small constants (a ``skipped`` record) and the replay finishes (before:
+    it ran for hours, or built a string larger than memory)."""
+    d = tmp_path / "D"
+    shutil.copytree(base_dump, d, symlinks=True)
+    _add_ub_fold_chain(str(d / "g0" / "dynamo" / "input.tegraph"), kind)
+    proc = run_cli("replay", str(d / "g0"), "--json", cwd=str(tmp_path), timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = [entry["report"] for entry in json.loads(proc.stdout)]
+    recs = [r for rep in reports for st in rep["stages"] for run in st["runs"]
+            if run["name"] == "fold_ub_predicates" for r in run["records"]]
+    folded = [r for r in recs if r["kind"] == "const_folded"]
+    skipped = [r for r in recs if r["kind"] == "skipped" and "not folded" in r.get("reason", "")]
+    assert [r["node"] for r in folded] == ["not_"], folded
+    assert len(skipped) == 1 and "not a small constant" in skipped[0]["reason"], recs
