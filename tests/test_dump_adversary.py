@@ -73,3 +73,16 @@ def test_ub_constant_folding_of_a_crafted_graph_is_bounded(kind, base_dump, tmp_
     skipped = [r for r in recs if r["kind"] == "skipped" and "not folded" in r.get("reason", "")]
     assert [r["node"] for r in folded] == ["not_"], folded
     assert len(skipped) == 1 and "not a small constant" in skipped[0]["reason"], recs
+
+
+@pytest.mark.parametrize("name", ["exp[1]", "seed[0-9]"])
+def test_replay_of_a_dump_under_a_folder_with_glob_characters(name, base_dump, tmp_path):
+    """A dump under ``runs/exp[1]/`` (``[...]`` is ordinary in folder names) replays
+    and ``--check`` reproduces it, for the dump and for its graph folder (before: "no saved
+    graphs ... in a dump's layout", exit 2: the path was read as a glob pattern)."""
+    d = tmp_path / name / "D"
+    shutil.copytree(base_dump, d, symlinks=True)
+    for target in (str(d), str(d / "g0")):
+        proc = run_cli("replay", target, "--check", "--plain", cwd=str(tmp_path), timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "reproduces the saved report" in proc.stdout
