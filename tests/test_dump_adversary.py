@@ -86,3 +86,48 @@ def test_replay_of_a_dump_under_a_folder_with_glob_characters(name, base_dump, t
         proc = run_cli("replay", target, "--check", "--plain", cwd=str(tmp_path), timeout=TIMEOUT)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "reproduces the saved report" in proc.stdout
+
+
+_FORMATS_TARGET = '''
+import torch
+
+def f(x):
+    y = x.t().clone(memory_format=torch.contiguous_format)
+    z = torch.zeros(y.shape, layout=torch.strided, dtype=y.dtype)
+    return (y + z).relu() * 2
+
+def main():
+    c = torch.compile(f, backend="te_inductor")
+    c(torch.randn(4, 6, requires_grad=True)).sum().backward()
+'''
+
+_UNBACKED_TARGET = '''
+import torch
+
+torch._dynamo.config.capture_dynamic_output_shape_ops = True
+
+def f(x, w):
+    idx = x.nonzero()
+    return (x @ w).relu() * 2, idx.float().sum()
+
+def main():
+    c = torch.compile(f, backend="te_inductor", dynamic=True)
+    for n in (6, 9):
+        x = torch.randn(n, 4, requires_grad=True)
+        c(x, torch.randn(4, 4, requires_grad=True))[0].sum().backward()
+'''
+
+
+@pytest.mark.parametrize("target", ["formats", "unbacked"])
+def test_dumps_of_ordinary_graphs_replay_and_check_reproduces(target, tmp_path):
+    """``dump`` then ``replay --check`` of graphs the backend sees every day: ``formats`` holds
+    ``memory_format=`` / ``layout=`` arguments (pickled as ``torch._utils`` /
+    ``torch.serialization._get_layout``: before, refused as "the file may be crafted"); ``unbacked``
+    has an unbacked size (``nonzero``) whose runtime assert ``u0 >= 0`` is a SymBool without a hint
+    (before: rebuilt as ``None``, so ``--check`` found other liveness records)."""
+    (tmp_path / "t.py").write_text(_FORMATS_TARGET if target == "formats" else _UNBACKED_TARGET)
+    proc = run_cli("dump", "t.py:main", "--out", "D", "--plain", cwd=str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_cli("replay", "D", "--check", "--plain", cwd=str(tmp_path), timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "reproduces the saved report" in proc.stdout
