@@ -116,7 +116,8 @@ def _optimizer_hint(msg: str) -> str | None:
     if "torch/optim/optimizer.py" in msg and "graph_break" in msg:
         return ("the step calls optimizer.step(), which breaks the graph on purpose in torch 2.14 "
                 "(torch/optim/optimizer.py _use_grad: torch._dynamo.graph_break() before and after the update, "
-                "refused under fullgraph=True). Call optimizer.step() outside the compiled step")
+                "refused under fullgraph=True). Call optimizer.step() outside the compiled step "
+                "(fullgraph=False does not help: a graph break after loss.backward() deadlocks in torch 2.14.1)")
     return None
 
 

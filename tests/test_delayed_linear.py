@@ -300,3 +300,15 @@ def test_impls_run_under_the_traced_autocast_state():
     with pytest.raises(RuntimeError, match="autocast_arguments has no entry"):
         with DL._traced_autocast_state({"autocast_key": "recipe=nothing,group=None"}):
             pass
+
+
+def test_prepare_delayed_scaling_refuses_a_model_that_is_not_a_module():
+    """A wrong first argument is named (before: TE's autocast ran first and a CPU machine got
+    "Found no NVIDIA driver", a GPU one an AttributeError on ``.modules()``)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    from transformer_engine.common import recipe as R
+
+    import te_passes
+
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        te_passes.prepare_delayed_scaling("model", R.DelayedScaling())

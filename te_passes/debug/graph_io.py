@@ -393,11 +393,17 @@ class _Builder:
                                                                sympy.Integer(hi) if hi is not None else sympy.oo)
 
     def sym(self, s: Any) -> Any:
+        import sympy
+
         if not isinstance(s, SymMeta):
             return s
         expr = parse_sym_expr(s.expr, "symbolic size", self.symbols)
         for sym in getattr(expr, "free_symbols", ()):
             self.symbols.setdefault(str(sym), sym)
+        if s.kind == "bool" and s.hint is None and isinstance(expr, sympy.logic.boolalg.Boolean) \
+                and not isinstance(expr, sympy.logic.boolalg.BooleanAtom):
+            # an unbacked comparison (``u0 >= 0`` of a runtime assert) has no hint to stand for it
+            return self.shape_env.create_symboolnode(expr)
         if s.kind != "int":
             return s.hint
         return self.shape_env.create_symintnode(expr, hint=s.hint)

@@ -84,6 +84,8 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("torch", "device"), ("torch", "Size"), ("torch.torch_version", "TorchVersion"),
     ("builtins", "slice"), ("builtins", "complex"), ("builtins", "Ellipsis"),
     ("transformer_engine.pytorch.dynamo.quantizer_opaque", "_rebuild_quantizer"),
+    # how a torch.layout pickles (torch/serialization.py: copyreg, a dict lookup by str(layout))
+    ("torch.serialization", "_get_layout"),
 })
 
 
@@ -116,6 +118,11 @@ def allowed_global(module: str, name: str) -> bool:
     """
     if (module, name) in ALLOWED_GLOBALS:
         return True
+    if module == "torch._utils" and name.startswith("torch.") and name.count(".") == 1:
+        # a torch.memory_format pickles as its reduce string "torch.contiguous_format", found by
+        # pickle's whichmodule under torch._utils (aten.clone(memory_format=...) in joint graphs)
+        obj = getattr(torch, name[len("torch."):], None)
+        return isinstance(obj, torch.memory_format)
     if "." in name or name.startswith("__"):
         return False
     if module == "torch":

@@ -116,7 +116,8 @@ def find_graph_files(path: str) -> dict[str, list[str]]:
     if os.path.isfile(path):
         files = [path]
     else:  # the dump layouts only, never a search of the whole tree under path
-        files = sorted({f for pat in DUMP_LAYOUTS for f in glob.glob(os.path.join(path, pat))})
+        # root_dir: ``path`` itself is not a pattern (a dump under ``runs/exp[1]/`` is found)
+        files = sorted({os.path.join(path, f) for pat in DUMP_LAYOUTS for f in glob.glob(pat, root_dir=path)})
     if not files:
         raise ReplayError(f"no saved graphs (*.tegraph) under {path} in a dump's layout ({', '.join(DUMP_LAYOUTS)}); "
                           f"dump with te-passes dump or options={{'te_passes.dump_dir': DIR}} first")

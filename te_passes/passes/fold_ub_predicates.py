@@ -30,6 +30,34 @@ _PURE_FOLDABLE = frozenset({
     operator.is_not, operator.getitem, operator.add, operator.sub, operator.mul,
     operator.floordiv, operator.mod, bool, int, float, str, max, min, all, any,
 })
+#: Limits on what a fold may compute: operands and results are scalars (``None``, ``bool``,
+#: ``float``, ``int`` of <= 64 bits, ``str`` of <= 256 characters) or tuples / lists of <= 16 of
+#: them; a ``str`` / sequence times an ``int`` only up to 256. A graph read from a file (``te-passes
+#: replay``) could otherwise make the fold build a huge value (``x = x * x`` forty times).
+_FOLD_MAX_BITS, _FOLD_MAX_LEN = 64, 256
+
+
+def _small_fold_value(v: Any, depth: int = 0) -> bool:
+    if v is None or isinstance(v, (bool, float)):
+        return True
+    if isinstance(v, int):
+        return v.bit_length() <= _FOLD_MAX_BITS
+    if isinstance(v, str):
+        return len(v) <= _FOLD_MAX_LEN
+    if isinstance(v, (tuple, list)) and depth == 0:
+        return len(v) <= 16 and all(_small_fold_value(x, 1) for x in v)
+    return False
+
+
+def _fold_is_bounded(target: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether calling ``target(*args, **kwargs)`` stays within the fold limits above."""
+    vals = (*args, *kwargs.values())
+    if not all(_small_fold_value(v) for v in vals):
+        return False
+    if target is operator.mul and any(isinstance(v, (str, tuple, list)) for v in vals):
+        return all(abs(v) <= _FOLD_MAX_LEN for v in vals if isinstance(v, int))
+    return True
+
 
 class FoldUbPredicates(TEPass):
     """Fold UB predicates to constants against the UB snapshot; check TE ops' UB configs.
@@ -219,10 +247,20 @@ class FoldUbPredicates(TEPass):
                                  map_arg(user.kwargs, lambda n: value if n is node else n))
                 if (user.op == "call_function" and user.target in _PURE_FOLDABLE and user not in const
                         and not any(isinstance(a, torch.fx.Node) for a in (*user.args, *user.kwargs.values()))):
+                    if not _fold_is_bounded(user.target, user.args, user.kwargs):
+                        records.append(PassRecord("skipped", user.name, {
+                            "reason": "not folded: an operand is not a small constant (ints <= 64 bits, "
+                                      "strings and sequences <= 256 long)"}))
+                        continue
                     try:
                         const[user] = user.target(*user.args, **user.kwargs)
                     except Exception as e:  # noqa: BLE001 - leave it as a call on constants
                         records.append(PassRecord("skipped", user.name, {"reason": f"not folded: {e}"}))
+                        continue
+                    if not _small_fold_value(const[user]):
+                        del const[user]
+                        records.append(PassRecord("skipped", user.name, {
+                            "reason": "not folded: the result is not a small constant"}))
                         continue
                     records.append(PassRecord("const_folded", user.name, {
                         "target": getattr(user.target, "__name__", str(user.target)),

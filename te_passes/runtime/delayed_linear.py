@@ -428,8 +428,10 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
     for CUDA graphs). Returns the number of modules with delayed-scaling state.
 
     Raises:
-        TypeError: ``recipe`` is not a TE ``DelayedScaling``.
+        TypeError: ``model`` is not a ``torch.nn.Module`` or ``recipe`` is not a TE ``DelayedScaling``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare_delayed_scaling: model must be a torch.nn.Module, got {type(model).__name__}")
     q = _quant()
     if not isinstance(recipe, q.DelayedScaling):
         raise TypeError(f"prepare_delayed_scaling: expected a DelayedScaling recipe, got {type(recipe).__name__}")
