@@ -221,9 +221,9 @@ def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-over
             guard evaluation for argument signatures seen ``guard_warmup`` times; a changed
             global state (recipe, ``.grad`` presence, module attributes) is then NOT detected)
             and ``guard_filter_fn`` (torch.compile's).
-        fullgraph: ``True`` (default): a graph break inside the step is an error naming the
-            break (Dynamo's ``Unsupported``), instead of a step silently split into pieces with
-            the autograd engine between them.
+        fullgraph: must be ``True`` (the default): a graph break inside the step is an error
+            naming the break (Dynamo's ``Unsupported``); ``False`` is refused (a break after the
+            backward deadlocks in torch 2.14.1).
         dynamic: passed to ``torch.compile`` (default ``False``: every shape its own graph).
         clone_outputs: under CUDA graphs, clone returned tensors out of the graph pool, so a
             loss kept across steps stays valid (one small copy per output per step).
@@ -240,12 +240,20 @@ def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-over
         TypeError: ``step_fn`` is not callable.
         te_passes.TePassesOptionError: a bad option (te_inductor's checks), ``te_passes.guards``
             value, or ``guard_warmup < 1``.
-        StepCaptureError: when called while TE is in CUDA-graph-capture state.
+        StepCaptureError: ``fullgraph=False``; when called while TE is in CUDA-graph-capture state.
     """
     if not callable(step_fn):
         raise TypeError(f"compile_step: step_fn must be callable, got {type(step_fn).__name__}")
     if isinstance(step_fn, CompiledStep):
         raise TypeError("compile_step: step_fn is already a compiled step")
+    if fullgraph is not True:
+        raise StepCaptureError(
+            "compile_step: fullgraph=False is refused: in torch 2.14.1 a graph break after loss.backward() "
+            "(optimizer.step() inside the step is one) deadlocks the process with no message (the eager "
+            "backward left in the gap compiles AOTAutograd's backward lazily, which runs Dynamo's start "
+            "callbacks under callback_handler's non-reentrant lock). Remove the break (keep optimizer.step() "
+            "and zero_grad() outside the step), or compile the step with torch.compile(..., backend='te_inductor') "
+            "yourself")
     guards, rest = _split_guard_option(options)
     if not isinstance(guard_warmup, int) or guard_warmup < 1:
         raise TePassesOptionError(f"compile_step: guard_warmup must be an int >= 1, got {guard_warmup!r}")

@@ -436,3 +436,13 @@ def test_graphed_module_clears_te_capture_flag_around_the_compiled_call(monkeypa
         FP8GlobalStateManager.set_autocast_state(state)
     g(torch.ones(1))
     assert seen == [False, False]
+
+
+def test_fullgraph_false_is_refused_with_the_reason():
+    """fullgraph=False: a break after loss.backward() deadlocks in torch 2.14.1 (no message), so
+    compile_step refuses it up front, naming why and what to do."""
+    import te_passes
+    from te_passes.step_capture import StepCaptureError
+
+    with pytest.raises(StepCaptureError, match=r"fullgraph=False is refused.*deadlocks"):
+        te_passes.compile_step(lambda x: x, fullgraph=False)
