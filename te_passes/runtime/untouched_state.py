@@ -150,6 +150,11 @@ def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: 
                 m.__dict__["_te_passes_prepared_key"] = key
 
 
+def _already_initialised(m: Any) -> bool:
+    """Whether TE's first forward (or ours) already ran on ``m`` (``set_activation_dtype`` sets it)."""
+    return "activation_dtype" in m.__dict__ or "_te_passes_prepared_key" in m.__dict__
+
+
 def _param_dtype(m: Any) -> torch.dtype | None:
     for p in m.parameters(recurse=False):
         if p.is_floating_point():
@@ -257,7 +262,11 @@ def on_compile_start(_args: Any = None) -> None:
         if mods:
             q = FP8GlobalStateManager.quantization_state
             active = q.autocast_depth > 0
-            _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None)
+            # No te.autocast active now: the fp8 state inside the trace is unknown (te.autocast may be
+            # inside the compiled function), so a module TE already initialised (an eager step ran)
+            # keeps its state — re-initialising it with fp8 off made the trace guard on the wrong value.
+            _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None,
+                         skip=(lambda m: False) if active else _already_initialised)
     except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
         return
 
