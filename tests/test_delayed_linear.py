@@ -266,9 +266,10 @@ def test_refusal_names_the_reason():
     import transformer_engine.pytorch  # noqa: F401  (TE's distributed module, read by refusal)
 
     from te_passes.runtime import delayed_linear as DL
+    from te_passes.runtime import delayed_state as DS
 
     q = NS(**{DL.TAG: (None, 0)})
-    base = {name: None for name in DL._MUST_BE_OFF}
+    base = {name: None for name in DS.MUST_BE_OFF}
     base.update(fp8=True, input_quantizer=q, weight_quantizer=q, grad_output_quantizer=q, tp_size=1,
                 parallel_mode=None, weight=torch.nn.Parameter(torch.zeros(2, 2)))
     assert DL.refusal(NS(**base)) is None
