@@ -105,15 +105,7 @@ def _is_te_module(module: str) -> bool:
 
 
 def allowed_global(module: str, name: str) -> bool:
-    """Whether a ``.tegraph`` pickle may reference global ``module.name`` (after :func:`renamed_module`).
-
-    Allowed: :data:`ALLOWED_GLOBALS`; torch's dtype / layout / memory-format values
-    (``torch.float32``); classes in ``transformer_engine*`` modules that are TE graph constants
-    (:func:`te_passes.te.graph_constants.te_const_kind`: OpaqueValueBundle, quantizers, quantized
-    storages, recipes, TE enums such as ``DType``). Deciding the rule-based cases imports the
-    (installed, trusted) module named; nothing from the file runs. Everything else — ``os``,
-    ``subprocess``, ``builtins.eval``, any function outside the list — is refused.
-    """
+    """Whether a ``.tegraph`` pickle may reference global ``module.name`` (after :func:`renamed_module`)."""
     if (module, name) in ALLOWED_GLOBALS:
         return True
     if "." in name or name.startswith("__"):
@@ -232,10 +224,8 @@ class BudgetError(GraphFileError):
 
 
 def check_budget(obj: Any, where: str, budget: dict[str, int] | None = None) -> None:
-    """Walk ``obj`` once without recursion (memoized by identity: a shared sub-structure is
-    sized once, then counted per use) and refuse it when it exceeds ``budget`` (default
-    :data:`BUDGET`) or holds a cycle. Containers: list, tuple, dict, set, frozenset, slice and
-    dataclass instances (fields).
+    """Walk ``obj`` once without recursion (memoized by identity: a shared sub-structure is sized once, then
+    counted per use) and refuse it when it exceeds ``budget`` (default :data:`BUDGET`) or holds a cycle.
 
     Raises:
         BudgetError: naming ``where`` and the limit.
@@ -393,12 +383,8 @@ def _sym_funcs() -> dict[str, Any]:
 
 
 def parse_sym_expr(expr: Any, where: str, symbols: dict[str, Any] | None = None) -> Any:
-    """The sympy expression ``expr`` (text printed by ``str(SymInt.node.expr)``) stands for,
-    built node by node from its :mod:`ast` (nothing is evaluated: :func:`sympy.sympify` never
-    sees the text): symbols, integers of at most 30 digits, ``+ - * / // % **`` (``**`` only to
-    an integer power of at most 64, results of at most 100 digits), comparisons, ``& | ~``, and
-    calls of :data:`_SYM_FUNCS`. ``symbols`` maps names to the symbols to use (others are created
-    ``integer=True, positive=True``).
+    """The sympy expression ``expr`` (text printed by ``str(SymInt.node.expr)``) stands for, built node by
+    node from its :mod:`ast` (nothing is evaluated:
 
     Raises:
         GraphFileError: anything else (attribute access, other calls, strings, ``9**9**9**9``, ...).
