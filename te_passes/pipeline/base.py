@@ -126,9 +126,8 @@ def _type_error(ann: Any, value: Any) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PassConfig:
-    """Base of a pass's typed configuration (a frozen dataclass; the ``te_passes.pass_config``
-    parameters of that pass are its fields). Every field's value is checked against its annotation
-    here, the one validator of pass configs.
+    """Base of a pass's typed configuration (a frozen dataclass; the ``te_passes.pass_config`` parameters of
+    that pass are its fields).
 
     Raises:
         TypeError: a value of another type (``"no"`` for a ``bool``).
