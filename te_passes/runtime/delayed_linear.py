@@ -1,12 +1,6 @@
 """te.Linear under DelayedScaling in a te_inductor graph: TE's impls as a functional op pair.
 
-``te_passes::delayed_linear_fwd`` / ``delayed_linear_bwd`` run TE's ``_linear_forward_impl`` /
-``_linear_backward_impl`` (``module/linear.py``) on ``Float8Quantizer``\\ s rebuilt on *copies*
-of the module's ``scale`` / ``amax_history`` (TE's ``make_quantizers`` construction) and return
-the updated history; an ``autograd.Function`` traced by Dynamo writes it back with ``copy_`` (so
-the write is functionalized, never hidden in an op) and runs the post-backward update in the
-first module's backward. Only while ``te_inductor`` traces; docs/design.md "DelayedScaling".
-"""
+See docs/internals.md#te_passesruntimedelayed_linearpy and docs/design.md "DelayedScaling"."""
 
 from __future__ import annotations
 
@@ -79,11 +73,9 @@ def _decode(config: str) -> dict:
 
 @contextlib.contextmanager
 def _traced_autocast_state(cfg: dict):
-    """TE's fp8 state of the traced ``te.autocast`` around a TE impl call: the impls read the
-    recipe (``FP8GlobalStateManager.get_fp8_recipe()``, ``linear.py:611``), and a compiled
-    ``te.autocast`` region has left TE's state by the time the graph runs. The recipe and group
-    are TE's own entry in ``autocast_arguments`` (filled by every ``te.autocast`` enter); the state
-    is TE's ``get_autocast_state`` / ``set_autocast_state`` tuple, restored afterwards.
+    """TE's fp8 state of the traced ``te.autocast`` around a TE impl call: the impls read the recipe
+    (``FP8GlobalStateManager.get_fp8_recipe()``, ``linear.py:611``), and a compiled ``te.autocast`` region
+    has left TE's state by the time the graph runs.
 
     Raises:
         RuntimeError: TE has no ``autocast_arguments`` entry for the traced key.

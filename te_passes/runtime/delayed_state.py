@@ -121,11 +121,10 @@ def register_delayed_state(model: torch.nn.Module) -> int:
 
 
 def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool = True) -> int:
-    """What the first forward under ``te.autocast(recipe=recipe)`` sets up, done eagerly before
-    the first compiled step: every TE module's fp8 metadata (``init_fp8_metadata``, TE's), its
-    registration in TE's global amax buffers, the quantizer tags, and (``static``) the state
-    tensors marked static (:func:`te_passes.runtime.delayed_scaling.mark_delayed_state_static`,
-    for CUDA graphs). Returns the number of modules with delayed-scaling state.
+    """What the first forward under ``te.autocast(recipe=recipe)`` sets up, done eagerly before the first
+    compiled step: every TE module's fp8 metadata (``init_fp8_metadata``, TE's), its registration in TE's
+    global amax buffers, the quantizer tags, and (``static``) the state tensors marked static
+    (:func:`te_passes.runtime.delayed_scaling.mark_delayed_state_static`, for CUDA graphs).
 
     Raises:
         TypeError: ``recipe`` is not a TE ``DelayedScaling``.

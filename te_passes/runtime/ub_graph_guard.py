@@ -2,12 +2,7 @@
 wrapped in a guard that re-checks them when that state changes (see
 :mod:`te_passes.runtime.ub_guard` for both layers and why).
 
-``fold_ub_predicates`` returns what a graph depends on as a typed fact (:class:`UbDependence`:
-its folds and TE op UB checks); :func:`ub_state_reads` says why a Dynamo graph's compilation
-reads UB state (the backend keys Inductor's FX graph cache on the UB snapshot only then);
-:func:`wrap_with_te_state_guard` wraps a compiled graph in a :class:`UbGuard` that compares the
-UB generation per call (:func:`make_guarded`) and, on a change, keeps, recompiles or refuses it.
-"""
+See docs/internals.md#te_passesruntimeub_graph_guardpy."""
 
 from __future__ import annotations
 
@@ -78,25 +73,8 @@ def ub_dependence_of(report: Any, stages: Any = None) -> UbDependence:
 
 def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = None, *,
                    trace_folds: Any = ()) -> list[str]:
-    """Why the compilation of a Dynamo graph reads the UB state, one sentence per
-    reason; empty when it does not. ``te_inductor`` calls it after the Dynamo-stage passes and
-    before ``compile_fx``, and puts the UB snapshot into the pipeline uuid (Inductor's FX graph
-    cache key) only when the list is non-empty (:func:`te_passes.pipeline.compilation.pipeline_uuid`), so a
-    UB change does not make graphs that never look at UB state miss the cache.
-
-    Conservative: any of these counts as a read —
-
-    * the dependence ``fold_ub_predicates`` returned at the Dynamo stage (``dependence``, its
-      :class:`UbDependence` fact: folded query nodes, folds Dynamo made while tracing TE's
-      ``get_ub_is_fp8``, checked TE op UB configurations);
-    * folds Dynamo made while tracing this graph (``trace_folds``, which the backend took from the
-      runtime before the passes ran) that no pass collected (the pass disabled);
-    * a UB query node left in ``gm`` (a later stage could fold it): a ``call_function`` of a TE
-      UB function (``get_ub`` included) or :func:`te_passes.runtime.ub_guard.ub_query`, or a ``call_method`` in
-      :data:`te_passes.te.ub.UB_PREDICATE_METHODS` on a ``get_ub`` node;
-    * a TE op whose config bundle sets a UB overlap flag
-      (:data:`te_passes.te.graph_model.UB_CONFIG_KEYS`; ``fold_ub_predicates`` checks its buffers
-      at the post-grad stages too), or a TE op that cannot be decoded (its UB use is unknown).
+    """Why the compilation of a Dynamo graph reads the UB state, one sentence per reason; empty when it does
+    not.
 
     Args:
         gm: the Dynamo graph after the Dynamo-stage passes.
