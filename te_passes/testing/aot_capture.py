@@ -150,16 +150,6 @@ def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers:
                 **kwargs: Any) -> CapturedAOT:
     """Capture the AOTAutograd graphs (joint, forward, backward) of a TE model without a GPU.
 
-    Mirrors what ``compile_fx`` (torch 2.14.1, ``torch._inductor.compile_fx``) feeds Inductor's
-    custom-pass hooks: ``aot_module_simplified(gm, example_inputs, decompositions=
-    select_decomp_table(), partition_fn=compile_fx.partition_fn, keep_inference_input_mutations=
-    True)`` on the Dynamo graph. ``joint`` is recorded where ``joint_custom_pre_pass`` runs
-    (inside ``joint_graph_passes``, after ``canonicalize_aten_ir_passes``); Inductor's joint
-    passes then run and ``min_cut_rematerialization_partition(compiler="inductor")`` splits
-    the graph; ``forward`` / ``backward`` are recorded where ``post_grad_custom_pre_pass`` runs
-    (after ``view_to_reshape``, fake-tensor propagation and ``eliminate_dead_code``). See the
-    module docstring for how the joint trace avoids CUDA.
-
     Args:
         model, precision, layers, tokens, hidden, out_features, training, **kwargs: as for
             :func:`capture_dynamo` (ignored when ``dynamo`` is given: its own ``training``

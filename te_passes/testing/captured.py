@@ -84,16 +84,7 @@ def copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 @dataclasses.dataclass
 class CapturedGraph:
-    """A Dynamo graph of a TE model, as a ``torch.compile`` backend receives it.
-
-    Fields: ``gm`` (``torch.fx.GraphModule``: placeholders for the layers' ``weight`` bf16[N, K]
-    and ``bias`` bf16[N] per layer, then the input bf16[tokens, hidden]; one
-    ``transformer_engine_compile.linear`` OpOverloadPacket call per layer),
-    ``example_inputs`` (Dynamo's fake tensors on ``cuda:0``, in placeholder order),
-    ``precision``, ``model``, ``layers``, ``tokens``, ``hidden``, ``out_features`` (of the last
-    layer), ``linear_kwargs`` (extra ``te.Linear`` arguments), ``training`` (``False``: traced under
-    ``torch.no_grad()``), ``te_version``, ``torch_version``.
-    """
+    """A Dynamo graph of a TE model, as a ``torch.compile`` backend receives it."""
 
     gm: torch.fx.GraphModule
     example_inputs: list[Any]
