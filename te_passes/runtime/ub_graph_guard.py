@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from te_passes.fx.graph import copy_graph
+from te_passes.fx.graph import copy_graph_module
 from te_passes.runtime.ub_guard import (UbFold, UbStateChanged, current_generation, guard_stats, install_te_ub_hooks,
                                         live_snapshot, ub_global_state, ub_state_lock)
 from te_passes.te import graph_model as gmod
@@ -201,7 +201,7 @@ class UbGuard:
                 raise UbStateChanged(f"te_passes: {where}; this graph cannot be recompiled here "
                                      "(values were folded while Dynamo traced it, or no pre-pass copy "
                                      "was kept) — re-run torch.compile")
-            gm = _copy_gm(self.dependence.pristine)
+            gm = copy_graph_module(self.dependence.pristine)
             new = self.recompile(gm, list(args))
             inner = getattr(new, "te_ub_guard", None)
             if inner is not None:
@@ -213,15 +213,9 @@ class UbGuard:
             guard_stats["recompiles"] += 1
 
 
-def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
-    new.meta = dict(getattr(gm, "meta", {}))
-    return new
-
-
 def pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A node-for-node copy of ``gm`` sharing its parameters/submodules (kept for recompiles)."""
-    return _copy_gm(gm)
+    return copy_graph_module(gm)
 
 
 def make_guarded(guard: UbGuard) -> Callable:
