@@ -161,12 +161,6 @@ class Liveness:
         """Buffers classified as parts of quantized tensors, in graph order."""
         return [b for b in self.buffers if b.quantized is not None]
 
-    def users_of(self, buf: Buffer) -> list[torch.fx.Node]:
-        """Nodes that use a value aliasing ``buf`` (graph order). O(nodes): for reports and
-        tests, not for per-buffer loops."""
-        return sorted({u for n, bs in self.aliases.items() if buf in bs for u in n.users},
-                      key=self.order.__getitem__)
-
 
 def live_intervals(lv: Liveness, buffers: Iterable[Buffer] | None = None) -> dict[Buffer, tuple[int, int]]:
     """``{buffer: (def position, last-use position)}``; graph outputs and escapes extend to the

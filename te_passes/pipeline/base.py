@@ -67,11 +67,6 @@ class Stage(str, enum.Enum):
     POST_GRAD_FWD = "post_grad_fwd"
     POST_GRAD_BWD = "post_grad_bwd"
 
-    @property
-    def is_aten(self) -> bool:
-        """True for stages whose graphs hold ATen ``OpOverload``\\ s (everything after Dynamo)."""
-        return self is not Stage.DYNAMO
-
 
 ALL_STAGES: frozenset[Stage] = frozenset(Stage)
 AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

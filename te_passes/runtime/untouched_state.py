@@ -301,12 +301,6 @@ def prepare_layernorm_mlp(ctx: Any) -> None:
     _prepare(ctx, _build_layernorm_mlp)
 
 
-def _prepare_attention(ctx: Any) -> None:
-    mod = _real(ctx, "self")
-    if isinstance(mod, torch.nn.Module) and STATE_ATTR not in mod.__dict__:
-        mod.__dict__[STATE_ATTR] = UntouchedState(None)
-
-
 def register_start_callback() -> None:
     handler = torch._dynamo.callback_handler
     if on_compile_start not in handler.start_callbacks:
