@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
-from _ubgraphs import plain_graph, ub_graph  # noqa: E402
+from _ubgraphs import Plain, UbModel, plain_graph, ub_graph  # noqa: E402
 import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
@@ -44,26 +44,12 @@ def fresh():
     torch._dynamo.reset()
 
 
-class UbModel(torch.nn.Module):
-    """Branches on TE's get_ub_is_fp8 (the query te.Linear.forward makes for RS overlap)."""
-
-    def forward(self, x):
-        if te_base.get_ub_is_fp8("proj_fprop", True):
-            return torch.sin(x) * 2
-        return torch.cos(x) - 1
-
-
 class QueryModel(torch.nn.Module):
     """Asks a communicator property without a graph break (ub_query)."""
 
     def forward(self, x):
         tp = guards.ub_query("proj_fprop", False, "get_tp_size")
         return x * tp
-
-
-class Plain(torch.nn.Module):
-    def forward(self, x):
-        return torch.relu(x) + 1
 
 
 def n_compiles():

@@ -173,6 +173,33 @@ def grads_of(x: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
+def fwd_bwd(fn: Callable, model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """One forward (``fn(x)``; a tuple's first item) and ``backward(dy)`` from cleared grads of
+    ``x`` and ``model``: ``(output copy, grads_of(x, model))``."""
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    y = fn(x)
+    y = y[0] if isinstance(y, tuple) else y
+    y.backward(dy)
+    return y.detach().clone(), grads_of(x, model)
+
+
+def transformer_layer_pair(hidden: int, ffn: int, heads: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two ``te.TransformerLayer(hidden, ffn, heads)`` (bf16 on cuda, no dropout, seed 0) with
+    equal parameters: ``(reference, candidate)``."""
+    import transformer_engine.pytorch as te
+
+    def build():
+        torch.manual_seed(0)
+        return te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                   params_dtype=torch.bfloat16, device="cuda")
+
+    ref, cand = build(), build()
+    copy_params(ref, cand)
+    return ref, cand
+
+
 def ensure_te_inductor_backend() -> str:
     """Make ``backend="te_inductor"`` resolvable; return how it resolves."""
     if te_inductor_backend_listed():
