@@ -1,6 +1,12 @@
 """Package size: lines per folder and the docstring fraction (ast: docstring lines / all lines).
 
 Usage: python scripts/measure_size.py [te_passes] [-v per module] [-d longest docstrings]."""
+
+import ast
+import collections
+import os
+import sys
+
 root = sys.argv[1] if len(sys.argv) > 1 else "te_passes"
 tot = doc = 0
 per = collections.Counter(); perdoc = collections.Counter()
