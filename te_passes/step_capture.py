@@ -134,7 +134,9 @@ def _split_guard_option(options: dict[str, Any] | None) -> tuple[str, dict[str, 
 
 # --------------------------------------------------------------------------- compile_step
 class CompiledStep:
-    """The callable :func:`compile_step` returns:
+    """The callable :func:`compile_step` returns: ``step(*args, **kwargs)`` runs the compiled step and returns
+    its outputs (tensors detached; under CUDA graphs cloned out of the graph's memory pool unless
+    ``clone_outputs=False``).
 
     Attributes:
         compiled: the ``torch.compile``\\ d step (Dynamo's wrapper of the traced function).
@@ -389,7 +391,9 @@ def _check_make_graphed_args(module: Any, sample_args: Any, options: Any, mgc_kw
 
 def make_graphed(module: torch.nn.Module, sample_args: Any, *, options: dict[str, Any] | None = None,
                  warmup: bool = True, **mgc_kwargs: Any) -> GraphedModule:
-    """``te.make_graphed_callables`` over ``torch.compile(module, backend=te_inductor)``:
+    """``te.make_graphed_callables`` over ``torch.compile(module, backend=te_inductor)``: Inductor's kernels
+    (default mode, no Inductor CUDA graphs) replayed by TE's CUDA graphs, forward and backward
+    (transformer_engine/pytorch/graph.py ``make_graphed_callables``).
 
     Args:
         module: the plain (not yet compiled) module, in training mode for a training capture.

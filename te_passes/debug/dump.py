@@ -42,7 +42,7 @@ def _records_notes(run: Any) -> dict[str, list[str]]:
 
 
 class DumpWriter(PassObserver):
-    """Pass-manager observer writing the dump of one ``te_inductor`` call (see module docstring)."""
+    """Pass-manager observer writing the dump of one ``te_inductor`` call (see docs/internals.md)."""
 
     def __init__(self, root: str | None, *, sessions_dir: str | None = None, source: str | None = None) -> None:
         self.root = root
@@ -74,7 +74,7 @@ class DumpWriter(PassObserver):
         """The writer ``te_inductor`` uses for ``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR``
         ``path``: straight into ``path`` when ``te-passes dump`` claimed it in this process
         (:func:`claim_dir`), else into ``path/<session_id()>`` (one session folder per process;
-        see the module docstring), or tlparse-only when ``path`` is ``None``.
+        see docs/internals.md), or tlparse-only when ``path`` is ``None``.
 
         Raises:
             DumpDirError: ``path`` (or the session folder in it) cannot be created or written.

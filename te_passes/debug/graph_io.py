@@ -143,7 +143,7 @@ class _Pickler(pickle.Pickler):
 
 
 def graph_payload(gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> dict[str, Any]:
-    """The picklable description of ``gm`` (see the module docstring) plus ``info``."""
+    """The picklable description of ``gm`` (see docs/internals.md) plus ``info``."""
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     nodes = []
     for n in graph.nodes:
@@ -208,7 +208,8 @@ def _symbols_of(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
 
 
 def save_graph(path: str | os.PathLike, gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> None:
-    """Write ``gm`` to ``path`` as a ``.tegraph`` pickle; ``info`` (JSON-able or picklable:
+    """Write ``gm`` to ``path`` as a ``.tegraph`` pickle; ``info`` (JSON-able or picklable: ``stage``,
+    ``graph_id``, ``te_state``, ``options``, ``example_inputs``) is stored with it.
 
     Raises:
         GraphFileError: a node target or constant cannot be saved (the message names it).

@@ -384,7 +384,10 @@ def _sym_funcs() -> dict[str, Any]:
 
 def parse_sym_expr(expr: Any, where: str, symbols: dict[str, Any] | None = None) -> Any:
     """The sympy expression ``expr`` (text printed by ``str(SymInt.node.expr)``) stands for, built node by
-    node from its :mod:`ast` (nothing is evaluated:
+    node from its :mod:`ast` (nothing is evaluated: :func:`sympy.sympify` never sees the text): symbols,
+    integers of at most 30 digits, ``+ - * / // % **`` (``**`` only to an integer power of at most 64,
+    results of at most 100 digits), comparisons, ``& | ~``, and calls of :data:`_SYM_FUNCS`. ``symbols``
+    maps names to the symbols to use (others are created ``integer=True, positive=True``).
 
     Raises:
         GraphFileError: anything else (attribute access, other calls, strings, ``9**9**9**9``, ...).

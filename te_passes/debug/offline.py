@@ -50,7 +50,9 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], passes: 
                options: TePassesOptions | None = None, te_state: TEState | None = None, mode: str | None = None,
                dump_dir: str | None = None, observers: Sequence[PassObserver] = (),
                graph_id: str | None = None) -> CompileReport:
-    """Run ``passes`` (in order;
+    """Run ``passes`` (in order; ``te_passes.passes.order.configured_passes()`` for the backend's) on ``jobs``
+    = ``[(stage, gm, example_inputs), ...]`` (graphs rewritten in place) through the backend's driver, and
+    return the registered :class:`CompileReport`.
 
     Args:
         options: parsed options (default ``TePassesOptions()``); ``options.disable`` applies.
@@ -114,7 +116,8 @@ def find_graph_files(path: str) -> dict[str, list[str]]:
 
 def replay(path: str, passes: Sequence[TEPass], *, disable: Iterable[str] | None = None,
            dump_dir: str | None = None, strict: bool | None = None) -> list[tuple[CompileReport, dict[str, Any] | None]]:
-    """Re-run ``passes`` (the current ones:
+    """Re-run ``passes`` (the current ones: ``te_passes.passes.order.configured_passes()``) on the graphs
+    saved under ``path``; no GPU needed.
 
     Raises:
         ReplayError: nothing to replay, or a graph file cannot be loaded (message names it).

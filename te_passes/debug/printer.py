@@ -272,7 +272,7 @@ def _with_comment(line: str, comment: str | None, width: int = 60) -> str:
 
 @_of_node_graph
 def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
-    """Source lines (unindented) for one non-placeholder node; see the module docstring."""
+    """Source lines (unindented) for one non-placeholder node; see docs/internals.md."""
     lines = [f"# <- {n}" for n in notes]
     if node.op == "output":
         ret = node.args[0]
@@ -352,7 +352,7 @@ def _format_te_call(node: torch.fx.Node, call: gmod.TEOpCall) -> list[str]:
 
 def format_graph(gm: torch.fx.GraphModule | torch.fx.Graph, *, name: str = "GraphModule",
                  notes: Mapping[str, Iterable[str]] | None = None) -> str:
-    """The whole graph as TE-aware Python-like source (see the module docstring).
+    """The whole graph as TE-aware Python-like source (see docs/internals.md).
 
     Args:
         gm: a ``GraphModule`` or a bare ``Graph``.

@@ -32,7 +32,7 @@ def _describe_user(u: torch.fx.Node) -> str:
 
 
 class FoldRecipeLookups(TEPass):
-    """Fold fp8 recipe / autocast lookups into plain constants (module docstring: why and how).
+    """Fold fp8 recipe / autocast lookups into plain constants (docs/passes/fold_recipe_lookups.md: why and how).
 
     Before / after (a graph computing ``gemm(x, split=FP8GlobalStateManager.get_fp8_recipe()
     .fp8_gemm_fprop.use_split_accumulator)`` with the lookup as ``call_function`` nodes, e.g. a

@@ -22,7 +22,7 @@ CONST_ATTR_PREFIX = "_te_const_"
 
 class HoistTEConstants(TEPass):
     """Build value-opaque TE constants (quantizers, ``OpaqueValueBundle`` s) once per compilation
-    instead of once per call (module docstring: why and how)."""
+    instead of once per call (docs/passes/hoist_te_constants.md: why and how)."""
 
     name = "hoist_te_constants"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

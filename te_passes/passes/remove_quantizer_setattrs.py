@@ -16,7 +16,7 @@ from te_passes.te.graph_scan import bundle_quantizers, const_kind, users_of_obje
 
 
 class RemoveQuantizerSetattrs(TEPass):
-    """Remove side-effect-only ``__setattr__`` nodes on quantizer constants (module docstring: when it is
+    """Remove side-effect-only ``__setattr__`` nodes on quantizer constants (docs/passes/remove_quantizer_setattrs.md: when it is
     safe).
 
     Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for

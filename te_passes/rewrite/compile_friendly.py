@@ -84,7 +84,7 @@ def _auto_choice(mod: Any) -> tuple[str | None, Callable]:
 
 def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict: bool = False) -> torch.nn.Module:
     """Rewrite, in place, the TE modules of ``model`` that TE 2.20.2 runs eagerly under ``torch.compile`` into
-    traceable equivalents (see the module docstring); returns ``model``.
+    traceable equivalents (see docs/internals.md); returns ``model``.
 
     Args:
         model: any ``torch.nn.Module`` (``te.TransformerLayer``, a stack of them, ...); every

@@ -28,7 +28,8 @@ def lean_runners() -> list["LeanCUDAGraph"]:
 
 # ---------------------------------------------------------------------------------- runner
 class LeanCUDAGraph(ReplayHazards):
-    """The CUDA-graph wrapper of one compiled Inductor graph (boxed calling convention:
+    """The CUDA-graph wrapper of one compiled Inductor graph (boxed calling convention: ``runner(inputs: list)
+    -> list``; the list is cleared, as Inductor's callables do).
 
     Args:
         model: Inductor's compiled callable (``CompiledFxGraph.current_callable``).

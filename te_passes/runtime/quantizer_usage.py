@@ -9,14 +9,14 @@ import dis
 from typing import Any, Iterable
 
 #: impl function name -> the args-dataclass fields whose quantizer's usage flags the impl writes
-#: before each use (module docstring: call sites in TE 2.20.2), restored after the call.
+#: before each use (docs/internals.md: call sites in TE 2.20.2), restored after the call.
 PER_CALL_USAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "_linear_forward_impl": ("input_quantizer", "weight_quantizer", "output_quantizer"),
     "_linear_backward_impl": ("input_quantizer", "weight_quantizer", "grad_input_quantizer",
                               "grad_output_quantizer"),
 }
 #: impl -> the args field holding the weight whose kind decides whether ``weight_quantizer`` is
-#: restored (not for a quantized or distributed weight; see the module docstring).
+#: restored (not for a quantized or distributed weight; see docs/internals.md).
 WEIGHT_FIELD: dict[str, str] = {"_linear_forward_impl": "weight", "_linear_backward_impl": "saved_weight"}
 #: The usage-setting call sites audited in TE 2.20.2 ``module/linear.py`` (line numbers), per impl
 #: and callee name. :func:`usage_unsafe_reason` requires each impl's code to have exactly this

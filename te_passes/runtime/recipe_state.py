@@ -355,7 +355,7 @@ def family_of(qualname: str) -> str:
 
 def autocast_for_graph(gm: torch.fx.GraphModule) -> TracedAutocast | None:
     """:func:`graph_autocast` of ``gm`` after checking that the installed TE's impls read only inventoried
-    state (:func:`te_passes.te.version.runtime_state_refusal`);
+    state (:func:`te_passes.te.version.runtime_state_refusal`); ``None`` when the graph calls no TE op.
 
     Raises:
         RecipeStateError: the refusal's reason, or :func:`graph_autocast`'s.

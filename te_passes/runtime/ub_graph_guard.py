@@ -156,7 +156,7 @@ class UbGuard:
         return self.cudagraphs and bool(self.dependence.checks)
 
     def revalidate(self, args: list) -> None:
-        """Slow path, after the UB generation changed (see the module docstring).
+        """Slow path, after the UB generation changed (see docs/internals.md).
 
         Raises:
             UbConfigError: the UB state no longer satisfies a TE op's UB configuration or a

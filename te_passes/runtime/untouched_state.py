@@ -97,7 +97,9 @@ def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
     call: ``is_fsdp2``, ``activation_dtype``, ``init_fp8_metadata`` with the ``num_gemms`` of its class)
     inside ``te.autocast(enabled=fp8, recipe=recipe)``; returns whether ``m`` is a TE module of a known
     class (see ``te.module_init.forward_prepare_args``). A module whose parameters are not ``dtype`` is
-    left alone (TE raises on its first forward). ``args``:"""
+    left alone (TE raises on its first forward). ``args``: ``(num_gemms,
+    allow_different_data_and_param_types)`` for a class not in that table (a hidden ``te.Linear``: ``(1,
+    False)``)."""
     args = forward_prepare_args(m) if args is None else args
     if args is None:
         return False

@@ -9,7 +9,7 @@ import sys
 
 def te_capture_state() -> list[str]:
     """Why TE is in CUDA-graph-capture state, one sentence per flag set (``[]``: it is not, or TE
-    is not imported). Reads the flags named in the module docstring; imports nothing."""
+    is not imported). Reads the flags named in docs/internals.md; imports nothing."""
     out = []
     graph = sys.modules.get("transformer_engine.pytorch.graph")
     if graph is not None and getattr(graph, "_IS_GRAPH_CAPTURING", False):

@@ -63,6 +63,7 @@ def ub_query_function(target: Any) -> str | None:
 
 def bind_ub_query(node: torch.fx.Node, fn_name: str) -> tuple:
     """Positional argument tuple of a UB call node of ``fn_name`` (a key of ``_SIGNATURES``), all constants;
+    ``ub_query``'s ``method`` defaults to ``"is_fp8_ubuf"``.
 
     Raises:
         UbQueryNotConstant: too many / missing / unexpected arguments, or one that is a node or
