@@ -110,19 +110,20 @@ def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = N
 
 
 def evaluate_dependence(dep: UbDependence, snap: UbSnapshot) -> tuple[list[tuple[UbFold, Any]], list[str]]:
-    """Re-evaluate ``dep`` on ``snap``: ``(changed folds with their new value or error text,
-    check problem messages)``."""
+    """Re-evaluate ``dep`` on ``snap``: ``(changed folds with their new value, problem messages)``
+    (the TE ops' UB checks, then the folded queries TE would raise for)."""
     changed: list[tuple[UbFold, Any]] = []
+    query_errors: list[str] = []
     for f in dep.folds:
         try:
             new = snap.query(f.api, f.args)
         except UbConfigError as e:
-            changed.append((f, f"<error: {e}>"))
+            query_errors.append(f"{f.api}{f.args!r}: {e}")
             continue
         if new != f.value or type(new) is not type(f.value):
             changed.append((f, new))
     problems = [msg for c in dep.checks for _, msg in check_linear_ub_config(c.op, c.config, snap).problems]
-    return changed, problems
+    return changed, problems + query_errors
 
 
 class UbGuard:
@@ -174,8 +175,6 @@ class UbGuard:
                 guard_stats["kept"] += 1
                 return
             changed, problems = evaluate_dependence(self.dependence, live)
-            problems += [f"{f.api}{f.args!r}: {new[len('<error: '):-1]}" for f, new in changed
-                         if isinstance(new, str) and new.startswith("<error: ")]
             if problems:
                 guard_stats["errors"] += 1
                 raise UbConfigError(f"te_passes: UB state changed since graph {self.graph_id} was compiled "
