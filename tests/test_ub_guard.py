@@ -198,6 +198,20 @@ def test_fx_graph_buffer_gone_is_a_clear_error():
         cu(x)
 
 
+def test_a_folded_query_te_would_raise_for_is_a_ub_config_error():
+    """A folded query whose buffer is gone after a UB change: TE's own query would raise, so the
+    guard raises UbConfigError naming the query (it is not a changed value to recompile for)."""
+    fold = guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, "q", "fx")
+    guard = UbGuard("gQ", lambda *a: "ran", UbDependence(folds=[fold]), UbSnapshot.capture().fingerprint(),
+                    "recompile", None)
+    fn = make_guarded(guard)
+    assert fn(1) == "ran"
+    set_ub_registry({("qkv_fprop", "fp8"): C()})
+    with pytest.raises(UbConfigError, match=r"(?s)UB state changed since graph gQ.*- get_ub_is_fp8\('proj_fprop', True\): "):
+        fn(2)
+    assert guard.recompiles == 0
+
+
 def test_te_op_check_is_revalidated():
     """A graph whose only UB dependence is a checked te.Linear config (the op fetches communicators
     itself at run time): kept while consistent, a clear error once a buffer it needs is gone."""
