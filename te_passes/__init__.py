@@ -25,7 +25,7 @@ _LAZY = {
     # DelayedScaling: TE's amax buffers registered, state static, before compiling
     "prepare_delayed_scaling": "te_passes.runtime.delayed_linear",
     "RecipeStateError": "te_passes.runtime.recipe_state",  # raised by te_inductor, unwrapped
-    # issue 22: small batches (whole-step capture; TE's CUDA-graph capture over te_inductor)
+    # small batches (whole-step capture; TE's CUDA-graph capture over te_inductor)
     "compile_step": "te_passes.step_capture",
     "make_graphed": "te_passes.step_capture",
     "StepCaptureError": "te_passes.step_capture",

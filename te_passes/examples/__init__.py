@@ -43,7 +43,7 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in (
     Example("linear-mxfp8", "linear", "mxfp8", 1, "te.Linear(64, 128), MXFP8BlockScaling, forward + backward"),
     Example("stack-fp8", "stack", "fp8-cs", 2,
             "2 x te.Linear(64, 64) with GELU between, Float8CurrentScaling, forward + backward"),
-    # issue 21: untouched TE modules, traced through te_passes' polyfills (docs/untouched.md)
+    # untouched TE modules, traced through te_passes' polyfills (docs/untouched.md)
     Example("transformer-layer-bf16", "transformer_layer", "bf16", 1,
             "untouched te.TransformerLayer(64, 256, 4) in bf16, forward + backward", tokens=16),
     Example("transformer-layer-fp8", "transformer_layer", "fp8-cs", 1,

@@ -24,7 +24,7 @@ NAME_PREFIX = "_te_direct_"
 # --------------------------------------------------------------------------- the call object
 _object_setattr = object.__setattr__
 _profiler = torch.autograd.profiler
-#: The dispatch guard around TE's impl (see docs/internals.md; the cost: docs/benchmarks.md, issue 22).
+#: The dispatch guard around TE's impl (docs/internals.md; the cost: docs/benchmarks.md).
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 

@@ -22,6 +22,6 @@ def install() -> bool:
     constants.wrap_te_constant_classes()
     delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
     delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
-    recipe_state.install_trace_hooks()  # issue 26; refusal kept: trace_hook_refusal(), graphs then refused
+    recipe_state.install_trace_hooks()  # refusal kept: trace_hook_refusal(), graphs then refused
     untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
     return install_te_ub_hooks() & install_amax_group_hooks()
