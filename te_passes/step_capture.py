@@ -135,9 +135,9 @@ def _split_guard_option(options: dict[str, Any] | None) -> tuple[str, dict[str, 
 
 # --------------------------------------------------------------------------- compile_step
 class CompiledStep:
-    """The callable :func:`compile_step` returns: ``step(*args, **kwargs)`` runs the compiled
-    step and returns its outputs (tensors detached; under CUDA graphs cloned out of the graph's
-    memory pool unless ``clone_outputs=False``).
+    """The callable :func:`compile_step` returns: ``step(*args, **kwargs)`` runs the compiled step and returns
+    its outputs (tensors detached; under CUDA graphs cloned out of the graph's memory pool unless
+    ``clone_outputs=False``).
 
     Attributes:
         compiled: the ``torch.compile``\\ d step (Dynamo's wrapper of the traced function).
@@ -198,17 +198,8 @@ class CompiledStep:
 def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-overhead",
                  options: dict[str, Any] | None = None, fullgraph: bool = True, dynamic: bool | None = False,
                  clone_outputs: bool = True, guard_warmup: int = 2, backend: Any = None) -> CompiledStep:
-    """Compile a whole training step — forward, ``loss.backward()``, optionally an optimizer
-    step — as one Dynamo graph, compiled by te_inductor and (``mode="reduce-overhead"``)
-    replayed as one CUDA graph.
-
-    ``step_fn(*args, **kwargs)`` must do its own backward (``loss.backward()``; gradients land
-    in ``.grad`` as in eager, accumulating into existing ``.grad`` tensors) and return what the
-    caller needs (the loss, detached). It is traced with ``torch._dynamo.config.trace_autograd_ops
-    = True`` (torch/_dynamo/variables/tensor.py ``method_backward``: ``Tensor.backward()``
-    becomes ``autograd.grad`` + ``inductor.accumulate_grad_`` in the graph); the flag is set
-    only while Dynamo traces this step's frames and restored after each compile, never left set
-    for the process.
+    """Compile a whole training step — forward, ``loss.backward()``, optionally an optimizer step — as one
+    Dynamo graph, compiled by te_inductor and (``mode="reduce-overhead"``) replayed as one CUDA graph.
 
     Args:
         step_fn: the step; a different set of ``.grad`` tensors present (``zero_grad()`` with
@@ -296,14 +287,7 @@ class GraphedModule(torch.nn.Module):
     """The module :func:`make_graphed` returns: holds the te_inductor-compiled module
     (``.compiled``; the user's module is ``.compiled._orig_mod``) and, after capture, TE's
     graphed forward as ``forward`` (set by ``te.make_graphed_callables``), wrapped by a check of
-    the argument signature captured.
-
-    While TE captures, TE's compiled forward asserts TE is not capturing
-    (``FP8GlobalStateManager.fp8_graph_capturing()`` under ``torch.compiler.is_compiling()``,
-    transformer_engine/pytorch/quantization.py): the call of the compiled module clears
-    ``quantization_state.fp8_graph_capturing`` around itself and restores it after (what that
-    flag changes in eager TE — delayed scaling's global amax buffer, cached weights — is refused).
-    """
+    the argument signature captured."""
 
     def __init__(self, compiled: torch.nn.Module) -> None:
         super().__init__()
@@ -416,9 +400,9 @@ def _check_make_graphed_args(module: Any, sample_args: Any, options: Any, mgc_kw
 
 def make_graphed(module: torch.nn.Module, sample_args: Any, *, options: dict[str, Any] | None = None,
                  warmup: bool = True, **mgc_kwargs: Any) -> GraphedModule:
-    """``te.make_graphed_callables`` over ``torch.compile(module, backend=te_inductor)``:
-    Inductor's kernels (default mode, no Inductor CUDA graphs) replayed by TE's CUDA graphs,
-    forward and backward (transformer_engine/pytorch/graph.py ``make_graphed_callables``).
+    """``te.make_graphed_callables`` over ``torch.compile(module, backend=te_inductor)``: Inductor's kernels
+    (default mode, no Inductor CUDA graphs) replayed by TE's CUDA graphs, forward and backward
+    (transformer_engine/pytorch/graph.py ``make_graphed_callables``).
 
     Args:
         module: the plain (not yet compiled) module, in training mode for a training capture.

@@ -28,3 +28,18 @@ def plain_graph() -> torch.fx.GraphModule:
     x = g.placeholder("x")
     g.output((g.call_function(torch.relu, (x,)),))
     return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+class UbModel(torch.nn.Module):
+    """Branches on TE's get_ub_is_fp8 (the query te.Linear.forward makes for RS overlap; Dynamo
+    folds it under te_passes' guard while tracing)."""
+
+    def forward(self, x):
+        if te_base.get_ub_is_fp8("proj_fprop", True):
+            return torch.sin(x) * 2
+        return torch.cos(x) - 1
+
+
+class Plain(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) + 1

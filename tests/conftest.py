@@ -58,3 +58,16 @@ def fake_tp_group():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def reset_te_fp8_state():
+    """Leave TE's global fp8 state as a fresh process has it: the delayed-scaling buffers a test
+    registers would make later tests' ``te.autocast`` exits run the update."""
+    yield
+    from transformer_engine.pytorch import quantization as Q
+
+    from te_passes.runtime import delayed_state
+
+    Q.FP8GlobalStateManager.reset()
+    delayed_state.TRACE_COUNTS.clear()

@@ -74,12 +74,12 @@ def _standin_compiled_forward(gm, example_inputs):
     graph's TE constants hoisted by the pass (``post_grad_fwd`` rewrite) and the graph run by
     ``torch.fx.Interpreter``, so the quantizers it returns are the named objects themselves.
     The graphs it hoisted into are kept in :data:`_PRIMED` (names are kept per graph)."""
+    from te_passes.fx.graph import copy_graph_module
     from te_passes.pipeline.base import Stage
     from te_passes.te.state import TEState
-    from te_passes.testing import captured as CG
     from te_passes.testing.harness import run_passes
 
-    g = torch.fx.GraphModule(gm, CG.copy_gm(gm).graph)
+    g = torch.fx.GraphModule(gm, copy_graph_module(gm).graph)
     run = run_passes(g, HoistTEConstants(), Stage.POST_GRAD_FWD, example_inputs=example_inputs,
                      te_state=TEState.capture(), graph_id="primer")
     assert run.report.graph_id == "primer.fwd"

@@ -204,7 +204,7 @@ def test_pass_config_reaches_the_passes_and_their_uuid():
 @pytest.mark.parametrize("cfg, msg", [
     ({"no_such_pass": {}}, r"names unknown pass\(es\) \['no_such_pass'\]"),
     ({"insert_early_frees": {"polcy": "all"}}, r"\['polcy'\]; insert_early_frees takes \['policy'\]"),
-    ({"insert_early_frees": {"policy": "sometimes"}}, r"policy must be one of"),
+    ({"insert_early_frees": {"policy": "sometimes"}}, r"\['insert_early_frees'\]\['policy'\] must be one of"),
     ({"insert_early_frees": "all"}, r"must be a dict"),
 ])
 def test_bad_pass_config(cfg, msg):

@@ -18,20 +18,8 @@ import torch
 
 from te_passes.testing.capture import capture_skip_reason
 
-pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
-
-
-@pytest.fixture(autouse=True)
-def _reset_te_fp8_state():
-    """Leave TE's global fp8 state as a fresh process has it: the delayed-scaling buffers a test
-    registers would make later tests' ``te.autocast`` exits run the update."""
-    yield
-    from transformer_engine.pytorch import quantization as Q
-
-    from te_passes.runtime import delayed_linear
-
-    Q.FP8GlobalStateManager.reset()
-    delayed_linear.TRACE_COUNTS.clear()
+pytestmark = [pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason())),
+              pytest.mark.usefixtures("reset_te_fp8_state")]
 
 RECIPES = [("HYBRID", 1, "max"), ("HYBRID", 16, "most_recent"), ("E4M3", 16, "max"), ("E4M3", 1, "most_recent")]
 FWD, BWD = "te_passes.delayed_linear_fwd.default", "te_passes.delayed_linear_bwd.default"
@@ -266,9 +254,10 @@ def test_refusal_names_the_reason():
     import transformer_engine.pytorch  # noqa: F401  (TE's distributed module, read by refusal)
 
     from te_passes.runtime import delayed_linear as DL
+    from te_passes.runtime import delayed_state as DS
 
     q = NS(**{DL.TAG: (None, 0)})
-    base = {name: None for name in DL._MUST_BE_OFF}
+    base = {name: None for name in DS.MUST_BE_OFF}
     base.update(fp8=True, input_quantizer=q, weight_quantizer=q, grad_output_quantizer=q, tp_size=1,
                 parallel_mode=None, weight=torch.nn.Parameter(torch.zeros(2, 2)))
     assert DL.refusal(NS(**base)) is None

@@ -21,20 +21,8 @@ import torch
 
 from te_passes.testing.capture import capture_skip_reason
 
-pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
-
-
-@pytest.fixture(autouse=True)
-def _reset_te_fp8_state():
-    """Leave TE's global fp8 state as a fresh process has it: the delayed-scaling buffers a test
-    registers would make later tests' ``te.autocast`` exits run the update."""
-    yield
-    from transformer_engine.pytorch import quantization as Q
-
-    from te_passes.runtime import delayed_linear
-
-    Q.FP8GlobalStateManager.reset()
-    delayed_linear.TRACE_COUNTS.clear()
+pytestmark = [pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason())),
+              pytest.mark.usefixtures("reset_te_fp8_state")]
 
 RECIPES = [  # (fp8_format, amax_history_len, amax_compute_algo)
     ("HYBRID", 1, "max"), ("HYBRID", 16, "max"), ("E4M3", 16, "most_recent"), ("E4M3", 1, "most_recent"),

@@ -618,7 +618,7 @@ def test_dynamic_shape_dump_replays_and_check_reproduces(tmp_path):
                                         ("CeilDiv(s0, 3)", 2)])
 def test_size_expressions_torch_prints_parse(expr, hint):
     """Every size function ``str(SymInt.node.expr)`` prints parses back to the same text."""
-    from te_passes.debug.graph_safety import parse_sym_expr
+    from te_passes.debug.sym_expr import parse_sym_expr
 
     e = parse_sym_expr(expr, "test")
     import sympy

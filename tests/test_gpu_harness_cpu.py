@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_passes.testing.gpu import CompileWatch, forward_fn, gpu_skip_reason, make_recipe, rel_err
+from te_passes.testing.gpu import CompileWatch, forward_fn, fwd_bwd, gpu_skip_reason, make_recipe, rel_err
 
 
 def _f(x, n):
@@ -66,3 +66,20 @@ def test_gpu_skip_reason_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("this check is about machines without a GPU")
     assert "no CUDA device" in gpu_skip_reason()
+
+
+def test_fwd_bwd_clears_grads_and_returns_the_step_s_own():
+    """fwd_bwd starts from cleared grads (a second call does not accumulate) and takes a tuple's
+    first output."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3, requires_grad=True)
+    dy = torch.ones(4, 2)
+    y1, g1 = fwd_bwd(lambda t: (lin(t), None), lin, x, dy)
+    y2, g2 = fwd_bwd(lin, lin, x, dy)
+    torch.testing.assert_close(y1, x.detach() @ lin.weight.detach().T + lin.bias.detach())
+    assert sorted(g1) == ["bias", "weight", "x"]
+    for k in g1:
+        torch.testing.assert_close(g1[k], g2[k])
+    torch.testing.assert_close(g1["weight"], dy.T @ x.detach())
+    torch.testing.assert_close(g1["x"], dy @ lin.weight.detach())

@@ -15,6 +15,10 @@ PASS_LIMIT = 300
 
 #: path (relative to te_passes/) -> lines it may not exceed until it is split.
 OVER_LIMIT = {
+    # over the limit since the merge at b4f0f8e (issue 25 step 6 splits them into feature folders)
+    # (graph_safety's size-expression parser moved to debug/sym_expr.py: back under the limit)
+    "debug/graph_io.py": 511,
+    "step_capture.py": 504,
 }
 
 

@@ -53,9 +53,12 @@ class _FailAfter(TEPass):
 def _run_failing(gm, stage, inner, monkeypatch):
     import te_passes.fx.graph as fx_graph
 
-    monkeypatch.setattr(fx_graph, "copy_graph", lambda g: pytest.fail("undo-based rollback must not copy"))
+    copies, copy = [], fx_graph.copy_graph
+    monkeypatch.setattr(fx_graph, "copy_graph", lambda g: copies.append(g) or copy(g))
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
         run = run_passes(gm, _FailAfter(inner), stage, te_state=TEState.capture())
+    # undo-based rollback copies nothing; only fold_ub_predicates keeps its pristine Dynamo graph (UB recompiles)
+    assert len(copies) == (1 if inner.name == "fold_ub_predicates" and stage is Stage.DYNAMO else 0)
     assert run.report.runs[0].status == "failed"
     assert run.before_code == run.after_code and run.diff() == {}
 

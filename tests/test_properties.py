@@ -152,12 +152,9 @@ def build(program) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    from te_passes.pipeline.manager import copy_graph
+    from te_passes.fx.graph import copy_graph_module
 
-    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
-    for a, b in zip(gm.graph.nodes, new.graph.nodes):
-        b.meta = dict(a.meta)
-    return new
+    return copy_graph_module(gm)
 
 
 def _run(gm, stage, inputs, policy, te=None):

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
-from _ubgraphs import plain_graph, ub_graph  # noqa: E402
+from _ubgraphs import Plain, UbModel, plain_graph, ub_graph  # noqa: E402
 import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
@@ -44,26 +44,12 @@ def fresh():
     torch._dynamo.reset()
 
 
-class UbModel(torch.nn.Module):
-    """Branches on TE's get_ub_is_fp8 (the query te.Linear.forward makes for RS overlap)."""
-
-    def forward(self, x):
-        if te_base.get_ub_is_fp8("proj_fprop", True):
-            return torch.sin(x) * 2
-        return torch.cos(x) - 1
-
-
 class QueryModel(torch.nn.Module):
     """Asks a communicator property without a graph break (ub_query)."""
 
     def forward(self, x):
         tp = guards.ub_query("proj_fprop", False, "get_tp_size")
         return x * tp
-
-
-class Plain(torch.nn.Module):
-    def forward(self, x):
-        return torch.relu(x) + 1
 
 
 def n_compiles():
@@ -210,6 +196,20 @@ def test_fx_graph_buffer_gone_is_a_clear_error():
     set_ub_registry({("fc1_fprop", "fp8"): C()})
     with pytest.raises(UbConfigError, match=r"get_ub.is_fp8_ubuf\('proj_fprop', True\).*no UB buffer \('proj_fprop', fp8\)"):
         cu(x)
+
+
+def test_a_folded_query_te_would_raise_for_is_a_ub_config_error():
+    """A folded query whose buffer is gone after a UB change: TE's own query would raise, so the
+    guard raises UbConfigError naming the query (it is not a changed value to recompile for)."""
+    fold = guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, "q", "fx")
+    guard = UbGuard("gQ", lambda *a: "ran", UbDependence(folds=[fold]), UbSnapshot.capture().fingerprint(),
+                    "recompile", None)
+    fn = make_guarded(guard)
+    assert fn(1) == "ran"
+    set_ub_registry({("qkv_fprop", "fp8"): C()})
+    with pytest.raises(UbConfigError, match=r"(?s)UB state changed since graph gQ.*- get_ub_is_fp8\('proj_fprop', True\): "):
+        fn(2)
+    assert guard.recompiles == 0
 
 
 def test_te_op_check_is_revalidated():

@@ -20,7 +20,7 @@ from torch._inductor.utils import fresh_cache
 
 pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
-from _ubgraphs import plain_graph, ub_graph  # noqa: E402
+from _ubgraphs import Plain, UbModel, plain_graph, ub_graph  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
 from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
@@ -86,20 +86,6 @@ def test_unknown_ub_use_keeps_the_ub_snapshot_in_the_uuid():
     assert a["reads_ub"] is True and a["ub_reads"] is None and a["uuid"] != b["uuid"]
     assert pipeline_uuid(m, opts, TEState.capture(), ub_reads=[])["uuid"] == \
         pipeline_uuid(m, opts, TEState.capture(), ub_reads=[])["uuid"]
-
-
-class UbModel(torch.nn.Module):
-    """Branches on TE's get_ub_is_fp8 (Dynamo folds it under te_passes' guard while tracing)."""
-
-    def forward(self, x):
-        if te_base.get_ub_is_fp8("proj_fprop", True):
-            return torch.sin(x) * 2
-        return torch.cos(x) - 1
-
-
-class Plain(torch.nn.Module):
-    def forward(self, x):
-        return torch.relu(x) + 1
 
 
 def _hits_misses():

@@ -2,11 +2,7 @@
 allocate, and whether its callee may keep references (the rules
 :func:`te_passes.analyses.liveness.analyze` applies; the list is in that module's docstring).
 
-ATen ``OpOverload``\\ s follow torch's alias annotations (``OpOverload._schema``, torch 2.14:
-``Tensor(a)``, ``Tensor(a!)``, ``Tensor(a -> *)``, ``torch.Tag.maybe_aliasing_or_mutating``),
-with :data:`_VIEW_EXTRA` for ops that return their argument without an annotation; Dynamo-level
-names map to the ATen op of the same name (:func:`name_alias_kind`).
-"""
+See docs/internals.md#te_passesanalysesalias_rulespy."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Storages of an FX graph and their lifetimes: the result types of
 :func:`te_passes.analyses.liveness.analyze`.
 
-A :class:`Buffer` is one storage a graph value may point into (a graph input, a constant, or
-memory a node allocates); :class:`Liveness` maps every node to the buffers it may alias and
-every buffer to its first definition and last use; :class:`Escape` records a buffer still
-referenced past the graph's end without being an output. :func:`tensor_nbytes` sizes a
-storage (``torch._prims_common.compute_required_storage_length``, torch 2.14).
-"""
+See docs/internals.md#te_passesanalysesbufferspy."""
 
 from __future__ import annotations
 
@@ -36,17 +31,7 @@ class BufferOrigin(str, enum.Enum):
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Buffer:
-    """One storage a graph value may point into.
-
-    * ``id`` — dense index; ``node`` — the node that creates it (placeholder, get_attr or
-      call); ``index`` — output position within ``node`` (``None`` for single-output nodes);
-    * ``origin`` — :class:`BufferOrigin`; ``val`` — the (fake) tensor from ``meta['val']``
-      or ``None`` when the graph carries no metadata;
-    * ``handle`` — the node whose value *is* this tensor (``node`` itself, or the ``getitem``
-      that extracts output ``index``), ``None`` when no node extracts it;
-    * ``quantized`` — :class:`~te_passes.te.quantized.QuantizedInfo` when the buffer is part
-      of a quantized tensor, else ``None``.
-    """
+    """One storage a graph value may point into."""
 
     id: int
     node: torch.fx.Node
@@ -93,11 +78,7 @@ def tensor_nbytes(val: Any):
     """Storage bytes a tensor value needs: ``required_storage_length(shape, stride, offset)``
     times the element size (``torch._prims_common.compute_required_storage_length``); with
     symbolic sizes ``numel × element size`` (no boolean test on a ``SymInt``, which would add
-    guards).
-
-    Returns an ``int`` for static shapes, a ``sympy.Expr`` when sizes are ``SymInt``\\ s, or
-    ``None`` for non-tensors. Sub-byte dtypes (``float4_e2m1fn_x2``) count packed bytes.
-    """
+    guards)."""
     if not isinstance(val, torch.Tensor):
         return None
     try:
@@ -118,24 +99,7 @@ def tensor_nbytes(val: Any):
 
 @dataclasses.dataclass
 class Liveness:
-    """Result of :func:`te_passes.analyses.liveness.analyze` (see that module's docstring).
-
-    * ``order`` — ``{node: position}`` in graph order;
-    * ``buffers`` — every :class:`Buffer`;
-    * ``aliases`` — ``{node: frozenset[Buffer]}``: the buffers a node's value may point into
-      (the union over elements for multi-output nodes; empty for non-tensor values);
-    * ``elements`` — ``{node: [frozenset[Buffer], ...]}`` per output of multi-output nodes;
-    * ``first_def`` / ``last_use`` — ``{buffer: node}``: where it is created, and the last
-      node using any alias of it (the ``output`` node for graph outputs);
-    * ``holders`` — ``{buffer: set[Buffer]}`` buffers whose storage now also holds it
-      (``aten.set_`` destinations);
-    * ``output_buffers`` — buffers a graph output aliases;
-    * ``escapes`` — :class:`Escape`\\ s (referenced past the end without being outputs);
-    * ``saved_inputs`` — placeholders of an AOT backward that are saved tensors (``stage``
-      ``post_grad_bwd``: every non-``tangents_*`` placeholder);
-    * ``opaque_uses`` — ``{buffer: [node]}`` opaque calls (:func:`te_passes.analyses.alias_rules.is_opaque_call`) using it;
-    * ``unknown_alias_nodes`` — nodes whose alias behaviour was guessed conservatively.
-    """
+    """Result of :func:`te_passes.analyses.liveness.analyze` (see that module's docstring)."""
 
     graph: torch.fx.Graph
     order: dict[torch.fx.Node, int]
@@ -196,12 +160,6 @@ class Liveness:
     def quantized_buffers(self) -> list[Buffer]:
         """Buffers classified as parts of quantized tensors, in graph order."""
         return [b for b in self.buffers if b.quantized is not None]
-
-    def users_of(self, buf: Buffer) -> list[torch.fx.Node]:
-        """Nodes that use a value aliasing ``buf`` (graph order). O(nodes): for reports and
-        tests, not for per-buffer loops."""
-        return sorted({u for n, bs in self.aliases.items() if buf in bs for u in n.users},
-                      key=self.order.__getitem__)
 
 
 def live_intervals(lv: Liveness, buffers: Iterable[Buffer] | None = None) -> dict[Buffer, tuple[int, int]]:

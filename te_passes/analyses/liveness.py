@@ -1,41 +1,6 @@
 """Alias-aware liveness of tensor storages over FX graphs (Dynamo, AOT forward, AOT backward).
 
-The unit is a :class:`Buffer`: one storage a graph value may point into — a graph input
-(``placeholder``), a constant (``get_attr``), or memory allocated by a node (one per tensor an
-op returns; a multi-output op such as ``transformer_engine_compile.linear`` gets one buffer per
-flat output). Every node's value is mapped to the set of buffers it may alias:
-
-* ``operator.getitem`` of a multi-output node selects that output's buffers (the tuple itself
-  aliases all of them: holding the tuple keeps every element alive, as at run time);
-* ATen ``OpOverload``\\ s: torch's own alias annotations in ``OpOverload._schema`` — a return
-  ``Tensor(a)`` aliases the arguments annotated ``(a)`` (views, ``detach``, in-place ops'
-  ``Tensor(a!)``), list-returning views (``split``, ``unbind``, ``Tensor(a -> *)``) alias
-  ``self``; ``aten._unsafe_view`` and ``_c10d_functional.wait_tensor`` (which return their
-  argument without an annotation) alias it; ops tagged
-  ``torch.Tag.maybe_aliasing_or_mutating`` may alias every tensor argument *and* allocate;
-* ``aten.set_`` makes the mutated tensor hold the source storage: the source lives as long as
-  the destination, and a source stored into a graph input *escapes* the graph;
-* other custom ops (TE's included) follow the ``torch.library`` contract: outputs are fresh;
-  higher-order ops (``auto_functionalized``, ``with_effects``, ...) may return (views of) their
-  inputs — ``auto_functionalized``'s new values *are* its inputs once Inductor decomposes it —
-  so their outputs may alias every tensor input;
-* Dynamo-level calls (torch functions, ``call_method``) are mapped to the ATen op of the same
-  name; a name with no ATen op is treated conservatively (may alias every tensor argument and
-  allocate). Python-level stores of a tensor into an object (``setattr``, ``setitem``,
-  ``list.append``, ...) are escapes.
-
-The alias rules are :mod:`te_passes.analyses.alias_rules`; the result types
-(:class:`~te_passes.analyses.buffers.Buffer`, :class:`~te_passes.analyses.buffers.Liveness`)
-:mod:`te_passes.analyses.buffers`. The result (:class:`~te_passes.analyses.buffers.Liveness`) gives, per buffer, its first and last use (the last node that
-touches *any* alias of it), whether a graph output aliases it, whether it escapes, and the
-quantized role of the buffers that form TE quantized tensors (from
-:mod:`te_passes.te.quantized`). Conservatism only ever *extends* lifetimes, so a free placed
-after :attr:`~te_passes.analyses.buffers.Liveness.last_use` is safe for every reference the graph holds.
-
-Mirrors the reference-counting lifetime torch's own runtimes implement for graph values
-(``torch.fx`` codegen ``x = None`` after last use, ``torch.fx.Interpreter`` env GC, Inductor's
-wrapper ``del buf``; torch 2.14).
-"""
+See docs/internals.md#te_passesanalyseslivenesspy."""
 
 from __future__ import annotations
 
@@ -58,13 +23,7 @@ __all__ = ["analyze", "analyze_shared", "gc_paused"]
 
 @contextlib.contextmanager
 def gc_paused():
-    """Pause Python's cyclic garbage collector for a bounded analysis (restored on exit).
-
-    An analysis allocates a few objects per node while the heap holds the whole graph and its
-    fake tensors; every automatic collection would rescan that heap, which made analyses of
-    100k-node graphs superlinear (measured: 1.3 s of a 3.6 s estimate was collector time).
-    The objects created are acyclic, so nothing is lost by collecting later.
-    """
+    """Pause Python's cyclic garbage collector for a bounded analysis (restored on exit)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

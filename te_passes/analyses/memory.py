@@ -1,24 +1,7 @@
 """Peak live bytes of an FX graph, from node metadata: symbolic with dynamic shapes, concrete
 for given sizes.
 
-Model (the reference-counting lifetime of :mod:`te_passes.analyses.liveness`): a buffer
-allocated by a node is live from that node through the last node that uses any alias of it;
-graph outputs and escaping buffers stay live to the end; graph inputs and constants are live
-for the whole call (the caller holds them) and are reported separately (``input_bytes``) as
-well as included in ``peak``. At each node the live set includes the node's inputs *and* its
-outputs (both exist while it runs). Sizes come from ``meta['val']``
-(``compute_required_storage_length × element_size``); buffers without metadata count 0 bytes
-and are listed in ``unknown_size``.
-
-With ``SymInt`` sizes every byte count is a ``sympy.Expr`` in the shape symbols (``s0``, ...)
-and the peak is ``sympy.Max`` of the per-node sums (sympy drops dominated terms); pass
-``sizes`` (or rely on the shape environment's hints) to get a concrete number.
-
-What the model leaves out: allocator rounding/caching (the CUDA caching allocator rounds to
-512 B and keeps freed blocks), workspaces allocated *inside* opaque ops (TE's GEMM workspaces,
-a quantized ``grad_output`` made and freed inside ``linear_backward``), and references kept by
-code outside the graph. It is a lower bound on the allocator's peak for the graph's own values.
-"""
+See docs/internals.md#te_passesanalysesmemorypy."""
 
 from __future__ import annotations
 
@@ -37,18 +20,7 @@ __all__ = ["MemoryEstimate", "estimate", "estimate_graph", "shape_hints"]
 
 @dataclasses.dataclass
 class MemoryEstimate:
-    """Peak live bytes of one graph.
-
-    * ``peak`` — bytes (``int``, or ``sympy.Expr`` when sizes are symbolic), inputs included;
-    * ``peak_concrete`` — ``peak`` evaluated at the given / hinted sizes (``int``; ``None``
-      if a symbol has no value);
-    * ``peak_node`` — name of the node where the concrete peak is reached;
-    * ``input_bytes`` — bytes of placeholders and constants (held by the caller);
-    * ``quantized_bytes_at_peak`` — bytes of quantized buffers live at ``peak_node``;
-    * ``timeline`` — ``[(node name, live bytes)]`` per node (concrete when possible);
-    * ``symbols`` — ``{symbol name: value used}`` for the concrete evaluation;
-    * ``unknown_size`` — buffers without size metadata (counted as 0 bytes).
-    """
+    """Peak live bytes of one graph."""
 
     peak: Any
     peak_concrete: int | None

@@ -32,9 +32,9 @@ _LEGACY_GRAPH_FILE = re.compile(rf"(?:report\.json|te_state\.json|{_STAGE_DIR}/(
 
 
 def _check_old_dump(path: str) -> list[str] | None:
-    """What a dump into ``path`` may replace: the relative paths of the earlier dump's files
-    (its manifest, or for an older dump the files of :data:`_LEGACY_GRAPH_FILE` layout), ``None``
-    when ``path`` holds no earlier dump. Removes nothing.
+    """What a dump into ``path`` may replace: the relative paths of the earlier dump's files (its manifest, or
+    for an older dump the files of :data:`_LEGACY_GRAPH_FILE` layout), ``None`` when ``path`` holds no
+    earlier dump.
 
     Raises:
         CliError: ``path`` holds backend dump sessions, or top-level files a te_passes dump
@@ -227,9 +227,9 @@ def _read_journal(path: str) -> dict | None:
 
 
 def settle(path: str) -> str | None:
-    """Finish what a killed run left in dump directory ``path`` (call with its lock held): an
-    interrupted commit (:data:`JOURNAL`) is undone, so the earlier dump is whole again; staging
-    and trash folders of killed runs are removed. Returns a note saying what was done, or None.
+    """Finish what a killed run left in dump directory ``path`` (call with its lock held): an interrupted
+    commit (:data:`JOURNAL`) is undone, so the earlier dump is whole again; staging and trash folders of
+    killed runs are removed.
 
     Raises:
         CliError: the journal is unreadable or names paths outside ``path`` (nothing touched).
@@ -297,12 +297,10 @@ def _old_paths(path: str) -> list[str]:
 
 
 def _commit(stage: str, path: str) -> None:
-    """Replace the earlier dump in ``path`` by the finished one in ``stage`` (a folder inside
-    ``path``, so every move is a rename within one filesystem), as one step: the journal
-    (:data:`JOURNAL`) is written, the earlier dump's files are renamed into a trash folder, the
-    new ones (their manifest included) into place, and removing the journal commits. SIGINT,
-    SIGTERM and SIGHUP wait until it is done; a failure undoes it (:func:`_undo`); a SIGKILL is
-    undone by the next run (:func:`settle`). User files are never touched.
+    """Replace the earlier dump in ``path`` by the finished one in ``stage`` (a folder inside ``path``, so
+    every move is a rename within one filesystem), as one step: the journal (:data:`JOURNAL`) is written,
+    the earlier dump's files are renamed into a trash folder, the new ones (their manifest included) into
+    place, and removing the journal commits.
 
     Raises:
         CliError: a path to write or remove crosses a symbolic link or a mount point, or a new
@@ -364,18 +362,7 @@ def _overlaps(a: str, b: str) -> bool:
 
 @contextlib.contextmanager
 def staged_out(path: str, *, sources: Sequence[str] = ()):
-    """Yield a staging folder for a dump into ``path`` (``--out``) and commit it only if the
-    body succeeds.
-
-    ``path`` is made absolute first (a target that changes directory does not move the dump).
-    Checks (nothing touched): ``path`` is writable and holds no foreign files
-    (:func:`_check_old_dump`) and does not overlap any of ``sources`` (the dump being replayed).
-    Then ``path`` is locked for the whole run (:func:`te_passes.debug.dump_files.dir_lock`, the
-    lock backend dump sessions use), what a killed run left there is settled (:func:`settle`),
-    and the body writes into a fresh folder inside ``path`` (same filesystem, checked). On
-    success the earlier dump is replaced by the new one in one step (:func:`_commit`); on any
-    failure — an exception, ``SystemExit``, Ctrl-C, a write error — the staging folder is removed
-    and ``path`` is exactly as before (a folder this call created is removed again).
+    """Yield a staging folder for a dump into ``path`` (``--out``) and commit it only if the body succeeds.
 
     Raises:
         CliError: overlap with a source, foreign files, not writable, locked by another run,

@@ -1,15 +1,6 @@
 """Graph diffs for pass dumps: a unified text diff plus structured, field-level changes.
 
-A pass rewrites its graph in place, so the dump writer takes a :class:`GraphSnapshot` before the
-pass (the TE-aware printout and every node's :func:`te_passes.debug.printer.node_fields`) and
-compares it with the graph after the pass:
-
-* :func:`unified_diff` — ``difflib.unified_diff`` of the two printouts (one TE config field per
-  line, so a flipped ``ub_overlap_ag_fprop`` or a swapped quantizer is one ``-``/``+`` pair);
-* :func:`graph_changes` — nodes added / removed (by name) and, for nodes present in both, each
-  changed field as ``{"node", "field", "before", "after"}`` (``field`` is a path like
-  ``config.fp8_output`` or ``weight._transpose``, or ``args``/``target`` for non-TE nodes).
-"""
+See docs/internals.md#te_passesdebugdiffpy."""
 
 from __future__ import annotations
 

@@ -1,51 +1,6 @@
 """Per-pass dumps: TE-aware graphs before/after every pass, diffs, report.json, index.md.
 
-The backend creates one :class:`DumpWriter` per ``te_inductor`` call when
-``options={"te_passes.dump_dir": DIR}`` (or ``TE_PASSES_DUMP_DIR``) is given, or when tlparse
-tracing (``TORCH_TRACE``) is on, and registers it as a pass-manager observer. Layout of a
-dump (``DIR`` itself under ``te-passes dump``; ``DIR/<session>`` for a backend-only dump, see
-below)::
-
-    index.md                      links to everything below, summary tables
-    report.json                   all graphs of the dump: passes[], folded[], frees[], memory,
-                                  pool_check[], skipped[], graph_breaks[], eager_fallbacks[],
-                                  recompiles[], uuid (see build_summary)
-    g0/                           one directory per compiled Dynamo graph (CompileReport.graph_id)
-      report.json                 CompileReport.to_json() (every PassRun with its records)
-      te_state.json               TEState.to_json() the passes read (replay uses it)
-      dynamo/                     one directory per stage the passes ran at
-        input.py                  the stage's input graph, TE-aware (printer.format_graph)
-        input.tegraph             the same graph, loadable offline (graph_io; te-passes replay)
-        01_<pass>/before.py       graph before the pass
-        01_<pass>/after.py        graph after it, with the pass's records as "# <- ..." notes
-        01_<pass>/diff.patch      unified diff before.py -> after.py
-        01_<pass>/changes.txt     field-level changes (nodes added/removed, TE fields changed)
-        output.py                 the stage's output graph
-      post_grad_fwd/ ...          (g0.fwd), post_grad_bwd/ (g0.bwd), joint/ (g0.joint)
-
-Where the backend writes (:meth:`DumpWriter.for_backend`): ``te-passes dump`` claims its
-``--out`` directory for its own process (:func:`claim_dir`) and the backend writes the layout
-above straight into it. A backend-only dump (``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR``
-without the CLI) writes it into a per-process *session* folder instead, so that graphs of a
-previous run, or of another rank writing to the same directory at the same time, are never
-overwritten or mixed into this run's summary::
-
-    DIR/
-      index.md                    the sessions in DIR, newest first, linked (written only when DIR
-                                  is not itself a te-passes dump)
-      sessions.json               the same as data (schema te_passes.dump_sessions/1)
-      20261129T213640Z-host-p2499/   one session (session_id()): the layout above, its report.json
-                                  listing every graph this process compiled into DIR, in order
-
-With ``TORCH_TRACE`` set, every file is also emitted as a tlparse artifact named
-``te_passes_<graph>_<stage>_<file>`` (:func:`te_passes._logging.trace_artifact`), whether or
-not a directory was given.
-
-Modules: this one holds :class:`DumpWriter`; the summary (``report.json``, ``index.md``) is
-:mod:`te_passes.debug.dump_summary`, sessions and claimed directories
-:mod:`te_passes.debug.dump_sessions`, schema constants, the directory lock and the checked
-reading of dump files :mod:`te_passes.debug.dump_files`.
-"""
+See docs/internals.md#te_passesdebugdumppy."""
 
 from __future__ import annotations
 
@@ -87,15 +42,7 @@ def _records_notes(run: Any) -> dict[str, list[str]]:
 
 
 class DumpWriter(PassObserver):
-    """Pass-manager observer writing the dump of one ``te_inductor`` call (see module docstring).
-
-    Build with :meth:`for_backend` (``te_inductor``: a per-process session folder unless
-    ``te-passes dump`` claimed the directory) or :meth:`for_dir` (straight into a directory:
-    the CLI, offline runs). Hooks (called by :class:`te_passes.pipeline.manager.PassManager`
-    and :mod:`te_passes.backend`): :meth:`before_stage`, :meth:`before_pass`,
-    :meth:`after_pass`, :meth:`after_stage`, :meth:`finish`. Never raises from a hook: a dump
-    failure is logged and the compilation goes on (only :meth:`for_dir` raises).
-    """
+    """Pass-manager observer writing the dump of one ``te_inductor`` call (see docs/internals.md)."""
 
     def __init__(self, root: str | None, *, sessions_dir: str | None = None, source: str | None = None) -> None:
         self.root = root
@@ -127,7 +74,7 @@ class DumpWriter(PassObserver):
         """The writer ``te_inductor`` uses for ``te_passes.dump_dir`` / ``TE_PASSES_DUMP_DIR``
         ``path``: straight into ``path`` when ``te-passes dump`` claimed it in this process
         (:func:`claim_dir`), else into ``path/<session_id()>`` (one session folder per process;
-        see the module docstring), or tlparse-only when ``path`` is ``None``.
+        see docs/internals.md), or tlparse-only when ``path`` is ``None``.
 
         Raises:
             DumpDirError: ``path`` (or the session folder in it) cannot be created or written.

@@ -85,10 +85,9 @@ class DumpDirLocked(DumpDirError):
 
 @contextlib.contextmanager
 def dir_lock(root: str, *, blocking: bool = True):
-    """Hold the ``flock`` on ``root/.te_passes_sessions.lock`` (created if missing): the one lock
-    every te_passes writer of a dump directory takes — the backend while it rewrites a sessions
-    index (:func:`write_sessions_index`), ``te-passes dump`` / ``replay --out`` for their whole
-    run. Released on exit (and by the kernel if the process dies).
+    """Hold the ``flock`` on ``root/.te_passes_sessions.lock`` (created if missing): the one lock every
+    te_passes writer of a dump directory takes — the backend while it rewrites a sessions index
+    (:func:`write_sessions_index`), ``te-passes dump`` / ``replay --out`` for their whole run.
 
     Raises:
         DumpDirLocked: ``blocking=False`` and another process holds it (the message names the

@@ -36,13 +36,7 @@ def report_json(report: Any, stage_dirs: dict[str, str] | None = None) -> dict[s
 
 def read_graph_report(root: str, name: str) -> dict[str, Any] | None:
     """The per-graph ``report.json`` of ``root/name`` when that folder is one this module wrote,
-    else ``None``.
-
-    A graph folder is ours only when its name is exactly ``g<N>`` (:class:`CompileReport`
-    ``graph_id``), its ``report.json`` parses to an object whose ``graph_id`` equals the folder
-    name and whose ``stages`` is a list. Anything else (a user's ``golden/``, a foreign
-    ``report.json``) is never read, listed or deleted by ``te-passes``.
-    """
+    else ``None``."""
     if not GRAPH_DIR_RE.fullmatch(name):
         return None
     p = os.path.join(root, name, "report.json")
@@ -91,25 +85,7 @@ def _memory_entry(graph_id: str, stage: str, mem: Any) -> dict[str, Any]:
 
 
 def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The top-level ``report.json``: flat, per-kind views over every graph's pass records.
-
-    Sections (each entry also carries ``graph_id``, ``stage`` and ``pass``):
-
-    * ``passes[]``: ``name``, ``stage``, ``status``, ``changed``, ``time_ms``, ``nodes_before``,
-      ``nodes_after``, ``records`` (count), ``dump`` (directory);
-    * ``folded[]``: records of kind ``folded``/``hoisted``: ``kind``, ``source``, ``args``,
-      ``value``, ``node`` (+ the record's other data);
-    * ``frees[]``: records of kind ``free``: ``node``, ``role``, ``bytes`` (+ data);
-    * ``pool_check[]``: records of kind ``pool_*``; ``skipped[]``: refusals with reasons;
-      ``failed[]``: passes that raised (graph restored);
-    * ``memory``: ``{"stages": [per-stage StageReport.facts["memory"] with graph_id/stage],
-      "peak_before", "peak_after"}`` (largest concrete peaks, bytes);
-    * ``graph_breaks[]``, ``eager_fallbacks[]``, ``recompiles[]``, ``frames[]`` from ``extra``
-      (:class:`te_passes.debug.graph_breaks.CompileEvents`);
-    * ``uuid``: ``{graph_id: {"uuid", "passes", "options", "te_state", "reads_ub", "ub_reads"}}``
-      — what each graph's pass-pipeline uuid was built from (:func:`te_passes.pipeline.compilation.pipeline_uuid`);
-      ``graphs[]``: id, mode, stage list, time.
-    """
+    """The top-level ``report.json``: flat, per-kind views over every graph's pass records."""
     graphs = list(graphs)
     s: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          "versions": _versions(), "graphs": [], "passes": [], "folded": [], "frees": [],
@@ -182,13 +158,7 @@ def _versions() -> dict[str, Any]:
 
 
 def write_summary(root: str, extra: dict[str, Any] | None = None, *, emit: bool = True) -> dict[str, Any]:
-    """(Re)write ``root/report.json`` and ``root/index.md`` from every ``root/*/report.json``.
-
-    ``extra`` entries (graph breaks, target, ...) are merged in and kept in
-    ``root/session.json`` so later refreshes (another graph finishing) keep them. ``emit``: also
-    emit the summary as the tlparse artifact ``te_passes_report`` (``te-passes dump`` emits only
-    its final summary: one artifact per dump).
-    """
+    """(Re)write ``root/report.json`` and ``root/index.md`` from every ``root/*/report.json``."""
     session_path = os.path.join(root, "session.json")
     if extra is not None:
         with open(session_path, "w") as f:

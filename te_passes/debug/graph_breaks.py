@@ -1,20 +1,6 @@
 """Graph breaks, TE eager islands (with reasons) and recompiles of a torch.compile run.
 
-Sources (torch 2.14 / TE 2.20.2):
-
-* ``torch._dynamo.utils.graph_break_reasons`` — one ``GraphCompileReason(reason, user_stack)``
-  per graph break Dynamo took (``torch/_dynamo/output_graph.py``); ``counters["graph_break"]``
-  counts them by message;
-* ``torch._dynamo.utils.get_compilation_metrics()`` — one ``CompilationMetrics`` per frame
-  compile: ``compile_id`` (``"<frame>/<n>"``; ``n > 0`` is a recompile), ``co_name``,
-  ``recompile_reason`` (the failed guard), ``num_graph_breaks``, ``fail_reason``;
-* TE's own fallback reasons — its graph-break messages and its ``Falling back to eager
-  execution under torch.compile: ...`` warnings, attributed to TE modules by
-  :func:`te_passes.te.fallbacks.classify_graph_break`.
-
-:class:`CompileEvents` records all of it over a region (``with CompileEvents() as ev: ...``);
-:func:`current_events` reads what the process has seen so far (the backend-only dump path).
-"""
+See docs/internals.md#te_passesdebuggraph_breakspy."""
 
 from __future__ import annotations
 
@@ -96,20 +82,7 @@ def _metrics_entry(m: Any) -> dict[str, Any]:
 
 
 class CompileEvents:
-    """Context manager recording what torch.compile did inside it.
-
-    After the ``with`` block: :attr:`graph_breaks` (list of :func:`graph_break_entry` dicts,
-    identical breaks merged with a ``count``), :attr:`eager_fallbacks` (TE eager islands, one
-    per module and reason: ``{"module", "kind", "reason", "location" (first), "locations",
-    "count" (graph breaks it caused)}``), :attr:`recompiles` (``{"compile_id",
-    "function", "location", "reason"}``), :attr:`frames` (every frame compile) and
-    :attr:`te_warnings` (TE's fallback warnings' reasons). ``record_warnings=True`` also
-    captures ``warnings`` inside the block into :attr:`warnings` (distinct ``{"category",
-    "message", "location"}``); they are re-emitted afterwards unless ``reemit_warnings=False``.
-    ``ignore_warnings``: message prefixes of warnings the caller itself causes (e.g. the
-    ``dynamo_pgo force disabled`` warning of ``force_disable_caches``): neither recorded nor
-    re-emitted.
-    """
+    """Context manager recording what torch.compile did inside it."""
 
     def __init__(self, *, record_warnings: bool = True, reemit_warnings: bool = True,
                  ignore_warnings: tuple[str, ...] = ()) -> None:

@@ -1,27 +1,6 @@
 """Save FX graphs of TE models to disk and load them back offline (no GPU), for ``te-passes replay``.
 
-A ``GraphModule`` pickle (``GraphModule.__reduce__``) stores generated Python code and re-imports
-globals by name; it loses ``node.meta`` (the fake-tensor ``val``\\ s passes read for shapes and
-bytes) and node names are re-derived. Replay must reproduce the same report, which names nodes,
-so a graph is saved node by node instead (``*.tegraph``, a pickle):
-
-* each node's ``name``, ``op``, ``target``, ``args``/``kwargs`` (nodes as :class:`_NodeRef`),
-  and ``meta['val']`` as :class:`TensorMeta` (shape/stride with symbolic sizes as sympy text,
-  dtype, device) — plus ``stack_trace`` / ``nn_module_stack`` when present;
-* ``OpOverload`` / ``OpOverloadPacket`` targets by qualified name (``ns::op`` + overload);
-* TE constants by value through :func:`te_passes.te.graph_constants.te_reduce`
-  (``OpaqueValueBundle(contents)``, ``_rebuild_quantizer(cls, items)``);
-* the stage, graph id, options and the TE state snapshot (``TEState.to_json``) it was compiled
-  under, the example inputs' :class:`TensorMeta`, and every symbol's hint and value range
-  (``symbols``).
-
-:func:`load_graph` rebuilds the graph with identical node names, targets, constants and fake
-``meta['val']`` tensors (on their original device, under a fresh ``FakeTensorMode`` whose
-``ShapeEnv`` recreates the symbols with their hints), so passes see what they saw at compile
-time. Nothing in the file runs or is evaluated (:mod:`te_passes.debug.graph_safety`). Loading needs
-the same ops registered: it imports ``transformer_engine.pytorch`` when the
-graph has ``transformer_engine_compile`` targets (TE's Python package; no GPU).
-"""
+See docs/internals.md#te_passesdebuggraph_iopy."""
 
 from __future__ import annotations
 
@@ -38,7 +17,8 @@ import torch.fx
 from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
 from te_passes.debug.graph_safety import (BudgetError, GraphFileError, UnsafeGraphFileError, SafeUnpickler,
-    import_te, check_budget, check_name, check_sym_expr, parse_sym_expr, resolve_function)
+    import_te, check_budget, check_name, resolve_function)
+from te_passes.debug.sym_expr import check_sym_expr, parse_sym_expr
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
     ALLOWED_GLOBALS, RENAMED_MODULES, allowed_global, pickle_globals, renamed_module)
 
@@ -164,7 +144,7 @@ class _Pickler(pickle.Pickler):
 
 
 def graph_payload(gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> dict[str, Any]:
-    """The picklable description of ``gm`` (see the module docstring) plus ``info``."""
+    """The picklable description of ``gm`` (see docs/internals.md) plus ``info``."""
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     nodes = []
     for n in graph.nodes:
@@ -229,8 +209,8 @@ def _symbols_of(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
 
 
 def save_graph(path: str | os.PathLike, gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> None:
-    """Write ``gm`` to ``path`` as a ``.tegraph`` pickle; ``info`` (JSON-able or picklable:
-    ``stage``, ``graph_id``, ``te_state``, ``options``, ``example_inputs``) is stored with it.
+    """Write ``gm`` to ``path`` as a ``.tegraph`` pickle; ``info`` (JSON-able or picklable: ``stage``,
+    ``graph_id``, ``te_state``, ``options``, ``example_inputs``) is stored with it.
 
     Raises:
         GraphFileError: a node target or constant cannot be saved (the message names it).

@@ -107,15 +107,7 @@ def _is_te_module(module: str) -> bool:
 
 
 def allowed_global(module: str, name: str) -> bool:
-    """Whether a ``.tegraph`` pickle may reference global ``module.name`` (after :func:`renamed_module`).
-
-    Allowed: :data:`ALLOWED_GLOBALS`; torch's dtype / layout / memory-format values
-    (``torch.float32``); classes in ``transformer_engine*`` modules that are TE graph constants
-    (:func:`te_passes.te.graph_constants.te_const_kind`: OpaqueValueBundle, quantizers, quantized
-    storages, recipes, TE enums such as ``DType``). Deciding the rule-based cases imports the
-    (installed, trusted) module named; nothing from the file runs. Everything else — ``os``,
-    ``subprocess``, ``builtins.eval``, any function outside the list — is refused.
-    """
+    """Whether a ``.tegraph`` pickle may reference global ``module.name`` (after :func:`renamed_module`)."""
     if (module, name) in ALLOWED_GLOBALS:
         return True
     if module == "torch._utils" and name.startswith("torch.") and name.count(".") == 1:
@@ -239,10 +231,8 @@ class BudgetError(GraphFileError):
 
 
 def check_budget(obj: Any, where: str, budget: dict[str, int] | None = None) -> None:
-    """Walk ``obj`` once without recursion (memoized by identity: a shared sub-structure is
-    sized once, then counted per use) and refuse it when it exceeds ``budget`` (default
-    :data:`BUDGET`) or holds a cycle. Containers: list, tuple, dict, set, frozenset, slice and
-    dataclass instances (fields).
+    """Walk ``obj`` once without recursion (memoized by identity: a shared sub-structure is sized once, then
+    counted per use) and refuse it when it exceeds ``budget`` (default :data:`BUDGET`) or holds a cycle.
 
     Raises:
         BudgetError: naming ``where`` and the limit.
@@ -378,148 +368,3 @@ def pickle_globals(data: bytes) -> list[tuple[str, str]]:
         elif op.stack_after:
             pushed.append(None)
     return list(dict.fromkeys(out))
-
-
-#: Functions a symbolic size may call: sympy's and torch's size functions
-#: (``torch.utils._sympy.functions``) as ``str(SymInt.node.expr)`` prints them.
-_SYM_FUNCS = ("Max", "Min", "floor", "ceiling", "Mod", "FloorDiv", "CeilDiv", "CleanDiv", "ModularIndexing",
-              "PythonMod", "FloorToInt", "CeilToInt", "TruncToInt", "IntTrueDiv", "ToFloat", "Abs", "Integer",
-              "Rational", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "PowByNatural", "Identity")
-_SYM_LIMITS = {"chars": 10_000, "depth": 100, "digits": 30, "result_digits": 100, "exponent": 64}
-
-
-def _sym_funcs() -> dict[str, Any]:
-    import sympy
-    from torch.utils._sympy import functions as tf
-
-    out: dict[str, Any] = {}
-    for name in _SYM_FUNCS:
-        out[name] = getattr(tf, name, None) or getattr(sympy, name)
-    out["Mod"] = sympy.Mod  # str() of sympy.Mod; torch's Mod prints the same
-    return out
-
-
-def parse_sym_expr(expr: Any, where: str, symbols: dict[str, Any] | None = None) -> Any:
-    """The sympy expression ``expr`` (text printed by ``str(SymInt.node.expr)``) stands for,
-    built node by node from its :mod:`ast` (nothing is evaluated: :func:`sympy.sympify` never
-    sees the text): symbols, integers of at most 30 digits, ``+ - * / // % **`` (``**`` only to
-    an integer power of at most 64, results of at most 100 digits), comparisons, ``& | ~``, and
-    calls of :data:`_SYM_FUNCS`. ``symbols`` maps names to the symbols to use (others are created
-    ``integer=True, positive=True``).
-
-    Raises:
-        GraphFileError: anything else (attribute access, other calls, strings, ``9**9**9**9``, ...).
-    """
-    import ast
-    import math
-
-    import sympy
-
-    def bad(why: str) -> GraphFileError:
-        return GraphFileError(f"{where}: symbolic size {str(expr)[:80]!r} is not a size expression ({why})")
-
-    if not isinstance(expr, str) or len(expr) > _SYM_LIMITS["chars"]:
-        raise bad("not a string of at most 10000 characters")
-    try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise bad("does not parse") from None
-    depth = {id(tree.body): 1}
-    for n in ast.walk(tree):  # breadth first: parents before children
-        for c in ast.iter_child_nodes(n):
-            depth[id(c)] = depth.get(id(n), 1) + 1
-            if depth[id(c)] > _SYM_LIMITS["depth"]:
-                raise bad(f"nested more than {_SYM_LIMITS['depth']} levels")
-    funcs = _sym_funcs()
-    syms = dict(symbols or {})
-
-    def big(v: Any) -> bool:
-        return isinstance(v, sympy.Integer) and abs(int(v)).bit_length() > _SYM_LIMITS["result_digits"] * 3.33
-
-    def build(n: ast.AST) -> Any:
-        if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(n.value, bool):
-            if len(str(abs(n.value))) > _SYM_LIMITS["digits"]:
-                raise bad(f"an integer of more than {_SYM_LIMITS['digits']} digits")
-            return sympy.Integer(n.value)
-        if isinstance(n, ast.Constant) and isinstance(n.value, float) and math.isfinite(n.value):
-            return sympy.Float(n.value)
-        if isinstance(n, ast.Name):
-            if n.id in ("True", "False"):
-                return sympy.true if n.id == "True" else sympy.false
-            if not n.id.isidentifier() or n.id.startswith("_") or n.id in funcs or len(n.id) > 64:
-                raise bad(f"name {n.id[:20]!r}")
-            if n.id not in syms:
-                syms[n.id] = sympy.Symbol(n.id, integer=True, positive=True)
-            return syms[n.id]
-        if isinstance(n, ast.UnaryOp):
-            v = build(n.operand)
-            if isinstance(n.op, ast.USub):
-                return -v
-            if isinstance(n.op, ast.UAdd):
-                return v
-            if isinstance(n.op, (ast.Invert, ast.Not)):
-                return sympy.Not(v)
-        if isinstance(n, ast.BinOp):
-            a, b = build(n.left), build(n.right)
-            op = type(n.op)
-            if op is ast.Pow:
-                if not (isinstance(b, sympy.Integer) and 0 <= int(b) <= _SYM_LIMITS["exponent"]):
-                    raise bad(f"a power that is not an integer from 0 to {_SYM_LIMITS['exponent']}")
-                if isinstance(a, sympy.Number) and abs(float(a)) > 1 \
-                        and int(b) * math.log10(abs(float(a))) > _SYM_LIMITS["result_digits"]:
-                    raise bad(f"a number of more than {_SYM_LIMITS['result_digits']} digits")
-                out = a ** b
-            elif op is ast.Add:
-                out = a + b
-            elif op is ast.Sub:
-                out = a - b
-            elif op is ast.Mult:
-                out = a * b
-            elif op is ast.Div:
-                out = a / b
-            elif op is ast.FloorDiv:
-                out = funcs["FloorDiv"](a, b)
-            elif op is ast.Mod:
-                out = sympy.Mod(a, b)
-            elif op is ast.BitAnd:
-                out = sympy.And(a, b)
-            elif op is ast.BitOr:
-                out = sympy.Or(a, b)
-            else:
-                raise bad(f"operator {op.__name__}")
-            if big(out):
-                raise bad(f"a number of more than {_SYM_LIMITS['result_digits']} digits")
-            return out
-        if isinstance(n, ast.Compare) and len(n.ops) == 1:
-            a, b = build(n.left), build(n.comparators[0])
-            rel = {ast.Lt: sympy.Lt, ast.LtE: sympy.Le, ast.Gt: sympy.Gt, ast.GtE: sympy.Ge, ast.Eq: sympy.Eq,
-                   ast.NotEq: sympy.Ne}.get(type(n.ops[0]))
-            if rel is not None:
-                return rel(a, b)
-        if isinstance(n, ast.BoolOp):
-            vals = [build(v) for v in n.values]
-            return (sympy.And if isinstance(n.op, ast.And) else sympy.Or)(*vals)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in funcs and not n.keywords \
-                and 0 < len(n.args) <= 8:
-            out = funcs[n.func.id](*[build(a) for a in n.args])
-            if big(out):
-                raise bad(f"a number of more than {_SYM_LIMITS['result_digits']} digits")
-            return out
-        raise bad(f"{type(n).__name__} not allowed")
-
-    try:
-        return build(tree.body)
-    except GraphFileError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a sympy function refusing its arguments
-        raise bad(f"{type(e).__name__}: {' '.join(str(e).split())[:80]}") from None
-
-
-def check_sym_expr(expr: Any, where: str) -> str:
-    """``expr`` when :func:`parse_sym_expr` accepts it.
-
-    Raises:
-        GraphFileError: see :func:`parse_sym_expr`.
-    """
-    parse_sym_expr(expr, where)
-    return expr

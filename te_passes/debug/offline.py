@@ -1,17 +1,6 @@
 """Run the pass pipeline outside torch.compile, exactly as the backend does: examples and replay.
 
-:func:`run_stages` is ``te_passes.backend.te_inductor`` minus Dynamo/Inductor: it takes the
-graphs of the stages (Dynamo, joint, post-grad forward/backward), creates the
-:class:`~te_passes.report.CompileReport` with the same pipeline uuid, runs
-:class:`~te_passes.pipeline.manager.PassManager` per stage through the backend's own driver
-(:class:`te_passes.pipeline.compilation.Compilation`, so a :class:`~te_passes.debug.dump.DumpWriter`
-sees the same hooks and stage graph ids), and finishes the dump.
-
-:func:`replay` loads the ``input.tegraph`` files a dump saved (one file, a graph directory or a
-whole dump directory), runs the *current* passes on them with the saved TE state and options,
-and compares the new report with the saved one (:func:`compare_reports`): same passes, statuses,
-changes, node counts and records means the dump was reproduced.
-"""
+See docs/internals.md#te_passesdebugofflinepy."""
 
 from __future__ import annotations
 
@@ -44,13 +33,7 @@ class ReplayError(Exception):
 
 
 def te_state_from_json(data: dict[str, Any] | None) -> TEState:
-    """Rebuild the :class:`TEState` a dump saved (``TEState.to_json()`` output).
-
-    The UB snapshot goes through ``te_passes.te.ub.UbSnapshot.from_json`` when that module
-    exists; ``extra`` becomes the sorted item tuple :class:`TEState` keeps. The fp8 autocast
-    state comes back through :meth:`te_passes.te.recipes.Fp8State.from_json` (same fingerprint;
-    the recipe object is kept only as text, so recipe lookups are not folded on replay).
-    """
+    """Rebuild the :class:`TEState` a dump saved (``TEState.to_json()`` output)."""
     data = data or {}
     ub = data.get("ub")
     if ub is not None:
@@ -67,9 +50,9 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], passes: 
                options: TePassesOptions | None = None, te_state: TEState | None = None, mode: str | None = None,
                dump_dir: str | None = None, observers: Sequence[PassObserver] = (),
                graph_id: str | None = None) -> CompileReport:
-    """Run ``passes`` (in order; ``te_passes.passes.order.configured_passes()`` for the
-    backend's) on ``jobs`` = ``[(stage, gm, example_inputs), ...]`` (graphs rewritten in place)
-    through the backend's driver, and return the registered :class:`CompileReport`.
+    """Run ``passes`` (in order; ``te_passes.passes.order.configured_passes()`` for the backend's) on ``jobs``
+    = ``[(stage, gm, example_inputs), ...]`` (graphs rewritten in place) through the backend's driver, and
+    return the registered :class:`CompileReport`.
 
     Args:
         options: parsed options (default ``TePassesOptions()``); ``options.disable`` applies.
@@ -134,14 +117,8 @@ def find_graph_files(path: str) -> dict[str, list[str]]:
 
 def replay(path: str, passes: Sequence[TEPass], *, disable: Iterable[str] | None = None,
            dump_dir: str | None = None, strict: bool | None = None) -> list[tuple[CompileReport, dict[str, Any] | None]]:
-    """Re-run ``passes`` (the current ones: ``te_passes.passes.order.configured_passes()``) on
-    the graphs saved under ``path``; no GPU needed.
-
-    Each graph directory becomes one :class:`CompileReport` (its stages in the backend's order,
-    graph id, TE state and options as saved; ``disable`` replaces the saved disable list when
-    given; ``TE_PASSES_DISABLE`` adds to it, as in the backend). Returns ``[(new report, saved
-    report JSON or None)]``; each report's ``saved_versions`` is ``{"torch", "transformer_engine"}``
-    as saved in its first graph file (compare with the installed ones: :func:`version_differences`).
+    """Re-run ``passes`` (the current ones: ``te_passes.passes.order.configured_passes()``) on the graphs
+    saved under ``path``; no GPU needed.
 
     Raises:
         ReplayError: nothing to replay, or a graph file cannot be loaded (message names it).
@@ -216,11 +193,7 @@ def _norm_run(run: dict[str, Any]) -> dict[str, Any]:
 def compare_reports(new: dict[str, Any], saved: dict[str, Any], *, require_all: bool = True) -> list[str]:
     """Differences between two ``CompileReport.to_json()`` dicts that matter for reproduction:
     per stage (matched by graph id and stage), each pass run's name, status, changed flag,
-    node counts, error and records (timings ignored). ``[]`` means reproduced.
-
-    Stages present in only one report are reported too; with ``require_all=False`` (replay of
-    a single graph file) saved stages that were not replayed are not.
-    """
+    node counts, error and records (timings ignored). ``[]`` means reproduced."""
     diffs: list[str] = []
     saved_stages = {(s["graph_id"], s["stage"]): s for s in saved.get("stages", [])}
     new_stages = {(s["graph_id"], s["stage"]): s for s in new.get("stages", [])}

@@ -1,30 +1,6 @@
 """TE-aware FX graph printing: TE op calls, bundles, quantizers and storages as readable fields.
 
-``str(gm.graph)`` prints Transformer Engine's op arguments as
-``<OpaqueValueBundle object at 0x...>``; ``gm.print_readable()`` prints each bundle as one
-1-4 kB line of ``OpaqueValueBundle({...})`` with quantizers as ``_rebuild_quantizer(Cls,
-(('rowwise_usage', True), ...))``. Neither lets a person (or ``diff``) see which field of which
-TE op changed. :func:`format_graph` prints the graph as Python-like code in the layout of
-``GraphModule.print_readable`` (torch 2.14 ``torch/fx/graph_module.py``), except that
-
-* every ``transformer_engine_compile`` op call is printed with one keyword argument per
-  *logical* field of TE's args dataclass (``LinearFwdArgs`` / ``LinearBwdArgs``, TE 2.20
-  ``module/linear.py``): a tensor-or-quantized field's three schema slots (``<f>``,
-  ``<f>__tensors``, ``<f>__meta``) become one ``f=`` argument, a quantized storage is printed
-  as ``Float8TensorStorage(_data=..., _transpose=..., _scale_inv=..., fp8_dtype=..., ...)``
-  with each buffer's role, and the config bundle (``_simple_meta``) as ``config={...}``, one
-  field per line, grouped (quantizers, precision, autograd, parallel, userbuffers, ...);
-* quantizers print as ``Float8CurrentScalingQuantizer(rowwise_usage, internal,
-  dtype=DType.kFloat8E4M3, amax_epsilon=0.0)``: their value fields, boolean ones listed by name
-  when ``True`` and left out when ``False``; TE enums as ``DType.kFloat8E4M3``; ``torch.dtype`` as
-  ``torch.bfloat16``;
-* each node may carry ``# <- ...`` notes (the dump writer puts the pass records there).
-
-Field-per-line output makes a unified diff of two printouts field-level;
-:func:`node_fields` gives the same fields as a flat ``{path: text}`` mapping for structured
-diffs (:mod:`te_passes.debug.diff`). All TE knowledge (slot layout, buffer roles, config
-groups, value fields) comes from :mod:`te_passes.te.graph_model`.
-"""
+See docs/internals.md#te_passesdebugprinterpy."""
 
 from __future__ import annotations
 
@@ -88,14 +64,7 @@ def _of_node_graph(fn):
 def constant_name(v: Any, owner: torch.fx.GraphModule | None = None) -> str | None:
     """The wrapper-global name of a TE constant that ``hoist_te_constants`` built once
     (``_te_const_<n>``) in post-grad graph ``owner`` (default: the graph being printed), or
-    ``None``.
-
-    TE's own ``__fx_repr__`` is a rebuild expression (``_rebuild_quantizer(...)``,
-    ``OpaqueValueBundle({...})``); a hoisted constant renders as its bare name only in the
-    Inductor wrapper of the graph it was hoisted in
-    (:func:`te_passes.runtime.constants.name_constant`), so the name is read from the
-    pass (:func:`~te_passes.runtime.constants.hoisted_name`), not from the repr.
-    """
+    ``None``."""
     return hoisted_name(v, _PRINTING.get() if owner is None else owner)
 
 
@@ -219,13 +188,7 @@ def _grouped_config(config: Mapping[str, Any]) -> list[tuple[str, list[tuple[str
 
 @_of_node_graph
 def node_fields(node: torch.fx.Node) -> dict[str, str]:
-    """A node's printed fields as a flat ``{path: text}`` map (the unit of structured diffs).
-
-    For a decodable TE op node: ``"<field>"`` for tensor / ``None`` fields,
-    ``"<field>.<inner or kwarg>"`` for each part of a quantized storage (``"<field>"`` itself
-    holds ``"<StorageClass>"``), ``"config.<key>"`` per config-bundle field. For other nodes:
-    ``"op"``, ``"target"``, ``"args"``, ``"kwargs"``.
-    """
+    """A node's printed fields as a flat ``{path: text}`` map (the unit of structured diffs)."""
     out: dict[str, str] = {"op": node.op, "target": format_target(node) if node.op != "output" else "output"}
     if node.op == "get_attr":
         out["value"] = format_value(_attr_value(node))
@@ -309,7 +272,7 @@ def _with_comment(line: str, comment: str | None, width: int = 60) -> str:
 
 @_of_node_graph
 def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
-    """Source lines (unindented) for one non-placeholder node; see the module docstring."""
+    """Source lines (unindented) for one non-placeholder node; see docs/internals.md."""
     lines = [f"# <- {n}" for n in notes]
     if node.op == "output":
         ret = node.args[0]
@@ -389,7 +352,7 @@ def _format_te_call(node: torch.fx.Node, call: gmod.TEOpCall) -> list[str]:
 
 def format_graph(gm: torch.fx.GraphModule | torch.fx.Graph, *, name: str = "GraphModule",
                  notes: Mapping[str, Iterable[str]] | None = None) -> str:
-    """The whole graph as TE-aware Python-like source (see the module docstring).
+    """The whole graph as TE-aware Python-like source (see docs/internals.md).
 
     Args:
         gm: a ``GraphModule`` or a bare ``Graph``.

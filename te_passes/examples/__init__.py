@@ -1,20 +1,6 @@
 """Built-in examples for ``te-passes dump --example NAME``: real TE graphs through the pipeline.
 
-Each example is a small ``te.Linear`` model (``model="linear"``: ``te.Linear(64, 128)`` on a
-``[32, 64]`` bf16 input; ``"stack"``: ``layers`` of them with GELU between) run forward +
-backward in a given precision. :func:`run_example` takes one of two paths:
-
-* **GPU** (``torch.cuda.is_available()`` and TE's compile path on): the model is built on the
-  GPU and run under ``torch.compile(backend=functools.partial(te_inductor, mode=...,
-  options={"te_passes.dump_dir": ...}))`` — the real backend, Inductor and all;
-* **no GPU** (this project's CI machines): the real Dynamo graph and AOTAutograd joint /
-  forward / backward graphs are captured on fake CUDA tensors
-  (:mod:`te_passes.testing.capture`) and the full pass pipeline runs on them at every stage,
-  through the backend's own stage runner (:func:`te_passes.debug.offline.run_stages`).
-  Inductor's code generation is skipped: it needs a GPU (measured on torch 2.14.1: the joint
-  trace fails in the autograd engine's CUDA device guard, and inference-only compilation fails in
-  Inductor's Triton device-property query). The result says so in ``compile_path``/``note``.
-"""
+See docs/internals.md#te_passesexamples__init__py."""
 
 from __future__ import annotations
 
@@ -57,7 +43,7 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in (
     Example("linear-mxfp8", "linear", "mxfp8", 1, "te.Linear(64, 128), MXFP8BlockScaling, forward + backward"),
     Example("stack-fp8", "stack", "fp8-cs", 2,
             "2 x te.Linear(64, 64) with GELU between, Float8CurrentScaling, forward + backward"),
-    # issue 21: untouched TE modules, traced through te_passes' polyfills (docs/untouched.md)
+    # untouched TE modules, traced through te_passes' polyfills (docs/untouched.md)
     Example("transformer-layer-bf16", "transformer_layer", "bf16", 1,
             "untouched te.TransformerLayer(64, 256, 4) in bf16, forward + backward", tokens=16),
     Example("transformer-layer-fp8", "transformer_layer", "fp8-cs", 1,

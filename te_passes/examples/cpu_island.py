@@ -1,13 +1,6 @@
 """A ``te-passes dump`` target that runs for real on a CPU: ``te-passes dump te_passes.examples.cpu_island:main``.
 
-``torch.compile(backend="te_inductor")`` on a small model that calls a Transformer Engine module
-Dynamo cannot trace: ``te.Fp8Padding.forward`` is ``@no_torch_dynamo`` in TE 2.20.2
-(``transformer_engine/pytorch/module/fp8_padding.py``), so Dynamo breaks the graph around it
-and TE runs it eagerly — an *eager island*. With ``align_size=16`` and a 16-row input no
-padding is needed and no CUDA kernel runs, so this works without a GPU. A second call with a
-new shape recompiles. The dump then shows two graphs, the island with its reason, the graph
-breaks it caused and the recompiles with their failed guards.
-"""
+See docs/internals.md#te_passesexamplescpu_islandpy."""
 
 from __future__ import annotations
 

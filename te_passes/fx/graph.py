@@ -18,3 +18,11 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
         new.output(out[0] if isinstance(out, tuple) else out)
     new._codegen = graph._codegen
     return new
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A node-for-node copy of ``gm`` sharing its parameters, buffers and submodules (same class
+    name; ``gm.meta`` and each node's ``meta`` copied shallowly)."""
+    new = torch.fx.GraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new

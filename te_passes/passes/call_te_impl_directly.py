@@ -1,37 +1,6 @@
 """Pass ``call_te_impl_directly``: each compiled TE op call costs what calling TE's impl costs.
 
-Post-grad forward and backward graphs. For every node of a TE op family (any family TE's
-``register_custom_op`` defines — ``<name>``, ``<name>_backward`` and their ``*_base`` ops, found
-from ``torch._library.custom_ops.OPDEFS``, :func:`te_passes.runtime.te_base_op.op_family`):
-
-1. **retarget** a wrapper-op node (``transformer_engine_compile.<name>.default``) to its base op
-   (``<name>_base.default``) when no quantized-tensor subclass can reach it. The wrapper differs
-   from its base op only in flattening ``QuantizedTensor`` subclass inputs
-   (``register_torch_dispatch`` rules, TE 2.20.2 ``dynamo/custom_op.py`` ``_make_slot_forwarder``;
-   with plain tensors it calls the base op with the same arguments). Proof: every node in a
-   ``Tensor`` / ``Tensor?`` / ``Tensor[]`` slot has a ``meta["val"]`` whose type is exactly
-   ``torch.Tensor`` or ``FakeTensor`` (not a subclass). Otherwise the node stays (``"kept"``).
-2. **mark** the (base-op) node for a direct call: ``node.meta[META_KEY]`` holds a
-   :class:`~te_passes.runtime.direct_call.DirectTECall` built now from the base op's
-   ``CustomOpDef`` closure (``plan`` / ``impl`` / ``pack_result``, checked by name and
-   signature) and the node's constant slots. Inductor's lowering of the base op
-   (registered for every TE op family by ``runtime.install()`` before any pass runs; the pass
-   only looks it up, :func:`~te_passes.runtime.direct_lowering.lowering_reason`) then emits a call
-   of that object instead of the dispatcher op. Conditions (else ``"kept"`` with the reason, the
-   node keeps its op call): the lowering is installed (``"direct-call lowering not installed:
-   ..."`` otherwise) and available on this torch; every constant slot is ``None``, ``[]``
-   or a TE constant ``hoist_te_constants`` made a fixed wrapper global of *this* graph (so the
-   op path, too, passes the same object on every call: a direct call then sees what the op
-   sees); the kernel is TE's ``_register_base_op._impl``.
-
-Order: after ``hoist_te_constants`` (it needs the hoisted constants) and before
-``insert_early_frees`` / ``check_cudagraph_pool`` (both treat base and wrapper ops alike: opaque
-TE calls with the same slots).
-
-Records: ``"retargeted"`` (``from``, ``to``), ``"direct_call"`` (``op``, ``impl``,
-``tensor_fields``, ``constant_fields``, ``storage_fields``), ``"kept"`` (``op``, ``reason``,
-``retargeted``).
-"""
+See docs/passes/call_te_impl_directly.md."""
 
 from __future__ import annotations
 
@@ -138,9 +107,6 @@ def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[li
 class CallTEImplDirectly(TEPass):
     """Retarget TE wrapper ops to their base ops and mark them for a direct call of TE's impl.
 
-    See the module docstring. Configuration: ``direct_call`` (default ``True``; ``False`` only
-    retargets).
-
     Before / after (post-grad forward of an fp8 ``te.Linear``, as Inductor's wrapper calls it)::
 
         # before
@@ -148,11 +114,7 @@ class CallTEImplDirectly(TEPass):
             primals_3, primals_2, None, [], _te_const_1, _te_const_2)
         # after
         buf0 = _te_direct_0(primals_1, [], _te_const_0, primals_3, primals_2, None, [],
-            _te_const_1, _te_const_2)
-
-    where ``_te_direct_0`` is a :class:`~te_passes.runtime.direct_call.DirectTECall` of
-    ``transformer_engine_compile::linear_base`` (the FX node's target is ``linear_base.default``).
-    """
+            _te_const_1, _te_const_2)"""
 
     name = "call_te_impl_directly"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

@@ -24,13 +24,7 @@ class CudagraphPoolWarning(UserWarning):
 
 def pool_findings(lv: Liveness) -> list[dict[str, Any]]:
     """Values allocated inside the graph that are still referenced when it returns, without
-    being graph outputs: ``[{"node", "role", "bytes", "at", "how"}]`` in graph order.
-
-    ``node`` is the FX node that allocated the value (its ``getitem`` for a multi-output op),
-    ``role`` its TE quantized-buffer role (``None`` when it is not part of a quantized
-    tensor), ``at`` the node where the reference escapes and ``how`` in what way (``set_``
-    into a graph input, stored into a Python object, ...).
-    """
+    being graph outputs: ``[{"node", "role", "bytes", "at", "how"}]`` in graph order."""
     out = []
     for buf in lv.buffers:
         if buf.origin is not BufferOrigin.ALLOCATED or lv.is_output(buf):
@@ -72,32 +66,13 @@ def format_findings(graph_id: str, findings: list[dict[str, Any]]) -> str:
 class CheckCudagraphPool(TEPass):
     """Static CUDA-graph pool check (analysis only; never changes the graph).
 
-    CUDA graph trees (``mode="reduce-overhead"``; ``torch/_inductor/cudagraph_trees.py``,
-    torch 2.14) record each graph into a private memory pool and, after recording, check that
-    every storage still allocated in that pool belongs to a graph output; otherwise the step
-    fails with "Detected N tensor(s) in the cudagraph pool not tracked as outputs". This pass
-    finds the same condition in the FX graph before Inductor runs: a value allocated inside
-    the graph that is still referenced when the graph returns but is not an output
-    (alias-aware liveness, :mod:`te_passes.analyses.liveness`): a ``set_`` that makes a graph
-    input hold an internal buffer, a Python-level store (``setattr``, ``setitem``,
-    ``list.append``) in a Dynamo graph. Each finding names the FX node that allocated the value
-    and its TE role (``rowwise_data``, ``columnwise_data``, ``scale_inv``, ...).
-
-    A finding is a ``"pool_leak"`` record and a :class:`CudagraphPoolWarning`; under
-    ``te_passes.strict`` a :class:`CudagraphPoolLeakError` (the pass manager turns it into a
-    ``TePassError``). A clean graph gives one ``"pool_check"`` record with ``findings=0``.
-
     Example (a planted leak: an FP8 temporary stashed into a graph input)::
 
         q = aten._to_copy(x, dtype=float8_e4m3fn)      # allocated in the pool
         set_ = aten.set_.source_Tensor(cache, q)       # cache (an input) now holds q's storage
         y = mylib.fp8_gemm(q, w)
         return (y,)                                    # q is not an output
-        -> pool_leak: node '_to_copy' (quantized rowwise_data, 64 B) escapes at node 'set_'
-
-    Not visible to a static check: references kept *inside* opaque ops (a TE op caching a
-    workspace it allocated); those need the run-time check cudagraph trees make.
-    """
+        -> pool_leak: node '_to_copy' (quantized rowwise_data, 64 B) escapes at node 'set_'"""
 
     name = "check_cudagraph_pool"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

@@ -1,26 +1,6 @@
 """Pass ``fold_recipe_lookups``: fp8 recipe / autocast lookups become plain constants, resolved once.
 
-TE's fp8 recipes are Python objects read at run time (``FP8GlobalStateManager.get_fp8_recipe()``,
-``recipe.fp8_gemm_dgrad.use_split_accumulator``, ...). Graphs that were not traced by Dynamo
-(``symbolic_trace``'d, hand-built and user graphs; Dynamo inlines the lookups itself) keep them
-as nodes: ``call_function`` nodes of ``FP8GlobalStateManager.get_fp8_recipe`` / ``is_fp8_enabled``
-/ ``is_fp8_calibration`` / ``with_fp8_parameters`` / ``get_fp8_group``, attribute chains on recipe
-objects (``getattr`` ``call_function`` nodes, recipe ``get_attr`` s, recipe constants),
-``hasattr`` / ``isinstance`` / recipe predicates (``recipe.float8_current_scaling()``), ``is None``
-tests and TE's pure recipe functions (``get_fp8_te_dtype``, ...). Each chain is evaluated at
-compile time (values from :mod:`te_passes.te.recipes`) and its plain result (bool / int / float /
-str / None / dtype) replaces the node's uses. Intermediate objects (the recipe, ``MMParams``, a
-process group) are dropped once nothing uses them; where a consumer takes the object itself, it
-is left in place and a ``"kept"`` record names it.
-
-Safety: lookups are folded to the TE autocast state the graph is compiled under
-(:class:`te_passes.te.recipes.Fp8State`: the compilation's TE snapshot ``ctx.te_state.fp8``,
-captured once per compilation and part of the pipeline uuid, or the pass's ``fp8_state``
-config). Graphs from Dynamo are guarded by Dynamo on that state; graphs built otherwise
-(``symbolic_trace``) are specialised by this pass and every folded value is recorded.
-
-Until issue 12 this was part 1 of ``hoist_recipe_lookups`` (docs/passes/fold_recipe_lookups.md).
-"""
+See docs/passes/fold_recipe_lookups.md."""
 
 from __future__ import annotations
 
@@ -52,7 +32,7 @@ def _describe_user(u: torch.fx.Node) -> str:
 
 
 class FoldRecipeLookups(TEPass):
-    """Fold fp8 recipe / autocast lookups into plain constants (module docstring: why and how).
+    """Fold fp8 recipe / autocast lookups into plain constants (docs/passes/fold_recipe_lookups.md: why and how).
 
     Before / after (a graph computing ``gemm(x, split=FP8GlobalStateManager.get_fp8_recipe()
     .fp8_gemm_fprop.use_split_accumulator)`` with the lookup as ``call_function`` nodes, e.g. a
@@ -65,16 +45,6 @@ class FoldRecipeLookups(TEPass):
         gemm = gemm(x, split = getattr_2)
         # after
         gemm = gemm(x, split = False)
-
-    Configuration (keyword args):
-
-    * ``fp8_state`` — a :class:`te_passes.te.recipes.Fp8State` to fold lookups against (default:
-      the compilation's TE snapshot, ``ctx.te_state.fp8``: TE's autocast state when the
-      compilation began, :meth:`te_passes.te.state.TEState.capture`).
-
-    Records (``PassRecord.kind``): ``"hoisted"`` (a lookup folded: ``lookup``, ``value``,
-    ``users``), ``"kept"`` (a lookup or recipe / process-group object left in place, with
-    ``reason``).
 
     Raises:
         TypeError: ``fp8_state`` is not an ``Fp8State``.

@@ -62,56 +62,11 @@ def _fold_is_bounded(target: Any, args: tuple, kwargs: dict) -> bool:
 class FoldUbPredicates(TEPass):
     """Fold UB predicates to constants against the UB snapshot; check TE ops' UB configs.
 
-    **Query nodes** (graphs from ``torch.fx.symbolic_trace`` with TE functions as leaves,
-    hand-built graphs, users' modules): ``call_function`` nodes of TE's ``get_ub_is_fp8``,
-    ``is_ub_initialized``, ``using_cublasmp_backend`` (``transformer_engine.pytorch.module.base``,
-    TE 2.20.2) and :func:`te_passes.runtime.ub_guard.ub_query`, and ``call_method`` nodes
-    ``is_fp8_ubuf`` / ``with_cublasmp`` / ``is_atomic_gemm`` / ``is_p2p_overlap`` / ``get_tp_size``
-    on a ``get_ub(name, use_fp8)`` node, all with constant arguments, are replaced by their value
-    in the snapshot; pure ``operator`` nodes that then have only constant inputs are folded too,
-    and the nodes left without users (the queries, ``get_ub``) are erased. Before::
-
-        graph():
-            %x : [num_users=1] = placeholder[target=x]
-            %get_ub : [num_users=2] = call_function[target=transformer_engine.pytorch.module.base.get_ub](args = (proj_fprop, True))
-            %is_fp8_ubuf : [num_users=1] = call_method[target=is_fp8_ubuf](args = (%get_ub,))
-            %with_cublasmp : [num_users=1] = call_method[target=with_cublasmp](args = (%get_ub,))
-            %not_ : [num_users=1] = call_function[target=operator.not_](args = (%with_cublasmp,))
-            %gemm : [num_users=1] = call_function[target=my_ub_gemm](args = (%x, %is_fp8_ubuf, %not_))
-            return gemm
-
-    After (snapshot: ``proj_fprop[fp8]`` is an FP8 buffer, Userbuffers backend)::
-
-        graph():
-            %x : [num_users=1] = placeholder[target=x]
-            %gemm : [num_users=1] = call_function[target=my_ub_gemm](args = (%x, True, True))
-            return gemm
-
-    **Trace-time folds**: in graphs Dynamo traced from TE's Python (``Linear.forward`` calls
-    ``get_ub_is_fp8``), te_passes' hook already folded the query during tracing, guarded on
-    the UB state token (:mod:`te_passes.runtime.ub_guard`); the backend hands them to the pass
-    (``ctx.inputs["ub_trace_folds"]``), which records those folds and checks them against the
-    snapshot the graph is compiled with.
-
-    **TE op checks**: for every ``transformer_engine_compile.linear[_backward]`` node whose
-    config bundle sets a UB overlap flag, :func:`te_passes.te.ub_rules.check_linear_ub_config` checks
-    that every buffer the op will fetch (``{ub_name}_fprop|_dgrad|_wgrad`` in mode
-    ``fp8``/``none``) exists, tp sizes agree, and fp8-dependent fields (``fp8_output`` for an FP8
-    reduce-scatter ``_fprop`` buffer, ``grad_input_quantizer`` for an FP8 RS ``_dgrad`` buffer)
-    agree. A mismatch is a ``"ub_mismatch"`` record; ``te_inductor`` raises
-    :class:`~te_passes.te.ub.UbConfigError` for it before returning the compiled graph
-    (under ``te_passes.strict`` the pass raises at once).
-
-    Every dependence (folded values, checked configs, a pre-pass copy of the graph when nodes
-    were folded) is returned as one typed fact, a :class:`te_passes.runtime.ub_graph_guard.UbDependence`
-    (``TEPassResult.facts``); the backend guards the compiled graph with it.
-
     Records: ``"folded"`` (``api``, ``args``, ``value``, ``source`` = ``"fx"`` /
     ``"dynamo_trace"``), ``"const_folded"`` (operator nodes folded after them), ``"removed"``
     (erased nodes), ``"ub_check"`` (per TE op: ``ub_name``, ``flags``, ``buffers``),
     ``"ub_mismatch"`` (``ub_name``, ``buffer``, ``message``), ``"skipped"`` (a query node that
-    could not be folded, with the reason).
-    """
+    could not be folded, with the reason)."""
 
     name = "fold_ub_predicates"
     stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

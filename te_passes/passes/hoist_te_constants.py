@@ -1,27 +1,6 @@
 """Pass ``hoist_te_constants``: TE constants of post-grad graphs are built once, not on every call.
 
-Inductor's Python wrapper re-evaluates every value-opaque constant's ``__fx_repr__``
-(``OpaqueValueBundle({...})``, ``_rebuild_quantizer(...)``) inline on every call
-(``torch/_inductor/codegen/wrapper.py`` ``PythonWrapperCodegen.val_to_arg_str``,
-``ir.OpaqueValueTypeConstant`` for outputs; torch 2.14.1): 52 quantizer rebuilds per
-forward+backward step of a 4-layer fp8 stack. Each such constant (op arguments and graph outputs)
-is replaced by a fresh, equal object built once at compile time from its own ``__fx_repr__`` and
-*named*: while Inductor lowers this graph, its ``__fx_repr__`` answers a bare name
-``_te_const_<n>`` with ``{name: object}`` as globals (:func:`name_constant`). Inductor records
-those globals in ``GraphLowering.opaque_value_type_classes``, which become globals of the wrapper
-module when it is loaded — also on an FX-graph-cache hit, where they come back pickled with the
-cache entry (``CompiledFxGraphConstants.unwrap``). The call path then passes module globals.
-Anywhere else the object renders as TE's rebuild expression, so graphs that meet it later (the
-forward returns quantizers; Dynamo stores them in the module and the next trace bakes them in)
-keep content-derived, picklable AOTAutograd / FX graph cache keys.
-(A ``get_attr`` lift would use Inductor's ``torchbind_constants`` instead, which a cache hit does
-not restore.) One object per *slot*: equal but distinct constants stay distinct objects (TE ops
-update a quantizer's usage flags in place, as TE's eager modules do with their persistent
-quantizers), and the graph's original objects — possibly shared with the Dynamo graph — are
-never touched.
-
-docs/passes/hoist_te_constants.md.
-"""
+See docs/passes/hoist_te_constants.md and docs/passes/hoist_te_constants.md.."""
 
 from __future__ import annotations
 
@@ -43,33 +22,7 @@ CONST_ATTR_PREFIX = "_te_const_"
 
 class HoistTEConstants(TEPass):
     """Build value-opaque TE constants (quantizers, ``OpaqueValueBundle`` s) once per compilation
-    instead of once per call (module docstring: why and how).
-
-    Post-grad graph, as Inductor's wrapper calls it (``Q(...)``: ``_rebuild_quantizer(...)``)::
-
-        # before: rebuilt on every call
-        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [],
-            OpaqueValueBundle({'__kind__': ...}), ..., OpaqueValueBundle({... Q(...) ...}))
-        return (buf1, Q(...), Q(...), ...)
-        # after: wrapper-module globals, built once when the module is loaded
-        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0, ...,
-            _te_const_2)
-        return (buf1, _te_const_3, _te_const_4, ...)
-
-    Configuration (keyword args):
-
-    * ``hoist_constants`` — build value-opaque TE constants once (named wrapper globals)
-      (default ``True``; ``False``: the pass is skipped and the constants stay inline).
-
-    Records (``PassRecord.kind``): ``"hoisted_constant"`` (a constant built once: ``name``,
-    ``slot``, ``const_kind``, ``type``; ``node`` is the op or output using it); ``"kept_inline"``
-    (``slot``, ``type``, ``reason``: its class's ``__fx_repr__`` is not wrapped because
-    ``runtime.install()`` has not run since it was loaded — the pass changes no class).
-
-    The names live in the graph's own ``gm.meta`` (:class:`te_passes.runtime.constants.NamedConstants`),
-    which the wrapped ``__fx_repr__`` reads while Inductor lowers this graph: no process-global
-    state is written.
-    """
+    instead of once per call (docs/passes/hoist_te_constants.md: why and how)."""
 
     name = "hoist_te_constants"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

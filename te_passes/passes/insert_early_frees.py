@@ -24,48 +24,6 @@ POLICIES = ("opaque", "all")
 class InsertEarlyFrees(TEPass):
     """Insert ``te_passes.free_storage(buf)`` after the last use of quantized buffers.
 
-    Rewrites Inductor's post-grad forward and backward graphs (``post_grad_custom_pre_pass``),
-    after functionalization — an in-place op inserted at the Dynamo stage would be
-    functionalized away (``auto_functionalized``, then dead-code eliminated; measured on torch
-    2.14). A buffer is freed only when all of these hold (each refusal is a ``"kept"`` record
-    with its reason):
-
-    * it is part of a quantized tensor (:mod:`te_passes.te.quantized`: TE storage slots,
-      casts to float8/float4 dtypes, a TE forward op's saved outputs);
-    * the graph allocated it (never a graph input: the caller owns inputs; in an AOT backward
-      the saved quantized buffers are inputs — AOTAutograd passes them with
-      ``steal_args=True`` and Inductor already drops them at their last use when
-      ``retain_graph=False``, while with ``retain_graph=True`` the autograd graph still holds
-      them for the next backward, so an in-graph free would break it);
-    * no graph output aliases it (saved-for-backward values are forward outputs) and it does
-      not escape (:class:`~te_passes.analyses.buffers.Escape`);
-    * a node holds it as a whole tensor (``getitem`` or single-output op), so there is a
-      handle to free;
-    * policy ``"opaque"`` (default): an opaque op (a custom op such as TE's
-      ``transformer_engine_compile.*``, a higher-order op) uses it. Opaque callees can keep
-      Python references to their arguments — the reason TE frees by hand with
-      ``clear_tensor_data`` — while a buffer that only ATen/Inductor kernels read is
-      already released by Inductor's wrapper (``del buf``) at its last use, so a free there
-      would only add a host call per step. Policy ``"all"`` frees every eligible buffer.
-
-    At the ``joint`` stage (``joint_custom_pre_pass``) the pass only reads the joint graph,
-    where a TE forward op's saved outputs flow into the backward op's storage slots, and
-    records each saved buffer's exact role (:func:`te_passes.te.quantized.joint_saved_roles`;
-    a ``"saved_roles"`` record keyed by node name — the partitioner keeps names, so they are
-    the forward graph's ``getitem`` nodes). Each stage's records depend on its own graph only (so
-    ``te-passes replay`` of one stage reproduces them): the forward's own records call these
-    buffers quantized with role ``unknown`` (source ``te_forward_output``).
-
-    The free goes right after the last node that uses *any* alias of the buffer (alias-aware
-    liveness: views, ``getitem``\\ s of multi-output ops, ``set_``). ``free_storage``
-    rebinds the tensor to an empty storage (TE's ``clear_tensor_data`` semantics, see
-    :mod:`te_passes.runtime.free_op`), and its Inductor lowering keeps Inductor from reusing the
-    freed buffer's memory. A freed value an opaque op reads is also marked
-    ``meta["inductor_realize_to_strides"]`` (:func:`te_passes.runtime.free_op.mark_realize`), so
-    Inductor materializes it once where it is defined and the opaque op and the free receive
-    that same buffer (without it, an ATen cast stays an unrealized ``Pointwise``, the custom
-    op's stride constraint copies it, and the free emptied a second copy).
-
     Example (``policy="all"``; an opaque op consuming an FP8 cast)::
 
         before                                           after
@@ -74,11 +32,6 @@ class InsertEarlyFrees(TEPass):
                                                          te_passes.free_storage(q)
         z = aten.relu(y)                                 z = aten.relu(y)
         return (z,)                                      return (z,)
-
-    On TE 2.20.2 ``te.Linear`` graphs nothing qualifies: every quantized buffer that crosses
-    an op boundary is a saved tensor (a forward output / a backward input), and the quantized
-    ``grad_output`` is created and freed inside ``linear_backward``; the records say so per
-    buffer.
 
     Records: ``"free"`` (node = the freed value, data: ``role``, ``bytes``, ``after``,
     ``source``, ``field``, ``op``); ``"kept"`` (node, ``role``, ``bytes``, ``reason``,

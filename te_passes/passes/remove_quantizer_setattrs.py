@@ -1,17 +1,6 @@
 """Pass ``remove_quantizer_setattrs``: side-effect-only quantizer ``__setattr__`` residue is removed.
 
-Dynamo graphs of fp8 TE modules keep side-effect-only ``call_method __setattr__`` nodes whose
-receiver is a quantizer constant (TE's modules set ``force_pow_2_scales``, ``amax_epsilon``,
-``internal``, ... on their quantizers while they run; Dynamo replays those writes as nodes). A
-group of setattrs on one receiver object (identity, ``id``) is removed when it provably has no
-effect: the receiver is not observed by any other node (not in an op bundle, not an output), or
-every write stores the value the constant already holds (a no-op under any execution order).
-Otherwise the nodes stay and a ``"kept"`` record gives the observer and the field that would
-change. The op bundles' quantizers are checked unchanged (identity and value) after the
-rewrite; a change aborts the pass (the manager undoes it).
-
-Until issue 12 this was part 2 of ``hoist_recipe_lookups`` (docs/passes/remove_quantizer_setattrs.md).
-"""
+See docs/passes/remove_quantizer_setattrs.md."""
 
 from __future__ import annotations
 
@@ -27,8 +16,8 @@ from te_passes.te.graph_scan import bundle_quantizers, const_kind, users_of_obje
 
 
 class RemoveQuantizerSetattrs(TEPass):
-    """Remove side-effect-only ``__setattr__`` nodes on quantizer constants (module docstring:
-    when it is safe).
+    """Remove side-effect-only ``__setattr__`` nodes on quantizer constants (docs/passes/remove_quantizer_setattrs.md: when it is
+    safe).
 
     Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for
     ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
@@ -41,10 +30,6 @@ class RemoveQuantizerSetattrs(TEPass):
         # after
         linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
                      OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))   # same objects
-
-    No configuration. Records (``PassRecord.kind``): ``"folded_setattr"`` (a removed
-    ``__setattr__``: ``receiver``, ``field``, ``value``, ``reason``), ``"kept"`` (a setattr left
-    in place, with ``receiver`` and ``reason``).
 
     Raises (caught by the manager, which undoes the rewrite):
         RuntimeError: the op bundles' quantizers changed (identity or value) during the rewrite.

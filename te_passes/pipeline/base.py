@@ -67,11 +67,6 @@ class Stage(str, enum.Enum):
     POST_GRAD_FWD = "post_grad_fwd"
     POST_GRAD_BWD = "post_grad_bwd"
 
-    @property
-    def is_aten(self) -> bool:
-        """True for stages whose graphs hold ATen ``OpOverload``\\ s (everything after Dynamo)."""
-        return self is not Stage.DYNAMO
-
 
 ALL_STAGES: frozenset[Stage] = frozenset(Stage)
 AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
@@ -124,15 +119,27 @@ def _type_error(ann: Any, value: Any) -> str | None:
     return None if ok else "must be " + " | ".join("None" if c is type(None) else c.__name__ for c in classes)
 
 
+class PassParameterError(ValueError):
+    """A pass parameter's value refused by its ``Config``: ``param`` names it, ``detail`` says why
+    (``"must be bool, got 'no' (str)"``). A ``ValueError``, and a ``TypeError`` for a wrong type."""
+
+    def __init__(self, param: str, detail: str) -> None:
+        super().__init__(f"{param} {detail}")
+        self.param, self.detail = param, detail
+
+
+class PassParameterTypeError(PassParameterError, TypeError):
+    """:class:`PassParameterError` for a value of another type."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PassConfig:
-    """Base of a pass's typed configuration (a frozen dataclass; the ``te_passes.pass_config``
-    parameters of that pass are its fields). Every field's value is checked against its annotation
-    here, the one validator of pass configs.
+    """Base of a pass's typed configuration (a frozen dataclass; the ``te_passes.pass_config`` parameters of
+    that pass are its fields).
 
     Raises:
-        TypeError: a value of another type (``"no"`` for a ``bool``).
-        ValueError: a value that is not one of a ``Literal``'s.
+        PassParameterTypeError: a value of another type (``"no"`` for a ``bool``).
+        PassParameterError: a value that is not one of a ``Literal``'s.
     """
 
     def __post_init__(self) -> None:
@@ -142,9 +149,9 @@ class PassConfig:
             ann = hints[f.name]
             err = _type_error(ann, value)
             if err is not None:
-                raise TypeError(f"{f.name} {err}, got {value!r} ({type(value).__name__})")
+                raise PassParameterTypeError(f.name, f"{err}, got {value!r} ({type(value).__name__})")
             if typing.get_origin(ann) is typing.Literal and value not in typing.get_args(ann):
-                raise ValueError(f"{f.name} must be one of {list(typing.get_args(ann))}, got {value!r}")
+                raise PassParameterError(f.name, f"must be one of {list(typing.get_args(ann))}, got {value!r}")
 
     def to_json(self) -> dict[str, Any]:
         return jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})

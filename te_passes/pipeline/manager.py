@@ -63,10 +63,8 @@ class PassManager:
         return [p for p in self.passes if stage in p.stages]
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, into: CompileReport | None = None) -> StageReport:
-        """Run every pass of ``ctx.stage`` on ``gm`` (in place) between the observers' stage hooks;
-        one ``gm.recompile()`` at the end if any pass changed it. Returns the stage report, appended
-        to ``into.stages`` (when given) before ``after_stage``: an observer refreshing the compile's
-        report there (the backward, compiled lazily after ``finish``) sees this stage.
+        """Run every pass of ``ctx.stage`` on ``gm`` (in place) between the observers' stage hooks; one
+        ``gm.recompile()`` at the end if any pass changed it.
 
         Raises:
             TePassError: a pass raised and ``ctx.options.strict`` is set.

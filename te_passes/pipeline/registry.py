@@ -9,7 +9,7 @@ import dataclasses
 import typing
 
 from te_passes.config import TePassesOptionError
-from te_passes.pipeline.base import TEPass
+from te_passes.pipeline.base import PassParameterError, TEPass
 
 
 def config_parameters(cls: type[TEPass]) -> list[str]:
@@ -40,8 +40,8 @@ def build_passes(classes: typing.Sequence[type[TEPass]], pass_config: dict | Non
                                       f"{name} takes {valid or 'no parameters'}")
         try:
             out.append(cls(**kwargs))
+        except PassParameterError as e:
+            raise TePassesOptionError(f"te_passes.pass_config[{name!r}][{e.param!r}] {e.detail}") from None
         except (TypeError, ValueError) as e:
-            param = next((k for k in kwargs if isinstance(e, TypeError) and str(e).startswith(k + " ")), None)
-            raise TePassesOptionError(f"te_passes.pass_config[{name!r}][{param!r}]{str(e)[len(param):]}" if param
-                                      else f"te_passes.pass_config[{name!r}]: {e}") from None
+            raise TePassesOptionError(f"te_passes.pass_config[{name!r}]: {e}") from None
     return out

@@ -1,41 +1,6 @@
 """``compile_friendly(model)``: make TE modules that TE 2.20.2 runs eagerly traceable as one graph.
 
-In TE 2.20.2 ``LayerNormLinear.forward`` and ``LayerNormMLP.forward`` are
-``torch.compiler.disable``\\ d (``@no_torch_dynamo()``), and ``DotProductAttention`` reaches
-``FusedAttention.forward``, which is disabled too: a ``te.TransformerLayer`` under
-``torch.compile`` is cut into compiled segments between eager islands. This opt-in rewrite
-changes, in place and module by module:
-
-* ``te.LayerNormLinear`` -> the normalisation (LayerNorm / RMSNorm, ``zero_centered_gamma``,
-  ``eps``) in traceable torch ops, then a ``te.Linear`` (TE's compiled op path,
-  ``transformer_engine_compile::linear``);
-* ``te.LayerNormMLP`` -> normalisation + ``te.Linear`` (fc1) + the activation in torch ops +
-  ``te.Linear`` (fc2);
-* ``DotProductAttention`` (``attention="sdpa"``) -> ``torch.nn.functional.scaled_dot_product_attention``
-  with TE's scale, mask and layout for the configurations listed in :func:`attention_problem`;
-  (``attention="te_fused"``) -> TE's own fused (cuDNN) attention as the custom op
-  ``transformer_engine_compile::fused_attn`` (:mod:`te_passes.rewrite.fused_attention`);
-* ``te.MultiheadAttention`` -> the same forward, entered with TE's default recipe (FP8 off) when
-  no ``te.autocast`` is active (TE would build that recipe inside the compiled region: a break).
-
-How: the module object stays (same parameters, buffers, hooks, ``state_dict`` keys and
-``_extra_state``); its class is swapped for a subclass of its TE class whose ``forward`` is
-traceable (:class:`CompileFriendlyLayerNormLinear`, ...). The GEMMs run in hidden ``te.Linear``
-modules (kept out of ``_modules``, so they add no ``state_dict`` keys) whose parameters are the
-original ``Parameter`` objects. :func:`restore` swaps the classes back.
-
-Every configuration that cannot be expressed exactly is refused for that module, which is left
-as it was; the reasons are returned as :class:`RewriteRecord`\\ s (also on
-``model.te_passes_rewrites``) and ``strict=True`` raises :class:`CompileFriendlyError` before
-changing anything. Mirrors TE 2.20.2 ``module/layernorm_linear.py``, ``module/layernorm_mlp.py``,
-``module/linear.py``, ``attention/dot_product_attention/dot_product_attention.py``,
-``attention/multi_head_attention.py`` and the activation kernels of
-``transformer_engine/common/util/math.h``.
-
-This is a *model* rewrite: a ``torch.compile`` backend only sees FX graphs traced after the
-eager islands were already cut, so it must be applied to the model before ``torch.compile``
-(the ``te_passes.compile_friendly`` option is refused for that reason).
-"""
+See docs/internals.md#te_passesrewritecompile_friendlypy."""
 
 from __future__ import annotations
 
@@ -62,13 +27,7 @@ RECORDS_ATTR = "te_passes_rewrites"
 
 @dataclasses.dataclass(frozen=True)
 class RewriteRecord:
-    """What :func:`compile_friendly` did with one module.
-
-    ``module`` — qualified name in the model (``""`` for the root); ``kind`` — the TE class
-    (``"LayerNormLinear"``, ``"LayerNormMLP"``, ``"DotProductAttention"``); ``action`` —
-    ``"rewritten"``, ``"refused"`` or ``"kept"`` (``attention="keep"``); ``reason`` — why it was
-    refused or kept (``None`` when rewritten); ``detail`` — what it became.
-    """
+    """What :func:`compile_friendly` did with one module."""
 
     module: str
     kind: str
@@ -124,8 +83,8 @@ def _auto_choice(mod: Any) -> tuple[str | None, Callable]:
 
 
 def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict: bool = False) -> torch.nn.Module:
-    """Rewrite, in place, the TE modules of ``model`` that TE 2.20.2 runs eagerly under
-    ``torch.compile`` into traceable equivalents (see the module docstring); returns ``model``.
+    """Rewrite, in place, the TE modules of ``model`` that TE 2.20.2 runs eagerly under ``torch.compile`` into
+    traceable equivalents (see docs/internals.md); returns ``model``.
 
     Args:
         model: any ``torch.nn.Module`` (``te.TransformerLayer``, a stack of them, ...); every
@@ -150,9 +109,6 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
         TypeError: ``model`` is not a ``torch.nn.Module`` or ``strict`` is not a bool.
         CompileFriendlyError: ``strict=True`` and a module was refused.
         ImportError: Transformer Engine is not importable.
-
-    Parameters, buffers, ``state_dict`` keys and values and ``_extra_state`` are unchanged
-    (the module objects stay; see :func:`restore`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compile_friendly: model must be a torch.nn.Module, got {type(model).__name__}")

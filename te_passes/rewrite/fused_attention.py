@@ -3,16 +3,7 @@ through TE's own fused (cuDNN) kernels, called as the ``transformer_engine_compi
 op family (:mod:`te_passes.runtime.fused_attn_op`), so Dynamo traces it as one node instead of
 stopping at TE 2.20.2's ``torch.compiler.disable``\\ d ``FusedAttention.forward``.
 
-The rewritten module builds the ``FusedAttnFwdArgs`` that ``FusedAttention.forward`` builds
-(TE 2.20.2 ``attention/dot_product_attention/backends.py``) for the configurations it accepts,
-with q, k and v made contiguous and the layout ``sbhd_sbhd_sbhd`` / ``bshd_bshd_bshd`` (TE's
-``get_qkv_layout`` reads ``data_ptr``\\ s, which Dynamo cannot trace; the kernel is the same cuDNN
-graph for TE's packed layouts, with other strides). Backend ``F16_arbitrary_seqlen`` (the only
-bf16/fp16 backend ``fused_attn_fwd`` accepts in TE 2.20.2); cuDNN refuses, at the first call, a
-shape it does not support. Mirrors TE 2.20.2 ``DotProductAttention.forward`` (mask / window /
-diagonal resolution) and ``FusedAttention.forward`` (cu_seqlens, ``max_seqlen``, ``is_training``,
-the output view ``[..., h, d] -> [..., h * d]``).
-"""
+See docs/internals.md#te_passesrewritefused_attentionpy."""
 
 from __future__ import annotations
 
@@ -31,15 +22,7 @@ PATH = "te_fused"
 
 
 def fused_attention_problem(mod: Any) -> str | None:
-    """Why ``DotProductAttention`` ``mod`` cannot go through the fused op exactly, or ``None``.
-
-    The SDPA path's rules (:func:`~te_passes.rewrite.refusals.attention_problem`: sbhd / bshd,
-    no_mask / causal / causal_bottom_right, no sliding window, dropout 0, vanilla softmax, no
-    softcap, no context parallelism, no max logit, equal K/V head dims, no tensor parallelism)
-    plus: the op is available (TE 2.20.x, not switched off), TE's FAv2 backward
-    (``NVTE_FUSED_ATTN_USE_FAv2_BWD``) is off. Per call: bf16/fp16 q/k/v on CUDA, no FP8
-    attention, no CPU offload (raised while tracing).
-    """
+    """Why ``DotProductAttention`` ``mod`` cannot go through the fused op exactly, or ``None``."""
     p = attention_problem(mod, path=PATH)
     if p:
         return p
@@ -77,14 +60,7 @@ def _fused_class() -> type:
     )
 
     class FusedDotProductAttention(DotProductAttention):
-        """``DotProductAttention`` through TE's fused attention custom op (``fused_attn``).
-
-        Takes ``DotProductAttention.forward``'s arguments (TE 2.20.2). q: [s_q, b, h, d]
-        (``sbhd``) or [b, s_q, h, d] (``bshd``); k, v: [s_kv, b, g, d] (GQA: ``g`` divides
-        ``h``), or packed ``qkv_layer`` / ``kv_layer``. Returns [s_q, b, h * d] / [b, s_q, h * d]
-        in q's dtype (bf16 / fp16). Arguments outside :func:`fused_attention_problem`'s list raise
-        :class:`CompileFriendlyError` while tracing (no graph break).
-        """
+        """``DotProductAttention`` through TE's fused attention custom op (``fused_attn``)."""
 
         def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                     qkv_format=None, attn_mask_type=None, qkv_layer=None, kv_layer=None,

@@ -42,14 +42,7 @@ def layernorm_mlp_problem(mod: Any) -> str | None:
 
 def attention_problem(mod: Any, path: str = "SDPA") -> str | None:
     """Why ``DotProductAttention`` ``mod`` cannot go through SDPA (or ``path``, the fused-op
-    rewrite's label, which shares these rules) exactly, or ``None``.
-
-    Supported (TE 2.20.2 ``DotProductAttention``): ``qkv_format`` ``sbhd`` / ``bshd``; mask
-    ``no_mask`` / ``causal`` (top-left) / ``causal_bottom_right`` with s_q == s_kv; the window
-    TE derives for those masks; GQA/MQA (``num_gqa_groups`` dividing the heads); equal K and V
-    head dims; ``softmax_type="vanilla"``; no softcap; no dropout; no context parallelism; no
-    max-logit output. FP8 attention (``fp8_dpa`` / ``fp8_mha``) is refused per call.
-    """
+    rewrite's label, which shares these rules) exactly, or ``None``."""
     from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
         DotProductAttention,
     )
@@ -72,15 +65,7 @@ def multihead_attention_problem(mod: Any) -> str | None:
 
 
 def multihead_attention_note(mod: Any) -> str | None:
-    """What in TE's own ``MultiheadAttention.forward`` (not rewritten) still breaks the graph.
-
-    TE 2.20.2 ``attention/multi_head_attention.py``: with GQA/MQA (``num_gqa_groups`` <
-    heads), or whenever the packed q/k/v pass-through is not eligible (RoPE, QK norm, KV
-    cache, CPU offload), q/k/v are split with ``SplitAlongDim``, an autograd.Function whose
-    backward reads ``untyped_storage().data_ptr()``: Dynamo cannot trace it (one graph break).
-    Returns that reason for self-attention with GQA, else ``None`` (the other conditions are
-    call-time arguments).
-    """
+    """What in TE's own ``MultiheadAttention.forward`` (not rewritten) still breaks the graph."""
     if getattr(mod, "attention_type", "self") == "self" and \
             mod.num_attention_heads_per_partition != mod.num_gqa_groups_per_partition:
         return ("with GQA (num_gqa_groups < heads) TE's q/k/v split uses SplitAlongDim, whose "

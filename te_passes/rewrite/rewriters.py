@@ -5,9 +5,7 @@ hidden state and swaps its class for a subclass of its TE class whose ``forward`
 :class:`SdpaDotProductAttention`, :class:`CompileFriendlyMultiheadAttention`, built once TE is
 importable by :func:`rewriter_classes`).
 
-Mirrors TE 2.20.2 ``module/layernorm_linear.py``, ``module/layernorm_mlp.py``,
-``attention/dot_product_attention/dot_product_attention.py`` and
-``attention/multi_head_attention.py``."""
+See docs/internals.md#te_passesrewriterewriterspy."""
 
 from __future__ import annotations
 
@@ -32,12 +30,7 @@ def rewriter_classes() -> dict[str, type]:
 
     class CompileFriendlyLayerNormLinear(HiddenTrainMixin, te.LayerNormLinear):
         """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (traceable; see module doc): the
-        untouched-model polyfill's forward (:func:`te_passes.runtime.untouched.layernorm_linear_forward`).
-
-        ``forward(inp [..., in_features], is_first_microbatch, fp8_output, fp8_grad)`` returns
-        what ``te.LayerNormLinear.forward`` returns for the supported configurations: the output
-        [..., out_features], or ``(output, bias)`` with ``return_bias``.
-        """
+        untouched-model polyfill's forward (:func:`te_passes.runtime.untouched.layernorm_linear_forward`)."""
 
         def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
             check_norm_call(self)
@@ -57,16 +50,7 @@ def rewriter_classes() -> dict[str, type]:
             return layernorm_mlp_forward(self, fc1, fc2, inp, is_first_microbatch)
 
     class SdpaDotProductAttention(DotProductAttention):
-        """``DotProductAttention`` through ``torch.nn.functional.scaled_dot_product_attention``.
-
-        Takes ``DotProductAttention.forward``'s arguments (TE 2.20.2). q: [s_q, b, h, d]
-        (``sbhd``) or [b, s_q, h, d] (``bshd``); k, v: [s_kv, b, g, d] with ``g`` dividing
-        ``h`` (GQA), or packed ``qkv_layer`` / ``kv_layer`` with ``qkv_interleave_dim``
-        (TE's ``_unpack_packed_qkv``). Returns [s_q, b, h * d] (``sbhd``) or [b, s_q, h * d]
-        (``bshd``) in q's dtype. Scale ``self.softmax_scale``. Arguments outside
-        :func:`attention_problem`'s list raise :class:`CompileFriendlyError` (decided at trace
-        time from Python values: no graph break).
-        """
+        """``DotProductAttention`` through ``torch.nn.functional.scaled_dot_product_attention``."""
 
         def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                     qkv_format=None, attn_mask_type=None, qkv_layer=None, kv_layer=None,
@@ -95,14 +79,7 @@ def rewriter_classes() -> dict[str, type]:
             return out.reshape(*out.shape[:2], -1)
 
     class CompileFriendlyMultiheadAttention(te.MultiheadAttention):
-        """``te.MultiheadAttention`` that supplies TE's default recipe when no ``te.autocast`` is active.
-
-        TE 2.20.2 ``MultiheadAttention.forward`` reads ``FP8GlobalStateManager.get_fp8_recipe()``
-        even without FP8; with no recipe set that builds ``get_default_fp8_recipe()``, which
-        asserts it is not compiling (a graph break in bf16). Here that call finds the recipe
-        ``get_default_fp8_recipe()`` returned at rewrite time (outside compilation), entered with
-        ``te.autocast(enabled=False, ...)``: what TE would read, without FP8 enabled.
-        """
+        """``te.MultiheadAttention`` that supplies TE's default recipe when no ``te.autocast`` is active."""
 
         def forward(self, *args, **kwargs):
             from transformer_engine.pytorch.quantization import FP8GlobalStateManager

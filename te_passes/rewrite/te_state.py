@@ -1,35 +1,6 @@
 """``prepare_te_state``: do TE's first-forward lazy initialisation before ``torch.compile`` sees it.
 
-TE 2.20.2 initialises state lazily on the first forward, and each piece is a Python attribute
-Dynamo guards on while tracing that first call; the compiled first call then changes it, so the
-second call fails the guard and the frame recompiles once (issue 15). The guards that fail on
-call 2 (found on CPU with fake CUDA tensors, and in the H200 runs' recompile reasons):
-
-* ``Recipe._cached_repr`` — ``te.autocast`` -> ``FP8GlobalStateManager.get_unique_autocast_key``
-  (``pytorch/quantization.py:723``) reads ``recipe.__dict__.get("_cached_repr")`` and then calls
-  ``str(recipe)``, whose ``Recipe.__repr__`` (``common/recipe/__init__.py:132``) caches the repr
-  in the instance ``__dict__`` (a fresh recipe has none: guard ``not ___dict_contains(...)``);
-* ``FP8GlobalStateManager.quantization_state.autocast_arguments`` — filled by the first
-  ``autocast_enter`` (``pytorch/quantization.py``);
-* ``module._is_fsdp2`` — the lazily cached ``TransformerEngineBaseModule.is_fsdp2`` property
-  (``pytorch/module/base.py:1037``);
-* ``module.fp8`` / ``fp8_meta`` / quantizers — ``init_fp8_metadata`` called by
-  ``prepare_forward`` (``module/base.py:1609``; guard ``self.fp8 == False`` at ``base.py:1601``);
-* ``module.activation_dtype`` — ``set_activation_dtype`` called by ``prepare_forward``
-  (guard ``self.activation_dtype is None`` at ``base.py:1490``).
-
-The last three hold for every ``TransformerEngineBaseModule`` whose ``prepare_forward`` Dynamo
-traces: ``te.Linear`` and also ``DotProductAttention`` (a ``TransformerEngineBaseModule`` whose
-forward is traced unless ``_needs_eager_dpa`` sends it eager; it calls ``prepare_forward`` with
-``num_gemms=3``, ``attention/dot_product_attention/dot_product_attention.py:2318``) — the
-untouched ``te.TransformerLayer``'s step-2 recompile on the H200 (``9/1 prepare_forward``).
-
-:func:`prepare_te_state` performs exactly these with TE's own methods (``set_activation_dtype``,
-``init_fp8_metadata`` with the ``num_gemms`` each class's forward passes, ``is_fsdp2``, ``str``
-and ``te.autocast``), eagerly, so the first trace already sees the steady state.
-:func:`prime_recipe` is the recipe part alone, for code that prepares its modules otherwise;
-:func:`unprepared_te_state` names what is still unset (a check, for a record or an assert).
-"""
+See docs/internals.md#te_passesrewritete_statepy."""
 
 from __future__ import annotations
 
@@ -44,11 +15,6 @@ from te_passes.te.module_init import forward_prepare_args
 
 def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, tuple[int, bool]]], list[str]]:
     """The TE modules of ``model`` whose first-forward state :func:`prepare_te_state` sets.
-
-    Every ``TransformerEngineBaseModule`` in ``model.modules()`` (``te.Linear``,
-    ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``, ``DotProductAttention``, nested at
-    any depth) and the hidden ``te.Linear``\\ s of modules rewritten by ``compile_friendly``
-    (a rewritten module itself is skipped: its forward no longer calls TE's ``prepare_forward``).
 
     Returns:
         ``(prepared, skipped)``: ``prepared`` = ``(qualified name, module, (num_gemms,
@@ -77,14 +43,10 @@ def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, 
 
 
 def prime_recipe(recipe: Any) -> None:
-    """Fill what TE's first ``te.autocast(recipe=recipe)`` caches: the recipe's repr
-    (``Recipe.__repr__`` stores ``_cached_repr`` in the instance ``__dict__``,
-    ``common/recipe/__init__.py:132``) and the ``autocast_arguments`` entry keyed by it
-    (``FP8GlobalStateManager.autocast_enter``, ``pytorch/quantization.py``).
-
-    Call it once, outside the compiled function, with the recipe object the compiled function
-    passes to ``te.autocast``; a compiled ``te.autocast`` region then does not recompile on step 2.
-    Changing any recipe attribute afterwards clears the cache (``Recipe.__setattr__``): prime again.
+    """Fill what TE's first ``te.autocast(recipe=recipe)`` caches: the recipe's repr (``Recipe.__repr__``
+    stores ``_cached_repr`` in the instance ``__dict__``, ``common/recipe/__init__.py:132``) and the
+    ``autocast_arguments`` entry keyed by it (``FP8GlobalStateManager.autocast_enter``,
+    ``pytorch/quantization.py``).
 
     Raises:
         TypeError: ``recipe`` is not a TE ``Recipe``.
@@ -167,12 +129,7 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
 def unprepared_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
                         dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """What of TE's first-forward state is not yet what the first compiled call would set, one
-    line per module (qualified name, class, the attribute, found vs expected) ending in the fix.
-
-    Reads only; the arguments are those of :func:`prepare_te_state`. An empty list means the
-    first trace already sees the steady state for the guards listed in the module doc. TE
-    modules of unaudited classes are listed too (they are never prepared).
-    """
+    line per module (qualified name, class, the attribute, found vs expected) ending in the fix."""
     fix = "call te_passes.prepare_te_state(model, recipe, fp8=...) before torch.compile"
     out = []
     if recipe is not None and "_cached_repr" not in recipe.__dict__:

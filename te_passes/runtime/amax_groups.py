@@ -1,60 +1,6 @@
 """Per-call amax-reduction groups: keep them off TE's persistent quantizers (TE 2.20).
 
-The problem (issue 8, measured on two H200s and reproduced on CPU in
-``tests/test_amax_groups.py``)::
-
-    eager step of a sequence-parallel fp8 te.Linear
-      _linear_forward_impl   set_quantizer_amax_reduction_group(input_quantizer, tp_group)   # linear.py:448
-      _linear_backward_impl  set_quantizer_amax_reduction_group(grad_output_quantizer, tp_group)  # :1150
-      -> the module's *persistent* quantizer keeps ``amax_reduction_group = <ProcessGroup>``
-
-    next torch.compile trace of the same module (Linear.forward, linear.py:2438-2441)
-      if getattr(q, "amax_reduction_group", None) is not None:    # Dynamo reads the group ...
-          set_quantizer_amax_reduction_group(q, None)             # ... and traces the strip
-      _linear_forward_fake: TensorSpec(quantizer=input_quantizer) -> q.copy()
-          # the copy reads the group through Dynamo's stale view and carries it
-      FX codegen: Float8CurrentScalingQuantizer.__fx_repr__ -> _value_key
-          -> TypeError: ... 'amax_reduction_group' holds a torch.distributed.ProcessGroup
-    (row parallel: the guard on ``quantizers['scaling_bwd'][0].amax_reduction_group.group_name``
-     cannot be built, because the traced strip already ran on the real object)
-
-A second trace works only because the failed one left the real object stripped. Every eager
-step of the same module re-arms the failure (and, once a compile succeeded, turns the guard on
-the group into a recompile).
-
-The fix at the TE-integration depth: the group on those two quantizers is *per-call* state —
-TE's forward and backward impls set it (to ``tp_group`` or ``None``) at their start on every
-call, eager or inside the compiled op (where the group crosses the op boundary as a process-
-group name in the config bundle, ``dynamo/custom_op.py`` ``PROCESS_GROUP``). So te_passes
-
-1. wraps TE's ``_linear_forward_impl`` / ``_linear_backward_impl`` (rebinding the names in
-   ``transformer_engine.pytorch.module.linear``, as :mod:`te_passes.runtime.ub_guard` does for the UB
-   functions) so that the groups they set for one call are released when the call returns —
-   the module's quantizers look to Dynamo as they did before any eager step. Precisely: when the
-   *last* wrapped call running on a quantizer returns (count of calls in flight, all threads),
-   the quantizer gets back the group it had before the first of them began. So a nested call, or
-   a forward on one thread overlapping a backward of the same module on the autograd engine's
-   device thread, keeps the group until it has quantized (dropping it earlier would silently skip
-   the TP amax reduction), and a group set outside the impls (not TE 2.20's per-call one) is never
-   dropped by a call; and
-2. when the hooks are installed (when ``te_inductor`` is looked up, i.e. at ``torch.compile``),
-   sweeps the live ``te.Linear`` modules once and releases the groups left by eager steps that
-   ran before te_passes was loaded.
-
-Releasing is safe only because TE re-applies the group on every call; :func:`install_amax_group_hooks`
-checks that (each wrapped impl must call ``set_quantizer_amax_reduction_group`` itself) and
-refuses to install, saying why, when a TE version does not. Groups TE does *not* re-apply per
-call (FSDP2 weight quantizers, ``module/base.py:1862``) are never touched: only the input and
-grad-output quantizers of ``te.Linear`` are.
-
-Usage flags (issue 17): the same wrappers put the quantizers' ``rowwise_usage`` /
-``columnwise_usage`` back when the last call in flight on a quantizer returns; why that is safe
-(the audit of TE 2.20.2's ``set_usage`` call sites) and the checks are in
-:mod:`te_passes.runtime.quantizer_usage`.
-
-Once installed the hooks act process-wide, so every backend in the process (plain Inductor
-included) gets the same first-call behaviour.
-"""
+See docs/internals.md#te_passesruntimeamax_groupspy."""
 
 from __future__ import annotations
 
@@ -166,13 +112,7 @@ def holds_process_group(quantizer: Any) -> bool:
 
 
 def release_group(quantizer: Any) -> bool:
-    """Clear a per-call amax-reduction group from ``quantizer``; returns whether one was held.
-
-    Uses TE's own ``set_quantizer_amax_reduction_group(quantizer, None)`` (``module/_common.py``,
-    TE 2.20.2: ``with_amax_reduction = False``, ``amax_reduction_group = None``), i.e. exactly the
-    state TE's forward gives the quantizer under ``torch.compile`` (linear.py:2438-2441) and the
-    state of a freshly built quantizer.
-    """
+    """Clear a per-call amax-reduction group from ``quantizer``; returns whether one was held."""
     if not holds_process_group(quantizer):
         return False
     _setter()(quantizer, None)
@@ -200,16 +140,11 @@ def unsafe_reason(linear_module: Any) -> str | None:
 
 def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str, ...] = (),
                weight_field: str | None = None) -> Callable:
-    """``orig`` (a TE impl taking the args dataclass first) that, when the last call running on
-    a quantizer in ``fields`` returns (or raises), gives that quantizer back the amax-reduction
-    group it had before the first of those calls began (i.e. releases the group TE set for the
-    call; see :data:`_IN_FLIGHT`); and likewise gives each quantizer in ``usage_fields`` back its
-    ``rowwise_usage`` / ``columnwise_usage`` (:data:`USAGE_IN_FLIGHT`). The weight quantizer is
-    left alone when ``args.<weight_field>`` is a quantized or distributed weight.
-
-    Overhead per call on this project's 2-core CPU box (``benchmarks/bench_amax_hooks.py``):
-    see docs/benchmarks.md ("amax-group hook cost").
-    """
+    """``orig`` (a TE impl taking the args dataclass first) that, when the last call running on a quantizer in
+    ``fields`` returns (or raises), gives that quantizer back the amax-reduction group it had before the
+    first of those calls began (i.e. releases the group TE set for the call; see :data:`_IN_FLIGHT`); and
+    likewise gives each quantizer in ``usage_fields`` back its ``rowwise_usage`` / ``columnwise_usage``
+    (:data:`USAGE_IN_FLIGHT`)."""
     @functools.wraps(orig)
     def impl(args, *rest, **kwargs):
         held = None  # [(quantizer, object TE's setter writes to)]; kept lean: runs per eager call
@@ -320,13 +255,7 @@ def sweep_live_linear_modules(modules: Iterable[Any] | None = None) -> int:
 
 
 def install_amax_group_hooks(*, import_te: bool = False) -> bool:
-    """Wrap TE's Linear impls and sweep live modules (idempotent). Returns whether installed.
-
-    Without ``import_te`` does nothing until TE's ``module.linear`` is imported (``te_inductor``
-    calls this on import, at the start of every Dynamo compile and on every compile).
-    Refuses (returns ``False``, logs a warning once, keeps :func:`refused_reason`) when
-    :func:`unsafe_reason` finds the TE layout not as expected.
-    """
+    """Wrap TE's Linear impls and sweep live modules (idempotent). Returns whether installed."""
     if _STATE.installed:
         return True
     mod = te_module(TE_LINEAR_MODULE, import_te=import_te)

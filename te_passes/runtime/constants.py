@@ -1,13 +1,7 @@
 """Named TE constants: value-opaque constants built once and rendered as a wrapper-global name
 inside their own graph's Inductor wrapper.
 
-Process-level (installed once by ``runtime.install()``): the wrapped ``__fx_repr__`` of TE's
-constant classes (:func:`wrap_te_constant_classes`). Per graph: the names, in the post-grad
-``GraphModule``'s ``meta[NAMES_KEY]`` (:class:`NamedConstants`), written by
-:func:`name_constant` (the ``hoist_te_constants`` pass, on the graph it rewrites) and read by the
-wrapped ``__fx_repr__`` while Inductor lowers that graph (docs/passes/hoist_te_constants.md);
-the printer and ``call_te_impl_directly`` read :func:`hoisted_name`.
-"""
+See docs/internals.md#te_passesruntimeconstantspy and docs/passes/hoist_te_constants.md."""
 
 from __future__ import annotations
 
@@ -27,13 +21,9 @@ from te_passes.te.graph_constants import TEConstKind, te_const_kind
 
 
 def rebuild_constant(v: Any) -> Any:
-    """A new object equal to the value-opaque constant ``v``, built by evaluating ``v``'s own
-    ``__fx_repr__`` expression with its globals — exactly what Inductor's wrapper evaluates on
-    every call (``_rebuild_quantizer(...)`` / ``OpaqueValueBundle({...})``).
-
-    The expression is taken in full (:func:`rendered_in_full`): neither ``v`` nor a quantizer
-    nested in a bundle renders as a wrapper-global name here, so the new object shares no
-    quantizer with ``v`` (e.g. with a module-held quantizer an earlier compiled call returned).
+    """A new object equal to the value-opaque constant ``v``, built by evaluating ``v``'s own ``__fx_repr__``
+    expression with its globals — exactly what Inductor's wrapper evaluates on every call
+    (``_rebuild_quantizer(...)`` / ``OpaqueValueBundle({...})``).
 
     Raises:
         RuntimeError: the rebuilt object does not compare equal to ``v``.
@@ -116,13 +106,7 @@ _render = threading.local()
 class NamedConstants:
     """The names :func:`name_constant` gave constants of one post-grad graph: per-graph state,
     kept in its owner's ``GraphModule.meta[NAMES_KEY]`` (the graph the pass rewrote and Inductor
-    lowers), never in a process-global registry (issue 12).
-
-    ``id(obj) -> (weakref to obj, name)``: nothing here keeps an object alive (an entry goes with
-    its object; the graph's nodes hold the objects). Pickled or deep-copied (a ``GraphModule``
-    pickle, ``copy.deepcopy``), the table is empty: a copy of a named object is not named
-    (names are kept by object identity), and a table holds no weak reference that cannot pickle.
-    """
+    lowers), never in a process-global registry."""
 
     __slots__ = ("_by_id", "__weakref__")
 
@@ -238,45 +222,8 @@ def can_name(v: Any) -> str | None:
 
 
 def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
-    """Make ``v`` render as the bare name ``name``, with ``{name: v}`` as its globals, in the
-    Python wrapper Inductor generates for the post-grad graph ``owner`` — and only there.
-
-    ``__fx_repr__`` (``torch._library.opaque_object.get_opaque_obj_repr``) is how FX codegen and
-    Inductor's Python wrapper (``PythonWrapperCodegen.val_to_arg_str``,
-    ``ir.OpaqueValueTypeConstant.codegen_reference``) render a value-opaque constant: the
-    returned expression is emitted inline and the globals are recorded in
-    ``GraphLowering.opaque_value_type_classes``, which the wrapper module receives as module
-    globals when it is loaded — also on an FX-graph-cache hit (``CompiledFxGraphConstants.unwrap``),
-    where the pickled objects come back with the cache entry. So a named constant is built once,
-    when the wrapper module is loaded, and every call passes that object.
-
-    Everywhere else ``v`` renders as TE's own rebuild expression
-    (``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``): in FX code of any graph, in
-    the bundles that contain it, in :func:`rebuild_constant`, and in the Dynamo graphs that meet
-    it later — the compiled forward returns quantizers, Dynamo stores them back into the
-    module's ``quantizers``, and the next trace of that module (TE's recompile after the first
-    call) bakes them in as constants. A name that is a global of one wrapper means nothing in
-    another graph's code: AOTAutograd's cache key formats every global of the Dynamo graph's
-    code as an import (``autograd_cache.AOTAutogradCachePickler._format_global_for_cache_key``
-    → ``torch.fx.graph_module._format_import_statement`` → ``Importer.get_name``, which needs
-    ``obj.__name__``), so a named quantizer there made every such compile log "Failed to pickle
-    cache key" and bypass the AOTAutograd cache (and the FX graph cache: ``GraphModule.__reduce__``
-    builds the same import block). Rendered in full, those graphs stay content-addressed: equal
-    keys for equal constants, stable across processes.
-
-    "Inductor is lowering ``owner``" is ``V.graph.module is owner``: ``GraphLowering`` is built on
-    the very ``GraphModule`` the ``post_grad_custom_pre_pass`` hook rewrote
-    (``torch/_inductor/compile_fx.py`` ``_InProcessFxCompile.codegen_and_compile``; torch 2.14.1).
-    The name is kept in ``owner``'s own :class:`NamedConstants` (``owner.meta[NAMES_KEY]``), which
-    is exactly what the wrapped ``__fx_repr__`` reads at lowering time (``V.graph.module.meta``):
-    per-graph state carried by the graph, no process-global registry, and the object is held
-    weakly (nothing is kept alive by being named).
-
-    The class's ``__fx_repr__`` must already be wrapped (:func:`can_name`): the wrapper answers
-    the name in that one situation and every other call renders exactly as before.
-    :func:`wrap_te_constant_classes` (``te_passes.runtime.install.install``, called by the
-    backend on every ``te_inductor`` call) wraps every loaded TE constant class, so naming a
-    constant changes no class.
+    """Make ``v`` render as the bare name ``name``, with ``{name: v}`` as its globals, in the Python wrapper
+    Inductor generates for the post-grad graph ``owner`` — and only there.
 
     Raises:
         TypeError: ``owner`` is not a ``torch.fx.GraphModule``, ``v``'s class has no

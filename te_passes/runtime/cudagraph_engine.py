@@ -1,13 +1,8 @@
-"""The capture/replay side of lean CUDA graphs (issue 14): the CUDA engine, the decision
+"""The capture/replay side of lean CUDA graphs: the CUDA engine, the decision
 recorder, the reference-count rules and the pool / ownership maps that
 :class:`te_passes.runtime.cudagraphs.LeanCUDAGraph` uses.
 
-:class:`CudaGraphEngine` is the real capture/replay (``torch.cuda.CUDAGraph``, private pools, a
-side stream), injectable so the runner's decisions are tested on CPU with a fake engine
-(tests/test_cudagraph_policy.py). The reference rules (:func:`own_references`) say which
-references on an output's storage the runner holds itself; any other one is a holder outside
-the graph, which a replay must not overwrite.
-"""
+See docs/internals.md#te_passesruntimecudagraph_enginepy."""
 
 from __future__ import annotations
 
@@ -113,12 +108,7 @@ def own_references(cdatas: Any, tensors: Sequence[Any]) -> dict[int, int]:
     tensor (``TensorImpl``) that ``tensors`` keep alive on it, plus one for its Python storage
     object (``untyped_storage()`` creates it once and PyObject preservation keeps it, and its
     reference, for the storage's lifetime; cudagraph trees' ``StorageWeakRefWrapper.expired``
-    counts it too).
-
-    A tensor that is an autograd view keeps its ``_base`` alive (``torch/csrc/autograd/variable.h``
-    ``DifferentiableViewMeta``, torch 2.14): a view made in eager code, also below autograd, as TE's
-    impls do (``out.view(...)`` in ``_linear_forward_impl``, TE 2.20.2), so its base counts as ours
-    too. Views made by Inductor's ``reinterpret_tensor`` are not autograd views (no base)."""
+    counts it too)."""
     counts = dict.fromkeys(cdatas, 1)
     seen: set[int] = set()
     for t in tensors:

@@ -1,4 +1,4 @@
-"""What a lean CUDA graph does when a replay would be unsafe (issue 14): the run-time half of
+"""What a lean CUDA graph does when a replay would be unsafe: the run-time half of
 the safety rule in :mod:`te_passes.runtime.cudagraphs` — a static input that moved, an output
 still referenced — as a mixin of :class:`~te_passes.runtime.cudagraphs.LeanCUDAGraph`.
 

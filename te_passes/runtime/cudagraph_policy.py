@@ -1,23 +1,7 @@
 """``te_passes.cudagraphs="lean"``: the ``CUDAGraphPolicy`` that wraps te_inductor graphs in
-:class:`te_passes.runtime.cudagraphs.LeanCUDAGraph` (issue 14), and the hazards it falls back on.
+:class:`te_passes.runtime.cudagraphs.LeanCUDAGraph`, and the hazards it falls back on.
 
-Under ``mode="reduce-overhead"`` Inductor wraps every compiled graph with CUDA graph trees
-(``torch/_inductor/cudagraph_trees.py``, torch 2.14). torch 2.14 lets a backend replace that
-wrapping per compiled graph through ``torch._inductor.config.cudagraph_policy``
-(:class:`CUDAGraphPolicy` in ``torch/_inductor/cudagraph_utils.py``; called from
-``cudagraph_post_compile`` in ``torch/_inductor/output_code.py``). The backend installs
-:class:`LeanCUDAGraphPolicy` (``config_patches["cudagraph_policy"]``) only when Inductor's
-cudagraphs are on and ``te_passes.cudagraphs="lean"``.
-
-Static hazards, decided when the policy is called (falls back to cudagraph trees through
-``super().cudagraphify``, or for a backward whose forward is lean, to no CUDA graph): dynamic
-shapes, non-CUDA inputs, mutated inputs that are not static, kernel-free graphs, a graph that
-reads Userbuffers state while UB is initialised (UB communicators captured into a graph);
-graphs with more than one Inductor partition are not wrapped at all
-(:meth:`LeanCUDAGraphPolicy.should_wrap`). After each capture, Inductor's pool-liveness check
-(``_cuda_checkPoolLiveAllocations``, as cudagraph trees use it) must find exactly the pool's
-outputs alive; a failed capture or a leaked pool tensor leaves that graph without a CUDA graph.
-"""
+See docs/internals.md#te_passesruntimecudagraph_policypy."""
 
 from __future__ import annotations
 
@@ -48,13 +32,7 @@ def forward_user_output_count() -> int | None:
 def static_hazard(example_inputs: Sequence[Any], static_input_idxs: Sequence[int], *,
                   mutated_input_idxs: Sequence[int] = (), kernel_free: bool = False,
                   device_type: str = "cuda") -> str | None:
-    """Why a graph cannot be replayed by :class:`LeanCUDAGraph`, or ``None``.
-
-    Checks: kernel-free graph; dynamic shapes (a ``SymInt`` input or symbolic tensor size:
-    lean replay is one graph per compiled graph); a tensor input not on ``device_type``; an
-    input the graph mutates that is not static (the copy into the static buffer would take the
-    mutation away from the caller's tensor).
-    """
+    """Why a graph cannot be replayed by :class:`LeanCUDAGraph`, or ``None``."""
     if kernel_free:
         return "kernel-free graph (nothing to capture)"
     for i, x in enumerate(example_inputs):
@@ -72,8 +50,8 @@ def static_hazard(example_inputs: Sequence[Any], static_input_idxs: Sequence[int
 
 
 class LeanCUDAGraphPolicy(CUDAGraphPolicy):
-    """``CUDAGraphPolicy`` (torch/_inductor/cudagraph_utils.py, torch 2.14) of one te_inductor
-    call: wraps its forward and backward graphs in :class:`LeanCUDAGraph`, or falls back.
+    """``CUDAGraphPolicy`` (torch/_inductor/cudagraph_utils.py, torch 2.14) of one te_inductor call: wraps its
+    forward and backward graphs in :class:`LeanCUDAGraph`, or falls back.
 
     Args:
         graph_id: the compile report's graph id (records name ``"<graph_id>.fwd"`` / ``.bwd`` /
@@ -84,11 +62,6 @@ class LeanCUDAGraphPolicy(CUDAGraphPolicy):
         engine: capture/replay engine (default :class:`CudaGraphEngine`).
         device_type: device of the graphs' inputs (``"cuda"``; tests with a fake engine: ``"cpu"``).
         warmup_calls: passed to :class:`LeanCUDAGraph`.
-
-    Fallbacks: to cudagraph trees (``super().cudagraphify``) for a static hazard of a forward or
-    inference graph, and for a backward whose forward went to trees; a backward with a static
-    hazard whose forward is lean runs without a CUDA graph (a lean forward and a tree backward
-    are not mixed). :meth:`should_wrap` declines graphs with several Inductor partitions.
     """
 
     def __init__(self, *, graph_id: str = "g?", recorder: CudagraphRecorder | None = None,

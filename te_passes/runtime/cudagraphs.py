@@ -1,49 +1,6 @@
-"""Lean CUDA-graph replay for te_inductor graphs: ``te_passes.cudagraphs="lean"`` (issue 14).
+"""Lean CUDA-graph replay for te_inductor graphs: ``te_passes.cudagraphs="lean"``.
 
-The runner that :class:`te_passes.runtime.cudagraph_policy.LeanCUDAGraphPolicy` wraps each
-compiled te_inductor graph in, in place of cudagraph trees (opt-in; docs/usage.md says why).
-
-What one :class:`LeanCUDAGraph` does (the replay model of TE's ``make_graphed_callables``,
-``transformer_engine/pytorch/graph.py``, TE 2.20.2, with its hazards checked instead of assumed):
-
-* warm-up on a side stream (the capture stream), then capture on a later call once the static
-  inputs (parameters, buffers; for a backward graph also the saved tensors) sit at the same
-  address as on the previous call or in a lean graph's static outputs;
-* static inputs are never copied; a non-static input is copied into its static buffer only
-  when its ``data_ptr`` differs from the buffer's;
-* one private memory pool per forward/backward pair: the forward captures into a new pool,
-  its backward (found by data flow: its saved-tensor inputs are the forward's static outputs)
-  captures into the same pool afterwards, so the backward's temporaries reuse the forward's;
-* outputs: a forward's user-visible outputs (``fw_metadata.num_forward`` first outputs, or on
-  an AOTAutograd cache hit those its backward's warm-up did not read) are cloned (a caller may
-  keep them across steps); saved tensors and backward gradients are returned as fresh aliases
-  of the static outputs (``detach``), so whoever keeps one shows up in its storage's use count;
-* the capture run is given other tensor objects than the ones kept for replay (TE's fp8
-  backward rebinds the quantized input it owns: ``clear_tensor_data``, ``t.data = empty``).
-
-Safety rule checked before every replay (the reason pool sharing is safe in any call order):
-a replay of graph G writes only G's static outputs, G's static input buffers and blocks that
-were free in G's pool when G was captured. Those blocks can hold live data only in outputs of
-graphs captured later in the same pool. So G replays only when no output of G or of a graph
-captured after it in its pool is referenced beyond the runners' own references
-(``torch._C._storage_Use_Count`` against the references the wrappers hold themselves). Otherwise this call
-runs the compiled graph without a CUDA graph (correct, slower), and the reason is recorded:
-
-* G's saved tensors still referenced and its backward has not run since: a second forward
-  before its backward (pipeline schedules, forward without backward while the graph is kept);
-* a backward output still referenced at the next backward replay (AccumulateGrad kept it as
-  ``.grad``: gradient accumulation without ``zero_grad(set_to_none=True)``), or at the next
-  forward replay: that output is cloned from then on (TE's ``clone_param_grads_on_return``);
-* a forward output still referenced after its backward ran (``retain_graph``, a kept view):
-  cloned from then on;
-* a static input moved: copied into the static output of the lean graph that owns the old
-  address when that output is not referenced (a forward that ran without a CUDA graph), else
-  run without a CUDA graph.
-
-Every decision and fallback is a record in ``CompileReport.cudagraphs`` (``report.json``) and a
-``te_passes`` log line. The static hazards are the policy's; the capture/replay engine, the
-recorder and the reference rules are in :mod:`te_passes.runtime.cudagraph_engine`.
-"""
+See docs/internals.md#te_passesruntimecudagraphspy and docs/usage.md."""
 
 from __future__ import annotations
 
@@ -71,8 +28,8 @@ def lean_runners() -> list["LeanCUDAGraph"]:
 
 # ---------------------------------------------------------------------------------- runner
 class LeanCUDAGraph(ReplayHazards):
-    """The CUDA-graph wrapper of one compiled Inductor graph (boxed calling convention:
-    ``runner(inputs: list) -> list``; the list is cleared, as Inductor's callables do).
+    """The CUDA-graph wrapper of one compiled Inductor graph (boxed calling convention: ``runner(inputs: list)
+    -> list``; the list is cleared, as Inductor's callables do).
 
     Args:
         model: Inductor's compiled callable (``CompiledFxGraph.current_callable``).
@@ -91,13 +48,6 @@ class LeanCUDAGraph(ReplayHazards):
         warmup_calls: calls run (on the side stream) before the first capture.
         max_unready_calls: calls after which a graph whose static inputs never settle is run
             without a CUDA graph for good (recorded).
-
-    ``stats`` counts ``warmup``, ``capture``, ``replay``, ``eager`` (calls run without the CUDA
-    graph) and ``copies`` (non-static inputs copied); ``launch_host_ns`` sums the host time of the
-    replay launches alone (``CUDAGraph.replay``); ``replay_host_ns`` sums the host time of the
-    calls that took the replay path (checks, copies, the replay launch, building the outputs;
-    nanoseconds, ``time.perf_counter_ns``; a call that fell back from there includes running the
-    compiled graph). Per-reason counts of the fallbacks are the records' ``count``.
     """
 
     def __init__(self, model: Callable, static_input_idxs: Sequence[int], *, name: str, device_index: int,

@@ -1,12 +1,6 @@
 """te.Linear under DelayedScaling in a te_inductor graph: TE's impls as a functional op pair.
 
-``te_passes::delayed_linear_fwd`` / ``delayed_linear_bwd`` run TE's ``_linear_forward_impl`` /
-``_linear_backward_impl`` (``module/linear.py``) on ``Float8Quantizer``\\ s rebuilt on *copies*
-of the module's ``scale`` / ``amax_history`` (TE's ``make_quantizers`` construction) and return
-the updated history; an ``autograd.Function`` traced by Dynamo writes it back with ``copy_`` (so
-the write is functionalized, never hidden in an op) and runs the post-backward update in the
-first module's backward. Only while ``te_inductor`` traces; docs/design.md "DelayedScaling".
-"""
+See docs/internals.md#te_passesruntimedelayed_linearpy and docs/design.md "DelayedScaling"."""
 
 from __future__ import annotations
 
@@ -22,7 +16,9 @@ import torch
 from te_passes._logging import get_logger
 from te_passes.runtime import delayed_scaling
 from te_passes.runtime.delayed_scaling import te_inductor_tracing, update_in_graph
-from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, module_delayed_state
+from te_passes.runtime.delayed_state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
+                                             make_quantizers_tagged, prepare_delayed_scaling, quantization, refusal,
+                                             register_delayed_state)
 from te_passes.te.version import te_module
 
 log = get_logger()
@@ -32,40 +28,16 @@ FWD_OP = "te_passes::delayed_linear_fwd"
 BWD_OP = "te_passes::delayed_linear_bwd"
 #: TE's reason for refusing a delayed-scaling quantizer (``LinearFwdArgs.compile_unsupported_reason``).
 TE_QUANTIZER_REASON = "a quantizer not registered as a torch.compile value-opaque type"
-#: attribute te_passes sets on each delayed-scaling ``Float8Quantizer``: ``(recipe state, index)``.
-TAG = "_te_passes_delayed"
 
 _TENSOR_FIELDS = ("weight", "inp", "bias", "weight_workspace")
 _QUANTIZER_FIELDS = ("input_quantizer", "weight_quantizer", "output_quantizer", "grad_input_quantizer",
                      "grad_weight_quantizer", "grad_output_quantizer")
-#: fields that must be ``None`` / ``False`` here, with the reason named when they are not.
-_MUST_BE_OFF = {
-    "weight_workspace": "a cached fp8 weight workspace", "output_quantizer": "fp8_output=True",
-    "grad_input_quantizer": "fp8_grad=True", "grad_weight_quantizer": "a grad-weight quantizer",
-    "tp_group": "tensor parallelism", "fsdp_group": "manual TE FSDP", "wgrad_store": "delayed wgrad compute",
-    "skip_fp8_weight_update": "CUDA-graph weight-update skipping", "debug": "debug instrumentation",
-    "custom": "a custom recipe", "save_original_input": "save_original_input", "fp8_output": "fp8_output=True",
-    "backward_override": "backward_override", "sequence_parallel": "sequence parallelism",
-    "fp8_calibration": "fp8 calibration", "cache_weight": "FP8 weight caching", "is_fsdp2": "FSDP2",
-    "fuse_wgrad_accumulation": "fuse_wgrad_accumulation", "cpu_offloading": "CPU offload",
-    "ub_overlap_ag_fprop": "Userbuffers", "ub_overlap_rs_fprop": "Userbuffers", "ub_overlap_ag_dgrad": "Userbuffers",
-    "ub_overlap_rs_dgrad": "Userbuffers", "ub_bulk_dgrad": "Userbuffers", "ub_bulk_wgrad": "Userbuffers",
-    "symmetric_ar_type": "symmetric all-reduce", "tensor_parallel": "tensor parallelism",
-    "backward_input_needs_gather": "a sequence-parallel input gather",
-}
 _STATE: dict[str, Any] = {"installed": False, "refused": None, "pairs": ()}
 _LOCK = threading.Lock()
-#: per-trace bookkeeping (Dynamo replays writes to it as side effects): buffer key -> number of
-#: backward states the first module's post-backward update covers.
-TRACE_COUNTS: dict[str, int] = {}
 
 
 def _linear():
     return te_module(TE_LINEAR, import_te=True)
-
-
-def _quant():
-    return te_module(TE_QUANTIZATION_MODULE, import_te=True)
 
 
 #: ``LinearFwdArgs`` fields that cross the op pair in its config string (set at install; a
@@ -77,34 +49,6 @@ def _simple_fields_of(args_cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(args_cls)
                  if f.name not in _TENSOR_FIELDS and f.name not in _QUANTIZER_FIELDS
                  and f.name not in ("tp_group", "fsdp_group", "wgrad_store"))
-
-
-def refusal(fwd_args: Any) -> str | None:
-    """Why the te.Linear call of ``fwd_args`` (TE's ``LinearFwdArgs``) does not take the
-    delayed-scaling op pair, or ``None``. Trace-time Python (Dynamo traces it)."""
-    if not fwd_args.fp8:
-        return "not fp8"
-    for name in ("input_quantizer", "weight_quantizer"):
-        q = getattr(fwd_args, name)
-        if q is None or getattr(q, TAG, None) is None:
-            return f"the {name} is not a tagged delayed-scaling quantizer"
-    gq = fwd_args.grad_output_quantizer
-    if gq is not None and getattr(gq, TAG, None) is None:
-        return "the grad_output_quantizer is not a tagged delayed-scaling quantizer"
-    for name, why in _MUST_BE_OFF.items():
-        v = getattr(fwd_args, name)
-        if v is not None and v is not False:
-            return why
-    if fwd_args.tp_size != 1:
-        return "tensor parallelism"
-    if fwd_args.parallel_mode is not None:
-        return "a parallel_mode"
-    if isinstance(fwd_args.weight, torch.Tensor) and type(fwd_args.weight).__name__ not in ("Parameter", "Tensor"):
-        return "a quantized weight (fp8_model_init)"
-    dist = te_module("transformer_engine.pytorch.distributed")
-    if dist is not None and (dist.is_fp8_activation_recompute_enabled() or dist.in_fp8_activation_recompute_phase()):
-        return "TE activation recompute (te.distributed.checkpoint)"
-    return None
 
 
 def _desc(q: Any) -> tuple:
@@ -129,16 +73,14 @@ def _decode(config: str) -> dict:
 
 @contextlib.contextmanager
 def _traced_autocast_state(cfg: dict):
-    """TE's fp8 state of the traced ``te.autocast`` around a TE impl call: the impls read the
-    recipe (``FP8GlobalStateManager.get_fp8_recipe()``, ``linear.py:611``), and a compiled
-    ``te.autocast`` region has left TE's state by the time the graph runs. The recipe and group
-    are TE's own entry in ``autocast_arguments`` (filled by every ``te.autocast`` enter); the state
-    is TE's ``get_autocast_state`` / ``set_autocast_state`` tuple, restored afterwards.
+    """TE's fp8 state of the traced ``te.autocast`` around a TE impl call: the impls read the recipe
+    (``FP8GlobalStateManager.get_fp8_recipe()``, ``linear.py:611``), and a compiled ``te.autocast`` region
+    has left TE's state by the time the graph runs.
 
     Raises:
         RuntimeError: TE has no ``autocast_arguments`` entry for the traced key.
     """
-    manager = _quant().FP8GlobalStateManager
+    manager = quantization().FP8GlobalStateManager
     qstate = manager.quantization_state
     key = cfg["autocast_key"]
     current = manager.get_unique_autocast_key(qstate.fp8_recipe, qstate.fp8_distributed_group)
@@ -163,7 +105,7 @@ def _quantizer(scale: torch.Tensor, history: torch.Tensor, i: int, desc) -> Any:
     (``quantization.py``), with the usage / flags of the traced call."""
     from_te = te_module("transformer_engine.pytorch.tensor.float8_tensor", import_te=True)
     dtype, internal, opt, row, col = desc
-    q = from_te.Float8Quantizer(scale[i], history[0][i].reshape((1,)), _quant().DType(dtype), rowwise=row,
+    q = from_te.Float8Quantizer(scale[i], history[0][i].reshape((1,)), quantization().DType(dtype), rowwise=row,
                                 columnwise=col)
     q.internal, q.optimize_for_gemm = internal, opt
     return q
@@ -337,7 +279,7 @@ def delayed_linear_call(fwd_args: Any):
         raise RuntimeError("te_passes: te.Linear's input / weight quantizers are not slots 0 / 1 of one "
                            "DelayedScalingRecipeState (TE's make_quantizers layout)")
     names = SIMPLE_FIELDS
-    manager = _quant().FP8GlobalStateManager
+    manager = quantization().FP8GlobalStateManager
     autocast_key = manager.get_unique_autocast_key(manager.get_fp8_recipe(), manager.get_fp8_group())
     config = _encode(names, tuple(getattr(fwd_args, n) for n in names), _desc(qi), _desc(qw),
                      _desc(qgo) if qgo is not None else None, autocast_key)
@@ -355,118 +297,21 @@ def delayed_linear_call(fwd_args: Any):
             raise RuntimeError("te_passes: te.Linear's grad-output quantizer is not slot 0 of its state")
         bwd_state = (bstate.amax_history, bstate.scale)
         if lin._check_fp8_reduce_and_update():
-            manager = _quant().FP8GlobalStateManager
+            manager = quantization().FP8GlobalStateManager
             qstate = manager.quantization_state
             recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
             key = manager.get_key_in_buffer(False, recipe, group)
             histories = list(qstate.global_amax_history_buffer.get(key, ()))
             scales = list(qstate.global_scale_buffer.get(key, ()))
-            own = _index_of(histories, bstate.amax_history)
+            own = backward_state_index(histories, bstate.amax_history)
             TRACE_COUNTS[key] = len(histories)
             update = (recipe, group)
             bwd_state = tuple(histories) + tuple(scales)
         else:
-            _check_covered(qgo)
+            check_covered(qgo)
     out = DelayedLinearFunction.apply(fwd_args.weight, fwd_args.inp, fwd_args.bias, fstate.scale,
                                       fstate.amax_history, config, update, own, *bwd_state)
     return out, None
-
-
-def _index_of(tensors: list, t: torch.Tensor) -> int:
-    for i, x in enumerate(tensors):
-        if x is t:
-            return i
-    raise RuntimeError("te_passes: the first fp8 te.Linear's backward DelayedScaling state is not in TE's "
-                       "global buffer: run one eager step (or register_delayed_state(model)) first")
-
-
-def _check_covered(qgo: Any) -> None:
-    """A later module's backward state must be among those the first module's post-backward
-    update covers (TE registers a module's state in its first forward): else refuse, loudly."""
-    bstate, _ = getattr(qgo, TAG)
-    q = _quant()
-    manager = q.FP8GlobalStateManager
-    key = manager.get_key_in_buffer(False, manager.get_fp8_recipe(), manager.get_fp8_group())
-    histories = manager.quantization_state.global_amax_history_buffer.get(key, ())
-    covered = TRACE_COUNTS.get(key, 0)
-    for i, h in enumerate(histories):
-        if h is bstate.amax_history:
-            if i >= covered:
-                raise RuntimeError(
-                    "te_passes: this te.Linear's DelayedScaling state was registered after the first "
-                    "module of the step was traced, so the compiled post-backward update would miss it; "
-                    "run one eager step (or te_passes.runtime.delayed_linear.register_delayed_state(model)) "
-                    "before the first compiled step")
-            return
-
-
-def register_delayed_state(model: torch.nn.Module) -> int:
-    """TE's ``add_fp8_tensors_to_global_buffer`` for every TE module of ``model`` whose ``fp8_meta``
-    holds delayed-scaling state (what each module's first forward does), and tag its
-    quantizers. Returns the number of modules. Call after the modules' fp8 state exists
-    (``te_passes.prepare_te_state`` or one eager step)."""
-    manager = _quant().FP8GlobalStateManager
-    n = 0
-    for m in model.modules():
-        meta = getattr(m, "fp8_meta", None)
-        if isinstance(meta, dict) and module_delayed_state(meta):
-            _tag_module(m)
-            manager.add_fp8_tensors_to_global_buffer(meta)
-            n += 1
-    # what the first compiled trace will record (same keys and values: no guard changes on step 2)
-    for key, histories in manager.quantization_state.global_amax_history_buffer.items():
-        if key.startswith("backward_"):
-            TRACE_COUNTS[key] = len(histories)
-    return n
-
-
-def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool = True) -> int:
-    """What the first forward under ``te.autocast(recipe=recipe)`` sets up, done eagerly before
-    the first compiled step: every TE module's fp8 metadata (``init_fp8_metadata``, TE's), its
-    registration in TE's global amax buffers, the quantizer tags, and (``static``) the state
-    tensors marked static (:func:`te_passes.runtime.delayed_scaling.mark_delayed_state_static`,
-    for CUDA graphs). Returns the number of modules with delayed-scaling state.
-
-    Raises:
-        TypeError: ``model`` is not a ``torch.nn.Module`` or ``recipe`` is not a TE ``DelayedScaling``.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"prepare_delayed_scaling: model must be a torch.nn.Module, got {type(model).__name__}")
-    q = _quant()
-    if not isinstance(recipe, q.DelayedScaling):
-        raise TypeError(f"prepare_delayed_scaling: expected a DelayedScaling recipe, got {type(recipe).__name__}")
-    te = te_module("transformer_engine.pytorch", import_te=True)
-    base = te_module("transformer_engine.pytorch.module.base", import_te=True)
-    with te.autocast(enabled=True, recipe=recipe):
-        for m in model.modules():
-            if isinstance(m, base.TransformerEngineBaseModule):
-                m.init_fp8_metadata(num_gemms=m.fp8_meta.get("num_gemms", 1))
-    n = register_delayed_state(model)
-    if static:
-        delayed_scaling.mark_delayed_state_static(model)
-    return n
-
-
-def _tag_module(m: Any) -> None:
-    for key in ("scaling_fwd", "scaling_bwd"):
-        state = m.fp8_meta.get(key)
-        qs = getattr(m, "quantizers", {}).get(key, ())
-        if type(state).__name__ != "DelayedScalingRecipeState":
-            continue
-        for i, q in enumerate(qs):
-            if getattr(q, "scale", None) is not None and q.scale._base is state.scale:
-                setattr(q, TAG, (state, i))
-
-
-def _make_quantizers_tagged(original):
-    def make_quantizers(self):
-        qs = original(self)
-        for i, q in enumerate(qs):
-            setattr(q, TAG, (self, i))
-        return qs
-
-    make_quantizers.__wrapped__ = original
-    return make_quantizers
 
 
 def _unsupported_reason_wrapper(original):
@@ -560,10 +405,10 @@ def install_delayed_linear() -> bool:
         global SIMPLE_FIELDS
         SIMPLE_FIELDS = _simple_fields_of(lin.LinearFwdArgs)
         _register_ops()
-        q = _quant()
+        q = quantization()
         rs = q.DelayedScalingRecipeState
         orig_mq = rs.__dict__["make_quantizers"]
-        rs.make_quantizers = _make_quantizers_tagged(orig_mq)
+        rs.make_quantizers = make_quantizers_tagged(orig_mq)
         orig_reason = lin.LinearFwdArgs.__dict__["compile_unsupported_reason"]
         lin.LinearFwdArgs.compile_unsupported_reason = _unsupported_reason_wrapper(orig_reason)
         orig_op = lin._linear_op

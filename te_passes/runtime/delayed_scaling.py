@@ -1,12 +1,6 @@
 """DelayedScaling compiled by te_inductor: the in-graph scale update and its polyfills.
 
-``te_passes::delayed_scaling_update`` is TE's amax/scale update kernel as a custom op whose
-schema declares the writes to the amax histories and scales; TE's ``check_recipe_support`` and
-``FP8GlobalStateManager.reduce_and_update_fp8_tensors`` get trace-time replacements that apply
-only while ``te_inductor`` compiles the frame (:func:`te_inductor_tracing`). Registered only for
-the TE layout :func:`te_passes.te.delayed_scaling.layout_unchecked_reason` accepts.
-docs/design.md "DelayedScaling".
-"""
+See docs/internals.md#te_passesruntimedelayed_scalingpy and docs/design.md "DelayedScaling"."""
 
 from __future__ import annotations
 
@@ -64,13 +58,7 @@ def is_te_inductor_backend(fn: Any) -> bool:
 
 @torch._dynamo.assume_constant_result
 def te_inductor_tracing() -> bool:
-    """The gate: ``True`` only while Dynamo traces a frame that ``te_inductor`` will compile.
-
-    Evaluated once per trace (a trace-time constant, ``torch._dynamo.assume_constant_result``):
-    the current ``InstructionTranslator``'s output graph's ``compiler_fn``
-    (``torch/_dynamo/symbolic_convert.py``, ``output_graph.py``). ``False`` in eager code and
-    under any other backend.
-    """
+    """The gate: ``True`` only while Dynamo traces a frame that ``te_inductor`` will compile."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 

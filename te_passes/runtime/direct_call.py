@@ -1,64 +1,6 @@
-"""Direct calls of TE's op implementations from Inductor's wrapper code (issue 13).
+"""Direct calls of TE's op implementations from Inductor's wrapper code.
 
-What a compiled TE op call costs without this module
-----------------------------------------------------
-Transformer Engine 2.20.2 registers each module's forward / backward as four
-``torch.library`` custom ops (``transformer_engine/pytorch/dynamo/custom_op.py``
-``register_custom_op``): the wrapper ops ``<name>`` / ``<name>_backward`` that graphs hold and
-the base ops ``<name>_base`` / ``<name>_backward_base`` under them. Inductor emits a dispatcher
-call of the wrapper op; that goes through the dispatcher, a Python autograd kernel
-(``torch/_library/autograd.py`` ``make_autograd_impl``), the dynamo-disabled backend function,
-TE's slot forwarder (``_make_slot_forwarder``), then the same again for the base op (plus
-torch's output-aliasing check, ``custom_ops.py`` ``_c_check_aliasing_constraint``), and only then
-TE's ``_register_base_op._impl``: ``plan.unpack(dict(zip(plan.slot_names, flat)))`` rebuilds the
-args dataclass from the flat slots (every config-bundle field looked up, quantized inputs
-rebuilt with ``_storage_unflatten``), ``impl(obj)`` is TE's real ``_linear_forward_impl`` /
-``_linear_backward_impl``, and ``pack_result`` flattens its return into the op's ``Tensor[]``.
-
-What this module does
----------------------
-:class:`DirectTECall` is that ``_impl`` with everything constant done once: built from the base
-op's own ``CustomOpDef`` (``torch._library.custom_ops.OPDEFS[qualname]``: the ``plan``, ``impl``
-and ``pack_result`` its ``_impl`` closes over, checked by name and signature) and the node's
-constant slot values (the config / ``__meta`` bundles that ``hoist_te_constants`` made fixed
-wrapper-module globals), it decodes every SIMPLE field, every NONE / TENSOR
-tensor-or-quantized field and every unsupported (always ``None``) field once. Per call it makes
-a fresh args object (TE impls set fields on it), sets the constant fields, the tensor fields
-from its arguments, rebuilds STORAGE fields with TE's ``_storage_unflatten`` (their buffers
-change every call) and resolves process groups by name (as TE's ``unpack`` does), then returns
-``pack_result(impl(obj))`` under ``torch._C._AutoDispatchBelowADInplaceOrView`` (below the
-op's autograd kernel, as the dispatcher path, and below ADInplaceOrView, as Inductor's own
-fallback kernels in later torch: no view tracking or view-replay records inside TE's impl, so
-its outputs are never views keeping a ``_base`` alive; docs/design.md "Direct calls"). The output list is the op's, so Inductor's ``MultiOutput`` indexing is
-unchanged. It takes the op's flat arguments in schema order (constants included, ignored: it
-holds the same objects), so the generated line keeps the op call's shape::
-
-    buf0 = _te_direct_0(primals_1, [], _te_const_0, primals_3, primals_2, None, [], _te_const_1, _te_const_2)
-
-The Inductor side — the lowering that emits a call of this object instead of the dispatcher
-op — is :mod:`te_passes.runtime.direct_lowering`; what a TE base op is and runs,
-:mod:`te_passes.runtime.te_base_op`.
-
-Cache: :class:`DirectTECall` pickles as ``(qualname, number of slots, constant slots)``; the
-constants are the same objects as the ``_te_const_N`` globals (one ``pickle.dumps`` of the
-cache entry keeps them shared). Unpickling rebuilds the plan from the op's ``CustomOpDef``;
-when that is no longer possible (TE changed) it becomes :class:`OpCall`, a plain dispatcher
-call of the base op, and logs why.
-
-What a direct call skips, and why that is safe: the dispatcher (no autograd is recorded —
-compiled graphs run TE ops with grad disabled, and the op's own autograd kernel would only
-redispatch below autograd, which the guard reproduces), the wrapper's subclass flattening
-(the pass proves no quantized-tensor subclass reaches the node, from ``meta["val"]``), the
-dynamo-disable wrapper (the wrapper code is never traced) and torch's output-aliasing assertion
-(a debugging check; TE's outputs are fresh tensors), and ADInplaceOrView inside the impl (view
-metadata and version-counter bumps: nothing inside a compiled graph's TE call is recorded by
-autograd; AOTAutograd's graph-level autograd and its saved-tensor checks see the op's outputs,
-which are plain tensors). Not seen by a direct call: Python
-``TorchDispatchMode``\\ s active around the compiled call (they would see the op); under
-``torch.profiler`` the call is recorded as a ``record_function`` range named after the op.
-TE's ``te.autocast`` state, which the impls read while they run, is set around the whole
-compiled call (:mod:`te_passes.runtime.recipe_state`), for direct and dispatcher calls alike.
-"""
+See docs/internals.md#te_passesruntimedirect_callpy and docs/design.md "Direct calls"."""
 
 from __future__ import annotations
 
@@ -82,20 +24,14 @@ NAME_PREFIX = "_te_direct_"
 # --------------------------------------------------------------------------- the call object
 _object_setattr = object.__setattr__
 _profiler = torch.autograd.profiler
-#: The dispatch guard around TE's impl (see the module docstring; the cost: docs/benchmarks.md, issue 22).
+#: The dispatch guard around TE's impl (docs/internals.md; the cost: docs/benchmarks.md).
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 def _make_builder(cls: type, fixed: Sequence[tuple[str, Any]], args: Sequence[tuple[str, int]]):
     """``build(flat) -> obj``: a fresh ``cls`` instance (``cls.__new__(cls)``, as TE's
     ``_ArgPlan.unpack``) with the ``fixed`` fields set to their values and the ``args`` fields to
-    ``flat[i]``.
-
-    When ``cls`` keeps ``object.__setattr__`` (TE's args dataclasses: plain, ``slots=True``) the
-    stores are generated attribute assignments (one ``STORE_ATTR`` each, the values bound as
-    defaults), which is what ``object.__setattr__(obj, name, v)`` does without a call per field
-    (cost: docs/benchmarks.md, issue 13); otherwise (a custom ``__setattr__``, or a field name that is not an identifier) a loop of
-    ``object.__setattr__``, exactly as TE does."""
+    ``flat[i]``."""
     import keyword
 
     names = [n for n, _ in fixed] + [n for n, _ in args]
@@ -131,10 +67,6 @@ class DirectTECall:
         consts: ``((slot index, value), ...)`` for every slot whose value is the same object on
             every call: ``None`` for absent tensors, ``[]`` for empty ``Tensor[]`` slots, the
             ``OpaqueValueBundle`` constants (``_simple_meta``, ``<field>__meta``).
-
-    Calling it with the op's flat arguments (tensors at the non-constant slots; values at the
-    constant slots are ignored) returns exactly what the base op returns: the ``list[Tensor]``
-    from TE's ``pack_result``.
 
     Raises:
         DirectCallUnavailable: the op's kernel is not TE's (:func:`resolve_base_impl`), a slot

@@ -1,19 +1,7 @@
-"""The Inductor lowering of TE's base ops that emits direct calls (issue 13): the wrapper code
+"""The Inductor lowering of TE's base ops that emits direct calls: the wrapper code
 calls a :class:`~te_passes.runtime.direct_call.DirectTECall` instead of the dispatcher op.
 
-The Inductor side (:func:`ensure_lowering`): one lowering per TE base op, registered once
-(idempotent, process-wide) for every TE op family by :func:`install_lowerings` at
-``runtime.install()`` time (a pass only looks it up: :func:`lowering_reason`), built on Inductor's own ``make_fallback`` with the layout
-constraint Inductor's implicit fallback would pick (``GraphLowering.call_function``,
-torch 2.14.1). For a node whose ``meta`` carries a :class:`~te_passes.runtime.direct_call.DirectTECall` under :data:`~te_passes.runtime.direct_call.META_KEY`
-(set by the ``call_te_impl_directly`` pass) it lets Inductor build the ``FallbackKernel`` as
-usual and then names the call object as that kernel's ``python_kernel_name``, registered in
-``V.graph.opaque_value_type_classes`` — the dict whose entries become wrapper-module globals
-(``graph.py`` ``compile_to_module``) and are pickled with the FX-graph-cache entry
-(``output_code.py`` ``CompiledFxGraph``; restored by ``CompiledFxGraphConstants.unwrap``).
-Every other call of the base op (no plan: plain ``backend="inductor"`` graphs, a graph whose
-plan was refused) lowers exactly as Inductor's implicit fallback would.
-"""
+See docs/internals.md#te_passesruntimedirect_loweringpy."""
 
 from __future__ import annotations
 
@@ -51,15 +39,7 @@ def _stored_names(fn: Any) -> frozenset[str]:
 
 
 def feature_error() -> str | None:
-    """Why this torch's Inductor cannot take the direct-call lowering (``None``: it can).
-
-    Needs (torch 2.14): ``torch._inductor.lowering.make_fallback`` / ``lowerings`` /
-    ``tag_to_layout_constraint``, ``torch._library.utils.get_layout_constraint_tag``,
-    ``ir.FallbackKernel`` with ``python_kernel_name`` (a class attribute) / ``unflatten_args``, and
-    ``GraphLowering.opaque_value_type_classes`` / ``operations``. Instance attributes are checked
-    in the names the constructor's code object stores (``__init__.__code__.co_names``), which
-    costs microseconds; the result is computed once per process.
-    """
+    """Why this torch's Inductor cannot take the direct-call lowering (``None``: it can)."""
     if _FEATURE_ERROR:
         return _FEATURE_ERROR[0]
     reason = None
@@ -88,16 +68,7 @@ def feature_error() -> str | None:
 
 
 def ensure_lowering(base_op: torch._ops.OpOverload) -> str | None:
-    """Register the direct-call lowering of TE base op ``base_op`` (idempotent, process-wide).
-
-    Returns ``None`` when it is in place, else the reason it is not (torch API drift,
-    :func:`feature_error`; another lowering already registered for the op). Built on
-    ``torch._inductor.lowering.make_fallback(base_op, layout_constraint=...)`` with the
-    constraint ``GraphLowering.call_function`` picks for a custom op without a lowering
-    (``tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))``: the op's
-    layout tag, else ``torch._functorch.config.custom_op_default_layout_constraint`` read now),
-    so a node without a plan lowers exactly as before.
-    """
+    """Register the direct-call lowering of TE base op ``base_op`` (idempotent, process-wide)."""
     with _lock:
         if base_op in _LOWERINGS:
             return _LOWERINGS[base_op]

@@ -1,22 +1,6 @@
-"""TE's fused (cuDNN) attention as a ``register_custom_op`` op family (issue 15 part 2).
+"""TE's fused (cuDNN) attention as a ``register_custom_op`` op family.
 
-TE 2.20.2 has the single-argument split of ``FusedAttnFunc`` that its custom-op framework
-expects (``attention/dot_product_attention/backends.py``: ``FusedAttnFwdArgs``,
-``FusedAttnBwdArgs``, ``_fused_attn_forward_impl``, ``_fused_attn_setup_ctx``,
-``_fused_attn_backward_impl``) but registers no op for it (only ``module/linear.py`` calls
-``register_custom_op``) and ``FusedAttention.forward`` is ``torch.compiler.disable``\\ d.
-:func:`install_fused_attention_op` registers the family ``transformer_engine_compile::fused_attn``
-(``fused_attn``, ``fused_attn_base``, ``fused_attn_backward``, ``fused_attn_backward_base``) with
-TE's own ``transformer_engine.pytorch.dynamo.register_custom_op``, TE's impls and setup, and the
-exact data-free fakes of :mod:`te_passes.te.fused_attn` — as ``module/linear.py`` registers
-``linear``. The op is then traced as one node, decoded by the TE graph model like any family.
-
-Only for TE 2.20.x (``te_passes.te.version``): the impls' argument and return layout are
-version-specific. Switched off by ``TE_PASSES_FUSED_ATTN=0`` in the environment (read at each
-call). Registered by :func:`te_passes.runtime.install.install` once TE is imported, or on demand
-by ``compile_friendly(model, attention="te_fused")`` (:func:`fused_attention_op`). Registration is
-process-wide and cannot be undone (``torch.library``); every later call answers from the record.
-"""
+See docs/internals.md#te_passesruntimefused_attn_oppy."""
 
 from __future__ import annotations
 
@@ -92,14 +76,7 @@ def _te_parts() -> dict[str, Any]:
 def install_fused_attention_op(*, import_te: bool = False) -> bool:
     """Register the ``fused_attn`` family once (idempotent, thread-safe); returns whether it is
     registered and usable. A no-op returning ``False`` while TE's attention module is not imported
-    (unless ``import_te``), on another TE version or when switched off (:func:`refused_reason`).
-
-    The family is defined with TE's ``register_custom_op(op_name="fused_attn",
-    input_tensors_for_grad=["q", "k", "v", "attn_bias", "softmax_offset"], ...)`` on TE's
-    ``FusedAttnFwdArgs`` / ``FusedAttnBwdArgs``, impls and ``_fused_attn_setup_ctx``, with the
-    fakes of :func:`te_passes.te.fused_attn.make_fakes`. TE's ``register_custom_op`` returns
-    ``None`` (and records why) when torch lacks what it needs; that is kept as the refusal.
-    """
+    (unless ``import_te``), on another TE version or when switched off (:func:`refused_reason`)."""
     if refused_reason() is not None:
         return False
     if _state["forward_fn"] is not None:
@@ -139,9 +116,6 @@ def install_fused_attention_op(*, import_te: bool = False) -> bool:
 
 def fused_attention_op() -> Callable[[Any], Any]:
     """TE's ``forward_fn`` of the ``fused_attn`` family, registering it if needed (imports TE).
-
-    ``forward_fn(FusedAttnFwdArgs)`` returns ``(out, max_logit)`` as ``_fused_attn_forward_impl``
-    does (``max_logit`` ``None``): ``out`` is ``q.shape[:-1] + (d_v,)`` in q's dtype.
 
     Raises:
         FusedAttentionOpUnavailable: :func:`refused_reason` (TE version, switch, registration).

@@ -1,36 +1,6 @@
 """The one entry that installs te_passes' process-level integration (called by the backend).
 
-:func:`install` puts in place, idempotently and process-wide:
-
-* :func:`te_passes.runtime.ub_guard.install_te_ub_hooks` — guarded ``get_ub_is_fp8``,
-  generation bump on ``initialize_ub`` / ``destroy_ub``;
-* :func:`te_passes.runtime.amax_groups.install_amax_group_hooks` — TE Linear's per-call amax
-  reduction groups released after each eager call, and a one-time sweep of live modules (issue 8);
-* :func:`te_passes.runtime.free_op.register_inductor_lowering` — the Inductor lowering of our
-  ``te_passes::free_storage`` op (``insert_early_frees`` only checks that it is there);
-* :func:`te_passes.runtime.direct_lowering.install_lowerings` — the direct-call lowering of the base
-  ops of every TE op family in ``torch._library.custom_ops.OPDEFS`` now (``call_te_impl_directly``
-  only looks it up; families defined later are registered by the next call);
-* :func:`te_passes.runtime.constants.wrap_te_constant_classes` — the ``__fx_repr__`` of TE's
-  value-opaque constant classes answers a wrapper-global name inside its own graph's Inductor
-  lowering (``hoist_te_constants``' named constants);
-* :func:`te_passes.runtime.fused_attn_op.install_fused_attention_op` — TE's fused attention as the
-  ``transformer_engine_compile::fused_attn`` family (TE 2.20.x only, ``TE_PASSES_FUSED_ATTN=0``
-  switches it off; once TE's attention module is imported; refusals: ``refused_reason()``);
-* :func:`te_passes.runtime.delayed_scaling.install_delayed_scaling` — DelayedScaling's scale update
-  as the ``te_passes::delayed_scaling_update`` op and the te_inductor-gated replacements of TE's
-  ``check_recipe_support`` / ``reduce_and_update_fp8_tensors`` (checked TE layout only; refusals:
-  ``delayed_scaling.refused_reason()``); :func:`te_passes.runtime.delayed_linear.install_delayed_linear`
-  — te.Linear's delayed-scaling calls as the ``te_passes::delayed_linear_fwd/bwd`` op pair.
-* :func:`te_passes.runtime.recipe_state.install_trace_hooks` — TE op nodes record the
-  ``te.autocast`` state where Dynamo traced them (the backend sets it around the compiled call).
-* :func:`te_passes.runtime.untouched.install_untouched_polyfills` — polyfills of TE's disabled
-  ``LayerNormLinear`` / ``LayerNormMLP`` / ``FusedAttention`` forwards, taken only by frames
-  compiled for ``te_inductor`` (``te_passes.untouched``; per target: ``polyfill_status()``).
-
-So no pass changes process-global state while it runs (tests/test_pass_purity.py). The TE parts
-need TE imported; until then they are no-ops and :func:`install` returns ``False``.
-"""
+See docs/internals.md#te_passesruntimeinstallpy."""
 
 from __future__ import annotations
 

@@ -1,57 +1,7 @@
-"""Quantizer usage flags after TE's Linear impls (issue 17): what
+"""Quantizer usage flags after TE's Linear impls: what
 :mod:`te_passes.runtime.amax_groups`' wrappers put back, and the audit that makes it safe.
 
-The wrappers around TE's Linear impls (:mod:`te_passes.runtime.amax_groups`) also put back the quantizers' usage flags
-(``rowwise_usage`` / ``columnwise_usage``, written by TE's ``Quantizer.set_usage``,
-``quantized_tensor.py:575``) when the last call in flight on a quantizer returns. Without this,
-alternating eager and compiled steps of one sequence-parallel fp8 te.Linear recompiles once per
-alternation: Dynamo guards ``quantizers['scaling_fwd'][0].columnwise_usage == True`` (the value
-``_linear_forward_fake`` sets on the module's quantizer while it is traced, ``linear.py:835``),
-and TE's eager impl leaves ``False`` (``linear.py:488`` / ``:502``: fp8 all-gather is
-row-wise only). Restoring is safe because TE 2.20.2's impls write both flags before every use of
-each quantizer they touch; no later reader depends on what a call left (each read below is
-preceded, in the same call, by the ``set_usage`` named)::
-
-    _linear_forward_impl  input_quantizer   482 (both; 488/492 narrow it) -> quantize 494;
-                                            502 (both) -> gather_along_first_dim 504 /
-                                            fill_userbuffers_buffer_for_all_gather 510;
-                                            524 (both) -> quantize 532
-                          weight_quantizer  571 (both) -> quantize_weight 576 (reads usage,
-                                            base.py:765-785/837); a quantized weight is used
-                                            through its own ``_quantizer`` (573), the module's
-                                            is not read
-                          output_quantizer  617 (both) -> general_gemm 635
-    _linear_backward_impl grad_output_q.    1243 (both; 1248/1261 narrow it) ->
-                                            grad_output_preprocess 1272 (base.py:1688);
-                                            set_quantizer_usage_for_wgrad_all_gather 1494
-                                            (_common.py:55, both) -> gather 1497;
-                                            1544 (both) -> fill_userbuffers 1550;
-                                            1566 (both) -> quantize 1567
-                          input_quantizer   1305/1310 (both) -> quantize 1311;
-                                            set_quantizer_usage_for_wgrad_all_gather 1321 ->
-                                            fill_userbuffers 1323 / gather 1331;
-                                            1520 (both) -> quantize 1521
-                          weight_quantizer  1368 / 1378 (both) -> quantize 1369 / 1379
-                          grad_input_q.     1396 (both) -> general_gemm 1429
-
-The helpers called with a quantizer read its usage only after the caller's ``set_usage``
-(``gather_along_first_dim``: distributed.py:1086/1160-1204; it even saves, narrows and puts back
-the flags itself around its quantize, 1037-1043 / 1056-1060, the pattern the wrappers follow).
-Other readers of a module quantizer's usage, all preceded by their own ``set_usage``:
-``_linear_forward_fake`` (835/870/908), ``reset_parameters`` (base.py:1848),
-``fill_userbuffers_buffer_for_all_gather`` (base.py:661). Quantized tensors never share the
-module's quantizer (``Float8TensorStorage.__new__`` copies it, float8_tensor_storage.py:113), and
-the compiled op runs TE's impls as registered at import (``register_custom_op(fwd_impl=...)``,
-linear.py:1798) on quantizers rebuilt from the graph's constants, so it never reads or writes
-the module's flags. Not restored: ``grad_weight_quantizer`` (the wgrad GEMM uses it without a
-``set_usage``; ``None`` for te.Linear outside debug mode) and the weight quantizer when the weight
-is quantized (``setup_ctx`` then passes the parameter's own quantizer, linear.py:1028, whose flags
-``quantize_weight`` (base.py:837) and FSDP2's all-gather read across calls) or a distributed
-weight (``materialize_weight_for_forward`` runs before 571). :func:`usage_unsafe_reason` checks at
-install that each impl still has exactly the audited ``set_usage`` call sites
-(:data:`AUDITED_USAGE_CALLS`) and otherwise leaves the flags alone, with a warning (the
-amax-group part still installs).
-"""
+See docs/internals.md#te_passesruntimequantizer_usagepy."""
 
 from __future__ import annotations
 
@@ -59,14 +9,14 @@ import dis
 from typing import Any, Iterable
 
 #: impl function name -> the args-dataclass fields whose quantizer's usage flags the impl writes
-#: before each use (module docstring: call sites in TE 2.20.2), restored after the call.
+#: before each use (docs/internals.md: call sites in TE 2.20.2), restored after the call.
 PER_CALL_USAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "_linear_forward_impl": ("input_quantizer", "weight_quantizer", "output_quantizer"),
     "_linear_backward_impl": ("input_quantizer", "weight_quantizer", "grad_input_quantizer",
                               "grad_output_quantizer"),
 }
 #: impl -> the args field holding the weight whose kind decides whether ``weight_quantizer`` is
-#: restored (not for a quantized or distributed weight; see the module docstring).
+#: restored (not for a quantized or distributed weight; see docs/internals.md).
 WEIGHT_FIELD: dict[str, str] = {"_linear_forward_impl": "weight", "_linear_backward_impl": "saved_weight"}
 #: The usage-setting call sites audited in TE 2.20.2 ``module/linear.py`` (line numbers), per impl
 #: and callee name. :func:`usage_unsafe_reason` requires each impl's code to have exactly this
@@ -113,14 +63,7 @@ def _calls_by_name(code: Any, names: Iterable[str]) -> dict[str, int]:
 
 
 def usage_unsafe_reason(linear_module: Any) -> str | None:
-    """Why restoring usage flags after TE's Linear impls would not be proven safe, or ``None``.
-
-    Proven means: each impl in :data:`PER_CALL_USAGE_FIELDS` exists and its code (nested code
-    objects included) has exactly the ``set_usage`` / ``set_quantizer_usage_for_wgrad_all_gather``
-    call sites audited for TE 2.20.2 (:data:`AUDITED_USAGE_CALLS`; the audit is in the module
-    docstring). A different count means TE's impl changed where it sets usage, so "every use is
-    preceded by a ``set_usage`` in the same call" must be re-read before the flags may be put back.
-    """
+    """Why restoring usage flags after TE's Linear impls would not be proven safe, or ``None``."""
     for name, audited in AUDITED_USAGE_CALLS.items():
         code = impl_code(linear_module, name)
         if code is None:

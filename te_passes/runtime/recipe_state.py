@@ -1,13 +1,6 @@
 """The user's ``te.autocast`` state delivered to TE's impls in compiled code.
 
-Trace time (:func:`install_trace_hooks`): the fake kernel of each TE op family's forward ops is
-wrapped so that, while Dynamo traces a call, the node records the autocast state in effect there
-(:class:`TracedAutocast`: Dynamo's pending side effects on ``FP8GlobalStateManager.quantization_state``,
-else the live state) and Dynamo guards the recipe's identity. Compile time
-(:func:`graph_autocast`): the one state of a graph's TE op nodes. Run time (:func:`run_under`):
-that state set around every call of the compiled graph, restored after.
-What is delivered and why: docs/design.md "TE global state read at run time".
-"""
+See docs/internals.md#te_passesruntimerecipe_statepy and docs/design.md "TE global state read at run time"."""
 
 from __future__ import annotations
 
@@ -38,16 +31,7 @@ class RecipeStateError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TracedAutocast:
-    """TE's autocast state where Dynamo traced one TE op call.
-
-    Fields are those of ``FP8GlobalStateManager.quantization_state`` that ``te.autocast`` sets
-    (TE ``quantization.py`` ``autocast_enter``): ``fp8_enabled``, ``fp8_calibration``,
-    ``fp8_recipe`` (the recipe object, ``None`` when none was set), ``fp8_distributed_group``.
-    ``source``: ``"traced"`` (a ``te.autocast`` inside the compiled function, from Dynamo's side
-    effects) or ``"live"`` (the process state, an autocast around the compiled call);
-    ``guard``: why Dynamo does not guard the recipe's identity, ``None`` when it does.
-    Two states are the same when the flags are equal and recipe and group are the same objects.
-    """
+    """TE's autocast state where Dynamo traced one TE op call."""
 
     fp8_enabled: bool
     fp8_calibration: bool
@@ -278,10 +262,9 @@ def reads_autocast(node: torch.fx.Node) -> bool:
 
 
 def graph_autocast(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | None = None) -> TracedAutocast | None:
-    """The autocast state to run ``gm``'s TE ops under: the :class:`TracedAutocast` its TE op
-    nodes recorded while Dynamo traced them, when they all agree; otherwise the one state of the
-    nodes that use it (:func:`reads_autocast`; the others get a state they do not read). ``None``
-    when the graph calls no TE op, or when the states disagree but no node uses them.
+    """The autocast state to run ``gm``'s TE ops under: the :class:`TracedAutocast` its TE op nodes recorded
+    while Dynamo traced them, when they all agree; otherwise the one state of the nodes that use it
+    (:func:`reads_autocast`; the others get a state they do not read).
 
     Raises:
         RecipeStateError: a node that uses the state has none recorded (the trace hook was not
@@ -375,9 +358,8 @@ def family_of(qualname: str) -> str:
 
 
 def autocast_for_graph(gm: torch.fx.GraphModule) -> TracedAutocast | None:
-    """:func:`graph_autocast` of ``gm`` after checking that the installed TE's impls read only
-    inventoried state (:func:`te_passes.te.version.runtime_state_refusal`); ``None`` when the
-    graph calls no TE op.
+    """:func:`graph_autocast` of ``gm`` after checking that the installed TE's impls read only inventoried
+    state (:func:`te_passes.te.version.runtime_state_refusal`); ``None`` when the graph calls no TE op.
 
     Raises:
         RecipeStateError: the refusal's reason, or :func:`graph_autocast`'s.

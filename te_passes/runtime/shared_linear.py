@@ -12,13 +12,7 @@ def _split_cat_linear_cls():
     import transformer_engine.pytorch as te
 
     class _SharedLinear(te.Linear):
-        """A ``te.Linear`` running on parameters owned by another module.
-
-        With several weight splits (``parameters_split``, e.g. the q/k/v of
-        ``MultiheadAttention.layernorm_qkv``) TE's ``noop_cat`` compares ``data_ptr``\\ s, which
-        Dynamo cannot trace; the splits are joined with ``torch.cat`` instead (a copy of the
-        weight per call; same values).
-        """
+        """A ``te.Linear`` running on parameters owned by another module."""
 
         def _get_weight_and_bias_tensors(self):
             weights = self._get_weight_tensors()

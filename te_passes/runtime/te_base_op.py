@@ -2,11 +2,7 @@
 node target and what a base op's kernel runs (``plan`` / ``impl`` / ``pack_result``, read from
 its ``CustomOpDef`` and checked).
 
-Transformer Engine 2.20.2 registers each module's forward / backward as four ``torch.library``
-custom ops (``transformer_engine/pytorch/dynamo/custom_op.py`` ``register_custom_op``): the
-wrapper ops ``<name>`` / ``<name>_backward`` that graphs hold and the base ops ``<name>_base`` /
-``<name>_backward_base`` under them, whose kernel is ``_register_base_op._impl``.
-"""
+See docs/internals.md#te_passesruntimete_base_oppy."""
 
 from __future__ import annotations
 
@@ -136,17 +132,8 @@ def _one_positional(fn: Any) -> bool:
 
 
 def resolve_base_impl(qualname: str) -> BaseOpImpl:
-    """Read ``plan`` / ``impl`` / ``pack_result`` from the base op's ``CustomOpDef`` and check
-    that the op's dispatcher kernel is exactly TE's ``_register_base_op._impl`` (TE 2.20.2).
-
-    Checks: the op is a ``torch.library.custom_op`` (in ``OPDEFS``) with no device-specific
-    kernel, disabled kernel, autocast or ``register_torch_dispatch`` rule (any of them would run instead
-    of ``_impl``); no other dispatcher kernel for ``CPU`` / ``CUDA``; its init function is
-    ``custom_op._register_base_op.<locals>._impl`` closing over exactly ``impl``,
-    ``pack_result``, ``plan``; ``plan`` is TE's ``_ArgPlan`` whose ``slot_names`` equal the
-    op's schema arguments and whose field kinds are the five TE 2.20 knows; ``impl`` and
-    ``pack_result`` take one positional argument; TE's ``_storage_unflatten`` and the
-    tensor-or-quantized tags exist.
+    """Read ``plan`` / ``impl`` / ``pack_result`` from the base op's ``CustomOpDef`` and check that the op's
+    dispatcher kernel is exactly TE's ``_register_base_op._impl`` (TE 2.20.2).
 
     Raises:
         DirectCallUnavailable: any check fails (the message names it).

@@ -40,11 +40,6 @@ def _no_compiler_reset() -> Iterator[None]:
 def destroy_ub_keep_compiled() -> None:
     """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()``.
 
-    TE 2.20.2 resets every compiled graph in ``destroy_ub`` because ``get_ub_is_fp8`` is folded
-    without a guard. With te_passes' hooks installed, every UB fold is guarded (Dynamo guards
-    the UB state token; ``te_inductor`` graphs carry a UB guard), so graphs that depend on UB
-    recompile when they are next called and all other compiled graphs are kept.
-
     Raises:
         ImportError: TE is not installed.
     """
@@ -58,11 +53,6 @@ def destroy_ub_keep_compiled() -> None:
 
 def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
     """Destroy TE's UB communicators and initialise them again, keeping compiled graphs.
-
-    ``args``/``kwargs`` go to TE's ``initialize_ub(shape, tp_size, ..., quantization_modes=...,
-    ub_cfgs=..., with_cublasmp=...)`` unchanged. Equivalent to ``destroy_ub(); initialize_ub(...)``
-    minus TE's global ``torch.compiler.reset()``: only graphs compiled against UB state
-    recompile (or raise, under ``te_passes.ub_on_change="error"``) on their next call.
 
     Returns:
         The new :class:`UbSnapshot`.
@@ -80,14 +70,7 @@ def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
 
 @contextlib.contextmanager
 def keep_compiled_graphs() -> Iterator[None]:
-    """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()``.
-
-    For code that calls TE's functions itself::
-
-        with te_passes.runtime.ub.keep_compiled_graphs():
-            te.module.base.destroy_ub()
-            te.module.base.initialize_ub(shape, tp_size, quantization_modes=[...])
-    """
+    """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()``."""
     guards.install_te_ub_hooks()
     with _no_compiler_reset():
         try:

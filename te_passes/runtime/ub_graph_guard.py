@@ -2,12 +2,7 @@
 wrapped in a guard that re-checks them when that state changes (see
 :mod:`te_passes.runtime.ub_guard` for both layers and why).
 
-``fold_ub_predicates`` returns what a graph depends on as a typed fact (:class:`UbDependence`:
-its folds and TE op UB checks); :func:`ub_state_reads` says why a Dynamo graph's compilation
-reads UB state (the backend keys Inductor's FX graph cache on the UB snapshot only then);
-:func:`wrap_with_te_state_guard` wraps a compiled graph in a :class:`UbGuard` that compares the
-UB generation per call (:func:`make_guarded`) and, on a change, keeps, recompiles or refuses it.
-"""
+See docs/internals.md#te_passesruntimeub_graph_guardpy."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from te_passes.fx.graph import copy_graph
+from te_passes.fx.graph import copy_graph_module
 from te_passes.runtime.ub_guard import (UbFold, UbStateChanged, current_generation, guard_stats, install_te_ub_hooks,
                                         live_snapshot, ub_global_state, ub_state_lock)
 from te_passes.te import graph_model as gmod
@@ -78,25 +73,8 @@ def ub_dependence_of(report: Any, stages: Any = None) -> UbDependence:
 
 def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = None, *,
                    trace_folds: Any = ()) -> list[str]:
-    """Why the compilation of a Dynamo graph reads the UB state, one sentence per
-    reason; empty when it does not. ``te_inductor`` calls it after the Dynamo-stage passes and
-    before ``compile_fx``, and puts the UB snapshot into the pipeline uuid (Inductor's FX graph
-    cache key) only when the list is non-empty (:func:`te_passes.pipeline.compilation.pipeline_uuid`), so a
-    UB change does not make graphs that never look at UB state miss the cache.
-
-    Conservative: any of these counts as a read —
-
-    * the dependence ``fold_ub_predicates`` returned at the Dynamo stage (``dependence``, its
-      :class:`UbDependence` fact: folded query nodes, folds Dynamo made while tracing TE's
-      ``get_ub_is_fp8``, checked TE op UB configurations);
-    * folds Dynamo made while tracing this graph (``trace_folds``, which the backend took from the
-      runtime before the passes ran) that no pass collected (the pass disabled);
-    * a UB query node left in ``gm`` (a later stage could fold it): a ``call_function`` of a TE
-      UB function (``get_ub`` included) or :func:`te_passes.runtime.ub_guard.ub_query`, or a ``call_method`` in
-      :data:`te_passes.te.ub.UB_PREDICATE_METHODS` on a ``get_ub`` node;
-    * a TE op whose config bundle sets a UB overlap flag
-      (:data:`te_passes.te.graph_model.UB_CONFIG_KEYS`; ``fold_ub_predicates`` checks its buffers
-      at the post-grad stages too), or a TE op that cannot be decoded (its UB use is unknown).
+    """Why the compilation of a Dynamo graph reads the UB state, one sentence per reason; empty when it does
+    not.
 
     Args:
         gm: the Dynamo graph after the Dynamo-stage passes.
@@ -132,19 +110,20 @@ def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = N
 
 
 def evaluate_dependence(dep: UbDependence, snap: UbSnapshot) -> tuple[list[tuple[UbFold, Any]], list[str]]:
-    """Re-evaluate ``dep`` on ``snap``: ``(changed folds with their new value or error text,
-    check problem messages)``."""
+    """Re-evaluate ``dep`` on ``snap``: ``(changed folds with their new value, problem messages)``
+    (the TE ops' UB checks, then the folded queries TE would raise for)."""
     changed: list[tuple[UbFold, Any]] = []
+    query_errors: list[str] = []
     for f in dep.folds:
         try:
             new = snap.query(f.api, f.args)
         except UbConfigError as e:
-            changed.append((f, f"<error: {e}>"))
+            query_errors.append(f"{f.api}{f.args!r}: {e}")
             continue
         if new != f.value or type(new) is not type(f.value):
             changed.append((f, new))
     problems = [msg for c in dep.checks for _, msg in check_linear_ub_config(c.op, c.config, snap).problems]
-    return changed, problems
+    return changed, problems + query_errors
 
 
 class UbGuard:
@@ -178,7 +157,7 @@ class UbGuard:
         return self.cudagraphs and bool(self.dependence.checks)
 
     def revalidate(self, args: list) -> None:
-        """Slow path, after the UB generation changed (see the module docstring).
+        """Slow path, after the UB generation changed (see docs/internals.md).
 
         Raises:
             UbConfigError: the UB state no longer satisfies a TE op's UB configuration or a
@@ -196,8 +175,6 @@ class UbGuard:
                 guard_stats["kept"] += 1
                 return
             changed, problems = evaluate_dependence(self.dependence, live)
-            problems += [f"{f.api}{f.args!r}: {new[len('<error: '):-1]}" for f, new in changed
-                         if isinstance(new, str) and new.startswith("<error: ")]
             if problems:
                 guard_stats["errors"] += 1
                 raise UbConfigError(f"te_passes: UB state changed since graph {self.graph_id} was compiled "
@@ -223,7 +200,7 @@ class UbGuard:
                 raise UbStateChanged(f"te_passes: {where}; this graph cannot be recompiled here "
                                      "(values were folded while Dynamo traced it, or no pre-pass copy "
                                      "was kept) — re-run torch.compile")
-            gm = _copy_gm(self.dependence.pristine)
+            gm = copy_graph_module(self.dependence.pristine)
             new = self.recompile(gm, list(args))
             inner = getattr(new, "te_ub_guard", None)
             if inner is not None:
@@ -235,15 +212,9 @@ class UbGuard:
             guard_stats["recompiles"] += 1
 
 
-def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
-    new.meta = dict(getattr(gm, "meta", {}))
-    return new
-
-
 def pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A node-for-node copy of ``gm`` sharing its parameters/submodules (kept for recompiles)."""
-    return _copy_gm(gm)
+    return copy_graph_module(gm)
 
 
 def make_guarded(guard: UbGuard) -> Callable:

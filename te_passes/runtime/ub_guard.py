@@ -1,49 +1,6 @@
 """Guards for compiled graphs specialised on TE's Userbuffers (UB) state.
 
-Why: TE 2.20.2 folds ``get_ub_is_fp8(name, use_fp8)`` with
-``torch.compiler.assume_constant_result`` — Dynamo installs no guard for it — and so
-``destroy_ub()`` ends with a process-wide ``torch.compiler.reset()``. te_passes replaces both
-with two layers of guards, so that changing the UB state recompiles exactly the graphs that
-depend on it.
-
-Layer 1 — Dynamo guards (graphs whose *Python* read UB state while Dynamo traced it).
-    :func:`install_te_ub_hooks` rebinds TE's ``get_ub_is_fp8`` (in ``module/base.py`` and in
-    every ``transformer_engine`` module that imported it: ``linear``, ``layernorm_linear``,
-    ``layernorm_mlp``) to a guarded version (:func:`_make_guarded_get_ub_is_fp8`). While compiling, that function reads
-    the module global :data:`UB_STATE_TOKEN` — Dynamo installs an ``EQUALS_MATCH`` guard
-    ``G['__import_te_passes_dot_runtime_dot_ub_guard'].UB_STATE_TOKEN == 'ub-…'`` on the frame that
-    traced it — and returns the value from te_passes' UB snapshot (a constant, recorded for the
-    report). The token is derived from the snapshot fingerprint and is renewed by hooks on
-    ``initialize_ub``/``destroy_ub`` (:func:`on_ub_state_changed`). A frame whose guard fails
-    is re-traced by Dynamo and recompiled by ``te_inductor``; frames that never read UB state
-    keep their compiled code. This works for any backend, not only ``te_inductor``.
-    ``is_ub_initialized()`` / ``using_cublasmp_backend()`` need no hook: Dynamo traces them and
-    guards TE's ``_ub_initialized`` / ``_ub_with_cublasmp`` globals itself.
-
-Layer 2 — compiled-graph guards (:mod:`te_passes.runtime.ub_graph_guard`:
-    :func:`~te_passes.runtime.ub_graph_guard.wrap_with_te_state_guard`, called by
-    :mod:`te_passes.backend` on every compiled graph). A graph on which
-    ``fold_ub_predicates`` recorded a dependence — a folded FX query node (graphs from
-    ``torch.fx.symbolic_trace`` with TE functions as leaves, hand-built graphs, offline replay)
-    or a checked TE op UB configuration — is wrapped in a callable that compares one integer,
-    the UB generation, per call. On a change it re-evaluates the recorded folds and checks
-    against the live state: unchanged values -> keep the compiled code; a check now failing ->
-    :class:`~te_passes.te.ub.UbConfigError`; changed folded values -> recompile *this* graph
-    from its pre-pass copy through ``te_inductor`` (``te_passes.ub_on_change="recompile"``,
-    default) or raise :class:`UbStateChanged` (``"error"``). Graphs with no UB dependence are
-    returned unwrapped (zero cost).
-
-CUDA graph trees: layer 1 runs in Dynamo's guard check, before the cudagraph-tree callable is
-entered, so a stale recorded graph is never replayed; the re-traced graph gets a new function
-id in the tree. Layer 2 swaps the inner compiled callable before calling it, never while a
-graph is being recorded or replayed; the old callable (and its tree node) is just no longer
-called. Neither layer calls ``torch.compiler.reset()``.
-
-Limits: Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` (8) variants per frame,
-so more than that many distinct UB states seen by one frame fall back to eager, as for any
-guard. An explicit ``te_passes.ub_snapshot`` (offline use) is not guarded against the live
-registry.
-"""
+See docs/internals.md#te_passesruntimeub_guardpy."""
 
 from __future__ import annotations
 
@@ -229,13 +186,7 @@ def drain_trace_folds() -> list[UbFold]:
 
 def dynamo_stage_inputs() -> dict[str, Any]:
     """What the runtime saw while Dynamo traced the graph now being compiled, for the passes'
-    ``PassContext.inputs`` (the backend calls this once, before the Dynamo stage):
-
-    * ``"ub_trace_folds"`` — :func:`drain_trace_folds` (the folds are taken out of the runtime);
-    * ``"ub_prev_token"`` — ``(compile_id, old token, current token)`` when this trace folded UB
-      queries and is a recompile of a frame first traced under another UB token
-      (:func:`note_frame_token`), else ``None``.
-    """
+    ``PassContext.inputs`` (the backend calls this once, before the Dynamo stage):"""
     folds = drain_trace_folds()
     prev = None
     if folds:
@@ -248,15 +199,7 @@ def dynamo_stage_inputs() -> dict[str, Any]:
 
 
 def _make_guarded_get_ub_is_fp8(orig: Callable) -> Callable:
-    """Build the drop-in for TE's ``module/base.py`` ``get_ub_is_fp8`` (see :func:`install_te_ub_hooks`).
-
-    Eager: TE's own function (``get_ub(name, use_fp8).is_fp8_ubuf()``). While compiling: a
-    constant from the live UB snapshot, guarded by Dynamo on :data:`UB_STATE_TOKEN` (TE's
-    version is an unguarded ``assume_constant_result``).
-
-    The returned function raises :class:`~te_passes.te.ub.UbConfigError` while compiling, or
-    TE's ``RuntimeError``/``KeyError`` in eager, when the buffer does not exist.
-    """
+    """Build the drop-in for TE's ``module/base.py`` ``get_ub_is_fp8`` (see :func:`install_te_ub_hooks`)."""
     def get_ub_is_fp8(name: str, use_fp8: bool) -> bool:
         if torch.compiler.is_compiling() and sync_ub_state():
             return _trace_time_query(UB_STATE_TOKEN, "get_ub_is_fp8", name, use_fp8)
@@ -299,17 +242,7 @@ def _wrap_state_change(orig: Callable) -> Callable:
 
 
 def install_te_ub_hooks(*, import_te: bool = False) -> bool:
-    """Hook TE's UB functions (idempotent). Returns whether hooks are installed.
-
-    Rebinds, in ``transformer_engine.pytorch.module.base`` and in every loaded
-    ``transformer_engine.*`` module holding the same function object: ``initialize_ub`` and
-    ``destroy_ub`` (call TE's, then :func:`on_ub_state_changed`), and ``get_ub_is_fp8``
-    (a guarded fold while compiling, TE's function in eager). TE's ``destroy_ub`` still calls ``torch.compiler.reset()``;
-    use :func:`te_passes.runtime.ub.reinitialize_ub` to avoid it.
-
-    Without ``import_te``, does nothing unless TE is already imported (``te_inductor`` calls
-    this on import and on every compile, so the first trace after TE is imported is covered).
-    """
+    """Hook TE's UB functions (idempotent). Returns whether hooks are installed."""
     global UB_STATE_TOKEN
     if _STATE.hooks_installed:
         return True

@@ -1,14 +1,6 @@
 """Untouched TE models in one graph under ``te_inductor``: polyfills of TE's ``torch.compiler.disable``\\ d forwards.
 
-:func:`install_untouched_polyfills` registers, with ``torch.compiler.substitute_in_graph``, a
-polyfill for the function TE's ``no_torch_dynamo`` wrapper closes over (``disabled_f``) of
-``LayerNormLinear.forward``, ``LayerNormMLP.forward`` and ``FusedAttention.forward``, and one for
-``get_default_fp8_recipe``. Registration is process-wide and permanent, so every polyfill is gated
-by the backend Dynamo traces for (read at trace time, folded as a constant; Dynamo's cache
-entries are per backend): only ``te_inductor`` (option ``te_passes.untouched``, env
-``TE_PASSES_UNTOUCHED``) takes the polyfill; any other backend runs a disabled copy of TE's
-function, as without te_passes. Docs: docs/untouched.md.
-"""
+See docs/internals.md#te_passesruntimeuntouchedpy and docs/untouched.md.."""
 
 from __future__ import annotations
 

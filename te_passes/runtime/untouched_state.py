@@ -94,13 +94,13 @@ def _frame_modules(ctx: Any) -> list[torch.nn.Module]:
 
 def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
                       args: tuple[int, bool] | None = None) -> bool:
-    """Run TE's first-forward lazy initialisation of ``m`` eagerly (what ``prepare_forward``
-    does on the first call: ``is_fsdp2``, ``activation_dtype``, ``init_fp8_metadata`` with the
-    ``num_gemms`` of its class) inside ``te.autocast(enabled=fp8, recipe=recipe)``; returns
-    whether ``m`` is a TE module of a known class (see ``te.module_init.forward_prepare_args``).
-    A module whose parameters are not ``dtype`` is left alone (TE raises on its first forward).
-    ``args``: ``(num_gemms, allow_different_data_and_param_types)`` for a class not in that table
-    (a hidden ``te.Linear``: ``(1, False)``)."""
+    """Run TE's first-forward lazy initialisation of ``m`` eagerly (what ``prepare_forward`` does on the first
+    call: ``is_fsdp2``, ``activation_dtype``, ``init_fp8_metadata`` with the ``num_gemms`` of its class)
+    inside ``te.autocast(enabled=fp8, recipe=recipe)``; returns whether ``m`` is a TE module of a known
+    class (see ``te.module_init.forward_prepare_args``). A module whose parameters are not ``dtype`` is
+    left alone (TE raises on its first forward). ``args``: ``(num_gemms,
+    allow_different_data_and_param_types)`` for a class not in that table (a hidden ``te.Linear``: ``(1,
+    False)``)."""
     args = forward_prepare_args(m) if args is None else args
     if args is None:
         return False
@@ -329,12 +329,6 @@ def prepare_layernorm_linear(ctx: Any) -> None:
 
 def prepare_layernorm_mlp(ctx: Any) -> None:
     _prepare(ctx, _build_layernorm_mlp)
-
-
-def _prepare_attention(ctx: Any) -> None:
-    mod = _real(ctx, "self")
-    if isinstance(mod, torch.nn.Module) and STATE_ATTR not in mod.__dict__:
-        mod.__dict__[STATE_ATTR] = UntouchedState(None)
 
 
 def register_start_callback() -> None:

@@ -1,18 +1,6 @@
 """Whether Transformer Engine believes a CUDA graph capture is under way (TE 2.20.2).
 
-Two flags, both process-global:
-
-* ``transformer_engine.pytorch.graph._IS_GRAPH_CAPTURING`` (``is_graph_capturing()``): set by
-  ``te.make_graphed_callables`` (``set_capture_start()`` / ``set_capture_end()``,
-  ``transformer_engine/pytorch/graph.py``) with no ``finally``: a capture that raises leaves it
-  ``True``;
-* ``FP8GlobalStateManager.quantization_state.fp8_graph_capturing``
-  (``transformer_engine/pytorch/quantization.py``; ``autocast(_graph=True)``): under
-  ``torch.compile`` ``FP8GlobalStateManager.fp8_graph_capturing()`` asserts it is ``False``,
-  so Dynamo cannot trace ``te.Linear.forward`` and the frame runs eagerly.
-
-Pure reads: nothing is imported that the process has not imported already.
-"""
+See docs/internals.md#te_passestecapture_statepy."""
 
 from __future__ import annotations
 
@@ -21,7 +9,7 @@ import sys
 
 def te_capture_state() -> list[str]:
     """Why TE is in CUDA-graph-capture state, one sentence per flag set (``[]``: it is not, or TE
-    is not imported). Reads the flags named in the module docstring; imports nothing."""
+    is not imported). Reads the flags named in docs/internals.md; imports nothing."""
     out = []
     graph = sys.modules.get("transformer_engine.pytorch.graph")
     if graph is not None and getattr(graph, "_IS_GRAPH_CAPTURING", False):

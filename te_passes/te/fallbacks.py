@@ -1,22 +1,6 @@
 """Where and why Transformer Engine runs eagerly under torch.compile (TE 2.20.2).
 
-TE leaves the compiled graph in three ways; Dynamo reports each as a graph break whose text this
-module recognises (``torch._dynamo`` 2.14 graph-break messages):
-
-1. **Disabled forwards** — methods decorated ``@no_torch_dynamo()`` (``transformer_engine/
-   pytorch/jit.py``: ``torch._dynamo.disable``): Dynamo says ``Skip inlining function
-   <function LayerNormLinear.forward at 0x...> since it was wrapped with
-   `torch.compiler.disable```. :data:`DISABLED_FORWARDS` names each one with the TE module and why.
-2. **Configuration fallbacks of te.Linear** — ``Linear.forward`` calls
-   ``warn_compile_eager_fallback(reason)`` then ``torch._dynamo.graph_break(msg="te.Linear
-   falling back to eager: <reason>")``; the reason comes from
-   ``Linear._compile_eager_fallback_reason`` / ``LinearFwdArgs.compile_unsupported_reason``
-   (``module/linear.py``). Dynamo says ``User-inserted graph break. Message: <msg>``.
-3. **Conditional disables** — ``@no_torch_dynamo(when=...)`` (``DotProductAttention.forward``
-   with ``_needs_eager_dpa``, linear-attention modules): the ``report_and_run`` wrapper is
-   disabled and TE warns ``Falling back to eager execution under torch.compile: <reason> is
-   unsupported on the compiled path``.
-"""
+See docs/internals.md#te_passestefallbackspy."""
 
 from __future__ import annotations
 

@@ -1,43 +1,7 @@
 """Data-free fakes of TE 2.20.2's fused (cuDNN) attention forward / backward, for the
 ``register_custom_op`` family te_passes registers (:mod:`te_passes.runtime.fused_attn_op`).
 
-TE 2.20.2 splits ``FusedAttnFunc`` into single-argument impls
-(``transformer_engine/pytorch/attention/dot_product_attention/backends.py``:
-``FusedAttnFwdArgs``, ``FusedAttnBwdArgs``, ``_fused_attn_forward_impl``,
-``_fused_attn_setup_ctx``, ``_fused_attn_backward_impl``) but registers no op for them and has
-no fakes. The fakes here describe, without data, exactly what those impls return for the
-configurations :func:`fake_problem` accepts (bf16 / fp16, separate ``sbhd`` or ``bshd`` q/k/v,
-backend ``F16_arbitrary_seqlen``, no bias, vanilla softmax, no max logit, no FAv2 backward);
-anything else raises :class:`FusedAttnFakeError` naming the field, never a guess.
-
-Where the shapes come from (TE's C++ read at NVIDIA/TransformerEngine d0067d0, whose
-``cpp_extensions/fused_attn.py`` is identical to 2.20.2's):
-
-================  =====================================  =========  ==========================
-tensor            shape                                  dtype      allocated by
-================  =====================================  =========  ==========================
-out               q.shape[:-1] + (v.shape[-1],)          q.dtype    ``extensions/attention.cpp``
-                  (``o_format`` = q's format)                       ``fused_attn_fwd``: O
-softmax stats     [b, h_q, max_seqlen_q, 1]              float32    ``fused_attn_f16_arbitrary_
-                                                                    seqlen.cu``: ``output_S``
-rng_state         [2]                                    int64      ``attention.cpp``:
-                                                                    ``torch::empty({2}, kInt64)``
-dq / dk / dv      q.shape / k.shape / v.shape            nominal    ``attention.cpp``
-                  (``NVTE_HD_HD_HD``: three empties)     dtype      ``fused_attn_bwd``
-================  =====================================  =========  ==========================
-
-All are fresh, contiguous allocations on the current device, which ``fused_attn_fwd`` sets to
-``cu_seqlens_q``'s (``at::cuda::CUDAGuard``; the backward runs on q's device); TE's ``TensorSpec`` materialises contiguous
-tensors, so the fakes' strides are exact. Not expressible with ``TensorSpec`` and therefore
-refused: the packed layouts (``sb3hd``, ``bshd_bs2hd``, ...), whose dq/dk/dv are strided views
-of one ``dQKV`` / ``dKV`` allocation; ``thd``, whose stats shape depends on the cuDNN runtime
-version and the GPU (``[t_q, h, 1]`` from cuDNN 9.6 except sm120, else ``[b, h, s_q, 1]``).
-
-In bf16/fp16 ``_fused_attn_forward_impl`` saves no copy of q, k, v or out: it names them in
-``ctx_attrs["saved_from"]`` and ``_fused_attn_setup_ctx`` takes them from the forward's inputs
-and output. The fakes return the same ``saved_from`` and ``ctx_attrs`` (TE's framework hands the
-*fake's* ``ctx_attrs`` to ``setup_context``).
-"""
+See docs/internals.md#te_passestefused_attnpy."""
 
 from __future__ import annotations
 
@@ -102,15 +66,8 @@ def _batch(shape: tuple[int, ...], fmt: str) -> int:
 
 def make_fakes() -> tuple[Callable[[Any], tuple], Callable[[Any], tuple]]:
     """``(forward_fake, backward_fake)`` for ``register_custom_op``, bound to TE's ``TensorSpec``,
-    ``FusedAttnBackend`` and ``get_qkv_format`` (resolved here, once: the fakes run inside
-    Dynamo's trace of TE's ``forward_fn`` and import nothing).
-
-    ``forward_fake(FusedAttnFwdArgs of TensorSpecs)`` returns what ``_fused_attn_forward_impl``
-    returns: ``(out, None, tensors_to_save, ctx_attrs)`` — ``out`` a ``TensorSpec`` of
-    ``q.shape[:-1] + (d_v,)`` in q's dtype; ``tensors_to_save`` twelve entries, all ``None``
-    except softmax stats (``[b, h_q, max_seqlen_q, 1]`` float32) and rng_state (``[2]`` int64);
-    ``ctx_attrs`` the bf16/fp16 values of TE's. ``backward_fake(FusedAttnBwdArgs)`` returns
-    ``(dq, dk, dv, None, None)`` shaped like q, k, v in ``nominal_dtype``.
+    ``FusedAttnBackend`` and ``get_qkv_format`` (resolved here, once: the fakes run inside Dynamo's trace
+    of TE's ``forward_fn`` and import nothing).
 
     Raises:
         FusedAttnFakeError: the arguments are outside :func:`fake_problem`'s set.

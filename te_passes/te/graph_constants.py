@@ -1,14 +1,6 @@
 """TE Python objects as FX graph constants: which kind a constant is and what it holds.
 
-Dynamo and AOT graphs of TE 2.20 modules carry TE objects as constant arguments: the
-``OpaqueValueBundle`` config / meta bundles of ``transformer_engine_compile`` ops
-(``transformer_engine/pytorch/dynamo/custom_op.py``), value-opaque quantizers
-(``dynamo/quantizer_opaque.py``), quantized storage classes, recipes and TE enums.
-:func:`te_const_kind` classifies one (:class:`TEConstKind`), :func:`bundle_dict` /
-:func:`quantizer_fields` read their values, :func:`te_reduce` pickles them by value and
-:func:`iter_te_constants` finds every one in a graph. The op-node side (slots, decoding) is
-:mod:`te_passes.te.graph_model`.
-"""
+See docs/internals.md#te_passestegraph_constantspy."""
 
 from __future__ import annotations
 
@@ -121,15 +113,7 @@ def quantizer_fields(q: Any) -> dict[str, Any]:
 
 
 def te_reduce(obj: Any) -> tuple[Any, tuple[Any, ...]] | None:
-    """A pickle ``__reduce__`` pair ``(rebuild, args)`` that rebuilds a TE graph constant by value.
-
-    * ``OpaqueValueBundle`` -> ``(OpaqueValueBundle, (contents,))`` (TE 2.20
-      ``dynamo/custom_op.py``; its cached ``_hash`` is process-specific, so it is rebuilt);
-    * value quantizers -> ``(_rebuild_quantizer, (cls, value items))``, exactly what TE's own
-      ``__fx_repr__`` emits (``dynamo/quantizer_opaque.py``; no process groups, no tensors).
-
-    Returns ``None`` for everything else (pickle it normally).
-    """
+    """A pickle ``__reduce__`` pair ``(rebuild, args)`` that rebuilds a TE graph constant by value."""
     if isinstance(obj, type):  # classes pickle by reference
         return None
     kind = te_const_kind(obj)

@@ -1,28 +1,6 @@
 """The TE graph model: the one module that knows what TE ops and constants look like in FX graphs.
 
-Transformer Engine 2.20 routes its modules through ``torch.library`` custom ops in the
-``transformer_engine_compile`` namespace (``transformer_engine/pytorch/dynamo/custom_op.py``,
-``register_custom_op``): ``linear`` / ``linear_backward`` (wrapper ops seen in graphs) and
-``*_base`` (the real-schema ops under them). Each op flattens an args dataclass
-(``LinearFwdArgs``, ...) onto schema slots; this module decodes those slots **by their schema
-names**, as TE's ``_ArgPlan`` lays them out:
-
-* ``<field>`` (``Tensor``/``Tensor?``) — a plain tensor field, or the tensor part of a
-  tensor-or-quantized field;
-* ``<field>__tensors`` (``Tensor[]``) + ``<field>__meta`` (an ``OpaqueValueBundle`` whose
-  ``__kind__`` is ``_TensorOrQuantizedKind.{NONE,TENSOR,STORAGE}``) — the rest of a
-  tensor-or-quantized field: for ``STORAGE`` the bundle carries the storage's
-  ``__tensor_flatten__`` context (``cls``, ``_inner_names``, ``nontensor_kwargs`` with the
-  quantizer) and ``__tensors`` its buffers, in ``_inner_names`` order;
-* ``_simple_meta`` — the config bundle: every simple field (quantizers, fp8 flags,
-  split-accumulator flags, TP/SP fields, ``ub_name`` and the ``ub_*`` overlap flags, ...).
-
-TE objects used as graph constants (bundles, quantizers, recipes) are classified in
-:mod:`te_passes.te.graph_constants`. Nothing outside :mod:`te_passes.te` should match TE op
-targets, bundle keys or TE class names.
-Unknown TE versions and unknown ``transformer_engine_compile`` ops are *reported*
-(:class:`UnknownTEOp`), never decoded by guesswork.
-"""
+See docs/internals.md#te_passestegraph_modelpy."""
 
 from __future__ import annotations
 
@@ -185,13 +163,7 @@ class QuantizedBuffer:
 
 @dataclasses.dataclass
 class TQField:
-    """A decoded tensor-or-quantized field.
-
-    ``kind`` is ``"none"``, ``"tensor"`` or ``"storage"``; for ``"tensor"`` ``tensor`` is the
-    Node; for ``"storage"`` ``buffers`` lists its :class:`QuantizedBuffer`\\ s and ``meta`` is
-    the flatten context (``cls``, ``_inner_names``, ``nontensor_kwargs`` with ``quantizer``,
-    ``fp8_dtype``, ``fake_dtype``, ...).
-    """
+    """A decoded tensor-or-quantized field."""
 
     name: str
     kind: str
@@ -211,15 +183,7 @@ class TQField:
 
 @dataclasses.dataclass
 class TEOpCall:
-    """A decoded ``transformer_engine_compile`` op node.
-
-    * ``node`` — the FX node; ``op`` — op name (``"linear"``, ``"linear_backward"``, ...);
-    * ``slots`` — every schema argument in order (:class:`Slot`);
-    * ``tensors`` — plain tensor fields ``{field: Node|None}``;
-    * ``tq_fields`` — tensor-or-quantized fields ``{field: TQField}``;
-    * ``config`` — the config bundle's contents (``{}`` if the op has none) and
-      ``config_slot`` its slot.
-    """
+    """A decoded ``transformer_engine_compile`` op node."""
 
     node: torch.fx.Node
     op: str
@@ -311,10 +275,6 @@ def slot_constant(value: Any) -> Any:
 
 def decode(node: torch.fx.Node) -> TEOpCall:
     """Decode a ``transformer_engine_compile`` op node into a :class:`TEOpCall`.
-
-    Works on Dynamo graphs (``OpOverloadPacket`` targets) and AOT graphs (``OpOverload``), for
-    :data:`KNOWN_OPS` and for every member of a ``register_custom_op`` op family
-    (:func:`te_op_family`), whose slots are decoded by their schema names.
 
     Raises:
         UnknownTEOp: not a TE op node, an op in no ``register_custom_op`` family or with a

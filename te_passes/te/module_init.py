@@ -10,13 +10,7 @@ from typing import Any
 
 def forward_prepare_args(module: Any) -> tuple[int, bool] | None:
     """``(num_gemms, allow_different_data_and_param_types)`` that ``module``'s TE 2.20.2 forward
-    passes to ``prepare_forward``, or ``None`` for a class not audited here.
-
-    Mirrors: ``module/linear.py:2407`` and ``module/layernorm_linear.py:1726`` (1, False),
-    ``module/layernorm_mlp.py:2320`` (2, False), ``module/grouped_linear.py:2222``
-    (``num_gemms``, False), ``attention/dot_product_attention/dot_product_attention.py:2318``
-    (3, ``softmax_type != "vanilla"``). Exact classes only: a subclass may call it otherwise.
-    """
+    passes to ``prepare_forward``, or ``None`` for a class not audited here."""
     import transformer_engine.pytorch as te
 
     cls = type(module)

@@ -13,13 +13,7 @@ import torch.nn.functional as F
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
               normalization: str, zero_centered_gamma: bool) -> torch.Tensor:
-    """TE's LayerNorm / RMSNorm over the last dim, in fp32, output in ``x.dtype``.
-
-    ``x``: [..., hidden] (bf16/fp16/fp32); ``weight`` (gamma) / ``bias`` (beta): [hidden].
-    ``zero_centered_gamma`` uses ``1 + gamma`` (TE 2.20.2 ``module/layernorm_linear.py``; the
-    kernels compute in fp32 and write the activation dtype). Raises ``ValueError`` for another
-    ``normalization``.
-    """
+    """TE's LayerNorm / RMSNorm over the last dim, in fp32, output in ``x.dtype``."""
     shape = (x.shape[-1],)
     w = weight.float()
     if zero_centered_gamma:

@@ -1,13 +1,7 @@
 """TE's op families and their schema layout: the ``transformer_engine_compile`` names every other
-part of :mod:`te_passes.te` decodes by (issue 15 part 4).
+part of :mod:`te_passes.te` decodes by.
 
-Any op family TE's ``register_custom_op`` creates (TE 2.20.2
-``transformer_engine/pytorch/dynamo/custom_op.py`` ``_register_custom_op_impl``: ``<name>``,
-``<name>_base``, ``<name>_backward``, ``<name>_backward_base``) is recognised from
-``torch._library.custom_ops.OPDEFS`` and its schema checked against the slot layout TE's
-``_ArgPlan`` produces, so ops of later TE modules (LayerNormLinear, LayerNormMLP, attention)
-need no new code in :mod:`te_passes.te.graph_model`, which decodes their nodes.
-"""
+See docs/internals.md#te_passesteop_familiespy."""
 
 from __future__ import annotations
 
@@ -33,7 +27,7 @@ class UnknownTEOp(Exception):
     a slot layout it does not recognise). The message names the node, op and TE version."""
 
 
-# (issue 15 part 4) Any op family TE's ``register_custom_op`` creates is decoded from its schema,
+# Any op family TE's ``register_custom_op`` creates is decoded from its schema,
 # so ops of later TE modules (LayerNormLinear, LayerNormMLP, attention) need no new code here.
 #: Roles of the four ops one ``register_custom_op(op_name=<name>)`` call defines (TE 2.20.2
 #: ``dynamo/custom_op.py`` ``_register_custom_op_impl``): op name suffix -> (direction, tier).
@@ -71,14 +65,7 @@ def _registered_custom_op(op: str) -> bool:
 
 
 def op_family(op: str) -> TEOpFamily | None:
-    """The ``register_custom_op`` family ``op`` belongs to, or ``None``.
-
-    ``op`` is a name in :data:`TE_OP_NAMESPACE` (``"linear_backward_base"``). A family is
-    recognised only when all four members (``<name>``, ``<name>_base``, ``<name>_backward``,
-    ``<name>_backward_base``) are custom ops in ``OPDEFS``; a lone op of the namespace is not a
-    family. The longest matching suffix wins (``a_backward`` of family ``a``, not family
-    ``a_backward``, unless ``a_backward_backward`` exists too).
-    """
+    """The ``register_custom_op`` family ``op`` belongs to, or ``None``."""
     for suffix in sorted(FAMILY_SUFFIXES, key=len, reverse=True):
         if suffix and not op.endswith(suffix):
             continue
@@ -109,14 +96,7 @@ def _bundle_type_names() -> frozenset[str]:
 
 
 def schema_layout_problem(schema: torch._C.FunctionSchema) -> str | None:
-    """Why ``schema`` is not a layout TE's ``_ArgPlan`` produces, or ``None`` if it is.
-
-    TE 2.20.2 ``dynamo/custom_op.py`` (``_parse_field`` / ``_parse_arg_type``): every argument is
-    a plain ``Tensor`` / ``Tensor?`` field, or a tensor-or-quantized triple ``X: Tensor?``,
-    ``X__tensors: Tensor[]``, ``X__meta: OpaqueValueBundle`` in that order, and the config bundle
-    ``_simple_meta: OpaqueValueBundle`` is the last argument if present; the op returns one
-    ``Tensor[]``.
-    """
+    """Why ``schema`` is not a layout TE's ``_ArgPlan`` produces, or ``None`` if it is."""
     rets = [str(r.type) for r in schema.returns]
     if rets not in (["List[Tensor]"], ["Tensor[]"]):
         return f"returns {rets}, not one Tensor[]"
@@ -153,10 +133,6 @@ def schema_layout_problem(schema: torch._C.FunctionSchema) -> str | None:
 
 def te_op_family(op: str) -> TEOpFamily:
     """The family of a ``transformer_engine_compile`` op whose slots this model can decode.
-
-    :data:`KNOWN_OPS` are accepted as written against; any other op must belong to a full
-    ``register_custom_op`` family (:func:`op_family`) and have TE's slot layout
-    (:func:`schema_layout_problem`).
 
     Raises:
         UnknownTEOp: not a family member, or its schema is not TE's layout (message says which).

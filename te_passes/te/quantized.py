@@ -1,24 +1,6 @@
 """Which graph values are (parts of) TE quantized tensors, and the role of each buffer.
 
-A TE quantized tensor (``Float8TensorStorage``, ``MXFP8TensorStorage``, ``NVFP4TensorStorage``,
-``Float8BlockwiseQTensorStorage``; TE 2.20.2 ``pytorch/tensor/storage/``) crosses a TE custom
-op boundary as its flat inner buffers — FP8 data / transpose (``uint8``), scale-inverses
-(``float32``; ``uint8`` E8M0 for MXFP8), amaxes — listed in the storage's ``_inner_names``.
-Sources of truth, strongest first (``QuantizedInfo.confidence``):
-
-3. a TE op's storage slot (``<field>__tensors`` + the ``__meta`` bundle's ``_inner_names``,
-   decoded by :func:`te_passes.te.graph_model.decode`): exact role per buffer; and roles
-   linked from the paired AOT backward graph (:func:`link_saved_roles`): the forward's saved
-   outputs keep their node names as the backward's placeholders (AOTAutograd, torch 2.14);
-2. a quantize op: an ATen cast to a ``float8_*`` / ``float4_*`` dtype (``aten._to_copy``,
-   ``prims.convert_element_type``): rowwise data;
-1. dtype only: a TE forward op's saved output (flat index >= 1: index 0 is the user output of
-   ``linear``) in an FP8 configuration; and (assigned per storage by
-   :mod:`te_passes.analyses.liveness`) any buffer of a ``float8_*`` / ``float4_*`` / E8M0
-   dtype: quantized, role ``unknown``.
-
-Nothing here matches TE classes by anything but :mod:`te_passes.te.graph_model`'s decoding.
-"""
+See docs/internals.md#te_passestequantizedpy."""
 
 from __future__ import annotations
 
@@ -46,17 +28,7 @@ _CAST_TARGETS = ("aten::_to_copy", "prims::convert_element_type", "aten::to", "a
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedInfo:
-    """What is known about one quantized buffer.
-
-    * ``role`` — :class:`~te_passes.te.graph_model.BufferRole` value (``"rowwise_data"``,
-      ``"columnwise_data"``, ``"scale_inv"``, ..., ``"unknown"``);
-    * ``source`` — how it was classified: ``"te_storage_slot"``, ``"paired_backward"``,
-      ``"quantize_op"``, ``"te_forward_output"``, ``"dtype"``;
-    * ``confidence`` — 3 (exact, from TE's own metadata) .. 1 (dtype only);
-    * ``field`` / ``storage_cls`` / ``inner_name`` / ``op`` — the TE op field (e.g.
-      ``"inputmat"``), storage class name, ``_inner_names`` entry and the TE op node name,
-      when known.
-    """
+    """What is known about one quantized buffer."""
 
     role: str
     source: str
@@ -181,13 +153,7 @@ def _through_views(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def link_saved_roles(fwd: torch.fx.Graph, bwd: torch.fx.Graph) -> dict[str, QuantizedInfo]:
-    """Roles of the forward's saved quantized outputs, read from the backward's TE storage slots.
-
-    AOTAutograd (torch 2.14) names each backward placeholder after the forward node it saves
-    (``getitem_2``, ``detach``, ...). For every TE storage-slot buffer of the backward whose
-    value is (a view of) a placeholder that the forward returns, the forward node gets the
-    slot's role (source ``"paired_backward"``). Returns ``{forward node name: QuantizedInfo}``.
-    """
+    """Roles of the forward's saved quantized outputs, read from the backward's TE storage slots."""
     fwd_out = next((n for n in reversed(fwd.nodes) if n.op == "output"), None)
     fwd_names: set[str] = set()
     if fwd_out is not None:
@@ -210,14 +176,7 @@ def link_saved_roles(fwd: torch.fx.Graph, bwd: torch.fx.Graph) -> dict[str, Quan
 
 
 def joint_saved_roles(joint: torch.fx.Graph) -> dict[str, QuantizedInfo]:
-    """Roles of saved quantized buffers, read from AOTAutograd's *joint* graph.
-
-    In the joint graph a TE forward op's saved outputs (``getitem_2`` ...) flow (possibly
-    through ``aten.alias`` / ``detach`` views) into the backward op's storage slots, so each
-    gets its exact role. The min-cut partitioner keeps node names, so the result, keyed by the
-    forward ``getitem`` name, names the partitioned forward graph's saved outputs (source
-    ``"paired_backward"``).
-    """
+    """Roles of saved quantized buffers, read from AOTAutograd's *joint* graph."""
     roles: dict[str, QuantizedInfo] = {}
     for node, info in classify_quantized(joint).items():
         if info.source != "te_storage_slot":

@@ -1,33 +1,6 @@
 """The fp8 recipe resolution table: what each TE recipe class resolves to, per GEMM and tensor role.
 
-Transformer Engine reads its recipe objects at run time in many places; te_passes resolves
-every such read once, at compile time, into plain constants (pass ``fold_recipe_lookups``).
-This module is the one place that knows how TE resolves a recipe. It mirrors TE 2.20.2:
-
-* **split accumulator per GEMM** — ``transformer_engine/pytorch/module/linear.py``
-  (``_linear_forward_impl``: fprop; ``Linear.forward``: dgrad/wgrad into ``LinearFwdArgs``),
-  ``layernorm_linear.py``, ``layernorm_mlp.py``, ``grouped_linear.py``: every site reads
-  ``recipe.fp8_gemm_<gemm>.use_split_accumulator`` **if the recipe has that attribute**
-  (``hasattr``), else falls back to the module defaults ``_2X_ACC_FPROP`` / ``_2X_ACC_DGRAD`` /
-  ``_2X_ACC_WGRAD`` of ``transformer_engine/pytorch/module/base.py`` (False / True / True).
-  Only ``Float8CurrentScaling`` and ``Float8BlockScaling`` have ``fp8_gemm_*`` fields
-  (``transformer_engine/common/recipe/__init__.py``);
-* **backward_override** — ``recipe.backward_override`` (``Linear.forward``; ``None`` when fp8 is
-  off);
-* **quantizer fields** — what ``RecipeState.create(recipe, ...).make_quantizers()``
-  (``transformer_engine/pytorch/quantization.py``) sets on the quantizers it builds for a
-  module's slots (forward: input / weight / output; backward: grad_output / grad_input), plus
-  the Float8CurrentScaling customisation every TE module applies in ``set_meta_tensor``
-  (``Linear._customize_quantizers_float8_current_scaling``: input, weight and grad_output get
-  ``force_pow_2_scales`` / ``amax_epsilon`` from ``recipe.fp8_quant_{fwd_inp,fwd_weight,bwd_grad}``).
-
-Usage flags (``rowwise_usage``, ``columnwise_usage``, ``internal``, ``optimize_for_gemm``) are
-set by the modules per call, not by recipes; they are not in the table. ``CustomRecipe``'s
-quantizers come from the user's ``qfactory`` and cannot be resolved statically (its table row
-has ``quantizer_class=None``); its GEMMs use the module defaults.
-
-``tests/test_recipes.py`` checks this table against TE's own resolution code, run on CPU.
-"""
+See docs/internals.md#te_passesterecipe_tablepy."""
 
 from __future__ import annotations
 

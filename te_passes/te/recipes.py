@@ -1,12 +1,7 @@
 """TE recipe knowledge: the recipe classes and the names TE reads off them, compile-time reads
 of recipe objects, and the fp8 autocast state a graph is compiled under (:class:`Fp8State`).
 
-Mirrors TE 2.20.2: the recipe classes and their parts (``transformer_engine/common/recipe/__init__.py``),
-the quantizer class each builds (``transformer_engine/pytorch/quantization.py`` ``RecipeState``),
-``FP8GlobalStateManager``'s lookups and the pure recipe functions of ``quantization.py``. Pass
-``fold_recipe_lookups`` folds reads of these to constants. What each recipe class resolves to per
-GEMM and tensor role (the resolution table) is :mod:`te_passes.te.recipe_table`.
-"""
+See docs/internals.md#te_passesterecipespy."""
 
 from __future__ import annotations
 
@@ -137,9 +132,6 @@ def recipe_field_names(recipe: Any) -> frozenset[str]:
 def read_recipe_attr(obj: Any, name: str) -> Any:
     """Read attribute ``name`` of a recipe or recipe part at compile time.
 
-    Only data fields are read (never user callables such as ``qfactory``); reading a name the
-    object lacks raises the ``AttributeError`` TE code would get.
-
     Raises:
         RecipeResolutionError: ``obj`` is neither a recipe nor a recipe part, or ``name`` is
             not a plain data field of it.
@@ -191,15 +183,7 @@ FP8_STATE_MODULE = "transformer_engine.pytorch.quantization"
 
 @dataclasses.dataclass(frozen=True)
 class Fp8State:
-    """The TE autocast state a graph is compiled under (``FP8GlobalStateManager``).
-
-    ``recipe`` is the object ``get_fp8_recipe()`` returns (TE's default recipe when no autocast
-    is active; ``None`` when that default cannot be chosen because no GPU is visible: lookups
-    of it are then not folded), ``fp8_group`` the amax-reduction process group (``None`` when
-    unset). ``recipe_text`` / ``fp8_group_text``: what :meth:`to_json` shows for them when the
-    objects are not here (a state read back from a dump by :meth:`from_json`; lookups of the
-    recipe are then not folded).
-    """
+    """The TE autocast state a graph is compiled under (``FP8GlobalStateManager``)."""
 
     fp8_enabled: bool = False
     fp8_calibration: bool = False

@@ -43,14 +43,7 @@ class ImplRef:
 
 @dataclasses.dataclass(frozen=True)
 class StateRead:
-    """One read of TE process state inside an inventoried function.
-
-    ``impl``: :attr:`ImplRef.key`; ``line``: line in TE 2.20.2's ``ImplRef.path``; ``accessor``: the
-    global name the code loads (what :func:`scan_reads` counts), ``expr`` the expression,
-    ``state`` what it reads, ``when`` the condition under which the value matters, ``eager`` what
-    an eager call under ``te.autocast`` sees, ``compiled_before`` what a compiled call saw before
-    te_passes delivered the state, ``delivery`` one of :data:`DELIVERIES`.
-    """
+    """One read of TE process state inside an inventoried function."""
 
     impl: str
     line: int
@@ -216,9 +209,8 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 
 def scan_reads(fn: Any) -> collections.Counter:
     """Count the loads of :data:`STATE_NAMES` (global names, and ``cls.quantization_state`` /
-    ``FP8GlobalStateManager.<attr>`` attribute reads counted under their owner) in ``fn``'s
-    bytecode and its nested code objects (an ``os.getenv`` / ``os.environ`` read counts as ``os``).
-    Returns ``Counter({accessor: count})``.
+    ``FP8GlobalStateManager.<attr>`` attribute reads counted under their owner) in ``fn``'s bytecode and
+    its nested code objects (an ``os.getenv`` / ``os.environ`` read counts as ``os``).
 
     Raises:
         TypeError: ``fn`` has no Python code object.

@@ -1,12 +1,6 @@
 """The TE process state that passes read at compile time, captured once per compilation.
 
-Passes must not read TE globals directly: they read a :class:`TEState`, so that
-
-* what a compiled graph was specialised on is explicit and has a fingerprint (part of every
-  post-grad pass's ``uuid()`` and so of Inductor's FX-graph-cache key; the UB snapshot only for
-  graphs that read UB state);
-* the CLI can replay passes offline against a saved state (no GPU, no TE process state).
-"""
+See docs/internals.md#te_passestestatepy."""
 
 from __future__ import annotations
 
@@ -60,13 +54,7 @@ class TEState:
         }
 
     def fingerprint(self, *, include_ub: bool = True) -> str:
-        """sha256 over :meth:`to_json` (stable across processes).
-
-        ``include_ub=False`` leaves the UB snapshot out (hashed as if ``ub`` were ``None``, so
-        for a state without UB both agree): the fingerprint of what a graph that does not read
-        UB state depends on (:func:`te_passes.runtime.ub_graph_guard.ub_state_reads`,
-        :func:`te_passes.pipeline.compilation.pipeline_uuid`).
-        """
+        """sha256 over :meth:`to_json` (stable across processes)."""
         data = self.to_json()
         if not include_ub:
             data["ub"] = None

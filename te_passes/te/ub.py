@@ -1,36 +1,6 @@
 """Userbuffers (UB) knowledge: a snapshot of TE's UB registry and the queries it answers.
 
-Transformer Engine keeps its comm+GEMM overlap communicators in a process-global registry,
-``transformer_engine/pytorch/module/base.py`` (TE 2.20.2):
-
-* ``_ub_communicators: dict[(name, UserBufferQuantizationMode), CommOverlap | CommOverlapP2P]``
-  filled by ``initialize_ub(...)`` for the TransformerLayer GEMM names (``qkv_fprop``,
-  ``proj_dgrad``, ``fc1_wgrad``, ...) once per quantization mode (``NONE`` = ``"none"``,
-  ``FP8`` = ``"fp8"``), emptied by ``destroy_ub()``;
-* ``_ub_initialized`` / ``_ub_with_cublasmp`` behind ``is_ub_initialized()`` and
-  ``using_cublasmp_backend()``;
-* ``get_ub(name, use_fp8)`` — the communicator of ``(name, FP8 if use_fp8 else NONE)``
-  (``RuntimeError`` when UB is not initialised, ``KeyError`` for an unknown key);
-* ``get_ub_is_fp8(name, use_fp8)`` — ``get_ub(...).is_fp8_ubuf()`` under
-  ``torch.compiler.assume_constant_result`` (a constant with *no* Dynamo guard).
-
-The communicators are pybind objects (``transformer_engine_torch.CommOverlap[P2P]``, methods
-``is_fp8_ubuf()``, ``with_cublasmp()``, ``is_atomic_gemm()``, ``is_p2p_overlap()``); calling one
-while Dynamo traces is a graph break. This module
-
-* captures the registry into a :class:`UbSnapshot` (JSON round-trip, stable fingerprint), the
-  only UB state passes read;
-* evaluates UB queries against a snapshot exactly as TE would (:meth:`UbSnapshot.query`);
-* (:mod:`te_passes.te.ub_rules` mirrors which buffers a ``te.Linear`` op fetches for given
-  config flags and checks a TE op config against a snapshot; :mod:`te_passes.te.ub_queries`
-  recognises UB query nodes in an FX graph);
-* (:mod:`te_passes.runtime.ub` offers ``reinitialize_ub`` / ``destroy_ub_keep_compiled`` to
-  re-initialise UB without TE's process-wide ``torch.compiler.reset()``; see
-  :mod:`te_passes.runtime.ub_guard` for why that is safe under ``te_inductor``).
-
-Nothing here needs a GPU: tests populate TE's registry with stand-in objects that expose the
-communicator methods, then call :func:`te_passes.runtime.ub.notify_ub_changed`.
-"""
+See docs/internals.md#te_passesteubpy."""
 
 from __future__ import annotations
 
@@ -84,13 +54,7 @@ def _mode_value(mode: Any) -> str:
 # --------------------------------------------------------------------------- snapshot
 @dataclasses.dataclass(frozen=True)
 class UbBufferState:
-    """The query results of one UB communicator ``(name, mode)``.
-
-    Fields: ``name`` (e.g. ``"qkv_fprop"``), ``mode`` (``"none"``/``"fp8"``, TE's
-    ``UserBufferQuantizationMode`` value), and the communicator's ``is_fp8_ubuf``,
-    ``with_cublasmp``, ``is_atomic_gemm``, ``is_p2p_overlap`` (bools) and ``tp_size`` (int)
-    — each ``None`` when the communicator lacks that method.
-    """
+    """The query results of one UB communicator ``(name, mode)``."""
 
     name: str
     mode: str
@@ -143,10 +107,6 @@ class UbSnapshot:
     @classmethod
     def capture(cls) -> "UbSnapshot":
         """Read TE's live UB registry (``transformer_engine.pytorch.module.base``).
-
-        Does not import TE: when TE is not loaded in this process no UB can be initialised and
-        an empty, uninitialised snapshot (``source="absent"``) is returned. Each communicator's
-        :data:`UB_PREDICATE_METHODS` are called once (cheap host calls).
 
         Raises:
             UbConfigError: a registry key is not ``(str, UserBufferQuantizationMode)``.
@@ -284,10 +244,6 @@ class UbSnapshot:
 
     def query(self, api: str, args: tuple = ()) -> Any:
         """Evaluate one UB query on the snapshot, exactly as TE 2.20.2 would live.
-
-        ``api`` is ``"get_ub_is_fp8"`` (args ``(name, use_fp8)``), ``"is_ub_initialized"``,
-        ``"using_cublasmp_backend"`` (no args), or ``"get_ub.<method>"`` with ``<method>`` in
-        :data:`UB_PREDICATE_METHODS` (args ``(name, use_fp8)``).
 
         Raises:
             UbConfigError: unknown api, wrong arguments, or TE would raise for this state.

@@ -1,12 +1,6 @@
 """Userbuffers (UB) query nodes in an FX graph: which call a node is and its constant arguments.
 
-A UB query node is a ``call_function`` of TE's ``get_ub_is_fp8`` / ``is_ub_initialized`` /
-``using_cublasmp_backend`` (``transformer_engine/pytorch/module/base.py``, TE 2.20.2; also when
-rebound by te_passes' hooks) or of :func:`te_passes.runtime.ub_guard.ub_query`, or a
-``call_method`` of one of :data:`te_passes.te.ub.UB_PREDICATE_METHODS` on a ``get_ub(name,
-use_fp8)`` node. :func:`find_ub_queries` lists them with the query key
-:meth:`te_passes.te.ub.UbSnapshot.query` answers (``api``, ``args``).
-"""
+See docs/internals.md#te_passesteub_queriespy."""
 
 from __future__ import annotations
 
@@ -58,13 +52,7 @@ def _unwrap(fn: Any) -> Any:
 
 
 def ub_query_function(target: Any) -> str | None:
-    """Which UB function an FX ``call_function`` target is, or ``None``.
-
-    Returns ``"get_ub_is_fp8"``, ``"is_ub_initialized"``, ``"using_cublasmp_backend"``,
-    ``"get_ub"`` (TE 2.20.2 ``module/base.py`` functions, also when rebound by te_passes' hooks)
-    or the name a function was registered under (:func:`register_ub_query_function`: the runtime's
-    ``ub_query``).
-    """
+    """Which UB function an FX ``call_function`` target is, or ``None``."""
     fn = _unwrap(target)
     mod, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
     if mod == TE_UB_MODULE and name in (*UB_QUERY_FUNCTIONS, "get_ub"):
@@ -74,8 +62,8 @@ def ub_query_function(target: Any) -> str | None:
 
 
 def bind_ub_query(node: torch.fx.Node, fn_name: str) -> tuple:
-    """Positional argument tuple of a UB call node of ``fn_name`` (a key of ``_SIGNATURES``), all
-    constants; ``ub_query``'s ``method`` defaults to ``"is_fp8_ubuf"``.
+    """Positional argument tuple of a UB call node of ``fn_name`` (a key of ``_SIGNATURES``), all constants;
+    ``ub_query``'s ``method`` defaults to ``"is_fp8_ubuf"``.
 
     Raises:
         UbQueryNotConstant: too many / missing / unexpected arguments, or one that is a node or

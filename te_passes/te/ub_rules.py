@@ -1,13 +1,7 @@
 """TE's Userbuffers (UB) buffer-use rules: which communicators a ``te.Linear`` op fetches for
 its config flags, and the check of a TE op config against a UB snapshot.
 
-:func:`linear_ub_buffer_uses` mirrors ``transformer_engine/pytorch/module/linear.py`` (TE 2.20.2:
-``_linear_forward_impl``, ``_linear_backward_impl``, ``_linear_setup_backward``; the exact
-functions are named in :data:`LINEAR_SOURCE_FWD` / :data:`LINEAR_SOURCE_BWD` /
-:data:`LINEAR_SOURCE_SETUP`); :func:`check_linear_ub_config` checks every use against a
-:class:`te_passes.te.ub.UbSnapshot`. The snapshot itself and the query semantics are in
-:mod:`te_passes.te.ub`.
-"""
+See docs/internals.md#te_passesteub_rulespy."""
 
 from __future__ import annotations
 
@@ -100,21 +94,6 @@ def linear_ub_buffer_uses(op: str, config: Mapping[str, Any],
                           snapshot: UbSnapshot | None = None) -> list[UbBufferUse]:
     """Every ``get_ub(...)`` a ``te.Linear`` op makes for its config bundle, in TE's order.
 
-    Mirrors TE 2.20.2 ``module/linear.py``:
-
-    * forward (``op="linear"``, ``LinearFwdArgs``): ``ub_overlap_rs_fprop`` ->
-      ``{ub_name}_fprop`` (RS), else ``ub_overlap_ag_fprop`` -> ``{ub_name}_fprop`` (AG), mode
-      ``FP8 if fp8 else NONE``; plus the backward's fetches derived from the forward flags
-      (``_linear_setup_backward``: bwd ``ub_overlap_ag`` = fwd ``ub_overlap_ag_dgrad``, all off
-      when ``backward_override`` is set) when a backward will run;
-    * backward (``op="linear_backward"``, ``LinearBwdArgs``): ``ub_overlap_ag`` ->
-      ``_dgrad`` (AG), elif ``ub_overlap_rs_dgrad`` -> ``_dgrad`` (RS), else ``ub_bulk_dgrad`` ->
-      ``_dgrad`` (bulk AG) and ``ub_bulk_wgrad`` -> ``_wgrad`` (bulk RS); with ``ub_overlap_ag``,
-      an MXFP8 ``grad_output_quantizer`` and ``requires_wgrad``, also ``_wgrad`` unless the dgrad
-      communicator uses cuBLASMp (needs ``snapshot``; assumed not without one).
-
-    ``op`` may carry a ``_base`` suffix. Returns ``[]`` when no UB flag is set.
-
     Raises:
         ValueError: ``op`` is not a linear op.
     """
@@ -166,21 +145,6 @@ class UbCheckResult:
 
 def check_linear_ub_config(op: str, config: Mapping[str, Any], snapshot: UbSnapshot) -> UbCheckResult:
     """Check a ``te.Linear`` op's UB configuration against a UB snapshot.
-
-    Checks, each mirroring TE 2.20.2 code that would otherwise fail (or silently misbehave)
-    at run time:
-
-    1. a UB flag is set but ``ub_name`` is ``None`` (``Linear.__init__`` asserts this);
-    2. UB is not initialised (``get_ub`` raises ``RuntimeError``);
-    3. each buffer of :func:`linear_ub_buffer_uses` is registered in its mode (``get_ub``
-       raises ``KeyError``);
-    4. the buffer's ``tp_size`` equals the op's ``tp_size`` (when both are known);
-    5. fp8 agreement: an FP8 RS ``_fprop`` buffer (``is_fp8_ubuf()``) requires ``fp8_output`` and
-       an ``output_quantizer`` (``Linear.forward`` forces ``fp8_output=True`` from
-       ``get_ub_is_fp8(ub_name + "_fprop", ...)``); an FP8 RS ``_dgrad`` buffer requires a
-       ``grad_input_quantizer`` when dgrad is computed (``fp8_grad=True`` likewise);
-    6. bulk overlaps with the cuBLASMp backend (``initialize_ub`` rejects bulk methods and
-       ``Linear.__init__`` turns them into ``ub_overlap_rs_dgrad`` when cuBLASMp is active).
 
     Returns:
         :class:`UbCheckResult`; ``problems`` empty when the config is consistent.

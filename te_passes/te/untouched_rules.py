@@ -110,14 +110,7 @@ SDPA_MASK_TYPES: frozenset[str] = frozenset({"no_mask", "causal", "causal_bottom
 
 def dpa_config_problem(mod: Any, path: str = "SDPA") -> str | None:
     """Why ``DotProductAttention`` ``mod`` cannot go through SDPA (or ``path``, the fused-op
-    rewrite's label, which shares these rules) exactly, or ``None``.
-
-    Supported (TE 2.20.2 ``DotProductAttention``): ``qkv_format`` ``sbhd`` / ``bshd``; mask
-    ``no_mask`` / ``causal`` (top-left) / ``causal_bottom_right`` with s_q == s_kv; the window
-    TE derives for those masks; GQA/MQA (``num_gqa_groups`` dividing the heads); equal K and V
-    head dims; ``softmax_type="vanilla"``; no softcap; no dropout; no context parallelism; no
-    max-logit output. FP8 attention (``fp8_dpa`` / ``fp8_mha``) is refused per call.
-    """
+    rewrite's label, which shares these rules) exactly, or ``None``."""
     if mod.qkv_format not in ("sbhd", "bshd"):
         return f"qkv_format={mod.qkv_format!r} ({path} path: sbhd, bshd)"
     if mod.attn_mask_type not in SDPA_MASK_TYPES:

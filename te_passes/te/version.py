@@ -65,14 +65,7 @@ def te_module(name: str, *, import_te: bool = False):
 def runtime_state_refusal(families: Iterable[str], v: str | None = None,
                           impls: Mapping[str, Sequence[Any]] | None = None) -> str | None:
     """Why compiled calls of these TE op families (``"linear"``, ``"fused_attn"``, ...) cannot be
-    given the user's ``te.autocast`` state on TE ``v`` (default: installed), or ``None``.
-
-    Refused: a TE series other than :data:`SUPPORTED_TE`; an inventoried impl or helper whose code
-    reads TE state the inventory does not list (:func:`te_passes.te.runtime_reads.unknown_reads`,
-    checked once per process); a family without an inventory
-    (:data:`te_passes.te.runtime_reads.FAMILY_IMPLS`) whose impl functions (``impls[family]``, the
-    ``impl`` its base ops run) read any TE state (:func:`~te_passes.te.runtime_reads.scan_reads`),
-    or whose impls are not given."""
+    given the user's ``te.autocast`` state on TE ``v`` (default: installed), or ``None``."""
     v = te_version() if v is None else v
     if not is_supported(v):
         return (f"TE {v}: the TE state its impls read at run time is inventoried for TE "

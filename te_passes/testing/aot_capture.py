@@ -12,7 +12,8 @@ import torch
 import torch.fx
 import torch.utils._pytree
 
-from te_passes.testing.captured import CapturedAOT, CapturedGraph, copy_gm
+from te_passes.fx.graph import copy_graph_module
+from te_passes.testing.captured import CapturedAOT, CapturedGraph
 from te_passes.testing.dynamo_capture import UB_OVERLAP_FLAGS, capture_dynamo, first_line
 from te_passes.testing.fake_gpu import CaptureError, capture_lock, constructing, fake_gpu, quiet
 
@@ -98,7 +99,7 @@ def _recording_pass(sink: dict, key: str, stop: bool, hook: Callable[[torch.fx.G
                     hook(gm)
                 except Exception as e:  # noqa: BLE001 - re-raised by capture_aot
                     raise _HookError() from e
-            sink[key] = gm if stop else copy_gm(gm)
+            sink[key] = gm if stop else copy_graph_module(gm)
             if stop:
                 raise _StopAtHook()
 
@@ -149,16 +150,6 @@ def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers:
                 dynamo: CapturedGraph | None = None, stage_hook: StageHook | None = None,
                 **kwargs: Any) -> CapturedAOT:
     """Capture the AOTAutograd graphs (joint, forward, backward) of a TE model without a GPU.
-
-    Mirrors what ``compile_fx`` (torch 2.14.1, ``torch._inductor.compile_fx``) feeds Inductor's
-    custom-pass hooks: ``aot_module_simplified(gm, example_inputs, decompositions=
-    select_decomp_table(), partition_fn=compile_fx.partition_fn, keep_inference_input_mutations=
-    True)`` on the Dynamo graph. ``joint`` is recorded where ``joint_custom_pre_pass`` runs
-    (inside ``joint_graph_passes``, after ``canonicalize_aten_ir_passes``); Inductor's joint
-    passes then run and ``min_cut_rematerialization_partition(compiler="inductor")`` splits
-    the graph; ``forward`` / ``backward`` are recorded where ``post_grad_custom_pre_pass`` runs
-    (after ``view_to_reshape``, fake-tensor propagation and ``eliminate_dead_code``). See the
-    module docstring for how the joint trace avoids CUDA.
 
     Args:
         model, precision, layers, tokens, hidden, out_features, training, **kwargs: as for
@@ -216,7 +207,7 @@ def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers:
         rec["forward"] = gm
         return gm.forward
 
-    gm = copy_gm(dynamo.gm)
+    gm = copy_graph_module(dynamo.gm)
     fake_ub = any(bool(dynamo.linear_kwargs.get(k)) for k in UB_OVERLAP_FLAGS)
     with capture_lock, quiet(), fake_gpu(dynamo.precision, fake_ub=fake_ub):
         mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -1,63 +1,6 @@
 """Real Transformer Engine graphs without a GPU: the test utility behind every pass's tests.
 
-What it gives:
-
-* :func:`capture_dynamo` — the graph Dynamo hands a ``torch.compile`` backend for ``te.Linear``
-  (``model="linear"``) or a stack of ``te.Linear`` with ``torch.nn.functional.gelu`` between
-  (``model="stack"``), in bf16 / Float8CurrentScaling / MXFP8, plus its example inputs (fake
-  tensors) — exactly what ``te_passes.backend.te_inductor(gm, example_inputs)`` receives;
-* :func:`capture_aot` — the post-AOTAutograd ATen graphs Inductor's hooks see: the joint graph
-  (``joint_custom_pre_pass``) and the partitioned forward / backward graphs
-  (``post_grad_custom_pre_pass``) with ``transformer_engine_compile.linear.default`` /
-  ``linear_backward.default``;
-* :func:`run_pipeline` — runs te_passes' :class:`~te_passes.pipeline.manager.PassManager` on
-  captured graphs at the right :class:`~te_passes.pipeline.base.Stage`.
-
-This module is the entry (these three, the cached captures and :func:`capture_skip_reason`); the
-parts: :mod:`te_passes.testing.fake_gpu` (the fake device, :class:`CaptureError`),
-:mod:`te_passes.testing.captured` (:class:`CapturedGraph`, :class:`CapturedAOT`),
-:mod:`te_passes.testing.dynamo_capture` and :mod:`te_passes.testing.aot_capture`.
-
-How (TE 2.20.2, torch 2.14.1; measured on a CPU-only machine, see docs/testing-real-graphs.md):
-
-1. *Dynamo graph.* The modules and the input are built under a ``FakeTensorMode`` on device
-   ``cuda`` with ``torch.cuda.is_available`` patched to ``True`` only while constructing. TE's
-   cached support flags (``transformer_engine.pytorch.quantization._FP8_SUPPORT``, ...) are
-   preset and the device-capability queries (``torch.cuda.get_device_capability`` /
-   ``get_device_properties`` / ``current_device``, TE's ``utils._get_device_compute_capability``)
-   answer (9, 0) (bf16, fp8-cs) or (10, 0) (mxfp8) for the duration of the capture; everything
-   is restored afterwards. The function is compiled with ``fullgraph=True, dynamic=False`` and a
-   recording backend whose compiled callable raises instead of running the graph. The recipe is
-   built outside the compiled function and the layers run inside ``te.autocast`` (as TE
-   requires); bf16 runs without ``te.autocast``.
-2. *AOT graphs, in process.* The Dynamo graph goes through
-   ``torch._functorch.aot_autograd.aot_module_simplified`` with Inductor's decomposition table
-   (``torch._inductor.decomposition.select_decomp_table``) and Inductor's ``partition_fn``
-   (min-cut, what ``compile_fx`` uses). The joint trace runs the autograd
-   engine, which needs a CUDA device guard on fake ``cuda`` tensors; so the inputs are fake
-   ``meta`` tensors for the trace (TE's fake impls take devices from their inputs), and the
-   graphs are re-propagated with ``torch.fx.passes.fake_tensor_prop.FakeTensorProp`` on fake
-   ``cuda`` inputs — the joint graph before Inductor's joint passes see it (Inductor's constant
-   folder treats meta values as known constants and would replace TE op outputs) — so every
-   ``node.meta["val"]`` is on ``cuda:0`` as in a real compilation. Inductor's own pieces run around the recording points: ``compile_fx.partition_fn``
-   (joint passes incl. the ``joint_custom_pre_pass`` hook, where the joint graph is recorded,
-   then the min-cut partitioner) and, per partitioned graph, ``view_to_reshape`` and
-   ``post_grad_passes`` up to the ``post_grad_custom_pre_pass`` hook, where a recording pass
-   takes the graph and stops Inductor. So ``joint`` / ``forward`` / ``backward`` are the graphs
-   the backend's hooks receive — checked line for line against a real H200 compilation
-   (``tests/gpu/test_capture_fidelity.py``: bf16 and fp8-cs, 1 and 4 layers, identical).
-
-Untouched ``te.LayerNormLinear`` / ``LayerNormMLP`` / ``MultiheadAttention`` /
-``TransformerLayer`` (``model="layernorm_linear"``, ...) are captured through te_passes' polyfills
-of TE's disabled forwards (:mod:`te_passes.runtime.untouched`; the recording backend takes them as
-``te_inductor`` does; the fake GPU answers TE's fused-attention backend query with
-``F16_arbitrary_seqlen``); their AOT graphs need a GPU. Userbuffers / tensor-parallel keyword arguments reach ``te.Linear`` unchanged; without a
-process group TE takes ``tp_size`` as given, and UB overlap needs UB communicators: pass
-``fake_ub=True`` (default when any ``ub_*`` flag is set) to install stand-ins for the lookups TE
-makes while tracing (``get_ub(name, fp8).is_fp8_ubuf()``; ``ub_fp8`` chooses its answer).
-Configurations TE runs eagerly (DelayedScaling, ``fuse_wgrad_accumulation``, ...) raise
-:class:`CaptureError` with TE's fallback reason.
-"""
+See docs/internals.md#te_passestestingcapturepy and docs/testing-real-graphs.md."""
 
 from __future__ import annotations
 
@@ -81,14 +24,7 @@ from te_passes.testing.fake_gpu import CaptureError, capture_lock, fake_gpu, qui
 
 
 def capture_skip_reason() -> str | None:
-    """Why real TE graphs cannot be captured in this process (for ``pytest.skip``), or ``None``.
-
-    Checks: ``transformer_engine.pytorch`` imports (torch first, as TE requires; ImportError or
-    TE's own load errors), TE's torch.compile custom-op path is on
-    (``transformer_engine.pytorch.utils._compile_disabled_reason is None``; TE 2.20.2 turns it
-    off on torch versions without the opaque-object API), and the TE version is one the graph
-    model decodes (:func:`te_passes.te.version.is_supported`).
-    """
+    """Why real TE graphs cannot be captured in this process (for ``pytest.skip``), or ``None``."""
     try:
         import transformer_engine.pytorch  # noqa: F401
         import transformer_engine.pytorch.utils as te_utils
@@ -148,19 +84,6 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
                  passes: Sequence[Any] | None = None, options: Any = None, te_state: Any = None,
                  relower: bool = False, copy: bool = True, graph_id: str = "g0") -> list[Any]:
     """Run te_passes' pass pipeline on captured graphs, stage by stage, as the backend does.
-
-    :class:`CapturedGraph` → ``Stage.DYNAMO`` on ``gm`` (with its example inputs).
-
-    :class:`CapturedAOT` (default) — each stage's passes run on (a copy of) the captured graph
-    of that stage, independently: DYNAMO on the Dynamo graph, JOINT on ``joint``,
-    POST_GRAD_FWD on ``forward``, POST_GRAD_BWD on ``backward``; later stages do not see
-    earlier stages' rewrites (what ``te-passes dump --example`` does offline).
-
-    :class:`CapturedAOT` with ``relower=True`` — the backend's order exactly: the DYNAMO passes
-    rewrite (a copy of) the Dynamo graph, which is then lowered again by :func:`capture_aot`
-    with the JOINT passes run at the ``joint_custom_pre_pass`` point (before partitioning, so
-    their rewrites reach the forward/backward graphs) and the POST_GRAD_FWD / POST_GRAD_BWD
-    passes at the ``post_grad_custom_pre_pass`` point. Costs one AOT trace (~1–2 s).
 
     Args:
         captured: what :func:`capture_dynamo` / :func:`capture_aot` returned.

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.fx.graph import copy_graph
+from te_passes.fx.graph import copy_graph_module
 from te_passes.te import graph_model as gmod
 
 
@@ -73,27 +73,9 @@ def te_op_names(gm: torch.fx.GraphModule) -> list[str]:
     return [op for op in (gmod.te_op_name(n) for n in gm.graph.nodes) if op is not None]
 
 
-def copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A node-for-node copy of ``gm`` (TE constants and ``node.meta`` values are shared)."""
-    graph = copy_graph(gm.graph)
-    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    for old_n, new_n in zip(gm.graph.nodes, new.graph.nodes):
-        new_n.meta = dict(old_n.meta)
-    return new
-
-
 @dataclasses.dataclass
 class CapturedGraph:
-    """A Dynamo graph of a TE model, as a ``torch.compile`` backend receives it.
-
-    Fields: ``gm`` (``torch.fx.GraphModule``: placeholders for the layers' ``weight`` bf16[N, K]
-    and ``bias`` bf16[N] per layer, then the input bf16[tokens, hidden]; one
-    ``transformer_engine_compile.linear`` OpOverloadPacket call per layer),
-    ``example_inputs`` (Dynamo's fake tensors on ``cuda:0``, in placeholder order),
-    ``precision``, ``model``, ``layers``, ``tokens``, ``hidden``, ``out_features`` (of the last
-    layer), ``linear_kwargs`` (extra ``te.Linear`` arguments), ``training`` (``False``: traced under
-    ``torch.no_grad()``), ``te_version``, ``torch_version``.
-    """
+    """A Dynamo graph of a TE model, as a ``torch.compile`` backend receives it."""
 
     gm: torch.fx.GraphModule
     example_inputs: list[Any]
@@ -122,7 +104,7 @@ class CapturedGraph:
     def copy(self) -> "CapturedGraph":
         """A copy whose graph can be rewritten without touching this one (TE constant objects
         and fake ``meta`` values are shared; passes replace them, never mutate them)."""
-        return dataclasses.replace(self, gm=copy_gm(self.gm), example_inputs=list(self.example_inputs),
+        return dataclasses.replace(self, gm=copy_graph_module(self.gm), example_inputs=list(self.example_inputs),
                                    linear_kwargs=dict(self.linear_kwargs))
 
 
@@ -180,8 +162,8 @@ class CapturedAOT:
     def copy(self) -> "CapturedAOT":
         """A copy whose graphs can be rewritten independently (see :meth:`CapturedGraph.copy`)."""
         return dataclasses.replace(
-            self, forward=copy_gm(self.forward),
-            backward=copy_gm(self.backward) if self.backward is not None else None,
-            joint=copy_gm(self.joint) if self.joint is not None else None,
+            self, forward=copy_graph_module(self.forward),
+            backward=copy_graph_module(self.backward) if self.backward is not None else None,
+            joint=copy_graph_module(self.joint) if self.joint is not None else None,
             forward_inputs=list(self.forward_inputs), backward_inputs=list(self.backward_inputs),
             joint_inputs=list(self.joint_inputs), dynamo=self.dynamo.copy())

@@ -1,22 +1,6 @@
 """The torch-only part of the GPU harness (:mod:`te_passes.testing.gpu` re-exports it).
 
-This module imports nothing but torch (and the standard library), so it can be loaded from its
-file without importing the ``te_passes`` package: ``benchmarks/sp_fp8_tp2.py`` does, since its
-``inductor`` scenario must run without te_passes loaded.
-
-* :class:`CompileWatch` / :class:`CompileStats` — Dynamo / Inductor counters over a region:
-  graphs, graph breaks (with reasons), recompiles, cudagraph skips, cudagraph recordings, lazy
-  backward compiles;
-* :func:`cudagraph_tree_nodes` — recorded CUDA graphs of a device's cudagraph tree;
-* :func:`te_inductor_backend_listed` — whether ``backend="te_inductor"`` resolves without
-  registering it by hand (the distribution's entry point);
-* :func:`fresh_compile_state` — ``torch._dynamo.reset()`` around a configuration.
-
-Torch sources mirrored (torch 2.14.1): ``torch._dynamo.utils.counters`` (``stats.unique_graphs``,
-``graph_break``, ``inductor.cudagraph_skips``), ``torch._dynamo.callback.CallbackTrigger``
-(compile ids ``"<frame>/<frame_compile>"``: a frame compile id > 0 is a recompile),
-``torch._inductor.cudagraph_trees.get_manager`` and ``torch._dynamo.backends.registry``.
-"""
+See docs/internals.md#te_passestestingcompile_watchpy."""
 
 from __future__ import annotations
 
@@ -33,15 +17,7 @@ _COMPILE_ID = re.compile(r"^(\d+)/(\d+)")
 
 @dataclasses.dataclass
 class CompileStats:
-    """Counts over one :class:`CompileWatch` region.
-
-    ``graphs``: Dynamo graphs compiled (``counters["stats"]["unique_graphs"]``, recompiles
-    included); ``graph_breaks``: total graph breaks, ``break_reasons`` their messages with counts;
-    ``recompiles``: Dynamo compilations of a frame that was compiled before (compile id
-    ``F/C`` with ``C > 0``); ``cudagraph_skips``: ``counters["inductor"]["cudagraph_skips"]``;
-    ``cudagraph_recordings``: cudagraph-tree recordings started; ``lazy_backward_compiles``:
-    AOTAutograd backward compilations deferred to the first backward.
-    """
+    """Counts over one :class:`CompileWatch` region."""
 
     graphs: int = 0
     graph_breaks: int = 0

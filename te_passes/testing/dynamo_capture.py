@@ -78,13 +78,6 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
                    **linear_kwargs: Any) -> CapturedGraph:
     """Capture the Dynamo graph of a TE model without a GPU.
 
-    Mirrors ``torch.compile(fn, backend=..., fullgraph=True, dynamic=False)(x)`` where ``fn`` runs
-    ``te.Linear`` layer(s) inside ``te.autocast(enabled=True, recipe=recipe)`` (fp8) — TE 2.20.2
-    then traces each layer as ``torch.ops.transformer_engine_compile.linear``
-    (``module/linear.py`` ``Linear.forward`` → ``_linear_op``). The untouched models
-    (:data:`UNTOUCHED_MODELS`) are traced through te_passes' polyfills of TE's disabled forwards
-    (the recording backend takes them as ``te_inductor`` does).
-
     Args:
         model: ``"linear"`` — ``te.Linear(hidden, out_features)``; ``"stack"`` — ``layers``
             ``te.Linear`` with ``torch.nn.functional.gelu`` between, all ``hidden -> hidden``

@@ -132,17 +132,7 @@ def import_te():
 
 @contextlib.contextmanager
 def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = None) -> Iterator[None]:
-    """Make TE believe a GPU of ``DEVICE_CAPABILITY[precision]`` is present (no CUDA calls).
-
-    Patches, restored on exit: TE's cached support flags (``quantization._FP8_SUPPORT``,
-    ``_MXFP8_SUPPORT``, ``_NVFP4_SUPPORT``, ``_FP8_BLOCK_SCALING_SUPPORT`` = ``(True, "")``),
-    ``transformer_engine.pytorch.utils._get_device_compute_capability``,
-    ``torch.cuda.current_device`` / ``get_device_capability`` / ``get_device_properties`` and,
-    with ``fake_ub``, TE's Userbuffers registry (``module.base._ub_communicators`` /
-    ``_ub_initialized``). ``torch.cuda.is_available`` is *not* patched here (Dynamo would then
-    query CUDA RNG state): patch it only around construction (:func:`constructing`).
-    Inductor's cached system info is cleared on entry and exit (:mod:`te_passes.testing.inductor_state`).
-    """
+    """Make TE believe a GPU of ``DEVICE_CAPABILITY[precision]`` is present (no CUDA calls)."""
     if precision not in DEVICE_CAPABILITY:
         raise CaptureError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     import_te()

@@ -1,30 +1,6 @@
 """GPU harness: real TE modules on a CUDA device, compiled against TE eager.
 
-Shared by the GPU test suite (``tests/gpu/``, ``pytest -m gpu``) and the GPU benchmark
-(``benchmarks/bench_gpu.py``). Nothing here runs a TE kernel at import time; every function
-that touches TE imports it lazily, so the module imports on a machine without a GPU or TE.
-
-What it provides:
-
-* :func:`gpu_skip_reason` — why TE-on-GPU work cannot run here (no CUDA device, TE missing,
-  TE's torch.compile custom-op path switched off), or ``None``;
-* :func:`build_stack` / :func:`build_linear` / :func:`copy_params` — the models the suite and
-  the benchmark use (``te.Linear`` and a stack of ``te.Linear`` with ``torch.nn.GELU`` between);
-* :func:`forward_fn` — ``x -> model(x)`` inside ``te.autocast`` for fp8 (the recipe is built once,
-  outside the compiled function, as TE requires);
-* :func:`train_step` — one forward + backward with ``param.grad = None`` first (what a training
-  loop's ``zero_grad(set_to_none=True)`` does);
-* :class:`CompileWatch` — Dynamo / Inductor counters over a region: graphs, graph breaks (with
-  reasons), recompiles, cudagraph skips, cudagraph recordings, lazy backward compiles (defined,
-  with :func:`cudagraph_tree_nodes` and :func:`fresh_compile_state`, in
-  :mod:`te_passes.testing.compile_watch`, which imports only torch; re-exported here);
-* :func:`rel_err` / :data:`REL_TOL` — numerics against eager.
-
-Torch sources mirrored (torch 2.14.1): ``torch._dynamo.utils.counters`` (``stats.unique_graphs``,
-``graph_break``, ``inductor.cudagraph_skips``), ``torch._dynamo.callback.CallbackTrigger``
-(compile ids ``"<frame>/<frame_compile>"``: a frame compile id > 0 is a recompile), and
-``torch._inductor.cudagraph_trees.get_manager`` (in :mod:`te_passes.testing.compile_watch`).
-"""
+See docs/internals.md#te_passestestinggpupy."""
 
 from __future__ import annotations
 
@@ -50,12 +26,6 @@ REL_TOL: dict[str, float] = {"bf16": 1e-2, "fp8": 5e-2}
 
 def gpu_skip_reason() -> str | None:
     """Why real TE cannot be compiled on a GPU in this process, or ``None`` when it can.
-
-    Checks, in order: a CUDA device is visible (``torch.cuda.is_available()``); TE imports
-    (``transformer_engine.pytorch``; torch is imported first, as TE requires); TE's torch.compile
-    custom-op path is on (``transformer_engine.pytorch.utils._compile_disabled_reason is None``,
-    TE 2.20.2: it is switched off on torch versions without the opaque-object API, and then every
-    TE module graph-breaks).
 
     Returns:
         A one-line reason (for ``pytest.skip``), or ``None``.
@@ -104,8 +74,6 @@ def build_stack(layers: int, hidden: int, *, bias: bool = True, seed: int = 0,
                 device: str = "cuda") -> torch.nn.Sequential:
     """``layers`` × ``te.Linear(hidden, hidden)`` (bf16 params) with ``torch.nn.GELU()`` between.
 
-    ``layers=4`` is the benchmark's "stack4": Linear, GELU, Linear, GELU, Linear, GELU, Linear.
-
     Raises:
         ValueError: ``layers < 1``.
     """
@@ -138,9 +106,6 @@ def copy_params(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 
 def forward_fn(model: torch.nn.Module, precision: str, recipe: Any = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> model(x)``; for ``"fp8"`` inside ``te.autocast(enabled=True, recipe=recipe)``.
-
-    The recipe must be built outside the function that is compiled (``make_recipe``), so Dynamo
-    sees one constant recipe object (a new recipe per call would recompile).
 
     Raises:
         ValueError: ``precision`` is ``"fp8"`` and ``recipe`` is ``None``, or an unknown precision.
@@ -226,14 +191,35 @@ def grads_of(x: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-def ensure_te_inductor_backend() -> str:
-    """Make ``backend="te_inductor"`` resolvable; return how it resolves.
+def fwd_bwd(fn: Callable, model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """One forward (``fn(x)``; a tuple's first item) and ``backward(dy)`` from cleared grads of
+    ``x`` and ``model``: ``(output copy, grads_of(x, model))``."""
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    y = fn(x)
+    y = y[0] if isinstance(y, tuple) else y
+    y.backward(dy)
+    return y.detach().clone(), grads_of(x, model)
 
-    Returns ``"entry point"`` when the installed distribution's ``torch_dynamo_backends`` entry
-    point provides it (the normal case: ``pip install -e .``), ``"registered"`` when this process
-    had to register :func:`te_passes.backend.te_inductor` by hand (a checkout on ``PYTHONPATH``
-    without the package installed).
-    """
+
+def transformer_layer_pair(hidden: int, ffn: int, heads: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two ``te.TransformerLayer(hidden, ffn, heads)`` (bf16 on cuda, no dropout, seed 0) with
+    equal parameters: ``(reference, candidate)``."""
+    import transformer_engine.pytorch as te
+
+    def build():
+        torch.manual_seed(0)
+        return te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                   params_dtype=torch.bfloat16, device="cuda")
+
+    ref, cand = build(), build()
+    copy_params(ref, cand)
+    return ref, cand
+
+
+def ensure_te_inductor_backend() -> str:
+    """Make ``backend="te_inductor"`` resolvable; return how it resolves."""
     if te_inductor_backend_listed():
         return "entry point"
     # Function-level on purpose: importing te_passes.backend installs te_passes' TE hooks (its

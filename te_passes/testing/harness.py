@@ -1,17 +1,7 @@
 """The shared pass-test harness: run a pass (or the configured pipeline) on a real FX graph
 through the path the backend takes, with before/after snapshots and op counts.
 
-* :func:`pass_context` — the :class:`~te_passes.pipeline.base.PassContext` a stage's passes get
-  from :meth:`te_passes.pipeline.compilation.Compilation.context` (graph id ``"g0"`` plus the
-  stage suffix), with test defaults: ``TePassesOptions(**opts)``, an empty ``TEState()``;
-* :func:`run_passes` — :class:`~te_passes.pipeline.manager.PassManager` +
-  :class:`~te_passes.pipeline.compilation.Compilation` (the backend's driver: disable list,
-  the edit journal and its undo, lint, recompile, observers' stage hooks) on ``gm``, after
-  :func:`te_passes.runtime.install.install` as the backend does (``install=False``: not), returning a
-  :class:`HarnessRun` with the graph's code and op counts before and after, the stage report,
-  the typed facts and the stage's context;
-* :func:`count_ops` / :func:`diff` — ``call_function`` targets of a graph and what changed.
-"""
+See docs/internals.md#te_passestestingharnesspy."""
 
 from __future__ import annotations
 
@@ -118,14 +108,8 @@ def run_passes(gm: torch.fx.GraphModule, passes: TEPass | Sequence[TEPass] | Non
                options: TePassesOptions | None = None, graph_id: str = "g0", inputs: dict | None = None,
                observers: Sequence[Any] = (), install: bool = True, **opts: Any) -> HarnessRun:
     """Run ``passes`` (one pass, a list, or ``None``: the configured pipeline,
-    :func:`te_passes.passes.order.configured_passes` of ``options.pass_config``) for
-    ``stage`` on ``gm`` in place, through :class:`PassManager` and
-    :meth:`Compilation.run_stage` as the backend does.
-
-    ``install``: first call :func:`te_passes.runtime.install.install` (idempotent, process-wide),
-    as the backend does before any pass runs (the Inductor lowerings passes look up, the TE
-    constant classes' ``__fx_repr__``); ``False`` for tests of a pass without the runtime.
-    Other arguments as :func:`pass_context`.
+    :func:`te_passes.passes.order.configured_passes` of ``options.pass_config``) for ``stage`` on ``gm`` in
+    place, through :class:`PassManager` and :meth:`Compilation.run_stage` as the backend does.
 
     Raises:
         te_passes.pipeline.manager.TePassError: a pass failed under ``strict``.

@@ -1,12 +1,6 @@
 """Stand-in Userbuffers communicators for tests and offline demos (no GPU, no process group).
 
-Real UB communicators (``transformer_engine_torch.CommOverlap`` / ``CommOverlapP2P``) need GPUs
-and a process group. :class:`StandInCommunicator` exposes the same query methods
-(``is_fp8_ubuf``, ``with_cublasmp``, ``is_atomic_gemm``, ``is_p2p_overlap``, ``get_tp_size``);
-:func:`ub_registry` installs a set of them into TE's registry
-(``transformer_engine.pytorch.module.base._ub_communicators`` / ``_ub_initialized`` /
-``_ub_with_cublasmp``), notifies te_passes' UB guard, and restores everything on exit.
-"""
+See docs/internals.md#te_passestestingubpy."""
 
 from __future__ import annotations
 

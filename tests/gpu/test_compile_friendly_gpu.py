@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from te_passes.testing.compile_watch import assert_one_graph
-from te_passes.testing.gpu import REL_TOL, CompileWatch, copy_params, grads_of, make_recipe, rel_err
+from te_passes.testing.gpu import (REL_TOL, CompileWatch, copy_params, fwd_bwd, make_recipe, rel_err,
+                                   transformer_layer_pair)
 
 pytestmark = pytest.mark.gpu
 
@@ -74,16 +75,6 @@ def _twins(build):
     return ref, cand
 
 
-def _fwd_bwd(fn, model, x, dy):
-    for p in model.parameters():
-        p.grad = None
-    x.grad = None
-    y = fn(x)
-    y = y[0] if isinstance(y, tuple) else y
-    y.backward(dy)
-    return y.detach().clone(), grads_of(x, model)
-
-
 def _dy_like(fn, x, gen):
     with torch.no_grad():
         y = fn(x.detach())
@@ -96,8 +87,8 @@ def _check_pair(ref, cand, x_shape, precision="bf16", tag="", fwd=None):
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(*x_shape, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
     dy = _dy_like(fwd(ref), x, gen)
-    y_ref, g_ref = _fwd_bwd(fwd(ref), ref, x, dy)
-    y, g = _fwd_bwd(fwd(cand), cand, x, dy)
+    y_ref, g_ref = fwd_bwd(fwd(ref), ref, x, dy)
+    y, g = fwd_bwd(fwd(cand), cand, x, dy)
     errs = {"out": _assert_close(f"{tag} out", y, y_ref, precision)}
     assert g.keys() == g_ref.keys(), f"{tag}: grads {sorted(g)} != {sorted(g_ref)}"
     errs.update(_assert_grads_close(tag, g, g_ref, precision))
@@ -213,15 +204,15 @@ def test_transformer_layer_one_graph_and_numerics(precision, mode):
     # ``lazy_compile``, the ``jit_fuser`` of TE 2.20.2): warm it up outside the watch, which
     # counts only what the te_inductor call compiles.
     w = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    _fwd_bwd(ref_fn, ref, w, torch.randn_like(w))
+    fwd_bwd(ref_fn, ref, w, torch.randn_like(w))
     with CompileWatch() as watch:
         for step in range(3):
             x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
             dy = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
             if mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
-            y, g = _fwd_bwd(fn, cand, x, dy)
-            y_ref, g_ref = _fwd_bwd(ref_fn, ref, x, dy)
+            y, g = fwd_bwd(fn, cand, x, dy)
+            y_ref, g_ref = fwd_bwd(ref_fn, ref, x, dy)
             _assert_close(f"step {step} out", y, y_ref, precision)
             assert g.keys() == g_ref.keys()
             _assert_grads_close(f"step {step}", g, g_ref, precision)
@@ -244,13 +235,7 @@ def test_untouched_layer_no_recompiles_after_prepare(precision):
 
     recipe = make_recipe(precision) or Float8CurrentScaling()
 
-    def build():
-        torch.manual_seed(0)
-        return te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
-                                   params_dtype=torch.bfloat16, device="cuda")
-
-    ref, cand = build(), build()
-    copy_params(ref, cand)
+    ref, cand = transformer_layer_pair(HIDDEN, FFN, HEADS)
     prepare_te_state(cand, recipe, fp8=precision == "fp8")
     fn = torch.compile(_layer_fn(cand, precision, recipe), backend="te_inductor")
     ref_fn = _layer_fn(ref, precision, recipe)
@@ -260,8 +245,8 @@ def test_untouched_layer_no_recompiles_after_prepare(precision):
         for step in range(3):
             x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
             dy = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
-            y, g = _fwd_bwd(fn, cand, x, dy)
-            y_ref, g_ref = _fwd_bwd(ref_fn, ref, x, dy)
+            y, g = fwd_bwd(fn, cand, x, dy)
+            y_ref, g_ref = fwd_bwd(ref_fn, ref, x, dy)
             _assert_close(f"step {step} out", y, y_ref, precision)
             _assert_grads_close(f"step {step}", g, g_ref, precision)
             if step == 0:

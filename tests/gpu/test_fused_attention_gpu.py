@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from te_passes.testing.compile_watch import assert_one_graph
-from te_passes.testing.gpu import REL_TOL, CompileWatch, copy_params, grads_of, rel_err
+from te_passes.testing.gpu import REL_TOL, CompileWatch, grads_of, rel_err, transformer_layer_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -105,13 +105,7 @@ def test_transformer_layer_te_fused_one_graph_and_numerics(mode):
 
     recipe = Float8CurrentScaling()  # entered disabled: TE's MultiheadAttention reads a recipe
 
-    def build():
-        torch.manual_seed(0)
-        return te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
-                                   params_dtype=torch.bfloat16, device="cuda")
-
-    ref, cand = build(), build()
-    copy_params(ref, cand)
+    ref, cand = transformer_layer_pair(HIDDEN, FFN, HEADS)
     holder = torch.nn.Sequential(cand)
     compile_friendly(holder, attention="te_fused", strict=True)
     recs = {r.module: r for r in rewrite_records(holder)}

@@ -28,7 +28,8 @@ import contextlib
 import pytest
 import torch
 
-from te_passes.testing.gpu import REL_TOL, build_linear, build_stack, copy_params, grads_of, rel_err
+from te_passes.testing.gpu import (REL_TOL, build_linear, build_stack, copy_params, grads_of, rel_err,
+                                   transformer_layer_pair)
 
 pytestmark = pytest.mark.gpu
 
@@ -169,13 +170,7 @@ def test_transformer_layer(recipe_name, mode):
     recipe = _recipe(recipe_name)
     torch._dynamo.reset()
 
-    def build():
-        torch.manual_seed(0)
-        return te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
-                                   params_dtype=torch.bfloat16, device="cuda")
-
-    ref, cand = build(), build()
-    copy_params(ref, cand)
+    ref, cand = transformer_layer_pair(HIDDEN, FFN, HEADS)
     holder = torch.nn.Sequential(cand)
     compile_friendly(holder, strict=True)  # in place: TE's modules rewritten so their ops are in the graph
     prepare_te_state(cand, recipe, fp8=True)

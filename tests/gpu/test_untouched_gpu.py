@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from te_passes.testing.compile_watch import assert_one_graph
-from te_passes.testing.gpu import (REL_TOL, CompileWatch, copy_params, grads_of, make_recipe, rel_err,
+from te_passes.testing.gpu import (REL_TOL, CompileWatch, copy_params, fwd_bwd, make_recipe, rel_err,
                                    symmetry_reference)
 
 pytestmark = pytest.mark.gpu
@@ -31,16 +31,6 @@ def _te():
     import transformer_engine.pytorch as te
 
     return te
-
-
-def _fwd_bwd(fn, model, x, dy):
-    for p in model.parameters():
-        p.grad = None
-    x.grad = None
-    y = fn(x)
-    y = y[0] if isinstance(y, tuple) else y
-    y.backward(dy)
-    return y.detach().clone(), grads_of(x, model)
 
 
 def _close(tag, actual, expected, precision, scale=None):
@@ -83,7 +73,7 @@ def _compare(build, shape, precision, mode="default", steps=3):
     gen = torch.Generator(device="cuda").manual_seed(11)
     w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with _outer(precision, recipe):  # warm TE's own jit helpers outside the watch
-        _fwd_bwd(ref, ref, w, torch.randn_like(w))
+        fwd_bwd(ref, ref, w, torch.randn_like(w))
     worst_out = worst_grad = 0.0
     with CompileWatch() as watch:
         for step in range(steps):
@@ -92,8 +82,8 @@ def _compare(build, shape, precision, mode="default", steps=3):
             if mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
             with _outer(precision, recipe):
-                y, g = _fwd_bwd(fn, cand, x, dy)
-                y_ref, g_ref = _fwd_bwd(ref, ref, x, dy)
+                y, g = fwd_bwd(fn, cand, x, dy)
+                y_ref, g_ref = fwd_bwd(ref, ref, x, dy)
             worst_out = max(worst_out, _close(f"step {step} out", y, y_ref, precision))
             assert g.keys() == g_ref.keys()
             worst_grad = max(worst_grad, _grads_close(f"step {step}", g, g_ref, precision))
@@ -185,7 +175,7 @@ def test_inductor_backend_keeps_te_islands():
     fn = torch.compile(cand, backend="inductor")
     x = torch.randn(SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with CompileWatch() as watch:
-        y, g = _fwd_bwd(fn, cand, x, torch.ones(SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16))
-    y_ref, g_ref = _fwd_bwd(ref, ref, x, torch.ones(SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16))
+        y, g = fwd_bwd(fn, cand, x, torch.ones(SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16))
+    y_ref, g_ref = fwd_bwd(ref, ref, x, torch.ones(SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16))
     assert torch.equal(y, y_ref)  # TE's own eager forward ran
     assert watch.stats.graph_breaks >= 1, watch.stats.to_json()
