@@ -151,8 +151,9 @@ def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: 
 
 
 def _already_initialised(m: Any) -> bool:
-    """Whether TE's first forward (or ours) already ran on ``m`` (``set_activation_dtype`` sets it)."""
-    return "activation_dtype" in m.__dict__ or "_te_passes_prepared_key" in m.__dict__
+    """Whether TE's first forward (or ours) already ran on ``m``: ``set_activation_dtype`` set a dtype
+    (TE 2.20.2 ``TransformerEngineBaseModule.__init__`` sets ``activation_dtype = None``)."""
+    return m.__dict__.get("activation_dtype") is not None or "_te_passes_prepared_key" in m.__dict__
 
 
 def _param_dtype(m: Any) -> torch.dtype | None:
