@@ -26,7 +26,7 @@ import harness  # noqa: E402
 
 
 def _constants(gm):
-    from te_passes.runtime.constants import is_liftable_constant
+    from te_passes.runtime.ops.constants import is_liftable_constant
 
     out = []
     for n in gm.graph.nodes:

@@ -23,8 +23,8 @@ _LAZY = {
     "compile_friendly": "te_passes.rewrite.compile_friendly",  # opt-in model rewrite
     "prepare_te_state": "te_passes.rewrite.te_state",  # TE's first-forward lazy state, before compiling
     # DelayedScaling: TE's amax buffers registered, state static, before compiling
-    "prepare_delayed_scaling": "te_passes.runtime.delayed_linear",
-    "RecipeStateError": "te_passes.runtime.recipe_state",  # raised by te_inductor, unwrapped
+    "prepare_delayed_scaling": "te_passes.runtime.delayed.linear",
+    "RecipeStateError": "te_passes.runtime.te_patches.recipe_state",  # raised by te_inductor, unwrapped
     # small batches (whole-step capture; TE's CUDA-graph capture over te_inductor)
     "compile_step": "te_passes.step_capture",
     "make_graphed": "te_passes.step_capture",

@@ -20,9 +20,10 @@ from te_passes.debug.dump_files import DumpDirError
 from te_passes.passes.order import configured_passes, pass_names
 from te_passes.pipeline.compilation import Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
-from te_passes.runtime import delayed_linear, dynamo_hooks
+from te_passes.runtime.delayed import linear as delayed_linear
+from te_passes.runtime import dynamo_hooks
 from te_passes.runtime.install import install as install_runtime
-from te_passes.runtime.recipe_state import RecipeStateError, autocast_for_graph, run_under
+from te_passes.runtime.te_patches.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError
 
@@ -77,7 +78,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
 def _without_cudagraphs_if_hazard(gm: torch.fx.GraphModule, settings: CompileSettings) -> CompileSettings:
     """``settings`` with ``triton.cudagraphs`` off, and a warning naming why, for a graph
-    :func:`te_passes.runtime.delayed_linear.cudagraph_hazard` finds unsafe to CUDA-graph."""
+    :func:`te_passes.runtime.delayed.linear.cudagraph_hazard` finds unsafe to CUDA-graph."""
     if not settings.config_patches.get("triton.cudagraphs"):
         return settings
     why = delayed_linear.cudagraph_hazard(gm)

@@ -103,7 +103,7 @@ OPTION_SPECS: dict[str, _Spec] = {
                         "CUDA-graph replay under reduce-overhead: 'trees' (Inductor's cudagraph trees, the default) "
                         "or 'lean' (te_passes' policy, opt-in: falls back to trees per graph where unsafe; "
                         "slower than trees on the H200 so far, docs/usage.md)", "TE_PASSES_CUDAGRAPHS"),
-    # issue 21: untouched TE models in one graph (te_passes/runtime/untouched.py, read at trace time)
+    # issue 21: untouched TE models in one graph (te_passes/runtime/untouched/polyfills.py, read at trace time)
     "untouched": _Spec(_as_bool, "trace TE's disabled LayerNormLinear / LayerNormMLP / FusedAttention forwards "
                        "through te_passes' polyfills (on by default; False: TE's eager islands, as backend='inductor')",
                        "TE_PASSES_UNTOUCHED"),

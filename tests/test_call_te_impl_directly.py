@@ -23,8 +23,8 @@ from torch._dynamo.utils import counters
 
 from te_passes.passes.call_te_impl_directly import CallTEImplDirectly
 from te_passes.report import clear_compile_reports, compile_reports
-from te_passes.runtime import direct_call as dc, direct_lowering as dl
-from te_passes.runtime.te_base_op import overload
+from te_passes.runtime.ops import direct_call as dc, direct_lowering as dl
+from te_passes.runtime.ops.te_base import overload
 
 NS = "transformer_engine_compile"
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch._inductor.utils import fresh_cache
 
-import te_passes.runtime.cudagraph_policy as pol
-import te_passes.runtime.cudagraphs as cg
+import te_passes.runtime.cudagraphs.policy as pol
+import te_passes.runtime.cudagraphs.lean as cg
 from te_passes.backend import te_inductor
 from te_passes.report import clear_compile_reports, compile_reports
 

@@ -1,7 +1,7 @@
 """Issue 24: te.Linear under DelayedScaling in one te_inductor graph (CPU capture, fake GPU).
 
 TE's real modules on fake CUDA tensors (te_passes.testing.fake_gpu); the state a first step
-leaves is made by :func:`te_passes.runtime.delayed_linear.prepare_delayed_scaling` (TE's
+leaves is made by :func:`te_passes.runtime.delayed.linear.prepare_delayed_scaling` (TE's
 ``init_fp8_metadata`` and ``add_fp8_tensors_to_global_buffer``). The Dynamo trace runs with a
 recording backend that carries the gate mark (it stands in for te_inductor; a backend without
 it gets TE's eager island, as without te_passes); the AOT graphs are Inductor's
@@ -34,8 +34,8 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
 
     from te_passes.rewrite.te_state import prepare_te_state
     from te_passes.runtime import install
-    from te_passes.runtime.delayed_linear import prepare_delayed_scaling
-    from te_passes.runtime.delayed_scaling import GATE_MARK
+    from te_passes.runtime.delayed.linear import prepare_delayed_scaling
+    from te_passes.runtime.delayed.scaling import GATE_MARK
     from te_passes.testing.aot_capture import capture_aot
     from te_passes.testing.captured import CapturedGraph
     from te_passes.testing.compile_watch import CompileWatch, fresh_compile_state
@@ -229,7 +229,7 @@ def test_layout_check_matches_the_fake_payload():
     layout must be exactly what the fake op returns (the graph's layout), slot for slot."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.runtime import delayed_linear as DL
+    from te_passes.runtime.delayed import linear as DL
     from te_passes.testing.fake_gpu import fake_gpu, quiet
 
     got = _capture(("E4M3", 16, "max"), 1, aot=False)
@@ -253,8 +253,8 @@ def test_refusal_names_the_reason():
 
     import transformer_engine.pytorch  # noqa: F401  (TE's distributed module, read by refusal)
 
-    from te_passes.runtime import delayed_linear as DL
-    from te_passes.runtime import delayed_state as DS
+    from te_passes.runtime.delayed import linear as DL
+    from te_passes.runtime.delayed import state as DS
 
     q = NS(**{DL.TAG: (None, 0)})
     base = {name: None for name in DS.MUST_BE_OFF}
@@ -275,7 +275,7 @@ def test_impls_run_under_the_traced_autocast_state():
     from transformer_engine.common import recipe as R
     from transformer_engine.pytorch import quantization as Q
 
-    from te_passes.runtime import delayed_linear as DL
+    from te_passes.runtime.delayed import linear as DL
 
     recipe = R.DelayedScaling(amax_history_len=4)
     M = Q.FP8GlobalStateManager

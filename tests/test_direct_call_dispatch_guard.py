@@ -1,4 +1,4 @@
-"""DirectTECall runs TE's impl below ADInplaceOrView (runtime/direct_call.py, issue 22).
+"""DirectTECall runs TE's impl below ADInplaceOrView (runtime/ops/direct_call.py, issue 22).
 
 A toy TE op family (registered through TE's own ``register_custom_op``, as tests/_toy_te_op.py)
 whose forward impl returns ``out2d.view(...)`` of a GEMM result, as TE's ``_linear_forward_impl``
@@ -22,7 +22,7 @@ import torch
 import torch._dynamo
 
 from te_passes.report import clear_compile_reports, compile_reports
-from te_passes.runtime import direct_call as dc
+from te_passes.runtime.ops import direct_call as dc
 
 NS = "transformer_engine_compile"
 OP = "tpq_view_toy"

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.runtime import fused_attn_op as fop  # noqa: E402
+from te_passes.runtime.ops import fused_attn as fop  # noqa: E402
 from te_passes.te import fused_attn as tfa  # noqa: E402
 from te_passes.te import graph_model as gmod  # noqa: E402
 from te_passes.te import op_families as opf  # noqa: E402
@@ -282,7 +282,7 @@ def test_runtime_install_registers_the_family_in_a_fresh_process():
 
 
 def test_switch_that_is_not_a_bool_keeps_the_op_unregistered_with_the_reason(monkeypatch):
-    from te_passes.runtime import fused_attn_op as fao
+    from te_passes.runtime.ops import fused_attn as fao
 
     monkeypatch.setenv(fao.ENV_SWITCH, "maybe")
     assert "TE_PASSES_FUSED_ATTN='maybe' is not a bool" in fao._switched_off()

@@ -35,7 +35,7 @@ from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
 from te_passes.pipeline.base import TEPassResult  # noqa: E402
 from te_passes.te.graph_scan import find_recipe_and_pg_objects, object_occurrences  # noqa: E402
-from te_passes.runtime.constants import hoisted_name  # noqa: E402
+from te_passes.runtime.ops.constants import hoisted_name  # noqa: E402
 from te_passes.runtime.install import install  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te import recipes  # noqa: E402

@@ -16,8 +16,8 @@ from te_passes.analyses.liveness import analyze
 from te_passes.pipeline.base import PassSkipped, Stage
 from te_passes.passes.insert_early_frees import InsertEarlyFrees
 from te_passes.pipeline.manager import PassManager
-from te_passes.runtime import free_op
-from te_passes.runtime.free_op import free_storage, is_free_node
+from te_passes.runtime.ops import free as free_op
+from te_passes.runtime.ops.free import free_storage, is_free_node
 from te_passes.testing.harness import pass_context
 
 from _qgraphs import F8, QGEMM, QUANTIZE2, real_aot, record_vals

@@ -30,8 +30,9 @@ te = pytest.importorskip("transformer_engine.pytorch")
 from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.order import pass_names  # noqa: E402
-from te_passes.runtime import constants, ub_guard  # noqa: E402
-from te_passes.runtime import ub_graph_guard  # noqa: E402
+from te_passes.runtime.ops import constants  # noqa: E402
+from te_passes.runtime.ub import guard as ub_guard
+from te_passes.runtime.ub import graph_guard as ub_graph_guard  # noqa: E402
 from te_passes.runtime.install import install  # noqa: E402
 from te_passes.testing.capture import capture_aot, run_pipeline  # noqa: E402
 from te_passes.testing.fake_gpu import fake_gpu  # noqa: E402
@@ -44,7 +45,7 @@ TE_FUNCTIONS = (("transformer_engine.pytorch.module.base", ("initialize_ub", "de
 #: Module-level containers passes may fill: memos of pure functions of a class or a source text,
 #: holding no pass result. ``(module, name)``.
 MEMO_CACHES = {
-    ("te_passes.runtime.constants", "_LIFTABLE_TYPES"),  # id(class) -> is a liftable TE constant class
+    ("te_passes.runtime.ops.constants", "_LIFTABLE_TYPES"),  # id(class) -> is a liftable TE constant class
     ("te_passes.te.graph_constants", "_KIND_CACHE"),  # id(class) -> TEConstKind
     ("te_passes.te.graph_model", "_SLOTS_CACHE"),  # id(schema) -> its slot layout
     ("te_passes.te.quantized", "_TARGET_KIND"),  # id(op target) -> its quantized-op kind
@@ -138,7 +139,7 @@ def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_al
 
     from _qgraphs import QGEMM, QUANTIZE2, record_vals
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
-    from te_passes.runtime import free_op
+    from te_passes.runtime.ops import free as free_op
     from te_passes.testing.harness import run_passes
 
     def f(x, w):

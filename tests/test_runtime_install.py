@@ -3,7 +3,8 @@ rebind TE names never run while Dynamo compiles a frame (a backend call)."""
 
 import torch
 
-from te_passes.runtime import delayed_linear, delayed_scaling, dynamo_hooks
+from te_passes.runtime.delayed import linear as delayed_linear, scaling as delayed_scaling
+from te_passes.runtime import dynamo_hooks
 from te_passes.runtime.dynamo_callbacks import drop_start_callback, keep_start_callback
 from te_passes.runtime.install import install
 

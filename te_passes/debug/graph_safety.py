@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import pickle
 from typing import Any
 
@@ -19,18 +20,44 @@ import torch.fx
 from te_passes.te import graph_constants as gconst
 
 
-# ------------------------------------------------------------- renamed modules (issue 12 layout)
-#: Old -> new module paths of te_passes modules that moved (issue 12's layered layout). A
+# ------------------------------------------------------------- renamed modules
+#: Old -> new module paths of te_passes modules that moved (the layered layout, runtime's feature folders). A
 #: ``.tegraph`` saved before a move names the old path (pickled classes/functions, ``_FnRef``
 #: targets); :class:`_Unpickler` and ``_FnRef.resolve`` look the name up here first.
 RENAMED_MODULES: dict[str, str] = {
-    "te_passes.te.guards": "te_passes.runtime.ub_guard",
-    "te_passes.te.amax_groups": "te_passes.runtime.amax_groups",
-    "te_passes.te.free_op": "te_passes.runtime.free_op",
+    "te_passes.te.guards": "te_passes.runtime.ub.guard",
+    "te_passes.te.amax_groups": "te_passes.runtime.te_patches.amax_groups",
+    "te_passes.te.free_op": "te_passes.runtime.ops.free",
     "te_passes.passes.base": "te_passes.pipeline.base",
     "te_passes.passes.manager": "te_passes.pipeline.manager",
     "te_passes.passes.registry": "te_passes.pipeline.registry",
     "te_passes.debug.cli": "te_passes.cli",
+    # runtime/ feature folders (2026-12-02)
+    "te_passes.runtime.ub": "te_passes.runtime.ub.reinit",
+    "te_passes.runtime.ub_guard": "te_passes.runtime.ub.guard",
+    "te_passes.runtime.ub_graph_guard": "te_passes.runtime.ub.graph_guard",
+    "te_passes.runtime.cudagraphs": "te_passes.runtime.cudagraphs.lean",
+    "te_passes.runtime.cudagraph_engine": "te_passes.runtime.cudagraphs.engine",
+    "te_passes.runtime.cudagraph_policy": "te_passes.runtime.cudagraphs.policy",
+    "te_passes.runtime.cudagraph_hazards": "te_passes.runtime.cudagraphs.hazards",
+    "te_passes.runtime.te_base_op": "te_passes.runtime.ops.te_base",
+    "te_passes.runtime.direct_call": "te_passes.runtime.ops.direct_call",
+    "te_passes.runtime.direct_lowering": "te_passes.runtime.ops.direct_lowering",
+    "te_passes.runtime.free_op": "te_passes.runtime.ops.free",
+    "te_passes.runtime.fused_attn_op": "te_passes.runtime.ops.fused_attn",
+    "te_passes.runtime.te_norm_op": "te_passes.runtime.ops.te_norm",
+    "te_passes.runtime.shared_linear": "te_passes.runtime.ops.shared_linear",
+    "te_passes.runtime.constants": "te_passes.runtime.ops.constants",
+    "te_passes.runtime.quantizer_usage": "te_passes.runtime.ops.quantizer_usage",
+    "te_passes.runtime.untouched": "te_passes.runtime.untouched.polyfills",
+    "te_passes.runtime.untouched_attention": "te_passes.runtime.untouched.attention",
+    "te_passes.runtime.untouched_state": "te_passes.runtime.untouched.state",
+    "te_passes.runtime.untouched_gate": "te_passes.runtime.untouched.gate",
+    "te_passes.runtime.delayed_linear": "te_passes.runtime.delayed.linear",
+    "te_passes.runtime.delayed_scaling": "te_passes.runtime.delayed.scaling",
+    "te_passes.runtime.delayed_state": "te_passes.runtime.delayed.state",
+    "te_passes.runtime.amax_groups": "te_passes.runtime.te_patches.amax_groups",
+    "te_passes.runtime.recipe_state": "te_passes.runtime.te_patches.recipe_state",
 }
 
 
@@ -97,9 +124,19 @@ def renamed_module(module: str) -> str:
     parts = module.split(".")
     for i in range(len(parts) - 1, 0, -1):
         head = ".".join(parts[:i])
-        if head in RENAMED_MODULES:
+        # an old module that became a package's file (runtime.ub -> runtime.ub.reinit) maps only itself
+        if head in RENAMED_MODULES and not _is_plain_module(RENAMED_MODULES[head]):
             return RENAMED_MODULES[head] + "." + ".".join(parts[i:])
     return module
+
+
+def _is_plain_module(module: str) -> bool:
+    """Whether ``module`` is a te_passes module that is not a package (it can have no submodules)."""
+    try:
+        spec = importlib.util.find_spec(module) if module.startswith("te_passes.") else None
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.submodule_search_locations is None
 
 
 def _is_te_module(module: str) -> bool:

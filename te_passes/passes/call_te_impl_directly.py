@@ -14,9 +14,9 @@ import torch
 import torch.fx
 
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime import direct_call as dc, direct_lowering, te_base_op
-from te_passes.runtime.te_base_op import DirectCallUnavailable, op_family, op_qualname, overload
-from te_passes.runtime.constants import hoisted_name
+from te_passes.runtime.ops import direct_call as dc, direct_lowering, te_base as te_base_op
+from te_passes.runtime.ops.te_base import DirectCallUnavailable, op_family, op_qualname, overload
+from te_passes.runtime.ops.constants import hoisted_name
 
 
 def _plain_tensor_types() -> tuple[type, ...]:
@@ -126,8 +126,8 @@ class CallTEImplDirectly(TEPass):
 
     @classmethod
     def source_hash(cls) -> str:
-        """The pass's source plus :mod:`te_passes.runtime.direct_call`,
-        :mod:`~te_passes.runtime.direct_lowering` and :mod:`~te_passes.runtime.te_base_op` (the
+        """The pass's source plus :mod:`te_passes.runtime.ops.direct_call`,
+        :mod:`~te_passes.runtime.ops.direct_lowering` and :mod:`~te_passes.runtime.ops.te_base` (the
         call object, the lowering and the base-op checks decide what the generated code does, so
         they key Inductor's caches too)."""
         h = hashlib.sha256(super().source_hash().encode())

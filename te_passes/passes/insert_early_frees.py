@@ -15,7 +15,7 @@ from te_passes.analyses.buffers import Buffer, BufferOrigin, Liveness
 from te_passes.analyses.liveness import analyze, analyze_shared, gc_paused
 from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime import free_op
+from te_passes.runtime.ops import free as free_op
 from te_passes.te import quantized
 
 POLICIES = ("opaque", "all")
@@ -40,7 +40,7 @@ class InsertEarlyFrees(TEPass):
 
     Raises:
         PassSkipped: the Inductor lowering of ``free_storage`` is not in place
-            (:func:`te_passes.runtime.free_op.lowering_reason`: ``runtime.install()`` has not run,
+            (:func:`te_passes.runtime.ops.free.lowering_reason`: ``runtime.install()`` has not run,
             or could not register it); the graph is left alone and the record says why.
         AssertionError: the rewritten graph fails the re-analysis (a free before a use); the
             pass manager then restores the graph.
@@ -60,7 +60,7 @@ class InsertEarlyFrees(TEPass):
 
     @classmethod
     def source_hash(cls) -> str:
-        """:meth:`TEPass.source_hash` plus the source of :mod:`te_passes.runtime.free_op`: its Inductor
+        """:meth:`TEPass.source_hash` plus the source of :mod:`te_passes.runtime.ops.free`: its Inductor
         lowering shapes the output code as much as this file does, so a change there must change
         :meth:`uuid` (and with it the FX-graph-cache key) too."""
         h = hashlib.sha256(super().source_hash().encode())

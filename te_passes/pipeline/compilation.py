@@ -22,11 +22,11 @@ from te_passes.pipeline import base
 from te_passes.pipeline.base import PassContext, Stage, TEPass
 from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport, StageReport, cache_hit_note, new_compile_report
-from te_passes.runtime.cudagraph_engine import CudagraphRecorder
-from te_passes.runtime.cudagraph_policy import LeanCUDAGraphPolicy
-from te_passes.runtime.ub_graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
+from te_passes.runtime.cudagraphs.engine import CudagraphRecorder
+from te_passes.runtime.cudagraphs.policy import LeanCUDAGraphPolicy
+from te_passes.runtime.ub.graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
                                               wrap_with_te_state_guard)
-from te_passes.runtime.ub_guard import dynamo_stage_inputs
+from te_passes.runtime.ub.guard import dynamo_stage_inputs
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError, UbSnapshot
 
@@ -59,7 +59,7 @@ def post_grad_stage(graph: torch.fx.Graph | torch.fx.GraphModule) -> Stage:
 def pipeline_uuid(passes: Sequence[TEPass], options: TePassesOptions, te_state: TEState,
                   ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
     """The pipeline's cache identity (passes' ``uuid()``, package source, options, TE state; the UB
-    snapshot only if ``ub_reads`` — :func:`~te_passes.runtime.ub_graph_guard.ub_state_reads`, ``None``:
+    snapshot only if ``ub_reads`` — :func:`~te_passes.runtime.ub.graph_guard.ub_state_reads`, ``None``:
     unknown — is non-empty) and its sha256 under ``"uuid"``; ``"ub_reads"`` is not hashed."""
     reads_ub = ub_reads is None or bool(ub_reads)
     parts: dict[str, Any] = {"package": base.package_source_hash(base.PACKAGE_ROOT),

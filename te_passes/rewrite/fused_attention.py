@@ -1,6 +1,6 @@
 """``compile_friendly(model, attention="te_fused")``: ``DotProductAttention``'s core attention
 through TE's own fused (cuDNN) kernels, called as the ``transformer_engine_compile::fused_attn``
-op family (:mod:`te_passes.runtime.fused_attn_op`), so Dynamo traces it as one node instead of
+op family (:mod:`te_passes.runtime.ops.fused_attn`), so Dynamo traces it as one node instead of
 stopping at TE 2.20.2's ``torch.compiler.disable``\\ d ``FusedAttention.forward``.
 
 See docs/internals.md#te_passesrewritefused_attentionpy."""
@@ -14,8 +14,8 @@ import torch
 from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, ModuleState
 from te_passes.rewrite.refusals import check_sdpa_call, attention_problem
 from te_passes.rewrite.rewriters import rewriter_classes
-from te_passes.runtime.fused_attn_op import FusedAttentionOpUnavailable, fused_attention_op
-from te_passes.runtime.untouched_attention import dpa_fused_forward
+from te_passes.runtime.ops.fused_attn import FusedAttentionOpUnavailable, fused_attention_op
+from te_passes.runtime.untouched.attention import dpa_fused_forward
 from te_passes.te.fused_attn import head_dim_problem
 
 PATH = "te_fused"

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from te_passes.runtime.shared_linear import shared_linear  # noqa: F401 - re-exported for the rewriters
+from te_passes.runtime.ops.shared_linear import shared_linear  # noqa: F401 - re-exported for the rewriters
 
 
 class CompileFriendlyError(ValueError):

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, HiddenTrainMixin, ModuleState, state_of, te_module
 from te_passes.rewrite.refusals import check_norm_call, check_sdpa_call, multihead_attention_note
-from te_passes.runtime.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
-from te_passes.runtime.untouched import layernorm_linear_forward, layernorm_mlp_forward
+from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
+from te_passes.runtime.untouched.polyfills import layernorm_linear_forward, layernorm_mlp_forward
 
 
 def rewriter_classes() -> dict[str, type]:
@@ -30,7 +30,7 @@ def rewriter_classes() -> dict[str, type]:
 
     class CompileFriendlyLayerNormLinear(HiddenTrainMixin, te.LayerNormLinear):
         """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (traceable; see module doc): the
-        untouched-model polyfill's forward (:func:`te_passes.runtime.untouched.layernorm_linear_forward`)."""
+        untouched-model polyfill's forward (:func:`te_passes.runtime.untouched.polyfills.layernorm_linear_forward`)."""
 
         def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
             check_norm_call(self)

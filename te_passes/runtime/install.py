@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from te_passes.runtime import (constants, delayed_linear, delayed_scaling, direct_lowering, free_op, fused_attn_op,
-                               recipe_state, untouched)
-from te_passes.runtime.amax_groups import install_amax_group_hooks
-from te_passes.runtime.ub_guard import install_te_ub_hooks
+from te_passes.runtime.ops import constants, direct_lowering, free as free_op, fused_attn as fused_attn_op
+from te_passes.runtime.delayed import linear as delayed_linear, scaling as delayed_scaling
+from te_passes.runtime.te_patches import recipe_state
+from te_passes.runtime.untouched import polyfills as untouched
+from te_passes.runtime.te_patches.amax_groups import install_amax_group_hooks
+from te_passes.runtime.ub.guard import install_te_ub_hooks
 
 
 def install() -> bool:

@@ -43,7 +43,7 @@ FALLBACK_WARNING_RE = re.compile(r"Falling back to eager execution under torch\.
 _DISABLED_RE = re.compile(r"<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>")
 _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
 #: The disabled copy of a TE forward the untouched-model polyfills leave a call to
-#: (``te_passes.runtime.untouched``), named after the TE function.
+#: (``te_passes.runtime.untouched.polyfills``), named after the TE function.
 _ISLAND_RE = re.compile(r"te_passes_untouched_island\[(?P<target>[\w.]+)\]")
 #: Polyfill target -> TE module (the island record, ``untouched.island_records()``, has the reason).
 UNTOUCHED_TARGETS: dict[str, str] = {"LayerNormLinear.forward": "te.LayerNormLinear",
@@ -124,7 +124,7 @@ def classify_graph_break(reason: str, innermost_frame: tuple[str, str] | None = 
         target = m.group("target")
         return TEFallback(UNTOUCHED_TARGETS.get(target, target), "untouched_island",
                           f"te_passes' polyfill of {target} left this call to TE's eager forward "
-                          "(te_passes.runtime.untouched.island_records() names the reason and the fix)")
+                          "(te_passes.runtime.untouched.polyfills.island_records() names the reason and the fix)")
     m = _DISABLED_RE.search(reason) if "torch.compiler.disable" in reason else None
     if m:
         qual = m.group("qual")

@@ -1,5 +1,5 @@
 """Data-free fakes of TE 2.20.2's fused (cuDNN) attention forward / backward, for the
-``register_custom_op`` family te_passes registers (:mod:`te_passes.runtime.fused_attn_op`).
+``register_custom_op`` family te_passes registers (:mod:`te_passes.runtime.ops.fused_attn`).
 
 See docs/internals.md#te_passestefused_attnpy."""
 

@@ -1,6 +1,6 @@
 """TE's LayerNorm / RMSNorm (``module/layernorm_linear.py``) and ``LayerNormMLP`` activations
 (``transformer_engine/common/util/math.h``) in traceable torch ops: the math shared by the
-untouched-model polyfills (:mod:`te_passes.runtime.untouched`) and ``compile_friendly``
+untouched-model polyfills (:mod:`te_passes.runtime.untouched.polyfills`) and ``compile_friendly``
 (:mod:`te_passes.rewrite`). Docs: docs/untouched.md."""
 
 from __future__ import annotations

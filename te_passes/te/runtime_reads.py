@@ -1,7 +1,7 @@
 """What TE's op impls read from TE's process state while they run: the inventory (TE 2.20.x),
 what compiled code gives each read, and the check that an installed TE's impls read nothing else.
 
-The runtime delivers the reads marked ``"autocast"`` (:mod:`te_passes.runtime.recipe_state`);
+The runtime delivers the reads marked ``"autocast"`` (:mod:`te_passes.runtime.te_patches.recipe_state`);
 :func:`unknown_reads` compares an impl's bytecode with the inventory so that a TE whose impls read
 state not listed here is refused (:func:`te_passes.te.version.runtime_state_refusal`).
 Prose and the table with file:line: docs/design.md "TE global state read at run time".
@@ -17,10 +17,10 @@ from typing import Any, Iterator, Mapping
 
 #: How compiled code gets the value a read would see under the user's ``te.autocast``:
 #: ``"autocast"``: the autocast state in effect where Dynamo traced the op is set around the
-#: compiled call (:mod:`te_passes.runtime.recipe_state`); ``"process"``: a process-wide value read
+#: compiled call (:mod:`te_passes.runtime.te_patches.recipe_state`); ``"process"``: a process-wide value read
 #: at run time, the same for an eager and a compiled call at the same place (environment, TE's
 #: CPU-offload / activation-recompute / make_graphed_callables flags); ``"ub_guard"``: the
-#: Userbuffers registry, whose changes recompile (:mod:`te_passes.runtime.ub_guard`);
+#: Userbuffers registry, whose changes recompile (:mod:`te_passes.runtime.ub.guard`);
 #: ``"constant"``: a module constant fixed at TE's import.
 DELIVERIES: tuple[str, ...] = ("autocast", "process", "ub_guard", "constant")
 

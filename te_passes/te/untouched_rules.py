@@ -1,6 +1,6 @@
 """Which ``te.LayerNormLinear`` / ``te.LayerNormMLP`` configurations and calls the torch-ops
 norm + ``te.Linear`` form expresses exactly (TE knowledge shared by the untouched-model polyfills,
-:mod:`te_passes.runtime.untouched`, and ``compile_friendly``). Each function returns the reason a
+:mod:`te_passes.runtime.untouched.polyfills`, and ``compile_friendly``). Each function returns the reason a
 configuration is not expressed, or ``None``. Mirrors TE ``module/layernorm_linear.py``,
 ``module/layernorm_mlp.py``, ``module/base.py``. Docs: docs/untouched.md."""
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from te_passes.runtime.untouched import install_untouched_polyfills
+from te_passes.runtime.untouched.polyfills import install_untouched_polyfills
 from te_passes.te.version import te_version
 from te_passes.testing.captured import CapturedGraph
 from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing, fake_gpu, import_te, make_recipe,
@@ -21,7 +21,7 @@ from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing
 
 #: Models: ``"linear"`` (one ``te.Linear``) and ``"stack"`` (``layers`` ``te.Linear`` with GELU
 #: between); untouched TE modules (traced through te_passes' polyfills,
-#: :mod:`te_passes.runtime.untouched`): ``"layernorm_linear"``, ``"layernorm_mlp"``,
+#: :mod:`te_passes.runtime.untouched.polyfills`): ``"layernorm_linear"``, ``"layernorm_mlp"``,
 #: ``"multihead_attention"``, ``"transformer_layer"`` (``layers`` of them in sequence).
 MODELS: tuple[str, ...] = ("linear", "stack", "layernorm_linear", "layernorm_mlp", "multihead_attention",
                            "transformer_layer")

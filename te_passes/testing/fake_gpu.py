@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from te_passes.runtime import untouched_state
+from te_passes.runtime.untouched import state as untouched_state
 from te_passes.testing.inductor_state import clear_system_info
 
 #: Precisions :func:`~te_passes.testing.capture.capture_dynamo` / :func:`~te_passes.testing.capture.capture_aot`

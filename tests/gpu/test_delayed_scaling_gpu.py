@@ -82,7 +82,7 @@ def _step_fn(recipe, metas):
 @pytest.mark.parametrize("mode", MODES)
 def test_update_trajectory(mode):
     from te_passes.rewrite.te_state import prime_recipe
-    from te_passes.runtime.delayed_scaling import mark_delayed_state_static
+    from te_passes.runtime.delayed.scaling import mark_delayed_state_static
 
     recipe = _recipe()
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -125,7 +125,7 @@ def test_stack_trajectory(layers, mode):
     from transformer_engine.pytorch import quantization as Q
 
     from te_passes.rewrite.te_state import prepare_te_state
-    from te_passes.runtime.delayed_linear import prepare_delayed_scaling
+    from te_passes.runtime.delayed.linear import prepare_delayed_scaling
 
     recipe = _recipe()
     hidden, tokens = 256, 256

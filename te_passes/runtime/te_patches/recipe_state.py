@@ -12,7 +12,7 @@ import torch
 
 from te_passes._logging import get_logger
 from te_passes.te.graph_model import TE_OP_NAMESPACE, UnknownTEOp, decode
-from te_passes.runtime.te_base_op import DirectCallUnavailable, resolve_base_impl
+from te_passes.runtime.ops.te_base import DirectCallUnavailable, resolve_base_impl
 from te_passes.te.runtime_reads import AUTOCAST_FIELDS, FAMILY_IMPLS
 from te_passes.te.version import runtime_state_refusal
 

@@ -1,5 +1,5 @@
 """TE's first-forward lazy state, done by te_passes for untouched models
-(:mod:`te_passes.runtime.untouched`): a Dynamo start callback (recipes and TE modules the frame
+(:mod:`te_passes.runtime.untouched.polyfills`): a Dynamo start callback (recipes and TE modules the frame
 reaches) and the ``comptime`` body of each polyfill (a module's hidden ``te.Linear``\\ s, modules
 the trace has not read yet), so step 2 sees step 1's state. Docs: docs/untouched.md."""
 
@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from te_passes.runtime.dynamo_callbacks import keep_start_callback
-from te_passes.runtime.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
-from te_passes.runtime.untouched_gate import backend_wants_polyfills
+from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
+from te_passes.runtime.untouched.gate import backend_wants_polyfills
 from te_passes.te.module_init import forward_prepare_args
 from te_passes.te.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
 

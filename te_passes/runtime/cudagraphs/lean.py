@@ -10,10 +10,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from te_passes._logging import get_logger
-from te_passes.runtime.cudagraph_engine import (
+from te_passes.runtime.cudagraphs.engine import (
     ALIAS, CLONE, CLONE_STRIDED, OWNERS, PASS, RECENT, RUNNERS, SAVED_BY_DATAFLOW, SEQ, CudaGraphEngine,
     CudagraphRecorder, Pool, clone_kind, describe_holders, emit, forget, now_ns, own_references, owner, use_count)
-from te_passes.runtime.cudagraph_hazards import ReplayHazards
+from te_passes.runtime.cudagraphs.hazards import ReplayHazards
 
 log = get_logger()
 

@@ -17,14 +17,14 @@ import torch
 from torch._dynamo.comptime import comptime
 
 from te_passes.config import TePassesOptionError
-from te_passes.runtime.fused_attn_op import install_fused_attention_op
-from te_passes.runtime.te_norm_op import te_norm
-from te_passes.runtime.untouched_attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
+from te_passes.runtime.ops.fused_attn import install_fused_attention_op
+from te_passes.runtime.ops.te_norm import te_norm
+from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
                                                    fused_attention_forward)
-from te_passes.runtime.untouched_gate import (BACKEND_MARK, ENV, OPTION, Island, island_fix_for, note_island,  # noqa: F401
+from te_passes.runtime.untouched.gate import (BACKEND_MARK, ENV, OPTION, Island, island_fix_for, note_island,  # noqa: F401
                                               backend_wants_polyfills, clear_island_records, island_records,
                                               untouched_enabled)
-from te_passes.runtime.untouched_state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, active_frames,  # noqa: F401
+from te_passes.runtime.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, active_frames,  # noqa: F401
                                                run_eager, prepare_layernorm_linear,
                                                prepare_layernorm_mlp, register_start_callback, on_compile_start,
                                                prepare_te_module, prime_recipe)

@@ -1,4 +1,4 @@
-"""The backend gate of the untouched-model polyfills (:mod:`te_passes.runtime.untouched`): which
+"""The backend gate of the untouched-model polyfills (:mod:`te_passes.runtime.untouched.polyfills`): which
 backend Dynamo compiles a frame for (``te_inductor``, or a callable marked :data:`BACKEND_MARK`),
 the ``te_passes.untouched`` option / ``TE_PASSES_UNTOUCHED``, and the island records of the calls
 the polyfills leave to TE's eager code. Docs: docs/untouched.md."""

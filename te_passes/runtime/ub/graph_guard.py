@@ -1,6 +1,6 @@
 """Layer 2 of the UB guards: compiled graphs that depend on TE's Userbuffers (UB) state are
 wrapped in a guard that re-checks them when that state changes (see
-:mod:`te_passes.runtime.ub_guard` for both layers and why).
+:mod:`te_passes.runtime.ub.guard` for both layers and why).
 
 See docs/internals.md#te_passesruntimeub_graph_guardpy."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from te_passes.fx.graph import copy_graph_module
-from te_passes.runtime.ub_guard import (UbFold, UbStateChanged, current_generation, guard_stats, install_te_ub_hooks,
+from te_passes.runtime.ub.guard import (UbFold, UbStateChanged, current_generation, guard_stats, install_te_ub_hooks,
                                         live_snapshot, ub_global_state, ub_state_lock)
 from te_passes.te import graph_model as gmod
 from te_passes.te.ub import UB_PREDICATE_METHODS, UbConfigError, UbSnapshot
@@ -79,7 +79,7 @@ def ub_state_reads(gm: torch.fx.GraphModule, dependence: UbDependence | None = N
     Args:
         gm: the Dynamo graph after the Dynamo-stage passes.
         dependence: :func:`ub_dependence_of` its report's Dynamo stage (``None``: none).
-        trace_folds: :func:`te_passes.runtime.ub_guard.drain_trace_folds` of its compilation.
+        trace_folds: :func:`te_passes.runtime.ub.guard.drain_trace_folds` of its compilation.
     """
     reasons: list[str] = []
     dep = dependence
@@ -269,7 +269,7 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
 
     Returns:
         ``compiled`` itself when the graph needs no run-time UB guard — no UB dependence, only
-        values Dynamo folded while tracing (Dynamo's own guard on :data:`te_passes.runtime.ub_guard.UB_STATE_TOKEN` covers
+        values Dynamo folded while tracing (Dynamo's own guard on :data:`te_passes.runtime.ub.guard.UB_STATE_TOKEN` covers
         them), or an explicit ``te_passes.ub_snapshot`` (offline use) — else the guarded callable
         (``fn(*args)``, attribute ``te_ub_guard``: :class:`UbGuard`).
 

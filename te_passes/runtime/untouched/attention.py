@@ -1,6 +1,6 @@
-"""The ``FusedAttention.forward`` polyfill's body (:mod:`te_passes.runtime.untouched`): TE's
+"""The ``FusedAttention.forward`` polyfill's body (:mod:`te_passes.runtime.untouched.polyfills`): TE's
 fused (cuDNN) attention as the ``transformer_engine_compile::fused_attn`` op
-(:mod:`te_passes.runtime.fused_attn_op`) for the calls it expresses exactly, with the
+(:mod:`te_passes.runtime.ops.fused_attn`) for the calls it expresses exactly, with the
 ``FusedAttnFwdArgs`` TE's own ``FusedAttention.forward`` builds (``attention/dot_product_attention/
 backends.py``); q / k / v made contiguous with the layout ``sbhd_sbhd_sbhd`` / ``bshd_bshd_bshd``
 (the same cuDNN graph as TE's packed layouts, other strides). Docs: docs/untouched.md.
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from te_passes.runtime.fused_attn_op import fused_attention_op, refused_reason
+from te_passes.runtime.ops.fused_attn import fused_attention_op, refused_reason
 from te_passes.te.fused_attn import head_dim_problem
 from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask
 

@@ -1,5 +1,5 @@
 """The Inductor lowering of TE's base ops that emits direct calls: the wrapper code
-calls a :class:`~te_passes.runtime.direct_call.DirectTECall` instead of the dispatcher op.
+calls a :class:`~te_passes.runtime.ops.direct_call.DirectTECall` instead of the dispatcher op.
 
 See docs/internals.md#te_passesruntimedirect_loweringpy."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from te_passes._logging import get_logger
-from te_passes.runtime.direct_call import EMITTED_KEY, META_KEY, NAME_PREFIX, DirectTECall
-from te_passes.runtime.te_base_op import opdefs, op_family, overload
+from te_passes.runtime.ops.direct_call import EMITTED_KEY, META_KEY, NAME_PREFIX, DirectTECall
+from te_passes.runtime.ops.te_base import opdefs, op_family, overload
 from te_passes.te.graph_model import TE_OP_NAMESPACE
 
 log = get_logger()

@@ -1,5 +1,5 @@
 """A hidden ``te.Linear`` running on another TE module's ``Parameter`` objects: the GEMM of the
-untouched-model polyfills (:mod:`te_passes.runtime.untouched`) and of ``compile_friendly``
+untouched-model polyfills (:mod:`te_passes.runtime.untouched.polyfills`) and of ``compile_friendly``
 (one implementation). Mirrors TE ``module/linear.py`` (``te.Linear``'s weight / bias splits).
 Docs: docs/untouched.md."""
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from te_passes.runtime import delayed_scaling
+from te_passes.runtime.delayed import scaling as delayed_scaling
 from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, module_delayed_state
 from te_passes.te.version import te_module
 
@@ -95,7 +95,7 @@ def check_covered(qgo: Any) -> None:
                 raise RuntimeError(
                     "te_passes: this te.Linear's DelayedScaling state was registered after the first "
                     "module of the step was traced, so the compiled post-backward update would miss it; "
-                    "run one eager step (or te_passes.runtime.delayed_linear.register_delayed_state(model)) "
+                    "run one eager step (or te_passes.runtime.delayed.linear.register_delayed_state(model)) "
                     "before the first compiled step")
             return
 
@@ -124,7 +124,7 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
     """What the first forward under ``te.autocast(recipe=recipe)`` sets up, done eagerly before the first
     compiled step: every TE module's fp8 metadata (``init_fp8_metadata``, TE's), its registration in TE's
     global amax buffers, the quantizer tags, and (``static``) the state tensors marked static
-    (:func:`te_passes.runtime.delayed_scaling.mark_delayed_state_static`, for CUDA graphs).
+    (:func:`te_passes.runtime.delayed.scaling.mark_delayed_state_static`, for CUDA graphs).
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module`` or ``recipe`` is not a TE ``DelayedScaling``.

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from te_passes._logging import get_logger
-from te_passes.runtime import delayed_scaling
-from te_passes.runtime.delayed_scaling import te_inductor_tracing, update_in_graph
-from te_passes.runtime.delayed_state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
+from te_passes.runtime.delayed import scaling as delayed_scaling
+from te_passes.runtime.delayed.scaling import te_inductor_tracing, update_in_graph
+from te_passes.runtime.delayed.state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
                                              make_quantizers_tagged, prepare_delayed_scaling, quantization, refusal,
                                              register_delayed_state)
 from te_passes.te.version import te_module

@@ -1,6 +1,6 @@
 """Re-initialising Userbuffers under ``te_inductor`` without TE's process-wide
 ``torch.compiler.reset()`` (public API; the guards that make it safe are in
-:mod:`te_passes.runtime.ub_guard`)."""
+:mod:`te_passes.runtime.ub.guard`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any, Iterator
 
 import torch
 
-from te_passes.runtime import ub_guard as guards
+from te_passes.runtime.ub import guard as guards
 from te_passes.te.ub import UbSnapshot
 
 
 def notify_ub_changed() -> None:
     """Tell te_passes that TE's UB registry changed outside ``initialize_ub``/``destroy_ub``.
 
-    ``te_passes`` hooks TE's ``initialize_ub``/``destroy_ub`` (:func:`te_passes.runtime.ub_guard.install_te_ub_hooks`);
+    ``te_passes`` hooks TE's ``initialize_ub``/``destroy_ub`` (:func:`te_passes.runtime.ub.guard.install_te_ub_hooks`);
     code that edits ``module/base.py``'s ``_ub_communicators`` / ``_ub_initialized`` by hand
     (tests with stand-in communicators) must call this afterwards.
     """

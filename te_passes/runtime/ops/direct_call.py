@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from te_passes._logging import get_logger
-from te_passes.runtime.te_base_op import DirectCallUnavailable, impl_name, overload, resolve_base_impl
+from te_passes.runtime.ops.te_base import DirectCallUnavailable, impl_name, overload, resolve_base_impl
 
 log = get_logger()
 

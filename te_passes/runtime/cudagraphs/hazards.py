@@ -1,6 +1,6 @@
 """What a lean CUDA graph does when a replay would be unsafe: the run-time half of
-the safety rule in :mod:`te_passes.runtime.cudagraphs` — a static input that moved, an output
-still referenced — as a mixin of :class:`~te_passes.runtime.cudagraphs.LeanCUDAGraph`.
+the safety rule in :mod:`te_passes.runtime.cudagraphs.lean` — a static input that moved, an output
+still referenced — as a mixin of :class:`~te_passes.runtime.cudagraphs.lean.LeanCUDAGraph`.
 
 Each decision is a record (``CompileReport.cudagraphs``): a moved saved tensor copied back into
 the forward's static output, an output cloned on return from now on (gradient accumulation,
@@ -9,7 +9,7 @@ the forward's static output, an output cloned on return from now on (gradient ac
 
 from __future__ import annotations
 
-from te_passes.runtime.cudagraph_engine import ALIAS, clone_kind, owner, use_count
+from te_passes.runtime.cudagraphs.engine import ALIAS, clone_kind, owner, use_count
 
 
 class ReplayHazards:

@@ -81,7 +81,7 @@ def live_snapshot() -> UbSnapshot:
 
 def ub_global_state() -> _UbGlobalState:
     """The process's UB state object (``generation``, ``snapshot``, hooks): what the compiled-graph
-    guards of :mod:`te_passes.runtime.ub_graph_guard` compare against, once per call."""
+    guards of :mod:`te_passes.runtime.ub.graph_guard` compare against, once per call."""
     return _STATE
 
 

@@ -1,5 +1,5 @@
 """Quantizer usage flags after TE's Linear impls: what
-:mod:`te_passes.runtime.amax_groups`' wrappers put back, and the audit that makes it safe.
+:mod:`te_passes.runtime.te_patches.amax_groups`' wrappers put back, and the audit that makes it safe.
 
 See docs/internals.md#te_passesruntimequantizer_usagepy."""
 
@@ -31,7 +31,7 @@ AUDITED_USAGE_CALLS: dict[str, dict[str, tuple[int, ...]]] = {
 
 #: ``id(quantizer TE's set_usage writes to)`` -> ``[wrapped calls now running with it, its
 #: (rowwise_usage, columnwise_usage) before the first of them began]``; same rule as
-#: :data:`te_passes.runtime.amax_groups._IN_FLIGHT` (and guarded by its ``_CALLS_LOCK``): only the
+#: :data:`te_passes.runtime.te_patches.amax_groups._IN_FLIGHT` (and guarded by its ``_CALLS_LOCK``): only the
 #: last running call writes the flags back, so no call ever sees them change under it.
 USAGE_IN_FLIGHT: dict[int, list] = {}
 _NO_PARENT = object()

@@ -1,6 +1,6 @@
 """The capture/replay side of lean CUDA graphs: the CUDA engine, the decision
 recorder, the reference-count rules and the pool / ownership maps that
-:class:`te_passes.runtime.cudagraphs.LeanCUDAGraph` uses.
+:class:`te_passes.runtime.cudagraphs.lean.LeanCUDAGraph` uses.
 
 See docs/internals.md#te_passesruntimecudagraph_enginepy."""
 

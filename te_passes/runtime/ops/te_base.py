@@ -1,4 +1,4 @@
-"""TE's base ops as :mod:`te_passes.runtime.direct_call` calls them: the op family of an FX
+"""TE's base ops as :mod:`te_passes.runtime.ops.direct_call` calls them: the op family of an FX
 node target and what a base op's kernel runs (``plan`` / ``impl`` / ``pack_result``, read from
 its ``CustomOpDef`` and checked).
 

@@ -1,5 +1,5 @@
 """``te_passes.cudagraphs="lean"``: the ``CUDAGraphPolicy`` that wraps te_inductor graphs in
-:class:`te_passes.runtime.cudagraphs.LeanCUDAGraph`, and the hazards it falls back on.
+:class:`te_passes.runtime.cudagraphs.lean.LeanCUDAGraph`, and the hazards it falls back on.
 
 See docs/internals.md#te_passesruntimecudagraph_policypy."""
 
@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._inductor.cudagraph_utils import CUDAGraphPolicy
 
-from te_passes.runtime.cudagraph_engine import SAVED_BY_DATAFLOW, CudaGraphEngine, CudagraphRecorder
-from te_passes.runtime.cudagraphs import LeanCUDAGraph
+from te_passes.runtime.cudagraphs.engine import SAVED_BY_DATAFLOW, CudaGraphEngine, CudagraphRecorder
+from te_passes.runtime.cudagraphs.lean import LeanCUDAGraph
 
 #: ``te_passes.cudagraphs`` values: ``"lean"`` or ``"trees"`` (Inductor's).
 CUDAGRAPH_MODES = ("lean", "trees")

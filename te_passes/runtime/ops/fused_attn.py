@@ -9,7 +9,7 @@ import threading
 from typing import Any, Callable
 
 from te_passes.config import ENV_BOOLS
-from te_passes.runtime import recipe_state
+from te_passes.runtime.te_patches import recipe_state
 from te_passes.te import version as te_version_mod
 from te_passes.te.fused_attn import make_fakes
 from te_passes.te.op_families import TE_OP_NAMESPACE
