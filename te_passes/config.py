@@ -37,8 +37,7 @@ def _as_bool(key: str, value: Any) -> bool:
 
 
 #: Environment spellings of a bool option (``TE_PASSES_STRICT=1``); anything else is refused.
-ENV_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-              "off": False}
+ENV_BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 
 
 def _env_bool(key: str, text: str) -> bool:
@@ -58,10 +57,6 @@ def _as_opt_path(key: str, value: Any) -> str | None:
             return path
     raise TePassesOptionError(f"option {PREFIX}{key} must be a non-empty path (str or os.PathLike) or None, "
                               f"got {value!r}")
-
-
-def _as_any(key: str, value: Any) -> Any:
-    return value
 
 
 def _as_pass_config(key: str, value: Any) -> dict[str, dict[str, Any]]:
@@ -94,7 +89,7 @@ OPTION_SPECS: dict[str, _Spec] = {
                     "TE_PASSES_STRICT"),
     "dump_dir": _Spec(_as_opt_path, "write per-pass before/after graphs, diffs and report.json here",
                       "TE_PASSES_DUMP_DIR"),
-    "ub_snapshot": _Spec(_as_any, "UB state to fold against instead of TE's live registry: a "
+    "ub_snapshot": _Spec(lambda _key, value: value, "UB state to fold against instead of TE's live registry: a "
                          "UbSnapshot, a dict, or a JSON file path"),
     "ub_on_change": _Spec(_as_choice("recompile", "error"),
                           "what a UB-dependent compiled graph does when the UB state changed"),

@@ -24,10 +24,7 @@ class PassRecord:
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict: ``{"kind", "node", **data}`` with non-JSON values repr'd."""
-        out: dict[str, Any] = {"kind": self.kind, "node": self.node}
-        for k, v in self.data.items():
-            out[k] = jsonable(v)
-        return out
+        return {"kind": self.kind, "node": self.node, **{k: jsonable(v) for k, v in self.data.items()}}
 
 
 @dataclasses.dataclass

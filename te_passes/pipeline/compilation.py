@@ -90,12 +90,10 @@ def _inductor_value(patches: dict[str, Any], key: str) -> Any:
 
 
 _NON_TREE_CUDAGRAPHS = (
-    "te_inductor refuses triton.cudagraphs=True (an option or the mode) with triton.cudagraph_trees=False: "
-    "non-tree CUDA graphs (torch._inductor.cudagraph_trees off) return the same output tensors on "
-    "every call, overwriting outputs a caller still holds (TE's saved quantized tensors, fp8 outputs "
-    "kept for backward), and with TE fp8 modules the backward crashes inside TE GEMM "
-    "(getGemmOutputShape: Invalid matrix dimensions). Use mode=\"reduce-overhead\" (CUDA graph trees) "
-    "and leave triton.cudagraph_trees at its default (True)")
+    "te_inductor refuses triton.cudagraphs=True (an option or the mode) with triton.cudagraph_trees=False: non-tree "
+    "CUDA graphs return the same output tensors on every call, overwriting outputs a caller still holds (TE's saved "
+    "quantized tensors), and TE fp8 backward crashes inside TE GEMM (getGemmOutputShape: Invalid matrix dimensions). "
+    "Use mode=\"reduce-overhead\" (CUDA graph trees) and leave triton.cudagraph_trees at its default (True)")
 
 
 @dataclasses.dataclass(frozen=True)
