@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
            "UbConfigError", "compile_friendly", "prepare_te_state", "prepare_delayed_scaling",
-           "RecipeStateError", "compile_step", "make_graphed", "StepCaptureError"]
+           "RecipeStateError", "compile_step", "make_graphed", "StepCaptureError", "reinitialize_ub"]
 
 #: Public names and the module each lives in (imported on first access: ``import te_passes``
 #: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
@@ -29,6 +29,7 @@ _LAZY = {
     "compile_step": "te_passes.step_capture",
     "make_graphed": "te_passes.step_capture",
     "StepCaptureError": "te_passes.step_capture",
+    "reinitialize_ub": "te_passes.runtime.ub.reinit",  # instead of TE's destroy_ub() + initialize_ub()
 }
 
 

@@ -8,7 +8,7 @@ whose TE op checks and trace-time folds make ``fold_ub_predicates`` return a dep
 process state that passes used to write is compared before/after: the UB guard's registries and
 token, TE module functions, TE constant classes' ``__fx_repr__``, Inductor's lowering table, and
 every module-level container (dict, list, set, ...) of every loaded ``te_passes`` module — which
-is what catches a registry like the former ``runtime.constants._NAMED`` (the names
+is what catches a registry like the former ``runtime.ops.constants._NAMED`` (the names
 ``hoist_te_constants`` gives its constants now live in the post-grad graph's own ``gm.meta``).
 Memo caches of pure functions are listed in :data:`MEMO_CACHES` with the reason.
 

@@ -45,7 +45,7 @@ def node_type(node: torch.fx.Node) -> str | None:
 
 
 #: The graph whose nodes are being printed (:func:`format_node` / :func:`node_fields` set it):
-#: hoisted constants' names are kept per graph (``runtime.constants.NamedConstants``).
+#: hoisted constants' names are kept per graph (``runtime.ops.constants.NamedConstants``).
 _PRINTING: contextvars.ContextVar[Any] = contextvars.ContextVar("te_passes_printing_graph", default=None)
 
 

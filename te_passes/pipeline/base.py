@@ -74,7 +74,7 @@ AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stag
 
 class TEPassResult(PassResult):
     """``PassResult(graph_module, modified)`` plus ``records`` (:class:`PassRecord`, for people) and
-    ``facts`` (typed objects for the pipeline, e.g. ``runtime.ub_graph_guard.UbDependence``)."""
+    ``facts`` (typed objects for the pipeline, e.g. ``runtime.ub.graph_guard.UbDependence``)."""
 
     def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool,
                 records: list[PassRecord] | None = None, facts: list[Any] | None = None) -> "TEPassResult":
