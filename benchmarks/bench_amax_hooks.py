@@ -50,7 +50,7 @@ def main() -> None:
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
     from te_passes.runtime.te_patches import amax_groups
-    from te_passes.runtime.ops import quantizer_usage
+    from te_passes.runtime.te_patches import quantizer_usage
 
     def quantizer():
         return Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cpu"))

@@ -24,7 +24,7 @@ from unittest import mock
 import pytest
 import torch
 
-from te_passes.runtime.ops import quantizer_usage
+from te_passes.runtime.te_patches import quantizer_usage
 from te_passes.testing.capture import capture_skip_reason
 
 from _overlap import b_runs_inside_a  # noqa: E402
@@ -365,7 +365,7 @@ def test_debug_quantizer_around_no_quantizer_is_skipped(stub_impls):
 
 
 def test_weight_quantizer_left_alone_for_quantized_or_distributed_weights(hooks):
-    from te_passes.runtime.ops.quantizer_usage import usage_targets
+    from te_passes.runtime.te_patches.quantizer_usage import usage_targets
 
     wq, iq = object(), object()
     plain = types.SimpleNamespace(weight=torch.zeros(1), weight_quantizer=wq, input_quantizer=iq)

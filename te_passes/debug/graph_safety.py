@@ -48,7 +48,7 @@ RENAMED_MODULES: dict[str, str] = {
     "te_passes.runtime.te_norm_op": "te_passes.runtime.ops.te_norm",
     "te_passes.runtime.shared_linear": "te_passes.runtime.ops.shared_linear",
     "te_passes.runtime.constants": "te_passes.runtime.ops.constants",
-    "te_passes.runtime.quantizer_usage": "te_passes.runtime.ops.quantizer_usage",
+    "te_passes.runtime.quantizer_usage": "te_passes.runtime.te_patches.quantizer_usage",
     "te_passes.runtime.untouched": "te_passes.runtime.untouched.polyfills",
     "te_passes.runtime.untouched_attention": "te_passes.runtime.untouched.attention",
     "te_passes.runtime.untouched_state": "te_passes.runtime.untouched.state",

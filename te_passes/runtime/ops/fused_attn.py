@@ -9,7 +9,6 @@ import threading
 from typing import Any, Callable
 
 from te_passes.config import ENV_BOOLS
-from te_passes.runtime.te_patches import recipe_state
 from te_passes.te import version as te_version_mod
 from te_passes.te.fused_attn import make_fakes
 from te_passes.te.op_families import TE_OP_NAMESPACE
@@ -110,8 +109,7 @@ def install_fused_attention_op(*, import_te: bool = False) -> bool:
                                "transformer_engine.pytorch.utils record_compile_disabled)")
             return False
         _state["forward_fn"] = fn
-    recipe_state.install_trace_hooks()  # its nodes record the te.autocast state they are traced under
-    return True
+    return True  # its nodes record their te.autocast state once recipe_state.install_trace_hooks() ran
 
 
 def fused_attention_op() -> Callable[[Any], Any]:

@@ -12,7 +12,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 from te_passes._logging import get_logger
-from te_passes.runtime.ops.quantizer_usage import (  # noqa: F401 - AUDITED_USAGE_CALLS: re-exported
+from te_passes.runtime.te_patches.quantizer_usage import (  # noqa: F401 - AUDITED_USAGE_CALLS: re-exported
     USAGE_IN_FLIGHT, WEIGHT_FIELD, AUDITED_USAGE_CALLS, PER_CALL_USAGE_FIELDS, impl_code, usage_targets,
     usage_unsafe_reason)
 from te_passes.te.version import te_module

@@ -19,6 +19,7 @@ from torch._dynamo.comptime import comptime
 from te_passes.config import TePassesOptionError
 from te_passes.runtime.ops.fused_attn import install_fused_attention_op
 from te_passes.runtime.ops.te_norm import te_norm
+from te_passes.runtime.te_patches import recipe_state
 from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
                                                    fused_attention_forward)
 from te_passes.runtime.untouched.gate import (BACKEND_MARK, ENV, OPTION, Island, island_fix_for, note_island,  # noqa: F401
@@ -339,6 +340,7 @@ def install_untouched_polyfills() -> bool:
             _STATUS[qualname] = PolyfillStatus(qualname, True)
         _install_default_recipe()
         install_fused_attention_op(import_te=True)  # the FusedAttention polyfill's op (refusal: refused_reason())
+        recipe_state.install_trace_hooks()  # its nodes record the te.autocast state they are traced under
         register_start_callback()
         return any(s.installed for s in _STATUS.values())
 
