@@ -20,7 +20,7 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.runtime.untouched import polyfills as untouched  # noqa: E402
+from te_passes.runtime.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.fixture(autouse=True)
 def _polyfills():
     assert untouched.install_untouched_polyfills(), untouched.polyfill_status()
+    assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()  # runtime.install() does both
     untouched.clear_island_records()
     yield
 
@@ -132,13 +133,9 @@ def test_transformer_layer_untouched_is_one_graph(precision):
     assert sum("fused_attn" in t for t in r["targets"]) >= 1, r["targets"]
 
 
-_GQA_XFAIL = pytest.mark.xfail(strict=True, reason="GQA: TE's MultiheadAttention splits q/k/v with SplitAlongDim, "
-                                                   "an autograd.Function whose backward reads data_ptr (not traced)")
-
-
-@pytest.mark.parametrize("kw", [dict(self_attn_mask_type="causal"), pytest.param(dict(num_gqa_groups=2), marks=_GQA_XFAIL),
+@pytest.mark.parametrize("kw", [dict(self_attn_mask_type="causal"), dict(num_gqa_groups=2),
                                 dict(fuse_qkv_params=True), dict(fuse_qkv_params=True, self_attn_mask_type="causal"),
-                                pytest.param(dict(num_gqa_groups=2, self_attn_mask_type="causal"), marks=_GQA_XFAIL)],
+                                dict(num_gqa_groups=2, self_attn_mask_type="causal")],
                          ids=["causal", "gqa", "fused_qkv", "fused_qkv_causal", "gqa_causal"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
 def test_transformer_layer_variants(kw, precision):
@@ -170,16 +167,44 @@ def test_bf16_inside_te_autocast():
     _one_graph(r, 4)
 
 
-def test_gqa_break_is_named():
-    """GQA's remaining break (TE's SplitAlongDim) is attributed to te.MultiheadAttention with its reason."""
-    from te_passes.debug.graph_breaks import CompileEvents
+def test_gqa_split_is_torch_split_under_te_inductor_only():
+    """GQA's q/k/v split (TE's SplitAlongDim, rebound by runtime/untouched/split.py) is a torch.split with
+    contiguous parts in te_inductor frames; any other backend meets TE's autograd.Function and breaks as before."""
+    from transformer_engine.pytorch.attention import multi_head_attention as mha
 
-    with CompileEvents() as ev:
-        r = _run(lambda: _layer(num_gqa_groups=2), (16, 2, 64), "bf16", calls=1)
-    assert r["breaks"], r
-    mods = {(f["module"], f["kind"]) for f in ev.eager_fallbacks}
-    assert ("te.MultiheadAttention", "untraceable") in mods, ev.eager_fallbacks
-    assert all(f["kind"] != "disabled_forward" for f in ev.eager_fallbacks), ev.eager_fallbacks
+    assert mha.SplitAlongDim is untouched_split.GraphSplitAlongDim
+    r = _run(lambda: _layer(num_gqa_groups=2), (16, 2, 64), "bf16", calls=1)
+    assert r["breaks"] == {} and r["graphs"] == 1, r
+    graphs, err = _fullgraph(lambda: _layer(num_gqa_groups=2), (16, 2, 64), _te_backend)
+    assert err is None and len(graphs) == 1, err
+    graphs, err = _fullgraph(lambda: _layer(num_gqa_groups=2), (16, 2, 64), _plain_backend)
+    assert err is not None and graphs == [], "backend='inductor' must meet TE's islands as without te_passes"
+
+
+@pytest.mark.parametrize("sections,squeeze", [((2, 1, 1), ()), (3, ()), ((1, 1), (True,))])  # squeeze: forward only
+def test_graph_split_along_dim_matches_te_values_and_gradients(sections, squeeze):
+    """CPU tensors: the te_inductor-traced split gives TE's SplitAlongDim forward values and input gradient
+    (called with the arguments TE's callers pass: TE's backward returns as many gradients as MHA's 3 inputs)."""
+    te_split = untouched_split._STATE["te"]
+    n = 4 if sections == (2, 1, 1) else (6 if sections == 3 else 2)
+    x0 = torch.randn(5, 3, n, 8, dtype=torch.float64)
+
+    def step(x):
+        return [p * (i + 1) for i, p in enumerate(untouched_split.GraphSplitAlongDim.apply(x, 2, sections, *squeeze))]
+
+    graphs: list = []
+    torch._dynamo.reset()
+    x = x0.clone().requires_grad_()
+    got = torch.compile(step, backend=_te_backend(graphs), fullgraph=True)(x)
+    sum(g.sum() for g in got).backward()
+    xr = x0.clone().requires_grad_()
+    want = [p * (i + 1) for i, p in enumerate(te_split.apply(xr, 2, sections, *squeeze))]
+    assert len(graphs) == 1 and len(got) == len(want)
+    assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(got, want))
+    if not squeeze:  # TE's backward returns 3 gradients, too few for 4 inputs: TE never differentiates that call
+        sum(g.sum() for g in want).backward()
+        assert torch.equal(x.grad, xr.grad)
+    assert untouched_split.GraphSplitAlongDim.apply(x0, 2, sections, *squeeze)[0].data_ptr() == x0.data_ptr()  # eager: TE's
 
 
 def test_bf16_without_te_autocast():

@@ -9,7 +9,7 @@ import torch
 from te_passes.runtime.ops import constants, direct_lowering, free as free_op, fused_attn as fused_attn_op
 from te_passes.runtime.delayed import linear as delayed_linear, scaling as delayed_scaling
 from te_passes.runtime.te_patches import recipe_state
-from te_passes.runtime.untouched import polyfills as untouched
+from te_passes.runtime.untouched import polyfills as untouched, split as untouched_split
 from te_passes.runtime.te_patches.amax_groups import install_amax_group_hooks
 from te_passes.runtime.ub.guard import install_te_ub_hooks
 
@@ -33,4 +33,6 @@ def install() -> bool:
     if torch._guards.TracingContext.try_get() is None:
         delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
         delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
-    return settled and all(m.installed() or m.refused_reason() is not None for m in (delayed_scaling, delayed_linear))
+        untouched_split.install_split_polyfill()  # refusal kept: untouched_split.refused_reason()
+    return settled and all(m.installed() or m.refused_reason() is not None
+                           for m in (delayed_scaling, delayed_linear, untouched_split))
