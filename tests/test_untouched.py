@@ -270,10 +270,11 @@ def test_every_te_activation_is_tested():
     assert set(_get_act_func_supported_list(None)) <= set(ACTIVATIONS)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(num_gqa_groups=2), dict(num_gqa_groups=1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
-def test_multihead_attention(precision):
-    r = _run(lambda: te.MultiheadAttention(64, 4, attention_dropout=0.0, params_dtype=torch.bfloat16, device="cuda"),
-             (16, 2, 64), precision)
+def test_multihead_attention(precision, kw):
+    r = _run(lambda: te.MultiheadAttention(64, 4, attention_dropout=0.0, params_dtype=torch.bfloat16, device="cuda",
+                                           **kw), (16, 2, 64), precision)
     _one_graph(r, 2)
 
 
