@@ -14,8 +14,17 @@ Both skip the test when TE cannot be imported or its torch.compile path is off.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch  # noqa: F401  (TE must be imported after torch)
+
+#: Shared test helpers (``from _qgraphs import ...``, ``from _cli import run_cli``): tests/_helpers/
+#: on sys.path for every test folder (tests/<folder>/ mirrors te_passes/<folder>/).
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 def _te_capture_module():
@@ -71,3 +80,14 @@ def reset_te_fp8_state():
 
     Q.FP8GlobalStateManager.reset()
     delayed_state.TRACE_COUNTS.clear()
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """The toy TE op family of ``_helpers/_toy_te_op.py`` (registered through TE's own
+    ``register_custom_op``; TE's real impls need a GPU). Skips without TE."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import _toy_te_op
+
+    return _toy_te_op
+
