@@ -15,6 +15,7 @@ Both skip the test when TE cannot be imported or its torch.compile path is off.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -91,3 +92,18 @@ def toy():
 
     return _toy_te_op
 
+
+@pytest.fixture(scope="module")
+def base_dump(tmp_path_factory):
+    """A real dump of ``--example linear-bf16`` (TE graphs captured on fake CUDA tensors), one per
+    test module (tests/cli/, tests/debug/); copy it (``dump_copy``) before changing it."""
+    from _cli import dump_example
+
+    return dump_example(tmp_path_factory, "linear-bf16")
+
+
+@pytest.fixture
+def dump_copy(base_dump, tmp_path):
+    """A copy of ``base_dump`` this test may change."""
+    shutil.copytree(base_dump, tmp_path / "D", symlinks=True)
+    return tmp_path / "D"

@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 #: The repository root.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,3 +41,14 @@ def snapshot(root) -> dict[str, str]:
             out[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
     return out
 
+
+def dump_example(tmp_path_factory, example: str, name: str = "base") -> Path:
+    """``te-passes dump --example EXAMPLE`` into a fresh temporary folder (TE graphs captured on
+    fake CUDA tensors); returns the dump folder. Skips without TE."""
+    import pytest
+
+    pytest.importorskip("transformer_engine.pytorch")
+    d = tmp_path_factory.mktemp(name)
+    proc = run_cli("dump", "--example", example, "--out", str(d / "D"), cwd=str(d))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d / "D"

@@ -3,9 +3,31 @@ UB-uuid tests). Needs Transformer Engine importable (callers ``importorskip`` it
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 import transformer_engine.pytorch.module.base as te_base
+from torch._dynamo.utils import counters
+
+from te_passes.report import clear_compile_reports
+from te_passes.testing.ub import StandInCommunicator as C, ub_registry
+
+#: UB registries: ``proj_fprop``'s reduce-scatter buffer in fp8, and in bf16.
+FP8_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_fprop", "none"): C()}
+BF16_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=False), ("proj_fprop", "none"): C()}
+
+
+@contextlib.contextmanager
+def fresh_ub_compiles(registry=FP8_RS):
+    """Fresh Dynamo state, compile counters and compile reports, with ``registry`` as TE's UB
+    registry, for one test (and Dynamo reset again after it)."""
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compile_reports()
+    with ub_registry(registry):
+        yield
+    torch._dynamo.reset()
 
 
 def consume(x, v):

@@ -13,25 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
 from _cli import _one_error_line, run_cli, snapshot
-
-
-@pytest.fixture(scope="module")
-def base_dump(tmp_path_factory):
-    d = tmp_path_factory.mktemp("base")
-    proc = run_cli("dump", "--example", "linear-bf16", "--out", str(d / "D"), cwd=str(d))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return d / "D"
-
-
-@pytest.fixture
-def dump_copy(base_dump, tmp_path):
-    shutil.copytree(base_dump, tmp_path / "D")
-    return tmp_path / "D"
 
 
 @pytest.mark.parametrize("src, out", [("D", "D"), ("D/g0", "D"), ("D", "D/sub"), ("D/g0/dynamo/input.tegraph", "D"),

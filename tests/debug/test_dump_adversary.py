@@ -16,16 +16,6 @@ from _cli import run_cli
 TIMEOUT = 240
 
 
-@pytest.fixture(scope="module")
-def base_dump(tmp_path_factory):
-    """A real dump of ``--example linear-bf16`` (TE graphs captured on fake CUDA tensors)."""
-    pytest.importorskip("transformer_engine.pytorch")
-    d = tmp_path_factory.mktemp("base")
-    proc = run_cli("dump", "--example", "linear-bf16", "--out", str(d / "D"), cwd=str(d))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return d / "D"
-
-
 def _add_ub_fold_chain(path: str, kind: str) -> None:
     """Append to the saved Dynamo graph a TE UB query (``is_ub_initialized()``, folded by
     ``fold_ub_predicates``) whose folded value feeds a chain of pure operator nodes that the

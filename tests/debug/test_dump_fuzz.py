@@ -32,7 +32,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from _cli import run_cli  # noqa: E402
+from _cli import dump_example  # noqa: E402
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 EXAMPLES = {"ci": {"bytes": 25, "payload": 25, "summary": 25, "graph_report": 15, "manifest": 15},
@@ -68,13 +68,10 @@ def watchdog():
 
 @pytest.fixture(scope="module")
 def real_dump(tmp_path_factory):
-    pytest.importorskip("transformer_engine.pytorch")
-    d = tmp_path_factory.mktemp("fuzz")
-    proc = run_cli("dump", "--example", "linear-fp8", "--out", str(d / "D"), cwd=str(d))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = dump_example(tmp_path_factory, "linear-fp8", "fuzz")
     import torch  # noqa: F401
     import transformer_engine.pytorch  # noqa: F401
-    return d / "D"
+    return d
 
 
 class _Files(dict):

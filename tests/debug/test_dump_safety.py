@@ -30,22 +30,6 @@ REFUSE_TIMEOUT = 240
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def base_dump(tmp_path_factory):
-    """A real dump of ``--example linear-bf16`` (TE graphs captured on fake CUDA tensors)."""
-    pytest.importorskip("transformer_engine.pytorch")
-    d = tmp_path_factory.mktemp("base")
-    proc = run_cli("dump", "--example", "linear-bf16", "--out", str(d / "D"), cwd=str(d))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return d / "D"
-
-
-@pytest.fixture
-def dump_copy(base_dump, tmp_path):
-    shutil.copytree(base_dump, tmp_path / "D", symlinks=True)
-    return tmp_path / "D"
-
-
 def _tegraph(d) -> str:
     return str(d / "g0" / "dynamo" / "input.tegraph")
 

@@ -24,7 +24,7 @@ import torch
 
 from te_passes.testing.capture import capture_skip_reason
 
-from _overlap import b_runs_inside_a  # noqa: E402
+from _overlap import b_runs_inside_a, stand_in_impls  # noqa: E402
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
@@ -69,16 +69,9 @@ def stub_impls(monkeypatch):
         set_quantizer_amax_reduction_group(args.grad_output_quantizer, args.tp_group)
         return args
 
-    monkeypatch.setattr(linear, "_linear_forward_impl", _linear_forward_impl)
-    monkeypatch.setattr(linear, "_linear_backward_impl", _linear_backward_impl)
-    assert amax_groups.install_amax_group_hooks()
-    assert getattr(linear._linear_forward_impl, "_te_passes_amax_hook", False)
-    try:
+    with stand_in_impls(monkeypatch, linear, _linear_forward_impl, _linear_backward_impl):
+        assert getattr(linear._linear_forward_impl, "_te_passes_amax_hook", False)
         yield linear, body
-    finally:
-        amax_groups.uninstall_amax_group_hooks()
-        monkeypatch.undo()
-        amax_groups.install_amax_group_hooks(import_te=True)
 
 
 def test_nested_call_keeps_the_group_until_the_outermost_call_returns(group, stub_impls):

@@ -16,11 +16,11 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
-from _ubgraphs import Plain, UbModel, plain_graph, ub_graph  # noqa: E402
+from _ubgraphs import BF16_RS, FP8_RS, Plain, UbModel, fresh_ub_compiles, plain_graph, ub_graph  # noqa: E402
 import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
-from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
+from te_passes.report import compile_reports  # noqa: E402
 from te_passes.runtime.ub import reinit as ub, guard as guards  # noqa: E402
 from te_passes.runtime.ub import graph_guard as ub_graph_guard  # noqa: E402
 from te_passes.runtime.ub.guard import UbStateChanged  # noqa: E402
@@ -30,18 +30,12 @@ from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_r
 
 pytestmark = pytest.mark.te
 
-FP8_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_fprop", "none"): C()}
-BF16_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=False), ("proj_fprop", "none"): C()}
 
 
 @pytest.fixture(autouse=True)
 def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    clear_compile_reports()
-    with ub_registry(FP8_RS):
+    with fresh_ub_compiles(FP8_RS):
         yield
-    torch._dynamo.reset()
 
 
 class QueryModel(torch.nn.Module):

@@ -20,10 +20,10 @@ from torch._inductor.utils import fresh_cache
 
 pytest.importorskip("transformer_engine")
 import transformer_engine.pytorch.module.base as te_base  # noqa: E402
-from _ubgraphs import Plain, UbModel, plain_graph, ub_graph  # noqa: E402
+from _ubgraphs import BF16_RS, FP8_RS, Plain, UbModel, fresh_ub_compiles, plain_graph, ub_graph  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
-from te_passes.report import clear_compile_reports, compile_reports  # noqa: E402
+from te_passes.report import compile_reports  # noqa: E402
 from te_passes.te import graph_model as gmod  # noqa: E402
 from te_passes.runtime.ub import guard as guards  # noqa: E402
 from te_passes.runtime.ub import graph_guard as ub_graph_guard  # noqa: E402
@@ -32,20 +32,14 @@ from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_r
 
 pytestmark = pytest.mark.te
 
-FP8_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_fprop", "none"): C()}
-BF16_RS = {("proj_fprop", "fp8"): C(fp8_ubuf=False), ("proj_fprop", "none"): C()}
 #: FP8_RS plus a buffer no graph here uses: a UB change that keeps every folded answer.
 FP8_RS_PLUS = {**FP8_RS, ("fc1_fprop", "fp8"): C(fp8_ubuf=True)}
 
 
 @pytest.fixture(autouse=True)
 def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    clear_compile_reports()
-    with ub_registry(FP8_RS):
+    with fresh_ub_compiles(FP8_RS):
         yield
-    torch._dynamo.reset()
 
 
 

@@ -27,7 +27,7 @@ import torch
 from te_passes.runtime.ops import quantizer_usage
 from te_passes.testing.capture import capture_skip_reason
 
-from _overlap import b_runs_inside_a  # noqa: E402
+from _overlap import b_runs_inside_a, stand_in_impls  # noqa: E402
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
@@ -279,19 +279,12 @@ def stub_impls(monkeypatch):
         args.grad_output_quantizer.set_usage(rowwise=True, columnwise=False)
         return args
 
-    monkeypatch.setattr(linear, "_linear_forward_impl", _linear_forward_impl)
-    monkeypatch.setattr(linear, "_linear_backward_impl", _linear_backward_impl)
     monkeypatch.setattr(amax_groups, "unsafe_reason", lambda mod: None)  # the stand-ins set no group
     monkeypatch.setattr(quantizer_usage, "AUDITED_USAGE_CALLS", {"_linear_forward_impl": {"set_usage": (1,)},
                                                                  "_linear_backward_impl": {"set_usage": (1,)}})
-    assert amax_groups.install_amax_group_hooks()
-    assert amax_groups.usage_restore_installed(), amax_groups.usage_refused_reason()
-    try:
+    with stand_in_impls(monkeypatch, linear, _linear_forward_impl, _linear_backward_impl):
+        assert amax_groups.usage_restore_installed(), amax_groups.usage_refused_reason()
         yield linear, body
-    finally:
-        amax_groups.uninstall_amax_group_hooks()
-        monkeypatch.undo()
-        amax_groups.install_amax_group_hooks(import_te=True)
 
 
 def _args(q, **kw):
