@@ -10,7 +10,7 @@ per guard_filter_fn: all guards; without the guards on TE's global state (``te.a
 ``FP8GlobalStateManager`` fields, recipe objects); ``torch.compiler.skip_guard_on_all_nn_modules_unsafe``;
 ``torch.compiler.keep_tensor_guards_unsafe``. Prints guards kept, us per check, ratio to all.
 
-Part B — whole calls on CPU, a toy TE op family (tests/_toy_te_op.py, TE's ``register_custom_op``)
+Part B — whole calls on CPU, a toy TE op family (tests/_helpers/_toy_te_op.py, TE's ``register_custom_op``)
 compiled by te_inductor: a compiled forward, the same under
 ``set_stance(skip_guard_eval_unsafe=True)``, and ``te_passes.compile_step`` with
 ``te_passes.guards`` = ``all`` / ``skip_unsafe``. Prints us per call and ratios side by side.
@@ -123,7 +123,7 @@ def part_a(reps: int, layers: int) -> list[dict]:
 
 # --------------------------------------------------------------------------- part B
 def part_b(reps: int) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "_helpers"))
     import _toy_te_op as toy
 
     import te_passes

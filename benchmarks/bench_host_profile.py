@@ -7,7 +7,7 @@
 Nesting-aware ``perf_counter`` timers monkeypatched around the boundary functions of TE eager,
 ``backend="inductor"``, te_inductor and ``te_inductor-nodirect`` (stack4, 256 tokens, fp8 and bf16);
 each layer's exclusive µs per step. ``--dry-run`` checks every timer attaches to TE's real ``linear``
-family, then runs the same code with tests/_toy_te_op.py's toy family on CPU. Layers, method and
+family, then runs the same code with tests/_helpers/_toy_te_op.py's toy family on CPU. Layers, method and
 results: docs/benchmarks.md "Issue 13: host-time split per step".
 """
 
@@ -529,7 +529,7 @@ def _hooks(args) -> "Hooks":
         _state["attached"] = [h.what for h in probe.installed]
         probe.uninstall()
         if args.dry_run:
-            sys.path.insert(0, str(_ROOT / "tests"))
+            sys.path.insert(0, str(_ROOT / "tests" / "_helpers"))
             import _toy_te_op
 
             hooks = Hooks(timers, _toy_te_op.OP_NAME, eager_module=None)

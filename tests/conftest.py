@@ -14,8 +14,18 @@ Both skip the test when TE cannot be imported or its torch.compile path is off.
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+
 import pytest
 import torch  # noqa: F401  (TE must be imported after torch)
+
+#: Shared test helpers (``from _qgraphs import ...``, ``from _cli import run_cli``): tests/_helpers/
+#: on sys.path for every test folder (tests/<folder>/ mirrors te_passes/<folder>/).
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 def _te_capture_module():
@@ -71,3 +81,29 @@ def reset_te_fp8_state():
 
     Q.FP8GlobalStateManager.reset()
     delayed_state.TRACE_COUNTS.clear()
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """The toy TE op family of ``_helpers/_toy_te_op.py`` (registered through TE's own
+    ``register_custom_op``; TE's real impls need a GPU). Skips without TE."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import _toy_te_op
+
+    return _toy_te_op
+
+
+@pytest.fixture(scope="module")
+def base_dump(tmp_path_factory):
+    """A real dump of ``--example linear-bf16`` (TE graphs captured on fake CUDA tensors), one per
+    test module (tests/cli/, tests/debug/); copy it (``dump_copy``) before changing it."""
+    from _cli import dump_example
+
+    return dump_example(tmp_path_factory, "linear-bf16")
+
+
+@pytest.fixture
+def dump_copy(base_dump, tmp_path):
+    """A copy of ``base_dump`` this test may change."""
+    shutil.copytree(base_dump, tmp_path / "D", symlinks=True)
+    return tmp_path / "D"

@@ -1,7 +1,7 @@
 """te_passes.compile_step / te_passes.make_graphed on CPU (issue 22).
 
 * whole-step capture of TE custom ops (the toy family registered through TE's own
-  ``register_custom_op``, tests/_toy_te_op.py, TE's real impls need a GPU) compiled by
+  ``register_custom_op``, tests/_helpers/_toy_te_op.py, TE's real impls need a GPU) compiled by
   te_inductor (Inductor on CPU): one Dynamo graph, no graph break, TE's impls called directly,
   loss and every ``.grad`` equal to eager for gradient accumulation, ``zero_grad`` with
   ``set_to_none`` True and False, an optimizer step outside (inside: refused), a shape change
@@ -27,18 +27,6 @@ from te_passes.report import clear_compile_reports, compile_reports
 from te_passes.step_capture import CompiledStep, StepCaptureError, compile_step, make_graphed
 
 NO_CACHE: dict = {}  # Inductor's caches on: identical toy graphs across tests compile once
-
-
-@pytest.fixture(scope="module")
-def toy():
-    pytest.importorskip("transformer_engine.pytorch")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import _toy_te_op
-
-    return _toy_te_op
 
 
 @pytest.fixture(autouse=True)

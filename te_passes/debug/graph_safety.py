@@ -92,7 +92,7 @@ _REFUSED_BUILTINS = frozenset({"eval", "exec", "compile", "open", "__import__", 
 
 #: Exact ``(module, name)`` globals a ``.tegraph`` pickle may reference, besides the rule-based
 #: ones in :func:`allowed_global` (TE constant classes, torch dtypes). Derived from the globals
-#: in real dumps (``tests/test_graph_io_safety.py`` dumps every built-in example, lists the
+#: in real dumps (``tests/debug/test_graph_io_safety.py`` dumps every built-in example, lists the
 #: globals with :func:`pickle_globals` and checks each is allowed): the graph file's own records,
 #: FX's ``immutable_list`` / ``immutable_dict`` (node args), ``TorchVersion`` (the saved torch
 #: version of files written before it was saved as ``str``), TE's quantizer rebuild function

@@ -1,5 +1,5 @@
 """AOTAutograd's cache for fp8 training under ``te_inductor`` (GPU; the CPU half is
-tests/test_aot_autograd_cache.py).
+tests/pipeline/test_aot_autograd_cache.py).
 
 Run on the H200 with ``pytest -m gpu tests/gpu/test_aot_autograd_cache_gpu.py``; skipped without a
 GPU / TE compile path (tests/gpu/conftest.py).

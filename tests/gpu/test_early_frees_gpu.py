@@ -10,7 +10,7 @@ semantics), so the step records and replays cleanly and matches eager.
 The free used to empty a duplicate: Inductor copied the unrealized FP8 cast into a buffer of
 its own for the custom op (its ``needs_exact_strides`` constraint) and the free's lowering
 realized the cast a second time (measured on an H200: the pool assertion still fired). The CPU
-counterpart that pins the fix is ``tests/test_early_frees_inductor.py``.
+counterpart that pins the fix is ``tests/passes/test_insert_early_frees_inductor.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Run on the H200: ``pytest -m gpu tests/gpu/test_fused_attention_gpu.py`` (skippe
 Asserted:
 
 * the fakes (``te_passes/te/fused_attn.py``) equal the real kernel's outputs: for every case of
-  tests/test_fused_attn_op.py, the base op's flat outputs (out, the saved softmax stats and
+  tests/runtime/test_fused_attn_op.py, the base op's flat outputs (out, the saved softmax stats and
   rng_state, the None sentinels) and the q/k/v gradients have the fake's shape, dtype, stride
   and device;
 * ``DotProductAttention`` rewritten with ``attention="te_fused"`` and compiled with te_inductor
@@ -38,7 +38,7 @@ def _meta(t):
 def test_fakes_equal_real_outputs():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tests.test_fused_attn_op import CASES, _flat_forward, _op, _table, fwd_args
+    from tests.runtime.test_fused_attn_op import CASES, _flat_forward, _op, _table, fwd_args
 
     fn = _op()
     for fmt, dims, dtype, mask in CASES:

@@ -140,7 +140,7 @@ def test_linear_bit_identical_to_eager(recipe_name, mode):
 @pytest.mark.xfail(strict=False, reason="measured on one H200 (2026-12-01, docs/benchmarks/h200_2026-12-01_s5/"
                    "recipe_gpu.log): at 1024 hidden / 256 tokens the fprop GEMM gives the same bits with and "
                    "without split accumulation, so this shape cannot show the difference the CPU tests "
-                   "(tests/test_te_recipe_at_runtime.py) prove is delivered")
+                   "(tests/runtime/test_te_recipe_at_runtime.py) prove is delivered")
 def test_control_without_the_state_wrapper_differs():
     """Float8BlockScaling fprop under TE's default recipe (DelayedScaling: no split accumulator)
     differs from eager: what the bit-identity above protects against."""
