@@ -2,7 +2,7 @@
 recorder, the reference-count rules and the pool / ownership maps that
 :class:`te_passes.runtime.cudagraphs.lean.LeanCUDAGraph` uses.
 
-See docs/internals.md#te_passesruntimecudagraph_enginepy."""
+See docs/internals.md#te_passesruntimecudagraphsenginepy."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Lean CUDA-graph replay for te_inductor graphs: ``te_passes.cudagraphs="lean"``.
 
-See docs/internals.md#te_passesruntimecudagraphspy and docs/usage.md."""
+See docs/internals.md#te_passesruntimecudagraphsleanpy and docs/usage.md."""
 
 from __future__ import annotations
 

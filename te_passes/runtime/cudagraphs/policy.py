@@ -1,7 +1,7 @@
 """``te_passes.cudagraphs="lean"``: the ``CUDAGraphPolicy`` that wraps te_inductor graphs in
 :class:`te_passes.runtime.cudagraphs.lean.LeanCUDAGraph`, and the hazards it falls back on.
 
-See docs/internals.md#te_passesruntimecudagraph_policypy."""
+See docs/internals.md#te_passesruntimecudagraphspolicypy."""
 
 from __future__ import annotations
 

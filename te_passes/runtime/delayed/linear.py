@@ -1,6 +1,6 @@
 """te.Linear under DelayedScaling in a te_inductor graph: TE's impls as a functional op pair.
 
-See docs/internals.md#te_passesruntimedelayed_linearpy and docs/design.md "DelayedScaling"."""
+See docs/internals.md#te_passesruntimedelayedlinearpy and docs/design.md "DelayedScaling"."""
 
 from __future__ import annotations
 

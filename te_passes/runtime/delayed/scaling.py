@@ -1,6 +1,6 @@
 """DelayedScaling compiled by te_inductor: the in-graph scale update and its polyfills.
 
-See docs/internals.md#te_passesruntimedelayed_scalingpy and docs/design.md "DelayedScaling"."""
+See docs/internals.md#te_passesruntimedelayedscalingpy and docs/design.md "DelayedScaling"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Named TE constants: value-opaque constants built once and rendered as a wrapper-global name
 inside their own graph's Inductor wrapper.
 
-See docs/internals.md#te_passesruntimeconstantspy and docs/passes/hoist_te_constants.md."""
+See docs/internals.md#te_passesruntimeopsconstantspy and docs/passes/hoist_te_constants.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Direct calls of TE's op implementations from Inductor's wrapper code.
 
-See docs/internals.md#te_passesruntimedirect_callpy and docs/design.md "Direct calls"."""
+See docs/internals.md#te_passesruntimeopsdirect_callpy and docs/design.md "Direct calls"."""
 
 from __future__ import annotations
 

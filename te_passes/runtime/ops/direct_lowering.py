@@ -1,7 +1,7 @@
 """The Inductor lowering of TE's base ops that emits direct calls: the wrapper code
 calls a :class:`~te_passes.runtime.ops.direct_call.DirectTECall` instead of the dispatcher op.
 
-See docs/internals.md#te_passesruntimedirect_loweringpy."""
+See docs/internals.md#te_passesruntimeopsdirect_loweringpy."""
 
 from __future__ import annotations
 

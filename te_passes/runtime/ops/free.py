@@ -1,6 +1,6 @@
 """The early-free op: ``torch.ops.te_passes.free_storage(t)`` releases ``t``'s memory in a graph.
 
-See docs/internals.md#te_passesruntimefree_oppy."""
+See docs/internals.md#te_passesruntimeopsfreepy."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TE's fused (cuDNN) attention as a ``register_custom_op`` op family.
 
-See docs/internals.md#te_passesruntimefused_attn_oppy."""
+See docs/internals.md#te_passesruntimeopsfused_attnpy."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 node target and what a base op's kernel runs (``plan`` / ``impl`` / ``pack_result``, read from
 its ``CustomOpDef`` and checked).
 
-See docs/internals.md#te_passesruntimete_base_oppy."""
+See docs/internals.md#te_passesruntimeopste_basepy."""
 
 from __future__ import annotations
 

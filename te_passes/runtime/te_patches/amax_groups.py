@@ -1,6 +1,6 @@
 """Per-call amax-reduction groups: keep them off TE's persistent quantizers (TE 2.20).
 
-See docs/internals.md#te_passesruntimeamax_groupspy."""
+See docs/internals.md#te_passesruntimete_patchesamax_groupspy."""
 
 from __future__ import annotations
 

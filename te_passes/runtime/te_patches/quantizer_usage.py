@@ -1,7 +1,7 @@
 """Quantizer usage flags after TE's Linear impls: what
 :mod:`te_passes.runtime.te_patches.amax_groups`' wrappers put back, and the audit that makes it safe.
 
-See docs/internals.md#te_passesruntimequantizer_usagepy."""
+See docs/internals.md#te_passesruntimete_patchesquantizer_usagepy."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The user's ``te.autocast`` state delivered to TE's impls in compiled code.
 
-See docs/internals.md#te_passesruntimerecipe_statepy and docs/design.md "TE global state read at run time"."""
+See docs/internals.md#te_passesruntimete_patchesrecipe_statepy and docs/design.md "TE global state read at run time"."""
 
 from __future__ import annotations
 

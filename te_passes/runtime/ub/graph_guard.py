@@ -2,7 +2,7 @@
 wrapped in a guard that re-checks them when that state changes (see
 :mod:`te_passes.runtime.ub.guard` for both layers and why).
 
-See docs/internals.md#te_passesruntimeub_graph_guardpy."""
+See docs/internals.md#te_passesruntimeubgraph_guardpy."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Guards for compiled graphs specialised on TE's Userbuffers (UB) state.
 
-See docs/internals.md#te_passesruntimeub_guardpy."""
+See docs/internals.md#te_passesruntimeubguardpy."""
 
 from __future__ import annotations
 

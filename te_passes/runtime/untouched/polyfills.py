@@ -1,6 +1,6 @@
 """Untouched TE models in one graph under ``te_inductor``: polyfills of TE's ``torch.compiler.disable``\\ d forwards.
 
-See docs/internals.md#te_passesruntimeuntouchedpy and docs/untouched.md.."""
+See docs/internals.md#te_passesruntimeuntouchedpolyfillspy and docs/untouched.md.."""
 
 from __future__ import annotations
 
