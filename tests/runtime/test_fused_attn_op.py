@@ -265,7 +265,7 @@ def test_runtime_install_registers_the_family_in_a_fresh_process():
 
     code = ("import torch, transformer_engine.pytorch\n"
             "from torch._library.custom_ops import OPDEFS\n"
-            "from te_passes.runtime import direct_lowering as dl, te_base_op\n"
+            "from te_passes.runtime.ops import direct_lowering as dl, te_base as te_base_op\n"
             "from te_passes.runtime.install import install\n"
             "assert 'transformer_engine_compile::fused_attn' not in OPDEFS\n"
             "install()\n"
