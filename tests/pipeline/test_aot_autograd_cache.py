@@ -233,7 +233,8 @@ def test_aot_autograd_cache_key_is_the_same_in_another_process(aot_cache):
     """Content-derived: a fresh interpreter (another hash seed) computes the same key."""
     key, _, _ = _training_key("default")
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), env.get("PYTHONPATH")]))
+    helpers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_helpers")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), helpers, env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, __file__, "default"], env=env, capture_output=True, text=True,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
