@@ -12,6 +12,10 @@ import torch
 
 from te_passes.te.norm_act import ACTIVATIONS
 
+#: The module whose ``SplitAlongDim`` (an ``autograd.Function`` comparing ``data_ptr``\ s) splits GQA's q/k/v
+#: and cross attention's k/v (TE 2.20.2); TE's other users of it split FP8 attention, which stays eager.
+SPLIT_ALONG_DIM_MODULE = "transformer_engine.pytorch.attention.multi_head_attention"
+
 #: The fix named for DelayedScaling (its amax history lives in each module's fp8 meta).
 DELAYED_SCALING_FIX = ("use a stateless recipe: te.autocast(recipe=Float8CurrentScaling()) (or "
                        "MXFP8BlockScaling() on Blackwell), which compiles into the graph")

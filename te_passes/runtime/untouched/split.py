@@ -12,9 +12,7 @@ from typing import Any
 import torch
 
 from te_passes.runtime.untouched.state import active_frames
-
-#: The module whose ``SplitAlongDim`` global is rebound (TE's other users split FP8 attention, which stays eager).
-TE_MHA_MODULE = "transformer_engine.pytorch.attention.multi_head_attention"
+from te_passes.te.untouched_rules import SPLIT_ALONG_DIM_MODULE as TE_MHA_MODULE
 _STATE: dict[str, Any] = {"te": None, "refused": None}
 _LOCK = threading.Lock()
 
@@ -27,10 +25,12 @@ class GraphSplitAlongDim:
 
     @staticmethod
     def apply(x: torch.Tensor, dim: int, sections: Any, *squeeze: bool) -> Any:
+        if not torch.compiler.is_compiling():  # eager: TE's, with the caller's arguments (as many as given)
+            return _STATE["te"].apply(x, dim, sections, *squeeze)
         from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
 
-        if not torch.compiler.is_compiling() or isinstance(x, QuantizedTensorStorage) or not active_frames():
-            return _STATE["te"].apply(x, dim, sections, *squeeze)  # the caller's arguments, as many as given
+        if isinstance(x, QuantizedTensorStorage) or not active_frames():
+            return _STATE["te"].apply(x, dim, sections, *squeeze)
         squeeze = bool(squeeze and squeeze[0])
         parts = torch.split(x, sections if isinstance(sections, int) else list(sections), dim=dim)
         return tuple((p.squeeze(dim) if squeeze else p).contiguous() for p in parts)
