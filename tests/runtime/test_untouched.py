@@ -70,7 +70,7 @@ def _run(build, shape, precision="bf16", *, backend=_te_backend, calls=3, autoca
     graphs: list = []
     be = backend(graphs) if options_backend is None else options_backend
     with quiet(), fake_gpu(precision):
-        recipe = make_recipe(precision if fp8 else "fp8-cs") if fp8 or autocast == "inside_off" else None
+        recipe = make_recipe(precision) if fp8 else None
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode, constructing():
             model = build()
@@ -78,9 +78,6 @@ def _run(build, shape, precision="bf16", *, backend=_te_backend, calls=3, autoca
         def step(inp):
             if autocast == "inside":
                 with te.autocast(enabled=fp8, recipe=recipe):
-                    out = model(inp)
-            elif autocast == "inside_off":  # a recipe reachable, fp8 off: te_passes' fp8 guess is wrong
-                with te.autocast(enabled=False, recipe=recipe):
                     out = model(inp)
             elif autocast == "inside_new":
                 r = type(recipe)() if fp8 else None
@@ -146,7 +143,12 @@ def test_transformer_layer_variants(kw, precision):
     _one_graph(r, 4)
 
 
-@pytest.mark.parametrize("autocast", ["inside", pytest.param("inside_new", marks=pytest.mark.xfail(
+@pytest.mark.parametrize("autocast", [pytest.param("inside", marks=pytest.mark.xfail(
+    strict=True, reason="FP8 te.autocast inside the compiled function: TE's MultiheadAttention reads its proj "
+                        "te.Linear (quantizer roles) before any polyfill runs, so proj's fp8 state cannot be "
+                        "initialised before the trace reads it: one recompile on step 2 (none with te.autocast "
+                        "outside, or in bf16)")),
+    pytest.param("inside_new", marks=pytest.mark.xfail(
     strict=True, reason="a recipe built inside the compiled function: Dynamo breaks the graph at TE's pydantic "
                         "dataclass constructor (gb3383), outside te_passes")), "outside"])
 def test_te_autocast_placement(autocast):
@@ -154,13 +156,10 @@ def test_te_autocast_placement(autocast):
     _one_graph(r, 4)
 
 
-def test_te_autocast_inside_with_fp8_off_recompiles_at_most_once():
-    """te.autocast(enabled=False, recipe=r) inside: the compile-start guess (fp8 with the frame's one recipe,
-    runtime/untouched/state.py) is wrong, TE re-initialises in the trace: at most one recompile, no break."""
-    r = _run(_layer, (16, 2, 64), "bf16", autocast="inside_off")
-    assert r["breaks"] == {}, r["breaks"]
-    assert len(r["recompiles"]) <= 1 and all(".fp8 == True" in x for x in r["recompiles"]), r["recompiles"]
-    assert r["graphs"] == 1 + len(r["recompiles"]) and _gemms(r["targets"]) == 4 * r["graphs"], r
+def test_te_autocast_inside_recompiles_at_most_once():
+    r = _run(_layer, (16, 2, 64), "fp8-cs", autocast="inside")
+    assert r["breaks"] == {} and _gemms(r["targets"]) == 8, r  # 4 GEMMs per trace, 2 traces
+    assert len(r["recompiles"]) <= 1 and all(".fp8 == False" in x for x in r["recompiles"]), r["recompiles"]
 
 
 def test_bf16_inside_te_autocast():

@@ -227,15 +227,14 @@ def _touched(ctx: Any) -> set[int]:
     return out
 
 
-def _compile_frame() -> tuple[Any, dict, tuple, dict, Any] | None:
-    """``(compiler_fn, locals, closure, globals, code)`` of the frame Dynamo starts compiling (the
+def _compile_frame() -> tuple[Any, dict, tuple, dict] | None:
+    """``(compiler_fn, locals, closure, globals)`` of the frame Dynamo starts compiling (the
     arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack), or ``None``."""
     f = sys._getframe(1)
     while f is not None:
         if f.f_code.co_name == "_compile" and f.f_globals.get("__name__") == "torch._dynamo.convert_frame":
             loc = f.f_locals
-            return (loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {},
-                    loc.get("code"))
+            return loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {}
         f = f.f_back
     return None
 
@@ -249,7 +248,7 @@ def on_compile_start(_args: Any = None) -> None:
         found = _compile_frame()
         if found is None or "transformer_engine.pytorch" not in sys.modules:
             return
-        compiler_fn, loc, closure, glob, code = found
+        compiler_fn, loc, closure, glob = found
         if not backend_wants_polyfills(compiler_fn):
             return
         from transformer_engine.common.recipe import Recipe
@@ -263,30 +262,14 @@ def on_compile_start(_args: Any = None) -> None:
             prime_recipe(r)
         if mods:
             q = FP8GlobalStateManager.quantization_state
-            if q.autocast_depth > 0:
-                _prepare_all(mods, None, bool(q.fp8_enabled), q.fp8_recipe)
-                return
-            # No te.autocast active now: the fp8 state inside the trace is a guess — fp8 with the one
-            # recipe the frame reaches when its code calls an autocast (te.autocast inside the compiled
-            # function), else off. A wrong guess costs one recompile (TE re-initialises in the trace), as
-            # no guess did. A module TE already initialised (an eager step ran) keeps its state.
-            inside = _autocast_recipe(code, recipes)
-            _prepare_all(mods, None, inside is not None, inside, skip=_already_initialised)
+            active = q.autocast_depth > 0
+            # No te.autocast active now: the fp8 state inside the trace is unknown (te.autocast may be
+            # inside the compiled function), so a module TE already initialised (an eager step ran)
+            # keeps its state — re-initialising it with fp8 off made the trace guard on the wrong value.
+            _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None,
+                         skip=(lambda m: False) if active else _already_initialised)
     except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
         return
-
-
-def _autocast_recipe(code: Any, recipes: list[Any]) -> Any:
-    """The recipe a compiled frame's ``te.autocast`` most likely uses: the one recipe object it reaches, when
-    ``code`` (or a function defined in it) names ``autocast`` / ``fp8_autocast``; else ``None``."""
-    todo, names = [code], set()
-    while todo:
-        c = todo.pop()
-        if c is not None and hasattr(c, "co_names"):
-            names.update(c.co_names)
-            todo += [k for k in c.co_consts if hasattr(k, "co_names")]
-    unique = {id(r): r for r in recipes}
-    return next(iter(unique.values())) if len(unique) == 1 and names & {"autocast", "fp8_autocast"} else None
 
 
 def _cell_values(closure: Any, depth: int = 3) -> list[Any]:
