@@ -277,6 +277,24 @@ def test_multihead_attention(precision, kw):
     _one_graph(r, 2)
 
 
+class _CrossAttention(torch.nn.Module):
+    """te.MultiheadAttention(attention_type="cross") attending from ``x`` to ``2 * x``."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.mha = te.MultiheadAttention(64, 4, attention_dropout=0.0, params_dtype=torch.bfloat16, device="cuda",
+                                         attention_type="cross", **kw)
+
+    def forward(self, x):
+        return self.mha(x, encoder_output=x * 2)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(num_gqa_groups=2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_cross_attention(precision, kw):
+    _one_graph(_run(lambda: _CrossAttention(**kw), (16, 2, 64), precision), 3)  # query, key_value, proj
+
+
 # --------------------------------------------------------------------------- the gate
 def _fullgraph(build, shape, backend, precision="bf16"):
     """Compile ``build()`` with ``fullgraph=True`` on fake cuda; returns (graphs, error text or None).
