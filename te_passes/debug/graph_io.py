@@ -17,7 +17,7 @@ import torch.fx
 from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
 from te_passes.debug.graph_safety import (BudgetError, GraphFileError, UnsafeGraphFileError, SafeUnpickler,
-    import_te, check_budget, check_name, resolve_function)
+    import_te, check_budget, check_memo_indices, check_name, resolve_function)
 from te_passes.debug.sym_expr import check_sym_expr, parse_sym_expr
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
     ALLOWED_GLOBALS, RENAMED_MODULES, allowed_global, pickle_globals, renamed_module)
@@ -427,6 +427,7 @@ def load_payload(path: str | os.PathLike) -> dict[str, Any]:
     if b"transformer_engine" in data:
         import_te()
     try:
+        check_memo_indices(data, path)
         payload = SafeUnpickler(io.BytesIO(data), path).load()
     except UnsafeGraphFileError:
         raise

@@ -288,7 +288,11 @@ def check_budget(obj: Any, where: str, budget: dict[str, int] | None = None) -> 
         if isinstance(o, slice):
             return (o.start, o.stop, o.step)
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            return [getattr(o, f.name, None) for f in dataclasses.fields(o)]
+            names = [f.name for f in dataclasses.fields(o)]
+            if type(o).__module__.startswith("te_passes.") and set(vars(o)) != set(names):
+                # pickle builds a dataclass by NEWOBJ + BUILD(state): a file can drop or rename fields
+                raise GraphFileError(f"{where}: a {type(o).__name__} with fields {sorted(vars(o))}, not {names}")
+            return [getattr(o, n, None) for n in names]
         return None
 
     def leaf(o: Any) -> None:
@@ -371,6 +375,25 @@ class SafeUnpickler(pickle.Unpickler):
                                             and gconst.te_const_kind(obj) is gconst.TEConstKind.BUNDLE):
             return _Checked(obj, self._path)
         return obj
+
+
+def check_memo_indices(data: bytes, path: str) -> None:
+    """Refuse a pickle that writes its memo past its own length, before it is unpickled: the C
+    unpickler sizes its memo array to the largest index it is given, so one ``LONG_BINPUT`` of
+    ``2**30`` in a 7 KB file allocates gigabytes (a single byte inserted into a string of a real
+    dump does it; found by the long fuzz profile). Reads opcodes with :mod:`pickletools`, builds
+    nothing.
+
+    Raises:
+        BudgetError: naming ``path``, the index and its byte offset.
+        ValueError: ``data`` is not a pickle (``pickletools``' own error).
+    """
+    import pickletools
+
+    for op, arg, pos in pickletools.genops(data):
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) > len(data):
+            raise BudgetError(f"{path}: a pickle memo index of {int(arg)} at byte {pos}, past the file's "
+                              f"{len(data)} bytes; the file is damaged or crafted")
 
 
 def pickle_globals(data: bytes) -> list[tuple[str, str]]:

@@ -174,10 +174,12 @@ def _splice(payload, data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("bomb", ["shared_list_40", "deep_list_200000", "deep_tuple_100000", "self_cycle",
-                                  "huge_int", "exponent", "exponent_chain", "deep_size_expr"])
+                                  "huge_int", "exponent", "exponent_chain", "deep_size_expr", "memo_index"])
 def test_resource_bombs_are_refused_with_one_line(bomb, dump_copy, tmp_path):
-    """A 40-level shared list (2**40 paths), a 200,000-deep list, a cycle, a 10,000-digit integer
-    or ``9**9**9**9`` as a size: one line, exit 2 (before: minutes, a segfault, a traceback)."""
+    """A 40-level shared list (2**40 paths), a 200,000-deep list, a cycle, a 10,000-digit integer,
+    ``9**9**9**9`` as a size, or a memo index of 2**30 (the C unpickler allocates its memo array to
+    it: 24 s and gigabytes for a 7 KB file, found by the long fuzz profile): one line, exit 2
+    (before: minutes, a segfault, a traceback)."""
     p = _tegraph(dump_copy)
     payload = _payload(p)
     ci = next(i for i, n in enumerate(payload["nodes"]) if n["op"] == "call_function")
@@ -194,6 +196,9 @@ def test_resource_bombs_are_refused_with_one_line(bomb, dump_copy, tmp_path):
     elif bomb == "deep_tuple_100000":
         payload["nodes"][ci]["args"] = ("@@X@@",)
         data = _splice(payload, b")" + b"\x85" * 100_000)  # EMPTY_TUPLE, then TUPLE1 100,000 times
+    elif bomb == "memo_index":
+        payload["nodes"][ci]["args"] = ("@@X@@",)
+        data = _splice(payload, b"\x8c\x01ar" + (2 ** 30).to_bytes(4, "little"))  # 'a', LONG_BINPUT 2**30
     elif bomb == "self_cycle":
         cyc: list = []
         cyc.append(cyc)
@@ -211,7 +216,7 @@ def test_resource_bombs_are_refused_with_one_line(bomb, dump_copy, tmp_path):
             f.write(data)
     proc = run_cli("replay", p, cwd=str(tmp_path), timeout=REFUSE_TIMEOUT)
     _assert_refused(proc, "nested more than", "more than 2000000 items", "contains itself", "digits",
-                    "is not a size expression")
+                    "is not a size expression", "memo index")
 
 
 @pytest.mark.parametrize("cmd", ["show", "replay", "dump"])

@@ -140,6 +140,36 @@ def test_malformed_payload_fields_are_named(bad, what, tmp_path):
     assert str(p) in str(ei.value)
 
 
+def _built(state):
+    """A TensorMeta whose pickled BUILD state is ``state`` (what a byte mutation of a real file's
+    state dict gives: the long fuzz profile found it)."""
+    obj = object.__new__(TensorMeta)
+    obj.__dict__.update(state)
+    return obj
+
+
+@pytest.mark.parametrize("drop, add", [("device", None), (None, "extra"), ("shape", "shap")])
+def test_dataclass_with_missing_or_extra_fields_is_named(drop, add, tmp_path):
+    import torch
+
+    state = {"shape": (2,), "stride": (1,), "dtype": torch.float32, "device": "cpu", "requires_grad": False}
+    if drop:
+        del state[drop]
+    if add:
+        state[add] = 1
+    p = tmp_path / "odd.tegraph"
+    p.write_bytes(pickle.dumps({"format": FORMAT, "nodes": [
+        {"name": "x", "op": "placeholder", "target": "x", "args": (), "kwargs": {}, "meta": {"val": _built(state)}}]}))
+    with pytest.raises(GraphFileError, match="a TensorMeta with fields") as ei:
+        load_graph(p)
+    assert str(p) in str(ei.value)
+    e = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "te_passes.cli", "replay", str(p)], cwd=str(tmp_path),
+                          env=e, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "a TensorMeta with fields" in lines[0], proc.stderr
+
+
 def test_truncated_graph_file(tmp_path):
     p = tmp_path / "t.tegraph"
     p.write_bytes(pickle.dumps({"format": FORMAT, "nodes": []})[:-5])
