@@ -144,6 +144,25 @@ def test_one_graph_with_te_ops_and_updates(cfg, layers):
     assert not any("transformer_engine_compile" in str(n.target) for n in _calls(a.forward))
 
 
+def test_graph_outputs_are_on_the_ops_device():
+    """No CPU tensor among the AOT graphs' outputs: TE's ``None`` sentinels (made on the CPU by
+    ``custom_op._encode_none``) were saved for backward, so Inductor cut the forward at them and the
+    op's list output crossed the partition (cudagraph trees: ``AssertionError: <class 'list'>``,
+    H200 2026-12-02). The ops now return their sentinels on the weight's device."""
+    from te_passes.runtime.delayed.linear import cudagraph_hazard
+
+    got = _capture(("HYBRID", 16, "max"), 2)
+    assert cudagraph_hazard(got["dynamo"][0]) is None  # reduce-overhead keeps CUDA graphs for it
+    a = got["aot"]
+    for gm in (a.forward, a.backward):
+        (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+        off = [(x.name, str(x.meta["val"].device)) for x in out.args[0]
+               if isinstance(x, torch.fx.Node) and x.meta["val"].device.type != "cuda"]
+        assert not off, off
+        sentinels = [x for x in out.args[0] if isinstance(x, torch.fx.Node) and x.meta["val"].dtype == torch.complex32]
+        assert gm is a.backward or sentinels, "the forward saves TE's None sentinels (the case this guards)"
+
+
 def test_no_recompile_on_step_2():
     """The compiled step runs twice on fake tensors (forward only: the autograd engine needs a
     CUDA device here): one compile, no recompile, no break. Backward recompiles cannot be seen on

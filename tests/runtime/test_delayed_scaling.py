@@ -279,29 +279,38 @@ def test_pairs_exposed(te_mods):
         "reduce_and_update_fp8_tensors"]
 
 
-def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs():
-    """cudagraph trees fail on the delayed-scaling ops (H200, docs/benchmarks.md "Session 5"): a graph
-    calling one is compiled with triton.cudagraphs off, with a warning naming the ops; others keep it."""
+def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs_only_on_cpu_values():
+    """A delayed-scaling op returning a CPU tensor made Inductor cut the graph and cudagraph trees
+    fail on the op's list output (H200 2026-12-02): such a graph is compiled with triton.cudagraphs
+    off, with a warning naming the op; the same op with values on the GPU, and other graphs, keep it."""
     import warnings
 
     from te_passes.backend import _without_cudagraphs_if_hazard
     from te_passes.pipeline.compilation import CompileSettings
-    from te_passes.runtime.delayed import linear as delayed_linear, scaling as delayed_scaling
+    from te_passes.runtime.delayed import linear as delayed_linear
+    from te_passes.runtime.delayed import scaling as delayed_scaling
 
     assert delayed_scaling.install_delayed_scaling() or delayed_scaling.refused_reason() is None
     op = torch.ops.te_passes.delayed_scaling_update.default
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    g.output(g.call_function(op, (x,)))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+
+    def graph(device):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        n = g.call_function(op, (x,))
+        with torch._subclasses.FakeTensorMode():
+            n.meta["example_value"] = [torch.empty(0, dtype=torch.complex32, device=device)]
+        g.output(n)
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    on_cpu, on_gpu = graph("cpu"), graph("meta")
     plain = torch.fx.symbolic_trace(lambda t: t + 1)
     settings = CompileSettings.parse("reduce-overhead", None, set())
     assert settings.config_patches["triton.cudagraphs"] is True
-    assert "te_passes::delayed_scaling_update" in delayed_linear.cudagraph_hazard(gm)
-    assert delayed_linear.cudagraph_hazard(plain) is None
+    assert "te_passes::delayed_scaling_update returns a CPU tensor" in delayed_linear.cudagraph_hazard(on_cpu)
+    assert delayed_linear.cudagraph_hazard(on_gpu) is None and delayed_linear.cudagraph_hazard(plain) is None
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        out = _without_cudagraphs_if_hazard(gm, settings)
-        same = _without_cudagraphs_if_hazard(plain, settings)
-    assert out.config_patches["triton.cudagraphs"] is False and same is settings
+        out = _without_cudagraphs_if_hazard(on_cpu, settings)
+        same = [_without_cudagraphs_if_hazard(g, settings) for g in (on_gpu, plain)]
+    assert out.config_patches["triton.cudagraphs"] is False and all(s is settings for s in same)
     assert [str(x.message) for x in w if "delayed_scaling_update" in str(x.message)]

@@ -134,6 +134,17 @@ def _fwd_tensor_fields() -> tuple:
 
 
 # --------------------------------------------------------------------------- the ops
+def _on_device(flat: list, device: torch.device) -> list:
+    """``flat`` with TE's ``None`` sentinels (0-element ``complex32``, made on the CPU by
+    ``custom_op._encode_none``) re-made on ``device``: a CPU tensor among a graph's outputs makes
+    Inductor cut the graph there, and the op's list then crossed the partition boundary
+    (cudagraph trees: ``AssertionError: <class 'list'>``, H200 2026-12-02). TE decodes a sentinel by
+    dtype and size only."""
+    cd = _cd()
+    return [torch.empty(0, dtype=cd._NONE_SENTINEL_DTYPE, device=device)
+            if t.dtype == cd._NONE_SENTINEL_DTYPE and t.numel() == 0 and t.device != device else t for t in flat]
+
+
 def _layout(fake_result: tuple) -> list[tuple]:
     """``(shape, dtype)`` per flat slot of a fwd fake result (TensorSpecs, no allocation)."""
     cd = _cd()
@@ -179,7 +190,7 @@ def _fwd_impl(weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None
     got = [(tuple(t.shape), t.dtype) for t in flat]
     if got != want:
         raise RuntimeError(f"te_passes: {FWD_OP}: TE's forward returned the payload {got}, its fake {want}")
-    return flat + [history]
+    return _on_device(flat, weight.device) + [history]
 
 
 def _fwd_fake(weight, inp, bias, scale, amax_history, config):
@@ -187,7 +198,7 @@ def _fwd_fake(weight, inp, bias, scale, amax_history, config):
     history = torch.empty_like(amax_history)
     args = _fwd_args(_decode(config), weight, inp, bias, scale, history, None, None)
     spec = cd._spec_view(args, _fwd_tensor_fields())
-    return cd._pack_fwd_result(_linear()._linear_forward_fake(spec)) + [history]
+    return _on_device(cd._pack_fwd_result(_linear()._linear_forward_fake(spec)), weight.device) + [history]
 
 
 def _bwd_args(grad_output, weight, inp, bias, scale_f, hist_f, scale_b, hist_b, fwd_flat, config, fake):
@@ -215,7 +226,7 @@ def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor
                     fwd_flat, config, fake=False)
     with _traced_autocast_state(_decode(config)):
         grads = _linear()._linear_backward_impl(bwd)
-    return cd._pack_bwd_result(grads, 3, BWD_OP) + [history]
+    return _on_device(cd._pack_bwd_result(grads, 3, BWD_OP), weight.device) + [history]
 
 
 def _bwd_fake(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd,
@@ -224,7 +235,7 @@ def _bwd_fake(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd, scale
     history = torch.empty_like(amax_history_bwd)
     bwd = _bwd_args(grad_output, weight, inp, bias, scale_fwd, torch.empty_like(amax_history_fwd), scale_bwd,
                     history, fwd_flat, config, fake=True)
-    return cd._pack_bwd_result(_linear()._linear_backward_fake(bwd), 3, BWD_OP) + [history]
+    return _on_device(cd._pack_bwd_result(_linear()._linear_backward_fake(bwd), 3, BWD_OP), weight.device) + [history]
 
 
 def _register_ops():
@@ -341,18 +352,22 @@ def _linear_op_wrapper(te_op):
 
 
 def cudagraph_hazard(gm: torch.fx.GraphModule) -> str | None:
-    """Why ``gm`` must not be CUDA-graphed, or ``None``: it calls the delayed-scaling ops
-    (:data:`FWD_OP`, ``delayed_linear_bwd``, ``te_passes::delayed_scaling_update``), and cudagraph
-    trees fail on them (measured on the H200: an ``AssertionError`` recording their outputs,
-    docs/benchmarks.md "Session 5")."""
-    names = {n.target.name() if hasattr(n.target, "name") else str(n.target)
-             for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
-             if n.op == "call_function"}
-    hit = sorted(n for n in names if n.startswith("te_passes::delayed_"))
-    if not hit:
-        return None
-    return (f"the graph calls {', '.join(hit)} (DelayedScaling): CUDA graph trees fail on these ops, so this graph "
-            "is compiled without CUDA graphs (default-mode speed)")
+    """Why ``gm`` must not be CUDA-graphed, or ``None``: a delayed-scaling op in it (or in a
+    subgraph) returns a CPU tensor. Inductor cuts a graph at a CPU tensor and the op's list output
+    then crosses the partition boundary, which cudagraph trees fail to record (``AssertionError:
+    <class 'list'>``, H200 2026-12-02). The ops return TE's ``None`` sentinels on the weight's device
+    (:func:`_on_device`), so only a graph whose op values are on the CPU trips this."""
+    for m in gm.modules():
+        for n in m.graph.nodes if isinstance(m, torch.fx.GraphModule) else ():
+            t = n.target  # Dynamo graphs hold OpOverloadPackets (no name()), AOT graphs OpOverloads
+            name = t.name() if isinstance(t, torch._ops.OpOverload) else getattr(t, "_qualified_op_name", str(t))
+            if n.op != "call_function" or not name.startswith("te_passes::delayed_"):
+                continue
+            leaves = torch.utils._pytree.tree_leaves(n.meta.get("example_value", n.meta.get("val")))
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
+                return (f"{name} returns a CPU tensor: Inductor would cut the graph there and CUDA graph trees fail "
+                        "on the op's list output, so this graph is compiled without CUDA graphs (default-mode speed)")
+    return None
 
 
 def installed() -> bool:
