@@ -291,7 +291,8 @@ def check_budget(obj: Any, where: str, budget: dict[str, int] | None = None) -> 
             names = [f.name for f in dataclasses.fields(o)]
             if type(o).__module__.startswith("te_passes.") and set(vars(o)) != set(names):
                 # pickle builds a dataclass by NEWOBJ + BUILD(state): a file can drop or rename fields
-                raise GraphFileError(f"{where}: a {type(o).__name__} with fields {sorted(vars(o))}, not {names}")
+                got = sorted(repr(k)[:40] for k in vars(o))[:12]  # keys of any type: a crafted state dict
+                raise GraphFileError(f"{where}: a {type(o).__name__} with fields {', '.join(got)}, not {names}")
             return [getattr(o, n, None) for n in names]
         return None
 

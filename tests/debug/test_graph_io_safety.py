@@ -148,7 +148,7 @@ def _built(state):
     return obj
 
 
-@pytest.mark.parametrize("drop, add", [("device", None), (None, "extra"), ("shape", "shap")])
+@pytest.mark.parametrize("drop, add", [("device", None), (None, "extra"), ("shape", "shap"), (None, (1, 2))])
 def test_dataclass_with_missing_or_extra_fields_is_named(drop, add, tmp_path):
     import torch
 
