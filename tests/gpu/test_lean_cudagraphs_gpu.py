@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from te_passes.testing.gpu import (PRECISIONS, REL_TOL, build_stack, copy_params, forward_fn, fresh_compile_state,
-                                   grads_of, make_recipe, rel_err, train_step)
+                                   grad_rel_err, grads_of, make_recipe, rel_err, train_step)
 
 pytestmark = pytest.mark.gpu
 
@@ -182,8 +182,9 @@ def test_transformer_layer_step_correct_whatever_the_policy_decides(precision):
         yl = train_step(f_lean, xl, dy, list(m_lean.parameters()))
         ge, gl = grads_of(xe, m_eager), grads_of(xl, m_lean)
         _close(f"step {step} y", yl.detach(), ye.detach(), precision)
-        for k in ge:
-            _close(f"step {step} grad[{k}]", gl[k], ge[k], precision)
+        for k in ge:  # attention key bias: 0 in exact arithmetic, measured on the query bias's scale
+            err = grad_rel_err(k, gl[k], ge[k], ge)
+            assert torch.isfinite(gl[k]).all() and err <= REL_TOL[precision], f"step {step} grad[{k}]: {err:.3e}"
     recs = _records()
     print(f"TransformerLayer {precision}: {len(recs)} records:")
     for r in recs:
