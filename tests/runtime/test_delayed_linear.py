@@ -26,7 +26,8 @@ FWD, BWD = "te_passes.delayed_linear_fwd.default", "te_passes.delayed_linear_bwd
 UPDATE = "te_passes.delayed_scaling_update.default"
 
 
-def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True, recipe=None, training=True):
+def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True, recipe=None, training=True,
+             prepare=True):
     """Dynamo graph (and, with ``aot``, the AOT forward / backward) of ``layers`` te.Linear(64, 64)
     with GELU between under ``te.autocast(DelayedScaling(...))`` inside the compiled function."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -57,7 +58,7 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
                                          for _ in range(layers)])
             x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
             prepare_te_state(mods, recipe, fp8=True)  # TE's other first-forward lazy state (issue 15)
-            if isinstance(recipe, R.DelayedScaling):
+            if isinstance(recipe, R.DelayedScaling) and prepare:
                 assert prepare_delayed_scaling(mods, recipe, static=False) == layers
 
         def step(inp):
@@ -76,6 +77,10 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
 
         if gated:
             setattr(backend, GATE_MARK, True)
+        if not prepare:  # te_inductor's untouched-model start callback prepares instead
+            from te_passes.runtime.untouched.gate import BACKEND_MARK
+
+            setattr(backend, BACKEND_MARK, True)
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
         with CompileWatch() as watch:
             with mode, contextlib.nullcontext() if training else torch.no_grad():
@@ -170,6 +175,22 @@ def test_no_recompile_on_step_2():
     got = _capture(("HYBRID", 16, "max"), 3, calls=3, aot=False)
     st = got["stats"]
     assert (len(got["dynamo"]), st.graph_breaks, st.recompiles) == (1, 0, 0), st
+
+
+@pytest.mark.parametrize("autocast_inside", [True, False], ids=["autocast-inside", "autocast-outside"])
+def test_untouched_model_prepared_at_compile_start(autocast_inside):
+    """No ``prepare_delayed_scaling`` call: te_inductor's compile-start callback prepares the frame's
+    te.Linears for its DelayedScaling recipe (the active te.autocast's, or the frame's one recipe with
+    te.autocast inside), so the untouched stack is one graph with the TE ops, 0 breaks, 0 recompiles
+    over two calls (before: a recompile per module as TE's global buffers grew, and an eager island)."""
+    from te_passes.runtime.untouched.state import DELAYED_ATTR
+
+    got = _capture(("HYBRID", 16, "max"), 3, prepare=False, calls=2, aot=False, autocast_inside=autocast_inside)
+    st = got["stats"]
+    assert (len(got["dynamo"]), st.graph_breaks, st.recompiles) == (1, 0, 0), st
+    (dyn,) = got["dynamo"]
+    assert sum(1 for n in _calls(dyn) if "autograd_function_apply" in str(n.target)) == 3
+    assert DELAYED_ATTR in got["mods"].__dict__  # the frame's module (its te.Linears prepared with it)
 
 
 def test_other_backends_unchanged():
