@@ -51,6 +51,11 @@ class Chunk:
 
 _TL, _GPU = "bench_transformer_layer.py", "bench_gpu.py"
 CHUNKS: tuple[Chunk, ...] = (
+    Chunk("stack4-delayed-block", _GPU, "--configs 256:fp8-delayed 8192:fp8-delayed 256:fp8-block 8192:fp8-block "
+          "--variants eager te_inductor te_inductor-ro te_step-ro mgc mgc-noclone",
+          "issues 24 / 26: DelayedScaling and Float8BlockScaling stack4 rows (numerics vs eager per row)", budget_s=330.0),
+    Chunk("tl-delayed", _TL, "--models layer1 --precisions fp8-delayed --variants eager te_inductor "
+          "te_inductor-ro mgc", "issue 24: DelayedScaling te.TransformerLayer, 1 layer", budget_s=250.0),
     Chunk("tl-untouched-layer1", _TL, "--models layer1 --precisions bf16 fp8 "
           "--variants eager te_inductor te_inductor-ro mgc mgc-noclone",
           "issue 21: untouched te.TransformerLayer, 1 layer seq 1024×b2: default / reduce-overhead vs eager vs mgc; "
@@ -65,11 +70,6 @@ CHUNKS: tuple[Chunk, ...] = (
           "te_mgc-noclone", "issue 22: te.TransformerLayer 1 layer fp8 (the host-bound row) ≥ 1.1× mgc", budget_s=250.0),
     Chunk("stack4-issue22-8192", _GPU, "--configs 8192:fp8 8192:bf16 --variants eager te_inductor-ro te_step-ro "
           "te_mgc-noclone mgc-noclone", "issue 22: at 8192 tokens not slower than te_inductor-ro", budget_s=200.0),
-    Chunk("stack4-delayed-block", _GPU, "--configs 256:fp8-delayed 8192:fp8-delayed 256:fp8-block 8192:fp8-block "
-          "--variants eager te_inductor te_inductor-ro te_step-ro mgc mgc-noclone",
-          "issues 24 / 26: DelayedScaling and Float8BlockScaling stack4 rows (numerics vs eager per row)", budget_s=330.0),
-    Chunk("tl-delayed", _TL, "--models layer1 --precisions fp8-delayed --variants eager te_inductor "
-          "te_inductor-ro mgc", "issue 24: DelayedScaling te.TransformerLayer, 1 layer", budget_s=250.0),
     Chunk("tl-norm-switch", _TL, "--models layer1 --precisions bf16 fp8 --variants te_inductor te_inductor-ro "
           "--tag te-norm", "issue 21: TE's layernorm kernel (rows +te-norm) vs the torch-ops norm of "
           "tl-untouched-layer1 (merge the two)", budget_s=250.0, env="TE_PASSES_UNTOUCHED_NORM=te"),
@@ -106,8 +106,12 @@ def markdown() -> str:
              "On the device, after the gpu-kit bring-up, one device call per chunk, in this order (value first):",
              "`bash tests/gpu/run_on_device.sh chunk NAME` (= the command below, log in `$OUT/NAME.log`).",
              "Each call ends within its `--budget-s` + 100 s (tasks that would start later are written as skipped).",
-             "Optional first (~1–2 min, in the same call as chunk 1 if it fits): the harness's own GPU smoke test,",
-             "`python3 -m pytest -m gpu tests/gpu/test_bench_smoke_gpu.py -q -s` (it is also part of the GPU suite).",
+             "First (~5 min, one call): the GPU tests fixed after the 2026-12-02 suite, not re-run since",
+             "(docs/benchmarks.md \"Session 7\"; the whole suite takes ~16 min in three calls):",
+             "`python3 -m pytest -m gpu tests/gpu/test_delayed_scaling_gpu.py tests/gpu/test_untouched_gpu.py "
+             "tests/gpu/test_te_inductor_gpu.py::test_transformer_layer_numerics_and_no_eager_islands "
+             "tests/gpu/test_lean_cudagraphs_gpu.py::test_transformer_layer_step_correct_whatever_the_policy_decides "
+             "tests/gpu/test_step_capture_gpu.py -rA -s`.",
              "After the run: copy `$OUT/*` to `docs/benchmarks/h200_<date>/`; merge a script's chunks with",
              "`python3 benchmarks/<script> --out DIR --merge $OUT/<chunk> ...`.", "",
              "| # | chunk | estimate s | max s | what | command |", "|---|---|---|---|---|---|"]
