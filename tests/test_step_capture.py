@@ -155,15 +155,20 @@ def test_optimizer_step_outside_and_refused_inside(toy):
         assert _close(a, r)
 
 
-def test_shape_change_recompiles_and_held_losses_stay(toy):
+def _mean_step_two_shapes(toy):
+    """A step (mean loss, backward) of the toy model, its params with 8- and 4-token inputs and a
+    clone of the params for eager: ``step, x8, x4, ps, ref``."""
     def step(x, ps):
         loss = toy.model(x, *ps).mean()
         loss.backward()
         return loss
 
     x8, ps = _params(tokens=8)
-    x4 = x8[:4].clone()
-    ref = _clone_params(ps)
+    return step, x8, x8[:4].clone(), ps, _clone_params(ps)
+
+
+def test_shape_change_recompiles_and_held_losses_stay(toy):
+    step, x8, x4, ps, ref = _mean_step_two_shapes(toy)
     cstep = compile_step(step, mode=None, options=NO_CACHE)
     held = []
     for x in (x8, x4, x8, x4):
@@ -195,14 +200,7 @@ def test_reduce_overhead_on_cpu_runs_and_clones_nothing_needed(toy):
 
 
 def test_skip_unsafe_guards_still_recompile_on_a_new_shape(toy):
-    def step(x, ps):
-        loss = toy.model(x, *ps).mean()
-        loss.backward()
-        return loss
-
-    x8, ps = _params(tokens=8)
-    x4 = x8[:4].clone()
-    ref = _clone_params(ps)
+    step, x8, x4, ps, ref = _mean_step_two_shapes(toy)
     cstep = compile_step(step, mode=None, options={**NO_CACHE, "te_passes.guards": "skip_unsafe"}, guard_warmup=1)
     for x in (x8, x8, x8, x4, x4, x8):
         for p, r in zip(ps, ref):
