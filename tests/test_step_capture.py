@@ -104,10 +104,7 @@ def test_gradient_accumulation_and_zero_grad(toy):
     ref = _clone_params(ps)
     opt, ropt = torch.optim.SGD(ps, lr=0.1), torch.optim.SGD(ref, lr=0.1)
 
-    def step(x, ps):
-        loss = toy.model(x, *ps).sum()
-        loss.backward()
-        return loss
+    step = _sum_step(toy)
 
     cstep = compile_step(step, mode=None, options=NO_CACHE)
     for set_to_none in (True, False, True, False):
@@ -155,15 +152,30 @@ def test_optimizer_step_outside_and_refused_inside(toy):
         assert _close(a, r)
 
 
-def test_shape_change_recompiles_and_held_losses_stay(toy):
+def _sum_step(toy):
+    """The plain training step of the toy model: sum loss, backward, the loss returned."""
+    def step(x, ps):
+        loss = toy.model(x, *ps).sum()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def _mean_step_two_shapes(toy):
+    """A step (mean loss, backward) of the toy model, its params with 8- and 4-token inputs and a
+    clone of the params for eager: ``step, x8, x4, ps, ref``."""
     def step(x, ps):
         loss = toy.model(x, *ps).mean()
         loss.backward()
         return loss
 
     x8, ps = _params(tokens=8)
-    x4 = x8[:4].clone()
-    ref = _clone_params(ps)
+    return step, x8, x8[:4].clone(), ps, _clone_params(ps)
+
+
+def test_shape_change_recompiles_and_held_losses_stay(toy):
+    step, x8, x4, ps, ref = _mean_step_two_shapes(toy)
     cstep = compile_step(step, mode=None, options=NO_CACHE)
     held = []
     for x in (x8, x4, x8, x4):
@@ -182,10 +194,7 @@ def test_reduce_overhead_on_cpu_runs_and_clones_nothing_needed(toy):
     x, ps = _params()
     ref = _clone_params(ps)
 
-    def step(x, ps):
-        loss = toy.model(x, *ps).sum()
-        loss.backward()
-        return loss
+    step = _sum_step(toy)
 
     cstep = compile_step(step, options=NO_CACHE)
     assert cstep.cudagraphs
@@ -195,14 +204,7 @@ def test_reduce_overhead_on_cpu_runs_and_clones_nothing_needed(toy):
 
 
 def test_skip_unsafe_guards_still_recompile_on_a_new_shape(toy):
-    def step(x, ps):
-        loss = toy.model(x, *ps).mean()
-        loss.backward()
-        return loss
-
-    x8, ps = _params(tokens=8)
-    x4 = x8[:4].clone()
-    ref = _clone_params(ps)
+    step, x8, x4, ps, ref = _mean_step_two_shapes(toy)
     cstep = compile_step(step, mode=None, options={**NO_CACHE, "te_passes.guards": "skip_unsafe"}, guard_warmup=1)
     for x in (x8, x8, x8, x4, x4, x8):
         for p, r in zip(ps, ref):
@@ -223,10 +225,7 @@ def test_trace_autograd_ops_is_scoped_to_the_steps_compiles(toy):
 
     x, ps = _params()
 
-    def step(x, ps):
-        loss = toy.model(x, *ps).sum()
-        loss.backward()
-        return loss
+    step = _sum_step(toy)
 
     assert torch._dynamo.config.trace_autograd_ops is False
     cstep = compile_step(step, backend=recording)
@@ -251,10 +250,7 @@ def test_trace_autograd_ops_restored_after_a_failed_compile(toy):
 
     x, ps = _params()
 
-    def step(x, ps):
-        loss = toy.model(x, *ps).sum()
-        loss.backward()
-        return loss
+    step = _sum_step(toy)
 
     with pytest.raises(Exception, match="backend failed"):
         compile_step(step, backend=boom)(x, ps)
@@ -389,10 +385,7 @@ def test_make_graphed_resets_te_after_a_failed_capture(toy, monkeypatch):
     x, ps = _params()
     ref = _clone_params(ps)
 
-    def step(x, ps):
-        loss = toy.model(x, *ps).sum()
-        loss.backward()
-        return loss
+    step = _sum_step(toy)
 
     assert _close(compile_step(step, mode=None, options=NO_CACHE)(x, ps), step(x, ref))
     assert _graphs_and_breaks() == (1, 0)

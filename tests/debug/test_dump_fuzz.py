@@ -302,14 +302,22 @@ def _show(d) -> int:
     return code
 
 
+def _mutated_copy(real_dump, tmp_path_factory, data, name, *rel):
+    """``real_dump`` copied once to ``<basetemp>/name``, its JSON file ``rel`` replaced by a
+    mutation of the original's document; returns (the copy, the mutated file)."""
+    d = tmp_path_factory.getbasetemp() / name
+    if not d.exists():
+        shutil.copytree(real_dump, d)
+    doc = json.loads(real_dump.joinpath(*rel).read_text())
+    p = d.joinpath(*rel)
+    p.write_text(data.draw(json_mutation(doc)))
+    return d, p
+
+
 @settings(max_examples=EXAMPLES["summary"], **_SETTINGS)
 @given(data=st.data())
 def test_mutated_summary_in_show(real_dump, tmp_path_factory, data):
-    d = tmp_path_factory.getbasetemp() / "fuzz_show"
-    if not d.exists():
-        shutil.copytree(real_dump, d)
-    doc = json.loads((real_dump / "report.json").read_text())
-    (d / "report.json").write_text(data.draw(json_mutation(doc)))
+    d, _ = _mutated_copy(real_dump, tmp_path_factory, data, "fuzz_show", "report.json")
     _show(d)
     COUNTS["summary"] += 1
 
@@ -320,12 +328,7 @@ def test_mutated_graph_report(real_dump, tmp_path_factory, data):
     from te_passes.debug.dump_files import DumpFormatError, check_graph_report, read_json
     from te_passes.debug.dump_summary import read_graph_report
 
-    d = tmp_path_factory.getbasetemp() / "fuzz_gr"
-    if not d.exists():
-        shutil.copytree(real_dump, d)
-    doc = json.loads((real_dump / "g0" / "report.json").read_text())
-    p = d / "g0" / "report.json"
-    p.write_text(data.draw(json_mutation(doc)))
+    d, p = _mutated_copy(real_dump, tmp_path_factory, data, "fuzz_gr", "g0", "report.json")
     with watchdog():
         read_graph_report(str(d), "g0")
         try:
@@ -341,11 +344,7 @@ def test_mutated_manifest(real_dump, tmp_path_factory, data):
     from te_passes.cli._common import CliError
     from te_passes.cli.dumpdir import _check_old_dump
 
-    d = tmp_path_factory.getbasetemp() / "fuzz_man"
-    if not d.exists():
-        shutil.copytree(real_dump, d)
-    doc = json.loads((real_dump / ".te_passes_manifest.json").read_text())
-    (d / ".te_passes_manifest.json").write_text(data.draw(json_mutation(doc)))
+    d, _ = _mutated_copy(real_dump, tmp_path_factory, data, "fuzz_man", ".te_passes_manifest.json")
     with watchdog():
         try:
             files = _check_old_dump(str(d))

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from te_passes.testing.compile_watch import assert_one_graph
-from te_passes.testing.gpu import (REL_TOL, CompileWatch, copy_params, fwd_bwd, make_recipe, rel_err,
-                                   transformer_layer_pair)
+from te_passes.testing.gpu import CompileWatch, copy_params, fwd_bwd, make_recipe, transformer_layer_pair
+
+from _gpu_checks import assert_close as _assert_close  # test_fused_attention_gpu imports it from here
 
 pytestmark = pytest.mark.gpu
 
@@ -33,19 +34,6 @@ def _te():
     import transformer_engine.pytorch as te
 
     return te
-
-
-def _assert_close(tag, actual, expected, precision, scale=None):
-    """Relative error of ``actual`` against ``expected`` (``scale``: measure it against that
-    tensor's norm instead, for a gradient that is zero in exact arithmetic)."""
-    assert actual.shape == expected.shape, f"{tag}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all(), f"{tag}: non-finite values"
-    if scale is None:
-        err = rel_err(actual, expected)
-    else:
-        err = ((actual.float() - expected.float()).norm() / scale.float().norm().clamp_min(1e-30)).item()
-    assert err <= REL_TOL[precision], f"{tag}: relative error {err:.3e} > {REL_TOL[precision]:.0e} ({precision})"
-    return err
 
 
 def _assert_grads_close(tag, g, g_ref, precision):

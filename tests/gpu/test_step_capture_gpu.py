@@ -106,11 +106,9 @@ def _counts():
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), skips
 
 
-# --------------------------------------------------------------------------- compile_step
-@pytest.mark.parametrize("name", RECIPES)
-def test_compile_step_accumulation_zero_grad_held_losses(name):
-    import te_passes
-
+def _twin_step(name):
+    """Twin stacks under ``name``'s recipe: ``(tol, ref, model, ref_loss, step)``, ``ref_loss(x)``
+    the eager twin's loss, ``step(x)`` the other twin's loss and backward (to compile)."""
     recipe, tol = recipe_of(name)
     ref, model = _twins()
     ref_loss, loss_of = _loss_fn(ref, recipe), _loss_fn(model, recipe)
@@ -120,6 +118,15 @@ def test_compile_step_accumulation_zero_grad_held_losses(name):
         loss.backward()
         return loss
 
+    return tol, ref, model, ref_loss, step
+
+
+# --------------------------------------------------------------------------- compile_step
+@pytest.mark.parametrize("name", RECIPES)
+def test_compile_step_accumulation_zero_grad_held_losses(name):
+    import te_passes
+
+    tol, ref, model, ref_loss, step = _twin_step(name)
     cstep = te_passes.compile_step(step)
     held, ref_held = [], []
     for i, set_to_none in enumerate((True, True, False, False, True)):
@@ -180,15 +187,7 @@ def test_compile_step_optimizer(name, where):
 def test_compile_step_shape_change_recompiles(name):
     import te_passes
 
-    recipe, tol = recipe_of(name)
-    ref, model = _twins()
-    ref_loss, loss_of = _loss_fn(ref, recipe), _loss_fn(model, recipe)
-
-    def step(x):
-        loss = loss_of(x)
-        loss.backward()
-        return loss
-
+    tol, ref, model, ref_loss, step = _twin_step(name)
     cstep = te_passes.compile_step(step)
     for i, tokens in enumerate((256, 128, 256, 128)):
         model.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from te_passes.testing.compile_watch import assert_one_graph
-from te_passes.testing.gpu import (REL_TOL, CompileWatch, copy_params, fwd_bwd, make_recipe, rel_err,
-                                   symmetry_reference)
+from te_passes.testing.gpu import CompileWatch, copy_params, fwd_bwd, make_recipe, symmetry_reference
+
+from _gpu_checks import assert_close as _close  # tests/_helpers
 
 pytestmark = pytest.mark.gpu
 
@@ -31,17 +32,6 @@ def _te():
     import transformer_engine.pytorch as te
 
     return te
-
-
-def _close(tag, actual, expected, precision, scale=None):
-    assert actual.shape == expected.shape, f"{tag}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all(), f"{tag}: non-finite values"
-    if scale is None:
-        err = rel_err(actual, expected)
-    else:  # a gradient that is 0 in exact arithmetic (attention key bias): on another tensor's scale
-        err = ((actual.float() - expected.float()).norm() / scale.float().norm().clamp_min(1e-30)).item()
-    assert err <= REL_TOL[precision], f"{tag}: relative error {err:.3e} > {REL_TOL[precision]:.0e} ({precision})"
-    return err
 
 
 def _grads_close(tag, g, g_ref, precision):

@@ -62,8 +62,9 @@ class _SP:
     def close(self) -> None:
         self.stack.close()
 
-    def eager_step(self) -> None:
-        """TE's eager forward; it stops at the first CUDA kernel (after linear.py:448)."""
+    def run_eager(self) -> None:
+        """TE's eager forward under te.autocast; it stops at the first CUDA kernel (no GPU), the
+        error kept in ``eager_error``."""
         with self.mode, self.te.autocast(enabled=True, recipe=self.recipe), \
                 mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False):
             try:
@@ -72,6 +73,10 @@ class _SP:
                 self.eager_error = e
             else:  # pragma: no cover - only with a GPU
                 self.eager_error = None
+
+    def eager_step(self) -> None:
+        """TE's eager forward; it stops at the first CUDA kernel (after linear.py:448)."""
+        self.run_eager()
         assert self.lin.quantizers["scaling_fwd"], "the eager step did not build the quantizers"
 
     def quantizer(self, role: str):

@@ -172,6 +172,18 @@ def _train(pair, w, steps):
         pair(x, w).backward(dy)
 
 
+def _step(pair, w, seed, x_leaf=False):
+    """One training step on ``_data(seed)``: ``w.grad = None``, forward, backward; ``x_leaf``: ``x``
+    requires grad (its ``.grad`` is then the backward's output). Returns ``x, dy, y``."""
+    x, dy = _data(seed)
+    if x_leaf:
+        x.requires_grad_()
+    w.grad = None
+    y = pair(x, w)
+    y.backward(dy)
+    return x, dy, y
+
+
 def _ref_step(w0, x, dy):
     w = w0.detach().clone().requires_grad_()
     xx = x.clone().requires_grad_()
@@ -185,11 +197,7 @@ def test_steady_state_replays_bit_identical_to_eager(engine):
     pair = Pair(engine)
     w = _w()
     for step in range(6):
-        x, dy = _data(step)
-        x.requires_grad_()
-        w.grad = None
-        y = pair(x, w)
-        y.backward(dy)
+        x, dy, y = _step(pair, w, step, x_leaf=True)
         ry, rdx, rdw = _ref_step(w, x.detach(), dy)
         assert torch.equal(y, ry) and torch.equal(x.grad, rdx) and torch.equal(w.grad, rdw), step
         del y, x  # (a kept y keeps x and x.grad alive: see the next test)
@@ -217,11 +225,7 @@ def test_output_kept_with_its_graph_keeps_leaf_grad_alive_then_cloned(engine):
     w = _w()
     grads = []
     for step in range(6):
-        x, dy = _data(step)
-        x.requires_grad_()
-        w.grad = None
-        y = pair(x, w)
-        y.backward(dy)
+        x, dy, y = _step(pair, w, step, x_leaf=True)
         grads.append((x.grad, _ref_step(w, x.detach(), dy)[1]))
     for i, (g, ref) in enumerate(grads):
         assert torch.equal(g, ref), f"x.grad of step {i} was overwritten"
@@ -233,11 +237,7 @@ def test_output_kept_with_its_graph_keeps_leaf_grad_alive_then_cloned(engine):
     grads.clear()
     del x, y
     for step in range(3):
-        x, dy = _data(50 + step)
-        x.requires_grad_()
-        w.grad = None
-        y = pair(x, w)
-        y.backward(dy)
+        x, dy, y = _step(pair, w, 50 + step, x_leaf=True)
         assert torch.equal(x.grad, _ref_step(w, x.detach(), dy)[1])
     assert pair.f.stats["eager"] == 4
 
@@ -248,10 +248,7 @@ def test_backward_that_rebinds_its_saved_inputs_like_te_fp8(engine):
     pair = Pair(engine, bwd=bwd_graph_clearing)
     w = _w()
     for step in range(6):
-        x, dy = _data(step)
-        w.grad = None
-        y = pair(x, w)
-        y.backward(dy)
+        x, dy, y = _step(pair, w, step)
         assert torch.equal(w.grad, _ref_step(w, x, dy)[2]), step
     assert pair.f.stats["eager"] == 0 and pair.b.stats["eager"] == 0 and pair.b.captured
     assert all(o.numel() for k, o in pair.f._plan), "a static output was rebound"
@@ -261,10 +258,7 @@ def test_saved_tensors_told_apart_by_data_flow_without_aot_metadata(engine):
     pair = Pair(engine, num_clone_outputs=eng.SAVED_BY_DATAFLOW)
     w = _w()
     for step in range(5):
-        x, dy = _data(step)
-        w.grad = None
-        y = pair(x, w)
-        y.backward(dy)
+        x, dy, y = _step(pair, w, step)
         assert torch.equal(w.grad, _ref_step(w, x, dy)[2])
     # h and x were read by the backward's warm-up: saved; y was not: cloned
     assert pair.f.output_kinds() == ["clone", "alias", "alias"]
@@ -315,10 +309,7 @@ def test_forward_user_output_kept_across_steps_keeps_its_value(engine):
     w = _w()
     kept = []
     for step in range(5):
-        x, dy = _data(step)
-        w.grad = None
-        y = pair(x, w)
-        y.backward(dy)
+        x, dy, y = _step(pair, w, step)
         kept.append((y, eager(x, w).detach()))
     for i, (y, ref) in enumerate(kept):
         assert torch.equal(y, ref), f"output of step {i} was overwritten by a later replay"
@@ -432,10 +423,7 @@ def test_view_outputs_keep_their_bases_and_still_replay(engine):
     w0 = _w()
     w = w0.detach().clone().requires_grad_()
     for s in range(6):
-        x, dy = _data(s)
-        w.grad = None
-        y = pair(x, w)
-        y.backward(dy)
+        x, dy, y = _step(pair, w, s)
         y_ref, _, dw_ref = _ref_step(w0, x, dy)
         assert torch.equal(y.detach(), y_ref) and torch.allclose(w.grad, dw_ref)
     assert pair.events("referenced") == [] and pair.events("eager") == [], pair.rec.records

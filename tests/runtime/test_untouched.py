@@ -296,19 +296,27 @@ def test_cross_attention(precision, kw):
 
 
 # --------------------------------------------------------------------------- the gate
-def _fullgraph(build, shape, backend, precision="bf16"):
-    """Compile ``build()`` with ``fullgraph=True`` on fake cuda; returns (graphs, error text or None).
-    TE's eager forwards cannot run on fake tensors, so an island shows as fullgraph's error."""
+@contextlib.contextmanager
+def _fake_cuda_model(build, shape, precision):
+    """Dynamo reset (polyfills re-installed), then inside quiet() + fake_gpu(precision): ``build()``
+    and a bf16 input of ``shape`` made on fake cuda; yields ``(mode, model, x)``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch._dynamo.reset()
     untouched.install_untouched_polyfills()
-    graphs: list = []
     with quiet(), fake_gpu(precision):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode, constructing():
             model = build()
             x = torch.randn(*shape, dtype=torch.bfloat16, device="cuda")
+        yield mode, model, x
+
+
+def _fullgraph(build, shape, backend, precision="bf16"):
+    """Compile ``build()`` with ``fullgraph=True`` on fake cuda; returns (graphs, error text or None).
+    TE's eager forwards cannot run on fake tensors, so an island shows as fullgraph's error."""
+    graphs: list = []
+    with _fake_cuda_model(build, shape, precision) as (mode, model, x):
         fn = torch.compile(model, backend=backend(graphs), fullgraph=True, dynamic=False)
         try:
             with mode:
@@ -338,18 +346,9 @@ def test_other_backends_see_te_as_without_te_passes():
 def test_cache_entries_are_per_backend():
     """One code object, no reset between: the te backend's cache entry (polyfills folded in) is
     never reused for the plain backend, and the plain backend's failure does not evict it."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    torch._dynamo.reset()
-    untouched.install_untouched_polyfills()
     te_graphs: list = []
     plain_graphs: list = []
-    with quiet(), fake_gpu("bf16"):
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, constructing():
-            m = _lnl()
-            x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
-
+    with _fake_cuda_model(_lnl, (32, 64), "bf16") as (mode, m, x):
         def step(t):
             return m(t) * 2
 
@@ -423,16 +422,8 @@ def test_delayed_scaling_is_a_named_island_with_a_warning():
     def step_model():
         return te.LayerNormLinear(64, 64, params_dtype=torch.bfloat16, device="cuda")
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    torch._dynamo.reset()
-    untouched.install_untouched_polyfills()
     graphs: list = []
-    with quiet(), fake_gpu("fp8-cs"):
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, constructing():
-            m = step_model()
-            x = torch.randn(8, 64, dtype=torch.bfloat16, device="cuda")
+    with _fake_cuda_model(step_model, (8, 64), "fp8-cs") as (mode, m, x):
         recipe = te_recipe.DelayedScaling()
         fn = torch.compile(lambda t: m(t) * 2, backend=_te_backend(graphs), fullgraph=True)
         with warnings.catch_warnings(record=True) as w, mode:

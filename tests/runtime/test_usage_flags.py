@@ -109,12 +109,7 @@ def _flags(m) -> dict[str, tuple[bool, bool]]:
 
 def _eager(m) -> None:
     """TE's eager forward (stops at its first kernel here); bf16 builds no quantizers."""
-    with m.mode, m.te.autocast(enabled=True, recipe=m.recipe), \
-            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False):
-        try:
-            m.lin(m.x)
-        except Exception as e:  # noqa: BLE001 - no GPU: the first kernel launch fails
-            m.eager_error = e
+    m.run_eager()
 
 
 def _alternate(m, n: int, backend="te_inductor"):
