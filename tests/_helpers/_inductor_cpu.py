@@ -1,5 +1,5 @@
 """Inductor's CUDA wrapper generated (and loaded, not run) on a GPU-less machine, for tests that
-read what Inductor emits for TE graphs (tests/passes/test_recipe_passes.py,
+read what Inductor emits for TE graphs (tests/passes/test_hoist_te_constants.py,
 tests/pipeline/test_aot_autograd_cache.py)."""
 
 from __future__ import annotations
