@@ -429,9 +429,7 @@ def load_payload(path: str | os.PathLike) -> dict[str, Any]:
     try:
         check_memo_indices(data, path)
         payload = SafeUnpickler(io.BytesIO(data), path).load()
-    except UnsafeGraphFileError:
-        raise
-    except GraphFileError:
+    except GraphFileError:  # UnsafeGraphFileError and BudgetError included: already named
         raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         msg = " ".join(str(e).split())[:200]

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from te_passes.runtime.delayed.state import prepare_delayed_scaling
 from te_passes.runtime.dynamo_callbacks import keep_start_callback
 from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
 from te_passes.runtime.untouched.gate import backend_wants_polyfills
@@ -283,8 +284,6 @@ def _prepare_delayed(mods: list[torch.nn.Module], recipes: list[Any], q: Any) ->
     grew TE's global buffers module by module: a recompile per module and an eager island (H200,
     2026-12-02: 5 graphs, 1 break, 4 recompiles for 4 te.Linear)."""
     from transformer_engine.common.recipe import DelayedScaling
-
-    from te_passes.runtime.delayed.state import prepare_delayed_scaling
 
     if q.autocast_depth > 0:
         recipe = q.fp8_recipe if q.fp8_enabled else None
