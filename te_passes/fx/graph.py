@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx
 
@@ -26,3 +28,13 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     new = torch.fx.GraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     return new
+
+
+def op_qualname(target: Any) -> str | None:
+    """``"ns::op"`` of an ``OpOverload`` (AOT / post-grad graphs) or ``OpOverloadPacket`` (Dynamo
+    graphs) node target, else ``None`` (``torch._ops``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None

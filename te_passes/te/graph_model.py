@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from te_passes.fx.graph import op_qualname
 from te_passes.te.op_families import (  # noqa: F401 - names of the TE op namespace, re-exported
     CONFIG_SLOT, KNOWN_OPS, TE_OP_NAMESPACE, TQ_META_SUFFIX, TQ_TENSORS_SUFFIX, UnknownTEOp, te_op_family)
 from te_passes.te.graph_constants import TEConstKind, bundle_dict, is_bundle, te_const_kind
@@ -115,16 +116,10 @@ def te_op_name(node: torch.fx.Node) -> str | None:
     else ``None``."""
     if node.op != "call_function":
         return None
-    target = node.target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        ns = target.namespace if hasattr(target, "namespace") else None
-        if ns is None:
-            ns = target._qualified_op_name.split("::")[0]
-        if ns != TE_OP_NAMESPACE:
-            return None
-        qual = target._schema.name if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
-        return qual.split("::")[1]
-    return None
+    qual = op_qualname(node.target)
+    if qual is None or qual.split("::")[0] != TE_OP_NAMESPACE:
+        return None
+    return qual.split("::")[1]
 
 
 def is_te_op_node(node: torch.fx.Node) -> bool:

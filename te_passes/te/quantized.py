@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from te_passes.fx.graph import op_qualname
 from te_passes.te.graph_model import (TE_OP_NAMESPACE, BufferRole, UnknownTEOp, decode, is_te_op_node,
                                       output_getitems)
 
@@ -61,12 +62,11 @@ def _target_kind(target: Any) -> str | None:
     if hit is not None and hit[0] is target:
         return hit[1]
     kind = None
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        name = target._schema.name if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
-        if name.startswith(TE_OP_NAMESPACE + "::"):
-            kind = "te"
-        elif name in _CAST_TARGETS:
-            kind = "cast"
+    name = op_qualname(target) or ""
+    if name.startswith(TE_OP_NAMESPACE + "::"):
+        kind = "te"
+    elif name in _CAST_TARGETS:
+        kind = "cast"
     _TARGET_KIND[id(target)] = (target, kind)
     return kind
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from te_passes._logging import get_logger
+from te_passes.fx.graph import op_qualname
 from te_passes.runtime.delayed import scaling as delayed_scaling
 from te_passes.runtime.delayed.scaling import te_inductor_tracing, update_in_graph
 from te_passes.runtime.delayed.state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
@@ -359,12 +360,11 @@ def cudagraph_hazard(gm: torch.fx.GraphModule) -> str | None:
     (:func:`_on_device`), so only a graph whose op values are on the CPU trips this."""
     for m in gm.modules():
         for n in m.graph.nodes if isinstance(m, torch.fx.GraphModule) else ():
-            t = n.target  # Dynamo graphs hold OpOverloadPackets (no name()), AOT graphs OpOverloads
-            name = t.name() if isinstance(t, torch._ops.OpOverload) else getattr(t, "_qualified_op_name", str(t))
-            if n.op != "call_function" or not name.startswith("te_passes::delayed_"):
+            name = op_qualname(n.target) if n.op == "call_function" else None
+            if name is None or not name.startswith("te_passes::delayed_"):
                 continue
             leaves = torch.utils._pytree.tree_leaves(n.meta.get("example_value", n.meta.get("val")))
-            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
+            if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in leaves):
                 return (f"{name} returns a CPU tensor: Inductor would cut the graph there and CUDA graph trees fail "
                         "on the op's list output, so this graph is compiled without CUDA graphs (default-mode speed)")
     return None

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from te_passes._logging import get_logger
+from te_passes.fx.graph import op_qualname
 from te_passes.te.graph_model import TE_OP_NAMESPACE, UnknownTEOp, decode
 from te_passes.runtime.ops.te_base import DirectCallUnavailable, resolve_base_impl
 from te_passes.te.runtime_reads import AUTOCAST_FIELDS, FAMILY_IMPLS
@@ -61,14 +62,6 @@ class TracedAutocast:
 
 
 # --------------------------------------------------------------------------- trace time
-def _qualname_of(target: Any) -> str | None:
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    return None
-
-
 def _dynamo_tx() -> Any:
     try:
         from torch._dynamo import symbolic_convert
@@ -157,7 +150,7 @@ def _tag(qualname: str) -> None:
         return
     graph = tx.output.current_tracer.graph
     node = next(iter(reversed(graph.nodes)), None)
-    if node is None or node.op != "call_function" or _qualname_of(node.target) != qualname:
+    if node is None or node.op != "call_function" or op_qualname(node.target) != qualname:
         return  # not the call Dynamo is creating (nested trace): left untagged, graph_autocast says so
     try:
         node.meta[META_KEY] = traced_autocast(tx)
@@ -241,7 +234,7 @@ def te_op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Every node (also in subgraph modules) calling a TE family forward op (wrapper or base)."""
     fwd = set(forward_ops())
     return [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
-            if n.op == "call_function" and _qualname_of(n.target) in fwd]
+            if n.op == "call_function" and op_qualname(n.target) in fwd]
 
 
 def reads_autocast(node: torch.fx.Node) -> bool:
@@ -252,7 +245,7 @@ def reads_autocast(node: torch.fx.Node) -> bool:
     decides; a node that cannot be decoded counts as reading it. A family with no inventory
     (:data:`~te_passes.te.runtime_reads.FAMILY_IMPLS`) reads none: :func:`autocast_for_graph`
     refuses it first when its impls read any TE state (bytecode scan)."""
-    if family_of(_qualname_of(node.target) or "") not in FAMILY_IMPLS:
+    if family_of(op_qualname(node.target) or "") not in FAMILY_IMPLS:
         return False
     try:
         call = decode(node)
@@ -367,7 +360,7 @@ def autocast_for_graph(gm: torch.fx.GraphModule) -> TracedAutocast | None:
     nodes = te_op_nodes(gm)
     if not nodes:
         return None
-    families = {family_of(_qualname_of(n.target) or "") for n in nodes}
+    families = {family_of(op_qualname(n.target) or "") for n in nodes}
     reason = runtime_state_refusal(families, impls={f: _family_impls(f) for f in families
                                                     if f not in FAMILY_IMPLS})
     if reason is not None:
