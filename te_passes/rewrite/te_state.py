@@ -106,7 +106,9 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
         prime_recipe(recipe)
         done.append("recipe repr, autocast_arguments")
     mods, skipped = te_modules_to_prepare(model)
-    with te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else contextlib.nullcontext():
+    # no_grad: the outermost te.autocast's exit with grad enabled runs TE's DelayedScaling post-forward
+    # update (quantization.py autocast_exit), a scale update no eager step would make
+    with torch.no_grad(), te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else contextlib.nullcontext():
         probe = torch.empty(0, dtype=dtype)
         for name, m, (num_gemms, allow_mixed) in mods:
             _ = m.is_fsdp2

@@ -92,16 +92,21 @@ def layernorm_mlp_config_problem(mod: Any) -> str | None:
     return None
 
 
-def norm_call_problem() -> str | None:
+#: Why DelayedScaling is not expressed where nothing more specific is known.
+DELAYED_SCALING_PROBLEM = (f"DelayedScaling keeps amax history in the module's fp8 meta (its _extra_state); a "
+                           f"hidden te.Linear would keep its own and checkpoints would not carry it: {DELAYED_SCALING_FIX}")
+
+
+def norm_call_problem(delayed: str | None = DELAYED_SCALING_PROBLEM) -> str | None:
     """Why this call (the global TE / torch autocast state, read at trace time) is not expressed:
-    DelayedScaling (amax history in the module's fp8 meta) or ``torch.autocast``; else ``None``."""
+    DelayedScaling when ``delayed`` names why its state cannot be the module's (``None``: the hidden
+    te.Linear runs on the module's own DelayedScaling quantizers) or ``torch.autocast``; else ``None``."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     qstate = FP8GlobalStateManager.quantization_state
     recipe = qstate.fp8_recipe
-    if qstate.fp8_enabled and recipe is not None and recipe.delayed():
-        return ("DelayedScaling keeps amax history in the module's fp8 meta (its _extra_state); a hidden "
-                f"te.Linear would keep its own and checkpoints would not carry it: {DELAYED_SCALING_FIX}")
+    if qstate.fp8_enabled and recipe is not None and recipe.delayed() and delayed is not None:
+        return delayed
     if torch.is_autocast_enabled():
         return ("torch.autocast is enabled; TE casts the norm input to the autocast dtype inside its kernel, "
                 "which the torch-ops norm does not express")

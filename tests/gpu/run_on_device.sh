@@ -2,6 +2,7 @@
 # Run the GPU suite / benchmark on the device machine, after the ../shared/gpu-kit bring-up
 # (which leaves torch 2.14.1 + TE 2.20.2 in /root/tek; `.gpu/s` must be carried).
 #   bash tests/gpu/run_on_device.sh suite   # pytest -m gpu tests/  (every gpu-marked test of the repo)
+#   bash tests/gpu/run_on_device.sh pytest FILE[::TEST]... # chosen gpu-marked tests
 #   bash tests/gpu/run_on_device.sh bench   # benchmarks/bench_gpu.py (extra args are passed on)
 #   bash tests/gpu/run_on_device.sh hostprof # benchmarks/bench_host_profile.py (issue 13)
 #   bash tests/gpu/run_on_device.sh chunk NAME... # benchmarks/gpu_plan.py chunks in order ($OUT/NAME/, $OUT/NAME.log)
@@ -11,7 +12,7 @@
 # offline) so backend="te_inductor" resolves through its entry point, as for users.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run_on_device.sh suite|bench|hostprof|chunk|ub|sp [args...]}; shift
+what=${1:?usage: run_on_device.sh suite|pytest|bench|hostprof|chunk|ub|sp [args...]}; shift
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 source .gpu/s/env.sh
 export TE_PASSES_COMMIT=${TE_PASSES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
@@ -38,6 +39,10 @@ case "$what" in
     # SIGINT before the device call's limit lets pytest print its summary and write the JUnit XML.
     timeout -s INT "${SUITE_TIMEOUT_S:-560}" python3 -m pytest -m gpu tests/ \
       -v -rA -p no:cacheprovider --timeout 400 --junitxml="$OUT/gpu_suite.xml" "$@" 2>&1 | tee "$OUT/gpu_suite.log"
+    exit "${PIPESTATUS[0]}" ;;
+  pytest)  # chosen gpu-marked tests: run_on_device.sh pytest tests/gpu/test_x.py::test_y ...
+    timeout -s INT "${SUITE_TIMEOUT_S:-560}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider --timeout 400 \
+      --junitxml="$OUT/gpu_pytest.xml" "$@" 2>&1 | tee "$OUT/gpu_pytest.log"
     exit "${PIPESTATUS[0]}" ;;
   bench)
     python3 benchmarks/bench_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -58,10 +58,11 @@ def _desc(q: Any) -> tuple:
 
 
 @torch._dynamo.assume_constant_result
-def _encode(names: tuple, values: tuple, qin: tuple, qw: tuple, qgo: tuple, autocast_key: str) -> str:
+def _encode(names: tuple, values: tuple, qin: tuple, qw: tuple, qgo: tuple, autocast_key: str,
+            slots: tuple = (0, 0)) -> str:
     simple = {n: (str(v) if isinstance(v, torch.dtype) else v) for n, v in zip(names, values)}
     return json.dumps({"simple": simple, "q": {"input": qin, "weight": qw, "grad_output": qgo},
-                       "autocast_key": autocast_key}, sort_keys=True)
+                       "autocast_key": autocast_key, "slots": list(slots)}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,7 +70,7 @@ def _decode(config: str) -> dict:
     cfg = json.loads(config)
     simple = dict(cfg["simple"])
     simple["activation_dtype"] = getattr(torch, simple["activation_dtype"].removeprefix("torch."))
-    return {"simple": simple, "q": cfg["q"], "autocast_key": cfg["autocast_key"]}
+    return {"simple": simple, "q": cfg["q"], "autocast_key": cfg["autocast_key"], "slots": cfg["slots"]}
 
 
 @contextlib.contextmanager
@@ -116,11 +117,12 @@ def _fwd_args(cfg: dict, weight, inp, bias, scale_f, hist_f, scale_b, hist_b) ->
     lin = _linear()
     kw = dict(cfg["simple"])
     q = cfg["q"]
+    fwd, bwd = cfg["slots"]  # the input's forward slot (the weight's is the next), the grad output's
     kw.update(weight=weight, inp=inp, bias=bias, weight_workspace=None, tp_group=None, fsdp_group=None,
               wgrad_store=None, output_quantizer=None, grad_input_quantizer=None, grad_weight_quantizer=None,
-              input_quantizer=_quantizer(scale_f, hist_f, 0, q["input"]),
-              weight_quantizer=_quantizer(scale_f, hist_f, 1, q["weight"]),
-              grad_output_quantizer=(_quantizer(scale_b, hist_b, 0, q["grad_output"])
+              input_quantizer=_quantizer(scale_f, hist_f, fwd, q["input"]),
+              weight_quantizer=_quantizer(scale_f, hist_f, fwd + 1, q["weight"]),
+              grad_output_quantizer=(_quantizer(scale_b, hist_b, bwd, q["grad_output"])
                                      if q["grad_output"] is not None and scale_b is not None else None))
     return lin.LinearFwdArgs(**kw)
 
@@ -287,14 +289,15 @@ def delayed_linear_call(fwd_args: Any):
     qi, qw, qgo = fwd_args.input_quantizer, fwd_args.weight_quantizer, fwd_args.grad_output_quantizer
     fstate, i_in = getattr(qi, TAG)
     fstate_w, i_w = getattr(qw, TAG)
-    if fstate_w is not fstate or (i_in, i_w) != (0, 1):
-        raise RuntimeError("te_passes: te.Linear's input / weight quantizers are not slots 0 / 1 of one "
-                           "DelayedScalingRecipeState (TE's make_quantizers layout)")
+    if fstate_w is not fstate or i_w != i_in + 1 or i_in % 3:
+        raise RuntimeError("te_passes: te.Linear's input / weight quantizers are not slots 3g / 3g+1 of one "
+                           "DelayedScalingRecipeState (TE's make_quantizers layout, FP8FwdTensorIdx)")
     names = SIMPLE_FIELDS
     manager = quantization().FP8GlobalStateManager
     autocast_key = manager.get_unique_autocast_key(manager.get_fp8_recipe(), manager.get_fp8_group())
+    i_go = getattr(qgo, TAG)[1] if qgo is not None else 0
     config = _encode(names, tuple(getattr(fwd_args, n) for n in names), _desc(qi), _desc(qw),
-                     _desc(qgo) if qgo is not None else None, autocast_key)
+                     _desc(qgo) if qgo is not None else None, autocast_key, (i_in, i_go))
     update = None
     own = 0
     bwd_state: tuple = ()
@@ -305,8 +308,9 @@ def delayed_linear_call(fwd_args: Any):
             raise RuntimeError("te_passes: a differentiable delayed-scaling te.Linear call without a "
                                "grad-output quantizer")
         bstate, i_go = getattr(qgo, TAG)
-        if i_go != 0:
-            raise RuntimeError("te_passes: te.Linear's grad-output quantizer is not slot 0 of its state")
+        if i_go % 2:
+            raise RuntimeError("te_passes: te.Linear's grad-output quantizer is not slot 2g of its state "
+                               "(FP8BwdTensorIdx)")
         bwd_state = (bstate.amax_history, bstate.scale)
         if lin._check_fp8_reduce_and_update():
             manager = quantization().FP8GlobalStateManager

@@ -10,6 +10,7 @@ import torch
 
 from te_passes.runtime.delayed import scaling as delayed_scaling
 from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, module_delayed_state
+from te_passes.te.module_init import forward_prepare_args
 from te_passes.te.version import te_module
 
 
@@ -20,6 +21,9 @@ def quantization():
 
 #: attribute te_passes sets on each delayed-scaling ``Float8Quantizer``: ``(recipe state, index)``.
 TAG = "_te_passes_delayed"
+#: Module attribute: ``id`` of the DelayedScaling recipe :func:`prepare_delayed_scaling` prepared the
+#: module (and every module under it) for.
+DELAYED_ATTR = "_te_passes_delayed_recipe"
 
 
 #: fields that must be ``None`` / ``False`` here, with the reason named when they are not.
@@ -136,11 +140,16 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
         raise TypeError(f"prepare_delayed_scaling: expected a DelayedScaling recipe, got {type(recipe).__name__}")
     te = te_module("transformer_engine.pytorch", import_te=True)
     base = te_module("transformer_engine.pytorch.module.base", import_te=True)
-    with te.autocast(enabled=True, recipe=recipe):
+    # no_grad: the outermost te.autocast's exit with grad enabled runs TE's post-forward update
+    # (quantization.py autocast_exit) on every state already registered: a scale update no eager step makes
+    with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
         for m in model.modules():
             if isinstance(m, base.TransformerEngineBaseModule):
-                m.init_fp8_metadata(num_gemms=m.fp8_meta.get("num_gemms", 1))
+                args = forward_prepare_args(m)  # a fresh LayerNormMLP has no num_gemms yet: 2, not 1
+                m.init_fp8_metadata(num_gemms=args[0] if args else m.fp8_meta.get("num_gemms", 1))
     n = register_delayed_state(model)
+    for m in model.modules():
+        m.__dict__[DELAYED_ATTR] = id(recipe)
     if static:
         delayed_scaling.mark_delayed_state_static(model)
     return n

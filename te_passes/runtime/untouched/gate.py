@@ -127,6 +127,8 @@ def note_island(te_module: str, name: str, reason: str, fix: str) -> bool:
 
 
 def island_fix_for(reason: str) -> str:
+    if "prepare_delayed_scaling" in reason:
+        return "call te_passes.prepare_delayed_scaling(model, recipe) before the first compiled step"
     if "DelayedScaling" in reason:
         return DELAYED_SCALING_FIX
     return ("none inside te_passes for this configuration; the rest of the model still compiles "

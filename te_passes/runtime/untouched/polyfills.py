@@ -17,7 +17,9 @@ import torch
 from torch._dynamo.comptime import comptime
 
 from te_passes.config import TePassesOptionError
+from te_passes.runtime.delayed import linear as delayed_linear
 from te_passes.runtime.ops.fused_attn import install_fused_attention_op
+from te_passes.runtime.ops.shared_linear import owner_delayed_slots
 from te_passes.runtime.ops.te_norm import te_norm
 from te_passes.runtime.te_patches import recipe_state
 from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
@@ -30,7 +32,11 @@ from te_passes.runtime.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, Untou
                                                prepare_layernorm_mlp, register_start_callback, on_compile_start,
                                                prepare_te_module, prime_recipe)
 from te_passes.te.norm_act import activation, normalize
-from te_passes.te.untouched_rules import norm_call_problem
+from te_passes.runtime.delayed.scaling import te_inductor_tracing
+from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
+
+#: The fix named for a module whose DelayedScaling state the compile-start callback did not register.
+PREPARE_FIX = "call te_passes.prepare_delayed_scaling(model, recipe) before the first compiled step"
 from te_passes.te.version import is_supported, te_version
 
 #: ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm kernels as the ``te_passes::te_norm``
@@ -109,6 +115,25 @@ def _disabled(f: Callable[..., Any], label: str | None) -> Callable[..., Any]:
     return torch._dynamo.disable(island, recursive=True)
 
 
+def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
+    """Under DelayedScaling (trace time): why the hidden te.Linears cannot run on ``mod``'s own
+    quantizers (TE's op pair not installed, or ``mod``'s state not registered in TE's global amax
+    buffers before the trace), or ``None``. Read only when the recipe is DelayedScaling."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
+
+    if not delayed_linear.installed():
+        return (f"DelayedScaling: te.Linear's DelayedScaling op pair is not installed "
+                f"({delayed_linear.refused_reason()}): {DELAYED_SCALING_FIX}")
+    if not manager.is_fp8_enabled() or not manager.get_fp8_recipe().delayed():
+        return None
+    if not te_inductor_tracing():
+        return f"DelayedScaling: the backend does not take te_passes' DelayedScaling ops: {DELAYED_SCALING_FIX}"
+    if any(owner_delayed_slots(g, manager) is None for g in st.gemms):
+        return ("its DelayedScaling state was not registered in TE's global amax buffers before the trace "
+                f"(the module is not reachable from the compiled frame): {PREPARE_FIX}")
+    return None
+
+
 def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
     if not active_frames():
         return _COPIES["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
@@ -118,7 +143,7 @@ def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8
     fp8, recipe = qstate.fp8_enabled, qstate.fp8_recipe  # noqa: F841 - read by _prepare (comptime)
     comptime(prepare_layernorm_linear)
     st = getattr(self, STATE_ATTR)
-    problem = st.problem or norm_call_problem()
+    problem = st.problem or norm_call_problem(_delayed_problem(self, st))
     if problem is not None:
         note_island("te.LayerNormLinear", self.name or "", problem, island_fix_for(problem))
         return _ISLAND_FNS["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
@@ -136,7 +161,7 @@ def _layernorm_mlp(self, inp, is_first_microbatch=None):
     fp8, recipe = qstate.fp8_enabled, qstate.fp8_recipe  # noqa: F841 - read by _prepare (comptime)
     comptime(prepare_layernorm_mlp)
     st = getattr(self, STATE_ATTR)
-    problem = st.problem or norm_call_problem()
+    problem = st.problem or norm_call_problem(_delayed_problem(self, st))
     if problem is not None:
         note_island("te.LayerNormMLP", self.name or "", problem, island_fix_for(problem))
         return _ISLAND_FNS["LayerNormMLP.forward"](self, inp, is_first_microbatch)

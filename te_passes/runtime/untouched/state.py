@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from te_passes.runtime.delayed.state import prepare_delayed_scaling
+from te_passes.runtime.delayed.state import DELAYED_ATTR, prepare_delayed_scaling
 from te_passes.runtime.dynamo_callbacks import keep_start_callback
 from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
 from te_passes.runtime.untouched.gate import backend_wants_polyfills
@@ -21,8 +21,6 @@ from te_passes.te.untouched_rules import layernorm_linear_config_problem, layern
 
 #: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
 STATE_ATTR = "_te_passes_untouched_state"
-#: Module attribute: ``id`` of the DelayedScaling recipe the start callback prepared the module for.
-DELAYED_ATTR = "_te_passes_delayed_recipe"
 
 
 @torch._dynamo.assume_constant_result
@@ -143,7 +141,8 @@ def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: 
     if fp8 and not isinstance(recipe, Recipe):
         return  # a recipe built inside the traced function: TE's own first forward initialises
     todo = [(g, (1, False)) for g in gemms] + [(m, None) for root in mods for m in root.modules()]
-    with run_eager(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else _null()):
+    # no_grad: an outermost te.autocast exit with grad enabled would run TE's DelayedScaling update
+    with run_eager(), torch.no_grad(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else _null()):
         for m, args in todo:
             d = dtype or _param_dtype(m)
             key = (d, fp8, id(recipe) if recipe is not None else None)
@@ -180,8 +179,6 @@ BUILD_CONTEXTS: list[Callable[[], Any]] = []
 
 
 def _built(build: Callable[[Any], UntouchedState], mod: Any) -> UntouchedState:
-    import contextlib
-
     with contextlib.ExitStack() as stack:
         for cm in BUILD_CONTEXTS:
             stack.enter_context(cm())
@@ -207,9 +204,14 @@ def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
     recipe = _real(ctx, "recipe")
     if inp is None or not isinstance(fp8, bool) or st.problem is not None:
         return
-    if fp8 and getattr(recipe, "delayed", lambda: False)():
-        return  # an island (norm_call_problem): TE's eager forward initialises its own state
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else inp.dtype
+    if fp8 and getattr(recipe, "delayed", lambda: False)():
+        # the frame's modules were prepared at compile start (_prepare_delayed); the hidden
+        # te.Linears only take the activation dtype (their quantizers are the module's). A module
+        # not prepared stays an island (polyfills._delayed_problem): no state of their own made here
+        if mod.__dict__.get(DELAYED_ATTR) == id(recipe):
+            _prepare_all([], dtype, fp8, recipe, st.gemms)
+        return
     touched = _touched(ctx)
     _prepare_all(_frame_modules(ctx), dtype, fp8, recipe, st.gemms, skip=lambda m: id(m) in touched)
 
@@ -292,11 +294,12 @@ def _prepare_delayed(mods: list[torch.nn.Module], recipes: list[Any], q: Any) ->
         recipe = next(iter(found.values())) if len(found) == 1 else None
     if not isinstance(recipe, DelayedScaling):
         return
-    with run_eager():  # te.autocast refuses DelayedScaling while torch.compiler.is_compiling()
+    with run_eager(), contextlib.ExitStack() as stack:  # te.autocast refuses DelayedScaling while compiling
+        for cm in BUILD_CONTEXTS:
+            stack.enter_context(cm())
         for m in mods:
             if m.__dict__.get(DELAYED_ATTR) != id(recipe):
                 prepare_delayed_scaling(m, recipe)
-                m.__dict__[DELAYED_ATTR] = id(recipe)
 
 
 def _cell_values(closure: Any, depth: int = 3) -> list[Any]:
