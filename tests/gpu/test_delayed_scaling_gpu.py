@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_passes.testing.gpu import REL_TOL, CompileWatch, build_stack, grads_of, rel_err
+from te_passes.testing.gpu import REL_TOL, CompileWatch, build_stack, grad_rel_err, grads_of, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -222,7 +222,7 @@ def test_transformer_layer_trajectory(layers, mode):
             with te.autocast(enabled=True, recipe=recipe):
                 y = fn(x)
             y.backward(dy)
-            traj.append(((y.float() * dy.float()).sum().item(), grads_of(x, model), _delayed_state(model)))
+            traj.append((y.detach().clone(), grads_of(x, model), _delayed_state(model)))
         return traj
 
     Q.FP8GlobalStateManager.reset()
@@ -235,12 +235,18 @@ def test_transformer_layer_trajectory(layers, mode):
         got = run(model, compiled, mode != "default")
         st = watch.snapshot()
     assert len(ref[0][2]) == len(got[0][2]) and got[0][2], "the compiled model's DelayedScaling state differs in layout"
-    worst_loss = max(abs(a[0] - b[0]) / max(abs(a[0]), 1e-30) for a, b in zip(ref, got))
-    worst_grad = max(rel_err(b[1][k], a[1][k]) for a, b in zip(ref, got) for k in a[1])
+    # outputs, not sum(y * dy): with random dy that sum cancels to ~0 and its relative error is noise
+    worst_loss = max(rel_err(b[0], a[0]) for a, b in zip(ref, got))
+    # key_bias: its true gradient is ~0 (softmax ignores a per-query constant): scaled by query_bias's
+    errs = sorted(((grad_rel_err(k, b[1][k], a[1][k], a[1]), i, k) for i, (a, b) in enumerate(zip(ref, got))
+                   for k in a[1]), reverse=True)
+    worst_grad = errs[0][0]
+    print("worst grads (rel err, step, name):", [(f"{e:.3g}", i, k) for e, i, k in errs[:8]])
+    print("step 0 grads:", {k: f"{e:.3g}" for e, i, k in errs if i == 0})
     worst_state = max(rel_err(y, x) for a, b in zip(ref, got) for x, y in zip(a[2], b[2]))
     print(f"delayed tl{layers}-{mode}: steps {STEPS}, graphs {st.graphs}, breaks {st.graph_breaks} "
           f"{dict(st.break_reasons)}, recompiles {st.recompiles} {st.recompile_reasons}, cudagraph skips "
-          f"{st.cudagraph_skips} recordings {st.cudagraph_recordings}, max rel err loss {worst_loss:.3g} "
+          f"{st.cudagraph_skips} recordings {st.cudagraph_recordings}, max rel err out {worst_loss:.3g} "
           f"grads {worst_grad:.3g} state {worst_state:.3g}")
     assert (st.graph_breaks, st.recompiles) == (0, 0), st
     if mode != "default":
