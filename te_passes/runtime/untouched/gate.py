@@ -126,9 +126,13 @@ def note_island(te_module: str, name: str, reason: str, fix: str) -> bool:
     return True
 
 
+#: The fix named for a module whose DelayedScaling state the compile-start callback did not register.
+PREPARE_FIX = "call te_passes.prepare_delayed_scaling(model, recipe) before the first compiled step"
+
+
 def island_fix_for(reason: str) -> str:
     if "prepare_delayed_scaling" in reason:
-        return "call te_passes.prepare_delayed_scaling(model, recipe) before the first compiled step"
+        return PREPARE_FIX
     if "DelayedScaling" in reason:
         return DELAYED_SCALING_FIX
     return ("none inside te_passes for this configuration; the rest of the model still compiles "

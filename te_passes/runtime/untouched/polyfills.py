@@ -24,7 +24,7 @@ from te_passes.runtime.ops.te_norm import te_norm
 from te_passes.runtime.te_patches import recipe_state
 from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
                                                    fused_attention_forward)
-from te_passes.runtime.untouched.gate import (BACKEND_MARK, ENV, OPTION, Island, island_fix_for, note_island,  # noqa: F401
+from te_passes.runtime.untouched.gate import (BACKEND_MARK, ENV, OPTION, PREPARE_FIX, Island, island_fix_for, note_island,  # noqa: F401
                                               backend_wants_polyfills, clear_island_records, island_records,
                                               untouched_enabled)
 from te_passes.runtime.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, active_frames,  # noqa: F401
@@ -35,8 +35,6 @@ from te_passes.te.norm_act import activation, normalize
 from te_passes.runtime.delayed.scaling import te_inductor_tracing
 from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
 
-#: The fix named for a module whose DelayedScaling state the compile-start callback did not register.
-PREPARE_FIX = "call te_passes.prepare_delayed_scaling(model, recipe) before the first compiled step"
 from te_passes.te.version import is_supported, te_version
 
 #: ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm kernels as the ``te_passes::te_norm``
@@ -121,11 +119,11 @@ def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
     buffers before the trace), or ``None``. Read only when the recipe is DelayedScaling."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
 
+    if not manager.is_fp8_enabled() or not manager.get_fp8_recipe().delayed():
+        return None
     if not delayed_linear.installed():
         return (f"DelayedScaling: te.Linear's DelayedScaling op pair is not installed "
                 f"({delayed_linear.refused_reason()}): {DELAYED_SCALING_FIX}")
-    if not manager.is_fp8_enabled() or not manager.get_fp8_recipe().delayed():
-        return None
     if not te_inductor_tracing():
         return f"DelayedScaling: the backend does not take te_passes' DelayedScaling ops: {DELAYED_SCALING_FIX}"
     if any(owner_delayed_slots(g, manager) is None for g in st.gemms):
