@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import logging
 import pstats
@@ -90,10 +91,8 @@ def run(mode: str, args, out: Path) -> str:
         skips.reasons.append(f"[inductor] {msg}")
         return original(msg, *a, **k)
 
-    import torch._inductor.compile_fx  # noqa: F401  (the modules that import the function by name)
-    import torch._inductor.cudagraph_trees  # noqa: F401
-    import torch._inductor.output_code  # noqa: F401
-
+    for name in ("compile_fx", "cudagraph_trees", "output_code"):  # they import the function by name
+        importlib.import_module(f"torch._inductor.{name}")
     for mod in list(sys.modules.values()):
         if getattr(mod, "log_cudagraph_skip_and_bump_counter", None) is original:
             mod.log_cudagraph_skip_and_bump_counter = record

@@ -200,6 +200,38 @@ def test_untouched_model_prepared_at_compile_start(autocast_inside):
     assert DELAYED_ATTR in got["mods"].__dict__  # the frame's module (its te.Linears prepared with it)
 
 
+def test_every_registered_state_tensor_static_at_compile_start():
+    """Another model's DelayedScaling state in TE's global buffers (an eager reference run, an earlier
+    model): the compiled post-forward update writes every tensor of its buffer key, so te_inductor's
+    compile-start callback marks all of them static, not only the frame's — else CUDA graph trees run
+    the graph without CUDA graphs ("skipping cudagraphs due to mutated inputs", H200 benchmark)."""
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch import quantization as Q
+
+    from te_passes.runtime.delayed.state import prepare_delayed_scaling
+    from te_passes.testing.fake_gpu import import_te
+
+    te = import_te()
+    recipe = R.DelayedScaling()
+    other = []
+
+    def build():
+        other.append(torch.nn.Sequential(te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")))
+        prepare_delayed_scaling(other[0], recipe, static=False)  # registered, not marked
+        return torch.nn.Sequential(*[te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda") for _ in range(2)])
+
+    got = _capture(None, 2, prepare=False, aot=False, recipe=recipe, build=build)
+    assert (len(got["dynamo"]), got["stats"].graph_breaks) == (1, 0)
+    qstate = Q.FP8GlobalStateManager.quantization_state
+    registered = [t for buf in (qstate.global_amax_history_buffer, qstate.global_scale_buffer)
+                  for ts in buf.values() for t in ts]
+    assert len(registered) == 3 * 2 * 2  # 3 modules x (forward, backward) x (history, scale)
+    assert all(getattr(t, "_dynamo_static_input_type", None) is not None for t in registered)
+    other_state = [t for k in ("scaling_fwd", "scaling_bwd") for t in
+                   (other[0][0].fp8_meta[k].scale, other[0][0].fp8_meta[k].amax_history)]
+    assert all(any(t is r for r in registered) for t in other_state)
+
+
 def test_other_backends_unchanged():
     """Without the gate (any backend but te_inductor) TE behaves as without te_passes: te.autocast
     inside the compiled function raises TE's refusal; outside it, te.Linear is TE's named eager

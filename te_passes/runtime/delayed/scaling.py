@@ -244,6 +244,23 @@ def mark_delayed_state_static(owners: Any) -> int:
     return n
 
 
+def mark_registered_state_static() -> int:
+    """Mark every tensor of TE's global DelayedScaling buffers (``global_amax_history_buffer``,
+    ``global_scale_buffer``: the state of every module registered in this process, of this model
+    or another one run eagerly) as static inputs. The compiled update writes every tensor of its
+    buffer key, and CUDA graph trees run a graph that writes a non-static input without CUDA graphs
+    ("skipping cudagraphs due to mutated inputs"). Returns how many tensors were marked."""
+    q = te_module(TE_QUANTIZATION_MODULE)
+    if q is None:
+        return 0
+    qstate = q.FP8GlobalStateManager.quantization_state
+    tensors = [t for buf in (qstate.global_amax_history_buffer, qstate.global_scale_buffer)
+               for ts in buf.values() for t in ts]
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
+    return len(tensors)
+
+
 def install_delayed_scaling() -> bool:
     """Register the update op and the replacements, once, when TE's quantization module is
     loaded and its layout is the checked one. Returns whether they are in place; a refusal is

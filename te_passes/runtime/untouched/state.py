@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from te_passes.runtime.delayed.scaling import mark_registered_state_static
 from te_passes.runtime.delayed.state import DELAYED_ATTR, prepare_delayed_scaling
 from te_passes.runtime.dynamo_callbacks import keep_start_callback
 from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
@@ -274,6 +275,7 @@ def on_compile_start(_args: Any = None) -> None:
             _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None,
                          skip=(lambda m: False) if active else _already_initialised)
             _prepare_delayed(mods, recipes, q)
+        mark_registered_state_static()  # the compiled update writes every registered module's state
     except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
         return
 
