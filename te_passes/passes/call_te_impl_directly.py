@@ -5,6 +5,7 @@ See docs/passes/call_te_impl_directly.md."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -120,7 +121,7 @@ class CallTEImplDirectly(TEPass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         records: list[PassRecord] = []
         plans: list[tuple[torch.fx.Node, Any, Any]] = []  # (node, new target or None, DirectTECall or None)
-        lowering_reason: dict[Any, str | None] = {}
+        lowering_reason = functools.cache(direct_lowering.lowering_reason)  # per base op, once a run
         for node in gm.graph.nodes:
             fam = op_family(node.target) if node.op == "call_function" else None
             if fam is None:
@@ -139,9 +140,7 @@ class CallTEImplDirectly(TEPass):
             if not self.cfg.direct_call:
                 why = "direct_call=False (retarget only)"
             else:
-                if base_op not in lowering_reason:
-                    lowering_reason[base_op] = direct_lowering.lowering_reason(base_op)
-                why = lowering_reason[base_op]
+                why = lowering_reason(base_op)
                 if why is None:
                     shape = _tensor_slot_nodes(node)
                     why = shape if isinstance(shape, str) else None

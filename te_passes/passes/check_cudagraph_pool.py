@@ -31,9 +31,8 @@ def pool_findings(lv: Liveness) -> list[dict[str, Any]]:
         esc = lv.escaped(buf)
         if not esc:
             continue
-        nb = buf.nbytes()
         out.append({"node": buf.name, "role": buf.quantized.role if buf.quantized else None,
-                    "bytes": nb, "at": esc[0].node.name, "how": esc[0].how,
+                    "bytes": buf.nbytes(), "at": esc[0].node.name, "how": esc[0].how,
                     "source": buf.quantized.source if buf.quantized else None})
     return out
 

@@ -21,12 +21,6 @@ from te_passes.te.graph_scan import (LOOKUP_BUILTINS, UNKNOWN, get_attr_path, ma
                                      walk_values, find_recipe_and_pg_objects)
 
 
-@dataclasses.dataclass
-class _Known:
-    value: Any
-    lookup: str  # the source expression: "FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_dgrad"
-
-
 def _describe_user(u: torch.fx.Node) -> str:
     tgt = u.target if isinstance(u.target, str) else getattr(u.target, "__qualname__", None) or str(u.target)
     return f"{u.name} ({u.op} {tgt})"
@@ -89,12 +83,12 @@ class FoldRecipeLookups(TEPass):
                       log: GraphJournal, ctx: PassContext | None = None) -> bool:
         graph = gm.graph
         get_state = functools.cache(lambda: self._state(ctx))  # captured lazily, once
-        known: dict[torch.fx.Node, _Known] = {}
+        # node -> (value, its source expression: "FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_dgrad")
+        known: dict[torch.fx.Node, tuple[Any, str]] = {}
 
         def value_of(a: Any) -> tuple[Any, str] | None:
             if isinstance(a, torch.fx.Node):
-                k = known.get(a)
-                return None if k is None else (k.value, k.lookup)
+                return known.get(a)
             if any(isinstance(x, torch.fx.Node) for _, x in walk_values(a, ())):
                 return None
             return a, repr(a) if not recipes.is_recipe(a) else f"<{type(a).__name__} constant>"
@@ -106,22 +100,21 @@ class FoldRecipeLookups(TEPass):
                 records.append(PassRecord("kept", node.name, {"reason": str(e)}))
                 continue
             if res is not None:
-                known[node] = _Known(*res)
+                known[node] = res
 
         # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
-        for node, k in known.items():
-            if recipes.is_plain_constant(k.value) and node.users:
-                users = [u.name for u in log.replace_uses(node, k.value)]
-                records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
-                                                                 "users": users}))
+        for node, (value, lookup) in known.items():
+            if recipes.is_plain_constant(value) and node.users:
+                users = [u.name for u in log.replace_uses(node, value)]
+                records.append(PassRecord("hoisted", node.name, {"lookup": lookup, "value": value, "users": users}))
         for node in reversed(list(known)):
             if not node.users and node.op != "placeholder":
                 log.erase(node)
         alive = set(graph.nodes)
-        for node, k in known.items():
-            if node in alive and node.users and not recipes.is_plain_constant(k.value):
+        for node, (value, lookup) in known.items():
+            if node in alive and node.users and not recipes.is_plain_constant(value):
                 records.append(PassRecord("kept", node.name, {
-                    "lookup": k.lookup, "object": type(k.value).__name__,
+                    "lookup": lookup, "object": type(value).__name__,
                     "reason": "the object is observed by " + ", ".join(_describe_user(u) for u in node.users)
                               + "; a consumer that takes the object cannot be given a constant"}))
         return bool(log)

@@ -214,6 +214,3 @@ class FoldUbPredicates(TEPass):
                     journal.erase(n)
         if erased:
             records.append(PassRecord("removed", None, {"nodes": list(erased.values())}))
-
-
-__all__ = ["FoldUbPredicates"]

@@ -71,8 +71,7 @@ def _auto_choice(mod: Any) -> tuple[str | None, Callable]:
     fused = auto_attention_problem(mod)
     if fused is None:
         return None, lambda m: rewrite_fused_attention(m, auto=True)
-    sdpa = attention_problem(mod)
-    if sdpa is None:
+    if (sdpa := attention_problem(mod)) is None:
         return None, lambda m: f"{rewrite_attention(m)} (te_fused not used: {fused})"
     return f"te_fused: {fused}; sdpa: {sdpa}", rewrite_attention
 

@@ -21,8 +21,7 @@ PATH = "te_fused"
 
 def fused_attention_problem(mod: Any) -> str | None:
     """Why ``DotProductAttention`` ``mod`` cannot go through the fused op exactly, or ``None``."""
-    p = attention_problem(mod, path=PATH)
-    if p:
+    if p := attention_problem(mod, path=PATH):
         return p
     if getattr(getattr(mod, "fused_attention", None), "use_FAv2_bwd", False):
         return "NVTE_FUSED_ATTN_USE_FAv2_BWD=1 (TE's flash-attn v2 backward): not expressed by the fused op"
@@ -36,12 +35,10 @@ def fused_attention_problem(mod: Any) -> str | None:
 def auto_attention_problem(mod: Any) -> str | None:
     """What keeps ``attention="auto"`` from the fused op for ``mod``, or ``None``: :func:`fused_attention_problem`,
     head dims outside cuDNN's range (TE would not pick FusedAttention), a GPU older than sm80."""
-    p = fused_attention_problem(mod)
-    if p:
+    if p := fused_attention_problem(mod):
         return p
     for what in ("k", "v"):
-        p = head_dim_problem(getattr(mod, f"hidden_size_per_attention_head_{what}", None))
-        if p:
+        if p := head_dim_problem(getattr(mod, f"hidden_size_per_attention_head_{what}", None)):
             return f"head dim {what}={p}"
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
         return f"GPU compute capability {torch.cuda.get_device_capability()} < (8, 0)"

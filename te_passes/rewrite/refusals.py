@@ -56,8 +56,7 @@ def multihead_attention_note(mod: Any) -> str | None:
 
 def check_norm_call(mod: Any) -> None:
     """Raise the rewritten LayerNormLinear / LayerNormMLP's per-call refusal (``norm_call_problem``)."""
-    problem = norm_call_problem()
-    if problem is not None:
+    if (problem := norm_call_problem()) is not None:
         raise CompileFriendlyError(f"rewritten {state_of(mod).original_cls.__name__} {mod.name or ''}: {problem}; "
                                    "or restore() the model")
 
@@ -72,8 +71,7 @@ def check_sdpa_call(mod: Any, qkv_format: str | None, mask: str | None, attentio
     unknown = [k for k in kwargs if k not in NEUTRAL_KWARGS]
     if unknown:
         raise TypeError(f"{where}: unexpected keyword argument {unknown[0]!r}")
-    problem = dpa_call_problem(qkv_format, mask, attention_mask, kwargs, path)
-    if problem is not None:
+    if (problem := dpa_call_problem(qkv_format, mask, attention_mask, kwargs, path)) is not None:
         raise CompileFriendlyError(f"{where}: {problem}")
     return qkv_format, mask
 
