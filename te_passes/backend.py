@@ -1,7 +1,6 @@
-"""The ``te_inductor`` torch.compile backend (entry point ``te_inductor``, pyproject.toml): options
-parsed once, the ordered passes (:mod:`te_passes.passes.order`) and the observers handed to one
-:class:`~te_passes.pipeline.compilation.Compilation`, then ``compile_fx(config_patches=...)`` (the
-process's Inductor config is never mutated). docs/design.md "Stages and the driver", docs/usage.md.
+"""The ``te_inductor`` torch.compile backend: options parsed once, the ordered passes and the observers
+handed to one :class:`~te_passes.pipeline.compilation.Compilation`, then ``compile_fx(config_patches=...)``.
+docs/design.md "Stages and the driver", docs/usage.md.
 """
 
 from __future__ import annotations
@@ -41,10 +40,8 @@ def te_inductor_backend(*, mode: str | None = None, options: dict[str, Any] | No
 
 def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                 options: dict[str, Any] | None = None):
-    """Compile a Dynamo graph with te_passes' passes, then Inductor.
-
-    ``gm``, ``example_inputs``: what Dynamo hands a backend; ``mode``: mapped as for
-    ``backend="inductor"``; ``options``: Inductor config plus ``te_passes.*`` keys (a user-given
+    """Compile a Dynamo graph with te_passes' passes, then Inductor. ``mode``: as for
+    ``backend="inductor"``; ``options``: Inductor config plus ``te_passes.*`` keys (a user's
     ``joint_custom_pre_pass`` / ``post_grad_custom_pre_pass`` runs before ours). Returns Inductor's
     callable, UB-guarded when it depends on UB state.
 
@@ -77,11 +74,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
 
 def _without_cudagraphs_if_hazard(gm: torch.fx.GraphModule, settings: CompileSettings) -> CompileSettings:
-    """``settings`` with ``triton.cudagraphs`` off, and a warning naming why, for a graph
-    :func:`te_passes.runtime.delayed.linear.cudagraph_hazard` finds unsafe to CUDA-graph."""
-    if not settings.config_patches.get("triton.cudagraphs"):
-        return settings
-    why = delayed_linear.cudagraph_hazard(gm)
+    """``settings`` with ``triton.cudagraphs`` off, and a warning naming why, for a graph unsafe to CUDA-graph."""
+    why = delayed_linear.cudagraph_hazard(gm) if settings.config_patches.get("triton.cudagraphs") else None
     if why is None:
         return settings
     warnings.warn(f"te_passes: mode='reduce-overhead': {why}", RuntimeWarning, stacklevel=3)
@@ -101,34 +95,33 @@ def _observers(opts: TePassesOptions) -> list[PassObserver]:
         raise TePassesOptionError(f"{where}: {e}") from None
 
 
-_UNWRAPPED: dict[type, type] = {}
+@functools.cache
+def _shortened(cls: type) -> type:
+    """``cls`` with ``torch._dynamo.exc.ShortenTraceback`` as a second base (Dynamo re-raises those unwrapped)."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    def __init__(self, *args: Any) -> None:  # noqa: N807 - ShortenTraceback's frame argument
+        Exception.__init__(self, *args)
+        self.first_useful_frame = None
+
+    return type(cls.__name__, (cls, ShortenTraceback), {"__init__": __init__, "__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 def _unwrapped(e: BaseException) -> BaseException:
-    """``e`` as a subclass of its class that is also a ``torch._dynamo.exc.ShortenTraceback`` (Dynamo
-    re-raises those unwrapped: ``_dynamo/output_graph.py``), keeping name, message, attributes, cause."""
+    """``e`` as an instance of :func:`_shortened` of its class, keeping message, attributes and cause."""
     from torch._dynamo.exc import ShortenTraceback
 
     if isinstance(e, ShortenTraceback):
         return e
-    cls = type(e)
-    sub = _UNWRAPPED.get(cls)
-    if sub is None:
-        def __init__(self, *args: Any) -> None:  # noqa: N807 - ShortenTraceback's frame argument
-            Exception.__init__(self, *args)
-            self.first_useful_frame = None
-
-        sub = _UNWRAPPED[cls] = type(cls.__name__, (cls, ShortenTraceback), {
-            "__init__": __init__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__})
-    new = sub(*e.args)
+    new = _shortened(type(e))(*e.args)
     new.__cause__ = e.__cause__
     new.__dict__.update({k: v for k, v in vars(e).items() if k != "first_useful_frame"})
     return new
 
 
 def _install_te_hooks(*_args: Any) -> bool:
-    """:func:`te_passes.runtime.install.install` (idempotent; ``False`` until TE is imported)."""
+    """:func:`te_passes.runtime.install.install` (a seam tests replace)."""
     return install_runtime()
 
 

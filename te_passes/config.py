@@ -1,8 +1,6 @@
-"""te_passes options: the ``te_passes.*`` keys of ``torch.compile(..., options=...)``, parsed into
-:class:`TePassesOptions` (every other key is Inductor's and passes through unchanged); an unknown
-``te_passes.*`` key or a bad value raises :class:`TePassesOptionError` naming it. ``TE_PASSES_*``
-environment variables (:data:`OPTION_SPECS`) fill in options not given (``TE_PASSES_DISABLE`` adds
-to ``te_passes.disable``). docs/usage.md "Options".
+"""te_passes options: the ``te_passes.*`` keys of ``torch.compile(..., options=...)`` parsed into
+:class:`TePassesOptions` (other keys are Inductor's); ``TE_PASSES_*`` environment variables fill in
+options not given (``TE_PASSES_DISABLE`` adds to ``te_passes.disable``). docs/usage.md "Options".
 """
 
 from __future__ import annotations
@@ -51,10 +49,9 @@ def _env_bool(key: str, text: str) -> bool:
 def _as_opt_path(key: str, value: Any) -> str | None:
     if value is None:
         return None
-    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
-        path = os.fspath(value)
-        if isinstance(path, str) and path.strip():
-            return path
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if isinstance(path, str) and path.strip():
+        return path
     raise TePassesOptionError(f"option {PREFIX}{key} must be a non-empty path (str or os.PathLike) or None, "
                               f"got {value!r}")
 
@@ -77,31 +74,20 @@ def _as_choice(*choices: str) -> Callable[[str, Any], str]:
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     convert: Callable[[str, Any], Any]
-    doc: str
     env: str | None = None
 
 
-#: Every valid ``te_passes.*`` key (without the prefix), its converter and its one-line doc.
-#: Add new options here; :class:`TePassesOptions` must get a field of the same name.
+#: Every valid ``te_passes.*`` key (without the prefix): its converter and environment variable. Each is a
+#: field of :class:`TePassesOptions` and a row of docs/usage.md "Options".
 OPTION_SPECS: dict[str, _Spec] = {
-    "disable": _Spec(_as_name_list, "pass names to skip (also TE_PASSES_DISABLE=a,b)", "TE_PASSES_DISABLE"),
-    "strict": _Spec(_as_bool, "raise instead of warn when a pass fails or a check finds a problem",
-                    "TE_PASSES_STRICT"),
-    "dump_dir": _Spec(_as_opt_path, "write per-pass before/after graphs, diffs and report.json here",
-                      "TE_PASSES_DUMP_DIR"),
-    "ub_snapshot": _Spec(lambda _key, value: value, "UB state to fold against instead of TE's live registry: a "
-                         "UbSnapshot, a dict, or a JSON file path"),
-    "ub_on_change": _Spec(_as_choice("recompile", "error"),
-                          "what a UB-dependent compiled graph does when the UB state changed"),
-    "pass_config": _Spec(_as_pass_config, "per-pass constructor arguments: {pass name: {parameter: value}}"),
-    "cudagraphs": _Spec(_as_choice("lean", "trees"),
-                        "CUDA-graph replay under reduce-overhead: 'trees' (Inductor's cudagraph trees, the default) "
-                        "or 'lean' (te_passes' policy, opt-in: falls back to trees per graph where unsafe; "
-                        "slower than trees on the H200 so far, docs/usage.md)", "TE_PASSES_CUDAGRAPHS"),
-    # issue 21: untouched TE models in one graph (te_passes/runtime/untouched/polyfills.py, read at trace time)
-    "untouched": _Spec(_as_bool, "trace TE's disabled LayerNormLinear / LayerNormMLP / FusedAttention forwards "
-                       "through te_passes' polyfills (on by default; False: TE's eager islands, as backend='inductor')",
-                       "TE_PASSES_UNTOUCHED"),
+    "disable": _Spec(_as_name_list, "TE_PASSES_DISABLE"),  # pass names to skip
+    "strict": _Spec(_as_bool, "TE_PASSES_STRICT"),  # raise instead of warn when a pass or a check fails
+    "dump_dir": _Spec(_as_opt_path, "TE_PASSES_DUMP_DIR"),  # per-pass graphs, diffs and report.json
+    "ub_snapshot": _Spec(lambda _key, value: value),  # UB state to fold against: UbSnapshot, dict or JSON path
+    "ub_on_change": _Spec(_as_choice("recompile", "error")),  # what a UB-dependent graph does on a UB change
+    "pass_config": _Spec(_as_pass_config),  # per-pass constructor arguments
+    "cudagraphs": _Spec(_as_choice("lean", "trees"), "TE_PASSES_CUDAGRAPHS"),  # reduce-overhead replay
+    "untouched": _Spec(_as_bool, "TE_PASSES_UNTOUCHED"),  # trace TE's disabled forwards through the polyfills
 }
 
 
@@ -110,28 +96,20 @@ REFUSED_OPTIONS: dict[str, str] = {
     "compile_friendly": "te_passes.compile_friendly is a model rewrite, not a backend option: a backend only "
                         "sees FX graphs traced after TE's eager islands were cut. Call "
                         "te_passes.compile_friendly(model) on the model before torch.compile",
+    "guards": "te_passes.guards is not a backend option: Dynamo evaluates guards before a backend runs, so "
+              "te_inductor cannot honour it. Pass it to te_passes.compile_step(..., options={'te_passes.guards': "
+              "...}), or use torch.compile's guard_filter_fn / torch.compiler.set_stance(skip_guard_eval_unsafe=True) "
+              "yourself",
 }
 
-
-# --- issue 22: Dynamo guard evaluation of a compiled step (te_passes/step_capture.py) ---------------
-#: ``te_passes.guards`` values: ``"all"`` (default: Dynamo evaluates every guard on every call) and
-#: ``"skip_unsafe"`` (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` around calls
-#: whose argument signature was already seen: a changed shape still recompiles, a changed global
-#: state — recipe, ``.grad`` presence, module attributes — does not). Honoured by
-#: ``te_passes.compile_step`` only: guards run before any backend does.
+#: ``te_passes.guards`` values (``te_passes.compile_step`` only): ``"all"`` (Dynamo evaluates every guard
+#: on every call, the default) and ``"skip_unsafe"`` (``set_stance(skip_guard_eval_unsafe=True)`` around
+#: calls whose argument signature was seen: a changed shape recompiles, a changed global state does not).
 GUARD_MODES: tuple[str, ...] = ("all", "skip_unsafe")
-REFUSED_OPTIONS["guards"] = ("te_passes.guards is not a backend option: Dynamo evaluates guards before a backend "
-                             "runs, so te_inductor cannot honour it. Pass it to te_passes.compile_step(..., "
-                             "options={'te_passes.guards': ...}), or use torch.compile's guard_filter_fn / "
-                             "torch.compiler.set_stance(skip_guard_eval_unsafe=True) yourself")
 
 
 def parse_guards_option(value: Any) -> str:
-    """``te_passes.guards`` checked: one of :data:`GUARD_MODES`.
-
-    Raises:
-        TePassesOptionError: any other value.
-    """
+    """``te_passes.guards`` checked. Raises ``TePassesOptionError``: not one of :data:`GUARD_MODES`."""
     return _as_choice(*GUARD_MODES)("guards", value)
 
 
@@ -153,9 +131,9 @@ class TePassesOptions:
     @classmethod
     def parse(cls, options: Mapping[str, Any] | None, *, known_passes: set[str] | None = None,
               environ: Mapping[str, str] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
-        """``(TePassesOptions, inductor_options)`` from ``torch.compile``'s ``options`` (``None``
-        ok) and ``environ`` (default ``os.environ``); ``known_passes``: valid ``disable`` names.
-        Raises ``TePassesOptionError``: unknown ``te_passes.*`` key, bad value, unknown pass name."""
+        """``(TePassesOptions, inductor_options)`` from ``torch.compile``'s ``options`` and ``environ``
+        (default ``os.environ``); ``known_passes``: the valid ``disable`` names. Raises
+        ``TePassesOptionError``: an unknown ``te_passes.*`` key, a bad value, an unknown pass name."""
         environ = os.environ if environ is None else environ
         ours: dict[str, Any] = {}
         inductor: dict[str, Any] = {}
@@ -180,12 +158,9 @@ class TePassesOptions:
                     spec.convert(short, environ[spec.env])
             except TePassesOptionError as e:
                 raise TePassesOptionError(f"environment variable {spec.env}={environ[spec.env]!r}: {e}") from None
-            if short == "disable":
+            if short == "disable" or short not in ours:
                 from_env[short] = value
-                ours[short] = tuple(ours.get(short, ())) + value
-            elif short not in ours:
-                ours[short] = value
-                from_env[short] = value
+                ours[short] = tuple(ours.get(short, ())) + value if short == "disable" else value
         parsed = cls(**ours, from_env=frozenset(from_env))
         if known_passes is not None:
             unknown = [p for p in parsed.disable if p not in known_passes]
@@ -198,8 +173,6 @@ class TePassesOptions:
         return parsed, inductor
 
     def fingerprint_data(self) -> dict[str, Any]:
-        """The options that change what passes do (not dump_dir, cudagraphs: no cache-key part)."""
-        d = dataclasses.asdict(self)
-        for k in ("dump_dir", "cudagraphs", "from_env"):
-            d.pop(k)
-        return jsonable(d)
+        """The options that change what passes do (the cache-key part: not dump_dir, cudagraphs)."""
+        skip = ("dump_dir", "cudagraphs", "from_env")
+        return jsonable({k: v for k, v in dataclasses.asdict(self).items() if k not in skip})

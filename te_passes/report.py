@@ -1,6 +1,5 @@
-"""What te_passes did, as data: one :class:`CompileReport` per ``te_inductor`` call (one Dynamo
-graph), a :class:`StageReport` per stage, a :class:`PassRun` per pass; kept process-wide
-(:func:`compile_reports`) for the CLI and tests; the dump writer saves them as ``report.json``.
+"""What te_passes did, as data: a :class:`CompileReport` per Dynamo graph, a :class:`StageReport` per
+stage, a :class:`PassRun` per pass; kept process-wide (:func:`compile_reports`). docs/design.md "Reports".
 """
 
 from __future__ import annotations
@@ -15,23 +14,21 @@ from te_passes._json import jsonable
 
 @dataclasses.dataclass
 class PassRecord:
-    """One fact a pass reports for people: ``kind`` (``"folded"``, ``"free"``, ``"skipped"``, ...),
-    ``node`` (the FX node name, ``None`` for the graph) and ``data`` (JSON-able details)."""
+    """One fact a pass reports for people: ``kind`` (``"folded"``, ``"skipped"``, ...), ``node`` (the FX
+    node name, ``None`` for the graph) and ``data`` (JSON-able details)."""
 
     kind: str
     node: str | None = None
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict: ``{"kind", "node", **data}`` with non-JSON values repr'd."""
         return {"kind": self.kind, "node": self.node, **{k: jsonable(v) for k, v in self.data.items()}}
 
 
 @dataclasses.dataclass
 class PassRun:
-    """One pass applied to one graph at one stage. ``status``: ``"ok"``, ``"disabled"``,
-    ``"skipped"`` (refused, its edits undone) or ``"failed"`` (raised, its edits undone);
-    ``changed``: its edit journal recorded edits; ``time_ms``: wall time (ms)."""
+    """One pass run on one graph. ``status``: ``"ok"``, ``"disabled"``, ``"skipped"`` or ``"failed"``
+    (the last two with their edits undone); ``changed``: its journal recorded edits."""
 
     name: str
     stage: str
@@ -42,24 +39,21 @@ class PassRun:
     nodes_after: int = 0
     records: list[PassRecord] = dataclasses.field(default_factory=list)
     error: str | None = None
-    #: Typed facts for the pipeline (``TEPassResult.facts``); empty unless it succeeded. Not in JSON.
+    #: Not in JSON: ``TEPassResult.facts``; where the dump writer wrote this run (``g0/dynamo/01_<pass>``)
+    #: and its ``{"added", "removed", "changed"}`` counts.
     facts: list[Any] = dataclasses.field(default_factory=list)
-    #: Where the dump writer wrote this run (``g0/dynamo/01_<pass>``) and its change counts
-    #: (``{"added", "removed", "changed"}``); ``None`` without a dump. Not in JSON.
     dump_dir: str | None = None
     dump_changes: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in ("name", "stage", "status", "changed", "nodes_before",
-                                            "nodes_after", "error")}
-        d["time_ms"] = round(self.time_ms, 3)
-        d["records"] = [r.to_json() for r in self.records]
-        return d
+        keys = ("name", "stage", "status", "changed", "nodes_before", "nodes_after", "error")
+        return {**{k: getattr(self, k) for k in keys}, "time_ms": round(self.time_ms, 3),
+                "records": [r.to_json() for r in self.records]}
 
 
 @dataclasses.dataclass
 class StageReport:
-    """All pass runs of one stage on one graph (``graph_id`` e.g. ``"g0"``, ``"g0.fwd"``)."""
+    """All pass runs of one stage on one graph (``graph_id``: ``"g0.fwd"``)."""
 
     graph_id: str
     stage: str
@@ -74,9 +68,8 @@ class StageReport:
 
 @dataclasses.dataclass
 class CompileReport:
-    """Everything te_passes did for one ``te_inductor`` call: ``graph_id`` (``"g<N>"`` in call
-    order), ``mode`` (``"default"`` for ``None``), ``uuid`` (the pipeline uuid and its parts),
-    ``te_state`` (JSON), ``stages`` (in run order), times in ms."""
+    """Everything te_passes did for one ``te_inductor`` call: ``graph_id`` (``"g<N>"``), ``mode``
+    (``"default"`` for ``None``), ``uuid`` (the pipeline uuid and its parts), ``te_state``, ``stages``."""
 
     graph_id: str
     mode: str | None = None
@@ -85,11 +78,11 @@ class CompileReport:
     stages: list[StageReport] = dataclasses.field(default_factory=list)
     time_ms_passes: float = 0.0
     time_ms_total: float = 0.0
-    #: The lean CUDA-graph policy's decisions and fallbacks (``{"graph", "event", "reason", "count"}``).
+    #: The lean CUDA-graph policy's decisions (``{"graph", "event", "reason", "count"}``).
     cudagraphs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    #: The Inductor cache that served the compile when the AOT stages did not run, else ``None``.
+    #: The Inductor cache that served the compile when the AOT stages did not run.
     cache_hit: str | None = None
-    #: Where its dump went (``None``: none); a replayed graph's saved torch/TE versions. Not in JSON.
+    #: Not in JSON: where its dump went; a replayed graph's saved torch/TE versions.
     dump_dir: str | None = None
     saved_versions: dict[str, Any] | None = None
 
@@ -98,12 +91,12 @@ class CompileReport:
             self.mode = "default"
 
     def records(self, kind: str | None = None) -> list[PassRecord]:
-        """All records of all runs, optionally only those of ``kind``."""
+        """All records of all runs, only ``kind``'s when given."""
         return [r for s in self.stages for run in s.runs for r in run.records
                 if kind is None or r.kind == kind]
 
     def typed_facts(self, cls: type | None = None, stages: "list[StageReport] | None" = None) -> list[Any]:
-        """The typed facts of all runs of ``stages`` (default: all so far), only ``cls``'s if given."""
+        """The typed facts of all runs of ``stages`` (default: all), only ``cls``'s when given."""
         return [f for s in (self.stages if stages is None else stages) for run in s.runs for f in run.facts
                 if cls is None or isinstance(f, cls)]
 
@@ -115,7 +108,7 @@ class CompileReport:
 
 
 def cache_hit_note(cache: str) -> str:
-    """What ``te-passes show``, ``index.md`` and the log say when ``cache`` skipped the AOT stages."""
+    """What the CLI, ``index.md`` and the log say when ``cache`` skipped the AOT stages."""
     return (f"{cache} hit: the joint and post-grad passes did not run (Inductor reused code compiled "
             f"earlier with the same pass-pipeline uuid, which already holds their rewrites)")
 

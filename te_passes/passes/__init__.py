@@ -1,5 +1,4 @@
-"""The passes: one module per pass named for what it does, and their order (:mod:`.registry`).
-The interface they implement is :mod:`te_passes.pipeline.base` (re-exported here)."""
+"""The passes, one module each, in :mod:`.order`; their interface (:mod:`te_passes.pipeline.base`) re-exported."""
 
 from te_passes.pipeline.base import PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 

@@ -5,9 +5,7 @@ See docs/passes/call_te_impl_directly.md."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import inspect
-import sys
+import functools
 from typing import Any
 
 import torch
@@ -19,15 +17,8 @@ from te_passes.runtime.ops.te_base import DirectCallUnavailable, op_family, op_q
 from te_passes.runtime.ops.constants import hoisted_name
 
 
-def _plain_tensor_types() -> tuple[type, ...]:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return (torch.Tensor, FakeTensor)
-
-
 def _tensor_slot_nodes(node: torch.fx.Node) -> list[tuple[str, torch.fx.Node]] | str:
-    """``[(slot, node), ...]`` for every FX node in a tensor-typed schema slot of ``node``, or a
-    reason string when the arguments do not match the schema."""
+    """``[(slot, node)]`` for the FX nodes in ``node``'s tensor slots, or why the args miss the schema."""
     schema = node.target._schema
     if node.kwargs:
         return f"keyword arguments {sorted(node.kwargs)} (TE passes every slot positionally)"
@@ -46,14 +37,14 @@ def _tensor_slot_nodes(node: torch.fx.Node) -> list[tuple[str, torch.fx.Node]] |
 
 
 def subclass_reason(node: torch.fx.Node) -> str | None:
-    """Why a quantized-tensor subclass might reach ``node``'s tensor slots (``None``: none can).
+    """Why a quantized-tensor subclass might reach ``node``'s tensor slots (``None``: every FX node there
+    carries a ``meta["val"]`` of type exactly ``torch.Tensor`` or ``FakeTensor``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    Every FX node in a ``Tensor`` / ``Tensor?`` / ``Tensor[]`` slot must carry ``meta["val"]`` of
-    type exactly ``torch.Tensor`` or ``FakeTensor``."""
     slots = _tensor_slot_nodes(node)
     if isinstance(slots, str):
         return slots
-    plain = _plain_tensor_types()
+    plain = (torch.Tensor, FakeTensor)
     for slot, x in slots:
         val = x.meta.get("val")
         if val is None:
@@ -64,8 +55,7 @@ def subclass_reason(node: torch.fx.Node) -> str | None:
 
 
 def _same_call(old: Any, new: Any) -> bool:
-    """Whether ``old`` (a node's existing plan, or ``None``) makes the same call as ``new``: same
-    base op, argument count and the very same constant objects in the same slots."""
+    """Whether plan ``old`` makes the same call as ``new``: base op, arg count, the same constant objects."""
     if not isinstance(old, dc.DirectTECall):
         return False
     def same(x: Any, y: Any) -> bool:  # identity, element-wise through the args' lists / tuples
@@ -107,7 +97,9 @@ def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[li
 class CallTEImplDirectly(TEPass):
     """Retarget TE wrapper ops to their base ops and mark them for a direct call of TE's impl.
 
-    Before / after (post-grad forward of an fp8 ``te.Linear``, as Inductor's wrapper calls it)::
+    Records: ``"retargeted"`` (``from``, ``to``), ``"direct_call"`` (the call), ``"kept"`` (``op``,
+    ``retargeted``, ``reason``). Before / after (post-grad forward of an fp8 ``te.Linear``, as Inductor's
+    wrapper calls it)::
 
         # before
         buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0,
@@ -120,25 +112,16 @@ class CallTEImplDirectly(TEPass):
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "retarget TE wrapper ops to their base ops; Inductor calls TE's impl directly (no dispatcher)"
 
+    source_modules = (dc, direct_lowering, te_base_op)  # they decide what the generated code does
+
     @dataclasses.dataclass(frozen=True)
     class Config(PassConfig):
         direct_call: bool = True
 
-    @classmethod
-    def source_hash(cls) -> str:
-        """The pass's source plus :mod:`te_passes.runtime.ops.direct_call`,
-        :mod:`~te_passes.runtime.ops.direct_lowering` and :mod:`~te_passes.runtime.ops.te_base` (the
-        call object, the lowering and the base-op checks decide what the generated code does, so
-        they key Inductor's caches too)."""
-        h = hashlib.sha256(super().source_hash().encode())
-        for mod in (dc, direct_lowering, te_base_op):
-            h.update(inspect.getsource(sys.modules[mod.__name__]).encode())
-        return h.hexdigest()
-
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         records: list[PassRecord] = []
         plans: list[tuple[torch.fx.Node, Any, Any]] = []  # (node, new target or None, DirectTECall or None)
-        lowering_reason: dict[Any, str | None] = {}
+        lowering_reason = functools.cache(direct_lowering.lowering_reason)  # per base op, once a run
         for node in gm.graph.nodes:
             fam = op_family(node.target) if node.op == "call_function" else None
             if fam is None:
@@ -157,9 +140,7 @@ class CallTEImplDirectly(TEPass):
             if not self.cfg.direct_call:
                 why = "direct_call=False (retarget only)"
             else:
-                if base_op not in lowering_reason:
-                    lowering_reason[base_op] = direct_lowering.lowering_reason(base_op)
-                why = lowering_reason[base_op]
+                why = lowering_reason(base_op)
                 if why is None:
                     shape = _tensor_slot_nodes(node)
                     why = shape if isinstance(shape, str) else None
@@ -171,7 +152,6 @@ class CallTEImplDirectly(TEPass):
                     except DirectCallUnavailable as e:
                         why = str(e)
             if call is not None and new_target is None and _same_call(node.meta.get(dc.META_KEY), call):
-                # idempotent: an earlier run already planned this very call (same op, same constants)
                 records.append(PassRecord("kept", node.name, {"op": base_q, "retargeted": False,
                                                               "reason": "already calls TE's impl directly"}))
                 continue

@@ -14,8 +14,7 @@ from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPa
 
 
 class CudagraphPoolLeakError(RuntimeError):
-    """A graph leaves values allocated inside it referenced after it returns, without returning
-    them (raised under ``te_passes.strict``; the message names every node)."""
+    """A graph leaves values allocated in it referenced, not returned (under ``strict``; names every node)."""
 
 
 class CudagraphPoolWarning(UserWarning):
@@ -23,8 +22,8 @@ class CudagraphPoolWarning(UserWarning):
 
 
 def pool_findings(lv: Liveness) -> list[dict[str, Any]]:
-    """Values allocated inside the graph that are still referenced when it returns, without
-    being graph outputs: ``[{"node", "role", "bytes", "at", "how"}]`` in graph order."""
+    """Values allocated in the graph, referenced when it returns, not outputs: ``[{"node", "role",
+    "bytes", "at", "how", "source"}]``."""
     out = []
     for buf in lv.buffers:
         if buf.origin is not BufferOrigin.ALLOCATED or lv.is_output(buf):
@@ -32,9 +31,8 @@ def pool_findings(lv: Liveness) -> list[dict[str, Any]]:
         esc = lv.escaped(buf)
         if not esc:
             continue
-        nb = buf.nbytes()
         out.append({"node": buf.name, "role": buf.quantized.role if buf.quantized else None,
-                    "bytes": nb, "at": esc[0].node.name, "how": esc[0].how,
+                    "bytes": buf.nbytes(), "at": esc[0].node.name, "how": esc[0].how,
                     "source": buf.quantized.source if buf.quantized else None})
     return out
 
@@ -64,7 +62,8 @@ def format_findings(graph_id: str, findings: list[dict[str, Any]]) -> str:
 
 
 class CheckCudagraphPool(TEPass):
-    """Static CUDA-graph pool check (analysis only; never changes the graph).
+    """Static CUDA-graph pool check (analysis only). Records: ``"pool_leak"`` per finding,
+    ``"pool_check"`` (``findings``, ``allocated_values``, ...); warns (``strict``: raises) on findings.
 
     Example (a planted leak: an FP8 temporary stashed into a graph input)::
 
@@ -80,7 +79,7 @@ class CheckCudagraphPool(TEPass):
     analysis_only = True
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        lv = analyze_shared(gm.graph, ctx.stage, getattr(ctx, "analyses", None))
+        lv = analyze_shared(gm.graph, ctx.stage, ctx.analyses)
         findings = pool_findings(lv)
         cudagraphs = _cudagraphs_enabled()
         records = [PassRecord("pool_leak", f["node"], {**f, "cudagraphs": cudagraphs}) for f in findings]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import functools
 import operator
 from typing import Any, Callable
 
@@ -20,23 +21,18 @@ from te_passes.te.graph_scan import (LOOKUP_BUILTINS, UNKNOWN, get_attr_path, ma
                                      walk_values, find_recipe_and_pg_objects)
 
 
-@dataclasses.dataclass
-class _Known:
-    value: Any
-    lookup: str  # the source expression, e.g. "FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_dgrad"
-
-
 def _describe_user(u: torch.fx.Node) -> str:
     tgt = u.target if isinstance(u.target, str) else getattr(u.target, "__qualname__", None) or str(u.target)
     return f"{u.name} ({u.op} {tgt})"
 
 
 class FoldRecipeLookups(TEPass):
-    """Fold fp8 recipe / autocast lookups into plain constants (docs/passes/fold_recipe_lookups.md: why and how).
+    """Fold fp8 recipe / autocast lookups into plain constants.
 
-    Before / after (a graph computing ``gemm(x, split=FP8GlobalStateManager.get_fp8_recipe()
-    .fp8_gemm_fprop.use_split_accumulator)`` with the lookup as ``call_function`` nodes, e.g. a
-    tracer that leaves ``FP8GlobalStateManager`` calls as leaves; Float8CurrentScaling active)::
+    Records: ``"hoisted"`` (``lookup``, ``value``, ``users``), ``"kept"`` (``reason``; ``lookup``,
+    ``object`` or ``path`` for objects a consumer takes). Before / after (the lookup
+    ``FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_fprop.use_split_accumulator`` as
+    ``call_function`` nodes; Float8CurrentScaling active)::
 
         # before
         get_fp8_recipe = transformer_engine...FP8GlobalStateManager.get_fp8_recipe()
@@ -68,10 +64,7 @@ class FoldRecipeLookups(TEPass):
         return cfg
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        """Stage ``dynamo``: fold lookups; record recipe / process-group objects a consumer takes."""
-        # The scans allocate a few objects per node while the heap holds the whole graph:
-        # automatic collections would rescan it again and again (superlinear on 100k nodes).
-        with gc_paused():
+        with gc_paused():  # no automatic collections rescanning a large graph's heap
             records: list[PassRecord] = []
             changed = self._fold_lookups(gm, records, ctx.journal, ctx)
             for node_name, path, tname in find_recipe_and_pg_objects(gm):
@@ -81,8 +74,7 @@ class FoldRecipeLookups(TEPass):
             return TEPassResult(gm, changed, records)
 
     def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
-        """The fp8 state lookups fold to: the ``fp8_state`` config, else the compilation's TE
-        snapshot (``ctx.te_state.fp8``, part of the pipeline uuid) — never TE's live globals."""
+        """The ``fp8_state`` config, else the compilation's TE snapshot: never TE's live globals."""
         if self.cfg.fp8_state is not None:
             return self.cfg.fp8_state
         return getattr(getattr(ctx, "te_state", None), "fp8", None)
@@ -90,59 +82,46 @@ class FoldRecipeLookups(TEPass):
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
                       log: GraphJournal, ctx: PassContext | None = None) -> bool:
         graph = gm.graph
-        state: recipes.Fp8State | None | object = UNKNOWN  # captured lazily, once
-        known: dict[torch.fx.Node, _Known] = {}
+        get_state = functools.cache(lambda: self._state(ctx))  # captured lazily, once
+        # node -> (value, its source expression: "FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_dgrad")
+        known: dict[torch.fx.Node, tuple[Any, str]] = {}
 
         def value_of(a: Any) -> tuple[Any, str] | None:
             if isinstance(a, torch.fx.Node):
-                k = known.get(a)
-                return None if k is None else (k.value, k.lookup)
+                return known.get(a)
             if any(isinstance(x, torch.fx.Node) for _, x in walk_values(a, ())):
                 return None
             return a, repr(a) if not recipes.is_recipe(a) else f"<{type(a).__name__} constant>"
 
         for node in list(graph.nodes):
             try:
-                res = self._evaluate(node, value_of, lambda: state)
-            except _NeedState:
-                if state is UNKNOWN:
-                    state = self._state(ctx)
-                try:
-                    res = self._evaluate(node, value_of, lambda: state)
-                except _NotFoldable as e:
-                    records.append(PassRecord("kept", node.name, {"reason": str(e)}))
-                    continue
+                res = self._evaluate(node, value_of, get_state)
             except _NotFoldable as e:
                 records.append(PassRecord("kept", node.name, {"reason": str(e)}))
                 continue
             if res is not None:
-                known[node] = _Known(*res)
+                known[node] = res
 
-        changed = False
         # Fold plain results; drop dead intermediate objects (reverse order: chains die tail-first).
-        for node, k in known.items():
-            if recipes.is_plain_constant(k.value) and node.users:
-                users = [u.name for u in log.replace_uses(node, k.value)]
-                records.append(PassRecord("hoisted", node.name, {"lookup": k.lookup, "value": k.value,
-                                                                 "users": users}))
-                changed = True
+        for node, (value, lookup) in known.items():
+            if recipes.is_plain_constant(value) and node.users:
+                users = [u.name for u in log.replace_uses(node, value)]
+                records.append(PassRecord("hoisted", node.name, {"lookup": lookup, "value": value, "users": users}))
         for node in reversed(list(known)):
             if not node.users and node.op != "placeholder":
                 log.erase(node)
-                changed = True
         alive = set(graph.nodes)
-        for node, k in known.items():
-            if node in alive and node.users and not recipes.is_plain_constant(k.value):
+        for node, (value, lookup) in known.items():
+            if node in alive and node.users and not recipes.is_plain_constant(value):
                 records.append(PassRecord("kept", node.name, {
-                    "lookup": k.lookup, "object": type(k.value).__name__,
+                    "lookup": lookup, "object": type(value).__name__,
                     "reason": "the object is observed by " + ", ".join(_describe_user(u) for u in node.users)
                               + "; a consumer that takes the object cannot be given a constant"}))
-        return changed
+        return bool(log)
 
     def _evaluate(self, node: torch.fx.Node, value_of: Callable, get_state: Callable) -> tuple[Any, str] | None:
-        """Compile-time value of ``node`` as ``(value, lookup text)``, ``None`` if ``node`` is not a
-        recipe lookup. Raises :class:`_NotFoldable` for a lookup that cannot be evaluated and
-        :class:`_NeedState` when TE's autocast state is needed but not yet captured."""
+        """``(value, lookup text)`` of ``node``, ``None`` if it is no recipe lookup. Raises
+        :class:`_NotFoldable`: a lookup that cannot be evaluated."""
         if node.op == "get_attr":
             owner = node.graph.owning_module
             val = get_attr_path(owner, str(node.target)) if owner is not None else UNKNOWN
@@ -159,8 +138,6 @@ class FoldRecipeLookups(TEPass):
                 if node.args or node.kwargs:
                     raise _NotFoldable(f"FP8GlobalStateManager.{lookup} called with arguments")
                 state = get_state()
-                if state is UNKNOWN:
-                    raise _NeedState()
                 if state is None:
                     raise _NotFoldable(f"FP8GlobalStateManager.{lookup}(): the compilation's TE state has no fp8 "
                                        "autocast state (TE not loaded when it was captured) and no fp8_state "
@@ -170,7 +147,6 @@ class FoldRecipeLookups(TEPass):
                     raise _NotFoldable("FP8GlobalStateManager.get_fp8_recipe(): no recipe is active and TE's "
                                        "default recipe depends on the GPU; give fp8_state")
                 return val, f"FP8GlobalStateManager.{lookup}()"
-            tgt = node.target
             if tgt is builtins.getattr and len(node.args) in (2, 3) and isinstance(node.args[1], str):
                 src = value_of(node.args[0])
                 if src is None or not (recipes.is_recipe(src[0]) or recipes.is_recipe_part(src[0])):
@@ -227,8 +203,4 @@ class FoldRecipeLookups(TEPass):
 
 
 class _NotFoldable(Exception):
-    pass
-
-
-class _NeedState(Exception):
     pass

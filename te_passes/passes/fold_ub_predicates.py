@@ -1,7 +1,6 @@
-"""``fold_ub_predicates``: Userbuffers (UB) queries become guarded compile-time constants.
+"""Pass ``fold_ub_predicates``: Userbuffers (UB) queries become guarded compile-time constants.
 
-See :class:`FoldUbPredicates` and docs/passes/fold_ub_predicates.md.
-"""
+See docs/passes/fold_ub_predicates.md."""
 
 from __future__ import annotations
 
@@ -22,18 +21,15 @@ from te_passes.te.ub import UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import describe_ub_query, find_ub_queries
 from te_passes.te.ub_rules import check_linear_ub_config, ub_flags_set
 
-#: Pure functions whose call nodes are folded once all their arguments are constants (so
-#: ``not get_ub_is_fp8(...)``, ``a and b``, ``x == 2`` disappear with the query).
+#: Pure functions whose call nodes are folded once all their arguments are constants.
 _PURE_FOLDABLE = frozenset({
     operator.not_, operator.truth, operator.eq, operator.ne, operator.and_, operator.or_,
     operator.xor, operator.lt, operator.le, operator.gt, operator.ge, operator.is_,
     operator.is_not, operator.getitem, operator.add, operator.sub, operator.mul,
     operator.floordiv, operator.mod, bool, int, float, str, max, min, all, any,
 })
-#: Limits on what a fold may compute: operands and results are scalars (``None``, ``bool``,
-#: ``float``, ``int`` of <= 64 bits, ``str`` of <= 256 characters) or tuples / lists of <= 16 of
-#: them; a ``str`` / sequence times an ``int`` only up to 256. A graph read from a file (``te-passes
-#: replay``) could otherwise make the fold build a huge value (``x = x * x`` forty times).
+#: What a fold may compute: scalars (``int`` <= 64 bits, ``str`` <= 256 chars) or sequences of <= 16 of
+#: them, a sequence times an ``int`` <= 256: a replayed graph must not make it build a huge value.
 _FOLD_MAX_BITS, _FOLD_MAX_LEN = 64, 256
 
 
@@ -50,7 +46,6 @@ def _small_fold_value(v: Any, depth: int = 0) -> bool:
 
 
 def _fold_is_bounded(target: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether calling ``target(*args, **kwargs)`` stays within the fold limits above."""
     vals = (*args, *kwargs.values())
     if not all(_small_fold_value(v) for v in vals):
         return False
@@ -72,13 +67,6 @@ class FoldUbPredicates(TEPass):
     stages = frozenset({Stage.DYNAMO, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "fold Userbuffers queries to guarded constants; check TE ops' UB buffers against the UB state"
 
-    # ------------------------------------------------------------------ analysis
-    def _find_queries(self, graph: torch.fx.Graph, records: list[PassRecord]) -> list[tuple[torch.fx.Node, str, tuple]]:
-        queries, refused = find_ub_queries(graph)
-        for node, reason in refused:
-            records.append(PassRecord("skipped", node.name, {"reason": f"UB query not folded: {reason}"}))
-        return queries
-
     def _check_te_ops(self, gm: torch.fx.GraphModule, snap: UbSnapshot, records: list[PassRecord],
                       checks: list[ub_graph_guard.UbCheckSpec]) -> None:
         unknown: list[str] = []
@@ -97,11 +85,8 @@ class FoldUbPredicates(TEPass):
             for use in res.uses:
                 key = f"{use.buffer}[{'fp8' if use.use_fp8 else 'none'}]"
                 b = res.found.get(key)
-                buffers.append({**use.to_json(), "mode": "fp8" if use.use_fp8 else "none",
-                                "registered": b is not None,
-                                "is_fp8_ubuf": None if b is None else b.is_fp8_ubuf,
-                                "with_cublasmp": None if b is None else b.with_cublasmp,
-                                "tp_size": None if b is None else b.tp_size})
+                buffers.append({**use.to_json(), "mode": "fp8" if use.use_fp8 else "none", "registered": b is not None,
+                                **{k: getattr(b, k, None) for k in ("is_fp8_ubuf", "with_cublasmp", "tp_size")}})
             records.append(PassRecord("ub_check", call.node.name, {
                 "op": call.op, "ub_name": res.ub_name, "flags": flags, "buffers": buffers,
                 "status": "ok" if res.ok else "mismatch"}))
@@ -111,7 +96,6 @@ class FoldUbPredicates(TEPass):
         for msg in unknown:
             records.append(PassRecord("skipped", None, {"reason": f"TE op not decoded, UB not checked: {msg}"}))
 
-    # ------------------------------------------------------------------ run
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         snap = getattr(ctx.te_state, "ub", None)
         if snap is None:
@@ -125,7 +109,9 @@ class FoldUbPredicates(TEPass):
             self._record_trace_folds(snap, ctx, records, folds)
 
         # 2. query nodes and their values.
-        queries = self._find_queries(gm.graph, records)
+        queries, refused = find_ub_queries(gm.graph)
+        for node, reason in refused:
+            records.append(PassRecord("skipped", node.name, {"reason": f"UB query not folded: {reason}"}))
         values: dict[torch.fx.Node, Any] = {}
         for node, api, args in queries:
             try:
@@ -138,8 +124,6 @@ class FoldUbPredicates(TEPass):
         # 3. TE op UB configurations.
         self._check_te_ops(gm, snap, records, checks)
         if checks and ctx.stage is Stage.DYNAMO and not guards.te_ub_hooks_installed():
-            # TE was imported after te_inductor was looked up: Linear.forward's get_ub_is_fp8 ran
-            # unguarded in this trace. Say so (the backend's runtime.install() hooks every later trace).
             reason = ("TE's UB hooks were not installed when Dynamo traced this graph (transformer_engine "
                       "was imported after torch.compile(backend='te_inductor') was called): get_ub_is_fp8 "
                       "values folded by TE in this frame are not guarded; import transformer_engine first")
@@ -191,7 +175,7 @@ class FoldUbPredicates(TEPass):
             folds.append(guards.UbFold(api, args, value, node.name, "fx"))
             records.append(PassRecord("folded", node.name, {"api": api, "args": list(args), "value": value,
                                                             "source": "fx"}))
-        # substitute, then propagate through pure operator nodes
+        # substitute, then propagate through pure operator nodes; then erase what became dead
         const: dict[torch.fx.Node, Any] = dict(values)
         work = list(values)
         while work:
@@ -221,21 +205,12 @@ class FoldUbPredicates(TEPass):
                         "target": getattr(user.target, "__name__", str(user.target)),
                         "args": list(user.args), "value": const[user]}))
                     work.append(user)
-        # erase what became dead: folded nodes, then the get_ub nodes they queried
-        removed: list[str] = []
         candidates = list(const) + [n.args[0] for n in values if n.op == "call_method"]
-        erased: set[torch.fx.Node] = set()
-        changed = True
-        while changed:
-            changed = False
+        erased: dict[torch.fx.Node, str] = {}  # in erase order
+        while any(n not in erased and not n.users for n in candidates):
             for n in candidates:
                 if n not in erased and not n.users:
+                    erased[n] = n.name
                     journal.erase(n)
-                    erased.add(n)
-                    removed.append(n.name)
-                    changed = True
-        if removed:
-            records.append(PassRecord("removed", None, {"nodes": removed}))
-
-
-__all__ = ["FoldUbPredicates"]
+        if erased:
+            records.append(PassRecord("removed", None, {"nodes": list(erased.values())}))

@@ -1,6 +1,6 @@
 """Pass ``hoist_te_constants``: TE constants of post-grad graphs are built once, not on every call.
 
-See docs/passes/hoist_te_constants.md and docs/passes/hoist_te_constants.md.."""
+See docs/passes/hoist_te_constants.md."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ CONST_ATTR_PREFIX = "_te_const_"
 
 class HoistTEConstants(TEPass):
     """Build value-opaque TE constants (quantizers, ``OpaqueValueBundle`` s) once per compilation
-    instead of once per call (docs/passes/hoist_te_constants.md: why and how)."""
+    instead of once per call: each becomes a wrapper-module global ``_te_const_<N>``.
+
+    Records: ``"hoisted_constant"`` (``name``, ``slot``, ``const_kind``, ``type``), ``"kept_inline"``
+    (``slot``, ``type``, ``reason``). Raises ``PassSkipped``: ``hoist_constants=False``."""
 
     name = "hoist_te_constants"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
@@ -33,15 +36,8 @@ class HoistTEConstants(TEPass):
         hoist_constants: bool = True
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        """Post-grad stages: build TE constants once (when ``hoist_constants``).
-
-        Raises:
-            PassSkipped: ``hoist_constants=False``.
-        """
         if not self.cfg.hoist_constants:
             raise PassSkipped("hoist_constants=False: TE constants are left inline")
-        # The scans allocate a few objects per constant while the heap holds the whole graph:
-        # automatic collections would rescan it again and again (superlinear on 100k nodes).
         with gc_paused():
             records: list[PassRecord] = []
             changed = self._lift_constants(gm, records, ctx)
@@ -49,38 +45,27 @@ class HoistTEConstants(TEPass):
 
     def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord], ctx: PassContext) -> bool:
         graph = gm.graph
-        count = hoisted = 0
+        count = 0
         log = ctx.journal
-        # ``id(constant) -> (constant, compiled expression, globals)`` for this run: a constant
-        # used in several slots is rendered once (the constant is held, so its id stays valid).
-        rebuilds: dict[int, tuple[Any, Any, dict]] = {}
-        # Idempotence: a constant an earlier run already hoisted into this graph keeps its object
-        # and name, and new names skip the ones taken.
-        taken = names_in(gm)
+        rebuilds: dict[int, tuple[Any, Any, dict]] = {}  # id(constant) -> (constant, expression, globals)
+        taken = names_in(gm)  # names an earlier run gave: kept, new names skip them
 
         def lift(v: Any, user: torch.fx.Node, slot: str) -> Any:
-            nonlocal count, hoisted
-            if not is_liftable_constant(v):
-                return v
-            if hoisted_name(v, gm) is not None:
+            nonlocal count
+            if hoisted_name(v, gm) is not None:  # _lift_top hands over liftable constants only
                 return v
             why = can_name(v)
-            if why is not None:  # runtime.install() has not wrapped this class: a pass patches no class
+            if why is not None:
                 records.append(PassRecord("kept_inline", user.name, {"slot": slot, "type": type(v).__name__,
                                                                      "reason": why}))
                 return v
             while f"{CONST_ATTR_PREFIX}{count}" in taken:
                 count += 1
-            # One object per *occurrence*, built exactly as the wrapper would build it on each
-            # call: no two slots (or graphs) share an object they did not share before, and the
-            # graph's original objects (possibly shared with the Dynamo graph) are not touched.
+            # one object per occurrence, built as the wrapper builds it per call (no new sharing)
             fresh = rebuild_cached(v, rebuilds)
-            # Unique within this graph, hence within its wrapper module (one module per graph);
-            # deterministic, so reports and dumps are reproducible.
             name = f"{CONST_ATTR_PREFIX}{count}"
             name_constant(fresh, name, gm)
             count += 1
-            hoisted += 1
             records.append(PassRecord("hoisted_constant", user.name, {
                 "name": name, "slot": slot, "const_kind": te_const_kind(fresh).value,
                 "type": type(fresh).__name__}))
@@ -96,19 +81,17 @@ class HoistTEConstants(TEPass):
             if not all(map(_same, new_args, node.args)) or not all(
                     _same(new_kwargs[k], node.kwargs[k]) for k in node.kwargs):
                 log.set_args(node, new_args, new_kwargs)
-        return hoisted > 0
+        return any(r.kind == "hoisted_constant" for r in records)
 
 
 def _same(a: Any, b: Any) -> bool:
-    """``a is b``, element-wise for the list/tuple :func:`_lift_top` rebuilds."""
     if isinstance(a, (list, tuple)) and type(a) is type(b):
         return len(a) == len(b) and all(x is y for x, y in zip(a, b))
     return a is b
 
 
 def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:
-    """Apply ``lift(value, sub-slot)`` to ``a`` and, for list/tuple args (the output node's
-    tuple), to their elements; bundles are lifted whole (their quantizers travel inside them)."""
+    """``lift(value, sub-slot)`` on ``a`` or, for a list/tuple, on its elements (bundles lifted whole)."""
     if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
         if not any(is_liftable_constant(x) for x in a):
             return a

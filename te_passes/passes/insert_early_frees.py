@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import inspect
 from typing import Any, Literal
 
 import torch
@@ -17,8 +15,6 @@ from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.ops import free as free_op
 from te_passes.te import quantized
-
-POLICIES = ("opaque", "all")
 
 
 class InsertEarlyFrees(TEPass):
@@ -33,42 +29,27 @@ class InsertEarlyFrees(TEPass):
         z = aten.relu(y)                                 z = aten.relu(y)
         return (z,)                                      return (z,)
 
-    Records: ``"free"`` (node = the freed value, data: ``role``, ``bytes``, ``after``,
-    ``source``, ``field``, ``op``); ``"kept"`` (node, ``role``, ``bytes``, ``reason``,
-    ``source``); ``"memory"`` (graph level, see :func:`memory_record`); at the joint stage one
-    ``"saved_roles"`` (``count``, ``roles``: ``{node: {role, field, inner_name, storage_cls}}``).
+    Records: ``"free"`` (node = the freed value: ``role``, ``bytes``, ``after``, ``source``, ``field``,
+    ``op``); ``"kept"`` (``role``, ``bytes``, ``reason``, ``source``); ``"memory"`` (graph level,
+    :func:`memory_record`); at the joint stage ``"saved_roles"`` (``count``, ``roles``).
 
     Raises:
-        PassSkipped: the Inductor lowering of ``free_storage`` is not in place
-            (:func:`te_passes.runtime.ops.free.lowering_reason`: ``runtime.install()`` has not run,
-            or could not register it); the graph is left alone and the record says why.
-        AssertionError: the rewritten graph fails the re-analysis (a free before a use); the
-            pass manager then restores the graph.
+        PassSkipped: ``free_storage``'s Inductor lowering is not registered (``runtime.install()``).
+        AssertionError: the rewritten graph has a free before a use (the manager restores the graph).
     """
 
     name = "insert_early_frees"
     stages = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = "free quantized buffers (FP8/MXFP8 data, transposes, scales) right after their last use"
 
+    source_modules = (free_op,)  # its Inductor lowering shapes the output code
+
     @dataclasses.dataclass(frozen=True)
     class Config(PassConfig):
         policy: Literal["opaque", "all"] = "opaque"
 
-    def __init__(self, policy: str = "opaque") -> None:
-        super().__init__(policy=policy)
-        self.policy = self.cfg.policy
-
-    @classmethod
-    def source_hash(cls) -> str:
-        """:meth:`TEPass.source_hash` plus the source of :mod:`te_passes.runtime.ops.free`: its Inductor
-        lowering shapes the output code as much as this file does, so a change there must change
-        :meth:`uuid` (and with it the FX-graph-cache key) too."""
-        h = hashlib.sha256(super().source_hash().encode())
-        h.update(inspect.getsource(free_op).encode())
-        return h.hexdigest()
-
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        why = free_op.lowering_reason()  # a lookup: runtime.install() registers the lowering, never a pass
+        why = free_op.lowering_reason()
         if why is not None:
             raise PassSkipped(f"{why}; without it Inductor could reuse a freed buffer")
         with gc_paused():
@@ -77,7 +58,6 @@ class InsertEarlyFrees(TEPass):
     def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         graph = gm.graph
         if ctx.stage is Stage.JOINT:
-            # Analysis only: name the saved buffers' roles where forward and backward meet.
             roles = quantized.joint_saved_roles(graph)
             return TEPassResult(gm, False, [PassRecord("saved_roles", None, {
                 "count": len(roles),
@@ -86,35 +66,31 @@ class InsertEarlyFrees(TEPass):
         lv = analyze_shared(graph, ctx.stage, getattr(ctx, "analyses", None))
         before = estimate(lv)
         plan, records = self.plan(lv, ctx.stage)
-        inserted: list[torch.fx.Node] = []
-        last_inserted: dict[torch.fx.Node, torch.fx.Node] = {}
+        last_inserted: dict[torch.fx.Node, torch.fx.Node] = {}  # insert-after node -> its last free
         for buf, after in plan:
             if lv.opaque_uses.get(buf) and _may_lower_unrealized(buf.handle):
-                # The opaque reader must receive the buffer the free will empty: realize the
-                # value where it is defined (else a custom op's stride constraint copies an
-                # unrealized Pointwise and the op keeps the copy; free_op.is_materialized).
+                # the opaque reader must get the very buffer the free empties, not a stride-fixing copy
                 free_op.mark_realize(buf.handle, ctx.journal)
             free = ctx.journal.call_function(free_op.free_storage, (buf.handle,), after=last_inserted.get(after, after),
                                              meta={"val": None, "te_passes": {
                                                  "pass": self.name,
                                                  "role": buf.quantized.role if buf.quantized else None}})
-            inserted.append(free)
             last_inserted[after] = free
         after_est = before
-        if inserted:
+        if last_inserted:
             lv_after = analyze(graph, stage=ctx.stage.value)
             self._verify(lv_after)
             after_est = estimate(lv_after)
         records.append(PassRecord("memory", None, memory_record(before, after_est)))
-        return TEPassResult(gm, bool(inserted), records)
+        return TEPassResult(gm, bool(last_inserted), records)
 
-    # ------------------------------------------------------------------ analysis
     def plan(self, lv: Liveness, stage: Stage) -> tuple[list[tuple[Buffer, torch.fx.Node]], list[PassRecord]]:
         """Decide what to free: ``([(buffer, insert-after node)], records)``; no mutation."""
         plan: list[tuple[Buffer, torch.fx.Node]] = []
         records: list[PassRecord] = []
+        freed = frozenset(b for n in lv.order if free_op.is_free_node(n) and n.args for b in lv.buffers_of(n.args[0]))
         for buf in lv.quantized_buffers():
-            reason = self._refusal(lv, buf, stage)
+            reason = self._refusal(lv, buf, stage, freed)
             info = buf.quantized
             nbytes = buf.nbytes()
             if reason is not None:
@@ -128,7 +104,7 @@ class InsertEarlyFrees(TEPass):
                 "field": info.field, "op": info.op}))
         return plan, records
 
-    def _refusal(self, lv: Liveness, buf: Buffer, stage: Stage) -> str | None:
+    def _refusal(self, lv: Liveness, buf: Buffer, stage: Stage, freed: frozenset[Buffer]) -> str | None:
         if buf.origin is BufferOrigin.INPUT:
             if buf.node in lv.saved_inputs:
                 return ("saved tensor (backward graph input): AOTAutograd passes it with steal_args and "
@@ -150,33 +126,18 @@ class InsertEarlyFrees(TEPass):
         if buf.handle is None:
             return "no node extracts this output of a multi-output op; it dies with the op's result tuple"
         last = lv.last_use[buf]
-        if buf in self._already_freed(lv):
+        if buf in freed:
             return "already freed by a free_storage node"
         if last.op == "output":
             return "graph output"
-        if self.policy == "opaque" and not lv.opaque_uses.get(buf):
+        if self.cfg.policy == "opaque" and not lv.opaque_uses.get(buf):
             return (f"only ATen/Inductor kernels use it: Inductor's wrapper releases it after its last "
                     f"use ({last.name}) without a free")
         return None
 
     @staticmethod
-    def _already_freed(lv: Liveness) -> frozenset[Buffer]:
-        """Buffers an existing ``free_storage`` node already frees (computed once per graph)."""
-        cached = getattr(lv, "_te_freed", None)
-        if cached is None:
-            cached = frozenset(b for n in lv.order if free_op.is_free_node(n) and n.args
-                               for b in lv.buffers_of(n.args[0]))
-            lv._te_freed = cached  # type: ignore[attr-defined]
-        return cached
-
-    @staticmethod
     def _verify(lv: Liveness) -> None:
-        """Check the rewritten graph (liveness ``lv`` recomputed on it): every free must be the
-        last use of its buffer.
-
-        Raises:
-            AssertionError: a free precedes a use of its buffer (the manager restores the graph).
-        """
+        """Raises ``AssertionError`` unless every free in ``lv``'s graph is its buffer's last use."""
         for node in lv.order:
             if not free_op.is_free_node(node):
                 continue
@@ -187,16 +148,13 @@ class InsertEarlyFrees(TEPass):
 
 
 def _may_lower_unrealized(node: torch.fx.Node) -> bool:
-    """Whether Inductor may lower ``node`` to a value without a buffer (a ``Pointwise`` or
-    ``Reduction`` loader): a call of an ATen/prims op. Outputs of opaque ops and their
-    ``getitem`` nodes are extern-kernel buffers already."""
+    """Whether Inductor may lower ``node`` to a value without a buffer: a call of an ATen/prims op."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and not is_opaque_call(node))
 
 
 def memory_record(before: MemoryEstimate, after: MemoryEstimate) -> dict[str, Any]:
-    """The ``"memory"`` record's data: peaks before/after (symbolic as strings), concrete peaks,
-    input bytes, where the peak is, and the symbol values used."""
+    """The ``"memory"`` record's data: peaks before/after (symbolic and concrete), peak nodes, input bytes."""
     b, a = before.to_json(), after.to_json()
     return {"peak_before": b["peak"], "peak_after": a["peak"],
             "peak_before_concrete": b["peak_concrete"], "peak_after_concrete": a["peak_concrete"],

@@ -1,9 +1,5 @@
-"""The ordered pass list: what runs, in which order (``te-passes list`` prints it).
-
-One line per pass, in pipeline order (within a stage passes run in this order); one module per
-pass, named for what it does (torch-TensorRT's lowering-pass registry layout). The backend, the
-CLI and the test harness hand this list to the pass manager; the manager imports no pass.
-"""
+"""The ordered pass list (``te-passes list`` prints it), one module per pass; the backend, the CLI
+and the test harness hand it to the pass manager, which imports no pass."""
 
 from __future__ import annotations
 
@@ -45,10 +41,6 @@ def default_passes() -> list[TEPass]:
 
 
 def configured_passes(pass_config: dict | None = None) -> list[TEPass]:
-    """Every registered pass built with ``pass_config[name]`` (``te_passes.pass_config``;
-    :func:`te_passes.pipeline.registry.build_passes`); ``None``/empty: :func:`default_passes`.
-
-    Raises:
-        te_passes.config.TePassesOptionError: an unknown pass or parameter, or a refused value.
-    """
+    """Every pass built with ``pass_config[name]`` (``te_passes.pass_config``). Raises
+    ``TePassesOptionError``: an unknown pass or parameter, or a refused value."""
     return build_passes(PASSES, pass_config) if pass_config else default_passes()

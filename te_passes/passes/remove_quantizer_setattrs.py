@@ -16,11 +16,11 @@ from te_passes.te.graph_scan import bundle_quantizers, const_kind, users_of_obje
 
 
 class RemoveQuantizerSetattrs(TEPass):
-    """Remove side-effect-only ``__setattr__`` nodes on quantizer constants (docs/passes/remove_quantizer_setattrs.md: when it is
-    safe).
+    """Remove side-effect-only ``__setattr__`` nodes on quantizer constants.
 
-    Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``; ``Q(...)`` stands for
-    ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
+    Records: ``"folded_setattr"`` (``receiver``, ``field``, ``value``, ``reason``), ``"kept"``
+    (``receiver``, ``reason``). Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``;
+    ``Q(...)`` stands for ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
 
         # before
         setattr_1 = Q(<input q>).__setattr__('force_pow_2_scales', False)     # 23 such nodes
@@ -40,8 +40,7 @@ class RemoveQuantizerSetattrs(TEPass):
     description = "remove side-effect-only quantizer __setattr__ residue from Dynamo graphs"
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        """Stage ``dynamo``: remove the setattr groups that provably have no effect."""
-        with gc_paused():  # see fold_recipe_lookups: no automatic collections over a large heap
+        with gc_paused():  # no automatic collections rescanning a large graph's heap
             records: list[PassRecord] = []
             changed = self._fold_setattrs(gm, records, ctx.journal)
             return TEPassResult(gm, changed, records)

@@ -1,9 +1,5 @@
-"""The one pass interface every te_passes pass implements (docs/design.md "The pass interface").
-
-A pass is a :class:`TEPass` (a ``torch.fx.passes.infra.pass_base.PassBase``) with a ``name``, the
-``stages`` it runs at, a typed :class:`PassConfig` and ``run(gm, ctx)``: it edits ``gm`` only
-through ``ctx.journal`` and returns a :class:`TEPassResult` (records for people, typed facts for
-the pipeline). ``uuid()`` hashes the pass's source and config (vLLM ``InductorPass`` style).
+"""The one pass interface every te_passes pass implements: :class:`TEPass`, its typed
+:class:`PassConfig`, :class:`PassContext` and :class:`TEPassResult`. docs/design.md "The pass interface".
 """
 
 from __future__ import annotations
@@ -32,12 +28,11 @@ from te_passes.te.state import TEState
 __all__ = ["ALL_STAGES", "AOT_STAGES", "PassConfig", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass",
            "TEPassResult", "jsonable"]
 
-#: The te_passes package directory whose sources :func:`package_source_hash` covers.
 PACKAGE_ROOT: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def package_source_files(root: str) -> list[str]:
-    """Every ``.py`` file under ``root``, as sorted ``/``-separated relative paths (no ``__pycache__``)."""
+    """Every ``.py`` file under ``root``, as sorted ``/``-separated relative paths."""
     out = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
@@ -47,8 +42,7 @@ def package_source_files(root: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def package_source_hash(root: str | None = None) -> str:
-    """sha256 over path and bytes of every te_passes source file (default :data:`PACKAGE_ROOT`),
-    once per process and root: any source change re-keys Inductor's FX graph cache."""
+    """sha256 over path and bytes of every source file under ``root`` (default :data:`PACKAGE_ROOT`), once per root."""
     root = root or PACKAGE_ROOT
     h = hashlib.sha256()
     for rel in package_source_files(root):
@@ -58,9 +52,8 @@ def package_source_hash(root: str | None = None) -> str:
 
 
 class Stage(str, enum.Enum):
-    """Where a pass runs: ``DYNAMO`` (the graph Dynamo hands the backend), ``JOINT`` (Inductor's
-    ``joint_custom_pre_pass``), ``POST_GRAD_FWD`` / ``POST_GRAD_BWD`` (``post_grad_custom_pre_pass``
-    on the partitioned ATen forward / backward graphs)."""
+    """Where a pass runs: ``DYNAMO`` (the backend's graph), ``JOINT`` (``joint_custom_pre_pass``),
+    ``POST_GRAD_FWD`` / ``POST_GRAD_BWD`` (``post_grad_custom_pre_pass``, partitioned forward / backward)."""
 
     DYNAMO = "dynamo"
     JOINT = "joint"
@@ -85,31 +78,28 @@ class TEPassResult(PassResult):
 
 
 class PassSkipped(Exception):
-    """Raised by a pass that cannot prove its rewrite safe: recorded as ``"skipped"`` with the
-    message (not a warning); the manager undoes any edit the pass made."""
+    """Raised by a pass that cannot prove its rewrite safe: recorded as ``"skipped"``, its edits undone."""
 
 
 @dataclasses.dataclass
 class PassContext:
-    """What a pass may read besides the graph: ``stage``, ``options`` (parsed), ``te_state`` (the
-    compilation's TE snapshot), ``example_inputs`` (fake tensors / SymInts or ``None``) and
-    ``graph_id`` (``"g0"``, ``"g0.fwd"``, ...)."""
+    """What a pass may read besides the graph: ``stage``, ``options``, ``te_state`` (the compilation's
+    TE snapshot), ``example_inputs`` (fake tensors / SymInts or ``None``), ``graph_id`` (``"g0.fwd"``);
+    ``journal``: where it makes every edit (undone when it is skipped or fails); ``analyses``: shared in
+    a stage, emptied when a pass changes the graph; ``inputs``: facts from the driver (``"ub_trace_folds"``)."""
 
     stage: Stage
     options: TePassesOptions
     te_state: TEState
     example_inputs: Any = None
     graph_id: str = "g0"
-    #: Where the pass makes every graph edit (one per pass run; undone when it is skipped or fails).
     journal: GraphJournal = dataclasses.field(default_factory=GraphJournal)
-    #: Analyses of the current graph shared in a stage; emptied whenever a pass changes the graph.
     analyses: dict = dataclasses.field(default_factory=dict)
-    #: Facts the driver hands the passes (``"ub_trace_folds"``, ``"ub_prev_token"``), never globals.
     inputs: dict = dataclasses.field(default_factory=dict)
 
 
 def _type_error(ann: Any, value: Any) -> str | None:
-    """Why ``value`` is not of type ``ann`` (a class, ``X | None``, a ``Literal``'s type); ``None``: it is."""
+    """Why ``value`` is not an ``ann`` (a class, ``X | None``, a ``Literal``'s type), or ``None``."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if origin is typing.Literal:
         return _type_error(type(args[0]), value)
@@ -120,8 +110,7 @@ def _type_error(ann: Any, value: Any) -> str | None:
 
 
 class PassParameterError(ValueError):
-    """A pass parameter's value refused by its ``Config``: ``param`` names it, ``detail`` says why
-    (``"must be bool, got 'no' (str)"``). A ``ValueError``, and a ``TypeError`` for a wrong type."""
+    """A pass parameter's value refused by its ``Config``: ``param`` names it, ``detail`` says why."""
 
     def __init__(self, param: str, detail: str) -> None:
         super().__init__(f"{param} {detail}")
@@ -129,18 +118,13 @@ class PassParameterError(ValueError):
 
 
 class PassParameterTypeError(PassParameterError, TypeError):
-    """:class:`PassParameterError` for a value of another type."""
+    """A :class:`PassParameterError` for a value of another type (``"must be bool, got 'no' (str)"``)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PassConfig:
-    """Base of a pass's typed configuration (a frozen dataclass; the ``te_passes.pass_config`` parameters of
-    that pass are its fields).
-
-    Raises:
-        PassParameterTypeError: a value of another type (``"no"`` for a ``bool``).
-        PassParameterError: a value that is not one of a ``Literal``'s.
-    """
+    """Base of a pass's typed configuration: a frozen dataclass whose fields are its ``te_passes.pass_config``
+    parameters, checked against their annotations (raises :class:`PassParameterError`)."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -158,22 +142,23 @@ class PassConfig:
 
 
 class TEPass(PassBase):
-    """Base class of every pass: ``name`` (``te-passes list``, ``te_passes.disable``), ``stages``,
-    ``description``, ``Config`` (its :class:`PassConfig`: the constructor's keywords),
-    ``analysis_only``. :meth:`run`: analyse first, edit last and only through ``ctx.journal``;
-    :class:`PassSkipped` when unsafe; leave a graph that passes ``graph.lint()``."""
+    """Base class of every pass: ``name``, ``stages``, ``description``, ``Config`` (the constructor's
+    keywords), ``analysis_only``, ``source_modules`` (modules besides its own that shape its output,
+    part of :meth:`uuid`). :meth:`run` analyses first, edits last and only through ``ctx.journal``,
+    raises :class:`PassSkipped` when unsafe and leaves a graph that passes ``graph.lint()``."""
 
     name: ClassVar[str] = ""
     stages: ClassVar[frozenset[Stage]] = frozenset()
     description: ClassVar[str] = ""
     analysis_only: ClassVar[bool] = False
     Config: ClassVar[type[PassConfig]] = PassConfig
+    source_modules: ClassVar[tuple[types.ModuleType, ...]] = ()
 
     def __init__(self, **config: Any) -> None:
         self.cfg = self.Config(**config)
 
     def config(self) -> dict[str, Any]:
-        """The pass's configuration (JSON-able), part of :meth:`uuid`."""
+        """The JSON-able configuration, part of :meth:`uuid`."""
         return self.cfg.to_json()
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
@@ -187,7 +172,7 @@ class TEPass(PassBase):
 
     @classmethod
     def source_hash(cls) -> str:
-        """sha256 of the source files of ``cls`` and its bases up to :class:`TEPass`."""
+        """sha256 of the source files of ``cls``, its bases up to :class:`TEPass` and ``source_modules``."""
         h = hashlib.sha256()
         for klass in cls.__mro__:
             if klass is PassBase or klass is object:
@@ -198,10 +183,12 @@ class TEPass(PassBase):
             except (OSError, TypeError):
                 src = klass.__qualname__
             h.update(src.encode())
+        for mod in cls.source_modules:
+            h.update(inspect.getsource(sys.modules[mod.__name__]).encode())
         return h.hexdigest()
 
     def uuid(self) -> str:
-        """Stable id: the class's source, the package source and the config."""
+        """Stable id: the pass's source, the package source and the config."""
         payload = json.dumps({"name": self.name, "src": self.source_hash(),
                               "package": package_source_hash(PACKAGE_ROOT),
                               "config": jsonable(self.config())}, sort_keys=True)

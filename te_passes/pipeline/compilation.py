@@ -1,12 +1,13 @@
 """The one pipeline driver: :class:`Compilation` takes one Dynamo graph from the backend to Inductor
-(``begin``, ``inductor_hooks``, ``finish``); offline replay and the CPU capture run stages through
-it too. Also the stage map, the backward-graph rule, the pipeline uuid (part of Inductor's
-FX-graph-cache key) and ``mode``/options parsed once (:class:`CompileSettings`). docs/design.md.
+(also offline replay and the CPU capture); the stage map, the pipeline uuid (part of Inductor's
+FX-graph-cache key) and ``mode``/options parsed once (:class:`CompileSettings`). docs/design.md
+"Stages and the driver".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -32,21 +33,18 @@ from te_passes.te.ub import UbConfigError, UbSnapshot
 
 log = get_logger()
 
-#: Stage order of a compilation, and the suffix each stage's graph id gets (``"g0"``, ``"g0.joint"``,
-#: ``"g0.fwd"``, ``"g0.bwd"``): the names stage reports, dumps and records use.
+#: Stage order of a compilation.
 STAGE_ORDER: tuple[Stage, ...] = (Stage.DYNAMO, Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD)
-STAGE_SUFFIX: dict[Stage, str] = {Stage.DYNAMO: "", Stage.JOINT: ".joint", Stage.POST_GRAD_FWD: ".fwd",
-                                  Stage.POST_GRAD_BWD: ".bwd"}
 
 
 def stage_graph_id(graph_id: str, stage: Stage | str) -> str:
-    """``graph_id`` + :data:`STAGE_SUFFIX` of ``stage``. Raises ``ValueError`` for a non-stage."""
-    return graph_id + STAGE_SUFFIX[Stage(stage)]
+    """``"g0"``, ``"g0.joint"``, ``"g0.fwd"``, ``"g0.bwd"`` for ``"g0"``. Raises ``ValueError``: not a stage."""
+    stage = Stage(stage)
+    return graph_id if stage is Stage.DYNAMO else f"{graph_id}.{stage.value.removeprefix('post_grad_')}"
 
 
 def is_backward_graph(graph: torch.fx.Graph | torch.fx.GraphModule) -> bool:
-    """Whether a partitioned post-grad graph is a backward graph: it has ``tangents_*``
-    placeholders (AOTAutograd's naming, ``torch/_functorch/_aot_autograd``)."""
+    """Whether a partitioned post-grad graph has ``tangents_*`` placeholders (AOTAutograd's naming)."""
     graph = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
     return any(str(n.target).startswith("tangents") for n in graph.find_nodes(op="placeholder"))
 
@@ -59,8 +57,8 @@ def post_grad_stage(graph: torch.fx.Graph | torch.fx.GraphModule) -> Stage:
 def pipeline_uuid(passes: Sequence[TEPass], options: TePassesOptions, te_state: TEState,
                   ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
     """The pipeline's cache identity (passes' ``uuid()``, package source, options, TE state; the UB
-    snapshot only if ``ub_reads`` — :func:`~te_passes.runtime.ub.graph_guard.ub_state_reads`, ``None``:
-    unknown — is non-empty) and its sha256 under ``"uuid"``; ``"ub_reads"`` is not hashed."""
+    snapshot unless ``ub_reads``, from ``ub_state_reads`` or ``None`` for unknown, is empty) and its
+    sha256 under ``"uuid"``; ``"ub_reads"`` is not hashed."""
     reads_ub = ub_reads is None or bool(ub_reads)
     parts: dict[str, Any] = {"package": base.package_source_hash(base.PACKAGE_ROOT),
                              "passes": {p.name: p.uuid() for p in passes},
@@ -72,21 +70,15 @@ def pipeline_uuid(passes: Sequence[TEPass], options: TePassesOptions, te_state: 
 
 
 def inductor_config_patches(mode: str | None, inductor_options: dict[str, Any]) -> dict[str, Any]:
-    """``mode`` + Inductor ``options`` -> config patches exactly as ``torch.compile`` maps them
-    (``torch._TorchCompileInductorWrapper``). Raises ``RuntimeError``: Inductor's own messages."""
+    """Inductor config patches from ``mode`` and ``options`` as ``torch.compile`` maps them
+    (``torch._TorchCompileInductorWrapper``). Raises ``RuntimeError``: Inductor's messages."""
     return dict(torch._TorchCompileInductorWrapper(mode, inductor_options, dynamic=None).config)
 
 
 def _inductor_value(patches: dict[str, Any], key: str) -> Any:
-    """The patched value of Inductor config ``key`` (``"triton.cudagraphs"``), else the process's."""
     from torch._inductor import config as inductor_config
 
-    if key in patches:
-        return patches[key]
-    obj: Any = inductor_config
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return patches[key] if key in patches else functools.reduce(getattr, key.split("."), inductor_config)
 
 
 _NON_TREE_CUDAGRAPHS = (
@@ -98,8 +90,8 @@ _NON_TREE_CUDAGRAPHS = (
 
 @dataclasses.dataclass(frozen=True)
 class CompileSettings:
-    """``torch.compile``'s ``mode`` and ``options`` parsed once: our :class:`TePassesOptions`, the
-    Inductor config patches, and the loaded ``te_passes.ub_snapshot`` (or ``None``)."""
+    """``torch.compile``'s ``mode`` and ``options`` parsed once: :class:`TePassesOptions`, the Inductor
+    config patches and the loaded ``te_passes.ub_snapshot``."""
 
     mode: str | None
     options: TePassesOptions
@@ -108,11 +100,8 @@ class CompileSettings:
 
     @classmethod
     def parse(cls, mode: str | None, options: dict[str, Any] | None, known_passes: set[str]) -> "CompileSettings":
-        """Raises:
-            te_passes.config.TePassesOptionError: a ``te_passes.*`` key/value or pass name, a
-                ``te_passes.ub_snapshot`` that cannot be loaded, non-tree cudagraphs.
-            RuntimeError: unknown mode or Inductor option (Inductor's message).
-        """
+        """Raises ``TePassesOptionError``: a bad ``te_passes.*`` key/value, pass name or ``ub_snapshot``,
+        or non-tree cudagraphs; ``RuntimeError``: unknown mode or Inductor option (Inductor's message)."""
         opts, inductor_options = TePassesOptions.parse(options, known_passes=known_passes)
         patches = inductor_config_patches(mode, inductor_options)
         if _inductor_value(patches, "triton.cudagraphs") and not _inductor_value(patches, "triton.cudagraph_trees"):
@@ -127,7 +116,6 @@ class CompileSettings:
 
 
 def _cache_hits() -> dict[str, int]:
-    """Inductor's FX-graph-cache and AOTAutograd-cache hit counters (``torch._dynamo.utils.counters``)."""
     from torch._dynamo.utils import counters
 
     return {"AOTAutograd cache": counters["aot_autograd"]["autograd_cache_hit"],
@@ -135,8 +123,7 @@ def _cache_hits() -> dict[str, int]:
 
 
 class InductorStageHook(CustomInferenceAwareGraphPass):
-    """A :class:`Compilation`'s AOT stage inside Inductor (``joint_custom_pre_pass`` or
-    ``post_grad_custom_pre_pass``); ``uuid()`` is the pipeline uuid (FX-graph-cache key part)."""
+    """A :class:`Compilation`'s ``joint_custom_pre_pass`` / ``post_grad_custom_pre_pass`` (``uuid``: the pipeline's)."""
 
     def __init__(self, compilation: "Compilation", joint: bool) -> None:
         self.compilation, self.joint = compilation, joint
@@ -153,11 +140,11 @@ class InductorStageHook(CustomInferenceAwareGraphPass):
 
 
 class Compilation:
-    """One compilation (one Dynamo graph): ``manager`` (passes, observers), ``options`` (parsed, or
-    the backend's :class:`CompileSettings`), ``te_state``, ``report`` (default: a new registered
-    one), ``graph_id``, ``recompile`` (``(gm, args) -> compiled``, for the UB guard) and ``live``
-    (``torch.compile``: runtime facts in, UB mismatches raised, result guarded; ``False``: offline).
-    Backend: :meth:`begin`, :meth:`inductor_hooks`, ``compile_fx``, :meth:`finish`."""
+    """One compilation (one Dynamo graph): ``manager``, ``options`` (or the backend's
+    :class:`CompileSettings`), ``te_state``, ``report`` (default: a new registered one), ``graph_id``,
+    ``recompile`` (``(gm, args) -> compiled``, for the UB guard) and ``live`` (``False``: offline, no
+    runtime facts in, no UB mismatch raised, no guard). Backend: :meth:`begin`, :meth:`inductor_hooks`,
+    ``compile_fx``, :meth:`finish`."""
 
     def __init__(self, manager: PassManager, options: TePassesOptions | CompileSettings, te_state: TEState,
                  report: CompileReport | None = None, *, graph_id: str | None = None,
@@ -175,15 +162,15 @@ class Compilation:
         self._hits_before: dict[str, int] = {}
 
     def context(self, stage: Stage | str, example_inputs: Any = None, inputs: dict | None = None) -> PassContext:
-        """The :class:`PassContext` the passes of ``stage`` get (graph id per :func:`stage_graph_id`)."""
+        """The :class:`PassContext` the passes of ``stage`` get."""
         stage = Stage(stage)
         return PassContext(stage, self.options, self.te_state, example_inputs,
                            stage_graph_id(self.graph_id, stage), inputs={} if inputs is None else inputs)
 
     def run_stage(self, gm: torch.fx.GraphModule, stage: Stage | str, example_inputs: Any = None,
                   inputs: dict | None = None) -> StageReport:
-        """Run ``stage``'s passes on ``gm`` in place; the stage report is appended and returned.
-        Raises ``TePassError``: a pass failed under ``options.strict``."""
+        """Run ``stage``'s passes on ``gm`` in place; returns the (appended) stage report. Raises
+        ``TePassError``: a pass failed under ``strict``."""
         t0 = time.perf_counter()
         try:
             return self.manager.run(gm, self.context(stage, example_inputs, inputs), into=self.report)
@@ -191,23 +178,21 @@ class Compilation:
             self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
 
     def begin(self, gm: torch.fx.GraphModule | None, example_inputs: Any = None) -> None:
-        """The Dynamo stage on ``gm`` (``None``: none, offline; live: with the runtime's UB trace
-        folds), then the pipeline uuid, once. Raises ``UbConfigError`` (live): ``UbMismatch`` facts
-        (before Inductor runs); ``TePassError``: a pass failed under ``options.strict``."""
+        """The Dynamo stage on ``gm`` (``None``: none, offline), then the pipeline uuid, once. Raises
+        ``UbConfigError`` (live): ``UbMismatch`` facts; ``TePassError``: a pass failed under ``strict``."""
         reads = None
         if gm is not None:
             inputs = dynamo_stage_inputs() if self.live else {}
             self.run_stage(gm, Stage.DYNAMO, example_inputs, inputs)
-            reads = ub_state_reads(gm, ub_dependence_of(self.report),
-                                   trace_folds=inputs.get("ub_trace_folds", ()))
+            reads = ub_state_reads(gm, ub_dependence_of(self.report), trace_folds=inputs.get("ub_trace_folds", ()))
         self.report.uuid = pipeline_uuid(self.manager.passes, self.options, self.te_state, ub_reads=reads)
         if self.live:
             raise_ub_mismatches(self.report)
         self._checked_stages = len(self.report.stages)
 
     def inductor_hooks(self) -> dict[str, Any]:
-        """The settings' Inductor config patches plus our two :class:`InductorStageHook`\\ s (after
-        a user's own) and, under ``te_passes.cudagraphs="lean"``, the cudagraph policy."""
+        """The Inductor config patches plus our two :class:`InductorStageHook`\\ s (after a user's own)
+        and the lean cudagraph policy (:meth:`cudagraph_policy`)."""
         patches = dict(self.settings.config_patches)
         for joint, key in ((True, "joint_custom_pre_pass"), (False, "post_grad_custom_pre_pass")):
             ours, user = InductorStageHook(self, joint), patches.get(key)
@@ -219,18 +204,17 @@ class Compilation:
         return patches
 
     def cudagraph_policy(self, patches: dict[str, Any]) -> LeanCUDAGraphPolicy | None:
-        """The lean CUDA-graph policy, or ``None`` (cudagraph trees) unless ``te_passes.cudagraphs ==
-        "lean"`` with cudagraphs and trees on and no user ``cudagraph_policy``; reading UB state with
-        UB initialised is a static hazard."""
-        if self.options.cudagraphs != "lean" or not _inductor_value(patches, "triton.cudagraphs"):
-            return None
-        if not _inductor_value(patches, "triton.cudagraph_trees") or _inductor_value(patches, "cudagraph_policy") is not None:
+        """The lean CUDA-graph policy under ``te_passes.cudagraphs="lean"`` with cudagraph trees on and no
+        user ``cudagraph_policy``, else ``None``; reading initialised UB state is a static hazard."""
+        on = [_inductor_value(patches, k) for k in ("triton.cudagraphs", "triton.cudagraph_trees")]
+        if self.options.cudagraphs != "lean" or not all(on) or _inductor_value(patches, "cudagraph_policy") is not None:
             return None
         hazards, ub_reads = [], self.report.uuid.get("ub_reads")
         if self.te_state.ub is not None and getattr(self.te_state.ub, "initialized", False) and ub_reads:
-            hazards.append(f"graph reads Userbuffers state with UB initialised ({'; '.join(map(str, ub_reads))[:200]}): "
+            reads = "; ".join(map(str, ub_reads))[:200]
+            hazards.append(f"graph reads Userbuffers state with UB initialised ({reads}): "
                            "UB communicators captured into a CUDA graph are left to cudagraph trees")
-        refresh = (lambda: self._notify_finish()) if self.manager.observers else None
+        refresh = self._notify_finish if self.manager.observers else None
         return LeanCUDAGraphPolicy(graph_id=self.graph_id, recorder=CudagraphRecorder(self.report.cudagraphs, refresh),
                                    static_hazards=hazards)
 
@@ -239,8 +223,8 @@ class Compilation:
             obs.finish(self.report)
 
     def finish(self, compiled: Callable | None = None) -> Callable | None:
-        """After ``compile_fx`` (offline: the stages): note a cache hit that skipped the AOT stages,
-        tell the observers, (live) UB-guard ``compiled``. Raises ``UbConfigError``: AOT-stage mismatches."""
+        """After ``compile_fx``: note a cache hit that skipped the AOT stages, tell the observers and
+        (live) UB-guard ``compiled``. Raises ``UbConfigError``: AOT-stage mismatches."""
         if self.live and not {s.stage for s in self.report.stages} & {Stage.JOINT.value, Stage.POST_GRAD_FWD.value}:
             hit = [k for k, n in _cache_hits().items() if n > self._hits_before.get(k, 0)]
             if hit:
@@ -255,5 +239,5 @@ class Compilation:
                                         checked_stages=self._checked_stages)
 
     def facts(self, kind: type | None = None) -> list[Any]:
-        """The typed facts of every stage run so far (in run order), only ``kind``'s when given."""
+        """The typed facts of every stage run so far, only ``kind``'s when given."""
         return self.report.typed_facts(kind)

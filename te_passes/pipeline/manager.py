@@ -1,7 +1,6 @@
-"""The pass manager: applies every pass of a stage the same way — disable switch, an edit journal
-(``ctx.journal``) per pass undone on :class:`PassSkipped` or any exception (``te_passes.strict``:
-:class:`TePassError`), torch's ``GraphTransformObserver`` for provenance, lint, observers
-(:class:`PassObserver`). docs/design.md "The manager".
+"""The pass manager: every pass of a stage run the same way (disable switch, one edit journal undone on
+:class:`PassSkipped` or any exception, torch's ``GraphTransformObserver``, lint, :class:`PassObserver`\\ s).
+docs/design.md "The manager".
 """
 
 from __future__ import annotations
@@ -27,54 +26,44 @@ class TePassError(RuntimeError):
 
 
 class PassObserver:
-    """Base class of everything that watches a compilation (the dump writer is one): every hook
-    is a no-op here; subclasses override the ones they need."""
+    """Base class of everything that watches a compilation (the dump writer is one); every hook is a
+    no-op. ``before_stage`` / ``after_stage``: around a stage's passes (also a stage with none);
+    ``before_pass`` / ``after_pass``: around an enabled pass (``run`` says whether it was skipped or
+    failed and undone); ``finish``: the compilation is done (again when a lazy backward ran later)."""
 
     def before_stage(self, gm: torch.fx.GraphModule, ctx: PassContext) -> None:
-        """Before the passes of a stage run on ``gm`` (also for a stage with no pass)."""
+        pass
 
     def after_stage(self, gm: torch.fx.GraphModule, ctx: PassContext, report: StageReport) -> None:
-        """After them, with the stage report."""
+        pass
 
     def before_pass(self, gm: torch.fx.GraphModule, tepass: TEPass, ctx: PassContext) -> None:
-        """Before one (enabled) pass runs."""
+        pass
 
     def after_pass(self, gm: torch.fx.GraphModule, tepass: TEPass, ctx: PassContext, run: PassRun) -> None:
-        """After it ran (or was skipped, or failed and was undone)."""
+        pass
 
     def finish(self, report: CompileReport) -> None:
-        """When the compilation is done (again when a lazily compiled backward ran later)."""
+        pass
 
 
 class PassManager:
-    """Applies an ordered list of :class:`TEPass`\\ es to graphs, stage by stage.
-
-    Args:
-        passes: pass instances in pipeline order (``te_passes.passes.order`` builds them).
-        observers: :class:`PassObserver`\\ s notified around each stage and pass.
-    """
+    """Applies ``passes`` (in pipeline order: ``te_passes.passes.order``) to graphs stage by stage,
+    notifying ``observers`` around each stage and pass."""
 
     def __init__(self, passes: Sequence[TEPass], observers: Iterable[PassObserver] = ()) -> None:
         self.passes = list(passes)
         self.observers = list(observers)
 
-    def passes_for(self, stage) -> list[TEPass]:
-        """The passes registered for ``stage``, in order."""
-        return [p for p in self.passes if stage in p.stages]
-
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, into: CompileReport | None = None) -> StageReport:
-        """Run every pass of ``ctx.stage`` on ``gm`` (in place) between the observers' stage hooks; one
-        ``gm.recompile()`` at the end if any pass changed it.
-
-        Raises:
-            TePassError: a pass raised and ``ctx.options.strict`` is set.
-        """
+        """Run every pass of ``ctx.stage`` on ``gm`` in place (one ``gm.recompile()`` if any changed it);
+        the stage report is appended to ``into``. Raises ``TePassError``: a pass raised under ``strict``."""
         for obs in self.observers:
             obs.before_stage(gm, ctx)
         report = StageReport(graph_id=ctx.graph_id, stage=ctx.stage.value)
         ctx.analyses.clear()  # a reused context may hold analyses of another graph
         try:
-            for tepass in self.passes_for(ctx.stage):
+            for tepass in (p for p in self.passes if ctx.stage in p.stages):
                 report.runs.append(self._run_one(gm, tepass, ctx))
         finally:
             ctx.analyses.clear()

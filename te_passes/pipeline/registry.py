@@ -1,7 +1,6 @@
 """Pass instances from their typed configs: :func:`build_passes` validates ``te_passes.pass_config``
-against each pass's :class:`~te_passes.pipeline.base.PassConfig` in one place. The ordered pass
-list itself is ``te_passes.passes.order`` (this module imports no pass).
-"""
+against each pass's :class:`~te_passes.pipeline.base.PassConfig`, in one place. The ordered pass list
+is ``te_passes.passes.order``."""
 
 from __future__ import annotations
 
@@ -12,18 +11,9 @@ from te_passes.config import TePassesOptionError
 from te_passes.pipeline.base import PassParameterError, TEPass
 
 
-def config_parameters(cls: type[TEPass]) -> list[str]:
-    """The ``te_passes.pass_config`` parameters of a pass class (its ``Config`` fields)."""
-    return [f.name for f in dataclasses.fields(cls.Config)]
-
-
 def build_passes(classes: typing.Sequence[type[TEPass]], pass_config: dict | None = None) -> list[TEPass]:
-    """One instance of each class (in order), built with ``pass_config[name]`` as its ``Config``.
-
-    Raises:
-        te_passes.config.TePassesOptionError: an unknown pass name, an unknown parameter (the
-            message lists the pass's parameters) or a value its ``Config`` refuses.
-    """
+    """One instance of each class, in order, built with ``pass_config[name]``. Raises ``TePassesOptionError``:
+    an unknown pass name or parameter (listing the pass's parameters) or a value its ``Config`` refuses."""
     pass_config = pass_config or {}
     by_name = {cls.name: cls for cls in classes}
     unknown = [n for n in pass_config if n not in by_name]
@@ -33,7 +23,7 @@ def build_passes(classes: typing.Sequence[type[TEPass]], pass_config: dict | Non
     out = []
     for name, cls in by_name.items():
         kwargs = pass_config.get(name) or {}
-        valid = config_parameters(cls)
+        valid = [f.name for f in dataclasses.fields(cls.Config)]
         bad = [k for k in kwargs if k not in valid]
         if bad:
             raise TePassesOptionError(f"te_passes.pass_config[{name!r}]: unknown parameter(s) {bad}; "

@@ -1,4 +1,4 @@
-"""``compile_friendly(model)``: make TE modules that TE 2.20.2 runs eagerly traceable as one graph.
+"""``compile_friendly(model)``: make TE modules that TE runs eagerly traceable as one graph.
 
 See docs/internals.md#te_passesrewritecompile_friendlypy."""
 
@@ -43,10 +43,6 @@ class RewriteRecord:
 
 def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, str | None, Callable | None]]:
     te = te_module()
-    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
-        DotProductAttention,
-    )
-
     plan = []
     for name, mod in model.named_modules():
         if isinstance(mod, te.MultiheadAttention):
@@ -56,7 +52,7 @@ def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, s
             plan.append((name, mod, "LayerNormLinear", layernorm_linear_problem(mod), rewrite_layernorm_linear))
         elif isinstance(mod, te.LayerNormMLP):
             plan.append((name, mod, "LayerNormMLP", layernorm_mlp_problem(mod), rewrite_layernorm_mlp))
-        elif isinstance(mod, DotProductAttention):
+        elif isinstance(mod, te.DotProductAttention):
             if attention == "keep":
                 plan.append((name, mod, "DotProductAttention", "attention='keep'", None))
             elif attention == "te_fused":
@@ -70,39 +66,30 @@ def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, s
 
 
 def _auto_choice(mod: Any) -> tuple[str | None, Callable]:
-    """``attention="auto"``: TE's fused attention op when :func:`auto_attention_problem` finds
-    nothing against it (measured faster than SDPA on the H200, docs/benchmarks.md), else SDPA
-    (the record says why the fused op was not used), else refused with both reasons."""
+    """``attention="auto"``: the fused op unless :func:`auto_attention_problem` objects, else SDPA (the
+    record says why), else refused with both reasons."""
     fused = auto_attention_problem(mod)
     if fused is None:
         return None, lambda m: rewrite_fused_attention(m, auto=True)
-    sdpa = attention_problem(mod)
-    if sdpa is None:
+    if (sdpa := attention_problem(mod)) is None:
         return None, lambda m: f"{rewrite_attention(m)} (te_fused not used: {fused})"
     return f"te_fused: {fused}; sdpa: {sdpa}", rewrite_attention
 
 
 def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict: bool = False) -> torch.nn.Module:
-    """Rewrite, in place, the TE modules of ``model`` that TE 2.20.2 runs eagerly under ``torch.compile`` into
-    traceable equivalents (see docs/internals.md); returns ``model``.
+    """Rewrite, in place, the TE modules of ``model`` (the root included) that TE runs eagerly under
+    ``torch.compile`` into traceable equivalents (docs/internals.md); returns ``model``, with
+    ``model.te_passes_rewrites`` = a :class:`RewriteRecord` per TE module considered.
 
     Args:
-        model: any ``torch.nn.Module`` (``te.TransformerLayer``, a stack of them, ...); every
-            ``te.LayerNormLinear``, ``te.LayerNormMLP`` and ``DotProductAttention`` inside it
-            (the root included) is considered.
-        attention: ``"sdpa"`` — core attention through torch's ``scaled_dot_product_attention``;
-            ``"keep"`` — leave ``DotProductAttention`` as TE wrote it; ``"te_fused"`` — TE's
-            fused (cuDNN) attention as the ``transformer_engine_compile::fused_attn`` custom op
-            (registered on first use, TE 2.20.x only; when it is unavailable every
-            ``DotProductAttention`` is refused with the reason); ``"auto"`` — ``"te_fused"``
-            where its checks and cuDNN's head-dim range allow it, per call falling back to SDPA
-            for q/k/v that are not bf16/fp16 on CUDA; else ``"sdpa"`` (the record says why).
-        strict: raise :class:`CompileFriendlyError` listing every refused module, before
-            changing any, instead of leaving refused modules as they are.
-
-    Returns:
-        ``model``, with ``model.te_passes_rewrites`` = the list of :class:`RewriteRecord`
-        (one per TE module considered, in ``named_modules`` order).
+        model: any ``torch.nn.Module``; its ``te.LayerNormLinear``, ``te.LayerNormMLP``,
+            ``DotProductAttention`` and ``te.MultiheadAttention`` modules are considered.
+        attention: ``"sdpa"`` (torch's ``scaled_dot_product_attention``), ``"keep"`` (TE's own),
+            ``"te_fused"`` (TE's cuDNN attention as the ``transformer_engine_compile::fused_attn``
+            op; refused with the reason where unavailable) or ``"auto"`` (``"te_fused"`` where its
+            checks and cuDNN's head dims allow, per call SDPA for q/k/v not bf16/fp16 on CUDA; else
+            ``"sdpa"``).
+        strict: raise :class:`CompileFriendlyError` listing every refused module, before changing any.
 
     Raises:
         ValueError: ``attention`` is not one of :data:`ATTENTION_CHOICES`.
@@ -114,7 +101,7 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
         raise TypeError(f"compile_friendly: model must be a torch.nn.Module, got {type(model).__name__}")
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
-    if not isinstance(strict, bool):  # strict="no" is truthy: never guess
+    if not isinstance(strict, bool):
         raise TypeError(f"compile_friendly: strict must be a bool (True or False), got {strict!r}")
     if not is_supported():
         raise CompileFriendlyError(f"compile_friendly mirrors TE 2.20.x module internals; installed TE is "
@@ -123,12 +110,9 @@ def compile_friendly(model: torch.nn.Module, *, attention: str = "sdpa", strict:
     refused = [f"{n or '<root>'} ({k}): {p}" for n, _, k, p, fn in plan if p is not None and fn is not None]
     if strict and refused:
         raise CompileFriendlyError("compile_friendly refused: " + "; ".join(refused))
-    records = []
-    for name, mod, kind, problem, fn in plan:
-        if problem is not None:
-            records.append(RewriteRecord(name, kind, "kept" if fn is None else "refused", problem))
-            continue
-        records.append(RewriteRecord(name, kind, "rewritten", None, fn(mod)))
+    records = [RewriteRecord(name, kind, "rewritten", None, fn(mod)) if problem is None
+               else RewriteRecord(name, kind, "kept" if fn is None else "refused", problem)
+               for name, mod, kind, problem, fn in plan]
     object.__setattr__(model, RECORDS_ATTR, records)
     return model
 

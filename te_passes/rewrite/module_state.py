@@ -1,8 +1,5 @@
-"""What a module rewritten by :func:`te_passes.rewrite.compile_friendly.compile_friendly`
-carries: its hidden state (the original class, the hidden ``te.Linear``\\ s, the default recipe),
-the hidden ``te.Linear`` built on the original ``Parameter`` objects, and the rewrite's error type.
-
-Mirrors TE 2.20.2 ``module/linear.py`` (``te.Linear``'s weight / bias splits)."""
+"""What a module rewritten by :func:`te_passes.rewrite.compile_friendly.compile_friendly` carries (the
+original class, the hidden ``te.Linear``\\ s, the default recipe), and the rewrite's error type."""
 
 from __future__ import annotations
 
@@ -11,12 +8,10 @@ from typing import Any
 
 import torch
 
-from te_passes.runtime.ops.shared_linear import shared_linear  # noqa: F401 - re-exported for the rewriters
-
 
 class CompileFriendlyError(ValueError):
-    """``compile_friendly(strict=True)`` refused at least one module, or a rewritten module was
-    called with arguments the rewrite cannot express (the message names module and reason)."""
+    """``compile_friendly(strict=True)`` refused a module, or a rewritten module was called with
+    arguments the rewrite cannot express (the message names module and reason)."""
 
 
 #: Module attribute holding the rewrite's hidden state (hidden ``te.Linear``\ s, the original class).

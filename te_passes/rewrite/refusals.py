@@ -1,11 +1,6 @@
-"""Why a TE module cannot be rewritten exactly by
-:func:`te_passes.rewrite.compile_friendly.compile_friendly` (checked once, at rewrite time), and
-the per-call checks of the rewritten modules (trace-time Python, raising
-:class:`~te_passes.rewrite.module_state.CompileFriendlyError`).
-
-Mirrors TE 2.20.2 ``module/layernorm_linear.py``, ``module/layernorm_mlp.py``,
-``attention/dot_product_attention/dot_product_attention.py`` and
-``attention/multi_head_attention.py``."""
+"""Why a TE module cannot be rewritten exactly by :func:`~te_passes.rewrite.compile_friendly.compile_friendly`
+(checked at rewrite time), and the rewritten modules' per-call checks (raising ``CompileFriendlyError``
+while tracing). docs/internals.md#te_passesrewriterefusalspy."""
 
 from __future__ import annotations
 
@@ -14,54 +9,40 @@ from typing import Any, Callable
 import torch
 
 from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, state_of, te_module
-from te_passes.te.untouched_rules import (NEUTRAL_KWARGS, SDPA_MASK_TYPES, dpa_call_problem,  # noqa: F401
-                                          dpa_config_problem, layernorm_linear_config_problem,
-                                          layernorm_mlp_config_problem, norm_call_problem)
+from te_passes.te.untouched_rules import (NEUTRAL_KWARGS, dpa_call_problem, dpa_config_problem,
+                                          layernorm_linear_config_problem, layernorm_mlp_config_problem,
+                                          norm_call_problem)
 
 
-def _linear_module_problem(mod: Any, cls: type) -> str | None:
-    """What refuses ``mod`` before its class's own checks: already rewritten, a subclass of TE's
-    ``cls`` (its forward may differ); the configuration checks are in
-    :mod:`te_passes.te.untouched_rules`."""
+def _module_problem(mod: Any, cls: type, label: str) -> str | None:
+    """``"already rewritten"``, or ``mod`` is a subclass of TE's ``cls`` (its forward may differ)."""
     if STATE_ATTR in mod.__dict__:
         return "already rewritten"
     if type(mod) is not cls:
-        return f"{type(mod).__qualname__} is a subclass of te.{cls.__name__} (its forward may differ)"
+        return f"{type(mod).__qualname__} is a subclass of {label} (its forward may differ)"
     return None
 
 
 def layernorm_linear_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormLinear`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    return _linear_module_problem(mod, te_module().LayerNormLinear) or layernorm_linear_config_problem(mod)
+    cls = te_module().LayerNormLinear
+    return _module_problem(mod, cls, "te.LayerNormLinear") or layernorm_linear_config_problem(mod)
 
 
 def layernorm_mlp_problem(mod: Any) -> str | None:
     """Why ``te.LayerNormMLP`` ``mod`` cannot be rewritten exactly, or ``None``."""
-    return _linear_module_problem(mod, te_module().LayerNormMLP) or layernorm_mlp_config_problem(mod)
+    return _module_problem(mod, te_module().LayerNormMLP, "te.LayerNormMLP") or layernorm_mlp_config_problem(mod)
 
 
 def attention_problem(mod: Any, path: str = "SDPA") -> str | None:
-    """Why ``DotProductAttention`` ``mod`` cannot go through SDPA (or ``path``, the fused-op
-    rewrite's label, which shares these rules) exactly, or ``None``."""
-    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
-        DotProductAttention,
-    )
-
-    if STATE_ATTR in mod.__dict__:
-        return "already rewritten"
-    if type(mod) is not DotProductAttention:
-        return f"{type(mod).__qualname__} is a subclass of DotProductAttention (its forward may differ)"
-    return dpa_config_problem(mod, path)
+    """Why ``DotProductAttention`` ``mod`` cannot go through SDPA (or ``path``: the fused op, which
+    shares these rules) exactly, or ``None``."""
+    return _module_problem(mod, te_module().DotProductAttention, "DotProductAttention") or dpa_config_problem(mod, path)
 
 
 def multihead_attention_problem(mod: Any) -> str | None:
-    """Why ``te.MultiheadAttention`` ``mod`` is not wrapped (see ``CompileFriendlyMultiheadAttention``)."""
-    te = te_module()
-    if STATE_ATTR in mod.__dict__:
-        return "already rewritten"
-    if type(mod) is not te.MultiheadAttention:
-        return f"{type(mod).__qualname__} is a subclass of te.MultiheadAttention (its forward may differ)"
-    return None
+    """Why ``te.MultiheadAttention`` ``mod`` is not wrapped, or ``None``."""
+    return _module_problem(mod, te_module().MultiheadAttention, "te.MultiheadAttention")
 
 
 def multihead_attention_note(mod: Any) -> str | None:
@@ -74,22 +55,30 @@ def multihead_attention_note(mod: Any) -> str | None:
 
 
 def check_norm_call(mod: Any) -> None:
-    """Per-call refusals of the rewritten LayerNormLinear / LayerNormMLP (trace-time Python):
-    :func:`te_passes.te.untouched_rules.norm_call_problem`, raised."""
-    problem = norm_call_problem()
-    if problem is not None:
+    """Raise the rewritten LayerNormLinear / LayerNormMLP's per-call refusal (``norm_call_problem``)."""
+    if (problem := norm_call_problem()) is not None:
         raise CompileFriendlyError(f"rewritten {state_of(mod).original_cls.__name__} {mod.name or ''}: {problem}; "
                                    "or restore() the model")
 
 
-def check_sdpa_call(mod: Any, qkv_format: str, mask: str, attention_mask: Any, kwargs: dict,
-                     path: str = "SDPA") -> None:
-    """Per-call refusals of the rewritten ``DotProductAttention`` (SDPA, or the fused op: ``path``):
-    :func:`te_passes.te.untouched_rules.dpa_call_problem`, raised."""
+def check_sdpa_call(mod: Any, qkv_format: str | None, mask: str | None, attention_mask: Any, kwargs: dict,
+                    path: str = "SDPA") -> tuple[str, str]:
+    """``(qkv_format, mask)`` of a call of the rewritten ``DotProductAttention`` (``path``: SDPA or the fused
+    op), its defaults filled in; raises its per-call refusal (``dpa_call_problem``), ``TypeError`` for an
+    unknown keyword."""
+    qkv_format, mask = qkv_format or mod.qkv_format, mask or mod.attn_mask_type
     where = f"rewritten DotProductAttention (layer_number={getattr(mod, 'layer_number', None)})"
     unknown = [k for k in kwargs if k not in NEUTRAL_KWARGS]
     if unknown:
         raise TypeError(f"{where}: unexpected keyword argument {unknown[0]!r}")
-    problem = dpa_call_problem(qkv_format, mask, attention_mask, kwargs, path)
-    if problem is not None:
+    if (problem := dpa_call_problem(qkv_format, mask, attention_mask, kwargs, path)) is not None:
         raise CompileFriendlyError(f"{where}: {problem}")
+    return qkv_format, mask
+
+
+def unpack_qkv(fmt: str, qkv_layer: Any, kv_layer: Any, q: Any, k: Any, v: Any, interleave_dim: int,
+               kwargs: dict) -> tuple[Any, Any, Any]:
+    """q, k, v from ``DotProductAttention.forward``'s (possibly packed) arguments (TE's ``_unpack_packed_qkv``)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import _unpack_packed_qkv
+
+    return _unpack_packed_qkv(qkv_layer, kv_layer, q, k, v, fmt, interleave_dim, kwargs.get("inference_params"))[:3]

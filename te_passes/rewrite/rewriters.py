@@ -1,36 +1,28 @@
-"""The compile-friendly module classes and the per-module rewriters of
-:func:`te_passes.rewrite.compile_friendly.compile_friendly`: each rewriter builds the module's
-hidden state and swaps its class for a subclass of its TE class whose ``forward`` is traceable
-(:class:`CompileFriendlyLayerNormLinear`, :class:`CompileFriendlyLayerNormMLP`,
-:class:`SdpaDotProductAttention`, :class:`CompileFriendlyMultiheadAttention`, built once TE is
-importable by :func:`rewriter_classes`).
-
-See docs/internals.md#te_passesrewriterewriterspy."""
+"""The per-module rewriters of :func:`~te_passes.rewrite.compile_friendly.compile_friendly`: each builds
+the module's hidden state and swaps its class for a subclass of its TE class whose ``forward`` is
+traceable (:func:`rewriter_classes`). docs/internals.md#te_passesrewriterewriterspy."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn.functional as F
 
-from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, HiddenTrainMixin, ModuleState, state_of, te_module
-from te_passes.rewrite.refusals import check_norm_call, check_sdpa_call, multihead_attention_note
+from te_passes.rewrite.module_state import (STATE_ATTR, CompileFriendlyError, HiddenTrainMixin, ModuleState,
+                                            state_of, te_module)
+from te_passes.rewrite.refusals import check_norm_call, check_sdpa_call, multihead_attention_note, unpack_qkv
 from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
 from te_passes.runtime.untouched.polyfills import layernorm_linear_forward, layernorm_mlp_forward
 
 
+@functools.cache
 def rewriter_classes() -> dict[str, type]:
     """The compile-friendly subclasses, built once TE is importable."""
-    if _CLASSES:
-        return _CLASSES
     te = te_module()
-    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
-        DotProductAttention,
-    )
 
     class CompileFriendlyLayerNormLinear(HiddenTrainMixin, te.LayerNormLinear):
-        """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (traceable; see module doc): the
-        untouched-model polyfill's forward (:func:`te_passes.runtime.untouched.polyfills.layernorm_linear_forward`)."""
+        """``te.LayerNormLinear`` as normalisation + ``te.Linear`` (the untouched-model polyfill's forward)."""
 
         def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
             check_norm_call(self)
@@ -38,32 +30,23 @@ def rewriter_classes() -> dict[str, type]:
             return layernorm_linear_forward(self, lin, inp, is_first_microbatch, fp8_output, fp8_grad)
 
     class CompileFriendlyLayerNormMLP(HiddenTrainMixin, te.LayerNormMLP):
-        """``te.LayerNormMLP`` as normalisation + ``te.Linear`` + activation + ``te.Linear``.
-
-        ``forward(inp [..., hidden], is_first_microbatch)`` returns the output [..., hidden], or
-        ``(output, fc2_bias)`` with ``return_bias`` (as ``te.LayerNormMLP``).
-        """
+        """``te.LayerNormMLP`` as normalisation + ``te.Linear`` + activation + ``te.Linear``: returns
+        [..., hidden], or ``(output, fc2_bias)`` with ``return_bias``."""
 
         def forward(self, inp, is_first_microbatch=None):
             check_norm_call(self)
             fc1, fc2 = state_of(self).linears
             return layernorm_mlp_forward(self, fc1, fc2, inp, is_first_microbatch)
 
-    class SdpaDotProductAttention(DotProductAttention):
+    class SdpaDotProductAttention(te.DotProductAttention):
         """``DotProductAttention`` through ``torch.nn.functional.scaled_dot_product_attention``."""
 
         def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                     qkv_format=None, attn_mask_type=None, qkv_layer=None, kv_layer=None,
                     qkv_interleave_dim=-3, **kwargs):
-            from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
-                _unpack_packed_qkv,
-            )
-
-            qkv_format = qkv_format or self.qkv_format
-            mask = attn_mask_type or self.attn_mask_type
-            check_sdpa_call(self, qkv_format, mask, attention_mask, kwargs)
-            q, k, v, _ = _unpack_packed_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer,
-                                            qkv_format, qkv_interleave_dim, kwargs.get("inference_params"))
+            qkv_format, mask = check_sdpa_call(self, qkv_format, attn_mask_type, attention_mask, kwargs)
+            q, k, v = unpack_qkv(qkv_format, qkv_layer, kv_layer, query_layer, key_layer, value_layer,
+                                 qkv_interleave_dim, kwargs)
             # [s, b, h, d] / [b, s, h, d] -> [b, h, s, d]
             perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)
             qt, kt, vt = (t.permute(*perm) for t in (q, k, v))
@@ -89,20 +72,15 @@ def rewriter_classes() -> dict[str, type]:
                     return super().forward(*args, **kwargs)
             return super().forward(*args, **kwargs)
 
-    _CLASSES.update(LayerNormLinear=CompileFriendlyLayerNormLinear, LayerNormMLP=CompileFriendlyLayerNormMLP,
-                    DotProductAttention=SdpaDotProductAttention,
-                    MultiheadAttention=CompileFriendlyMultiheadAttention)
-    return _CLASSES
-
-
-_CLASSES: dict[str, type] = {}
+    return dict(LayerNormLinear=CompileFriendlyLayerNormLinear, LayerNormMLP=CompileFriendlyLayerNormMLP,
+                DotProductAttention=SdpaDotProductAttention, MultiheadAttention=CompileFriendlyMultiheadAttention)
 
 
 def rewrite_multihead_attention(mod: Any) -> str:
     from transformer_engine.pytorch.quantization import get_default_fp8_recipe
 
     recipe = get_default_fp8_recipe()  # eagerly, what TE would build inside the compiled region
-    str(recipe)  # TE caches the repr on first use (a guard): cache it now
+    str(recipe)  # caches the repr (a guard)
     mod.__dict__[STATE_ATTR] = ModuleState(type(mod), recipe=recipe)
     mod.__class__ = rewriter_classes()["MultiheadAttention"]
     note = multihead_attention_note(mod)

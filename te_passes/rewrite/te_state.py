@@ -14,15 +14,9 @@ from te_passes.te.module_init import forward_prepare_args
 
 
 def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, tuple[int, bool]]], list[str]]:
-    """The TE modules of ``model`` whose first-forward state :func:`prepare_te_state` sets.
-
-    Returns:
-        ``(prepared, skipped)``: ``prepared`` = ``(qualified name, module, (num_gemms,
-        allow_different_data_and_param_types))``; ``skipped`` = one line per TE module of a
-        class :func:`te_passes.te.module_init.forward_prepare_args` does not know (its ``num_gemms`` cannot be guessed:
-        a wrong one would leave TE with the wrong quantizers, since ``init_fp8_metadata`` does
-        not re-run once initialised).
-    """
+    """``(prepared, skipped)``: the TE modules of ``model`` whose first-forward state :func:`prepare_te_state`
+    sets as ``(name, module, (num_gemms, allow_different_data_and_param_types))``, and a line per TE module
+    of a class whose ``num_gemms`` is unknown (a guess could leave TE with the wrong quantizers)."""
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
     prepared, skipped = [], []
@@ -43,14 +37,8 @@ def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, 
 
 
 def prime_recipe(recipe: Any) -> None:
-    """Fill what TE's first ``te.autocast(recipe=recipe)`` caches: the recipe's repr (``Recipe.__repr__``
-    stores ``_cached_repr`` in the instance ``__dict__``, ``common/recipe/__init__.py:132``) and the
-    ``autocast_arguments`` entry keyed by it (``FP8GlobalStateManager.autocast_enter``,
-    ``pytorch/quantization.py``).
-
-    Raises:
-        TypeError: ``recipe`` is not a TE ``Recipe``.
-    """
+    """Fill what TE's first ``te.autocast(recipe=recipe)`` caches: the recipe's repr and the
+    ``autocast_arguments`` entry keyed by it. Raises ``TypeError``: ``recipe`` is not a TE ``Recipe``."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import Recipe
 
@@ -64,33 +52,25 @@ def prime_recipe(recipe: Any) -> None:
 
 def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
                      dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Run TE's first-forward lazy initialisation for ``model`` eagerly (see the module doc).
+    """Run TE's first-forward lazy initialisation for ``model`` eagerly, so the first trace sees the
+    steady state (docs/internals.md#te_passesrewritete_statepy).
 
     Args:
-        model: the model about to be compiled (call :func:`te_passes.compile_friendly` first if
-            it is used: the hidden ``te.Linear``\\ s and the rewritten ``MultiheadAttention``\\ s'
-            default recipes are prepared too).
-        recipe: the recipe object the compiled function passes to ``te.autocast`` (the same
-            object: its cached repr is part of the guard), or ``None`` when the compiled function
-            enters no ``te.autocast``.
-        fp8: ``enabled`` of that ``te.autocast``.
-        dtype: the activation dtype the model will be called with.
+        model: the model about to be compiled (after :func:`te_passes.compile_friendly`, if used).
+        recipe: the very recipe object the compiled function passes to ``te.autocast``, or ``None``.
+        fp8: ``enabled`` of that ``te.autocast``. dtype: the activation dtype of the calls.
 
     Returns:
-        What was initialised, one line per kind, plus one line per TE module left unprepared
-        (see :func:`te_modules_to_prepare`).
+        What was initialised, one line per kind, plus a line per TE module left unprepared.
 
     Raises:
         ValueError: ``fp8=True`` without a recipe.
-        TypeError: a prepared module's parameters are not ``dtype`` (TE's ``set_activation_dtype``,
-            message prefixed with the module's name; a model run under ``torch.autocast`` must be
-            prepared inside the same ``torch.autocast``, where TE takes the autocast dtype
-            instead), ``recipe`` is not a TE ``Recipe``, ``fp8`` is not a bool or ``dtype`` not a
-            ``torch.dtype``.
+        TypeError: a prepared module's parameters are not ``dtype`` (under ``torch.autocast``: prepare
+            inside it), ``recipe`` is not a TE ``Recipe``, ``fp8`` not a bool, ``dtype`` not a ``torch.dtype``.
     """
     import transformer_engine.pytorch as te
 
-    if not isinstance(fp8, bool):  # fp8="no" is truthy: never guess
+    if not isinstance(fp8, bool):
         raise TypeError(f"prepare_te_state: fp8 must be a bool (True or False), got {fp8!r}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"prepare_te_state: dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
@@ -106,8 +86,7 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
         prime_recipe(recipe)
         done.append("recipe repr, autocast_arguments")
     mods, skipped = te_modules_to_prepare(model)
-    # no_grad: the outermost te.autocast's exit with grad enabled runs TE's DelayedScaling post-forward
-    # update (quantization.py autocast_exit), a scale update no eager step would make
+    # no_grad: with grad on, the outer te.autocast's exit runs TE's DelayedScaling scale update
     with torch.no_grad(), te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else contextlib.nullcontext():
         probe = torch.empty(0, dtype=dtype)
         for name, m, (num_gemms, allow_mixed) in mods:
@@ -130,8 +109,8 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
 
 def unprepared_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
                         dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """What of TE's first-forward state is not yet what the first compiled call would set, one
-    line per module (qualified name, class, the attribute, found vs expected) ending in the fix."""
+    """What of TE's first-forward state the first compiled call would still change, a line per module
+    (name, class, attribute, found vs expected) ending in the fix."""
     fix = "call te_passes.prepare_te_state(model, recipe, fp8=...) before torch.compile"
     out = []
     if recipe is not None and "_cached_repr" not in recipe.__dict__:

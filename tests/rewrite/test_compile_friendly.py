@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from te_passes.rewrite import compile_friendly as cf
-from te_passes.rewrite import module_state, norm_act, rewriters
+from te_passes.rewrite import module_state, rewriters
+from te_passes.te import norm_act
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
