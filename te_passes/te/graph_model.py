@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.fx.graph import op_qualname
+from te_passes.fx.graph import UNKNOWN, get_attr_path, op_qualname
 from te_passes.te.op_families import (  # noqa: F401 - names of the TE op namespace, re-exported
     CONFIG_SLOT, KNOWN_OPS, TE_OP_NAMESPACE, TQ_META_SUFFIX, TQ_TENSORS_SUFFIX, UnknownTEOp, te_op_family)
 from te_passes.te.graph_constants import TEConstKind, bundle_dict, is_bundle, te_const_kind
@@ -45,8 +45,7 @@ class BufferRole(str, enum.Enum):
     UNKNOWN = "unknown"
 
 
-#: ``QuantizedTensorStorage._INNER_TENSORS`` attribute names (TE 2.20
-#: ``tensor/storage/*_tensor_storage.py``) -> role.
+#: ``QuantizedTensorStorage._INNER_TENSORS`` attribute names (``tensor/storage/*_tensor_storage.py``) -> role.
 INNER_NAME_ROLES: dict[str, BufferRole] = {
     "_data": BufferRole.ROWWISE_DATA,
     "_transpose": BufferRole.COLUMNWISE_DATA,
@@ -59,23 +58,20 @@ INNER_NAME_ROLES: dict[str, BufferRole] = {
     "_amax_columnwise": BufferRole.AMAX_COLUMNWISE,
 }
 
-#: Config-bundle keys that name Userbuffers overlap flags, TE 2.20.2 ``module/linear.py``:
-#: ``LinearFwdArgs`` (``linear`` op) has the six ``ub_overlap_{ag,rs}_{fprop,dgrad}`` /
-#: ``ub_bulk_{dgrad,wgrad}`` flags; ``LinearBwdArgs`` (``linear_backward`` op) has
-#: ``ub_overlap_ag`` (set from the forward's ``ub_overlap_ag_dgrad``), ``ub_overlap_rs_dgrad``,
-#: ``ub_bulk_dgrad`` and ``ub_bulk_wgrad``.
-UB_CONFIG_KEYS: tuple[str, ...] = (
-    "ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
-    "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "ub_overlap_ag",
-)
+#: Userbuffers overlap flags of the config bundle per op (``module/linear.py`` ``LinearFwdArgs`` /
+#: ``LinearBwdArgs``; the backward's ``ub_overlap_ag`` is the forward's ``ub_overlap_ag_dgrad``).
+UB_FLAGS: dict[str, tuple[str, ...]] = {
+    "linear": ("ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
+               "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
+    "linear_backward": ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
+}
+#: Every config-bundle key of :data:`UB_FLAGS`, forward's first.
+UB_CONFIG_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for flags in UB_FLAGS.values() for k in flags))
 
-
-#: TE module each ``transformer_engine_compile`` op implements (TE 2.20 ``module/*.py``).
+#: TE module each ``transformer_engine_compile`` op implements (``module/*.py``).
 TE_OP_MODULES: dict[str, str] = {"linear": "te.Linear"}
 
-#: Config-bundle field groups, in display order (``LinearFwdArgs`` / ``LinearBwdArgs``, TE
-#: 2.20 ``module/linear.py``). Fields ending in ``_quantizer`` are quantizers; fields not
-#: listed fall into ``"other"``.
+#: Config-bundle field groups, in display order (``module/linear.py`` ``LinearFwdArgs`` / ``LinearBwdArgs``).
 CONFIG_FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "quantizers": (),
     "precision": ("activation_dtype", "fp8", "fp8_calibration", "fp8_output", "custom", "debug",
@@ -207,17 +203,14 @@ class TEOpCall:
 
     def ub_config(self) -> dict[str, Any]:
         """``ub_name`` and the ``ub_*`` overlap flags from the config bundle (present keys only)."""
-        keys = ("ub_name", *UB_CONFIG_KEYS)
-        return {k: self.config[k] for k in keys if k in self.config}
+        return {k: self.config[k] for k in CONFIG_FIELD_GROUPS["userbuffers"] if k in self.config}
 
     def uses_ub(self) -> bool:
         """Whether any Userbuffers overlap flag is set."""
         return any(bool(self.config.get(k)) for k in UB_CONFIG_KEYS)
 
 
-#: ``id(schema) -> (schema, ((name, SlotKind, torch._C.Argument), ...))``: a schema's slot layout,
-#: derived once (``str(arg.type)`` per argument per decode showed in 100k-node profiles); the
-#: schema is kept so its id stays valid.
+#: ``id(schema) -> (schema, ((name, SlotKind, torch._C.Argument), ...))``, derived once per schema.
 _SLOTS_CACHE: dict[int, tuple[Any, tuple[tuple[str, "SlotKind", Any], ...]]] = {}
 
 
@@ -238,7 +231,6 @@ def _slot_kind(arg: torch._C.Argument) -> SlotKind:
         return SlotKind.TQ_META
     if name.endswith(TQ_TENSORS_SUFFIX):
         return SlotKind.TQ_TENSORS
-    # str(arg.type) spells an optional tensor "Optional[Tensor]" (torch 2.14), "Tensor?" in schemas.
     if t in ("Tensor", "Tensor?", "Optional[Tensor]"):
         return SlotKind.TENSOR
     if t.startswith("Tensor[]") or t == "List[Tensor]":
@@ -255,16 +247,10 @@ def check_te_version() -> None:
 
 def slot_constant(value: Any) -> Any:
     """A slot's constant value: ``value`` itself, or for a ``get_attr`` node (a constant hoisted
-    onto the graph module, e.g. by ``hoist_te_constants`` at post-grad stages) the attribute it
-    reads; other nodes are returned unchanged."""
+    by ``hoist_te_constants``) the attribute it reads; other nodes are returned unchanged."""
     if isinstance(value, torch.fx.Node) and value.op == "get_attr":
-        obj: Any = value.graph.owning_module
-        try:
-            for part in str(value.target).split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            return value
-        return obj
+        obj = get_attr_path(value.graph.owning_module, str(value.target))
+        return value if obj is UNKNOWN else obj
     return value
 
 

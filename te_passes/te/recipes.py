@@ -10,6 +10,8 @@ import enum
 import sys
 from typing import Any, Callable, Mapping
 
+from te_passes.te.graph_constants import is_te_object, mro_names
+
 #: The three GEMMs of a TE linear layer.
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 
@@ -65,29 +67,19 @@ class RecipeResolutionError(ValueError):
 
 
 # --------------------------------------------------------------------------- TE objects
-def _mro_names(obj: Any) -> set[str]:
-    t = obj if isinstance(obj, type) else type(obj)
-    return {k.__name__ for k in getattr(t, "__mro__", ())}
-
-
-def _is_te(obj: Any) -> bool:
-    t = obj if isinstance(obj, type) else type(obj)
-    return (getattr(t, "__module__", "") or "").startswith("transformer_engine")
-
-
 def is_recipe(obj: Any) -> bool:
     """Whether ``obj`` is an instance of a TE recipe (``transformer_engine.common.recipe.Recipe``)."""
-    return not isinstance(obj, type) and _is_te(obj) and "Recipe" in _mro_names(obj)
+    return not isinstance(obj, type) and is_te_object(obj) and "Recipe" in mro_names(obj)
 
 
 def is_recipe_part(obj: Any) -> bool:
     """Whether ``obj`` is a sub-object of a recipe: ``MMParams``, ``QParams`` or ``Format``."""
-    return _is_te(obj) and bool(_mro_names(obj) & {"MMParams", "QParams", "Format", "_FormatHelper"})
+    return is_te_object(obj) and bool(mro_names(obj) & {"MMParams", "QParams", "Format", "_FormatHelper"})
 
 
 def is_process_group(obj: Any) -> bool:
     """Whether ``obj`` is a ``torch.distributed`` process group (c10d ``ProcessGroup``)."""
-    return "ProcessGroup" in _mro_names(obj) and not isinstance(obj, type)
+    return "ProcessGroup" in mro_names(obj) and not isinstance(obj, type)
 
 
 def recipe_class_name(recipe: Any) -> str:
@@ -99,7 +91,7 @@ def recipe_class_name(recipe: Any) -> str:
     """
     if not is_recipe(recipe):
         raise RecipeResolutionError(f"not a TE recipe: {type(recipe).__qualname__}")
-    names = _mro_names(recipe)
+    names = mro_names(recipe)
     for cls in RECIPE_CLASSES:
         if cls in names:
             return cls
@@ -260,7 +252,7 @@ def state_lookup_name(target: Any) -> str | None:
     name = getattr(target, "__name__", None)
     if name not in STATE_LOOKUPS or not isinstance(owner, type):
         return None
-    if owner.__name__ != "FP8GlobalStateManager" or not _is_te(owner):
+    if owner.__name__ != "FP8GlobalStateManager" or not is_te_object(owner):
         return None
     return name
 
@@ -276,6 +268,6 @@ def pure_recipe_function_name(target: Any) -> str | None:
 
 def recipe_predicate(cls: Any) -> Callable[[Any], bool] | None:
     """For ``isinstance(x, cls)`` folding: a predicate when ``cls`` is a TE recipe class."""
-    if isinstance(cls, type) and _is_te(cls) and "Recipe" in _mro_names(cls):
+    if isinstance(cls, type) and is_te_object(cls) and "Recipe" in mro_names(cls):
         return lambda obj: isinstance(obj, cls)
     return None

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from te_passes.te.graph_constants import mro_names
+from te_passes.te.graph_model import UB_FLAGS
 from te_passes.te.ub import UbBufferState, UbSnapshot, ub_mode
 
 #: Where the buffer-use rules below come from.
@@ -40,7 +42,7 @@ class UbBufferUse:
 
 
 def _is_mxfp8_quantizer(q: Any) -> bool:
-    return q is not None and any(k.__name__ == "MXFP8Quantizer" for k in type(q).__mro__)
+    return q is not None and "MXFP8Quantizer" in mro_names(q)
 
 
 def _backward_flags_from_forward(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -113,14 +115,6 @@ def linear_ub_buffer_uses(op: str, config: Mapping[str, Any],
     if bwd is not None:
         out.extend(_backward_uses(bwd, snapshot))
     return out
-
-
-#: Config flags that name Userbuffers overlap, per op kind (``LinearFwdArgs`` / ``LinearBwdArgs``).
-UB_FLAGS = {
-    "linear": ("ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
-               "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
-    "linear_backward": ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
-}
 
 
 def ub_flags_set(op: str, config: Mapping[str, Any]) -> list[str]:
