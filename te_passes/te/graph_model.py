@@ -100,16 +100,14 @@ def config_field_group(field: str) -> str:
 
 
 def te_op_module(op: str) -> str:
-    """``"te.Linear"`` for ``"linear"``/``"linear_backward"``/``"linear_base"``; the op name
-    itself for ops outside :data:`TE_OP_MODULES`."""
+    """``"te.Linear"`` for ``"linear"``/``"linear_backward"``/``"linear_base"``; else the op name itself."""
     base = op.removesuffix("_base").removesuffix("_backward")
     return TE_OP_MODULES.get(base, op)
 
 
 # --------------------------------------------------------------------------- op nodes
 def te_op_name(node: torch.fx.Node) -> str | None:
-    """``"linear"`` for a node calling ``torch.ops.transformer_engine_compile.linear[.default]``,
-    else ``None``."""
+    """``"linear"`` for a node calling ``torch.ops.transformer_engine_compile.linear[.default]``, else ``None``."""
     if node.op != "call_function":
         return None
     qual = op_qualname(node.target)
@@ -131,8 +129,7 @@ def _schema_of(target: Any) -> torch._C.FunctionSchema:
 
 @dataclasses.dataclass
 class Slot:
-    """One schema argument of a TE op call: ``name`` (schema), ``kind``, ``index`` (position)
-    and ``value`` (the FX argument: a Node, list of Nodes, bundle, or Python constant)."""
+    """One schema argument of a TE op call; ``value`` is the FX argument (Node(s), bundle or constant)."""
 
     name: str
     kind: SlotKind
@@ -142,8 +139,7 @@ class Slot:
 
 @dataclasses.dataclass
 class QuantizedBuffer:
-    """One buffer of a quantized tensor field: the FX ``node`` producing it, its ``role``, the
-    storage attribute ``inner_name``, the op ``field`` it belongs to and the storage class name."""
+    """One buffer of a quantized tensor field: its FX ``node``, ``role``, storage attribute and class."""
 
     node: torch.fx.Node
     role: BufferRole
@@ -255,13 +251,9 @@ def slot_constant(value: Any) -> Any:
 
 
 def decode(node: torch.fx.Node) -> TEOpCall:
-    """Decode a ``transformer_engine_compile`` op node into a :class:`TEOpCall`.
-
-    Raises:
-        UnknownTEOp: not a TE op node, an op in no ``register_custom_op`` family or with a
-            schema TE's arg plan does not produce, an unsupported TE version, or arguments that
-            do not match the op's schema.
-    """
+    """Decode a ``transformer_engine_compile`` op node into a :class:`TEOpCall`. Raises
+    :class:`UnknownTEOp` for a non-TE node, an op in no ``register_custom_op`` family or with a
+    schema TE's arg plan does not produce, an unsupported TE version, or mismatching arguments."""
     op = te_op_name(node)
     if op is None:
         raise UnknownTEOp(f"node {node.name} does not call a {TE_OP_NAMESPACE} op (target {node.target})")
@@ -323,11 +315,8 @@ def _decode_tq(node: torch.fx.Node, field: str, by_name: dict[str, Slot], meta_s
 
 
 def te_op_calls(graph: torch.fx.Graph, *, unknown: list[str] | None = None) -> list[TEOpCall]:
-    """Decode every TE op node of ``graph`` in order.
-
-    Nodes that cannot be decoded are skipped; their :class:`UnknownTEOp` messages are appended
-    to ``unknown`` when given (pass it to report them), else the first one is raised.
-    """
+    """Decode every TE op node of ``graph`` in order; undecodable ones are skipped with their
+    :class:`UnknownTEOp` message appended to ``unknown`` when given, else the first one is raised."""
     out = []
     for node in graph.nodes:
         if not is_te_op_node(node):

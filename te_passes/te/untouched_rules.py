@@ -13,7 +13,7 @@ import torch
 from te_passes.te.norm_act import ACTIVATIONS
 
 #: The module whose ``SplitAlongDim`` (an ``autograd.Function`` comparing ``data_ptr``\ s) splits GQA's q/k/v
-#: and cross attention's k/v (TE 2.20.2); TE's other users of it split FP8 attention, which stays eager.
+#: and cross attention's k/v.
 SPLIT_ALONG_DIM_MODULE = "transformer_engine.pytorch.attention.multi_head_attention"
 
 #: The fix named for DelayedScaling (its amax history lives in each module's fp8 meta).
@@ -146,8 +146,7 @@ def dpa_config_problem(mod: Any, path: str = "SDPA") -> str | None:
     return None
 
 
-#: ``DotProductAttention.forward`` keyword arguments and the values the SDPA path accepts
-#: (TE 2.20.2 signature); a callable decides for the value given.
+#: ``DotProductAttention.forward`` keyword arguments -> whether the SDPA path accepts the value given.
 NEUTRAL_KWARGS: dict[str, Callable[[Any], bool]] = {
     "cu_seqlens_q": lambda v: v is None, "cu_seqlens_kv": lambda v: v is None,
     "cu_seqlens_q_padded": lambda v: v is None, "cu_seqlens_kv_padded": lambda v: v is None,
