@@ -18,9 +18,7 @@ __all__ = ["OpRule", "PY_STORE_FUNCS", "PY_STORE_METHODS", "arg_at", "arg_values
            "name_alias_kind", "nodes_in", "op_rule"]
 
 
-#: Ops that return (a view of) their first argument at run time without an alias annotation
-#: in their schema: ``_unsafe_view`` (a view hidden from autograd) and the functional
-#: collectives' ``wait_tensor`` (waits, then returns the very tensor it was given).
+#: Ops that return (a view of) their first argument without an alias annotation in their schema.
 _VIEW_EXTRA = {"aten::_unsafe_view", "_c10d_functional::wait_tensor", "c10d_functional::wait_tensor"}
 _OPAQUE_SAFE_NAMESPACES = frozenset({"aten", "prims", "inductor", "te_passes", "_c10d_functional",
                                      "c10d_functional", "_quantized", "quantized"})
@@ -132,22 +130,8 @@ def arg_values(op: torch._ops.OpOverload, node: torch.fx.Node) -> list[Any]:
 
 def nodes_in(obj: Any) -> list[torch.fx.Node]:
     """The FX nodes inside an argument (recursing into lists, tuples, dicts and slices), in order."""
-    if isinstance(obj, torch.fx.Node):
-        return [obj]
-    if obj is None or isinstance(obj, (int, float, bool, str, torch.dtype, torch.device)):
-        return []
     out: list[torch.fx.Node] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.fx.Node):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
-        elif isinstance(o, dict):
-            stack.extend(reversed(list(o.values())))
-        elif isinstance(o, slice):
-            stack.extend((o.stop, o.step, o.start))
+    torch.fx.node.map_arg(obj, out.append)
     return out
 
 

@@ -21,8 +21,7 @@ DISABLED_FORWARDS: dict[str, tuple[str, str]] = {
                       "ran inside the compiled region"),
 }
 
-#: ``@no_torch_dynamo`` bodies TE runs *after* a configuration fallback (the eager half of an
-#: island whose reason is the fallback's): qualname -> TE module.
+#: ``@no_torch_dynamo`` bodies TE runs *after* a configuration fallback: qualname -> TE module.
 EAGER_BODIES: dict[str, str] = {
     "Linear._forward_eager_fallback": "te.Linear",
 }
@@ -36,8 +35,7 @@ FALLBACK_WARNING_RE = re.compile(r"Falling back to eager execution under torch\.
 #: Dynamo's text for a call to a ``torch.compiler.disable``d function (``<function Qual.name at 0x...>``).
 _DISABLED_RE = re.compile(r"<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>")
 _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
-#: The disabled copy of a TE forward the untouched-model polyfills leave a call to
-#: (``te_passes.runtime.untouched.polyfills``), named after the TE function.
+#: The disabled copy of a TE forward the untouched-model polyfills leave a call to, named after it.
 _ISLAND_RE = re.compile(r"te_passes_untouched_island\[(?P<target>[\w.]+)\]")
 #: Polyfill target -> TE module (the island record, ``untouched.island_records()``, has the reason).
 UNTOUCHED_TARGETS: dict[str, str] = {"LayerNormLinear.forward": "te.LayerNormLinear",

@@ -105,15 +105,10 @@ def te_op_module(op: str) -> str:
     return TE_OP_MODULES.get(base, op)
 
 
-# --------------------------------------------------------------------------- op nodes
 def te_op_name(node: torch.fx.Node) -> str | None:
     """``"linear"`` for a node calling ``torch.ops.transformer_engine_compile.linear[.default]``, else ``None``."""
-    if node.op != "call_function":
-        return None
-    qual = op_qualname(node.target)
-    if qual is None or qual.split("::")[0] != TE_OP_NAMESPACE:
-        return None
-    return qual.split("::")[1]
+    ns, _, name = ((op_qualname(node.target) if node.op == "call_function" else None) or "").partition("::")
+    return name if ns == TE_OP_NAMESPACE else None
 
 
 def is_te_op_node(node: torch.fx.Node) -> bool:
@@ -122,9 +117,7 @@ def is_te_op_node(node: torch.fx.Node) -> bool:
 
 
 def _schema_of(target: Any) -> torch._C.FunctionSchema:
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target.default._schema
-    return target._schema
+    return (target.default if isinstance(target, torch._ops.OpOverloadPacket) else target)._schema
 
 
 @dataclasses.dataclass

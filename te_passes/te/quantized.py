@@ -42,12 +42,8 @@ class QuantizedInfo:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-def _val(node: torch.fx.Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
-    v = _val(node)
+    v = node.meta.get("val", node.meta.get("example_value"))
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
@@ -59,12 +55,8 @@ def _target_kind(target: Any) -> str | None:
     hit = _TARGET_KIND.get(id(target))
     if hit is not None and hit[0] is target:
         return hit[1]
-    kind = None
     name = op_qualname(target) or ""
-    if name.startswith(TE_OP_NAMESPACE + "::"):
-        kind = "te"
-    elif name in _CAST_TARGETS:
-        kind = "cast"
+    kind = "te" if name.startswith(TE_OP_NAMESPACE + "::") else "cast" if name in _CAST_TARGETS else None
     _TARGET_KIND[id(target)] = (target, kind)
     return kind
 

@@ -26,13 +26,7 @@ ROLES: tuple[str, ...] = FWD_ROLES + BWD_ROLES
 #: ``module/base.py`` ``_2X_ACC_FPROP/_DGRAD/_WGRAD`` (``recipe_table.module_default_split_accumulator``: live values).
 PINNED_MODULE_DEFAULTS: Mapping[str, bool] = {"fprop": False, "dgrad": True, "wgrad": True}
 
-#: TE recipe class names, in ``RecipeState.create`` dispatch order.
-RECIPE_CLASSES: tuple[str, ...] = (
-    "DelayedScaling", "MXFP8BlockScaling", "Float8CurrentScaling", "Float8BlockScaling",
-    "NVFP4BlockScaling", "CustomRecipe",
-)
-
-#: Quantizer class ``RecipeState.make_quantizers`` builds per recipe class.
+#: Quantizer class ``RecipeState.make_quantizers`` builds per recipe class (``RecipeState.create`` order).
 QUANTIZER_CLASS: Mapping[str, str | None] = {
     "DelayedScaling": "Float8Quantizer",
     "MXFP8BlockScaling": "MXFP8Quantizer",
@@ -41,6 +35,8 @@ QUANTIZER_CLASS: Mapping[str, str | None] = {
     "NVFP4BlockScaling": "NVFP4Quantizer",
     "CustomRecipe": None,
 }
+#: TE recipe class names, in ``RecipeState.create`` dispatch order.
+RECIPE_CLASSES: tuple[str, ...] = tuple(QUANTIZER_CLASS)
 
 #: Classmethods of ``Recipe`` that only test the recipe's class (pure, foldable).
 RECIPE_PREDICATES: frozenset[str] = frozenset({
@@ -48,8 +44,7 @@ RECIPE_PREDICATES: frozenset[str] = frozenset({
     "float8_block_scaling", "custom",
 })
 
-#: ``FP8GlobalStateManager`` classmethods whose result is fixed for one compiled graph, and
-#: the name of the state they read (``transformer_engine/pytorch/quantization.py``).
+#: ``FP8GlobalStateManager`` classmethods fixed for one compiled graph -> the state they read (``quantization.py``).
 STATE_LOOKUPS: Mapping[str, str] = {
     "get_fp8_recipe": "recipe",
     "is_fp8_enabled": "fp8_enabled",
@@ -58,8 +53,7 @@ STATE_LOOKUPS: Mapping[str, str] = {
     "get_fp8_group": "fp8_group",
 }
 
-#: Pure module-level TE functions of a recipe (``transformer_engine.pytorch.quantization``),
-#: which the pass evaluates at compile time: ``(recipe, *constant args) -> constant``.
+#: Pure TE functions of a recipe (``pytorch/quantization.py``) the pass evaluates at compile time.
 PURE_RECIPE_FUNCTIONS: frozenset[str] = frozenset({"get_fp8_te_dtype", "get_fp4_te_dtype", "get_fp8_max"})
 
 
@@ -67,7 +61,6 @@ class RecipeResolutionError(ValueError):
     """A recipe (or attribute path) that te_passes cannot resolve; the message names it."""
 
 
-# --------------------------------------------------------------------------- TE objects
 def is_recipe(obj: Any) -> bool:
     """Whether ``obj`` is an instance of a TE recipe (``transformer_engine.common.recipe.Recipe``)."""
     return not isinstance(obj, type) and is_te_object(obj) and "Recipe" in mro_names(obj)
@@ -96,7 +89,6 @@ def recipe_class_name(recipe: Any) -> str:
                                 f"resolves (known: {', '.join(RECIPE_CLASSES)})")
 
 
-# --------------------------------------------------------------------------- lookups
 #: Attribute names that may be read off a recipe's MMParams/QParams/Format parts at compile time.
 _PART_FIELDS = frozenset({
     "use_split_accumulator", "power_2_scale", "amax_epsilon", "random_hadamard_transform",

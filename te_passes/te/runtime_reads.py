@@ -16,8 +16,7 @@ from typing import Any, Iterator, Mapping
 #: value, the same eager and compiled), ``"ub_guard"`` (UB registry changes recompile), ``"constant"``.
 DELIVERIES: tuple[str, ...] = ("autocast", "process", "ub_guard", "constant")
 
-#: The fields of ``FP8GlobalStateManager.quantization_state`` (TE ``quantization.py`` ``FP8GlobalState``)
-#: that ``te.autocast`` sets (``autocast_enter``) and the runtime sets around a compiled call.
+#: ``FP8GlobalStateManager.quantization_state`` fields ``te.autocast`` sets, and the runtime around a compiled call.
 AUTOCAST_FIELDS: tuple[str, ...] = ("fp8_enabled", "fp8_calibration", "fp8_recipe", "fp8_distributed_group")
 
 
@@ -72,8 +71,7 @@ IMPLS: Mapping[str, ImplRef] = {r.key: r for r in (
             "is_cpu_offload_enabled", "cpu_offload.py", "helper"),
 )}
 
-#: The impls each TE op family's compiled calls run (``register_custom_op(op_name=...)``); the
-#: helpers (:attr:`ImplRef.role` ``"helper"``) belong to every family.
+#: The impls each TE op family's compiled calls run (the ``"helper"`` ones belong to every family).
 FAMILY_IMPLS: Mapping[str, tuple[str, ...]] = {
     "linear": ("linear.forward", "linear.backward"),
     "fused_attn": ("fused_attn.forward", "fused_attn.backward"),
@@ -165,8 +163,7 @@ NATIVE_ENV: tuple[str, ...] = (
     "NVTE_CUDNN_MXFP8_NORM_OUTPUT_IN_INPUT_DTYPE", "NVTE_EXT_MARGIN_SM", "NVTE_FUSED_ATTN_CACHE_DEBUG",
 )
 
-#: Global names whose load in an inventoried function is a read of TE process state
-#: (:func:`scan_reads` counts them; every occurrence must be in :data:`READS`).
+#: Global names whose load in an inventoried function is a read of TE process state (all in :data:`READS`).
 STATE_NAMES: frozenset[str] = frozenset({
     "FP8GlobalStateManager", "get_default_fp8_recipe", "get_fp8_recipe", "is_cpu_offload_enabled",
     "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase", "is_graph_capturing",
@@ -182,7 +179,6 @@ def autocast_reads() -> tuple[StateRead, ...]:
     return tuple(r for r in READS if r.delivery == "autocast")
 
 
-# --------------------------------------------------------------------------- the bytecode check
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
     yield code
     for c in code.co_consts:
