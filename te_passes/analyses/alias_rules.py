@@ -1,6 +1,5 @@
 """Alias rules for FX nodes: which arguments a node's outputs may alias, whether it may also
-allocate, and whether its callee may keep references (the rules
-:func:`te_passes.analyses.liveness.analyze` applies; the list is in that module's docstring).
+allocate, and whether its callee may keep references (what :func:`te_passes.analyses.liveness.analyze` applies).
 
 See docs/internals.md#te_passesanalysesalias_rulespy."""
 
@@ -19,9 +18,7 @@ __all__ = ["OpRule", "PY_STORE_FUNCS", "PY_STORE_METHODS", "arg_at", "arg_values
            "name_alias_kind", "nodes_in", "op_rule"]
 
 
-#: Ops that return (a view of) their first argument at run time without an alias annotation
-#: in their schema: ``_unsafe_view`` (a view hidden from autograd) and the functional
-#: collectives' ``wait_tensor`` (waits, then returns the very tensor it was given).
+#: Ops that return (a view of) their first argument without an alias annotation in their schema.
 _VIEW_EXTRA = {"aten::_unsafe_view", "_c10d_functional::wait_tensor", "c10d_functional::wait_tensor"}
 _OPAQUE_SAFE_NAMESPACES = frozenset({"aten", "prims", "inductor", "te_passes", "_c10d_functional",
                                      "c10d_functional", "_quantized", "quantized"})
@@ -55,7 +52,7 @@ def is_opaque_call(node: torch.fx.Node) -> bool:
     return not (mod.startswith("torch") or mod in ("_operator", "operator", "builtins", "math"))
 
 
-def _schema_alias_sources(op: torch._ops.OpOverload, node: torch.fx.Node) -> tuple[list[list[int]], bool]:
+def _schema_alias_sources(op: torch._ops.OpOverload) -> tuple[list[list[int]], bool]:
     """For each return of ``op``: positions (in the flattened schema args) it aliases; and
     whether the op may also allocate (``maybe_aliasing_or_mutating``)."""
     schema = op._schema
@@ -94,8 +91,7 @@ class OpRule:
         return not self.is_set and not self.maybe and not any(self.srcs)
 
 
-#: ``id(op) -> (op, rule)``: keyed by identity because ``OpOverload.__hash__`` is Python-level
-#: and showed up in profiles of 100k-node graphs; the op is kept to make the id stable.
+#: ``id(op) -> (op, rule)`` (by identity: ``OpOverload.__hash__`` is Python-level; the op keeps the id valid).
 _RULES: dict[int, tuple[torch._ops.OpOverload, OpRule]] = {}
 
 
@@ -105,7 +101,7 @@ def op_rule(op: torch._ops.OpOverload) -> OpRule:
     if hit is not None and hit[0] is op:
         return hit[1]
     schema = op._schema
-    srcs, maybe = _schema_alias_sources(op, None)  # type: ignore[arg-type]
+    srcs, maybe = _schema_alias_sources(op)
     rule = OpRule(is_set=schema.name.startswith("aten::set_"), srcs=tuple(tuple(s) for s in srcs),
                    maybe=maybe,
                    returns_list=len(schema.returns) == 1 and "[]" in str(schema.returns[0].type),
@@ -134,28 +130,9 @@ def arg_values(op: torch._ops.OpOverload, node: torch.fx.Node) -> list[Any]:
 
 def nodes_in(obj: Any) -> list[torch.fx.Node]:
     """The FX nodes inside an argument (recursing into lists, tuples, dicts and slices), in order."""
-    if isinstance(obj, torch.fx.Node):
-        return [obj]
-    if obj is None or isinstance(obj, (int, float, bool, str, torch.dtype, torch.device)):
-        return []
     out: list[torch.fx.Node] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.fx.Node):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
-        elif isinstance(o, dict):
-            stack.extend(reversed(list(o.values())))
-        elif isinstance(o, slice):
-            stack.extend((o.stop, o.step, o.start))
+    torch.fx.node.map_arg(obj, out.append)
     return out
-
-
-def _aten_packet_for_name(name: str):
-    name = name.removeprefix("__").removesuffix("__") if name.startswith("__") else name
-    return getattr(torch.ops.aten, name, None) if hasattr(torch.ops.aten, name) else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -167,7 +144,8 @@ def name_alias_kind(name: str) -> str:
         return "alias" if name in ("view_as", "expand_as") else "maybe"
     if name.endswith("_") and not name.startswith("_"):
         return "alias"
-    pkt = _aten_packet_for_name(name)
+    name = name.removeprefix("__").removesuffix("__") if name.startswith("__") else name
+    pkt = getattr(torch.ops.aten, name, None) if hasattr(torch.ops.aten, name) else None
     if pkt is None:
         return "maybe"
     kinds = set()
@@ -175,12 +153,6 @@ def name_alias_kind(name: str) -> str:
         op = getattr(pkt, ov)
         if any(a.is_out for a in op._schema.arguments):
             continue  # out= variants alias their out argument, not the inputs
-        srcs, maybe = _schema_alias_sources(op, None)  # type: ignore[arg-type]
+        srcs, maybe = _schema_alias_sources(op)
         kinds.add("maybe" if maybe else ("alias" if any(srcs) else "fresh"))
-    if not kinds:
-        return "maybe"
-    if kinds == {"alias"}:
-        return "alias"
-    if kinds == {"fresh"}:
-        return "fresh"
-    return "maybe"
+    return kinds.pop() if kinds in ({"alias"}, {"fresh"}) else "maybe"

@@ -63,11 +63,8 @@ class Buffer:
 
 @dataclasses.dataclass
 class Escape:
-    """A buffer that stays referenced past the graph's end without being a graph output.
-
-    ``buffer`` escapes at ``node`` (an FX node) ``how``: e.g. ``"set_ into graph input
-    primals_3"`` or ``"stored into a Python object by setattr"``.
-    """
+    """A buffer that stays referenced past the graph's end without being a graph output: it escapes
+    at ``node`` ``how`` (e.g. ``"stored into a Python object by setattr"``)."""
 
     buffer: Buffer
     node: torch.fx.Node
@@ -75,10 +72,8 @@ class Escape:
 
 
 def tensor_nbytes(val: Any):
-    """Storage bytes a tensor value needs: ``required_storage_length(shape, stride, offset)``
-    times the element size (``torch._prims_common.compute_required_storage_length``); with
-    symbolic sizes ``numel × element size`` (no boolean test on a ``SymInt``, which would add
-    guards)."""
+    """Storage bytes a tensor value needs (``torch._prims_common.compute_required_storage_length`` times
+    the element size; ``numel`` with symbolic sizes), a ``sympy.Expr`` when symbolic, ``None`` for non-tensors."""
     if not isinstance(val, torch.Tensor):
         return None
     try:

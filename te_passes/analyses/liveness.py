@@ -34,12 +34,8 @@ def gc_paused():
 
 
 def analyze_shared(graph: torch.fx.Graph, stage: Any, analyses: dict | None) -> Liveness:
-    """:func:`analyze` of ``graph``, shared through ``analyses`` (a pass context's
-    ``PassContext.analyses``, which the pass manager empties whenever a pass changes the graph):
-    the first pass of a stage that needs liveness computes it, later passes reuse it.
-
-    Callers must not mutate the result. ``analyses=None`` always computes afresh.
-    """
+    """:func:`analyze` of ``graph``, shared through ``analyses`` (``PassContext.analyses``, emptied
+    whenever a pass changes the graph; ``None``: computed afresh). Callers must not mutate the result."""
     stage = getattr(stage, "value", stage)
     if analyses is None:
         return analyze(graph, stage=stage)
@@ -54,23 +50,11 @@ def analyze_shared(graph: torch.fx.Graph, stage: Any, analyses: dict | None) -> 
 
 def analyze(graph_or_gm: torch.fx.Graph | torch.fx.GraphModule, *, stage: str | None = None,
             saved_roles: dict[str, QuantizedInfo] | None = None) -> Liveness:
-    """Compute alias-aware liveness of every storage in an FX graph.
-
-    Args:
-        graph_or_gm: the graph (any stage). Node ``meta['val']`` (fake tensors) gives buffer
-            sizes and dtypes; without it buffers are still tracked, with unknown sizes.
-        stage: ``"dynamo"``, ``"post_grad_fwd"``, ``"post_grad_bwd"``, ... (a
-            :class:`~te_passes.pipeline.base.Stage` value); ``"post_grad_bwd"`` marks the
-            non-tangent placeholders as saved tensors.
-        saved_roles: ``{placeholder or output name: QuantizedInfo}`` roles learnt elsewhere
-            (e.g. from the paired backward graph, :func:`te_passes.te.quantized.link_saved_roles`).
-
-    Returns:
-        :class:`Liveness`.
-
-    Raises:
-        TypeError: ``graph_or_gm`` is neither a ``torch.fx.Graph`` nor a ``GraphModule``.
-    """
+    """Alias-aware :class:`Liveness` of every storage in an FX graph of any stage (node
+    ``meta['val']`` gives sizes and dtypes; without it sizes are unknown). ``stage`` is a ``Stage``
+    value (``"post_grad_bwd"`` marks non-tangent placeholders as saved); ``saved_roles``:
+    ``{placeholder or output name: QuantizedInfo}`` learnt elsewhere (``te.quantized.link_saved_roles``).
+    Raises ``TypeError`` unless given a ``torch.fx.Graph`` or ``GraphModule``."""
     if isinstance(graph_or_gm, torch.fx.GraphModule):
         graph = graph_or_gm.graph
     elif isinstance(graph_or_gm, torch.fx.Graph):
@@ -97,9 +81,6 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
         buffers.append(b)
         return b
 
-    def is_tensor_val(v):
-        return isinstance(v, torch.Tensor)
-
     def node_val(n):
         return n.meta.get("val", n.meta.get("example_value"))
 
@@ -111,15 +92,10 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
 
     def fresh(node, val) -> frozenset[Buffer]:
         if isinstance(val, (list, tuple)):
-            elems = []
-            for i, v in enumerate(val):
-                if is_tensor_val(v):
-                    elems.append(frozenset({new_buffer(node, i, BufferOrigin.ALLOCATED, v, None)}))
-                else:
-                    elems.append(EMPTY)
-            elements[node] = elems
+            elems = elements[node] = [frozenset({new_buffer(node, i, BufferOrigin.ALLOCATED, v, None)})
+                                      if isinstance(v, torch.Tensor) else EMPTY for i, v in enumerate(val)]
             return frozenset().union(*elems) if elems else EMPTY
-        if is_tensor_val(val):
+        if isinstance(val, torch.Tensor):
             return frozenset({new_buffer(node, None, BufferOrigin.ALLOCATED, val, node)})
         if val is None and "val" not in node.meta and _looks_tensor_valued(node):
             # No metadata: assume one fresh tensor of unknown size so lifetimes are tracked.
@@ -130,7 +106,7 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
         val = node_val(node)
         if node.op == "placeholder":
             aliases[node] = (frozenset({new_buffer(node, None, BufferOrigin.INPUT, val, node)})
-                             if is_tensor_val(val) or val is None else EMPTY)
+                             if isinstance(val, torch.Tensor) or val is None else EMPTY)
             continue
         if node.op == "get_attr":
             aliases[node] = frozenset({new_buffer(node, None, BufferOrigin.CONSTANT, val, node)})
@@ -149,7 +125,7 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
                         if b.val is None:
                             b.val = val
                 aliases[node] = s
-            elif is_tensor_val(node_val(src)):
+            elif isinstance(node_val(src), torch.Tensor):
                 # tensor indexing (Dynamo level): a view or a copy
                 aliases[node] = aliases.get(src, EMPTY) | fresh(node, val)
                 unknown.append(node)
@@ -164,7 +140,7 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
             aliases[node] = EMPTY
             continue
         if node.op == "call_method" and target in PY_STORE_METHODS and node.args and \
-                not (isinstance(node.args[0], torch.fx.Node) and is_tensor_val(node_val(node.args[0]))):
+                not (isinstance(node.args[0], torch.fx.Node) and isinstance(node_val(node.args[0]), torch.Tensor)):
             for b in arg_set(node.args[1:]):
                 escapes.append(Escape(b, node, f"stored into a Python object by .{target}()"))
             aliases[node] = EMPTY
@@ -197,12 +173,10 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
                 continue
             if any(aliased):
                 # several returns, some aliasing inputs (e.g. in-place multi-return ops)
-                elems = []
                 vals = val if isinstance(val, (list, tuple)) else [None] * len(aliased)
-                for i, (a, v) in enumerate(zip(aliased, vals)):
-                    elems.append(a if a else (frozenset({new_buffer(node, i, BufferOrigin.ALLOCATED, v, None)})
-                                              if is_tensor_val(v) else EMPTY))
-                elements[node] = elems
+                elems = elements[node] = [a or (frozenset({new_buffer(node, i, BufferOrigin.ALLOCATED, v, None)})
+                                                if isinstance(v, torch.Tensor) else EMPTY)
+                                          for i, (a, v) in enumerate(zip(aliased, vals))]
                 aliases[node] = frozenset().union(*elems)
                 continue
             aliases[node] = fresh(node, val)

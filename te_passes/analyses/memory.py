@@ -12,7 +12,7 @@ import sympy
 import torch
 import torch.fx
 
-from te_passes.analyses.buffers import Buffer, BufferOrigin, Liveness, live_intervals
+from te_passes.analyses.buffers import BufferOrigin, Liveness, live_intervals
 from te_passes.analyses.liveness import analyze, gc_paused
 
 __all__ = ["MemoryEstimate", "estimate", "estimate_graph", "shape_hints"]
@@ -89,16 +89,9 @@ def _subs(expr: Any, sizes: Mapping[sympy.Symbol, int]) -> int | None:
 
 
 def estimate(lv: Liveness, *, sizes: Mapping[str | sympy.Symbol, int] | None = None) -> MemoryEstimate:
-    """Peak live bytes of the graph ``lv`` was computed on.
-
-    Args:
-        lv: :func:`te_passes.analyses.liveness.analyze` of the graph.
-        sizes: values for shape symbols (``{"s0": 4096}`` or ``{Symbol: int}``) to evaluate a
-            symbolic peak; missing symbols fall back to the shape environment's hints.
-
-    Returns:
-        :class:`MemoryEstimate`.
-    """
+    """Peak live bytes of the graph ``lv`` (:func:`~te_passes.analyses.liveness.analyze`) was computed
+    on; ``sizes`` (``{"s0": 4096}`` or ``{Symbol: int}``) evaluate a symbolic peak, missing symbols
+    taking the shape environment's hints."""
     with gc_paused():
         return _estimate(lv, sizes)
 
@@ -115,8 +108,7 @@ def _estimate(lv: Liveness, sizes) -> MemoryEstimate:
             if str(s) in by_name:
                 hints[s] = int(by_name[str(s)])
     intervals = live_intervals(lv)
-    # Static byte counts go into an int list (no per-slot containers); symbolic ones into a
-    # sparse dict of lists.
+    # Difference arrays: static byte counts in an int list, symbolic ones in a sparse dict of lists.
     d_int = [0] * (n + 1)
     d_sym: dict[int, list[Any]] = {}
     input_bytes: Any = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -9,6 +10,17 @@ import torch.fx
 
 #: Types of plain FX constants (no node, no object identity that matters).
 PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+#: What :func:`get_attr_path` returns for an attribute that is not there.
+UNKNOWN: Any = object()
+
+
+def get_attr_path(owner: Any, target: str) -> Any:
+    """``owner.<target>`` for a dotted ``get_attr`` target, or :data:`UNKNOWN` when a part is missing."""
+    try:
+        return operator.attrgetter(target)(owner)
+    except AttributeError:
+        return UNKNOWN
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -1,4 +1,4 @@
-"""Whether Transformer Engine believes a CUDA graph capture is under way (TE 2.20.2).
+"""Whether Transformer Engine believes a CUDA graph capture is under way.
 
 See docs/internals.md#te_passestecapture_statepy."""
 

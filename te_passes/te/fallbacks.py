@@ -7,27 +7,21 @@ from __future__ import annotations
 import dataclasses
 import re
 
+_NO_OP = "is @no_torch_dynamo (torch.compiler.disable) in TE 2.20: no compiled custom op yet"
+
 #: ``qualname`` of a ``@no_torch_dynamo()`` TE function -> (TE module, why it is eager).
 DISABLED_FORWARDS: dict[str, tuple[str, str]] = {
-    "LayerNormLinear.forward": ("te.LayerNormLinear", "LayerNormLinear.forward is @no_torch_dynamo "
-                                "(torch.compiler.disable) in TE 2.20: no compiled custom op yet"),
-    "LayerNormMLP.forward": ("te.LayerNormMLP", "LayerNormMLP.forward is @no_torch_dynamo "
-                             "(torch.compiler.disable) in TE 2.20: no compiled custom op yet"),
-    "GroupedLinear.forward": ("te.GroupedLinear", "GroupedLinear.forward is @no_torch_dynamo "
-                              "(torch.compiler.disable) in TE 2.20: no compiled custom op yet"),
+    **{f"{m}.forward": (f"te.{m}", f"{m}.forward {_NO_OP}") for m in ("LayerNormLinear", "LayerNormMLP",
+                                                                    "GroupedLinear")},
     "FusedAttention.forward": ("te.FusedAttention", "FusedAttention.forward is @no_torch_dynamo "
                                "(torch.compiler.disable) in TE 2.20: fused attention kernels run eagerly"),
-    "UnfusedDotProductAttention._forward_eager": ("te.UnfusedDotProductAttention",
-                                                  "UnfusedDotProductAttention._forward_eager is "
-                                                  "@no_torch_dynamo in TE 2.20"),
-    "Fp8Padding.forward": ("te.Fp8Padding", "Fp8Padding.forward is @no_torch_dynamo in TE 2.20"),
-    "Fp8Unpadding.forward": ("te.Fp8Unpadding", "Fp8Unpadding.forward is @no_torch_dynamo in TE 2.20"),
+    **{q: (f"te.{q.split('.')[0]}", f"{q} is @no_torch_dynamo in TE 2.20")
+       for q in ("UnfusedDotProductAttention._forward_eager", "Fp8Padding.forward", "Fp8Unpadding.forward")},
     "_linear_eager": ("te.Linear", "te.Linear's eager implementation (_linear_eager, @no_torch_dynamo) "
                       "ran inside the compiled region"),
 }
 
-#: ``@no_torch_dynamo`` bodies TE runs *after* a configuration fallback (the eager half of an
-#: island whose reason is the fallback's): qualname -> TE module.
+#: ``@no_torch_dynamo`` bodies TE runs *after* a configuration fallback: qualname -> TE module.
 EAGER_BODIES: dict[str, str] = {
     "Linear._forward_eager_fallback": "te.Linear",
 }
@@ -38,12 +32,10 @@ LINEAR_FALLBACK_PREFIX = "te.Linear falling back to eager: "
 FALLBACK_WARNING_RE = re.compile(r"Falling back to eager execution under torch\.compile: (?P<reason>.*?) is "
                                  r"unsupported on the compiled path")
 
-#: Dynamo's text for a call to a ``torch.compiler.disable``d function (torch 2.14 names it
-#: ``<function Qual.name at 0x...>``, with or without backticks, after "Skip inlining/calling").
+#: Dynamo's text for a call to a ``torch.compiler.disable``d function (``<function Qual.name at 0x...>``).
 _DISABLED_RE = re.compile(r"<function (?P<qual>[\w.<>]+) at 0x[0-9a-f]+>")
 _USER_BREAK_RE = re.compile(r"User-inserted graph break\. Message: (?P<msg>[^\n]*)")
-#: The disabled copy of a TE forward the untouched-model polyfills leave a call to
-#: (``te_passes.runtime.untouched.polyfills``), named after the TE function.
+#: The disabled copy of a TE forward the untouched-model polyfills leave a call to, named after it.
 _ISLAND_RE = re.compile(r"te_passes_untouched_island\[(?P<target>[\w.]+)\]")
 #: Polyfill target -> TE module (the island record, ``untouched.island_records()``, has the reason).
 UNTOUCHED_TARGETS: dict[str, str] = {"LayerNormLinear.forward": "te.LayerNormLinear",
@@ -53,11 +45,9 @@ UNTOUCHED_TARGETS: dict[str, str] = {"LayerNormLinear.forward": "te.LayerNormLin
 
 #: Follow-on breaks: a TE function whose frame Dynamo cannot resume after an island inside it,
 #: keyed by (path suffix of the file, function name) of the innermost frame -> (TE module, why).
-#: ``DotProductAttention.forward`` calls its attention backend (``FusedAttention.forward``,
-#: ``@no_torch_dynamo``) inside ``with self.prepare_forward_ctx(...)``
-#: (``attention/dot_product_attention/dot_product_attention.py``, TE 2.20.2 line 2318): a
-#: generator context manager Dynamo cannot build a resume function inside, so the island's break
-#: becomes "cannot resume" at the ``with`` line and the rest of the forward runs eagerly.
+#: ``DotProductAttention.forward`` calls ``FusedAttention.forward`` inside ``with
+#: self.prepare_forward_ctx(...)`` (``attention/dot_product_attention/dot_product_attention.py``), a
+#: generator context manager Dynamo cannot build a resume function inside.
 FOLLOW_ON_BREAKS: dict[tuple[str, str], tuple[str, str]] = {
     ("transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py", "forward"): (
         "te.DotProductAttention",
@@ -65,22 +55,16 @@ FOLLOW_ON_BREAKS: dict[tuple[str, str], tuple[str, str]] = {
         "`with self.prepare_forward_ctx(...)`, which Dynamo cannot resume in: the rest of "
         "DotProductAttention.forward runs eagerly"),
 }
+_SPLIT = ("q/k/v split with SplitAlongDim (GQA, or no packed pass-through), {}reads data_ptr: "
+          "one graph break per layer; no fix inside te_passes (num_gqa_groups == heads avoids it)")
 #: Graph breaks inside TE code Dynamo cannot trace, keyed by (path suffix, function) of the
-#: innermost frame -> (TE module, why, the fix). ``SplitAlongDim`` (``pytorch/utils.py``): TE's
-#: ``MultiheadAttention`` splits q/k/v with it under GQA (``num_gqa_groups`` < heads) or when the
-#: packed pass-through is not eligible; its ``backward`` compares ``untyped_storage().data_ptr()``.
+#: innermost frame -> (TE module, why and the fix): ``SplitAlongDim`` (``pytorch/utils.py``), with
+#: which TE's ``MultiheadAttention`` splits q/k/v, compares ``untyped_storage().data_ptr()``.
 TE_UNTRACEABLE: dict[tuple[str, str], tuple[str, str]] = {
-    ("transformer_engine/pytorch/utils.py", "backward"): (
-        "te.MultiheadAttention",
-        "q/k/v split with SplitAlongDim (GQA, or no packed pass-through), whose backward reads data_ptr: "
-        "one graph break per layer; no fix inside te_passes (num_gqa_groups == heads avoids it)"),
-    ("transformer_engine/pytorch/utils.py", "forward"): (
-        "te.MultiheadAttention",
-        "q/k/v split with SplitAlongDim (GQA, or no packed pass-through), which reads data_ptr: "
-        "one graph break per layer; no fix inside te_passes (num_gqa_groups == heads avoids it)"),
+    ("transformer_engine/pytorch/utils.py", "backward"): ("te.MultiheadAttention", _SPLIT.format("whose backward ")),
+    ("transformer_engine/pytorch/utils.py", "forward"): ("te.MultiheadAttention", _SPLIT.format("which ")),
 }
-#: Dynamo's texts for a graph break it cannot resume from (torch 2.14 ``symbolic_convert``):
-#: the ``step_unsupported`` marker and "Encountered graph break that we cannot resume from".
+#: Dynamo's texts for a graph break it cannot resume from (``symbolic_convert``).
 _CANNOT_RESUME_RE = re.compile(r"step_unsupported|cannot resume from", re.IGNORECASE)
 
 
@@ -104,18 +88,13 @@ def classify_graph_break(reason: str, innermost_frame: tuple[str, str] | None = 
     lets a "cannot resume" break inside a TE function of :data:`FOLLOW_ON_BREAKS` be attributed
     (kind ``"follow_on"``); without it such a break stays unattributed.
     """
-    if innermost_frame is not None and _CANNOT_RESUME_RE.search(reason):
-        filename, func = innermost_frame
-        norm = filename.replace("\\", "/")
-        for (suffix, fn_name), (mod, why) in FOLLOW_ON_BREAKS.items():
-            if func == fn_name and norm.endswith(suffix):
-                return TEFallback(mod, "follow_on", why)
-    if innermost_frame is not None and "data_ptr" in reason:
-        filename, func = innermost_frame
-        norm = filename.replace("\\", "/")
-        for (suffix, fn_name), (mod, why) in TE_UNTRACEABLE.items():
-            if func == fn_name and norm.endswith(suffix):
-                return TEFallback(mod, "untraceable", why)
+    if innermost_frame is not None:
+        norm, func = innermost_frame[0].replace("\\", "/"), innermost_frame[1]
+        for kind, table, hit in (("follow_on", FOLLOW_ON_BREAKS, _CANNOT_RESUME_RE.search(reason)),
+                                 ("untraceable", TE_UNTRACEABLE, "data_ptr" in reason)):
+            for (suffix, fn_name), (mod, why) in table.items() if hit else ():
+                if func == fn_name and norm.endswith(suffix):
+                    return TEFallback(mod, kind, why)
     m = _USER_BREAK_RE.search(reason)
     if m and m.group("msg").startswith(LINEAR_FALLBACK_PREFIX):
         return TEFallback("te.Linear", "linear_config", m.group("msg")[len(LINEAR_FALLBACK_PREFIX):].strip())

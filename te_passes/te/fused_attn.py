@@ -1,4 +1,4 @@
-"""Data-free fakes of TE 2.20.2's fused (cuDNN) attention forward / backward, for the
+"""Data-free fakes of TE's fused (cuDNN) attention forward / backward, for the
 ``register_custom_op`` family te_passes registers (:mod:`te_passes.runtime.ops.fused_attn`).
 
 See docs/internals.md#te_passestefused_attnpy."""
@@ -65,13 +65,9 @@ def _batch(shape: tuple[int, ...], fmt: str) -> int:
 
 
 def make_fakes() -> tuple[Callable[[Any], tuple], Callable[[Any], tuple]]:
-    """``(forward_fake, backward_fake)`` for ``register_custom_op``, bound to TE's ``TensorSpec``,
-    ``FusedAttnBackend`` and ``get_qkv_format`` (resolved here, once: the fakes run inside Dynamo's trace
-    of TE's ``forward_fn`` and import nothing).
-
-    Raises:
-        FusedAttnFakeError: the arguments are outside :func:`fake_problem`'s set.
-    """
+    """``(forward_fake, backward_fake)`` for ``register_custom_op``, bound to TE's classes once (the
+    fakes run inside Dynamo's trace and import nothing); they raise :class:`FusedAttnFakeError` for
+    arguments outside :func:`fake_problem`'s set."""
     from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
     from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
     from transformer_engine.pytorch.dynamo.tensor_spec import TensorSpec
@@ -113,8 +109,7 @@ def make_fakes() -> tuple[Callable[[Any], tuple], Callable[[Any], tuple]]:
     return forward_fake, backward_fake
 
 
-#: cuDNN's fused attention (F16_arbitrary_seqlen) head dims: multiples of 8 up to 256 (TE 2.20.2
-#: ``get_attention_backend``'s checks for sm80+; cuDNN 9 frontend).
+#: cuDNN's fused attention (F16_arbitrary_seqlen) head dims: multiples of 8 up to this (``get_attention_backend``).
 CUDNN_MAX_HEAD_DIM = 256
 
 

@@ -9,18 +9,17 @@ from typing import Any, Iterator
 
 import torch.fx
 
-
-def _type_module(obj: Any) -> str:
-    t = obj if isinstance(obj, type) else type(obj)
-    return getattr(t, "__module__", "") or ""
+from te_passes.fx.graph import PLAIN_TYPES, UNKNOWN, get_attr_path
 
 
 def is_te_object(obj: Any) -> bool:
     """Whether ``obj`` (or the class ``obj``) is defined inside ``transformer_engine``."""
-    return _type_module(obj).startswith("transformer_engine")
+    t = obj if isinstance(obj, type) else type(obj)
+    return (getattr(t, "__module__", "") or "").startswith("transformer_engine")
 
 
-def _mro_names(obj: Any) -> set[str]:
+def mro_names(obj: Any) -> set[str]:
+    """The class names in the MRO of ``obj`` (or of the class ``obj``)."""
     t = obj if isinstance(obj, type) else type(obj)
     return {k.__name__ for k in getattr(t, "__mro__", ())}
 
@@ -36,28 +35,24 @@ class TEConstKind(str, enum.Enum):
     OTHER = "other"
 
 
-#: ``id(class) -> (class, is-a-class flag, kind)``: the kind depends only on the class (and on
-#: whether ``obj`` is the class itself), so it is computed once per class; the class is kept
-#: to make the id stable. Graph scans call this for every constant (100k-node graphs: ~10^5 calls).
-_KIND_CACHE: dict[tuple[int, bool], tuple[type, TEConstKind | None]] = {}
+#: ``(class, is-a-class flag) -> kind``: the kind depends only on these, so it is computed once.
+_KIND_CACHE: dict[tuple[type, bool], TEConstKind | None] = {}
+_MISS: Any = object()
 
 
 def te_const_kind(obj: Any) -> TEConstKind | None:
     """Classify a graph constant as a TE object kind, or ``None`` if it is not TE's."""
-    is_cls = isinstance(obj, type)
-    t = obj if is_cls else type(obj)
-    hit = _KIND_CACHE.get((id(t), is_cls))
-    if hit is not None and hit[0] is t:
-        return hit[1]
-    kind = _te_const_kind(obj)
-    _KIND_CACHE[(id(t), is_cls)] = (t, kind)
+    key = (obj, True) if isinstance(obj, type) else (type(obj), False)
+    kind = _KIND_CACHE.get(key, _MISS)
+    if kind is _MISS:
+        kind = _KIND_CACHE[key] = _te_const_kind(obj)
     return kind
 
 
 def _te_const_kind(obj: Any) -> TEConstKind | None:
     if not is_te_object(obj):
         return None
-    names = _mro_names(obj)
+    names = mro_names(obj)
     if "OpaqueValueBundle" in names:
         return TEConstKind.BUNDLE
     if "Quantizer" in names:
@@ -88,28 +83,17 @@ def bundle_dict(obj: Any) -> dict[str, Any]:
 
 
 def quantizer_fields(q: Any) -> dict[str, Any]:
-    """A quantizer's value fields, as TE's value-opaque ``__fx_repr__`` rebuilds it.
-
-    TE 2.20 quantizers render as ``_rebuild_quantizer(Cls, (('field', value), ...))``; this
-    returns that field tuple as a dict, falling back to the public attributes TE quantizers
-    carry. Raises ``TypeError`` for non-quantizers.
-    """
+    """A quantizer's value fields ``{name: value}``: its ``_value_fields()`` (TE
+    ``dynamo/quantizer_opaque.py`` ``register_value_opaque_quantizer``; read by getattr, so
+    ``dtype`` stays TE's ``DType``), else the public attributes TE quantizers carry.
+    Raises ``TypeError`` for non-quantizers."""
     if te_const_kind(q) is not TEConstKind.QUANTIZER:
         raise TypeError(f"not a TE quantizer: {type(q).__qualname__}")
-    # TE 2.20 value quantizers (dynamo/quantizer_opaque.py register_value_opaque_quantizer):
-    # the class's annotated value fields, stored as ``_value_field_names``; read each with
-    # getattr so ``dtype`` stays TE's ``DType`` enum (``_value_key`` stores it as an int).
     value_fields = getattr(q, "_value_fields", None)
-    names = value_fields() if callable(value_fields) else None
-    if names:
-        return {k: getattr(q, k) for k in names if hasattr(q, k)}
-    out = {}
-    for k in ("rowwise_usage", "columnwise_usage", "internal", "optimize_for_gemm", "dtype",
-              "with_amax_reduction", "force_pow_2_scales", "amax_epsilon", "block_scaling_dim"):
-        if hasattr(q, k):
-            v = getattr(q, k)
-            out[k] = v
-    return out
+    names = (value_fields() if callable(value_fields) else None) or (
+        "rowwise_usage", "columnwise_usage", "internal", "optimize_for_gemm", "dtype",
+        "with_amax_reduction", "force_pow_2_scales", "amax_epsilon", "block_scaling_dim")
+    return {k: getattr(q, k) for k in names if hasattr(q, k)}
 
 
 def te_reduce(obj: Any) -> tuple[Any, tuple[Any, ...]] | None:
@@ -127,38 +111,36 @@ def te_reduce(obj: Any) -> tuple[Any, tuple[Any, ...]] | None:
     return None
 
 
+def leaf_values(obj: Any, depth: int = 0) -> Iterator[Any]:
+    """Every value inside ``obj`` (args/kwargs), pre-order, recursing into lists/tuples/dicts and
+    TE bundles, at most 10 levels deep (an explicit stack: whole-graph scans call it per node)."""
+    stack = [(obj, depth)]
+    while stack:
+        o, d = stack.pop()
+        if d > 10:
+            continue
+        yield o
+        if isinstance(o, torch.fx.Node) or isinstance(o, PLAIN_TYPES):
+            continue
+        if isinstance(o, (list, tuple)):
+            stack.extend((v, d + 1) for v in reversed(o))
+        elif isinstance(o, dict):
+            stack.extend((v, d + 1) for v in reversed(list(o.values())))
+        elif te_const_kind(o) is TEConstKind.BUNDLE:
+            stack.extend((v, d + 1) for v in reversed(list(bundle_dict(o).values())))
+
+
 def iter_te_constants(graph: torch.fx.Graph) -> Iterator[tuple[torch.fx.Node, Any, TEConstKind]]:
-    """Every TE Python object used as a constant argument anywhere in ``graph``.
-
-    Yields ``(node, obj, kind)`` for objects found in node args/kwargs (recursing into
-    lists/tuples/dicts and into bundles' contents) and for ``get_attr`` targets' values.
-    """
-    def walk(obj: Any, node: torch.fx.Node, depth: int = 0):
-        if depth > 8:
-            return
-        kind = te_const_kind(obj)
-        if kind is not None:
-            yield node, obj, kind
-            if kind is TEConstKind.BUNDLE:
-                for v in bundle_dict(obj).values():
-                    yield from walk(v, node, depth + 1)
-            return
-        if isinstance(obj, (list, tuple)):
-            for v in obj:
-                yield from walk(v, node, depth + 1)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                yield from walk(v, node, depth + 1)
-
-    owner = graph.owning_module
+    """``(node, obj, kind)`` for every TE Python object used as a constant in ``graph``: in node
+    args/kwargs (inside containers and bundles, :func:`leaf_values`) and ``get_attr`` values."""
     for node in graph.nodes:
-        if node.op == "get_attr" and owner is not None:
-            try:
-                val = owner
-                for part in str(node.target).split("."):
-                    val = getattr(val, part)
-            except AttributeError:
-                continue
-            yield from walk(val, node)
-        yield from walk(node.args, node)
-        yield from walk(node.kwargs, node)
+        roots = [node.args, node.kwargs]
+        if node.op == "get_attr" and graph.owning_module is not None:
+            val = get_attr_path(graph.owning_module, str(node.target))
+            if val is not UNKNOWN:
+                roots.insert(0, val)
+        for root in roots:
+            for obj in leaf_values(root):
+                kind = te_const_kind(obj)
+                if kind is not None:
+                    yield node, obj, kind

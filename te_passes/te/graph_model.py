@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.fx.graph import op_qualname
+from te_passes.fx.graph import UNKNOWN, get_attr_path, op_qualname
 from te_passes.te.op_families import (  # noqa: F401 - names of the TE op namespace, re-exported
     CONFIG_SLOT, KNOWN_OPS, TE_OP_NAMESPACE, TQ_META_SUFFIX, TQ_TENSORS_SUFFIX, UnknownTEOp, te_op_family)
 from te_passes.te.graph_constants import TEConstKind, bundle_dict, is_bundle, te_const_kind
@@ -45,8 +45,7 @@ class BufferRole(str, enum.Enum):
     UNKNOWN = "unknown"
 
 
-#: ``QuantizedTensorStorage._INNER_TENSORS`` attribute names (TE 2.20
-#: ``tensor/storage/*_tensor_storage.py``) -> role.
+#: ``QuantizedTensorStorage._INNER_TENSORS`` attribute names (``tensor/storage/*_tensor_storage.py``) -> role.
 INNER_NAME_ROLES: dict[str, BufferRole] = {
     "_data": BufferRole.ROWWISE_DATA,
     "_transpose": BufferRole.COLUMNWISE_DATA,
@@ -59,23 +58,20 @@ INNER_NAME_ROLES: dict[str, BufferRole] = {
     "_amax_columnwise": BufferRole.AMAX_COLUMNWISE,
 }
 
-#: Config-bundle keys that name Userbuffers overlap flags, TE 2.20.2 ``module/linear.py``:
-#: ``LinearFwdArgs`` (``linear`` op) has the six ``ub_overlap_{ag,rs}_{fprop,dgrad}`` /
-#: ``ub_bulk_{dgrad,wgrad}`` flags; ``LinearBwdArgs`` (``linear_backward`` op) has
-#: ``ub_overlap_ag`` (set from the forward's ``ub_overlap_ag_dgrad``), ``ub_overlap_rs_dgrad``,
-#: ``ub_bulk_dgrad`` and ``ub_bulk_wgrad``.
-UB_CONFIG_KEYS: tuple[str, ...] = (
-    "ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
-    "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad", "ub_overlap_ag",
-)
+#: Userbuffers overlap flags of the config bundle per op (``module/linear.py`` ``LinearFwdArgs`` /
+#: ``LinearBwdArgs``; the backward's ``ub_overlap_ag`` is the forward's ``ub_overlap_ag_dgrad``).
+UB_FLAGS: dict[str, tuple[str, ...]] = {
+    "linear": ("ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
+               "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
+    "linear_backward": ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
+}
+#: Every config-bundle key of :data:`UB_FLAGS`, forward's first.
+UB_CONFIG_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for flags in UB_FLAGS.values() for k in flags))
 
-
-#: TE module each ``transformer_engine_compile`` op implements (TE 2.20 ``module/*.py``).
+#: TE module each ``transformer_engine_compile`` op implements (``module/*.py``).
 TE_OP_MODULES: dict[str, str] = {"linear": "te.Linear"}
 
-#: Config-bundle field groups, in display order (``LinearFwdArgs`` / ``LinearBwdArgs``, TE
-#: 2.20 ``module/linear.py``). Fields ending in ``_quantizer`` are quantizers; fields not
-#: listed fall into ``"other"``.
+#: Config-bundle field groups, in display order (``module/linear.py`` ``LinearFwdArgs`` / ``LinearBwdArgs``).
 CONFIG_FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "quantizers": (),
     "precision": ("activation_dtype", "fp8", "fp8_calibration", "fp8_output", "custom", "debug",
@@ -104,22 +100,15 @@ def config_field_group(field: str) -> str:
 
 
 def te_op_module(op: str) -> str:
-    """``"te.Linear"`` for ``"linear"``/``"linear_backward"``/``"linear_base"``; the op name
-    itself for ops outside :data:`TE_OP_MODULES`."""
+    """``"te.Linear"`` for ``"linear"``/``"linear_backward"``/``"linear_base"``; else the op name itself."""
     base = op.removesuffix("_base").removesuffix("_backward")
     return TE_OP_MODULES.get(base, op)
 
 
-# --------------------------------------------------------------------------- op nodes
 def te_op_name(node: torch.fx.Node) -> str | None:
-    """``"linear"`` for a node calling ``torch.ops.transformer_engine_compile.linear[.default]``,
-    else ``None``."""
-    if node.op != "call_function":
-        return None
-    qual = op_qualname(node.target)
-    if qual is None or qual.split("::")[0] != TE_OP_NAMESPACE:
-        return None
-    return qual.split("::")[1]
+    """``"linear"`` for a node calling ``torch.ops.transformer_engine_compile.linear[.default]``, else ``None``."""
+    ns, _, name = ((op_qualname(node.target) if node.op == "call_function" else None) or "").partition("::")
+    return name if ns == TE_OP_NAMESPACE else None
 
 
 def is_te_op_node(node: torch.fx.Node) -> bool:
@@ -128,15 +117,12 @@ def is_te_op_node(node: torch.fx.Node) -> bool:
 
 
 def _schema_of(target: Any) -> torch._C.FunctionSchema:
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target.default._schema
-    return target._schema
+    return (target.default if isinstance(target, torch._ops.OpOverloadPacket) else target)._schema
 
 
 @dataclasses.dataclass
 class Slot:
-    """One schema argument of a TE op call: ``name`` (schema), ``kind``, ``index`` (position)
-    and ``value`` (the FX argument: a Node, list of Nodes, bundle, or Python constant)."""
+    """One schema argument of a TE op call; ``value`` is the FX argument (Node(s), bundle or constant)."""
 
     name: str
     kind: SlotKind
@@ -146,8 +132,7 @@ class Slot:
 
 @dataclasses.dataclass
 class QuantizedBuffer:
-    """One buffer of a quantized tensor field: the FX ``node`` producing it, its ``role``, the
-    storage attribute ``inner_name``, the op ``field`` it belongs to and the storage class name."""
+    """One buffer of a quantized tensor field: its FX ``node``, ``role``, storage attribute and class."""
 
     node: torch.fx.Node
     role: BufferRole
@@ -207,17 +192,14 @@ class TEOpCall:
 
     def ub_config(self) -> dict[str, Any]:
         """``ub_name`` and the ``ub_*`` overlap flags from the config bundle (present keys only)."""
-        keys = ("ub_name", *UB_CONFIG_KEYS)
-        return {k: self.config[k] for k in keys if k in self.config}
+        return {k: self.config[k] for k in CONFIG_FIELD_GROUPS["userbuffers"] if k in self.config}
 
     def uses_ub(self) -> bool:
         """Whether any Userbuffers overlap flag is set."""
         return any(bool(self.config.get(k)) for k in UB_CONFIG_KEYS)
 
 
-#: ``id(schema) -> (schema, ((name, SlotKind, torch._C.Argument), ...))``: a schema's slot layout,
-#: derived once (``str(arg.type)`` per argument per decode showed in 100k-node profiles); the
-#: schema is kept so its id stays valid.
+#: ``id(schema) -> (schema, ((name, SlotKind, torch._C.Argument), ...))``, derived once per schema.
 _SLOTS_CACHE: dict[int, tuple[Any, tuple[tuple[str, "SlotKind", Any], ...]]] = {}
 
 
@@ -238,7 +220,6 @@ def _slot_kind(arg: torch._C.Argument) -> SlotKind:
         return SlotKind.TQ_META
     if name.endswith(TQ_TENSORS_SUFFIX):
         return SlotKind.TQ_TENSORS
-    # str(arg.type) spells an optional tensor "Optional[Tensor]" (torch 2.14), "Tensor?" in schemas.
     if t in ("Tensor", "Tensor?", "Optional[Tensor]"):
         return SlotKind.TENSOR
     if t.startswith("Tensor[]") or t == "List[Tensor]":
@@ -255,27 +236,17 @@ def check_te_version() -> None:
 
 def slot_constant(value: Any) -> Any:
     """A slot's constant value: ``value`` itself, or for a ``get_attr`` node (a constant hoisted
-    onto the graph module, e.g. by ``hoist_te_constants`` at post-grad stages) the attribute it
-    reads; other nodes are returned unchanged."""
+    by ``hoist_te_constants``) the attribute it reads; other nodes are returned unchanged."""
     if isinstance(value, torch.fx.Node) and value.op == "get_attr":
-        obj: Any = value.graph.owning_module
-        try:
-            for part in str(value.target).split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            return value
-        return obj
+        obj = get_attr_path(value.graph.owning_module, str(value.target))
+        return value if obj is UNKNOWN else obj
     return value
 
 
 def decode(node: torch.fx.Node) -> TEOpCall:
-    """Decode a ``transformer_engine_compile`` op node into a :class:`TEOpCall`.
-
-    Raises:
-        UnknownTEOp: not a TE op node, an op in no ``register_custom_op`` family or with a
-            schema TE's arg plan does not produce, an unsupported TE version, or arguments that
-            do not match the op's schema.
-    """
+    """Decode a ``transformer_engine_compile`` op node into a :class:`TEOpCall`. Raises
+    :class:`UnknownTEOp` for a non-TE node, an op in no ``register_custom_op`` family or with a
+    schema TE's arg plan does not produce, an unsupported TE version, or mismatching arguments."""
     op = te_op_name(node)
     if op is None:
         raise UnknownTEOp(f"node {node.name} does not call a {TE_OP_NAMESPACE} op (target {node.target})")
@@ -337,11 +308,8 @@ def _decode_tq(node: torch.fx.Node, field: str, by_name: dict[str, Slot], meta_s
 
 
 def te_op_calls(graph: torch.fx.Graph, *, unknown: list[str] | None = None) -> list[TEOpCall]:
-    """Decode every TE op node of ``graph`` in order.
-
-    Nodes that cannot be decoded are skipped; their :class:`UnknownTEOp` messages are appended
-    to ``unknown`` when given (pass it to report them), else the first one is raised.
-    """
+    """Decode every TE op node of ``graph`` in order; undecodable ones are skipped with their
+    :class:`UnknownTEOp` message appended to ``unknown`` when given, else the first one is raised."""
     out = []
     for node in graph.nodes:
         if not is_te_op_node(node):

@@ -16,38 +16,19 @@ import torch
 import torch.fx
 
 from te_passes.fx.graph import PLAIN_TYPES as _PLAIN_TYPES
+from te_passes.fx.graph import UNKNOWN, get_attr_path  # noqa: F401 - re-exported for the passes
 from te_passes.te import recipes
 from te_passes.te.graph_model import is_te_op_node
-from te_passes.te.graph_constants import TEConstKind, bundle_dict, quantizer_fields, te_const_kind
+from te_passes.te.graph_constants import TEConstKind, bundle_dict, leaf_values, quantizer_fields  # noqa: F401
+from te_passes.te.graph_constants import te_const_kind as const_kind
 
-UNKNOWN = object()
-
-#: ``class -> te_const_kind`` of its instances: :func:`te_const_kind` depends only on the class
-#: of a non-class value; this plain dict lookup is the scans' per-value check (they visit every
-#: value of every node). Class values (``isinstance(v, type)``) are never stored, so they always
-#: take :func:`te_const_kind` itself.
-_KIND_BY_TYPE: dict[type, TEConstKind | None] = {}
+#: ``call_function`` targets that can be part of a recipe lookup (besides TE's own functions).
+LOOKUP_BUILTINS = frozenset({builtins.getattr, builtins.hasattr, builtins.isinstance, operator.is_,
+                              operator.is_not})
 
 
-def const_kind(v: Any) -> TEConstKind | None:
-    """``te_const_kind(v)``, memoized per class for instances."""
-    t = type(v)
-    k = _KIND_BY_TYPE.get(t, UNKNOWN)
-    if k is UNKNOWN:
-        k = te_const_kind(v)
-        if not isinstance(v, type):
-            _KIND_BY_TYPE[t] = k
-    return k
-
-
-
-# --------------------------------------------------------------------------- object scans
 def walk_values(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, Any]]:
-    """Yield ``(path, value)`` for every value inside ``obj`` (args/kwargs), recursing into
-    lists/tuples/dicts and TE bundles (pre-order, at most 10 levels deep).
-
-    Iterative (an explicit stack, not nested generators: each level of a recursive generator
-    re-yields every value below it, which dominated scans of 100k-node graphs)."""
+    """``(path, value)`` for every value :func:`leaf_values` yields, in the same order."""
     stack = [(obj, path, depth)]
     pop, push = stack.pop, stack.extend
     while stack:
@@ -65,91 +46,43 @@ def walk_values(obj: Any, path: tuple, depth: int = 0) -> Iterator[tuple[tuple, 
             push([(v, p + (k,), d + 1) for k, v in reversed(list(o.items()))])
 
 
-
-#: ``call_function`` targets that can be part of a recipe lookup (besides TE's own functions).
-LOOKUP_BUILTINS = frozenset({builtins.getattr, builtins.hasattr, builtins.isinstance, operator.is_,
-                              operator.is_not})
-
-
 def _is_object_constant(v: Any) -> bool:
     return (not isinstance(v, (torch.fx.Node, bool, int, float, str, type(None), torch.dtype, torch.device,
                                 enum.Enum, type, list, tuple, dict)))
+
+
+def _roots(node: torch.fx.Node, owner: Any) -> list[tuple[tuple, Any]]:
+    """``(path base, value)`` of what ``node`` holds: its args, kwargs and ``get_attr`` value."""
+    roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
+    if node.op == "get_attr" and owner is not None:
+        val = get_attr_path(owner, str(node.target))
+        if val is not UNKNOWN:
+            roots.append((("get_attr",), val))
+    return roots
 
 
 def object_occurrences(graph: torch.fx.Graph) -> dict[int, list[tuple[torch.fx.Node, tuple]]]:
     """``{id(obj): [(node, path), ...]}`` for every non-primitive constant object used by a node
     (args, kwargs, inside bundles) or held by a ``get_attr`` target. Identity, not equality."""
     occ: dict[int, list[tuple[torch.fx.Node, tuple]]] = {}
-    owner = graph.owning_module
     for node in graph.nodes:
-        roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
-        if node.op == "get_attr" and owner is not None:
-            val = get_attr_path(owner, str(node.target))
-            if val is not UNKNOWN:
-                roots.append((("get_attr",), val))
-        for base, root in roots:
+        for base, root in _roots(node, graph.owning_module):
             for path, v in walk_values(root, base):
                 if _is_object_constant(v):
                     occ.setdefault(id(v), []).append((node, path))
     return occ
 
 
-def leaf_values(obj: Any, depth: int = 0) -> Iterator[Any]:
-    """The values :func:`walk_values` yields, without building paths (for whole-graph scans)."""
-    stack = [(obj, depth)]
-    while stack:
-        o, d = stack.pop()
-        if d > 10:
-            continue
-        yield o
-        if isinstance(o, torch.fx.Node) or isinstance(o, _PLAIN_TYPES):
-            continue
-        if isinstance(o, (list, tuple)):
-            stack.extend((v, d + 1) for v in reversed(o))
-        elif isinstance(o, dict):
-            stack.extend((v, d + 1) for v in reversed(list(o.values())))
-        elif const_kind(o) is TEConstKind.BUNDLE:
-            stack.extend((v, d + 1) for v in reversed(list(bundle_dict(o).values())))
-
-
 def users_of_objects(graph: torch.fx.Graph, ids: set[int]) -> dict[int, set[torch.fx.Node]]:
     """``{id(obj): {node, ...}}`` for the objects whose ids are in ``ids``: the nodes of
-    :func:`object_occurrences` for those objects, computed without paths (one explicit stack
-    per node; the same values :func:`leaf_values` visits)."""
+    :func:`object_occurrences` for those objects, computed without paths."""
     out: dict[int, set[torch.fx.Node]] = {}
-    owner = graph.owning_module
-    node_t, plain, seq = torch.fx.Node, _PLAIN_TYPES, (list, tuple)
     for node in graph.nodes:
-        stack: list[tuple[Any, int]] = [(node.args, 0), (node.kwargs, 0)]
-        if node.op == "get_attr" and owner is not None:
-            val = get_attr_path(owner, str(node.target))
-            if val is not UNKNOWN:
-                stack.append((val, 0))
-        while stack:
-            o, d = stack.pop()
-            if d > 10:
-                continue
-            if id(o) in ids and _is_object_constant(o):
-                out.setdefault(id(o), set()).add(node)
-            if isinstance(o, node_t) or isinstance(o, plain):
-                continue
-            if isinstance(o, seq):
-                stack.extend([(v, d + 1) for v in o])
-            elif isinstance(o, dict):
-                stack.extend([(v, d + 1) for v in o.values()])
-            elif const_kind(o) is TEConstKind.BUNDLE:
-                stack.extend([(v, d + 1) for v in bundle_dict(o).values()])
+        for _, root in _roots(node, graph.owning_module):
+            for v in leaf_values(root):
+                if id(v) in ids and _is_object_constant(v):
+                    out.setdefault(id(v), set()).add(node)
     return out
-
-
-def get_attr_path(owner: torch.nn.Module, target: str) -> Any:
-    val: Any = owner
-    try:
-        for part in target.split("."):
-            val = getattr(val, part)
-    except AttributeError:
-        return UNKNOWN
-    return val
 
 
 def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:
@@ -158,38 +91,27 @@ def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str,
     ``get_attr`` values. An empty list is what the pass guarantees for TE module graphs."""
     out = []
     for node in gm.graph.nodes:
-        roots: list[tuple[tuple, Any]] = [(("args",), node.args), (("kwargs",), node.kwargs)]
-        if node.op == "get_attr":
-            roots.append((("get_attr",), get_attr_path(gm, str(node.target))))
-        for base, root in roots:
+        for base, root in _roots(node, gm):
             if not _has_objects(root) or not any(_is_recipe_or_pg(v) for v in leaf_values(root)):
                 continue  # the common case, checked without building paths
-            for path, v in walk_values(root, base):
-                if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
-                    continue
-                if recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v):
-                    out.append((node.name, "/".join(map(str, path)), type(v).__name__))
+            out.extend((node.name, "/".join(map(str, path)), type(v).__name__)
+                       for path, v in walk_values(root, base) if _is_recipe_or_pg(v))
     return out
+
+
+#: ``class -> answer`` of :func:`_is_recipe_or_pg` for instances (it reads only the class).
+_RECIPE_OR_PG_TYPES: dict[type, bool] = {}
 
 
 def _is_recipe_or_pg(v: Any) -> bool:
     if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
         return False
-    if isinstance(v, type):  # a class value: the answer depends on the class itself
-        return recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
-    t = type(v)
-    hit = _RECIPE_OR_PG_TYPES.get(id(t))
-    if hit is not None and hit[0] is t:
-        return hit[1]
-    ans = recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
-    _RECIPE_OR_PG_TYPES[id(t)] = (t, ans)
+    ans = None if isinstance(v, type) else _RECIPE_OR_PG_TYPES.get(type(v))
+    if ans is None:
+        ans = recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
+        if not isinstance(v, type):
+            _RECIPE_OR_PG_TYPES[type(v)] = ans
     return ans
-
-
-#: ``id(class) -> (class, answer)`` of :func:`_is_recipe_or_pg` for instances: ``is_recipe``,
-#: ``is_recipe_part`` and ``is_process_group`` read only the instance's class (module, MRO
-#: names). The class is kept so its id stays valid.
-_RECIPE_OR_PG_TYPES: dict[int, tuple[type, bool]] = {}
 
 
 def may_be_te_lookup(target: Any) -> bool:

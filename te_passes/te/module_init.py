@@ -1,7 +1,4 @@
-"""What TE 2.20.2 modules' first forward initialises lazily, as tables (TE knowledge for
-:func:`te_passes.rewrite.te_state.prepare_te_state`, which runs that initialisation eagerly so a
-compiled step 2 sees the same state as step 1's trace).
-"""
+"""What TE modules' first forward initialises lazily (for :func:`te_passes.rewrite.te_state.prepare_te_state`)."""
 
 from __future__ import annotations
 
@@ -9,8 +6,8 @@ from typing import Any
 
 
 def forward_prepare_args(module: Any) -> tuple[int, bool] | None:
-    """``(num_gemms, allow_different_data_and_param_types)`` that ``module``'s TE 2.20.2 forward
-    passes to ``prepare_forward``, or ``None`` for a class not audited here."""
+    """``(num_gemms, allow_different_data_and_param_types)`` ``module``'s forward passes to
+    ``prepare_forward``, or ``None`` for a class not audited here."""
     import transformer_engine.pytorch as te
 
     cls = type(module)

@@ -57,7 +57,7 @@ def _clamped_swiglu(x: torch.Tensor, params: dict) -> torch.Tensor:
     return _qgelu(a.clamp(max=limit), alpha) * (b.clamp(-limit, limit) + offset)
 
 
-#: TE 2.20.2 ``LayerNormMLP`` activations (``_get_act_func_supported_list``) -> ``f(x_fp32, params)``.
+#: TE ``LayerNormMLP`` activations (``_get_act_func_supported_list``) -> ``f(x_fp32, params)``.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
     "gelu": lambda x, p: _gelu_tanh(x),
     "geglu": _gated(_gelu_tanh),

@@ -13,8 +13,7 @@ from te_passes.te.version import te_version
 
 TE_OP_NAMESPACE = "transformer_engine_compile"
 
-#: Ops whose slot layout this model was written against (TE 2.20). ``*_base`` ops share the
-#: schema of the op they wrap.
+#: Ops whose slot layout this model was written against (``*_base`` ops share their wrapper's schema).
 KNOWN_OPS: frozenset[str] = frozenset({"linear", "linear_backward", "linear_base", "linear_backward_base"})
 
 TQ_TENSORS_SUFFIX = "__tensors"
@@ -23,14 +22,11 @@ CONFIG_SLOT = "_simple_meta"
 
 
 class UnknownTEOp(Exception):
-    """A ``transformer_engine_compile`` node this model cannot decode (unknown op/TE version or
-    a slot layout it does not recognise). The message names the node, op and TE version."""
+    """A ``transformer_engine_compile`` node this model cannot decode; the message names node, op, TE version."""
 
 
-# Any op family TE's ``register_custom_op`` creates is decoded from its schema,
-# so ops of later TE modules (LayerNormLinear, LayerNormMLP, attention) need no new code here.
-#: Roles of the four ops one ``register_custom_op(op_name=<name>)`` call defines (TE 2.20.2
-#: ``dynamo/custom_op.py`` ``_register_custom_op_impl``): op name suffix -> (direction, tier).
+#: Roles of the four ops one ``register_custom_op(op_name=<name>)`` call defines
+#: (``dynamo/custom_op.py`` ``_register_custom_op_impl``): op name suffix -> (direction, tier).
 FAMILY_SUFFIXES: dict[str, tuple[str, str]] = {
     "": ("forward", "wrapper"),
     "_base": ("forward", "base"),
@@ -41,12 +37,8 @@ FAMILY_SUFFIXES: dict[str, tuple[str, str]] = {
 
 @dataclasses.dataclass(frozen=True)
 class TEOpFamily:
-    """One op family registered by TE's ``register_custom_op(op_name=name)``.
-
-    ``name`` — the family (``"linear"``); ``ops`` — ``{suffix: op name}`` for the four members
-    (:data:`FAMILY_SUFFIXES`); ``direction`` / ``tier`` — what the queried op is
-    (``"forward"``/``"backward"``, ``"wrapper"``/``"base"``).
-    """
+    """One op family registered by TE's ``register_custom_op(op_name=name)``: its four member
+    ``ops`` (:data:`FAMILY_SUFFIXES` order) and the queried ``op``'s ``direction`` and ``tier``."""
 
     name: str
     op: str
@@ -56,9 +48,7 @@ class TEOpFamily:
 
 
 def _registered_custom_op(op: str) -> bool:
-    """Whether ``transformer_engine_compile::<op>`` was defined through ``torch.library.custom_op``
-    (``torch._library.custom_ops.OPDEFS``, where TE's ``_register_base_op`` /
-    ``_register_wrapper_op`` put every op they define)."""
+    """Whether ``transformer_engine_compile::<op>`` was defined through ``torch.library.custom_op``."""
     from torch._library.custom_ops import OPDEFS
 
     return f"{TE_OP_NAMESPACE}::{op}" in OPDEFS
@@ -80,9 +70,7 @@ def op_family(op: str) -> TEOpFamily | None:
 
 
 def _bundle_type_names() -> frozenset[str]:
-    """How schemas spell TE's ``OpaqueValueBundle`` type: torch 2.14 prints opaque-object
-    arguments of a parsed schema as ``PyObject``; the registered opaque-type name
-    (``transformer_engine.pytorch.dynamo.custom_op.OpaqueValueBundle``) is accepted too."""
+    """How schemas spell TE's ``OpaqueValueBundle`` type: ``PyObject`` or its registered opaque-type name."""
     names = {"PyObject"}
     try:
         from torch._library.opaque_object import get_opaque_type_name
@@ -132,11 +120,8 @@ def schema_layout_problem(schema: torch._C.FunctionSchema) -> str | None:
 
 
 def te_op_family(op: str) -> TEOpFamily:
-    """The family of a ``transformer_engine_compile`` op whose slots this model can decode.
-
-    Raises:
-        UnknownTEOp: not a family member, or its schema is not TE's layout (message says which).
-    """
+    """The family of a ``transformer_engine_compile`` op whose slots this model can decode; raises
+    :class:`UnknownTEOp` for a non-member or a schema that is not TE's layout (saying which)."""
     fam = op_family(op)
     if fam is None:
         raise UnknownTEOp(f"unknown TE op {TE_OP_NAMESPACE}::{op} (TE {te_version()}): not one of "

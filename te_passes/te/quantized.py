@@ -5,7 +5,6 @@ See docs/internals.md#te_passestequantizedpy."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from typing import Any
 
@@ -43,12 +42,8 @@ class QuantizedInfo:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-def _val(node: torch.fx.Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
-    v = _val(node)
+    v = node.meta.get("val", node.meta.get("example_value"))
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
@@ -56,28 +51,19 @@ _TARGET_KIND: dict[int, tuple[Any, str | None]] = {}
 
 
 def _target_kind(target: Any) -> str | None:
-    """``"te"`` for ``transformer_engine_compile`` ops, ``"cast"`` for dtype casts, else None
-    (cached by identity: ``OpOverload.__hash__`` is Python-level)."""
+    """``"te"`` for ``transformer_engine_compile`` ops, ``"cast"`` for dtype casts, else None (cached by id)."""
     hit = _TARGET_KIND.get(id(target))
     if hit is not None and hit[0] is target:
         return hit[1]
-    kind = None
     name = op_qualname(target) or ""
-    if name.startswith(TE_OP_NAMESPACE + "::"):
-        kind = "te"
-    elif name in _CAST_TARGETS:
-        kind = "cast"
+    kind = "te" if name.startswith(TE_OP_NAMESPACE + "::") else "cast" if name in _CAST_TARGETS else None
     _TARGET_KIND[id(target)] = (target, kind)
     return kind
 
 
 def forward_saved_outputs(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
-    """``{flat index: getitem}`` of a TE *forward* op's saved-for-backward outputs.
-
-    TE's ``_OutputPlan`` (``dynamo/custom_op.py``, TE 2.20.2) lays the flat ``Tensor[]``
-    return out as user outputs first, saved tensors after; ``linear`` has one user output
-    (flat index 0). Returns ``{}`` for non-TE / backward / undecodable ops.
-    """
+    """``{flat index: getitem}`` of a TE *forward* op's saved-for-backward outputs (``dynamo/custom_op.py``
+    ``_OutputPlan``: user outputs first, ``linear`` has one); ``{}`` for non-TE / backward / undecodable ops."""
     try:
         call = decode(node)
     except UnknownTEOp:
@@ -94,12 +80,8 @@ def _saved_outputs_of(call: Any) -> dict[int, torch.fx.Node]:
 
 def classify_quantized(graph: torch.fx.Graph, *,
                        saved_roles: dict[str, QuantizedInfo] | None = None) -> dict[torch.fx.Node, QuantizedInfo]:
-    """Classify the quantized values of ``graph``: ``{node: QuantizedInfo}``.
-
-    The node is the one *using* the role (e.g. a ``detach`` in a TE storage slot); liveness
-    moves the role onto the storage it aliases. Undecodable TE ops are skipped (their
-    outputs may still be found by dtype).
-    """
+    """Classify the quantized values of ``graph``: ``{node: QuantizedInfo}``, keyed by the node
+    *using* the role (e.g. a ``detach`` in a TE storage slot); undecodable TE ops are skipped."""
     out: dict[torch.fx.Node, QuantizedInfo] = {}
 
     def put(node, info):
@@ -132,8 +114,6 @@ def classify_quantized(graph: torch.fx.Graph, *,
                 role = (BufferRole.ROWWISE_SCALE_INV if dt == getattr(torch, "float8_e8m0fnu", None)
                         else BufferRole.ROWWISE_DATA)
                 put(node, QuantizedInfo(role.value, "quantize_op", 2, op=node.name))
-    # Any other value of a quantized-only dtype is classified per storage by the liveness
-    # analysis (``source="dtype"``), which sees every buffer including unextracted outputs.
     if saved_roles:
         for node in graph.nodes:
             info = saved_roles.get(node.name)
@@ -152,19 +132,19 @@ def _through_views(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def _slot_bases(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, QuantizedInfo]]:
+    """``(base of the slot node's views, info)`` of every TE storage-slot role in ``graph``."""
+    return [(_through_views(n), i) for n, i in classify_quantized(graph).items() if i.source == "te_storage_slot"]
+
+
 def link_saved_roles(fwd: torch.fx.Graph, bwd: torch.fx.Graph) -> dict[str, QuantizedInfo]:
     """Roles of the forward's saved quantized outputs, read from the backward's TE storage slots."""
     fwd_out = next((n for n in reversed(fwd.nodes) if n.op == "output"), None)
     fwd_names: set[str] = set()
     if fwd_out is not None:
         torch.fx.node.map_arg(fwd_out.args, lambda n: fwd_names.add(n.name) or n)
-    roles: dict[str, QuantizedInfo] = {}
-    for node, info in classify_quantized(bwd).items():
-        if info.source != "te_storage_slot":
-            continue
-        base = _through_views(node)
-        if base.op == "placeholder" and base.name in fwd_names:
-            roles[base.name] = dataclasses.replace(info, source="paired_backward")
+    roles = {base.name: dataclasses.replace(info, source="paired_backward") for base, info in _slot_bases(bwd)
+             if base.op == "placeholder" and base.name in fwd_names}
     # The forward may return a view (detach) of the op output: give the base the role too.
     if fwd_out is not None:
         for n in fwd.nodes:
@@ -177,12 +157,6 @@ def link_saved_roles(fwd: torch.fx.Graph, bwd: torch.fx.Graph) -> dict[str, Quan
 
 def joint_saved_roles(joint: torch.fx.Graph) -> dict[str, QuantizedInfo]:
     """Roles of saved quantized buffers, read from AOTAutograd's *joint* graph."""
-    roles: dict[str, QuantizedInfo] = {}
-    for node, info in classify_quantized(joint).items():
-        if info.source != "te_storage_slot":
-            continue
-        base = _through_views(node)
-        if base.op == "call_function" and base.target is operator.getitem and \
-                isinstance(base.args[0], torch.fx.Node) and is_te_op_node(base.args[0]):
-            roles[base.name] = dataclasses.replace(info, source="paired_backward")
-    return roles
+    return {base.name: dataclasses.replace(info, source="paired_backward") for base, info in _slot_bases(joint)
+            if base.op == "call_function" and base.target is operator.getitem
+            and isinstance(base.args[0], torch.fx.Node) and is_te_op_node(base.args[0])}

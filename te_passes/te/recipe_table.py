@@ -24,19 +24,11 @@ class Resolved:
 
 @dataclasses.dataclass(frozen=True)
 class RecipeResolution:
-    """What one recipe object resolves to.
-
-    Fields:
-        recipe_class: the TE recipe class (:data:`RECIPE_CLASSES`).
-        split_accumulator: ``{gemm: Resolved(bool)}`` for ``fprop``/``dgrad``/``wgrad``.
-        backward_override: ``Resolved(None | "high_precision" | "dequantized")``.
-        quantizer_class: the TE quantizer class the recipe builds (``None``: CustomRecipe).
-        quantizers: ``{role: {field: Resolved}}`` for the roles of :data:`ROLES`: the
-            quantizer value fields the recipe sets (``dtype`` as TE's ``DType`` name,
-            ``force_pow_2_scales``, ``amax_epsilon``, ``block_scaling_dim``, NVFP4's
-            ``with_rht``/``stochastic_rounding``/..., MXFP8's ``with_2d_quantization``).
-            Empty for CustomRecipe.
-    """
+    """What one recipe object resolves to: its class (:data:`RECIPE_CLASSES`), ``{gemm:
+    Resolved(bool)}`` split-accumulator flags, ``backward_override`` (``None`` /
+    ``"high_precision"`` / ``"dequantized"``), the quantizer class it builds (``None``:
+    CustomRecipe) and ``{role: {field: Resolved}}`` of the quantizer value fields it sets
+    (``dtype`` as TE's ``DType`` name; empty for CustomRecipe)."""
 
     recipe_class: str
     split_accumulator: Mapping[str, Resolved]
@@ -45,17 +37,13 @@ class RecipeResolution:
     quantizers: Mapping[str, Mapping[str, Resolved]]
 
     def use_split_accumulator(self, gemm: str) -> bool:
-        """The resolved flag of ``gemm`` (``"fprop"``, ``"dgrad"`` or ``"wgrad"``).
-
-        Raises:
-            KeyError: unknown GEMM name.
-        """
+        """The resolved flag of ``gemm`` (``"fprop"``, ``"dgrad"`` or ``"wgrad"``; else ``KeyError``)."""
         if gemm not in self.split_accumulator:
             raise KeyError(f"unknown GEMM {gemm!r}; expected one of {GEMMS}")
         return bool(self.split_accumulator[gemm].value)
 
     def quantizer_values(self, role: str) -> dict[str, Any]:
-        """``{field: value}`` the recipe sets on the quantizer of ``role``."""
+        """``{field: value}`` the recipe sets on the quantizer of ``role`` (``KeyError``: unknown role)."""
         if role not in ROLES:
             raise KeyError(f"unknown quantizer role {role!r}; expected one of {ROLES}")
         return {k: r.value for k, r in self.quantizers.get(role, {}).items()}
@@ -77,7 +65,6 @@ def module_default_split_accumulator() -> dict[str, bool]:
     """``{gemm: bool}`` from TE's ``module/base.py`` ``_2X_ACC_*`` (live when TE imports, else
     :data:`PINNED_MODULE_DEFAULTS`)."""
     try:
-        import torch  # noqa: F401  (TE needs torch imported first)
         from transformer_engine.pytorch.module import base as te_base
     except Exception:  # noqa: BLE001 - TE absent or its core library does not load
         return dict(PINNED_MODULE_DEFAULTS)
@@ -90,11 +77,14 @@ def _format_name(fmt: Any) -> str:
 
 
 def fp8_dtype_name(recipe: Any, fprop_tensor: bool) -> str:
-    """TE ``DType`` member name of the fp8 data of a tensor, as ``get_fp8_te_dtype`` resolves it
-    (``quantization.py``): E4M3 for ``Format.E4M3`` and for forward tensors of
-    ``Format.HYBRID``, else E5M2."""
+    """TE ``DType`` member name of a tensor's fp8 data, as ``quantization.py`` ``get_fp8_te_dtype``
+    resolves it (E4M3 for ``Format.E4M3`` and HYBRID's forward tensors, else E5M2)."""
     fmt = _format_name(recipe.fp8_format)
     return "kFloat8E4M3" if fmt == "E4M3" or (fmt == "HYBRID" and fprop_tensor) else "kFloat8E5M2"
+
+
+def _in_scope(scope: str, role: str) -> bool:
+    return scope == "all" or scope == ("weights" if role == "weight" else "activations")
 
 
 def _quantizers_for(recipe: Any, cls: str, module_type: str) -> dict[str, dict[str, Resolved]]:
@@ -138,17 +128,8 @@ def _quantizers_for(recipe: Any, cls: str, module_type: str) -> dict[str, dict[s
             qp = ("fp4_quant_bwd_grad" if role in BWD_ROLES else
                   "fp4_quant_fwd_weight" if role == "weight" else "fp4_quant_fwd_inp")
             params = getattr(recipe, qp)
-            use_4over6 = False
-            scope = recipe.nvfp4_4over6
-            if role not in BWD_ROLES:
-                use_4over6 = (scope == "all" or (scope == "weights" and role == "weight")
-                              or (scope == "activations" and role != "weight"))
-            e4m3_max = 448
-            if use_4over6:
-                s256 = recipe.nvfp4_4over6_e4m3_use_256
-                if s256 == "all" or (s256 == "weights" and role == "weight") or (
-                        s256 == "activations" and role != "weight"):
-                    e4m3_max = 256
+            use_4over6 = role not in BWD_ROLES and _in_scope(recipe.nvfp4_4over6, role)
+            e4m3_max = 256 if use_4over6 and _in_scope(recipe.nvfp4_4over6_e4m3_use_256, role) else 448
             f["dtype"] = Resolved("kFloat4E2M1", "get_fp4_te_dtype(recipe.fp4_format)")
             f["with_rht"] = Resolved(bool(params.random_hadamard_transform), f"recipe.{qp}.random_hadamard_transform")
             f["with_post_rht_amax"] = Resolved(bool(params.random_hadamard_transform),
@@ -165,20 +146,10 @@ def _quantizers_for(recipe: Any, cls: str, module_type: str) -> dict[str, dict[s
 
 
 def resolve_recipe(recipe: Any, *, module_type: str = "linear") -> RecipeResolution:
-    """Resolve ``recipe`` as TE 2.20.2 does for a module of ``module_type``.
-
-    Args:
-        recipe: a TE recipe instance (any class of :data:`RECIPE_CLASSES` or a subclass).
-        module_type: the TE module whose quantizer roles are resolved (``"linear"``,
-            ``"grouped_linear"``, ``"layernorm_linear"``, ``"layernorm_mlp"``); only MXFP8's
-            2D weight quantization depends on it (``linear`` / ``grouped_linear`` only).
-
-    Returns:
-        A :class:`RecipeResolution` (pure data; reading it never touches the recipe again).
-
-    Raises:
-        RecipeResolutionError: ``recipe`` is not a TE recipe of a known class.
-    """
+    """Resolve a TE recipe instance (a class of :data:`RECIPE_CLASSES` or a subclass) as TE does for a
+    module of ``module_type`` (``"linear"``, ``"grouped_linear"``, ``"layernorm_linear"``,
+    ``"layernorm_mlp"``: only MXFP8's 2D weight quantization depends on it), as pure data.
+    Raises :class:`RecipeResolutionError` for anything else."""
     cls = recipe_class_name(recipe)
     defaults = module_default_split_accumulator()
     split: dict[str, Resolved] = {}
@@ -203,12 +174,8 @@ def _dummy_qfactory(role: Any = None) -> Any:  # pragma: no cover - never called
 
 
 def default_recipe(cls_name: str) -> Any:
-    """A default-constructed TE recipe of class ``cls_name`` (CustomRecipe gets a placeholder
-    ``qfactory`` that raises if called).
-
-    Raises:
-        RecipeResolutionError: unknown class name. ImportError: TE not installed.
-    """
+    """A default-constructed TE recipe of class ``cls_name`` (CustomRecipe: a placeholder
+    ``qfactory`` that raises if called). Raises :class:`RecipeResolutionError` for an unknown class."""
     if cls_name not in RECIPE_CLASSES:
         raise RecipeResolutionError(f"unknown TE recipe class {cls_name!r}; known: {RECIPE_CLASSES}")
     from transformer_engine.common import recipe as te_recipe

@@ -10,6 +10,10 @@ import enum
 import sys
 from typing import Any, Callable, Mapping
 
+import torch
+
+from te_passes.te.graph_constants import is_te_object, mro_names
+
 #: The three GEMMs of a TE linear layer.
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 
@@ -19,17 +23,10 @@ FWD_ROLES: tuple[str, ...] = ("input", "weight", "output")
 BWD_ROLES: tuple[str, ...] = ("grad_output", "grad_input")
 ROLES: tuple[str, ...] = FWD_ROLES + BWD_ROLES
 
-#: ``transformer_engine/pytorch/module/base.py`` ``_2X_ACC_FPROP/_DGRAD/_WGRAD`` (TE 2.20.2).
-#: :func:`te_passes.te.recipe_table.module_default_split_accumulator` reads the live values when TE is importable.
+#: ``module/base.py`` ``_2X_ACC_FPROP/_DGRAD/_WGRAD`` (``recipe_table.module_default_split_accumulator``: live values).
 PINNED_MODULE_DEFAULTS: Mapping[str, bool] = {"fprop": False, "dgrad": True, "wgrad": True}
 
-#: TE recipe class names, in ``RecipeState.create`` dispatch order.
-RECIPE_CLASSES: tuple[str, ...] = (
-    "DelayedScaling", "MXFP8BlockScaling", "Float8CurrentScaling", "Float8BlockScaling",
-    "NVFP4BlockScaling", "CustomRecipe",
-)
-
-#: Quantizer class ``RecipeState.make_quantizers`` builds per recipe class.
+#: Quantizer class ``RecipeState.make_quantizers`` builds per recipe class (``RecipeState.create`` order).
 QUANTIZER_CLASS: Mapping[str, str | None] = {
     "DelayedScaling": "Float8Quantizer",
     "MXFP8BlockScaling": "MXFP8Quantizer",
@@ -38,6 +35,8 @@ QUANTIZER_CLASS: Mapping[str, str | None] = {
     "NVFP4BlockScaling": "NVFP4Quantizer",
     "CustomRecipe": None,
 }
+#: TE recipe class names, in ``RecipeState.create`` dispatch order.
+RECIPE_CLASSES: tuple[str, ...] = tuple(QUANTIZER_CLASS)
 
 #: Classmethods of ``Recipe`` that only test the recipe's class (pure, foldable).
 RECIPE_PREDICATES: frozenset[str] = frozenset({
@@ -45,8 +44,7 @@ RECIPE_PREDICATES: frozenset[str] = frozenset({
     "float8_block_scaling", "custom",
 })
 
-#: ``FP8GlobalStateManager`` classmethods whose result is fixed for one compiled graph, and
-#: the name of the state they read (``transformer_engine/pytorch/quantization.py``).
+#: ``FP8GlobalStateManager`` classmethods fixed for one compiled graph -> the state they read (``quantization.py``).
 STATE_LOOKUPS: Mapping[str, str] = {
     "get_fp8_recipe": "recipe",
     "is_fp8_enabled": "fp8_enabled",
@@ -55,8 +53,7 @@ STATE_LOOKUPS: Mapping[str, str] = {
     "get_fp8_group": "fp8_group",
 }
 
-#: Pure module-level TE functions of a recipe (``transformer_engine.pytorch.quantization``),
-#: which the pass evaluates at compile time: ``(recipe, *constant args) -> constant``.
+#: Pure TE functions of a recipe (``pytorch/quantization.py``) the pass evaluates at compile time.
 PURE_RECIPE_FUNCTIONS: frozenset[str] = frozenset({"get_fp8_te_dtype", "get_fp4_te_dtype", "get_fp8_max"})
 
 
@@ -64,42 +61,27 @@ class RecipeResolutionError(ValueError):
     """A recipe (or attribute path) that te_passes cannot resolve; the message names it."""
 
 
-# --------------------------------------------------------------------------- TE objects
-def _mro_names(obj: Any) -> set[str]:
-    t = obj if isinstance(obj, type) else type(obj)
-    return {k.__name__ for k in getattr(t, "__mro__", ())}
-
-
-def _is_te(obj: Any) -> bool:
-    t = obj if isinstance(obj, type) else type(obj)
-    return (getattr(t, "__module__", "") or "").startswith("transformer_engine")
-
-
 def is_recipe(obj: Any) -> bool:
     """Whether ``obj`` is an instance of a TE recipe (``transformer_engine.common.recipe.Recipe``)."""
-    return not isinstance(obj, type) and _is_te(obj) and "Recipe" in _mro_names(obj)
+    return not isinstance(obj, type) and is_te_object(obj) and "Recipe" in mro_names(obj)
 
 
 def is_recipe_part(obj: Any) -> bool:
     """Whether ``obj`` is a sub-object of a recipe: ``MMParams``, ``QParams`` or ``Format``."""
-    return _is_te(obj) and bool(_mro_names(obj) & {"MMParams", "QParams", "Format", "_FormatHelper"})
+    return is_te_object(obj) and bool(mro_names(obj) & {"MMParams", "QParams", "Format", "_FormatHelper"})
 
 
 def is_process_group(obj: Any) -> bool:
     """Whether ``obj`` is a ``torch.distributed`` process group (c10d ``ProcessGroup``)."""
-    return "ProcessGroup" in _mro_names(obj) and not isinstance(obj, type)
+    return "ProcessGroup" in mro_names(obj) and not isinstance(obj, type)
 
 
 def recipe_class_name(recipe: Any) -> str:
-    """The TE recipe class ``recipe`` dispatches as (``RecipeState.create`` order: a subclass
-    of ``Float8CurrentScaling`` resolves as ``"Float8CurrentScaling"``).
-
-    Raises:
-        RecipeResolutionError: ``recipe`` is not a TE recipe or not of a known class.
-    """
+    """The TE recipe class ``recipe`` dispatches as (``RecipeState.create`` order: a subclass of
+    ``Float8CurrentScaling`` is ``"Float8CurrentScaling"``); :class:`RecipeResolutionError` otherwise."""
     if not is_recipe(recipe):
         raise RecipeResolutionError(f"not a TE recipe: {type(recipe).__qualname__}")
-    names = _mro_names(recipe)
+    names = mro_names(recipe)
     for cls in RECIPE_CLASSES:
         if cls in names:
             return cls
@@ -107,10 +89,7 @@ def recipe_class_name(recipe: Any) -> str:
                                 f"resolves (known: {', '.join(RECIPE_CLASSES)})")
 
 
-# --------------------------------------------------------------------------- lookups
-#: Attribute names that may be read off a recipe (or its MMParams/QParams/Format parts) at
-#: compile time: dataclass fields of TE 2.20 recipes and their parts. Anything else is not
-#: folded (the pass records why).
+#: Attribute names that may be read off a recipe's MMParams/QParams/Format parts at compile time.
 _PART_FIELDS = frozenset({
     "use_split_accumulator", "power_2_scale", "amax_epsilon", "random_hadamard_transform",
     "stochastic_rounding", "fp4_2d_quantization", "max_fwd", "max_bwd", "value", "name",
@@ -123,20 +102,13 @@ def recipe_field_names(recipe: Any) -> frozenset[str]:
     names = {f.name for f in dataclasses.fields(recipe)} if dataclasses.is_dataclass(recipe) else set()
     names |= {n for n in dir(type(recipe)) if n.startswith(("fp8_quant_", "fp4_quant_", "fp8_gemm_"))}
     names |= {n for n in vars(recipe) if n.startswith(("fp8_quant_", "fp4_quant_", "fp8_gemm_"))}
-    names.discard("qfactory")  # a user callable: never a constant
-    names.discard("scaling_factor_compute_algo")
-    names.discard("amax_compute_algo")
-    return frozenset(names)
+    return frozenset(names - {"qfactory", "scaling_factor_compute_algo", "amax_compute_algo"})  # callables
 
 
 def read_recipe_attr(obj: Any, name: str) -> Any:
-    """Read attribute ``name`` of a recipe or recipe part at compile time.
-
-    Raises:
-        RecipeResolutionError: ``obj`` is neither a recipe nor a recipe part, or ``name`` is
-            not a plain data field of it.
-        AttributeError: the object has no such attribute.
-    """
+    """Read attribute ``name`` of a recipe or recipe part at compile time. Raises
+    :class:`RecipeResolutionError` when ``obj`` is neither or ``name`` is not a plain data field of
+    it, ``AttributeError`` when there is no such attribute."""
     if (is_recipe(obj) or is_recipe_part(obj)) and not hasattr(obj, name):
         raise AttributeError(f"{type(obj).__name__} has no attribute {name!r}")
     if is_recipe(obj):
@@ -152,12 +124,8 @@ def read_recipe_attr(obj: Any, name: str) -> Any:
 
 
 def call_recipe_function(name: str, args: tuple[Any, ...]) -> Any:
-    """Evaluate the pure TE function ``transformer_engine.pytorch.quantization.<name>`` (one
-    of :data:`PURE_RECIPE_FUNCTIONS`) on constant ``args``.
-
-    Raises:
-        RecipeResolutionError: ``name`` is not a known pure recipe function.
-    """
+    """Evaluate ``transformer_engine.pytorch.quantization.<name>`` on constant ``args``; raises
+    :class:`RecipeResolutionError` unless ``name`` is one of :data:`PURE_RECIPE_FUNCTIONS`."""
     if name not in PURE_RECIPE_FUNCTIONS:
         raise RecipeResolutionError(f"{name} is not a pure TE recipe function ({sorted(PURE_RECIPE_FUNCTIONS)})")
     from transformer_engine.pytorch import quantization
@@ -168,8 +136,6 @@ def call_recipe_function(name: str, args: tuple[Any, ...]) -> Any:
 def is_plain_constant(value: Any) -> bool:
     """Whether ``value`` may stand as a literal constant in an FX graph: ``None``, bool, int,
     float, str, ``torch.dtype``, or an ``enum.Enum`` member whose value is plain (TE's ``DType``)."""
-    import torch
-
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return True
     if isinstance(value, enum.Enum):
@@ -177,7 +143,7 @@ def is_plain_constant(value: Any) -> bool:
     return False
 
 
-#: The TE module holding ``FP8GlobalStateManager`` (TE 2.20.2).
+#: The TE module holding ``FP8GlobalStateManager``.
 FP8_STATE_MODULE = "transformer_engine.pytorch.quantization"
 
 
@@ -194,30 +160,18 @@ class Fp8State:
     fp8_group_text: str | None = None
 
     def lookup(self, name: str) -> Any:
-        """The value of ``FP8GlobalStateManager.<name>()`` (a key of :data:`STATE_LOOKUPS`).
-
-        Raises:
-            KeyError: not a known state lookup.
-        """
+        """The value of ``FP8GlobalStateManager.<name>()`` (a key of :data:`STATE_LOOKUPS`, else ``KeyError``)."""
         return getattr(self, STATE_LOOKUPS[name])
 
     @classmethod
     def capture(cls) -> "Fp8State":
-        """Read TE's live state (``transformer_engine.pytorch.quantization.FP8GlobalStateManager``).
-
-        Raises:
-            ImportError: TE is not installed.
-        """
-        import torch
+        """Read TE's live ``FP8GlobalStateManager`` state (``ImportError`` without TE)."""
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
 
         recipe = M.quantization_state.fp8_recipe
         if recipe is None and not torch.compiler.is_compiling():
-            # Outside autocast TE returns its device-dependent default recipe, which queries the
-            # GPU; without one the recipe stays unknown (``None``) and lookups of it are not folded.
-            # Inside a compilation (a backend such as te_inductor capturing its TE snapshot) TE
-            # refuses to build that default (``Recipe.__post_init__``: "Creating Recipe objects
-            # inside compiled regions is not supported"): it stays unknown there too.
+            # TE's default recipe queries the GPU, and ``Recipe.__post_init__`` refuses to build it
+            # inside a compilation: where it cannot be had the recipe stays unknown (not folded).
             try:
                 recipe = M.get_fp8_recipe()
             except RuntimeError:
@@ -228,17 +182,14 @@ class Fp8State:
 
     @classmethod
     def capture_if_loaded(cls) -> "Fp8State | None":
-        """:meth:`capture` when TE's ``transformer_engine.pytorch.quantization`` is already imported
-        in this process, else ``None`` (never imports TE: a graph can only hold TE's autocast
-        lookups once TE is loaded)."""
+        """:meth:`capture` when TE's :data:`FP8_STATE_MODULE` is already imported, else ``None``."""
         if FP8_STATE_MODULE not in sys.modules:
             return None
         return cls.capture()
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form, part of :meth:`te_passes.te.state.TEState.fingerprint`: the flags, the
-        recipe's ``repr`` (TE's recipes are dataclasses: their repr is their value) and the
-        amax-reduction group's type name (``None`` when unset)."""
+        """JSON-able form (part of ``TEState.fingerprint``): the flags, the recipe's ``repr`` (a
+        dataclass: its value) and the amax-reduction group's type name."""
         return {"fp8_enabled": self.fp8_enabled, "fp8_calibration": self.fp8_calibration,
                 "fp8_parameters": self.fp8_parameters,
                 "recipe": self.recipe_text if self.recipe is None else repr(self.recipe),
@@ -246,8 +197,7 @@ class Fp8State:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Fp8State":
-        """The state :meth:`to_json` wrote (same JSON, so the same fingerprint); the recipe and
-        group objects are not rebuilt, only their text is kept."""
+        """The state :meth:`to_json` wrote (same fingerprint); recipe and group are kept as text only."""
         return cls(fp8_enabled=bool(data.get("fp8_enabled")), fp8_calibration=bool(data.get("fp8_calibration")),
                    fp8_parameters=bool(data.get("fp8_parameters")), recipe_text=data.get("recipe"),
                    fp8_group_text=data.get("fp8_group"))
@@ -260,7 +210,7 @@ def state_lookup_name(target: Any) -> str | None:
     name = getattr(target, "__name__", None)
     if name not in STATE_LOOKUPS or not isinstance(owner, type):
         return None
-    if owner.__name__ != "FP8GlobalStateManager" or not _is_te(owner):
+    if owner.__name__ != "FP8GlobalStateManager" or not is_te_object(owner):
         return None
     return name
 
@@ -276,6 +226,6 @@ def pure_recipe_function_name(target: Any) -> str | None:
 
 def recipe_predicate(cls: Any) -> Callable[[Any], bool] | None:
     """For ``isinstance(x, cls)`` folding: a predicate when ``cls`` is a TE recipe class."""
-    if isinstance(cls, type) and _is_te(cls) and "Recipe" in _mro_names(cls):
+    if isinstance(cls, type) and is_te_object(cls) and "Recipe" in mro_names(cls):
         return lambda obj: isinstance(obj, cls)
     return None

@@ -1,10 +1,6 @@
-"""What TE's op impls read from TE's process state while they run: the inventory (TE 2.20.x),
-what compiled code gives each read, and the check that an installed TE's impls read nothing else.
-
-The runtime delivers the reads marked ``"autocast"`` (:mod:`te_passes.runtime.te_patches.recipe_state`);
-:func:`unknown_reads` compares an impl's bytecode with the inventory so that a TE whose impls read
-state not listed here is refused (:func:`te_passes.te.version.runtime_state_refusal`).
-Prose and the table with file:line: docs/design.md "TE global state read at run time".
+"""What TE's op impls read from TE's process state while they run: the inventory, what compiled
+code gives each read, and the bytecode check that an installed TE's impls read nothing else
+(:func:`te_passes.te.version.runtime_state_refusal`). Docs: docs/design.md "TE global state read at run time".
 """
 
 from __future__ import annotations
@@ -15,24 +11,18 @@ import dis
 import types
 from typing import Any, Iterator, Mapping
 
-#: How compiled code gets the value a read would see under the user's ``te.autocast``:
-#: ``"autocast"``: the autocast state in effect where Dynamo traced the op is set around the
-#: compiled call (:mod:`te_passes.runtime.te_patches.recipe_state`); ``"process"``: a process-wide value read
-#: at run time, the same for an eager and a compiled call at the same place (environment, TE's
-#: CPU-offload / activation-recompute / make_graphed_callables flags); ``"ub_guard"``: the
-#: Userbuffers registry, whose changes recompile (:mod:`te_passes.runtime.ub.guard`);
-#: ``"constant"``: a module constant fixed at TE's import.
+#: How compiled code gets the value a read would see under the user's ``te.autocast``: ``"autocast"``
+#: (set around the compiled call, ``runtime.te_patches.recipe_state``), ``"process"`` (a process-wide
+#: value, the same eager and compiled), ``"ub_guard"`` (UB registry changes recompile), ``"constant"``.
 DELIVERIES: tuple[str, ...] = ("autocast", "process", "ub_guard", "constant")
 
-#: The fields of ``FP8GlobalStateManager.quantization_state`` (TE ``quantization.py`` ``FP8GlobalState``)
-#: that ``te.autocast`` sets (``autocast_enter``) and the runtime sets around a compiled call.
+#: ``FP8GlobalStateManager.quantization_state`` fields ``te.autocast`` sets, and the runtime around a compiled call.
 AUTOCAST_FIELDS: tuple[str, ...] = ("fp8_enabled", "fp8_calibration", "fp8_recipe", "fp8_distributed_group")
 
 
 @dataclasses.dataclass(frozen=True)
 class ImplRef:
-    """A TE function whose run-time reads are inventoried: ``module`` / ``qualname`` (the code
-    :func:`unknown_reads` scans) and the source file relative to ``transformer_engine/pytorch``."""
+    """A TE function whose run-time reads are inventoried (``path``: relative to ``transformer_engine/pytorch``)."""
 
     key: str
     module: str
@@ -59,7 +49,7 @@ class StateRead:
 _LINEAR = "transformer_engine.pytorch.module.linear"
 _DPA = "transformer_engine.pytorch.attention.dot_product_attention.backends"
 
-#: Every inventoried function (TE 2.20.x).
+#: Every inventoried function.
 IMPLS: Mapping[str, ImplRef] = {r.key: r for r in (
     ImplRef("linear.forward", _LINEAR, "_linear_forward_impl", "module/linear.py", "impl"),
     ImplRef("linear.backward", _LINEAR, "_linear_backward_impl", "module/linear.py", "impl"),
@@ -81,8 +71,7 @@ IMPLS: Mapping[str, ImplRef] = {r.key: r for r in (
             "is_cpu_offload_enabled", "cpu_offload.py", "helper"),
 )}
 
-#: The impls each TE op family's compiled calls run (``register_custom_op(op_name=...)``); the
-#: helpers (:attr:`ImplRef.role` ``"helper"``) belong to every family.
+#: The impls each TE op family's compiled calls run (the ``"helper"`` ones belong to every family).
 FAMILY_IMPLS: Mapping[str, tuple[str, ...]] = {
     "linear": ("linear.forward", "linear.backward"),
     "fused_attn": ("fused_attn.forward", "fused_attn.backward"),
@@ -168,16 +157,13 @@ READS: tuple[StateRead, ...] = (
               "CPU offload", "always", "TE's offload synchronizer", "the same", "process"),
 )
 
-#: Environment variables TE's C++ library (``libtransformer_engine.so``) reads at run time inside
-#: the GEMM / normalization / attention kernels the impls launch. Read by the same process at the
-#: same call in eager and compiled code (``"process"``); not scanned (no Python source).
+#: Environment variables TE's C++ library reads inside the kernels the impls launch (``"process"``; not scanned).
 NATIVE_ENV: tuple[str, ...] = (
     "NVTE_NORM_FWD_USE_CUDNN", "NVTE_NORM_BWD_USE_CUDNN", "NVTE_ZERO_CENTERED_GAMMA_IN_WTYPE",
     "NVTE_CUDNN_MXFP8_NORM_OUTPUT_IN_INPUT_DTYPE", "NVTE_EXT_MARGIN_SM", "NVTE_FUSED_ATTN_CACHE_DEBUG",
 )
 
-#: Global names whose load in an inventoried function is a read of TE process state
-#: (:func:`scan_reads` counts them; every occurrence must be in :data:`READS`).
+#: Global names whose load in an inventoried function is a read of TE process state (all in :data:`READS`).
 STATE_NAMES: frozenset[str] = frozenset({
     "FP8GlobalStateManager", "get_default_fp8_recipe", "get_fp8_recipe", "is_cpu_offload_enabled",
     "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase", "is_graph_capturing",
@@ -188,18 +174,11 @@ STATE_NAMES: frozenset[str] = frozenset({
 })
 
 
-def reads_of(impl: str) -> tuple[StateRead, ...]:
-    """The inventoried reads of :data:`IMPLS` key ``impl`` (KeyError for an unknown key)."""
-    IMPLS[impl]
-    return tuple(r for r in READS if r.impl == impl)
-
-
 def autocast_reads() -> tuple[StateRead, ...]:
     """The reads compiled code must be given the user's ``te.autocast`` state for."""
     return tuple(r for r in READS if r.delivery == "autocast")
 
 
-# --------------------------------------------------------------------------- the bytecode check
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
     yield code
     for c in code.co_consts:
@@ -208,13 +187,8 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 
 
 def scan_reads(fn: Any) -> collections.Counter:
-    """Count the loads of :data:`STATE_NAMES` (global names, and ``cls.quantization_state`` /
-    ``FP8GlobalStateManager.<attr>`` attribute reads counted under their owner) in ``fn``'s bytecode and
-    its nested code objects (an ``os.getenv`` / ``os.environ`` read counts as ``os``).
-
-    Raises:
-        TypeError: ``fn`` has no Python code object.
-    """
+    """Count the loads of :data:`STATE_NAMES` (and ``cls.quantization_state`` reads, as ``cls``) in
+    ``fn``'s bytecode and its nested code objects; ``TypeError`` when ``fn`` has no Python code."""
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -235,18 +209,15 @@ def scan_reads(fn: Any) -> collections.Counter:
 
 
 def expected_reads(impl: str) -> collections.Counter:
-    """``Counter({accessor: count})`` of the inventory for ``impl``, comparable with :func:`scan_reads`."""
-    return collections.Counter(r.accessor for r in reads_of(impl))
+    """``Counter({accessor: count})`` of the inventory for :data:`IMPLS` key ``impl`` (else ``KeyError``)."""
+    IMPLS[impl]
+    return collections.Counter(r.accessor for r in READS if r.impl == impl)
 
 
 def resolve(ref: ImplRef) -> Any:
-    """The live function of ``ref`` (imports TE's module), unwrapped through ``__wrapped__``
-    (te_passes' own hooks wrap some impls with ``functools.wraps``) down to TE's function.
-
-    Raises:
-        ImportError / AttributeError: the module or function is not there.
-        TypeError: what the name holds, unwrapped, is not TE's ``ref.qualname``.
-    """
+    """The live function of ``ref`` (imports TE's module), unwrapped through ``__wrapped__`` (te_passes'
+    hooks) down to TE's. Raises ``ImportError`` / ``AttributeError`` when it is not there,
+    ``TypeError`` when what the name holds, unwrapped, is not TE's ``ref.qualname``."""
     import importlib
 
     import torch  # noqa: F401  (TE needs torch first)

@@ -16,17 +16,9 @@ from te_passes.te.version import te_version
 
 @dataclasses.dataclass(frozen=True)
 class TEState:
-    """Snapshot of TE state relevant to the passes.
-
-    Fields:
-        te_version: installed TE version string, or ``None`` when TE is not installed.
-        ub: the Userbuffers snapshot (``te_passes.te.ub.UbSnapshot``) or ``None`` when UB is not
-            initialised / not captured.
-        extra: other JSON-able facts a pass recorded about TE's state (e.g. the active recipe).
-        fp8: TE's fp8 autocast state (``te_passes.te.recipes.Fp8State``: enabled / calibration /
-            fp8 parameters, the recipe, the amax-reduction group), or ``None`` when not captured
-            (TE not loaded). ``fold_recipe_lookups`` folds ``FP8GlobalStateManager`` lookups to it.
-    """
+    """Snapshot of TE state relevant to the passes: the installed TE version, the Userbuffers
+    :class:`~te_passes.te.ub.UbSnapshot`, ``extra`` JSON-able facts a pass recorded, and the fp8
+    autocast :class:`~te_passes.te.recipes.Fp8State` (each ``None`` when absent / not captured)."""
 
     te_version: str | None = None
     ub: Any = None
@@ -35,12 +27,8 @@ class TEState:
 
     @classmethod
     def capture(cls, *, ub_snapshot: Any = None, fp8: Fp8State | None = None) -> "TEState":
-        """Take the state from the live TE process (or ``ub_snapshot`` / ``fp8`` when given).
-
-        ``ub_snapshot`` may be a ``UbSnapshot``, a dict, or a JSON file path (offline use). The fp8
-        autocast state is :meth:`Fp8State.capture_if_loaded` (``None`` while TE is not imported).
-        Without TE installed this returns a state with ``te_version=None``, no UB and no fp8 state.
-        """
+        """Take the state from the live TE process, or from ``ub_snapshot`` (a ``UbSnapshot``, dict
+        or JSON path) / ``fp8`` when given; without TE: ``te_version=None``, no fp8 state."""
         ub = UbSnapshot.load(ub_snapshot) if ub_snapshot is not None else UbSnapshot.capture()
         return cls(te_version=te_version(), ub=ub, fp8=fp8 if fp8 is not None else Fp8State.capture_if_loaded())
 

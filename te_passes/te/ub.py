@@ -11,30 +11,29 @@ import os
 import sys
 from typing import Any, Mapping
 
-#: Module holding TE's UB registry (TE 2.20.2).
+#: Module holding TE's UB registry.
 TE_UB_MODULE = "transformer_engine.pytorch.module.base"
 
-#: Communicator query methods folded by te_passes, in snapshot field order: the query methods
-#: of TE 2.20.2's pybind ``transformer_engine_torch.CommOverlapCore`` (``CommOverlap`` and
-#: ``CommOverlapP2P`` inherit them). A method a communicator lacks is recorded as ``None``.
+#: Communicator query methods folded by te_passes, in snapshot field order (pybind
+#: ``transformer_engine_torch.CommOverlapCore``). A method a communicator lacks is recorded as ``None``.
 UB_PREDICATE_METHODS: tuple[str, ...] = (
     "is_fp8_ubuf", "with_cublasmp", "is_atomic_gemm", "is_p2p_overlap", "get_tp_size",
 )
 
-#: TE module-level UB functions the pass folds (``module/base.py``, TE 2.20.2).
+#: TE module-level UB functions the pass folds (``module/base.py``).
 UB_QUERY_FUNCTIONS: tuple[str, ...] = ("get_ub_is_fp8", "is_ub_initialized", "using_cublasmp_backend")
 
-#: ``UserBufferQuantizationMode`` values (TE 2.20.2 ``module/base.py``).
+#: ``UserBufferQuantizationMode`` values (``module/base.py``).
 MODE_NONE = "none"
 MODE_FP8 = "fp8"
+#: Snapshot field of a query method whose name differs.
+_METHOD_FIELD = {"get_tp_size": "tp_size"}
+
 
 class UbConfigError(RuntimeError):
-    """A UB query or a TE op's UB configuration cannot be satisfied by the UB state.
-
-    Raised at compile time instead of TE's run-time ``KeyError`` / ``RuntimeError`` from
-    ``get_ub`` (which, under CUDA graph trees, would surface inside a replayed graph). The
-    message names the module's ``ub_name``, the buffer and the UB state it was checked against.
-    """
+    """A UB query or a TE op's UB configuration cannot be satisfied by the UB state: raised at
+    compile time instead of TE's run-time ``KeyError`` / ``RuntimeError`` from ``get_ub``. The
+    message names the module's ``ub_name``, the buffer and the UB state it was checked against."""
 
 
 def ub_mode(use_fp8: bool) -> str:
@@ -44,14 +43,12 @@ def ub_mode(use_fp8: bool) -> str:
 
 def _mode_value(mode: Any) -> str:
     """``UserBufferQuantizationMode.FP8`` / ``"fp8"`` / ``"FP8"`` -> ``"fp8"``."""
-    v = getattr(mode, "value", mode)
-    v = str(v).lower()
+    v = str(getattr(mode, "value", mode)).lower()
     if v not in (MODE_NONE, MODE_FP8):
         raise ValueError(f"unknown UB quantization mode {mode!r} (expected 'none' or 'fp8')")
     return v
 
 
-# --------------------------------------------------------------------------- snapshot
 @dataclasses.dataclass(frozen=True)
 class UbBufferState:
     """The query results of one UB communicator ``(name, mode)``."""
@@ -65,16 +62,12 @@ class UbBufferState:
     tp_size: int | None = None
 
     def method_value(self, method: str) -> Any:
-        """Result of ``communicator.<method>()`` (one of :data:`UB_PREDICATE_METHODS`).
-
-        Raises:
-            UbConfigError: unknown method, or the communicator did not expose it.
-        """
-        field = {"get_tp_size": "tp_size"}.get(method, method)
+        """Result of ``communicator.<method>()`` (one of :data:`UB_PREDICATE_METHODS`); raises
+        :class:`UbConfigError` for an unknown method or one the communicator did not expose."""
         if method not in UB_PREDICATE_METHODS:
             raise UbConfigError(f"UB communicator query {method!r} is not one te_passes folds "
                                 f"(known: {list(UB_PREDICATE_METHODS)})")
-        value = getattr(self, field)
+        value = getattr(self, _METHOD_FIELD.get(method, method))
         if value is None:
             raise UbConfigError(f"UB buffer {self.name!r} (mode {self.mode}) has no recorded "
                                 f"{method}() result in the snapshot")
@@ -86,31 +79,20 @@ class UbBufferState:
 
 @dataclasses.dataclass(frozen=True)
 class UbSnapshot:
-    """TE's Userbuffers registry as data, taken at one instant.
-
-    Fields:
-        initialized: ``is_ub_initialized()`` (``module/base.py`` ``_ub_initialized``).
-        with_cublasmp: ``_ub_with_cublasmp`` (``using_cublasmp_backend()`` is
-            ``initialized and with_cublasmp``).
-        buffers: one :class:`UbBufferState` per ``(name, mode)`` key of ``_ub_communicators``,
-            sorted by ``(name, mode)``.
-        source: where it came from (``"live"``, ``"dict"``, ``"file:<path>"``, ``"absent"`` when
-            TE is not loaded) — informational, not part of :meth:`fingerprint`.
-    """
+    """TE's Userbuffers registry as data, taken at one instant (``module/base.py``):
+    ``initialized`` (``_ub_initialized``), ``with_cublasmp`` (``_ub_with_cublasmp``), one
+    :class:`UbBufferState` per ``(name, mode)`` key of ``_ub_communicators`` (sorted), and
+    ``source`` (``"live"``, ``"dict"``, ``"file:<path>"``, ``"absent"``: not in :meth:`fingerprint`)."""
 
     initialized: bool = False
     with_cublasmp: bool = False
     buffers: tuple[UbBufferState, ...] = ()
     source: str = "live"
 
-    # ---------------------------------------------------------------- building
     @classmethod
     def capture(cls) -> "UbSnapshot":
-        """Read TE's live UB registry (``transformer_engine.pytorch.module.base``).
-
-        Raises:
-            UbConfigError: a registry key is not ``(str, UserBufferQuantizationMode)``.
-        """
+        """Read TE's live UB registry; raises :class:`UbConfigError` for a registry key that is not
+        ``(str, UserBufferQuantizationMode)``."""
         base = sys.modules.get(TE_UB_MODULE)
         if base is None:
             return cls(source="absent")
@@ -124,7 +106,7 @@ class UbSnapshot:
             for m in UB_PREDICATE_METHODS:
                 fn = getattr(comm, m, None)
                 v = fn() if callable(fn) else None
-                field = {"get_tp_size": "tp_size"}.get(m, m)
+                field = _METHOD_FIELD.get(m, m)
                 vals[field] = (int(v) if field == "tp_size" else bool(v)) if v is not None else None
             bufs.append(UbBufferState(key[0], _mode_value(key[1]), **vals))
         bufs.sort(key=lambda b: (b.name, b.mode))
@@ -134,11 +116,8 @@ class UbSnapshot:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, source: str = "dict") -> "UbSnapshot":
-        """Build from :meth:`to_json` output.
-
-        Raises:
-            UbConfigError: missing/unknown keys or wrongly typed values (message names them).
-        """
+        """Build from :meth:`to_json` output; raises :class:`UbConfigError` naming missing/unknown
+        keys or wrongly typed values."""
         if not isinstance(data, Mapping):
             raise UbConfigError(f"UB snapshot must be a JSON object, got {type(data).__name__}")
         unknown = set(data) - {"initialized", "with_cublasmp", "buffers", "source", "fingerprint"}
@@ -170,11 +149,8 @@ class UbSnapshot:
     @classmethod
     def load(cls, obj: Any) -> "UbSnapshot":
         """A snapshot from a :class:`UbSnapshot` (returned as is), a dict, or a JSON file path.
-
-        Raises:
-            UbConfigError: unreadable file, bad JSON or bad content (the message names the path).
-            TypeError: ``obj`` is none of those.
-        """
+        Raises :class:`UbConfigError` (naming the path) for an unreadable file, bad JSON or bad
+        content, ``TypeError`` when ``obj`` is none of those."""
         if isinstance(obj, UbSnapshot):
             return obj
         if isinstance(obj, Mapping):
@@ -192,7 +168,6 @@ class UbSnapshot:
                 raise UbConfigError(f"UB snapshot {path!r}: {e}") from None
         raise TypeError(f"te_passes.ub_snapshot must be a UbSnapshot, dict or JSON path, got {type(obj).__name__}")
 
-    # ---------------------------------------------------------------- output
     def to_json(self) -> dict[str, Any]:
         """``{"initialized", "with_cublasmp", "buffers": [...], "fingerprint"}`` (JSON types)."""
         return {"initialized": self.initialized, "with_cublasmp": self.with_cublasmp,
@@ -204,16 +179,11 @@ class UbSnapshot:
             json.dump(self.to_json(), f, indent=2, sort_keys=True)
 
     def fingerprint(self) -> str:
-        """sha256 (hex, 64 chars) of the state that queries can observe; ``source`` excluded.
-
-        Equal snapshots — same buffers, modes and query results — have equal fingerprints in
-        every process.
-        """
+        """sha256 (hex) of the state queries can observe (``source`` excluded), equal across processes."""
         payload = {"initialized": self.initialized, "with_cublasmp": self.with_cublasmp,
                    "buffers": [b.to_json() for b in self.buffers]}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
-    # ---------------------------------------------------------------- queries
     def buffer(self, name: str, use_fp8: bool) -> UbBufferState | None:
         """The buffer TE's ``get_ub(name, use_fp8)`` would return, or ``None``."""
         mode = ub_mode(bool(use_fp8))
@@ -227,12 +197,8 @@ class UbSnapshot:
         return [f"{b.name}[{b.mode}]" for b in self.buffers]
 
     def get_ub(self, name: str, use_fp8: bool) -> UbBufferState:
-        """Mirror of TE's ``get_ub(name, use_fp8)`` (``module/base.py``) on the snapshot.
-
-        Raises:
-            UbConfigError: UB not initialised (TE: ``RuntimeError``) or no such buffer
-                (TE: ``KeyError``); the message lists the registered buffers.
-        """
+        """Mirror of TE's ``get_ub(name, use_fp8)`` (``module/base.py``) on the snapshot; raises
+        :class:`UbConfigError` where TE raises (UB not initialised, no such buffer: lists the registered)."""
         if not self.initialized:
             raise UbConfigError(f"get_ub({name!r}, use_fp8={bool(use_fp8)}): UB is not initialised "
                                 "(initialize_ub() was not called) in the UB state compiled against")
@@ -243,11 +209,8 @@ class UbSnapshot:
         return b
 
     def query(self, api: str, args: tuple = ()) -> Any:
-        """Evaluate one UB query on the snapshot, exactly as TE 2.20.2 would live.
-
-        Raises:
-            UbConfigError: unknown api, wrong arguments, or TE would raise for this state.
-        """
+        """Evaluate one UB query on the snapshot as TE would live; raises :class:`UbConfigError` for
+        an unknown api, wrong arguments, or where TE would raise for this state."""
         if api == "is_ub_initialized":
             return self.initialized
         if api == "using_cublasmp_backend":

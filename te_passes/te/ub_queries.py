@@ -11,7 +11,7 @@ import torch.fx
 
 from te_passes.te.ub import TE_UB_MODULE, UB_PREDICATE_METHODS, UB_QUERY_FUNCTIONS
 
-# Argument names of the folded TE functions (TE 2.20.2 module/base.py signatures).
+# Argument names of the folded TE functions (module/base.py signatures).
 _SIGNATURES = {
     "get_ub_is_fp8": ("name", "use_fp8"),
     "get_ub": ("name", "use_fp8"),
@@ -21,17 +21,12 @@ _SIGNATURES = {
 }
 
 
-#: Functions recognised by identity as UB queries, ``{id(fn): (fn, name)}``; the runtime registers
-#: its own (:func:`register_ub_query_function`), this module imports no runtime code.
+#: Functions recognised by identity as UB queries (the runtime's), ``{id(fn): (fn, name)}``.
 _REGISTERED: dict[int, tuple[Any, str]] = {}
 
 
 def register_ub_query_function(fn: Any, name: str) -> None:
-    """Make :func:`ub_query_function` answer ``name`` for ``fn`` (a key of ``_SIGNATURES``).
-
-    Raises:
-        ValueError: ``name`` is not a UB query this module can bind.
-    """
+    """Make :func:`ub_query_function` answer ``name`` for ``fn`` (``ValueError`` unless a key of ``_SIGNATURES``)."""
     if name not in _SIGNATURES:
         raise ValueError(f"unknown UB query {name!r}; known: {sorted(_SIGNATURES)}")
     _REGISTERED[id(fn)] = (fn, name)
@@ -41,19 +36,11 @@ class UbQueryNotConstant(Exception):
     """A UB query node whose arguments are not all compile-time constants (the message says which)."""
 
 
-def _unwrap(fn: Any) -> Any:
-    seen = 0
-    while seen < 4:
-        inner = getattr(fn, "__te_passes_original__", None)
-        if inner is None:
-            break
-        fn, seen = inner, seen + 1
-    return fn
-
-
 def ub_query_function(target: Any) -> str | None:
     """Which UB function an FX ``call_function`` target is, or ``None``."""
-    fn = _unwrap(target)
+    fn = target
+    for _ in range(4):
+        fn = getattr(fn, "__te_passes_original__", fn)
     mod, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
     if mod == TE_UB_MODULE and name in (*UB_QUERY_FUNCTIONS, "get_ub"):
         return name
@@ -62,13 +49,9 @@ def ub_query_function(target: Any) -> str | None:
 
 
 def bind_ub_query(node: torch.fx.Node, fn_name: str) -> tuple:
-    """Positional argument tuple of a UB call node of ``fn_name`` (a key of ``_SIGNATURES``), all constants;
-    ``ub_query``'s ``method`` defaults to ``"is_fp8_ubuf"``.
-
-    Raises:
-        UbQueryNotConstant: too many / missing / unexpected arguments, or one that is a node or
-            not a ``str`` / ``bool`` / ``int``.
-    """
+    """Positional argument tuple of a UB call node of ``fn_name`` (a key of ``_SIGNATURES``), all
+    constants (``ub_query``'s ``method`` defaults to ``"is_fp8_ubuf"``). Raises
+    :class:`UbQueryNotConstant` for too many / missing / unexpected arguments or a non-constant one."""
     params = _SIGNATURES[fn_name]
     values = list(node.args)
     if len(values) > len(params):

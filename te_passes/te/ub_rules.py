@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from te_passes.te.graph_constants import mro_names
+from te_passes.te.graph_model import UB_FLAGS
 from te_passes.te.ub import UbBufferState, UbSnapshot, ub_mode
 
 #: Where the buffer-use rules below come from.
@@ -21,12 +23,9 @@ LINEAR_SOURCE_SETUP = ("transformer_engine/pytorch/module/linear.py:_linear_setu
 
 @dataclasses.dataclass(frozen=True)
 class UbBufferUse:
-    """One communicator fetch a TE op will make: ``get_ub(buffer, use_fp8)``.
-
-    ``phase`` is ``"fprop"``/``"dgrad"``/``"wgrad"``; ``overlap`` the overlap kind (``"AG"``,
-    ``"RS"``, ``"bulk AG"``, ``"bulk RS"``, ``"AG (MXFP8 wgrad)"``); ``flag`` the config flag that
-    requires it; ``source`` the TE code it mirrors.
-    """
+    """One communicator fetch ``get_ub(buffer, use_fp8)`` a TE op will make in ``phase``
+    (fprop/dgrad/wgrad), the ``overlap`` kind (``"AG"``, ``"bulk RS"``, ...), the config ``flag``
+    requiring it and the TE ``source`` it mirrors."""
 
     buffer: str
     use_fp8: bool
@@ -40,7 +39,7 @@ class UbBufferUse:
 
 
 def _is_mxfp8_quantizer(q: Any) -> bool:
-    return q is not None and any(k.__name__ == "MXFP8Quantizer" for k in type(q).__mro__)
+    return q is not None and "MXFP8Quantizer" in mro_names(q)
 
 
 def _backward_flags_from_forward(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -73,8 +72,7 @@ def _backward_uses(bwd: Mapping[str, Any], snapshot: UbSnapshot | None) -> list[
     src = LINEAR_SOURCE_BWD
     if bwd.get("ub_overlap_ag"):
         out.append(UbBufferUse(f"{name}_dgrad", fp8, "dgrad", "AG", "ub_overlap_ag_dgrad", src))
-        # MXFP8 grad_output cannot reuse the row-scaled gathered tensor for wgrad: TE gathers
-        # it again through the *_wgrad communicator unless the dgrad buffer uses cuBLASMp.
+        # MXFP8 grad_output is gathered again for wgrad unless the dgrad buffer uses cuBLASMp.
         if bwd.get("requires_wgrad") and _is_mxfp8_quantizer(bwd.get("grad_output_quantizer")):
             dg = snapshot.buffer(f"{name}_dgrad", fp8) if snapshot is not None else None
             if dg is None or not dg.with_cublasmp:
@@ -92,11 +90,8 @@ def _backward_uses(bwd: Mapping[str, Any], snapshot: UbSnapshot | None) -> list[
 
 def linear_ub_buffer_uses(op: str, config: Mapping[str, Any],
                           snapshot: UbSnapshot | None = None) -> list[UbBufferUse]:
-    """Every ``get_ub(...)`` a ``te.Linear`` op makes for its config bundle, in TE's order.
-
-    Raises:
-        ValueError: ``op`` is not a linear op.
-    """
+    """Every ``get_ub(...)`` a ``te.Linear`` op makes for its config bundle, in TE's order
+    (``ValueError`` for a non-linear op)."""
     kind = op.removesuffix("_base")
     if kind not in ("linear", "linear_backward"):
         raise ValueError(f"no UB buffer-use rules for TE op {op!r} (known: linear, linear_backward)")
@@ -115,14 +110,6 @@ def linear_ub_buffer_uses(op: str, config: Mapping[str, Any],
     return out
 
 
-#: Config flags that name Userbuffers overlap, per op kind (``LinearFwdArgs`` / ``LinearBwdArgs``).
-UB_FLAGS = {
-    "linear": ("ub_overlap_ag_fprop", "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad",
-               "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
-    "linear_backward": ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
-}
-
-
 def ub_flags_set(op: str, config: Mapping[str, Any]) -> list[str]:
     """The UB overlap flags set (truthy) in a TE op config, in declaration order."""
     return [k for k in UB_FLAGS.get(op.removesuffix("_base"), ()) if config.get(k)]
@@ -130,13 +117,13 @@ def ub_flags_set(op: str, config: Mapping[str, Any]) -> list[str]:
 
 @dataclasses.dataclass
 class UbCheckResult:
-    """Outcome of :func:`check_linear_ub_config`: the buffer ``uses`` with the snapshot's
-    answers (``found``: ``{buffer: UbBufferState | None}``) and the ``problems`` (messages)."""
+    """Outcome of :func:`check_linear_ub_config`: the buffer ``uses``, the snapshot's answers
+    (``found``) and the ``problems`` (``(buffer or "", message)``)."""
 
     ub_name: str | None
     uses: list[UbBufferUse]
     found: dict[str, UbBufferState | None]
-    problems: list[tuple[str, str]]  # (buffer or "", message)
+    problems: list[tuple[str, str]]
 
     @property
     def ok(self) -> bool:
@@ -144,27 +131,22 @@ class UbCheckResult:
 
 
 def check_linear_ub_config(op: str, config: Mapping[str, Any], snapshot: UbSnapshot) -> UbCheckResult:
-    """Check a ``te.Linear`` op's UB configuration against a UB snapshot.
-
-    Returns:
-        :class:`UbCheckResult`; ``problems`` empty when the config is consistent.
-    """
+    """Check a ``te.Linear`` op's UB configuration against a UB snapshot (``problems`` empty: consistent)."""
     kind = op.removesuffix("_base")
     flags = ub_flags_set(kind, config)
     name = config.get("ub_name")
     uses = linear_ub_buffer_uses(kind, config, snapshot) if flags else []
     found: dict[str, UbBufferState | None] = {}
     problems: list[tuple[str, str]] = []
-    if not flags:
-        return UbCheckResult(name, uses, found, problems)
+    result = UbCheckResult(name, uses, found, problems)
     who = f"TE {kind} op with ub_name={name!r}"
-    if not name:
+    if flags and not name:
         problems.append(("", f"{who}: UB overlap flags {flags} are set but ub_name is None"))
-        return UbCheckResult(name, uses, found, problems)
-    if not snapshot.initialized:
+    elif flags and not snapshot.initialized:
         problems.append(("", f"{who} uses UB overlap ({', '.join(flags)}) but UB is not initialised "
                              "in the UB state compiled against (call initialize_ub() before compiling)"))
-        return UbCheckResult(name, uses, found, problems)
+    if not flags or problems:
+        return result
     tp_size = config.get("tp_size")
     for use in uses:
         b = snapshot.buffer(use.buffer, use.use_fp8)
@@ -204,4 +186,4 @@ def check_linear_ub_config(op: str, config: Mapping[str, Any], snapshot: UbSnaps
                 f"{who}: UB buffer {name + '_dgrad'!r} is an FP8 reduce-scatter buffer (is_fp8_ubuf()=True), "
                 "so TE's Linear.forward sets fp8_grad=True, but the op has no grad_input_quantizer "
                 "(traced against another UB state)")))
-    return UbCheckResult(name, uses, found, problems)
+    return result

@@ -1,8 +1,6 @@
-"""Which ``te.LayerNormLinear`` / ``te.LayerNormMLP`` configurations and calls the torch-ops
-norm + ``te.Linear`` form expresses exactly (TE knowledge shared by the untouched-model polyfills,
-:mod:`te_passes.runtime.untouched.polyfills`, and ``compile_friendly``). Each function returns the reason a
-configuration is not expressed, or ``None``. Mirrors TE ``module/layernorm_linear.py``,
-``module/layernorm_mlp.py``, ``module/base.py``. Docs: docs/untouched.md."""
+"""Which ``te.LayerNormLinear`` / ``te.LayerNormMLP`` / ``DotProductAttention`` configurations and calls the
+untouched-model polyfills and ``compile_friendly`` express exactly: each function returns the reason one
+is not, or ``None`` (TE ``module/layernorm_linear.py``, ``layernorm_mlp.py``, ``base.py``). Docs: docs/untouched.md."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import torch
 from te_passes.te.norm_act import ACTIVATIONS
 
 #: The module whose ``SplitAlongDim`` (an ``autograd.Function`` comparing ``data_ptr``\ s) splits GQA's q/k/v
-#: and cross attention's k/v (TE 2.20.2); TE's other users of it split FP8 attention, which stays eager.
+#: and cross attention's k/v.
 SPLIT_ALONG_DIM_MODULE = "transformer_engine.pytorch.attention.multi_head_attention"
 
 #: The fix named for DelayedScaling (its amax history lives in each module's fp8 meta).
@@ -146,27 +144,19 @@ def dpa_config_problem(mod: Any, path: str = "SDPA") -> str | None:
     return None
 
 
-#: ``DotProductAttention.forward`` keyword arguments and the values the SDPA path accepts
-#: (TE 2.20.2 signature); a callable decides for the value given.
+#: ``DotProductAttention.forward`` keyword arguments -> whether the SDPA path accepts the value given.
 NEUTRAL_KWARGS: dict[str, Callable[[Any], bool]] = {
-    "cu_seqlens_q": lambda v: v is None, "cu_seqlens_kv": lambda v: v is None,
-    "cu_seqlens_q_padded": lambda v: v is None, "cu_seqlens_kv_padded": lambda v: v is None,
-    "max_seqlen_q": lambda v: v is None, "max_seqlen_kv": lambda v: v is None,
+    **dict.fromkeys(("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
+                     "max_seqlen_kv", "core_attention_bias", "alibi_slopes", "inference_params", "score_mod",
+                     "score_mod_bprop", "score_mod_tensors", "score_mod_bprop_tensors", "thd_attention_policies"),
+                    lambda v: v is None),
+    **dict.fromkeys(("softcap", "checkpoint_core_attention", "pad_between_seqs", "fp8_output", "bf16_backward"),
+                    lambda v: not v),
+    # bottom_right_diagonal only changes causal masks with s_q != s_kv (checked)
+    **dict.fromkeys(("bottom_right_diagonal", "fast_zero_fill", "thd_attention_policy_dispatch"), lambda v: True),
     "window_size": lambda v: v is None or tuple(v) in ((-1, -1), (-1, 0)),
-    "bottom_right_diagonal": lambda v: True,  # only changes causal masks with s_q != s_kv (checked)
-    "softcap": lambda v: not v,
-    "checkpoint_core_attention": lambda v: not v,
     "core_attention_bias_type": lambda v: v in (None, "no_bias"),
-    "core_attention_bias": lambda v: v is None, "alibi_slopes": lambda v: v is None,
-    "fast_zero_fill": lambda v: True,
-    "inference_params": lambda v: v is None,
-    "pad_between_seqs": lambda v: not v,
-    "fp8_output": lambda v: not v, "bf16_backward": lambda v: not v,
     "num_splits": lambda v: v in (None, 1),
-    "score_mod": lambda v: v is None, "score_mod_bprop": lambda v: v is None,
-    "score_mod_tensors": lambda v: v is None, "score_mod_bprop_tensors": lambda v: v is None,
-    "thd_attention_policies": lambda v: v is None,
-    "thd_attention_policy_dispatch": lambda v: True,
 }
 
 

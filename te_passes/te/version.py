@@ -1,9 +1,5 @@
-"""Which Transformer Engine is installed, and whether te_passes knows it.
-
-te_passes decodes TE's ``transformer_engine_compile::*`` custom ops by their schema slot names
-and config-bundle fields, which are TE-version specific. :data:`SUPPORTED_TE` lists the
-``major.minor`` series whose graphs the TE graph model was written against and tested on.
-"""
+"""Which Transformer Engine is installed, and whether te_passes knows it (:data:`SUPPORTED_TE`:
+the ``major.minor`` series whose op layout and run-time reads the TE layer was written against)."""
 
 from __future__ import annotations
 
@@ -21,10 +17,7 @@ SUPPORTED_TE: frozenset[tuple[int, int]] = frozenset({(2, 20)})
 
 @functools.lru_cache(maxsize=None)
 def te_version() -> str | None:
-    """The installed ``transformer_engine`` version string (e.g. ``"2.20.2"``), or ``None``.
-
-    Read from package metadata (no import of TE, which needs torch first and is slow).
-    """
+    """The installed ``transformer_engine`` version string, or ``None`` (package metadata: no TE import)."""
     for dist in ("transformer_engine", "transformer-engine"):
         try:
             return importlib.metadata.version(dist)
@@ -51,9 +44,7 @@ def is_supported(v: str | None = None) -> bool:
 
 
 def te_module(name: str, *, import_te: bool = False):
-    """The loaded TE module ``name`` (e.g. ``"transformer_engine.pytorch.module.linear"``), or
-    ``None`` while TE has not imported it; with ``import_te`` it is imported (torch first, as TE
-    needs). Used by the runtime hooks, which install lazily once TE is loaded."""
+    """The loaded TE module ``name``, or ``None`` while TE has not imported it (``import_te``: import it)."""
     mod = sys.modules.get(name)
     if mod is None and import_te:
         import torch  # noqa: F401  (TE needs torch first)

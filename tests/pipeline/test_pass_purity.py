@@ -46,11 +46,10 @@ TE_FUNCTIONS = (("transformer_engine.pytorch.module.base", ("initialize_ub", "de
 #: holding no pass result. ``(module, name)``.
 MEMO_CACHES = {
     ("te_passes.runtime.ops.constants", "_LIFTABLE_TYPES"),  # id(class) -> is a liftable TE constant class
-    ("te_passes.te.graph_constants", "_KIND_CACHE"),  # id(class) -> TEConstKind
+    ("te_passes.te.graph_constants", "_KIND_CACHE"),  # (class, is a class) -> TEConstKind
     ("te_passes.te.graph_model", "_SLOTS_CACHE"),  # id(schema) -> its slot layout
     ("te_passes.te.quantized", "_TARGET_KIND"),  # id(op target) -> its quantized-op kind
-    ("te_passes.te.graph_scan", "_KIND_BY_TYPE"),  # class -> TEConstKind
-    ("te_passes.te.graph_scan", "_RECIPE_OR_PG_TYPES"),  # id(class) -> is a recipe / process group class
+    ("te_passes.te.graph_scan", "_RECIPE_OR_PG_TYPES"),  # class -> is a recipe / process group class
     ("te_passes.analyses.alias_rules", "_RULES"),  # id(OpOverload) -> its alias rule (from the schema)
 }
 _CONTAINERS = (dict, list, set, collections.deque, weakref.WeakKeyDictionary, weakref.WeakValueDictionary,
