@@ -3,7 +3,7 @@
 
     source .gpu/s/env.sh; PYTHONPATH=$PWD:$PYTHONPATH python3 benchmarks/profile_delayed.py --out DIR
 
-Per mode (default, reduce-overhead with ``te.autocast`` inside the compiled function or around the
+Per mode (TE eager, default, reduce-overhead with ``te.autocast`` inside the compiled function or around the
 compiled model): median step ms over ``--steps`` steps, Inductor's cudagraph
 skip reasons (its ``perf_hints`` log), and cProfile's top functions by own and cumulative time
 (``DIR/profile_<mode>.txt``). Results: docs/benchmarks.md.
@@ -63,7 +63,11 @@ def run(mode: str, args, out: Path) -> str:
         from te_passes.runtime.delayed.state import prepare_delayed_scaling
 
         prepare_delayed_scaling(model, recipe)
-    compiled = torch.compile(model if outside else fwd, backend="te_inductor", mode="reduce-overhead" if ro else None)
+    if mode == "eager":  # TE eager, the baseline the compiled modes are compared with
+        compiled = fwd
+    else:
+        compiled = torch.compile(model if outside else fwd, backend="te_inductor",
+                                 mode="reduce-overhead" if ro else None)
     params = list(model.parameters())
 
     def step():
@@ -131,7 +135,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--modes", nargs="+", default=["default", "ro", "ro-prepared", "ro-outside"],
-                    choices=["default", "ro", "ro-prepared", "ro-outside"],
+                    choices=["eager", "default", "ro", "ro-prepared", "ro-outside"],
                     help="ro-outside: te.autocast around the compiled model instead of inside the function; "
                          "ro-prepared: prepare_delayed_scaling(model, recipe) before compiling")
     args = ap.parse_args()
