@@ -123,8 +123,27 @@ def run(mode: str, args, out: Path) -> str:
     head = (f"mode {mode}: median {statistics.median(times):.3f} ms/step over {args.steps} steps "
             f"(tokens {args.tokens}, {args.layers} x te.Linear({args.hidden}), DelayedScaling)\n"
             f"inductor counters: {counters}\ncudagraph skip reasons: {skips.reasons or 'none logged'}\n")
-    (out / f"profile_{mode}.txt").write_text(head + s.getvalue())
+    tp = ""
+    if args.torch_profiler:  # per-op host time: TE's and our custom ops, their dispatch and inner aten ops
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as tprof:
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+        tp = ("\ntorch.profiler, 10 steps, by self CPU time:\n"
+              + tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+              + "\nby total CPU time:\n" + tprof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    if args.spin:  # a steady loop for a sampling profiler (py-spy): its stacks pass through spin()
+        spin(step, args.spin)
+    (out / f"profile_{mode}.txt").write_text(head + s.getvalue() + tp)
     return head
+
+
+def spin(step, seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        step()
+    torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -134,6 +153,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--torch-profiler", action="store_true", help="also torch.profiler's per-op CPU table")
+    ap.add_argument("--spin", type=float, default=0.0, help="then run steps for this many seconds (py-spy)")
     ap.add_argument("--modes", nargs="+", default=["default", "ro", "ro-prepared", "ro-outside"],
                     choices=["eager", "default", "ro", "ro-prepared", "ro-outside"],
                     help="ro-outside: te.autocast around the compiled model instead of inside the function; "
