@@ -34,11 +34,7 @@ def _no_compiler_reset() -> Iterator[None]:
 
 
 def destroy_ub_keep_compiled() -> None:
-    """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()``.
-
-    Raises:
-        ImportError: TE is not installed.
-    """
+    """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()`` (``ImportError``: no TE)."""
     from transformer_engine.pytorch.module import base
 
     guards.install_te_ub_hooks()
