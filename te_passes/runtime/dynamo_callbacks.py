@@ -1,10 +1,6 @@
-"""Dynamo compile-start callbacks that survive ``torch._dynamo.reset()``.
-
-``torch._dynamo.reset()`` calls ``callback_handler.clear()`` (``torch/_dynamo/__init__.py``,
-``torch/_dynamo/callback.py``), which drops every start callback: te_passes' runtime install, the
-capture-state warning and the untouched-model lazy init would then be missing at the next trace.
-:func:`keep_start_callback` registers a callback and re-registers it after each ``clear()``.
-"""
+"""Dynamo compile-start callbacks that survive ``torch._dynamo.reset()``, whose
+``callback_handler.clear()`` (``torch/_dynamo/callback.py``) drops every start callback:
+:func:`keep_start_callback` registers one and re-registers it after each ``clear()``."""
 
 from __future__ import annotations
 

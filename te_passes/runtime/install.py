@@ -15,11 +15,9 @@ from te_passes.runtime.ub.guard import install_te_ub_hooks
 
 
 def install() -> bool:
-    """Install every runtime hook (idempotent). Returns whether TE's hooks are in place (``False``
-    while Transformer Engine is not imported yet; the backend's Dynamo start callback retries
-    until then). The constant classes are wrapped on every call: TE registers a quantizer class
-    when its module is imported, possibly after the hooks went in (``te_inductor`` calls this on
-    every compile)."""
+    """Install every runtime hook (idempotent; ``te_inductor`` calls it on every compile, so classes and
+    ops TE registers later are picked up). Returns whether TE's hooks are in place (``False`` while
+    Transformer Engine is not imported yet; the backend's Dynamo start callback retries until then)."""
     free_op.register_inductor_lowering()  # failure is kept: lowering_error(); the pass then skips
     fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets

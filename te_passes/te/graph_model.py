@@ -68,9 +68,6 @@ UB_FLAGS: dict[str, tuple[str, ...]] = {
 #: Every config-bundle key of :data:`UB_FLAGS`, forward's first.
 UB_CONFIG_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for flags in UB_FLAGS.values() for k in flags))
 
-#: TE module each ``transformer_engine_compile`` op implements (``module/*.py``).
-TE_OP_MODULES: dict[str, str] = {"linear": "te.Linear"}
-
 #: Config-bundle field groups, in display order (``module/linear.py`` ``LinearFwdArgs`` / ``LinearBwdArgs``).
 CONFIG_FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "quantizers": (),
@@ -101,8 +98,7 @@ def config_field_group(field: str) -> str:
 
 def te_op_module(op: str) -> str:
     """``"te.Linear"`` for ``"linear"``/``"linear_backward"``/``"linear_base"``; else the op name itself."""
-    base = op.removesuffix("_base").removesuffix("_backward")
-    return TE_OP_MODULES.get(base, op)
+    return "te.Linear" if op.removesuffix("_base").removesuffix("_backward") == "linear" else op
 
 
 def te_op_name(node: torch.fx.Node) -> str | None:
@@ -227,13 +223,6 @@ def _slot_kind(arg: torch._C.Argument) -> SlotKind:
     return SlotKind.OTHER
 
 
-def check_te_version() -> None:
-    """Raise :class:`UnknownTEOp` when the installed TE version's op layout is unknown."""
-    v = te_version()
-    if v is not None and not is_supported(v):
-        raise UnknownTEOp(f"TE {v} is not a version te_passes decodes (supported: 2.20.x)")
-
-
 def slot_constant(value: Any) -> Any:
     """A slot's constant value: ``value`` itself, or for a ``get_attr`` node (a constant hoisted
     by ``hoist_te_constants``) the attribute it reads; other nodes are returned unchanged."""
@@ -250,7 +239,8 @@ def decode(node: torch.fx.Node) -> TEOpCall:
     op = te_op_name(node)
     if op is None:
         raise UnknownTEOp(f"node {node.name} does not call a {TE_OP_NAMESPACE} op (target {node.target})")
-    check_te_version()
+    if (v := te_version()) is not None and not is_supported(v):
+        raise UnknownTEOp(f"TE {v} is not a version te_passes decodes (supported: 2.20.x)")
     if op not in KNOWN_OPS:
         try:
             te_op_family(op)

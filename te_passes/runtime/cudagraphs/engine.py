@@ -56,11 +56,9 @@ class CudaGraphEngine:
         return out
 
     def capture(self, fn: Callable, inputs: list, pool: Any, device_index: int, kept_inputs: Sequence[Any] = ()):
-        """Capture ``fn(inputs)`` into a new ``CUDAGraph`` in ``pool`` on the side stream
-        (RNG state preserved around the capture as Inductor's ``cudagraphify`` does).
-        ``kept_inputs``: tensors at the same addresses as ``inputs`` that the caller keeps alive
-        for the replays (a CUDA graph records addresses only, so this engine ignores them).
-        Returns ``(graph, outputs)``; the outputs hold no values until the first replay."""
+        """Capture ``fn(inputs)`` into a new ``CUDAGraph`` in ``pool`` on the side stream, RNG state
+        preserved as in Inductor's ``cudagraphify`` (``kept_inputs``, the tensors the caller keeps for the
+        replays, are ignored: a CUDA graph records addresses). Returns ``(graph, outputs)``."""
         from torch._dynamo.utils import preserve_rng_state
 
         cur = torch.cuda.current_stream(device_index)
@@ -77,15 +75,13 @@ class CudaGraphEngine:
         graph.replay()
 
     def pool_is_clean(self, device_index: int, pool: Any, live_storage_ptrs: set[int]) -> bool:
-        """Whether the storages live in ``pool`` are exactly ``live_storage_ptrs`` (Inductor's
-        fast check ``torch._C._cuda_checkPoolLiveAllocations``, as cudagraph trees'
-        ``check_memory_pool`` calls it after recording)."""
+        """Whether the storages live in ``pool`` are exactly ``live_storage_ptrs``
+        (``torch._C._cuda_checkPoolLiveAllocations``, as cudagraph trees' ``check_memory_pool``)."""
         return bool(torch._C._cuda_checkPoolLiveAllocations(device_index, pool, live_storage_ptrs))
 
     def ensure_tree_manager(self, device_index: int) -> None:
-        """Create Inductor's cudagraph-tree manager for the device: a backward graph that Inductor
-        refuses to cudagraph looks it up (``maybe_handle_backward_generation``, output_code.py)
-        and asserts it exists whenever the forward was cudagraphed."""
+        """Create Inductor's cudagraph-tree manager for the device (a backward graph Inductor refuses to
+        cudagraph asserts it exists: ``maybe_handle_backward_generation``, output_code.py)."""
         from torch._inductor import cudagraph_trees
 
         cudagraph_trees.get_manager(device_index, create_if_none_exists=True)
@@ -105,10 +101,8 @@ def clone_kind(t: torch.Tensor) -> int:
 
 def own_references(cdatas: Any, tensors: Sequence[Any]) -> dict[int, int]:
     """Per storage ``cdata`` in ``cdatas``: the references on it we account for — one per distinct
-    tensor (``TensorImpl``) that ``tensors`` keep alive on it, plus one for its Python storage
-    object (``untyped_storage()`` creates it once and PyObject preservation keeps it, and its
-    reference, for the storage's lifetime; cudagraph trees' ``StorageWeakRefWrapper.expired``
-    counts it too)."""
+    tensor (``TensorImpl``) of ``tensors`` on it, plus one for its Python storage object (kept for the
+    storage's lifetime; cudagraph trees' ``StorageWeakRefWrapper.expired`` counts it too)."""
     counts = dict.fromkeys(cdatas, 1)
     seen: set[int] = set()
     for t in tensors:
@@ -122,12 +116,9 @@ def own_references(cdatas: Any, tensors: Sequence[Any]) -> dict[int, int]:
 
 
 def describe_holders(storage: Any, ours: Sequence[Any], limit: int = 4) -> list[str]:
-    """Who references tensors on ``storage`` besides ``ours`` (a diagnostic for the records;
-    run only when a use count exceeds its baseline, once per graph and reason): for each Python
-    tensor found by ``gc`` whose data lies in ``storage`` (compared by address, so no storage
-    object is created on it), the types of its referrers (a frame as ``file:line``). A holder
-    that is not a Python object (a C++ ``SavedVariable``, an extension's cache) is not found:
-    then the list says how many references are unaccounted for."""
+    """Who references tensors on ``storage`` besides ``ours`` (a diagnostic for the records): for each
+    Python tensor ``gc`` finds in ``storage``'s address range, its referrers' types (a frame as
+    ``file:line``), then the storage's use count (holders that are not Python objects are not found)."""
     import gc
 
     lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
@@ -175,10 +166,9 @@ def clone_strided(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- recording
 class CudagraphRecorder:
-    """Collects the policy's decisions and fallbacks as dicts ``{"graph", "event", "reason",
-    "count", ...}`` (one per graph, event and reason; ``count`` counts repeats) into ``sink``
-    (``CompileReport.cudagraphs``), logs the first of each and calls ``refresh()`` then (the
-    dump writer rewrites report.json)."""
+    """Collects the policy's decisions and fallbacks as dicts ``{"graph", "event", "reason", "count",
+    ...}`` (one per graph, event and reason) into ``sink`` (``CompileReport.cudagraphs``), logs the first
+    of each and calls ``refresh()`` then (the dump writer rewrites report.json)."""
 
     def __init__(self, sink: list | None = None, refresh: Callable[[], Any] | None = None) -> None:
         self.records: list[dict[str, Any]] = sink if sink is not None else []

@@ -1,11 +1,7 @@
-"""What a lean CUDA graph does when a replay would be unsafe: the run-time half of
-the safety rule in :mod:`te_passes.runtime.cudagraphs.lean` — a static input that moved, an output
-still referenced — as a mixin of :class:`~te_passes.runtime.cudagraphs.lean.LeanCUDAGraph`.
-
-Each decision is a record (``CompileReport.cudagraphs``): a moved saved tensor copied back into
-the forward's static output, an output cloned on return from now on (gradient accumulation,
-``retain_graph``, a kept view), or this call run without the CUDA graph.
-"""
+"""What a lean CUDA graph does when a replay would be unsafe (a static input that moved, an output still
+referenced), as a mixin of :class:`~te_passes.runtime.cudagraphs.lean.LeanCUDAGraph`: a moved saved tensor
+copied back into the forward's static output, an output cloned on return from now on, or this call run
+without the CUDA graph; each decision is a record (``CompileReport.cudagraphs``)."""
 
 from __future__ import annotations
 

@@ -11,13 +11,11 @@ import torch
 
 from te_passes._logging import get_logger
 from te_passes.runtime.cudagraphs.engine import (
-    ALIAS, CLONE, CLONE_STRIDED, OWNERS, PASS, RECENT, RUNNERS, SAVED_BY_DATAFLOW, SEQ, CudaGraphEngine,
-    CudagraphRecorder, Pool, clone_kind, describe_holders, emit, forget, now_ns, own_references, owner, use_count)
+    ALIAS, OWNERS, PASS, RECENT, RUNNERS, SAVED_BY_DATAFLOW, SEQ, CudaGraphEngine, CudagraphRecorder, Pool,
+    clone_kind, describe_holders, emit, forget, now_ns, own_references, owner, use_count)
 from te_passes.runtime.cudagraphs.hazards import ReplayHazards
 
 log = get_logger()
-
-__all__ = ["LeanCUDAGraph", "SAVED_BY_DATAFLOW", "CLONE", "CLONE_STRIDED", "lean_runners"]
 
 
 def lean_runners() -> list["LeanCUDAGraph"]:
@@ -113,6 +111,13 @@ class LeanCUDAGraph(ReplayHazards):
         self.stats["eager"] += 1
         return self._model(inputs)
 
+    def _disable(self, why: str, inputs: list, warn: bool = False):  # no CUDA graph from now on
+        self._disabled = why
+        self._rec.event(self.name, "disabled", why)
+        if warn:
+            log.warning("te_passes cudagraphs: %s: %s", self.name, why)
+        return self._eager(inputs)
+
     # ----------------------------------------------------------------------------- call
     def __call__(self, inputs: list):
         self._last_call_seq = next(SEQ)
@@ -145,10 +150,8 @@ class LeanCUDAGraph(ReplayHazards):
         if ready:
             return self._capture(inputs)
         if self._calls > self._max_unready:
-            self._disabled = (f"static inputs (parameters / saved tensors) changed address on each of "
-                              f"{self._calls} calls: never captured")
-            self._rec.event(self.name, "disabled", self._disabled)
-            return self._eager(inputs)
+            return self._disable(f"static inputs (parameters / saved tensors) changed address on each of "
+                                 f"{self._calls} calls: never captured", inputs)
         self.stats["warmup"] += 1
         outs = self._engine.warmup(self._model, inputs, self.device_index)
         if self._num_clone == SAVED_BY_DATAFLOW:
@@ -214,22 +217,17 @@ class LeanCUDAGraph(ReplayHazards):
             graph, outs = self._engine.capture(self._model, call, pool.handle, self.device_index, static)
         except Exception as exc:  # noqa: BLE001 - recorded; the graph then runs without a CUDA graph
             first = str(exc).splitlines()[0][:300] if str(exc) else ""
-            self._disabled = f"capture failed ({type(exc).__name__}: {first}): runs without a CUDA graph"
-            self._rec.event(self.name, "disabled", self._disabled)
-            log.warning("te_passes cudagraphs: %s: %s", self.name, self._disabled)
-            return self._eager(inputs)
+            return self._disable(f"capture failed ({type(exc).__name__}: {first}): runs without a CUDA graph",
+                                 inputs, warn=True)
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         del call
         if [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in static] != kept_ptrs:
-            self._disabled = "the graph re-bound the static input tensors kept for replay: runs without a CUDA graph"
-            self._rec.event(self.name, "disabled", self._disabled)
-            return self._eager(inputs)
+            return self._disable("the graph re-bound the static input tensors kept for replay: runs without a "
+                                 "CUDA graph", inputs)
         in_storages = {static[i].untyped_storage().data_ptr() for i in self._static_idx}
-        lean_in = {}  # storage ptr of a static input that is a lean graph's output -> (owner, cdata)
-        for i in self._static_idx:
-            own = owner(static[i].data_ptr())
-            if own is not None:
-                lean_in[static[i].untyped_storage().data_ptr()] = (own[0], own[1])
+        # storage ptr of a static input that is a lean graph's output -> (owner, cdata)
+        lean_in = {static[i].untyped_storage().data_ptr(): own[:2] for i in self._static_idx
+                   if (own := owner(static[i].data_ptr())) is not None}
         in_storages |= {c.untyped_storage().data_ptr() for c in self._constants}
         in_storages.discard(0)
         n_clone = len(outs) if self._num_clone is None else self._num_clone
@@ -300,11 +298,9 @@ class LeanCUDAGraph(ReplayHazards):
             # what trees reports as "Detected N tensor(s) in the cudagraph pool not tracked as
             # outputs": a replay would overwrite memory someone still holds. Never replay it.
             self._graph = None
-            self._disabled = ("tensors allocated in the pool during capture are still referenced but are not "
-                              "graph outputs (a reference kept inside an opaque op?): runs without a CUDA graph")
-            self._rec.event(self.name, "disabled", self._disabled)
-            log.warning("te_passes cudagraphs: %s: %s", self.name, self._disabled)
-            return self._eager(inputs)
+            return self._disable("tensors allocated in the pool during capture are still referenced but are not "
+                                 "graph outputs (a reference kept inside an opaque op?): runs without a CUDA graph",
+                                 inputs, warn=True)
         self._rec.event(self.name, "captured", "lean CUDA graph captured", pool=id(pool) & 0xFFFFFF,
                         pool_position=len(pool.members) - 1, static_inputs=len(self._static_idx),
                         copied_inputs=len(self._copy), outputs=self.output_kinds().count("alias"),

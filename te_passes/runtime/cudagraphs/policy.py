@@ -13,16 +13,11 @@ from torch._inductor.cudagraph_utils import CUDAGraphPolicy
 from te_passes.runtime.cudagraphs.engine import SAVED_BY_DATAFLOW, CudaGraphEngine, CudagraphRecorder
 from te_passes.runtime.cudagraphs.lean import LeanCUDAGraph
 
-#: ``te_passes.cudagraphs`` values: ``"lean"`` or ``"trees"`` (Inductor's).
-CUDAGRAPH_MODES = ("lean", "trees")
 
-
-# ---------------------------------------------------------------------------------- policy
 def forward_user_output_count() -> int | None:
-    """How many leading outputs of the forward graph being compiled go back to the caller
-    (mutated inputs, user outputs, intermediate bases, rng offset: AOTAutograd's
-    ``ViewAndMutationMeta.num_forward``, torch/_functorch/_aot_autograd/schemas.py, torch 2.14);
-    the rest are saved tensors. ``None`` when no AOTAutograd metadata is in the tracing context."""
+    """How many leading outputs of the forward graph being compiled go back to the caller (AOTAutograd's
+    ``ViewAndMutationMeta.num_forward``, torch/_functorch/_aot_autograd/schemas.py); the rest are saved
+    tensors. ``None`` when no AOTAutograd metadata is in the tracing context."""
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
     n = getattr(meta, "num_forward", None)
@@ -50,7 +45,7 @@ def static_hazard(example_inputs: Sequence[Any], static_input_idxs: Sequence[int
 
 
 class LeanCUDAGraphPolicy(CUDAGraphPolicy):
-    """``CUDAGraphPolicy`` (torch/_inductor/cudagraph_utils.py, torch 2.14) of one te_inductor call: wraps its
+    """``CUDAGraphPolicy`` (torch/_inductor/cudagraph_utils.py) of one te_inductor call: wraps its
     forward and backward graphs in :class:`LeanCUDAGraph`, or falls back.
 
     Args:

@@ -22,8 +22,7 @@ from te_passes.te.graph_constants import TEConstKind, te_const_kind
 
 def rebuild_constant(v: Any) -> Any:
     """A new object equal to the value-opaque constant ``v``, built by evaluating ``v``'s own ``__fx_repr__``
-    expression with its globals — exactly what Inductor's wrapper evaluates on every call
-    (``_rebuild_quantizer(...)`` / ``OpaqueValueBundle({...})``).
+    expression with its globals, as Inductor's wrapper does on every call.
 
     Raises:
         RuntimeError: the rebuilt object does not compare equal to ``v``.
@@ -32,16 +31,14 @@ def rebuild_constant(v: Any) -> Any:
 
 
 def rebuild_cached(v: Any, cache: dict[int, tuple[Any, Any, dict]] | None) -> Any:
-    """:func:`rebuild_constant`; with ``cache`` (one pass run's ``{id(v): (v, code, globals)}``)
-    ``v``'s expression is rendered and compiled once per object, and each call still evaluates
-    it into a new object. The equality check runs on the first rebuild of ``v``: later ones
-    evaluate the same code with the same globals (TE's rebuild functions are deterministic in
-    the value), so they equal that first, checked object."""
+    """:func:`rebuild_constant`; with ``cache`` (one pass run's ``{id(v): (v, code, globals)}``) ``v``'s
+    expression is rendered, compiled and checked once per object, and each call evaluates it into a new
+    object (TE's rebuild functions are deterministic in the value)."""
     hit = cache.get(id(v)) if cache is not None else None
     if hit is not None and hit[0] is v:
         return eval(hit[1], dict(hit[2]))  # noqa: S307 - TE's own __fx_repr__ of a graph constant
     prev = getattr(_render, "full", False)
-    _render.full = True  # rendered_in_full(), inlined: a context manager per constant showed in profiles
+    _render.full = True  # rendered_in_full(), inlined (hot path)
     try:
         expr, env = type(v).__fx_repr__(v)
     finally:
@@ -57,8 +54,7 @@ def rebuild_cached(v: Any, cache: dict[int, tuple[Any, Any, dict]] | None) -> An
 
 @functools.lru_cache(maxsize=4096)
 def _compiled(expr: str):
-    """``compile(expr)`` once per distinct expression (a graph repeats the same quantizer and
-    bundle expressions many times; compiling dominated :func:`rebuild_constant`)."""
+    """``compile(expr)`` once per distinct expression (a graph repeats the same ones many times)."""
     return compile(expr, "<te_passes constant>", "eval")
 
 
@@ -90,11 +86,8 @@ def _liftable_type(t: type, v: Any) -> bool:
     return is_opaque_constant_type(t) and t.__weakrefoffset__ != 0
 
 
-#: ``id(class) -> (class, True)`` for the classes :func:`is_liftable_constant` accepted: past the
-#: plain-type checks the answer depends only on the class (``te_const_kind`` is per class, and
-#: torch's ``is_opaque_constant_type`` lookup, ~3 us, showed in profiles). Only positive answers
-#: are kept (a class may be registered as value-opaque after a first look). The class is kept
-#: so its id stays valid.
+#: ``id(class) -> (class, True)`` for the classes :func:`is_liftable_constant` accepted (past the
+#: plain-type checks the answer depends only on the class; the class is kept so its id stays valid).
 _LIFTABLE_TYPES: dict[int, tuple[type, bool]] = {}
 
 
@@ -167,9 +160,8 @@ def rendered_in_full() -> Iterator[None]:
 
 
 def _current_lowering_module() -> Any:
-    """The ``GraphModule`` Inductor is lowering on this thread (``V.graph.module``;
-    ``torch/_inductor/graph.py`` ``GraphLowering`` is a ``torch.fx.Interpreter`` of it), or
-    ``None`` outside a lowering."""
+    """The ``GraphModule`` Inductor is lowering on this thread (``V.graph.module``, the module its
+    ``GraphLowering`` interprets), or ``None`` outside a lowering."""
     virtualized = sys.modules.get("torch._inductor.virtualized")
     if virtualized is None:  # Inductor not even imported: nothing is being lowered
         return None
@@ -181,21 +173,14 @@ def _current_lowering_module() -> Any:
 
 
 def _name_in_lowering(v: Any) -> str | None:
-    """``v``'s name if ``v`` is being rendered by its owner's Inductor lowering, else ``None``:
-    the name table of the graph Inductor lowers now (``V.graph.module.meta``)."""
-    if getattr(_render, "full", False):
-        return None
-    table = named_constants(_current_lowering_module())
-    return table.name(v) if table is not None else None
+    """``v``'s name if ``v`` is being rendered by its owner's Inductor lowering, else ``None``."""
+    return None if getattr(_render, "full", False) else hoisted_name(v, _current_lowering_module())
 
 
 def hoisted_name(v: Any, owner: torch.fx.GraphModule | None) -> str | None:
     """The wrapper-global name :func:`name_constant` gave ``v`` (``"_te_const_<n>"``) in post-grad
-    graph ``owner``, or ``None`` (not named there; ``owner=None``: ``None``). ``v`` renders as
-    that name only in ``owner``'s Inductor wrapper.
-
-    A copy of a named object (``copy.copy`` / pickling) is *not* named: names are kept by
-    object identity."""
+    graph ``owner``, or ``None`` (not named there, ``owner=None``). Names are kept by object
+    identity: a copy of a named object is not named."""
     table = named_constants(owner)
     return table.name(v) if table is not None else None
 
@@ -253,9 +238,8 @@ def _wrap_fx_repr(cls: type, orig: Callable) -> None:
     cls.__fx_repr__ = __fx_repr__
 
 
-#: Where TE 2.20.2 defines its value-opaque constant classes: the op-argument bundle and the base
-#: of every quantizer (each registered quantizer class carries its own ``__fx_repr__``,
-#: ``transformer_engine/pytorch/dynamo/quantizer_opaque.py``).
+#: Where TE defines its value-opaque constant classes: the op-argument bundle and the base of every
+#: quantizer (each registered quantizer class has its own ``__fx_repr__``, ``dynamo/quantizer_opaque.py``).
 TE_CONSTANT_ROOTS: tuple[tuple[str, str], ...] = (
     ("transformer_engine.pytorch.dynamo.custom_op", "OpaqueValueBundle"),
     ("transformer_engine.pytorch.quantized_tensor", "Quantizer"),
@@ -263,10 +247,9 @@ TE_CONSTANT_ROOTS: tuple[tuple[str, str], ...] = (
 
 
 def te_constant_classes() -> list[type]:
-    """The loaded TE classes whose instances :func:`name_constant` can name: the classes under
-    :data:`TE_CONSTANT_ROOTS` (subclasses included) that define ``__fx_repr__`` themselves, are
-    ``torch._library.opaque_object`` constant types and take weak references. Empty while TE is
-    not imported."""
+    """The loaded TE classes under :data:`TE_CONSTANT_ROOTS` (subclasses included) whose instances
+    :func:`name_constant` can name: they define ``__fx_repr__``, are opaque constant types and take
+    weak references. Empty while TE is not imported."""
     from torch._library.opaque_object import is_opaque_constant_type
 
     out: list[type] = []

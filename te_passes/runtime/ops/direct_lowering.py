@@ -85,11 +85,9 @@ def ensure_lowering(base_op: torch._ops.OpOverload) -> str | None:
 
 
 def install_lowerings() -> dict[str, str | None]:
-    """Register the direct-call lowering of both base ops of every TE op family defined now
-    (idempotent, process-wide; called by :func:`te_passes.runtime.install.install`, which the
-    backend runs on every ``te_inductor`` call, so families TE registers later are picked up by
-    the next call). A family is every full set of four ``transformer_engine_compile`` ops in
-    ``torch._library.custom_ops.OPDEFS`` (:func:`op_family`). Returns :func:`lowering_state`."""
+    """Register the direct-call lowering of both base ops of every TE op family (:func:`op_family`)
+    defined now (idempotent, process-wide; :func:`te_passes.runtime.install.install` calls it on every
+    ``te_inductor`` call, so families TE registers later are picked up). Returns :func:`lowering_state`."""
     prefix = TE_OP_NAMESPACE + "::"
     for qual in [q for q in opdefs() if q.startswith(prefix) and q.endswith("_base")]:
         fam = op_family(overload(qual))

@@ -28,8 +28,7 @@ def _free_storage_impl(t: torch.Tensor) -> None:
         t.set_()
 
 
-def _free_storage_fake(t: torch.Tensor) -> None:
-    # Data-free: FakeTensor / meta tracing only needs to know the op returns nothing.
+def _free_storage_fake(t: torch.Tensor) -> None:  # FakeTensor / meta tracing: the op returns nothing
     return None
 
 
@@ -82,19 +81,14 @@ def register_inductor_lowering() -> bool:
 
 
 def is_materialized(t) -> bool:
-    """Whether Inductor IR value ``t`` (the free's argument at lowering time) already has a
-    buffer: a realized ``StorageBox`` (``ComputedBuffer``, an extern kernel's output, an input),
-    possibly seen through views. False for a ``Pointwise``/``Reduction`` that is still only a
-    loader (``torch/_inductor/ir.py`` ``StorageBox.realize``, ``IRNode.is_realized_node``,
-    torch 2.14)."""
+    """Whether Inductor IR value ``t`` (the free's argument at lowering time) already has a buffer: a
+    realized ``StorageBox``, possibly seen through views; False for a ``Pointwise``/``Reduction`` that is
+    still only a loader (``torch/_inductor/ir.py`` ``StorageBox.realize``, ``IRNode.is_realized_node``)."""
     from torch._inductor import ir
 
     x = t
-    while True:
-        if isinstance(x, ir.TensorBox) or (isinstance(x, ir.BaseView) and not isinstance(x, ir.ReinterpretView)):
-            x = x.data
-            continue
-        break
+    while isinstance(x, ir.TensorBox) or (isinstance(x, ir.BaseView) and not isinstance(x, ir.ReinterpretView)):
+        x = x.data
     if isinstance(x, ir.StorageBox):
         return ir.IRNode.is_realized_node(x.data)
     return True
@@ -106,10 +100,9 @@ def mark_realize(node: torch.fx.Node, journal: GraphJournal) -> None:
 
 
 def _log_dropped_free(t) -> None:
-    """Log a free the lowering drops. Debug level when only Inductor kernels read the value
-    (they inlined it: nothing to free); a warning when an opaque op reads it — then that op got a
-    copy the free cannot reach (the ``inductor_realize_to_strides`` mark was lost, e.g. a later
-    post-grad pass replaced the node)."""
+    """Log a free the lowering drops: debug level when only Inductor kernels read the value (they inlined
+    it), a warning when an opaque op reads it (it got a copy the free cannot reach: the
+    ``inductor_realize_to_strides`` mark was lost)."""
     from torch._inductor.virtualized import V
 
     node = getattr(V.graph, "current_node", None)

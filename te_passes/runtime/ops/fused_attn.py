@@ -57,7 +57,7 @@ def refused_reason() -> str | None:
 
 
 def _te_parts() -> dict[str, Any]:
-    """TE 2.20.2's pieces, checked; raises ``FusedAttentionOpUnavailable`` naming a missing one."""
+    """TE's pieces, checked; raises ``FusedAttentionOpUnavailable`` naming a missing one."""
     import torch  # noqa: F401  (TE needs torch first)
     from transformer_engine.pytorch import dynamo as te_dynamo
     from transformer_engine.pytorch.attention.dot_product_attention import backends

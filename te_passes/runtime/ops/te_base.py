@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from te_passes.fx.graph import op_qualname
 from te_passes.te.graph_model import TE_OP_NAMESPACE
 
-#: TE 2.20.2 ``dynamo/custom_op.py``: the module and qualname of the base op's kernel function
+#: TE's ``dynamo/custom_op.py``: the module and qualname of the base op's kernel function
 #: and the names it closes over.
 _TE_CUSTOM_OP_MODULE = "transformer_engine.pytorch.dynamo.custom_op"
 _BASE_IMPL_QUALNAME = "_register_base_op.<locals>._impl"
@@ -30,11 +31,9 @@ class DirectCallUnavailable(Exception):
 # --------------------------------------------------------------------------- op families
 @dataclasses.dataclass(frozen=True)
 class TEOpFamily:
-    """The four ops TE's ``register_custom_op(op_name=name)`` defines (TE 2.20.2
-    ``dynamo/custom_op.py`` ``_register_custom_op_impl``), as qualnames
-    ``transformer_engine_compile::<op>``: ``forward`` (``<name>``), ``backward``
-    (``<name>_backward``), ``forward_base`` (``<name>_base``), ``backward_base``
-    (``<name>_backward_base``)."""
+    """The four ops TE's ``register_custom_op(op_name=name)`` defines (``dynamo/custom_op.py``
+    ``_register_custom_op_impl``) as ``transformer_engine_compile::`` qualnames: ``forward`` (``<name>``),
+    ``backward`` (``<name>_backward``), ``forward_base`` (``<name>_base``), ``backward_base``."""
 
     name: str
     forward: str
@@ -56,30 +55,21 @@ def opdefs() -> dict[str, Any]:
     return OPDEFS
 
 
-def op_qualname(target: Any) -> str | None:
-    """``"ns::op"`` of an ``OpOverload`` target, else ``None``."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    return None
-
-
 def op_family(target: Any) -> TEOpFamily | None:
     """The TE op family of an FX node target (an ``OpOverload`` of any of its four ops), decoded
     from the op name and checked against ``torch._library.custom_ops.OPDEFS`` (all four ops
     defined, each wrapper's schema arguments equal to its base op's); ``None`` for anything else
     (not a ``transformer_engine_compile`` op, or a TE op outside such a family)."""
-    qual = op_qualname(target)
+    qual = op_qualname(target) if isinstance(target, torch._ops.OpOverload) else None
     if qual is None or not qual.startswith(TE_OP_NAMESPACE + "::"):
         return None
-    op = qual.split("::", 1)[1]
-    stem = op.removesuffix("_base").removesuffix("_backward")
+    stem = qual.split("::", 1)[1].removesuffix("_base").removesuffix("_backward")
     ns = TE_OP_NAMESPACE
     fam = TEOpFamily(stem, f"{ns}::{stem}", f"{ns}::{stem}_backward", f"{ns}::{stem}_base",
                      f"{ns}::{stem}_backward_base")
     defs = opdefs()
-    if qual not in (fam.forward, fam.backward, fam.forward_base, fam.backward_base):
-        return None
-    if not all(q in defs for q in (fam.forward, fam.backward, fam.forward_base, fam.backward_base)):
+    members = (fam.forward, fam.backward, fam.forward_base, fam.backward_base)
+    if qual not in members or not all(q in defs for q in members):
         return None
     for w, b in ((fam.forward, fam.forward_base), (fam.backward, fam.backward_base)):
         if _arg_sig(defs[w]._opoverload) != _arg_sig(defs[b]._opoverload):
@@ -133,7 +123,7 @@ def _one_positional(fn: Any) -> bool:
 
 def resolve_base_impl(qualname: str) -> BaseOpImpl:
     """Read ``plan`` / ``impl`` / ``pack_result`` from the base op's ``CustomOpDef`` and check that the op's
-    dispatcher kernel is exactly TE's ``_register_base_op._impl`` (TE 2.20.2).
+    dispatcher kernel is exactly TE's ``_register_base_op._impl``.
 
     Raises:
         DirectCallUnavailable: any check fails (the message names it).

@@ -1,4 +1,4 @@
-"""Per-call amax-reduction groups: keep them off TE's persistent quantizers (TE 2.20).
+"""Per-call amax-reduction groups: keep them off TE's persistent quantizers.
 
 See docs/internals.md#te_passesruntimete_patchesamax_groupspy."""
 
@@ -21,10 +21,10 @@ log = get_logger()
 
 #: TE module holding the Linear impls and (by import) ``set_quantizer_amax_reduction_group``.
 TE_LINEAR_MODULE = "transformer_engine.pytorch.module.linear"
-#: TE's setter (``transformer_engine.pytorch.module._common``, TE 2.20.2).
+#: TE's setter (``transformer_engine.pytorch.module._common``).
 SETTER_NAME = "set_quantizer_amax_reduction_group"
 #: impl function name -> the args-dataclass fields whose quantizer the impl gives a group.
-#: Mirrors ``module/linear.py`` (TE 2.20.2): forward line 448 (input), backward 1142/1150.
+#: Mirrors ``module/linear.py``: forward line 448 (input), backward 1142/1150.
 PER_CALL_GROUP_FIELDS: dict[str, tuple[str, ...]] = {
     "_linear_forward_impl": ("input_quantizer",),
     "_linear_backward_impl": ("input_quantizer", "grad_output_quantizer"),
@@ -53,13 +53,10 @@ _STATE = _HookState()
 _LOCK = threading.Lock()
 #: Guards :data:`_IN_FLIGHT` and every release of a per-call group (wrappers and sweep).
 _CALLS_LOCK = threading.Lock()
-#: ``id(quantizer TE's setter writes to)`` -> ``[wrapped impl calls now running with it (all
-#: threads), its amax_reduction_group before the first of them began]``. Only the *last* running
-#: call puts the group back, and it puts back what was there before (``None`` under TE 2.20.2
-#: once the sweep ran): TE's impls never release the group themselves, so overlapping calls (a
-#: nested call, or the autograd engine's device thread running a backward while another thread
-#: runs a forward of the same module) rely on it staying set until they have quantized; and a
-#: group that was on the quantizer before the call (not TE 2.20's per-call one) is never dropped.
+#: ``id(quantizer TE's setter writes to)`` -> ``[wrapped impl calls now running with it (all threads),
+#: its amax_reduction_group before the first of them began]``. Only the *last* running call puts back
+#: what was there before: overlapping calls (nested, or a backward on the autograd thread) rely on the
+#: group staying set until they have quantized, and a group set before the call is never dropped.
 _IN_FLIGHT: dict[int, list] = {}
 _UNSET = object()
 _PG_TYPE: Any = _UNSET   # torch.distributed.ProcessGroup, or None without torch.distributed
@@ -67,9 +64,7 @@ _SETTER: Any = None      # TE's set_quantizer_amax_reduction_group, once importe
 
 
 def _dist_group_type() -> type | None:
-    # Cached: ``from torch._C._distributed_c10d import ProcessGroup`` costs ~2 us per
-    # execution, and this runs for every quantizer of every wrapped eager call.
-    global _PG_TYPE
+    global _PG_TYPE  # cached: this runs for every quantizer of every wrapped eager call
     if _PG_TYPE is _UNSET:
         try:
             import torch.distributed as dist
@@ -99,13 +94,13 @@ def _group_key(quantizer: Any) -> int:
 
 
 def holds_process_group(quantizer: Any) -> bool:
-    """Whether ``quantizer`` (or the ``parent_quantizer`` a TE ``DebugQuantizer`` delegates to)
-    stores a ``torch.distributed.ProcessGroup`` in ``amax_reduction_group`` — the state TE 2.20.2's
+    """Whether ``quantizer`` (or the ``parent_quantizer`` a TE ``DebugQuantizer`` delegates to) stores a
+    ``torch.distributed.ProcessGroup`` in ``amax_reduction_group``, the state TE's
     ``Quantizer._check_value_has_no_process_group`` (``quantized_tensor.py``) rejects in a graph."""
     if quantizer is None:
         return False
     group = getattr(getattr(quantizer, "parent_quantizer", quantizer), "amax_reduction_group", None)
-    if group is None:  # the common case; isinstance(x, ProcessGroup) alone costs ~0.3 us
+    if group is None:  # the common case, before the isinstance check
         return False
     pg = _dist_group_type()
     return pg is not None and isinstance(group, pg)
@@ -120,12 +115,9 @@ def release_group(quantizer: Any) -> bool:
 
 
 def unsafe_reason(linear_module: Any) -> str | None:
-    """Why wrapping ``linear_module``'s impls would not be safe, or ``None`` when it is.
-
-    Safe means: each impl in :data:`PER_CALL_GROUP_FIELDS` exists and itself calls
-    ``set_quantizer_amax_reduction_group`` (so the group is re-applied on every call and
-    releasing it after the call changes nothing TE reads later).
-    """
+    """Why wrapping ``linear_module``'s impls would not be safe, or ``None``: safe when each impl in
+    :data:`PER_CALL_GROUP_FIELDS` exists and calls ``set_quantizer_amax_reduction_group`` itself (the
+    group is re-applied on every call, so releasing it after the call changes nothing TE reads later)."""
     for name in PER_CALL_GROUP_FIELDS:
         code = impl_code(linear_module, name)
         if code is None:
@@ -140,65 +132,50 @@ def unsafe_reason(linear_module: Any) -> str | None:
 
 def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str, ...] = (),
                weight_field: str | None = None) -> Callable:
-    """``orig`` (a TE impl taking the args dataclass first) that, when the last call running on a quantizer in
-    ``fields`` returns (or raises), gives that quantizer back the amax-reduction group it had before the
-    first of those calls began (i.e. releases the group TE set for the call; see :data:`_IN_FLIGHT`); and
-    likewise gives each quantizer in ``usage_fields`` back its ``rowwise_usage`` / ``columnwise_usage``
-    (:data:`USAGE_IN_FLIGHT`)."""
+    """``orig`` (a TE impl taking the args dataclass first) that, when the last call running on a quantizer
+    in ``fields`` ends, gives it back the amax-reduction group it had before the first of those calls
+    (:data:`_IN_FLIGHT`), and each quantizer in ``usage_fields`` its usage flags (:data:`USAGE_IN_FLIGHT`)."""
     @functools.wraps(orig)
     def impl(args, *rest, **kwargs):
         held = None  # [(quantizer, object TE's setter writes to)]; kept lean: runs per eager call
         if getattr(args, "sequence_parallel", True):
             # TE gives a group only to sequence-parallel calls (linear.py:448/1142/1150): a
             # non-SP call sets None itself, so it has no group to release.
-            for f in fields:
-                q = getattr(args, f, None)
-                if q is not None:
-                    if held is None:
-                        held = []
-                    held.append((q, getattr(q, "parent_quantizer", q)))
+            held = [(q, getattr(q, "parent_quantizer", q)) for f in fields
+                    if (q := getattr(args, f, None)) is not None] or None
         usage = usage_targets(args, usage_fields, weight_field) if usage_fields else None
         if held is None and usage is None:
             return orig(args, *rest, **kwargs)
         with _CALLS_LOCK:
-            for _, t in held or ():
-                entry = _IN_FLIGHT.get(id(t))
-                if entry is None:
-                    _IN_FLIGHT[id(t)] = [1, getattr(t, "amax_reduction_group", None)]
-                else:
-                    entry[0] += 1
+            for _, t in held or ():  # [count, value before the first running call]
+                _IN_FLIGHT.setdefault(id(t), [0, getattr(t, "amax_reduction_group", None)])[0] += 1
             for t in usage or ():
-                entry = USAGE_IN_FLIGHT.get(id(t))
-                if entry is None:
-                    USAGE_IN_FLIGHT[id(t)] = [1, (getattr(t, "rowwise_usage", None),
-                                                   getattr(t, "columnwise_usage", None))]
-                else:
-                    entry[0] += 1
+                USAGE_IN_FLIGHT.setdefault(id(t), [0, (getattr(t, "rowwise_usage", None),
+                                                       getattr(t, "columnwise_usage", None))])[0] += 1
         try:
             return orig(args, *rest, **kwargs)
         finally:
             with _CALLS_LOCK:  # restored under the lock: no call can start (and set it) meanwhile
-                last = None
+                last, last_usage = [], []
                 for q, t in held or ():  # every count first, so a failing restore cannot leak one
                     entry = _IN_FLIGHT[id(t)]
                     entry[0] -= 1
                     if not entry[0]:
                         del _IN_FLIGHT[id(t)]
-                        last = [(q, t, entry[1])] if last is None else [*last, (q, t, entry[1])]
-                last_usage = None
+                        last.append((q, t, entry[1]))
                 for t in usage or ():
                     entry = USAGE_IN_FLIGHT[id(t)]
                     entry[0] -= 1
                     if not entry[0]:
                         del USAGE_IN_FLIGHT[id(t)]
-                        last_usage = [(t, entry[1])] if last_usage is None else [*last_usage, (t, entry[1])]
-                for q, t, before in last or ():
+                        last_usage.append((t, entry[1]))
+                for q, t, before in last:
                     if before is None:
                         if release_group(q):
                             _STATE.released_after_calls += 1
                     elif getattr(t, "amax_reduction_group", None) is not before:
                         _setter()(q, before)
-                for t, (row, col) in last_usage or ():
+                for t, (row, col) in last_usage:
                     if (row is not None and col is not None
                             and (t.rowwise_usage, t.columnwise_usage) != (row, col)):
                         t.set_usage(rowwise=row, columnwise=col)  # TE's Quantizer.set_usage
@@ -229,12 +206,9 @@ def linear_quantizers_with_groups(modules: Iterable[Any]) -> list[Any]:
 
 
 def sweep_live_linear_modules(modules: Iterable[Any] | None = None) -> int:
-    """Release per-call groups left on live ``te.Linear`` modules; returns how many.
-
-    ``modules`` defaults to every live ``transformer_engine.pytorch.Linear`` found by
-    ``gc.get_objects()`` (about 0.2 s per 400k tracked objects on a 2-core box; skipped when
-    ``torch.distributed`` is not initialised, since then no group can exist).
-    """
+    """Release per-call groups left on live ``te.Linear`` modules; returns how many. ``modules`` defaults
+    to every live ``transformer_engine.pytorch.Linear`` ``gc.get_objects()`` finds (none looked for while
+    ``torch.distributed`` is not initialised: then no group can exist)."""
     if modules is None:
         import torch.distributed as dist
 
@@ -333,8 +307,5 @@ def usage_restore_installed() -> bool:
 def hook_stats() -> dict[str, Any]:
     """``{"installed", "refused", "released_at_install", "released_after_calls",
     "usage_refused", "usage_restored_after_calls"}`` (process totals)."""
-    return {"installed": _STATE.installed, "refused": _STATE.refused,
-            "released_at_install": _STATE.released_at_install,
-            "released_after_calls": _STATE.released_after_calls,
-            "usage_refused": _STATE.usage_refused,
-            "usage_restored_after_calls": _STATE.usage_restored_after_calls}
+    return {k: getattr(_STATE, k) for k in ("installed", "refused", "released_at_install", "released_after_calls",
+                                            "usage_refused", "usage_restored_after_calls")}

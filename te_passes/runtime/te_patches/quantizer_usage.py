@@ -29,12 +29,9 @@ AUDITED_USAGE_CALLS: dict[str, dict[str, tuple[int, ...]]] = {
     },
 }
 
-#: ``id(quantizer TE's set_usage writes to)`` -> ``[wrapped calls now running with it, its
-#: (rowwise_usage, columnwise_usage) before the first of them began]``; same rule as
-#: :data:`te_passes.runtime.te_patches.amax_groups._IN_FLIGHT` (and guarded by its ``_CALLS_LOCK``): only the
-#: last running call writes the flags back, so no call ever sees them change under it.
+#: ``id(quantizer TE's set_usage writes to)`` -> ``[wrapped calls now running with it, its (rowwise_usage,
+#: columnwise_usage) before the first of them began]``: amax_groups' ``_IN_FLIGHT`` rule and lock.
 USAGE_IN_FLIGHT: dict[int, list] = {}
-_NO_PARENT = object()
 _UNSET = object()
 
 
@@ -47,8 +44,7 @@ def impl_code(linear_module: Any, name: str) -> Any:
 def _calls_by_name(code: Any, names: Iterable[str]) -> dict[str, int]:
     """How many source lines of ``code`` (nested code objects, e.g. ``_linear_backward_impl``'s
     ``wgrad_gemm`` closure, included) load each of ``names`` as an attribute or global: call
-    sites, counted by line so that bytecode the compiler duplicates (``finally`` bodies) counts
-    once. The same numbers on CPython 3.10-3.13 for TE 2.20.2's impls."""
+    sites, counted by line so that bytecode the compiler duplicates (``finally`` bodies) counts once."""
     wanted = set(names)
     sites: dict[str, set] = {n: set() for n in wanted}
     stack = [code]
@@ -83,21 +79,15 @@ def usage_targets(args: Any, fields: tuple[str, ...], weight_field: str | None) 
     """The objects TE's ``set_usage`` writes to for the quantizers in ``fields`` of ``args``
     (a ``DebugQuantizer``'s ``parent_quantizer``; a DebugQuantizer around no quantizer is a
     per-call object and skipped), or ``None`` when there are none."""
-    out = None
+    out = []
     for f in fields:
         q = getattr(args, f, None)
-        if q is None:
+        if q is None or f == "weight_quantizer" and weight_field is not None and _weight_not_plain(args, weight_field):
             continue
-        if f == "weight_quantizer" and weight_field is not None and _weight_not_plain(args, weight_field):
-            continue
-        p = getattr(q, "parent_quantizer", _NO_PARENT)
-        t = q if p is _NO_PARENT else p
-        if t is None:
-            continue
-        if out is None:
-            out = []
-        out.append(t)
-    return out
+        t = getattr(q, "parent_quantizer", q)
+        if t is not None:
+            out.append(t)
+    return out or None
 
 
 def _weight_not_plain(args: Any, weight_field: str) -> bool:

@@ -1,6 +1,5 @@
-"""Layer 2 of the UB guards: compiled graphs that depend on TE's Userbuffers (UB) state are
-wrapped in a guard that re-checks them when that state changes (see
-:mod:`te_passes.runtime.ub.guard` for both layers and why).
+"""Layer 2 of the UB guards: compiled graphs that depend on TE's Userbuffers (UB) state are wrapped in a
+guard that re-checks them when that state changes.
 
 See docs/internals.md#te_passesruntimeubgraph_guardpy."""
 
@@ -126,34 +125,31 @@ def evaluate_dependence(dep: UbDependence, snap: UbSnapshot) -> tuple[list[tuple
     return changed, problems + query_errors
 
 
+@dataclasses.dataclass(eq=False)
 class UbGuard:
-    """State of one UB-guarded compiled graph (the wrapper's ``te_ub_guard`` attribute).
+    """State of one UB-guarded compiled graph (the wrapper's ``te_ub_guard`` attribute): ``compiled``
+    (the inner callable), the ``dependence`` and UB ``fingerprint`` / ``generation`` it is valid for,
+    ``recompile`` (``(gm, args) -> compiled``) and ``recompiles`` (count)."""
 
-    Fields: ``graph_id``, ``compiled`` (the inner callable), ``dependence``
-    (:class:`UbDependence`), ``generation`` / ``fingerprint`` it is valid for, ``on_change``,
-    ``recompile`` (``(gm, args) -> compiled``) and ``recompiles`` (count).
-    """
+    graph_id: str
+    compiled: Callable
+    dependence: UbDependence
+    fingerprint: str
+    on_change: str
+    recompile: Callable | None
+    cudagraphs: bool = False
+    recompiles: int = dataclasses.field(default=0, init=False)
+    generation: int = dataclasses.field(default=-1, init=False)
 
-    def __init__(self, graph_id: str, compiled: Callable, dependence: UbDependence, fingerprint: str,
-                 on_change: str, recompile: Callable | None, cudagraphs: bool = False) -> None:
-        self.graph_id = graph_id
-        self.compiled = compiled
-        self.dependence = dependence
-        self.fingerprint = fingerprint
-        self.on_change = on_change
-        self.recompile = recompile
-        self.cudagraphs = cudagraphs
-        self.recompiles = 0
-        live = live_snapshot()
-        # UB changed while this graph compiled: examine on the first call.
-        self.generation = current_generation() if live.fingerprint() == fingerprint else -1
+    def __post_init__(self) -> None:
+        if live_snapshot().fingerprint() == self.fingerprint:  # else UB changed while this graph compiled
+            self.generation = current_generation()
 
     @property
     def rerecord_on_any_change(self) -> bool:
-        """Whether every UB re-initialisation invalidates the compiled code: the graph runs TE ops
-        with UB overlap and is replayed as a CUDA graph, whose recorded kernels hold the addresses
-        of the communicators' buffers (``destroy_ub`` frees them), even when the new UB state
-        answers every query the same."""
+        """Whether every UB re-initialisation invalidates the compiled code: the graph runs TE ops with UB
+        overlap and is replayed as a CUDA graph, whose kernels hold the addresses of the communicators'
+        buffers (``destroy_ub`` frees them), even when the new UB state answers every query the same."""
         return self.cudagraphs and bool(self.dependence.checks)
 
     def revalidate(self, args: list) -> None:
@@ -218,11 +214,8 @@ def pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def make_guarded(guard: UbGuard) -> Callable:
-    """The per-call wrapper around ``guard.compiled``: one integer compare on the fast path.
-
-    Called as Dynamo calls a backend's output, ``fn(*args)`` (Dynamo ignores ``_boxed_call`` on
-    backend outputs; Inductor's ``compile_fx`` result takes ``*args`` although it carries one).
-    """
+    """The per-call wrapper ``fn(*args)`` (as Dynamo calls a backend's output) around ``guard.compiled``:
+    one integer compare on the fast path."""
     state = ub_global_state()
 
     def guarded(*args):
@@ -252,30 +245,22 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
 
     Args:
         compiled: Inductor's compiled callable (called ``compiled(*args)``).
-        report: the graph's :class:`te_passes.report.CompileReport` (``graph_id``; its
-            :class:`UbMismatch` facts are raised here).
+        report: the graph's :class:`te_passes.report.CompileReport` (its :class:`UbMismatch` facts are raised).
         te_state: the :class:`te_passes.te.state.TEState` the passes used (``.ub``).
         opts: :class:`te_passes.config.TePassesOptions` (``ub_on_change``, ``ub_snapshot``).
-        recompile: ``(gm, args) -> compiled`` used to recompile the pre-pass graph (the backend
-            passes ``te_inductor`` with the same mode/options).
-        cudagraphs: the graph is replayed as a CUDA graph (``triton.cudagraphs``, e.g.
-            ``mode="reduce-overhead"``): graphs with UB TE ops then recompile on *every* UB
-            re-initialisation (see :attr:`UbGuard.rerecord_on_any_change`).
-        dependence: what the graph depends on in the UB state (default: :func:`ub_dependence_of`
-            ``report``, the facts ``fold_ub_predicates`` returned at every stage so far).
-        checked_stages: the first ``checked_stages`` stage reports' :class:`UbMismatch` facts
-            were already raised on (the backend does so after the Dynamo stage): only later
-            stages' records are raised here.
+        recompile: ``(gm, args) -> compiled`` for the pre-pass graph (``te_inductor``, same mode/options).
+        cudagraphs: the graph is replayed as a CUDA graph: graphs with UB TE ops then recompile on
+            *every* UB re-initialisation (:attr:`UbGuard.rerecord_on_any_change`).
+        dependence: what the graph depends on in the UB state (default: :func:`ub_dependence_of` ``report``).
+        checked_stages: how many leading stage reports' :class:`UbMismatch` facts were already raised.
 
     Returns:
-        ``compiled`` itself when the graph needs no run-time UB guard — no UB dependence, only
-        values Dynamo folded while tracing (Dynamo's own guard on :data:`te_passes.runtime.ub.guard.UB_STATE_TOKEN` covers
-        them), or an explicit ``te_passes.ub_snapshot`` (offline use) — else the guarded callable
-        (``fn(*args)``, attribute ``te_ub_guard``: :class:`UbGuard`).
+        ``compiled`` itself when no run-time UB guard is needed (no UB dependence, only values Dynamo
+        folded while tracing, which :data:`te_passes.runtime.ub.guard.UB_STATE_TOKEN` guards, or an
+        explicit ``te_passes.ub_snapshot``), else the guarded ``fn(*args)`` (``te_ub_guard``: :class:`UbGuard`).
 
     Raises:
-        UbConfigError: the passes found TE op UB configurations that the UB state cannot
-            satisfy (all messages listed) — instead of a ``KeyError`` at run time.
+        UbConfigError: TE op UB configurations the UB state cannot satisfy (all listed).
     """
     install_te_ub_hooks()
     graph_id = getattr(report, "graph_id", "g?")

@@ -27,18 +27,15 @@ class UbStateChanged(RuntimeError):
 
 
 # --------------------------------------------------------------------------- global UB state
+@dataclasses.dataclass(slots=True)
 class _UbGlobalState:
-    __slots__ = ("generation", "snapshot", "registry_key", "hooks_installed", "originals", "replacements",
-                 "frame_tokens")
-
-    def __init__(self) -> None:
-        self.generation = 0
-        self.snapshot: UbSnapshot | None = None
-        self.registry_key: tuple | None = None
-        self.hooks_installed = False
-        self.originals: dict[str, Callable] = {}
-        self.replacements: dict[str, Callable] = {}
-        self.frame_tokens: dict[int, str] = {}
+    generation: int = 0
+    snapshot: UbSnapshot | None = None
+    registry_key: tuple | None = None
+    hooks_installed: bool = False
+    originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    replacements: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    frame_tokens: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 _STATE = _UbGlobalState()
@@ -48,10 +45,6 @@ _LOCK = threading.RLock()
 #: ``kept`` (change did not affect the graph), ``recompiles``, ``errors``.
 guard_stats: dict[str, int] = {"generation_changes": 0, "slow_checks": 0, "kept": 0,
                                "recompiles": 0, "errors": 0}
-
-
-def _token_for(snap: UbSnapshot) -> str:
-    return "ub-" + snap.fingerprint()[:16]
 
 
 def _registry_key() -> tuple | None:
@@ -64,24 +57,26 @@ def _registry_key() -> tuple | None:
             bool(getattr(base, "_ub_with_cublasmp", False)))
 
 
+def _capture_locked() -> UbSnapshot:
+    """Capture the live UB state and renew :data:`UB_STATE_TOKEN` (``_LOCK`` held)."""
+    global UB_STATE_TOKEN
+    _STATE.registry_key = _registry_key()
+    snap = _STATE.snapshot = UbSnapshot.capture()
+    UB_STATE_TOKEN = "ub-" + snap.fingerprint()[:16]
+    return snap
+
+
 def live_snapshot() -> UbSnapshot:
     """The live UB snapshot, captured once per UB generation (cached until the next change)."""
-    global UB_STATE_TOKEN
     snap = _STATE.snapshot
     if snap is None:
         with _LOCK:
-            snap = _STATE.snapshot
-            if snap is None:
-                _STATE.registry_key = _registry_key()
-                snap = UbSnapshot.capture()
-                _STATE.snapshot = snap
-                UB_STATE_TOKEN = _token_for(snap)
+            snap = _STATE.snapshot or _capture_locked()
     return snap
 
 
 def ub_global_state() -> _UbGlobalState:
-    """The process's UB state object (``generation``, ``snapshot``, hooks): what the compiled-graph
-    guards of :mod:`te_passes.runtime.ub.graph_guard` compare against, once per call."""
+    """The process's UB state object (``generation``, ``snapshot``, hooks) the graph guards compare against."""
     return _STATE
 
 
@@ -97,23 +92,18 @@ def current_generation() -> int:
 
 def on_ub_state_changed() -> None:
     """Record that TE's UB registry changed: bump the generation, re-capture, renew the token."""
-    global UB_STATE_TOKEN
     with _LOCK:
         _STATE.generation += 1
         _STATE.snapshot = None
         guard_stats["generation_changes"] += 1
-        _STATE.registry_key = _registry_key()
-        snap = UbSnapshot.capture()
-        _STATE.snapshot = snap
-        UB_STATE_TOKEN = _token_for(snap)
+        _capture_locked()
 
 
 @torch.compiler.assume_constant_result
 def sync_ub_state() -> bool:
-    """Re-capture when TE's registry was replaced or resized behind te_passes' back (code that
-    assigns ``module/base.py``'s ``_ub_communicators`` directly instead of calling
-    ``initialize_ub``). Called while Dynamo traces, *before* :data:`UB_STATE_TOKEN` is read, so
-    the guard is installed on the current token. Returns ``True`` (a trace-time constant)."""
+    """Re-capture when TE's registry was replaced or resized behind te_passes' back (``module/base.py``'s
+    ``_ub_communicators`` assigned directly). Called while Dynamo traces, *before* :data:`UB_STATE_TOKEN`
+    is read, so the guard is installed on the current token. Returns ``True`` (a trace-time constant)."""
     if _STATE.snapshot is None or _registry_key() != _STATE.registry_key:
         on_ub_state_changed()
     return True
@@ -185,8 +175,8 @@ def drain_trace_folds() -> list[UbFold]:
 
 
 def dynamo_stage_inputs() -> dict[str, Any]:
-    """What the runtime saw while Dynamo traced the graph now being compiled, for the passes'
-    ``PassContext.inputs`` (the backend calls this once, before the Dynamo stage):"""
+    """What the runtime saw while Dynamo traced the graph now being compiled (``ub_trace_folds``,
+    ``ub_prev_token``), for the passes' ``PassContext.inputs`` (the backend calls this once)."""
     folds = drain_trace_folds()
     prev = None
     if folds:
@@ -212,12 +202,8 @@ def _make_guarded_get_ub_is_fp8(orig: Callable) -> Callable:
 
 
 def ub_query(name: str, use_fp8: bool, method: str = "is_fp8_ubuf") -> Any:
-    """``get_ub(name, use_fp8).<method>()`` that Dynamo folds to a guarded constant.
-
-    For user code: calling a pybind communicator method while Dynamo traces is a graph break;
-    this returns the same value with a guard instead. ``method`` is one of
-    :data:`te_passes.te.ub.UB_PREDICATE_METHODS`.
-    """
+    """``get_ub(name, use_fp8).<method>()`` (``method``: one of :data:`te_passes.te.ub.UB_PREDICATE_METHODS`)
+    that Dynamo folds to a guarded constant, for user code (the pybind call is a graph break)."""
     if torch.compiler.is_compiling() and sync_ub_state():
         return _trace_time_query(UB_STATE_TOKEN, f"get_ub.{method}", name, use_fp8)
     from transformer_engine.pytorch.module import base
@@ -229,6 +215,15 @@ register_ub_query_function(ub_query, "ub_query")
 
 
 # --------------------------------------------------------------------------- TE hooks
+def _rebind(old: dict[str, Callable], new: dict[str, Callable]) -> None:
+    """In every loaded TE module, rebind each name ``n`` that is bound to ``old[n]`` to ``new[n]``."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is not None and mod_name.startswith("transformer_engine"):
+            for n, fn in old.items():
+                if getattr(mod, n, None) is fn:
+                    setattr(mod, n, new[n])
+
+
 def _wrap_state_change(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def hooked(*args: Any, **kwargs: Any) -> Any:
@@ -243,7 +238,6 @@ def _wrap_state_change(orig: Callable) -> Callable:
 
 def install_te_ub_hooks(*, import_te: bool = False) -> bool:
     """Hook TE's UB functions (idempotent). Returns whether hooks are installed."""
-    global UB_STATE_TOKEN
     if _STATE.hooks_installed:
         return True
     base = te_module(TE_UB_MODULE, import_te=import_te)
@@ -256,14 +250,8 @@ def install_te_ub_hooks(*, import_te: bool = False) -> bool:
         repl = {"initialize_ub": _wrap_state_change(origs["initialize_ub"]),
                 "destroy_ub": _wrap_state_change(origs["destroy_ub"]),
                 "get_ub_is_fp8": _make_guarded_get_ub_is_fp8(origs["get_ub_is_fp8"])}
-        _STATE.originals = origs
-        _STATE.replacements = repl
-        for mod_name, mod in list(sys.modules.items()):
-            if mod is None or not mod_name.startswith("transformer_engine"):
-                continue
-            for n, orig in origs.items():
-                if getattr(mod, n, None) is orig:
-                    setattr(mod, n, repl[n])
+        _STATE.originals, _STATE.replacements = origs, repl
+        _rebind(origs, repl)
         _STATE.hooks_installed = True
         _STATE.snapshot = None
     live_snapshot()
@@ -275,12 +263,7 @@ def uninstall_te_ub_hooks() -> None:
     with _LOCK:
         if not _STATE.hooks_installed:
             return
-        for mod_name, mod in list(sys.modules.items()):
-            if mod is None or not mod_name.startswith("transformer_engine"):
-                continue
-            for n, orig in _STATE.originals.items():
-                if getattr(mod, n, None) is _STATE.replacements.get(n):
-                    setattr(mod, n, orig)
+        _rebind(_STATE.replacements, _STATE.originals)
         _STATE.hooks_installed = False
         _STATE.originals = {}
 

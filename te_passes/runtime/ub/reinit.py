@@ -14,12 +14,8 @@ from te_passes.te.ub import UbSnapshot
 
 
 def notify_ub_changed() -> None:
-    """Tell te_passes that TE's UB registry changed outside ``initialize_ub``/``destroy_ub``.
-
-    ``te_passes`` hooks TE's ``initialize_ub``/``destroy_ub`` (:func:`te_passes.runtime.ub.guard.install_te_ub_hooks`);
-    code that edits ``module/base.py``'s ``_ub_communicators`` / ``_ub_initialized`` by hand
-    (tests with stand-in communicators) must call this afterwards.
-    """
+    """Tell te_passes that TE's UB registry changed outside the hooked ``initialize_ub``/``destroy_ub``
+    (code that edits ``module/base.py``'s ``_ub_communicators`` / ``_ub_initialized`` by hand)."""
     guards.on_ub_state_changed()
 
 
@@ -38,11 +34,7 @@ def _no_compiler_reset() -> Iterator[None]:
 
 
 def destroy_ub_keep_compiled() -> None:
-    """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()``.
-
-    Raises:
-        ImportError: TE is not installed.
-    """
+    """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()`` (``ImportError``: no TE)."""
     from transformer_engine.pytorch.module import base
 
     guards.install_te_ub_hooks()
@@ -52,14 +44,9 @@ def destroy_ub_keep_compiled() -> None:
 
 
 def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
-    """Destroy TE's UB communicators and initialise them again, keeping compiled graphs.
-
-    Returns:
-        The new :class:`UbSnapshot`.
-
-    Raises:
-        Whatever TE's ``initialize_ub`` raises (UB is left destroyed in that case).
-    """
+    """Destroy TE's UB communicators and initialise them again (TE's ``initialize_ub(*args, **kwargs)``),
+    keeping compiled graphs; returns the new :class:`UbSnapshot`. Raises what ``initialize_ub`` raises
+    (UB is then left destroyed)."""
     from transformer_engine.pytorch.module import base
 
     destroy_ub_keep_compiled()

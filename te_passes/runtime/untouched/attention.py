@@ -20,6 +20,14 @@ from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, r
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
 
 
+def unpack_qkv(fmt: str, qkv_layer: Any, kv_layer: Any, q: Any, k: Any, v: Any, interleave_dim: int,
+               kwargs: dict) -> tuple[Any, Any, Any]:
+    """q, k, v from ``DotProductAttention.forward``'s (possibly packed) arguments (TE's ``_unpack_packed_qkv``)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import _unpack_packed_qkv
+
+    return _unpack_packed_qkv(qkv_layer, kv_layer, q, k, v, fmt, interleave_dim, kwargs.get("inference_params"))[:3]
+
+
 def _format(layout: str) -> str | None:
     """``sbhd`` / ``bshd`` when every part of TE's ``qkv_layout`` (``sb3hd``, ``sbhd_sb2hd``,
     ``bshd_bshd_bshd``, ...) has that format, else ``None`` (``thd``, paged, mixed)."""
@@ -68,34 +76,43 @@ def fused_attention_call_problem(mod: Any, q: Any, k: Any, v: Any, call: dict[st
     return None
 
 
-def fused_attention_forward(mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            call: dict[str, Any]) -> torch.Tensor:
-    """TE's ``FusedAttention.forward`` for a call :func:`fused_attention_call_problem` accepts:
-    q [s_q, b, h, d] (``sbhd``) / [b, s_q, h, d] (``bshd``), k / v [s_kv, b, g, d] (GQA: ``g``
-    divides ``h``) -> [s_q, b, h * d_v] / [b, s_q, h * d_v] in q's dtype."""
+def _fused_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str, cu_q: Any, cu_kv: Any, *,
+              is_training: bool, attn_scale: Any, deterministic: bool, layer_number: Any, **call: Any) -> torch.Tensor:
+    """The ``fused_attn`` op on q / k / v (made contiguous) of format ``fmt``, as TE's ``FusedAttention.forward``
+    builds its ``FusedAttnFwdArgs`` (``cu_q`` / ``cu_kv`` ``None``: full sequences); ``call``: the mask,
+    window, diagonal, ``fast_zero_fill`` and backend fields."""
     from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
     from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
 
-    fmt = _format(call["qkv_layout"])
     q, k, v = (t.contiguous() for t in (q, k, v))
     seq_dim = 0 if fmt == "sbhd" else 1
     batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
-    cu_q = call["cu_seqlens_q"]
-    cu_kv = call["cu_seqlens_kv"]
     cu_q = dpa_utils.get_full_cu_seqlens(batch, s_q, q.device) if cu_q is None else cu_q[: batch + 1]
     cu_kv = dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device) if cu_kv is None else cu_kv[: batch + 1]
     args = FusedAttnFwdArgs(
         q=q, k=k, v=v, attn_bias=None, softmax_offset=None, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
         cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
-        packed_qkv=None, packed_kv=None, is_training=mod.training, max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv),
-        attn_scale=mod.softmax_scale, dropout_p=0.0, fast_zero_fill=call["fast_zero_fill"],
-        qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_bias_type="no_bias", attn_mask_type=call["attn_mask_type"],
-        softmax_type="vanilla", window_size=call["window_size"], bottom_right_diagonal=call["bottom_right_diagonal"],
-        fused_attention_backend=call["fused_attention_backend"], deterministic=mod.deterministic, use_FAv2_bwd=False,
-        return_max_logit=False, rng_gen=None, fp8=False, fp8_meta=None, quantizers=None, fp8_output=False,
-        bf16_backward=False, layer_number=mod.layer_number)
+        packed_qkv=None, packed_kv=None, is_training=is_training, max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv),
+        attn_scale=attn_scale, dropout_p=0.0, qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_bias_type="no_bias",
+        softmax_type="vanilla", deterministic=deterministic, use_FAv2_bwd=False, return_max_logit=False,
+        rng_gen=None, fp8=False, fp8_meta=None, quantizers=None, fp8_output=False, bf16_backward=False,
+        layer_number=layer_number, **call)
     out, _max_logit = fused_attention_op()(args)
     return out.view(*out.shape[:-2], -1)
+
+
+#: The ``FusedAttention.forward`` arguments :func:`fused_attention_forward` passes on as they are.
+_CALL_FIELDS = ("fast_zero_fill", "attn_mask_type", "window_size", "bottom_right_diagonal", "fused_attention_backend")
+
+
+def fused_attention_forward(mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            call: dict[str, Any]) -> torch.Tensor:
+    """TE's ``FusedAttention.forward`` for a call :func:`fused_attention_call_problem` accepts:
+    q [s_q, b, h, d] (``sbhd``) / [b, s_q, h, d] (``bshd``), k / v [s_kv, b, g, d] (GQA: ``g``
+    divides ``h``) -> [s_q, b, h * d_v] / [b, s_q, h * d_v] in q's dtype."""
+    return _fused_op(q, k, v, _format(call["qkv_layout"]), call["cu_seqlens_q"], call["cu_seqlens_kv"],
+                     is_training=mod.training, attn_scale=mod.softmax_scale, deterministic=mod.deterministic,
+                     layer_number=mod.layer_number, **{f: call[f] for f in _CALL_FIELDS})
 
 
 def dpa_fused_forward(mod: Any, fmt: str, mask: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -106,29 +123,14 @@ def dpa_fused_forward(mod: Any, fmt: str, mask: str, q: torch.Tensor, k: torch.T
     -> [s_q, b, h * d_v] / [b, s_q, h * d_v]. The one implementation behind the untouched-model
     polyfill and ``compile_friendly(attention="te_fused")``. Mirrors TE's
     ``DotProductAttention.forward`` (mask / window / diagonal) and ``FusedAttention.forward``."""
-    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
-    from transformer_engine.pytorch.attention.dot_product_attention.backends import FusedAttnFwdArgs
     from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
 
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    seq_dim = 0 if fmt == "sbhd" else 1
-    batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
     window, brd = resolve_mask(mod, mask, kwargs.get("window_size"), kwargs.get("bottom_right_diagonal"))
-    args = FusedAttnFwdArgs(
-        q=q, k=k, v=v, attn_bias=None, softmax_offset=None,
-        cu_seqlens_q=dpa_utils.get_full_cu_seqlens(batch, s_q, q.device),
-        cu_seqlens_kv=dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device),
-        cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
-        packed_qkv=None, packed_kv=None, is_training=mod.fused_attention.training,
-        max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv), attn_scale=mod.softmax_scale, dropout_p=0.0,
-        fast_zero_fill=kwargs.get("fast_zero_fill", True), qkv_layout=f"{fmt}_{fmt}_{fmt}",
-        attn_bias_type="no_bias", attn_mask_type=mask, softmax_type="vanilla", window_size=window,
-        bottom_right_diagonal=brd, fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"],
-        deterministic=mod.deterministic, use_FAv2_bwd=False, return_max_logit=False, rng_gen=None,
-        fp8=False, fp8_meta=None, quantizers=None, fp8_output=False, bf16_backward=False,
-        layer_number=mod.fused_attention.layer_number)
-    out, _max_logit = fused_attention_op()(args)
-    return out.view(*out.shape[:-2], -1)
+    return _fused_op(q, k, v, fmt, None, None, is_training=mod.fused_attention.training,
+                     attn_scale=mod.softmax_scale, deterministic=mod.deterministic,
+                     layer_number=mod.fused_attention.layer_number, fast_zero_fill=kwargs.get("fast_zero_fill", True),
+                     attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd,
+                     fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"])
 
 
 def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: Any, v: Any,

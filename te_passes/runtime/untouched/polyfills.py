@@ -23,7 +23,7 @@ from te_passes.runtime.ops.shared_linear import owner_delayed_slots
 from te_passes.runtime.ops.te_norm import te_norm
 from te_passes.runtime.te_patches import recipe_state
 from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
-                                                   fused_attention_forward)
+                                                   fused_attention_forward, unpack_qkv)
 from te_passes.runtime.untouched.gate import (BACKEND_MARK, ENV, OPTION, PREPARE_FIX, Island, island_fix_for, note_island,  # noqa: F401
                                               backend_wants_polyfills, clear_island_records, island_records,
                                               untouched_enabled)
@@ -210,16 +210,13 @@ def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=N
     te_forward = _COPIES["DotProductAttention.forward"]
     if args or not active_frames():
         return te_forward(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, *args, **kwargs)
-    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import _unpack_packed_qkv
-
     kw = dict(kwargs)
     mask = kw.pop("attn_mask_type", None) or self.attn_mask_type
     qkv_layer, kv_layer = kw.pop("qkv_layer", None), kw.pop("kv_layer", None)
     interleave = kw.pop("qkv_interleave_dim", -3)
     fmt = qkv_format or self.qkv_format
     if fmt in ("sbhd", "bshd"):
-        q, k, v, _ = _unpack_packed_qkv(qkv_layer, kv_layer, query_layer, key_layer, value_layer, fmt, interleave,
-                                        kw.get("inference_params"))
+        q, k, v = unpack_qkv(fmt, qkv_layer, kv_layer, query_layer, key_layer, value_layer, interleave, kw)
         if dpa_problem(self, fmt, mask, attention_mask, q, k, v, kw) is None:
             return dpa_fused_forward(self, fmt, mask, q, k, v, kw)
     # TE's own (traced) forward: its backend choice; FusedAttention.forward then meets its polyfill
