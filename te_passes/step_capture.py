@@ -436,7 +436,7 @@ def _warm_up(graphed: GraphedModule, sample_args: tuple, mgc_kwargs: dict[str, A
     enabled = bool(mgc_kwargs.get("enabled", mgc_kwargs.get("fp8_enabled")) or False)
     recipe = mgc_kwargs.get("recipe", mgc_kwargs.get("fp8_recipe"))
     kwargs = dict(mgc_kwargs.get("sample_kwargs") or {})
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):  # CPU and CUDA RNG restored
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()], device_type="cuda"):  # RNG restored
         with te.autocast(enabled=enabled, calibrating=bool(mgc_kwargs.get("calibrating") or False),
                          recipe=recipe if enabled else None,
                          amax_reduction_group=mgc_kwargs.get("amax_reduction_group"), _graph=True):
