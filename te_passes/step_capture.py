@@ -1,26 +1,23 @@
 """Small batches at the kernel-time floor: the whole training step as one compiled graph
 (:func:`compile_step`), or TE's own CUDA-graph capture over a te_inductor-compiled module
-(:func:`make_graphed`).
+(:func:`make_graphed`); both keep Dynamo, its guards and the autograd engine off the per-step path.
 
-Both keep Dynamo, its guards and the autograd engine off the per-step path as far as torch
-allows; which one to use for which batch size: docs/usage.md, "Small batches"; how they work and
-what they refuse: docs/design.md, "Step capture".
-"""
+Which one for which batch size: docs/usage.md, "Small batches"; how they work and what they
+refuse: docs/design.md, "Step capture"."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
 
-from te_passes._logging import get_logger
 from te_passes.backend import te_inductor_backend
 from te_passes.config import PREFIX, TePassesOptionError, parse_guards_option
 from te_passes.pipeline.compilation import inductor_config_patches
 from te_passes.te.capture_state import te_capture_state
-
-log = get_logger()
 
 __all__ = ["compile_step", "make_graphed", "CompiledStep", "StepCaptureError"]
 
@@ -32,25 +29,18 @@ class StepCaptureError(RuntimeError):
 
 # --------------------------------------------------------------------------- trace_autograd_ops, scoped
 # ``torch._dynamo.config.trace_autograd_ops`` is read only while Dynamo traces a frame
-# (torch/_dynamo/variables/tensor.py ``method_backward``, variables/torch.py ``autograd.grad``).
-# Setting it on every step call costs ~8 us (ConfigModule.__setattr__ twice), so it is set by a
-# Dynamo compile-start callback, only for compiles that start while a compiled step is running
-# in this thread, and restored by the matching end callback (torch/_dynamo/callback.py: start
-# callbacks run before tracing, end callbacks in a ``finally``).
-# ``torch._dynamo.reset()`` clears every callback (``callback_handler.clear()``), so each step call
-# checks that ours are still registered (a list membership test).
+# (torch/_dynamo/variables/tensor.py ``method_backward``, variables/torch.py ``autograd.grad``):
+# a compile-start callback sets it for compiles that start while a compiled step runs in this
+# thread, the matching end callback (run in a ``finally``, torch/_dynamo/callback.py) restores it.
+# ``torch._dynamo.reset()`` clears every callback, so each step call checks that ours are registered.
 _step_state = threading.local()
 _scope_lock = threading.Lock()
 _scope: dict[str, Any] = {"restore": None}
 _handler = torch._dynamo.callback_handler
 
 
-def _in_step() -> bool:
-    return getattr(_step_state, "depth", 0) > 0
-
-
 def _on_compile_start(_args: Any) -> None:
-    if not _in_step() or _scope["restore"] is not None:
+    if getattr(_step_state, "depth", 0) == 0 or _scope["restore"] is not None:
         return
     cfg = torch._dynamo.config
     _scope["restore"] = (cfg.trace_autograd_ops,)
@@ -58,9 +48,8 @@ def _on_compile_start(_args: Any) -> None:
 
 
 def _on_compile_end(_args: Any) -> None:
-    restore = _scope["restore"]
+    restore, _scope["restore"] = _scope["restore"], None
     if restore is not None:
-        _scope["restore"] = None
         torch._dynamo.config.trace_autograd_ops = restore[0]
 
 
@@ -81,30 +70,11 @@ def _refuse_capture_state(what: str) -> None:
             "(transformer_engine.pytorch.graph.set_capture_end(); a failed te.make_graphed_callables leaves it set)")
 
 
-def _detach_outputs(out: Any) -> Any:
-    """``out`` with every tensor detached (inside the traced step: the AOT graph then has no
-    output that requires grad, so it is one inference graph holding forward and backward)."""
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, lambda t: t.detach(), out)
-
-
-def _clone_outputs(out: Any) -> Any:
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, lambda t: t.clone(), out)
-
-
 def _signature(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> tuple:
     """Shape / dtype / device / requires_grad of every tensor argument (top level and kwargs),
     plus the type of every other argument: what a recompile follows most often."""
-    parts = []
-    for a in (*args, *(kwargs or {}).values()):
-        if isinstance(a, torch.Tensor):
-            parts.append((tuple(a.shape), a.dtype, a.device, a.requires_grad))
-        else:
-            parts.append(type(a))
-    return tuple(parts)
+    return tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else type(a)
+                 for a in (*args, *(kwargs or {}).values()))
 
 
 def _optimizer_hint(msg: str) -> str | None:
@@ -121,11 +91,11 @@ def _optimizer_hint(msg: str) -> str | None:
     return None
 
 
-def _split_guard_option(options: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
-    """``(guards mode, options without te_passes.guards)``; the backend itself refuses the key
-    (``te_passes.config.REFUSED_OPTIONS``), so it never reaches it."""
+def _split_guard_option(options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """``(guards mode, a copy of options without te_passes.guards)``; the backend itself refuses
+    the key (``te_passes.config.REFUSED_OPTIONS``), so it never reaches it."""
     if not options:
-        return "all", options
+        return "all", {}
     if not isinstance(options, dict):
         raise TePassesOptionError(f"options must be a dict, got {type(options).__name__}")
     rest = dict(options)
@@ -135,9 +105,8 @@ def _split_guard_option(options: dict[str, Any] | None) -> tuple[str, dict[str, 
 
 # --------------------------------------------------------------------------- compile_step
 class CompiledStep:
-    """The callable :func:`compile_step` returns: ``step(*args, **kwargs)`` runs the compiled step and returns
-    its outputs (tensors detached; under CUDA graphs cloned out of the graph's memory pool unless
-    ``clone_outputs=False``).
+    """What :func:`compile_step` returns: ``step(*args, **kwargs)`` runs the compiled step; its outputs are
+    detached (under CUDA graphs cloned out of the graph's pool unless ``clone_outputs=False``).
 
     Attributes:
         compiled: the ``torch.compile``\\ d step (Dynamo's wrapper of the traced function).
@@ -162,8 +131,7 @@ class CompiledStep:
             _install_scope()
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        state = _step_state
-        state.depth = getattr(state, "depth", 0) + 1
+        _step_state.depth = getattr(_step_state, "depth", 0) + 1
         try:
             if self.guards == "skip_unsafe":
                 out = self._call_skipping_guards(args, kwargs)
@@ -175,8 +143,8 @@ class CompiledStep:
                 raise
             raise StepCaptureError(f"compile_step: {hint}") from e
         finally:
-            state.depth -= 1
-        return _clone_outputs(out) if self._clone else out
+            _step_state.depth -= 1
+        return tree_map_only(torch.Tensor, lambda t: t.clone(), out) if self._clone else out
 
     def _call_skipping_guards(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """Dynamo's guards are skipped (``skip_guard_eval_unsafe``) only for argument signatures
@@ -202,33 +170,29 @@ def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-over
     Dynamo graph, compiled by te_inductor and (``mode="reduce-overhead"``) replayed as one CUDA graph.
 
     Args:
-        step_fn: the step; a different set of ``.grad`` tensors present (``zero_grad()`` with
-            ``set_to_none=True`` vs ``False``), another shape, dtype or recipe recompiles
-            (Dynamo's guards), as for any compiled function.
+        step_fn: the step; another set of ``.grad`` tensors present (``zero_grad()`` with
+            ``set_to_none=True`` vs ``False``), shape, dtype or recipe recompiles (Dynamo's guards).
         mode: a ``torch.compile`` mode for te_inductor (``"reduce-overhead"``: CUDA graph trees;
             ``None`` / ``"default"``: Inductor's kernels, no CUDA graphs).
-        options: te_inductor options (``te_passes.*`` keys and Inductor config keys), plus
+        options: te_inductor options (``te_passes.*`` and Inductor config keys), plus
             ``te_passes.guards`` (``"all"``, the default, or ``"skip_unsafe"``: skip Dynamo's
             guard evaluation for argument signatures seen ``guard_warmup`` times; a changed
             global state (recipe, ``.grad`` presence, module attributes) is then NOT detected)
             and ``guard_filter_fn`` (torch.compile's).
         fullgraph: must be ``True`` (the default): a graph break inside the step is an error
-            naming the break (Dynamo's ``Unsupported``); ``False`` is refused (a break after the
-            backward deadlocks in torch 2.14.1).
+            naming the break (Dynamo's ``Unsupported``).
         dynamic: passed to ``torch.compile`` (default ``False``: every shape its own graph).
-        clone_outputs: under CUDA graphs, clone returned tensors out of the graph pool, so a
-            loss kept across steps stays valid (one small copy per output per step).
-        guard_warmup: calls per argument signature with full guards before ``skip_unsafe``
-            skips them.
-        backend: the ``torch.compile`` backend; default ``te_passes.te_inductor_backend(mode=...,
-            options=...)``. Another backend is for tests and debugging (``mode`` / ``options``
-            are then not used).
+        clone_outputs: under CUDA graphs, clone returned tensors out of the graph pool (one small
+            copy per output per step), so a loss kept across steps stays valid.
+        guard_warmup: calls per argument signature with full guards before ``skip_unsafe``.
+        backend: the ``torch.compile`` backend (default ``te_inductor_backend(mode=..., options=...)``);
+            another one (tests, debugging) ignores ``mode`` / ``options``.
 
     Returns:
         :class:`CompiledStep` (call it like ``step_fn``).
 
     Raises:
-        TypeError: ``step_fn`` is not callable.
+        TypeError: ``step_fn`` is not callable, or already a :class:`CompiledStep`.
         te_passes.TePassesOptionError: a bad option (te_inductor's checks), ``te_passes.guards``
             value, or ``guard_warmup < 1``.
         StepCaptureError: ``fullgraph=False``; when called while TE is in CUDA-graph-capture state.
@@ -248,7 +212,6 @@ def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-over
     guards, rest = _split_guard_option(options)
     if not isinstance(guard_warmup, int) or guard_warmup < 1:
         raise TePassesOptionError(f"compile_step: guard_warmup must be an int >= 1, got {guard_warmup!r}")
-    rest = dict(rest or {})
     guard_filter_fn = rest.pop("guard_filter_fn", None)
     if backend is None:
         inductor_options = {k: v for k, v in rest.items() if not k.startswith(PREFIX)}
@@ -259,7 +222,8 @@ def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-over
     _install_scope()
 
     def te_passes_step(*args: Any, **kwargs: Any) -> Any:
-        return _detach_outputs(step_fn(*args, **kwargs))
+        # detached in the traced step: no output requires grad, so one inference graph holds fwd + bwd
+        return tree_map_only(torch.Tensor, lambda t: t.detach(), step_fn(*args, **kwargs))
 
     te_passes_step.__qualname__ = f"te_passes_step[{getattr(step_fn, '__qualname__', type(step_fn).__name__)}]"
     compiled = torch.compile(te_passes_step, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
@@ -284,17 +248,18 @@ REFUSED_MGC_KWARGS: dict[str, str] = {
 
 
 class GraphedModule(torch.nn.Module):
-    """The module :func:`make_graphed` returns: holds the te_inductor-compiled module
-    (``.compiled``; the user's module is ``.compiled._orig_mod``) and, after capture, TE's
-    graphed forward as ``forward`` (set by ``te.make_graphed_callables``), wrapped by a check of
-    the argument signature captured."""
+    """What :func:`make_graphed` returns: holds the te_inductor-compiled module (``.compiled``; the
+    user's is ``.compiled._orig_mod``); after capture ``forward`` is TE's graphed forward (set by
+    ``te.make_graphed_callables``) behind a check of the captured argument signature."""
 
     def __init__(self, compiled: torch.nn.Module) -> None:
         super().__init__()
         self.compiled = compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        qstate = _quantization_state()
+        # TE's compiled forward asserts it is not capturing: run it with TE's capture flag off
+        mgr = getattr(sys.modules.get("transformer_engine.pytorch.quantization"), "FP8GlobalStateManager", None)
+        qstate = getattr(mgr, "quantization_state", None)
         if qstate is None or not qstate.fp8_graph_capturing:
             return self.compiled(*args, **kwargs)
         qstate.fp8_graph_capturing = False
@@ -302,14 +267,6 @@ class GraphedModule(torch.nn.Module):
             return self.compiled(*args, **kwargs)
         finally:
             qstate.fp8_graph_capturing = True
-
-
-def _quantization_state() -> Any:
-    import sys
-
-    quant = sys.modules.get("transformer_engine.pytorch.quantization")
-    mgr = getattr(quant, "FP8GlobalStateManager", None) if quant is not None else None
-    return getattr(mgr, "quantization_state", None) if mgr is not None else None
 
 
 class _TEState:
@@ -409,20 +366,16 @@ def make_graphed(module: torch.nn.Module, sample_args: Any, *, options: dict[str
         sample_args: a tensor or a tuple of CUDA tensors, the shapes every call must have.
         options: te_inductor options (``te_passes.*`` and Inductor keys; Inductor's CUDA graphs
             are refused).
-        warmup: run one forward + backward of the compiled module (gradients not written to
-            ``.grad``; RNG state restored) under the autocast state TE captures with, before
-            TE's capture, so Dynamo and AOTAutograd compile outside it (a compile inside TE's
-            warm-up would trace with TE's forward hooks in place, and one inside the capture is
-            not possible). ``False`` only for debugging.
+        warmup: run one forward + backward of the compiled module (``.grad`` untouched, RNG state
+            restored) under the autocast TE captures with, so Dynamo and AOTAutograd compile
+            before TE's warm-up and capture. ``False`` only for debugging.
         **mgc_kwargs: ``te.make_graphed_callables`` keywords (``num_warmup_iters``, ``enabled``,
-            ``recipe``, ``clone_param_grads_on_return``, ``sample_kwargs``, ``pool``, ...); those
-            in :data:`REFUSED_MGC_KWARGS` are refused.
+            ``recipe``, ``sample_kwargs``, ``pool``, ...) but :data:`REFUSED_MGC_KWARGS`.
 
     Returns:
-        :class:`GraphedModule`; call it like ``module`` (inside ``te.autocast`` for fp8, as with
-        TE's own ``make_graphed_callables``). A call whose tensor arguments differ in shape,
-        dtype or device from ``sample_args`` while the module is in the captured training mode
-        raises :class:`StepCaptureError` (TE's replay would copy them into the captured buffers).
+        :class:`GraphedModule`; call it like ``module`` (inside ``te.autocast`` for fp8). A call
+        in the captured training mode whose tensor arguments differ in shape, dtype or device
+        from ``sample_args`` raises :class:`StepCaptureError`.
 
     Raises:
         TypeError: not a module, or sample_args not tensors.
@@ -483,22 +436,15 @@ def _warm_up(graphed: GraphedModule, sample_args: tuple, mgc_kwargs: dict[str, A
     enabled = bool(mgc_kwargs.get("enabled", mgc_kwargs.get("fp8_enabled")) or False)
     recipe = mgc_kwargs.get("recipe", mgc_kwargs.get("fp8_recipe"))
     kwargs = dict(mgc_kwargs.get("sample_kwargs") or {})
-    rng = torch.cuda.get_rng_state()
-    cpu_rng = torch.get_rng_state()
-    try:
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()], device_type="cuda"):  # RNG restored
         with te.autocast(enabled=enabled, calibrating=bool(mgc_kwargs.get("calibrating") or False),
                          recipe=recipe if enabled else None,
                          amax_reduction_group=mgc_kwargs.get("amax_reduction_group"), _graph=True):
             out = graphed(*sample_args, **kwargs)
         if graphed.training:
-            from torch.utils._pytree import tree_flatten
-
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
             inputs = [a for a in sample_args if a.requires_grad] + [p for p in graphed.parameters() if p.requires_grad]
             if outs and inputs:
                 torch.autograd.grad(outs, inputs, grad_outputs=[torch.ones_like(o) for o in outs],
                                     allow_unused=True)
         torch.cuda.synchronize()
-    finally:
-        torch.cuda.set_rng_state(rng)
-        torch.set_rng_state(cpu_rng)

@@ -4,21 +4,21 @@ See docs/internals.md#te_passesexamples__init__py."""
 
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
+
+import torch
 
 from te_passes.backend import te_inductor
 from te_passes.config import TePassesOptions
 from te_passes.debug.offline import run_stages
-from te_passes.pipeline.base import Stage
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
 from te_passes.passes.order import configured_passes, pass_names
 from te_passes.report import compile_reports
 from te_passes.testing.capture import capture_aot, capture_dynamo
 from te_passes.testing.dynamo_capture import UNTOUCHED_MODELS
-from te_passes.testing.fake_gpu import CaptureError, fake_gpu, make_recipe
+from te_passes.testing.fake_gpu import PRECISIONS, CaptureError, fake_gpu, make_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,6 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in (
             "untouched te.TransformerLayer(64, 256, 4), Float8CurrentScaling, forward + backward", tokens=16),
 )}
 
-#: Precision names accepted by ``--precision``.
-PRECISIONS: tuple[str, ...] = ("bf16", "fp8-cs", "mxfp8")
 #: How each precision reads in an example's description (after the module: TE recipe class, or bf16).
 PRECISION_TEXT: dict[str, str] = {"bf16": " in bf16", "fp8-cs": ", Float8CurrentScaling",
                                   "mxfp8": ", MXFP8BlockScaling"}
@@ -77,16 +75,6 @@ class ExampleResult:
     reports: list[Any]
 
 
-def gpu_available() -> bool:
-    """Whether a CUDA device is usable (real ``torch.cuda.is_available()``)."""
-    import torch
-
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def run_example(name: str, *, precision: str | None = None, mode: str | None = None,
                 dump_dir: str | None = None, disable: Sequence[str] = (),
                 status: Callable[[str], None] | None = None) -> ExampleResult:
@@ -109,36 +97,25 @@ def run_example(name: str, *, precision: str | None = None, mode: str | None = N
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
     say = status or (lambda msg: None)
-    if gpu_available():
+    if torch.cuda.is_available():
         return _run_on_gpu(ex, precision, mode, dump_dir, disable, say)
     return _run_offline(ex, precision, mode, dump_dir, disable, say)
 
 
 def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | None,
                  disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
-    import torch
-
     opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))
     patches = _inductor_config_patches(mode, {})
     say(f"capturing the Dynamo and AOTAutograd graphs of {ex.name} ({precision}) on fake CUDA tensors")
-    out_features = ex.hidden if ex.model != "linear" else 2 * ex.hidden
     aot_error = None
     try:
-        aot = capture_aot(ex.model, precision, ex.layers, ex.tokens, ex.hidden, out_features)
+        captured = capture_aot(ex.model, precision, ex.layers, ex.tokens, ex.hidden)
     except CaptureError as e:
         if ex.model not in UNTOUCHED_MODELS:
             raise
         aot_error = str(e)  # the untouched models' AOT trace on fake tensors: the Dynamo stage only
-        dyn = capture_dynamo(ex.model, precision, ex.layers, ex.tokens, ex.hidden, out_features)
-    if aot_error is None:
-        jobs = [(Stage.DYNAMO, aot.dynamo.gm, aot.dynamo.example_inputs)]
-        if aot.joint is not None:
-            jobs.append((Stage.JOINT, aot.joint, aot.joint_inputs))
-        jobs.append((Stage.POST_GRAD_FWD, aot.forward, aot.forward_inputs))
-        if aot.backward is not None:
-            jobs.append((Stage.POST_GRAD_BWD, aot.backward, aot.backward_inputs))
-    else:
-        jobs = [(Stage.DYNAMO, dyn.gm, dyn.example_inputs)]
+        captured = capture_dynamo(ex.model, precision, ex.layers, ex.tokens, ex.hidden)
+    jobs = captured.stage_jobs()
     say(f"running the pass pipeline on {len(jobs)} stages")
     with fake_gpu(precision), torch._inductor.config.patch(
             {k: v for k, v in patches.items() if not k.endswith("_custom_pre_pass")}):
@@ -158,8 +135,6 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
 
 def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | None,
                 disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
-    import torch
-
     import transformer_engine.pytorch as te
 
     say(f"building {ex.name} on {torch.cuda.get_device_name()}")

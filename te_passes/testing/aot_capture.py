@@ -1,7 +1,7 @@
 """Capture the AOTAutograd graphs of a TE model without a GPU (:func:`capture_aot`): the joint,
-forward and backward ATen graphs Inductor's custom-pass hooks see (step 2 of
-:mod:`te_passes.testing.capture`), with a ``stage_hook`` where those hooks run.
-"""
+forward and backward ATen graphs Inductor's custom-pass hooks see, with a ``stage_hook`` there.
+
+See docs/internals.md#te_passestestingcapturepy (step 2)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,6 @@ def _to_device(t: Any, mode, device: str) -> Any:
     if t.requires_grad:
         out.requires_grad_(True)
     return out
-
-
-def _placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:
-    return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
 
 
 def _retarget_devices(gm: torch.fx.GraphModule) -> int:
@@ -58,7 +54,7 @@ def _repropagate_cuda(gm: torch.fx.GraphModule, mode) -> list[Any]:
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     _retarget_devices(gm)
-    inputs = [_to_device(v, mode, "cuda") if isinstance(v, torch.Tensor) else v for v in _placeholder_vals(gm)]
+    inputs = [_to_device(n.meta.get("val"), mode, "cuda") for n in gm.graph.find_nodes(op="placeholder")]
     with torch.no_grad():
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     return inputs
@@ -149,22 +145,18 @@ def capture_aot(model: str | None = "linear", precision: str = "fp8-cs", layers:
                 training: bool = True, partitioner: str = "min_cut",
                 dynamo: CapturedGraph | None = None, stage_hook: StageHook | None = None,
                 **kwargs: Any) -> CapturedAOT:
-    """Capture the AOTAutograd graphs (joint, forward, backward) of a TE model without a GPU.
+    """Capture the AOTAutograd graphs (joint, forward, backward) of a TE model without a GPU
+    (docs/internals.md#capture_aot).
 
     Args:
-        model, precision, layers, tokens, hidden, out_features, training, **kwargs: as for
-            :func:`capture_dynamo` (ignored when ``dynamo`` is given: its own ``training``
-            applies).
-        partitioner: ``"min_cut"`` (Inductor's; default) or ``"default"``
-            (``torch._functorch.partitioners.default_partition``, e.g. ``aot_eager``'s: the
-            backward then re-runs a dead ``linear.default``, TE ops being side-effecting).
-        dynamo: an existing :class:`CapturedGraph` to lower instead of capturing a new one (it
-            is not modified).
-        stage_hook: ``stage_hook(stage, gm, example_inputs)`` is called on the live graph where
-            ``joint_custom_pre_pass`` (``"joint"``, before partitioning) and
-            ``post_grad_custom_pre_pass`` (``"post_grad_fwd"`` / ``"post_grad_bwd"``) run, and
-            may rewrite it in place — what the backend's passes do (:func:`run_pipeline` uses
-            it). The recorded graphs are taken after the hook.
+        model, ..., **kwargs: as for :func:`capture_dynamo` (unused with ``dynamo``; its
+            ``training`` applies).
+        partitioner: ``"min_cut"`` (Inductor's) or ``"default"`` (``aot_eager``'s
+            ``default_partition``: the backward re-runs a dead ``linear.default``).
+        dynamo: a :class:`CapturedGraph` to lower instead of capturing one (not modified).
+        stage_hook: called on the live graph where ``joint_custom_pre_pass`` (``"joint"``) and
+            ``post_grad_custom_pre_pass`` (``"post_grad_fwd"`` / ``"post_grad_bwd"``) run (see
+            :data:`StageHook`); the graphs are recorded after it.
 
     Returns:
         :class:`CapturedAOT` (``backward`` / ``joint`` are ``None`` for ``training=False``).

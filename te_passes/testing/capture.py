@@ -4,7 +4,7 @@ See docs/internals.md#te_passestestingcapturepy and docs/testing-real-graphs.md.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -21,34 +21,30 @@ from te_passes.testing.aot_capture import capture_aot
 from te_passes.testing.captured import CapturedAOT, CapturedGraph
 from te_passes.testing.dynamo_capture import capture_dynamo
 from te_passes.testing.fake_gpu import CaptureError, capture_lock, fake_gpu, quiet
+from te_passes.testing.gpu import te_compile_skip_reason
 
 
 def capture_skip_reason() -> str | None:
     """Why real TE graphs cannot be captured in this process (for ``pytest.skip``), or ``None``."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-        import transformer_engine.pytorch.utils as te_utils
-    except Exception as e:  # noqa: BLE001
-        return f"transformer_engine.pytorch does not import: {type(e).__name__}: {e}"
-    reason = getattr(te_utils, "_compile_disabled_reason", "TE has no _compile_disabled_reason (not TE 2.20?)")
-    if reason is not None:
-        return f"TE's torch.compile custom-op path is off: {reason}"
-
-    if not is_supported():
+    reason = te_compile_skip_reason()
+    if reason is None and not is_supported():
         return f"TE {te_version()} is not a version te_passes decodes"
-    return None
+    return reason
 
 
 _CACHE: dict[tuple, Any] = {}
 
 
-def _cache_key(kind: str, args: dict[str, Any]) -> tuple | None:
+def _cached(kind: str, args: dict[str, Any], make: Callable[[], Any]) -> Any:
     key = (kind, te_version(), torch.__version__, tuple(sorted(args.items())))
     try:
         hash(key)
-    except TypeError:
-        return None
-    return key
+    except TypeError:  # an unhashable argument (e.g. a process group): not cached
+        return make()
+    with capture_lock:
+        if key not in _CACHE:
+            _CACHE[key] = make()
+    return _CACHE[key].copy()
 
 
 def cached_dynamo(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> CapturedGraph:
@@ -56,13 +52,7 @@ def cached_dynamo(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> 
     :meth:`~CapturedGraph.copy` each call, so callers may rewrite it. Unhashable arguments
     (e.g. a process group) bypass the cache."""
     args = dict(kwargs, precision=precision, layers=layers)
-    key = _cache_key("dynamo", args)
-    if key is None:
-        return capture_dynamo(**args)
-    with capture_lock:
-        if key not in _CACHE:
-            _CACHE[key] = capture_dynamo(**args)
-    return _CACHE[key].copy()
+    return _cached("dynamo", args, lambda: capture_dynamo(**args))
 
 
 def cached_aot(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> CapturedAOT:
@@ -70,39 +60,35 @@ def cached_aot(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> Cap
     returns a fresh :meth:`~CapturedAOT.copy` each call."""
     partitioner = kwargs.pop("partitioner", "min_cut")
     args = dict(kwargs, precision=precision, layers=layers)
-    key = _cache_key("aot", dict(args, partitioner=partitioner))
-    if key is None:
-        return capture_aot(partitioner=partitioner, **args)
-    with capture_lock:
-        if key not in _CACHE:
-            _CACHE[key] = capture_aot(partitioner=partitioner, dynamo=cached_dynamo(**args))
-    return _CACHE[key].copy()
+    return _cached("aot", dict(args, partitioner=partitioner),
+                   lambda: capture_aot(partitioner=partitioner, dynamo=cached_dynamo(**args)))
 
 
 # --------------------------------------------------------------------------- pipeline
 def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | None = None, *,
                  passes: Sequence[Any] | None = None, options: Any = None, te_state: Any = None,
                  relower: bool = False, copy: bool = True, graph_id: str = "g0") -> list[Any]:
-    """Run te_passes' pass pipeline on captured graphs, stage by stage, as the backend does.
+    """Run te_passes' pass pipeline on captured graphs, stage by stage, as the backend does
+    (docs/internals.md#run_pipeline).
 
     Args:
         captured: what :func:`capture_dynamo` / :func:`capture_aot` returned.
-        stages: the :class:`~te_passes.pipeline.base.Stage`\\ s (or their values) whose passes
-            run; default all. Unselected stages' graphs are still produced (relower).
-        passes: pass instances (default: the registry's, ``configured_passes()``; an empty list
-            gives reports with no runs).
-        options: ``TePassesOptions`` (default: ``TePassesOptions()``).
-        te_state: ``TEState`` (default: ``TEState.capture()``).
-        relower: see above (``CapturedAOT`` only).
-        copy: rewrite copies (default) so ``captured`` — e.g. a cached fixture — stays intact;
-            ``False`` rewrites ``captured``'s graphs in place (without ``relower`` only).
-        graph_id: the id stage reports carry (``"g0"``, ``"g0.joint"``, ``"g0.fwd"``, ``"g0.bwd"``).
+        stages: the :class:`~te_passes.pipeline.base.Stage`\\ s (or values) whose passes run;
+            default all.
+        passes: pass instances (default ``configured_passes()``; ``[]``: reports with no runs).
+        options: ``TePassesOptions`` (default ``TePassesOptions()``).
+        te_state: ``TEState`` (default ``TEState.capture()``).
+        relower: (``CapturedAOT`` only) re-lower the rewritten Dynamo graph with the later
+            stages' passes at Inductor's hooks; unselected stages' graphs are still produced.
+        copy: rewrite copies (default) so ``captured`` stays intact; ``False`` rewrites
+            ``captured``'s graphs in place (without ``relower`` only).
+        graph_id: the id stage reports carry (``"g0"`` -> ``"g0.joint"``, ``"g0.fwd"``, ``"g0.bwd"``).
 
     Returns:
-        ``list[StageReport]`` in stage order; each report's ``gm`` attribute is the graph the
-        passes ran on (after them).
+        ``list[StageReport]`` in stage order; each report's ``gm`` is the graph the passes ran on.
 
     Raises:
+        TypeError: ``captured`` is neither a ``CapturedGraph`` nor a ``CapturedAOT``.
         te_passes.pipeline.manager.TePassError: a pass failed under ``options.strict``.
     """
     if not isinstance(captured, (CapturedGraph, CapturedAOT)):
@@ -132,19 +118,9 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
 
     if copy:
         captured = captured.copy()
-    if isinstance(captured, CapturedAOT):
-        d = captured.dynamo
-        jobs = [(Stage.DYNAMO, d.gm, d.example_inputs)]
-        if captured.joint is not None:
-            jobs.append((Stage.JOINT, captured.joint, captured.joint_inputs))
-        jobs.append((Stage.POST_GRAD_FWD, captured.forward, captured.forward_inputs))
-        if captured.backward is not None:
-            jobs.append((Stage.POST_GRAD_BWD, captured.backward, captured.backward_inputs))
-    else:
-        jobs = [(Stage.DYNAMO, captured.gm, captured.example_inputs)]
     with quiet(), fake_gpu(captured.precision):
-        for stage, gm, inputs in jobs:
-            run(stage, gm, inputs)
+        for job in captured.stage_jobs():
+            run(*job)
     return reports
 
 

@@ -1,8 +1,8 @@
 """What a CPU capture returns: :class:`CapturedGraph` (a Dynamo graph of a TE model, as a
 ``torch.compile`` backend receives it) and :class:`CapturedAOT` (its AOTAutograd joint / forward /
-backward graphs, as Inductor's custom-pass hooks receive them), with node helpers. Made by
-:func:`te_passes.testing.capture.capture_dynamo` / :func:`~te_passes.testing.capture.capture_aot`.
-"""
+backward graphs, as Inductor's custom-pass hooks receive them), with node helpers.
+
+See docs/internals.md#te_passestestingcapturedpy."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from te_passes.debug.printer import format_tensor_type, node_value
 from te_passes.fx.graph import copy_graph_module
+from te_passes.pipeline.base import Stage
 from te_passes.te import graph_model as gmod
 
 
@@ -46,26 +48,7 @@ def _te_node_summary(gm: torch.fx.GraphModule) -> list[str]:
 
 def _val_str(node: Any) -> str:
     v = node_value(node) if isinstance(node, torch.fx.Node) else None
-    if isinstance(v, torch.Tensor):
-        return f"{_dtype_abbr(v.dtype)}{list(v.shape)}"
-    return getattr(node, "name", repr(node))
-
-
-def node_value(node: torch.fx.Node) -> Any:
-    """A node's fake value: ``meta["val"]`` (AOT graphs) or ``meta["example_value"]`` (Dynamo
-    graphs), else ``None``."""
-    v = node.meta.get("val")
-    return node.meta.get("example_value") if v is None else v
-
-
-def _dtype_abbr(dtype: torch.dtype) -> str:
-    """``bf16`` / ``u8`` / ``f32`` ... as FX's ``print_readable`` writes dtypes."""
-    try:
-        from torch.utils._dtype_abbrs import dtype_abbrs
-
-        return dtype_abbrs[dtype]
-    except (ImportError, KeyError):  # pragma: no cover - other torch versions
-        return str(dtype).removeprefix("torch.")
+    return format_tensor_type(v) or getattr(node, "name", repr(node))
 
 
 def te_op_names(gm: torch.fx.GraphModule) -> list[str]:
@@ -107,25 +90,24 @@ class CapturedGraph:
         return dataclasses.replace(self, gm=copy_graph_module(self.gm), example_inputs=list(self.example_inputs),
                                    linear_kwargs=dict(self.linear_kwargs))
 
+    def stage_jobs(self) -> list[tuple[Stage, torch.fx.GraphModule, list[Any]]]:
+        """``[(Stage.DYNAMO, gm, example_inputs)]``: the jobs ``run_stages`` / ``run_pipeline`` run."""
+        return [(Stage.DYNAMO, self.gm, self.example_inputs)]
+
 
 @dataclasses.dataclass
 class CapturedAOT:
     """The AOTAutograd graphs of a TE model, as Inductor's custom-pass hooks receive them.
 
-    Fields:
-      * ``forward`` — partitioned forward (``primals_*`` placeholders; per layer one
-        ``transformer_engine_compile.linear.default``; returns the output, quantizer constants
-        (fp8), the saved tensors: for fp8-cs the input transpose u8[K, M], weight data u8[N, K],
-        weight transpose u8[K, N] and f32[1] ``scale_inv``\\ s);
-      * ``backward`` — partitioned backward (saved tensors then ``tangents_*``; per layer one
-        ``linear_backward.default``; returns dW, dbias, dx per layer); ``None`` for
-        ``training=False``;
-      * ``joint`` — the joint forward+backward graph (``joint_custom_pre_pass``); ``None`` for
-        ``training=False``;
-      * ``forward_inputs`` / ``backward_inputs`` / ``joint_inputs`` — fake ``cuda`` tensors
-        matching the placeholders (the joint's are ``[primals, tangents]`` flattened);
-      * ``dynamo`` — the :class:`CapturedGraph` they were made from;
-      * ``partitioner`` — ``"min_cut"`` (Inductor's) or ``"default"``.
+    ``forward``: partitioned forward (``primals_*`` placeholders, one ``linear.default`` per layer;
+    returns the output, fp8 quantizer constants and the saved tensors: for fp8-cs the input
+    transpose u8[K, M], weight data u8[N, K], weight transpose u8[K, N], f32[1] ``scale_inv``\\ s).
+    ``backward``: partitioned backward (saved tensors then ``tangents_*``; per layer one
+    ``linear_backward.default`` returning dW, dbias, dx). ``joint``: the joint graph
+    (``joint_custom_pre_pass``). Both ``None`` for ``training=False``. ``*_inputs``: fake ``cuda``
+    tensors matching the placeholders (the joint's: ``[primals, tangents]`` flattened).
+    ``dynamo``: the :class:`CapturedGraph` they came from; ``partitioner``: ``"min_cut"``
+    (Inductor's) or ``"default"``.
     """
 
     forward: torch.fx.GraphModule
@@ -147,6 +129,14 @@ class CapturedAOT:
         """``{"joint": ..., "forward": ..., "backward": ...}`` (graphs that exist)."""
         out = {"joint": self.joint, "forward": self.forward, "backward": self.backward}
         return {k: v for k, v in out.items() if v is not None}
+
+    def stage_jobs(self) -> list[tuple[Stage, torch.fx.GraphModule, list[Any]]]:
+        """``(stage, gm, example_inputs)`` of the Dynamo, joint, post-grad forward and backward graphs
+        that exist, in stage order."""
+        jobs = [*self.dynamo.stage_jobs(), (Stage.JOINT, self.joint, self.joint_inputs),
+                (Stage.POST_GRAD_FWD, self.forward, self.forward_inputs),
+                (Stage.POST_GRAD_BWD, self.backward, self.backward_inputs)]
+        return [job for job in jobs if job[1] is not None]
 
     def describe(self) -> str:
         """What was captured and the TE op nodes of each AOT graph with their decoded fields."""

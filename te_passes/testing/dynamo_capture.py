@@ -19,10 +19,8 @@ from te_passes.testing.captured import CapturedGraph
 from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing, fake_gpu, import_te, make_recipe,
                                         quiet)
 
-#: Models: ``"linear"`` (one ``te.Linear``) and ``"stack"`` (``layers`` ``te.Linear`` with GELU
-#: between); untouched TE modules (traced through te_passes' polyfills,
-#: :mod:`te_passes.runtime.untouched.polyfills`): ``"layernorm_linear"``, ``"layernorm_mlp"``,
-#: ``"multihead_attention"``, ``"transformer_layer"`` (``layers`` of them in sequence).
+#: What :func:`capture_dynamo` builds; the last four are untouched TE modules, traced through
+#: te_passes' polyfills (:mod:`te_passes.runtime.untouched.polyfills`).
 MODELS: tuple[str, ...] = ("linear", "stack", "layernorm_linear", "layernorm_mlp", "multihead_attention",
                            "transformer_layer")
 UNTOUCHED_MODELS: tuple[str, ...] = MODELS[2:]
@@ -76,40 +74,30 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
                    tokens: int = 32, hidden: int = 64, out_features: int | None = None, *,
                    training: bool = True, fake_ub: bool | None = None, ub_fp8: Any = None,
                    **linear_kwargs: Any) -> CapturedGraph:
-    """Capture the Dynamo graph of a TE model without a GPU.
+    """Capture the Dynamo graph of a TE model without a GPU (docs/internals.md#capture_dynamo).
 
     Args:
-        model: ``"linear"`` — ``te.Linear(hidden, out_features)``; ``"stack"`` — ``layers``
-            ``te.Linear`` with ``torch.nn.functional.gelu`` between, all ``hidden -> hidden``
-            except the last (``hidden -> out_features``); ``None`` picks ``"linear"`` for
-            ``layers == 1`` else ``"stack"``; ``"linear"`` with ``layers > 1`` means ``"stack"``.
-            Untouched: ``"layernorm_linear"`` (``te.LayerNormLinear(hidden, hidden)``, input
-            [tokens, hidden]), ``"layernorm_mlp"`` (``te.LayerNormMLP(hidden, 4 * hidden)``),
-            ``"multihead_attention"`` (``te.MultiheadAttention(hidden, 4)``, input [tokens, 2, hidden]),
-            ``"transformer_layer"`` (``te.TransformerLayer(hidden, 4 * hidden, 4)``, dropout 0);
-            ``layers`` modules in sequence, ``linear_kwargs`` go to each module's constructor.
+        model: one of :data:`MODELS` — ``"linear"``: ``te.Linear(hidden, out_features)``;
+            ``"stack"``: ``layers`` ``te.Linear`` (``hidden -> hidden``, the last ``hidden ->
+            out_features``) with ``gelu`` between; ``None``: ``"linear"`` for one layer, else
+            ``"stack"`` (as is ``"linear"`` with ``layers > 1``); untouched:
+            ``te.LayerNormLinear(hidden, hidden)``, ``te.LayerNormMLP(hidden, 4 * hidden)``,
+            ``te.MultiheadAttention(hidden, 4)`` and ``te.TransformerLayer(hidden, 4 * hidden, 4)``
+            (dropout 0; the attention models take input [tokens, 2, hidden]), ``layers`` in sequence.
         precision: one of :data:`te_passes.testing.fake_gpu.PRECISIONS`.
-        layers: number of ``te.Linear`` layers (1 for ``"linear"``).
-        tokens, hidden: the input is bf16[tokens, hidden] with ``requires_grad=True``
-            (row-parallel: bf16[tokens, hidden / tp_size], the first layer's weight width).
-        out_features: the last layer's output width; default ``2 * hidden`` for ``"linear"``
-            (the reference graphs' ``te.Linear(64, 128)``) and ``hidden`` for ``"stack"``.
+        tokens, hidden: the input is bf16[tokens, hidden], ``requires_grad=True`` (row-parallel:
+            [tokens, hidden / tp_size], the first layer's weight width).
+        out_features: the last layer's output width; default ``2 * hidden`` for ``"linear"``,
+            ``hidden`` otherwise.
         training: ``False`` traces under ``torch.no_grad()`` (inference graph).
-        fake_ub: install fake Userbuffers communicators (see :func:`te_passes.testing.fake_gpu.fake_gpu`); default: when
-            ``linear_kwargs`` sets any ``ub_*`` overlap flag.
-        ub_fp8: what the fake communicators' ``is_fp8_ubuf()`` answers in FP8 mode: ``None``
-            (default) — :data:`te_passes.testing.fake_gpu.DEFAULT_UB_FP8` (TE's default UB config); a bool for every
-            buffer; or ``{"qkv_fprop": bool, ...}`` overriding the defaults per buffer.
-        **linear_kwargs: passed to every ``te.Linear`` (``bias``, ``parallel_mode``,
-            ``sequence_parallel``, ``tp_size``, ``ub_name``, ``ub_overlap_*``, ...). Params are
-            ``params_dtype=torch.bfloat16, device="cuda"`` unless given. With ``tp_size > 1``
-            and no ``tp_group`` there is no process group: the layers get
-            ``set_tensor_parallel_group(None)`` (TE's required call), so the config bundles
-            carry ``tp_group=None`` where a real run carries the group's name; TP collectives
-            live inside the TE ops and are not in the graph either way.
-
-    Returns:
-        :class:`CapturedGraph`.
+        fake_ub: install fake Userbuffers communicators (:func:`~te_passes.testing.fake_gpu.fake_gpu`);
+            default: when ``linear_kwargs`` sets any of :data:`UB_OVERLAP_FLAGS`.
+        ub_fp8: the fake communicators' ``is_fp8_ubuf()`` in FP8 mode: ``None`` —
+            :data:`~te_passes.testing.fake_gpu.DEFAULT_UB_FP8`; a bool; or ``{"qkv_fprop": bool, ...}``.
+        **linear_kwargs: passed to every module (``bias``, ``parallel_mode``, ``tp_size``,
+            ``ub_overlap_*``, ...; params ``bfloat16`` on ``cuda`` unless given). ``tp_size > 1``
+            without ``tp_group`` calls ``set_tensor_parallel_group(None)``: the config bundles
+            carry ``tp_group=None`` (TP collectives are inside the TE ops either way).
 
     Raises:
         CaptureError: TE not importable, unknown precision/model, or TE fell back to eager

@@ -1,16 +1,15 @@
 """A fake GPU for capturing real Transformer Engine graphs on a CPU-only machine: TE believes a
 Hopper / Blackwell device is present (:func:`fake_gpu`), with optional Userbuffers stand-ins.
 
-Part of the CPU capture helpers (:mod:`te_passes.testing.capture` explains how a capture works);
-mirrors the device queries TE 2.20.2 makes (``transformer_engine/pytorch/quantization.py``
+Mirrors the device queries TE 2.20.2 makes (``transformer_engine/pytorch/quantization.py``
 support flags, ``utils._get_device_compute_capability``, ``module/base.py`` UB registry) and
-torch 2.14's ``torch.cuda`` device-property calls.
-"""
+torch 2.14's ``torch.cuda`` device-property calls. See docs/internals.md#te_passestestingcapturepy."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import types
 import warnings
 from typing import Any, Iterator
 from unittest import mock
@@ -19,12 +18,10 @@ import torch
 
 from te_passes.runtime.untouched import state as untouched_state
 from te_passes.testing.inductor_state import clear_system_info
+from te_passes.testing.ub import StandInCommunicator
 
-#: Precisions :func:`~te_passes.testing.capture.capture_dynamo` / :func:`~te_passes.testing.capture.capture_aot`
-#: capture: ``"bf16"`` (bf16 params and
-#: activations, no quantization, no ``te.autocast``), ``"fp8-cs"``
-#: (``transformer_engine.common.recipe.Float8CurrentScaling()``, device capability (9, 0)) and
-#: ``"mxfp8"`` (``MXFP8BlockScaling()``, device capability (10, 0)).
+#: Precisions a capture (and ``te-passes dump --precision``) takes: ``"bf16"`` (no quantization, no
+#: ``te.autocast``), ``"fp8-cs"`` (``Float8CurrentScaling()``) and ``"mxfp8"`` (``MXFP8BlockScaling()``).
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8-cs", "mxfp8")
 
 #: Device capability each precision is captured under (Hopper for bf16/FP8, Blackwell for MXFP8).
@@ -32,10 +29,9 @@ DEVICE_CAPABILITY: dict[str, tuple[int, int]] = {"bf16": (9, 0), "fp8-cs": (9, 0
 
 _TE_SUPPORT_FLAGS = ("_FP8_SUPPORT", "_MXFP8_SUPPORT", "_NVFP4_SUPPORT", "_FP8_BLOCK_SCALING_SUPPORT")
 
-#: ``is_fp8_ubuf()`` of TE 2.20.2's default Userbuffers config in FP8 mode (measured with
-#: ``initialize_ub(..., quantization_modes=[NONE, FP8])``, ../shared/notes/ub-tp2.md): the
-#: reduce-scatter ``*_fprop`` and bulk ``*_wgrad`` buffers of the ag layers are not FP8; every
-#: other buffer is. Names not listed answer ``True``.
+#: ``is_fp8_ubuf()`` of TE 2.20.2's default Userbuffers config in FP8 mode (``initialize_ub(...,
+#: quantization_modes=[NONE, FP8])``): the reduce-scatter ``*_fprop`` and bulk ``*_wgrad`` buffers
+#: of the ag layers are not FP8; every other buffer is. Names not listed answer ``True``.
 DEFAULT_UB_FP8: dict[str, bool] = {
     "qkv_fprop": True, "qkv_dgrad": True, "qkv_wgrad": False,
     "proj_fprop": False, "proj_dgrad": True, "proj_wgrad": True,
@@ -53,54 +49,10 @@ class CaptureError(RuntimeError):
     precision/model is unknown, or tracing raised (chained)."""
 
 
-class _FakeProps:
-    """Stands in for ``torch.cuda.get_device_properties`` (``_CudaDeviceProperties``)."""
-
-    def __init__(self, cap: tuple[int, int]) -> None:
-        self.major, self.minor = cap
-        self.name = f"te_passes fake sm_{cap[0]}{cap[1]}"
-        self.total_memory = 141 * 2**30
-        self.multi_processor_count = 132
-        self.gcnArchName = ""
-        self.L2_cache_size = 50 * 2**20
-        self.warp_size = 32
-
-    def __repr__(self) -> str:
-        return f"_FakeProps({self.name})"
-
-
-class _FakeUb:
-    """Stands in for a Userbuffers communicator (``tex.CommOverlap``) at trace time: answers the
-    predicates TE queries while tracing (``is_fp8_ubuf()``, ``with_cublasmp()``)."""
-
-    def __init__(self, name: str, fp8_mode: bool, ub_fp8: Any) -> None:
-        self.name, self.fp8_mode, self._fp8 = name, fp8_mode, ub_fp8
-
-    def is_fp8_ubuf(self) -> bool:
-        if not self.fp8_mode:
-            return False
-        if isinstance(self._fp8, dict):
-            return bool(self._fp8.get(self.name, DEFAULT_UB_FP8.get(self.name, True)))
-        if self._fp8 is None:
-            return DEFAULT_UB_FP8.get(self.name, True)
-        return bool(self._fp8)
-
-    def with_cublasmp(self) -> bool:
-        return False
-
-    def is_atomic_gemm(self) -> bool:
-        return False
-
-    def is_p2p_overlap(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return f"_FakeUb({self.name!r}, fp8={self.fp8_mode})"
-
-
 class _FakeUbTable(dict):
     """``base._ub_communicators`` stand-in: every ``(name, mode)`` key resolves to a
-    :class:`_FakeUb`."""
+    :class:`~te_passes.testing.ub.StandInCommunicator` whose ``is_fp8_ubuf()`` answers
+    ``ub_fp8`` (see :func:`~te_passes.testing.dynamo_capture.capture_dynamo`) in FP8 mode."""
 
     def __init__(self, ub_fp8: Any) -> None:
         super().__init__()
@@ -111,9 +63,11 @@ class _FakeUbTable(dict):
 
     def __missing__(self, key):
         name, mode = key
-        ub = _FakeUb(name, getattr(mode, "name", str(mode)) == "FP8", self.ub_fp8)
-        self[key] = ub
-        return ub
+        fp8 = DEFAULT_UB_FP8.get(name, True) if self.ub_fp8 is None else self.ub_fp8
+        if isinstance(fp8, dict):
+            fp8 = fp8.get(name, DEFAULT_UB_FP8.get(name, True))
+        self[key] = StandInCommunicator(fp8_ubuf=getattr(mode, "name", str(mode)) == "FP8" and bool(fp8))
+        return self[key]
 
 
 def import_te():
@@ -141,7 +95,10 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
     import transformer_engine.pytorch.utils as te_utils
 
     cap = DEVICE_CAPABILITY[precision]
-    props = _FakeProps(cap)
+    # stands in for torch.cuda.get_device_properties (_CudaDeviceProperties)
+    props = types.SimpleNamespace(major=cap[0], minor=cap[1], name=f"te_passes fake sm_{cap[0]}{cap[1]}",
+                                  total_memory=141 * 2**30, multi_processor_count=132, gcnArchName="",
+                                  L2_cache_size=50 * 2**20, warp_size=32)
     with contextlib.ExitStack() as stack:
         stack.callback(clear_system_info)  # runs last: after the patches are undone
         for flag in _TE_SUPPORT_FLAGS:

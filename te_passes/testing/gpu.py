@@ -15,32 +15,29 @@ from te_passes.testing.compile_watch import (  # noqa: F401 - re-exported (torch
 #: quantization) and ``"fp8"`` (``transformer_engine.common.recipe.Float8CurrentScaling``).
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
 
-#: Relative Frobenius-norm error ``||a - b|| / ||b||`` allowed between compiled and eager tensors.
-#: bf16: 2^-8 is bf16's unit roundoff; compiled and eager run the same TE GEMMs, so only the
-#: Inductor-generated elementwise code (GELU, adds) may round differently -> 1e-2 leaves room for
-#: a few ulps on every element. fp8 (E4M3, 3 mantissa bits): one flipped rounding of a GELU output
-#: before the next layer's cast moves that element by up to 2^-4 relative -> 5e-2. A wrong scale,
-#: a stale quantizer or a missing transpose gives errors of order 1.
+#: Relative Frobenius-norm error ``||a - b|| / ||b||`` allowed between compiled and eager tensors:
+#: a few ulps of bf16 (2^-8) for Inductor's elementwise code; for fp8 (E4M3) one flipped rounding
+#: before a cast (2^-4). A wrong scale, stale quantizer or missing transpose gives errors of order 1.
 REL_TOL: dict[str, float] = {"bf16": 1e-2, "fp8": 5e-2}
 
 
-def gpu_skip_reason() -> str | None:
-    """Why real TE cannot be compiled on a GPU in this process, or ``None`` when it can.
-
-    Returns:
-        A one-line reason (for ``pytest.skip``), or ``None``.
-    """
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
+def te_compile_skip_reason() -> str | None:
+    """Why TE's torch.compile path is unusable here (TE does not import, or its custom-op path is
+    off: ``transformer_engine.pytorch.utils._compile_disabled_reason``), or ``None``."""
     try:
         import transformer_engine.pytorch  # noqa: F401
         import transformer_engine.pytorch.utils as te_utils
-    except Exception as exc:  # ImportError, or TE's own load errors (missing libs)
+    except Exception as exc:  # noqa: BLE001 - ImportError, or TE's own load errors (missing libs)
         return f"transformer_engine.pytorch does not import: {type(exc).__name__}: {exc}"
     reason = getattr(te_utils, "_compile_disabled_reason", "TE has no _compile_disabled_reason (not TE 2.20?)")
-    if reason is not None:
-        return f"TE's torch.compile custom-op path is off: {reason}"
-    return None
+    return None if reason is None else f"TE's torch.compile custom-op path is off: {reason}"
+
+
+def gpu_skip_reason() -> str | None:
+    """Why real TE cannot be compiled on a GPU in this process (for ``pytest.skip``), or ``None``."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    return te_compile_skip_reason()
 
 
 def make_recipe(precision: str):
@@ -60,10 +57,8 @@ def make_recipe(precision: str):
 
 def build_linear(hidden: int, *, out_features: int | None = None, bias: bool = True, seed: int = 0,
                  device: str = "cuda") -> torch.nn.Module:
-    """One ``te.Linear(hidden, out_features or hidden)`` with bf16 parameters on ``device``.
-
-    Weights come from TE's default init under ``torch.manual_seed(seed)``.
-    """
+    """``te.Linear(hidden, out_features or hidden)``, bf16 parameters on ``device``, TE's init under
+    ``torch.manual_seed(seed)``."""
     import transformer_engine.pytorch as te
 
     torch.manual_seed(seed)
@@ -128,20 +123,10 @@ def forward_fn(model: torch.nn.Module, precision: str, recipe: Any = None) -> Ca
 
 def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
                params: Sequence[torch.nn.Parameter], *, mark_step: bool = False) -> torch.Tensor:
-    """One forward + backward: ``p.grad = None`` for ``params`` and ``x``, ``y = fn(x)``, ``y.backward(dy)``.
-
-    Args:
-        fn: the (compiled or eager) forward.
-        x: input, ``requires_grad=True`` (its ``.grad`` is the dgrad of the first layer).
-        dy: upstream gradient, same shape/dtype as ``fn(x)``.
-        params: the parameters whose ``.grad`` is reset first.
-        mark_step: call ``torch.compiler.cudagraph_mark_step_begin()`` first (reduce-overhead: tells
-            cudagraph trees a new iteration starts, so last step's outputs may be overwritten).
-
-    Returns:
-        ``y`` (for reduce-overhead: memory owned by the cudagraph pool, valid until the next step;
-        clone it to keep it).
-    """
+    """One forward + backward: ``p.grad = None`` for ``params`` and ``x``, ``y = fn(x)``,
+    ``y.backward(dy)`` (``dy``: same shape/dtype as ``y``); returns ``y``. ``mark_step``: call
+    ``torch.compiler.cudagraph_mark_step_begin()`` first (reduce-overhead; ``y`` then lives in
+    the cudagraph pool until the next step: clone it to keep it)."""
     if mark_step:
         torch.compiler.cudagraph_mark_step_begin()
     for p in params:

@@ -49,27 +49,24 @@ def diff(before: collections.Counter | dict, after: collections.Counter | dict) 
     return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}
 
 
+def _options(fn: str, options: TePassesOptions | None, opts: dict[str, Any]) -> TePassesOptions:
+    if options is not None and opts:
+        raise TypeError(f"{fn}: give options= or option keywords ({sorted(opts)}), not both")
+    return TePassesOptions(**opts) if options is None else options
+
+
 def pass_context(stage: Stage | str = Stage.DYNAMO, *, te_state: TEState | None = None,
                  example_inputs: Any = None, graph_id: str = "g0", options: TePassesOptions | None = None,
                  inputs: dict | None = None, **opts: Any) -> PassContext:
-    """The context ``stage``'s passes get in a compilation named ``graph_id``
-    (:meth:`Compilation.context`: graph id ``graph_id`` + ``".joint"``/``".fwd"``/``".bwd"``).
-
-    Args:
-        stage: the :class:`Stage` (or its value).
-        te_state: the TE snapshot (default ``TEState()``: no TE state; pass
-            ``TEState.capture(...)`` for the live one).
-        options: parsed options; else ``TePassesOptions(**opts)`` (e.g. ``strict=True``,
-            ``disable=("x",)``).
-        inputs: :attr:`PassContext.inputs`.
+    """The context ``stage``'s passes (a :class:`Stage` or its value) get in a compilation named
+    ``graph_id`` (:meth:`Compilation.context`: ``graph_id`` + ``".joint"``/``".fwd"``/``".bwd"``).
+    ``te_state`` defaults to ``TEState()`` (no TE state); ``options`` to ``TePassesOptions(**opts)``
+    (e.g. ``strict=True, disable=("x",)``); ``inputs``: :attr:`PassContext.inputs`.
 
     Raises:
         TypeError: both ``options`` and option keywords given, or an unknown option keyword.
     """
-    if options is not None and opts:
-        raise TypeError(f"pass_context: give options= or option keywords ({sorted(opts)}), not both")
-    options = TePassesOptions(**opts) if options is None else options
-    comp = Compilation(PassManager([]), options, TEState() if te_state is None else te_state,
+    comp = Compilation(PassManager([]), _options("pass_context", options, opts), TEState() if te_state is None else te_state,
                        CompileReport(graph_id=graph_id), live=False)
     return comp.context(stage, example_inputs, inputs)
 
@@ -112,11 +109,10 @@ def run_passes(gm: torch.fx.GraphModule, passes: TEPass | Sequence[TEPass] | Non
     place, through :class:`PassManager` and :meth:`Compilation.run_stage` as the backend does.
 
     Raises:
+        TypeError: as :func:`pass_context`.
         te_passes.pipeline.manager.TePassError: a pass failed under ``strict``.
     """
-    if options is not None and opts:
-        raise TypeError(f"run_passes: give options= or option keywords ({sorted(opts)}), not both")
-    options = TePassesOptions(**opts) if options is None else options
+    options = _options("run_passes", options, opts)
     if passes is None:
         passes = configured_passes(options.pass_config)
     elif isinstance(passes, TEPass):
