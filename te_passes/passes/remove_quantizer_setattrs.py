@@ -72,17 +72,16 @@ class RemoveQuantizerSetattrs(TEPass):
                         "receiver": cls, "reason": f"{bad[0].name} is used, takes kwargs or writes a "
                                                    "non-constant value: not side-effect-only"}))
                 continue
-            noop = all(hasattr(recv, n.args[1]) and type(getattr(recv, n.args[1])) is type(n.args[2])
-                       and getattr(recv, n.args[1]) == n.args[2] for n in nodes)
-            if observers and not noop:
-                changing = next(n for n in nodes if not (hasattr(recv, n.args[1])
-                                                         and getattr(recv, n.args[1]) == n.args[2]))
+            changing = next((n for n in nodes if not _writes_held_value(recv, n.args[1], n.args[2])), None)
+            if observers and changing is not None:
+                field, new = changing.args[1:]
+                old = getattr(recv, field, "<unset>")
+                retyped = f", equal but of type {type(new).__name__}" if old == new else ""
                 for n in nodes:
                     records.append(PassRecord("kept", n.name, {
                         "receiver": cls, "field": n.args[1], "value": n.args[2],
                         "reason": f"receiver is also used by {', '.join(observers)} and {changing.name} changes "
-                                  f"{changing.args[1]} from {getattr(recv, changing.args[1], '<unset>')!r} to "
-                                  f"{changing.args[2]!r}"}))
+                                  f"{field} from {old!r} to {new!r}{retyped}"}))
                 continue
             reason = ("no-op: writes the value the constant already holds (receiver also used by "
                       + ", ".join(observers) + ")") if observers else "receiver is not observed by any other node"
@@ -98,3 +97,7 @@ class RemoveQuantizerSetattrs(TEPass):
                                "residue (identity or value); refusing the rewrite")
         return bool(to_erase)
 
+
+def _writes_held_value(recv: object, field: str, value: object) -> bool:
+    """Whether ``setattr(recv, field, value)`` is a no-op: ``recv`` already holds an equal value of the same type."""
+    return hasattr(recv, field) and type(getattr(recv, field)) is type(value) and getattr(recv, field) == value
