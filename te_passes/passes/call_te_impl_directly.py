@@ -98,15 +98,7 @@ class CallTEImplDirectly(TEPass):
     """Retarget TE wrapper ops to their base ops and mark them for a direct call of TE's impl.
 
     Records: ``"retargeted"`` (``from``, ``to``), ``"direct_call"`` (the call), ``"kept"`` (``op``,
-    ``retargeted``, ``reason``). Before / after (post-grad forward of an fp8 ``te.Linear``, as Inductor's
-    wrapper calls it)::
-
-        # before
-        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0,
-            primals_3, primals_2, None, [], _te_const_1, _te_const_2)
-        # after
-        buf0 = _te_direct_0(primals_1, [], _te_const_0, primals_3, primals_2, None, [],
-            _te_const_1, _te_const_2)"""
+    ``retargeted``, ``reason``)."""
 
     name = "call_te_impl_directly"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

@@ -1,4 +1,6 @@
-"""Pass ``check_cudagraph_pool``: find values that would stay in the CUDA-graph pool after a step."""
+"""Pass ``check_cudagraph_pool``: find values that would stay in the CUDA-graph pool after a step.
+
+See docs/passes/check_cudagraph_pool.md."""
 
 from __future__ import annotations
 
@@ -63,15 +65,7 @@ def format_findings(graph_id: str, findings: list[dict[str, Any]]) -> str:
 
 class CheckCudagraphPool(TEPass):
     """Static CUDA-graph pool check (analysis only). Records: ``"pool_leak"`` per finding,
-    ``"pool_check"`` (``findings``, ``allocated_values``, ...); warns (``strict``: raises) on findings.
-
-    Example (a planted leak: an FP8 temporary stashed into a graph input)::
-
-        q = aten._to_copy(x, dtype=float8_e4m3fn)      # allocated in the pool
-        set_ = aten.set_.source_Tensor(cache, q)       # cache (an input) now holds q's storage
-        y = mylib.fp8_gemm(q, w)
-        return (y,)                                    # q is not an output
-        -> pool_leak: node '_to_copy' (quantized rowwise_data, 64 B) escapes at node 'set_'"""
+    ``"pool_check"`` (``findings``, ``allocated_values``, ...); warns (``strict``: raises) on findings."""
 
     name = "check_cudagraph_pool"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

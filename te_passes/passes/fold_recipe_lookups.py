@@ -30,17 +30,7 @@ class FoldRecipeLookups(TEPass):
     """Fold fp8 recipe / autocast lookups into plain constants.
 
     Records: ``"hoisted"`` (``lookup``, ``value``, ``users``), ``"kept"`` (``reason``; ``lookup``,
-    ``object`` or ``path`` for objects a consumer takes). Before / after (the lookup
-    ``FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_fprop.use_split_accumulator`` as
-    ``call_function`` nodes; Float8CurrentScaling active)::
-
-        # before
-        get_fp8_recipe = transformer_engine...FP8GlobalStateManager.get_fp8_recipe()
-        getattr_1 = getattr(get_fp8_recipe, 'fp8_gemm_fprop')
-        getattr_2 = getattr(getattr_1, 'use_split_accumulator')
-        gemm = gemm(x, split = getattr_2)
-        # after
-        gemm = gemm(x, split = False)
+    ``object`` or ``path`` for objects a consumer takes).
 
     Raises:
         TypeError: ``fp8_state`` is not an ``Fp8State``.

@@ -19,17 +19,7 @@ class RemoveQuantizerSetattrs(TEPass):
     """Remove side-effect-only ``__setattr__`` nodes on quantizer constants.
 
     Records: ``"folded_setattr"`` (``receiver``, ``field``, ``value``, ``reason``), ``"kept"``
-    (``receiver``, ``reason``). Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``;
-    ``Q(...)`` stands for ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
-
-        # before
-        setattr_1 = Q(<input q>).__setattr__('force_pow_2_scales', False)     # 23 such nodes
-        ...
-        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
-                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))
-        # after
-        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
-                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))   # same objects
+    (``receiver``, ``reason``; ``field``, ``value`` when a write would change the receiver).
 
     Raises (caught by the manager, which undoes the rewrite):
         RuntimeError: the op bundles' quantizers changed (identity or value) during the rewrite.
