@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from te_passes.fx.graph import same_objects
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.ops import direct_call as dc, direct_lowering, te_base as te_base_op
 from te_passes.runtime.ops.te_base import DirectCallUnavailable, op_family, op_qualname, overload
@@ -58,14 +59,9 @@ def _same_call(old: Any, new: Any) -> bool:
     """Whether plan ``old`` makes the same call as ``new``: base op, arg count, the same constant objects."""
     if not isinstance(old, dc.DirectTECall):
         return False
-    def same(x: Any, y: Any) -> bool:  # identity, element-wise through the args' lists / tuples
-        if isinstance(x, (list, tuple)) and type(x) is type(y):
-            return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
-        return x is y
-
     a, b = old.__reduce__()[1], new.__reduce__()[1]
     return (a[0] == b[0] and a[1] == b[1] and len(a[2]) == len(b[2])
-            and all(i == j and same(x, y) for (i, x), (j, y) in zip(a[2], b[2])))
+            and all(i == j and same_objects(x, y) for (i, x), (j, y) in zip(a[2], b[2])))
 
 
 def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[list[tuple[int, Any]], str | None]:

@@ -26,17 +26,11 @@ class CudagraphPoolWarning(UserWarning):
 def pool_findings(lv: Liveness) -> list[dict[str, Any]]:
     """Values allocated in the graph, referenced when it returns, not outputs: ``[{"node", "role",
     "bytes", "at", "how", "source"}]``."""
-    out = []
-    for buf in lv.buffers:
-        if buf.origin is not BufferOrigin.ALLOCATED or lv.is_output(buf):
-            continue
-        esc = lv.escaped(buf)
-        if not esc:
-            continue
-        out.append({"node": buf.name, "role": buf.quantized.role if buf.quantized else None,
-                    "bytes": buf.nbytes(), "at": esc[0].node.name, "how": esc[0].how,
-                    "source": buf.quantized.source if buf.quantized else None})
-    return out
+    return [{"node": buf.name, "role": buf.quantized.role if buf.quantized else None,
+             "bytes": buf.nbytes(), "at": esc[0].node.name, "how": esc[0].how,
+             "source": buf.quantized.source if buf.quantized else None}
+            for buf in lv.buffers
+            if buf.origin is BufferOrigin.ALLOCATED and not lv.is_output(buf) and (esc := lv.escaped(buf))]
 
 
 def _cudagraphs_enabled() -> bool:

@@ -45,13 +45,7 @@ class FoldRecipeLookups(TEPass):
         fp8_state: recipes.Fp8State | None = None
 
     def config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {}
-        if self.cfg.fp8_state is not None:
-            s = self.cfg.fp8_state
-            cfg["fp8_state"] = {"fp8_enabled": s.fp8_enabled, "fp8_calibration": s.fp8_calibration,
-                                "fp8_parameters": s.fp8_parameters, "recipe": repr(s.recipe),
-                                "fp8_group": None if s.fp8_group is None else type(s.fp8_group).__name__}
-        return cfg
+        return {} if self.cfg.fp8_state is None else {"fp8_state": self.cfg.fp8_state.to_json()}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         with gc_paused():  # no automatic collections rescanning a large graph's heap
@@ -65,9 +59,7 @@ class FoldRecipeLookups(TEPass):
 
     def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
         """The ``fp8_state`` config, else the compilation's TE snapshot: never TE's live globals."""
-        if self.cfg.fp8_state is not None:
-            return self.cfg.fp8_state
-        return getattr(getattr(ctx, "te_state", None), "fp8", None)
+        return self.cfg.fp8_state or getattr(getattr(ctx, "te_state", None), "fp8", None)
 
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
                       log: GraphJournal, ctx: PassContext | None = None) -> bool:
