@@ -8,12 +8,8 @@ __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionE
            "UbConfigError", "compile_friendly", "prepare_te_state", "prepare_delayed_scaling",
            "RecipeStateError", "compile_step", "make_graphed", "StepCaptureError", "reinitialize_ub"]
 
-#: Public names and the module each lives in (imported on first access: ``import te_passes``
-#: stays light). ``TePassesOptionError``: a ``te_passes.*`` option or an Inductor
-#: configuration te_inductor refuses; ``TePassError``: a pass failed under
-#: ``te_passes.strict``; ``UbConfigError``: a TE op's Userbuffers configuration the UB state
-#: cannot satisfy. All three reach the caller of a function compiled with ``torch.compile`` unwrapped
-#: (see docs/usage.md, "Errors").
+#: Public names and the module each lives in, imported on first access (``import te_passes`` stays
+#: light). The errors reach a ``torch.compile``'d function's caller unwrapped (docs/usage.md "Errors").
 _LAZY = {
     "te_inductor": "te_passes.backend",
     "te_inductor_backend": "te_passes.backend",

@@ -30,9 +30,7 @@ class JsonBudgetError(ValueError):
 
 
 def read_json_file(path: str) -> Any:
-    """``json.load`` of ``path`` within :data:`JSON_BUDGET`: integers of more than 100 digits,
-    nesting deeper than 64 levels, more than 5,000,000 values or a file over 256 MiB are refused
-    before anything walks the result recursively.
+    """``json.load`` of ``path`` within :data:`JSON_BUDGET`, checked before anything walks the result recursively.
 
     Raises:
         OSError: ``path`` cannot be read. UnicodeDecodeError: it is not UTF-8.

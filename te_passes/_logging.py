@@ -1,9 +1,6 @@
-"""te_passes logging through ``torch._logging``.
-
-``TORCH_LOGS=+te_passes`` (or ``torch._logging.set_logs(te_passes=logging.DEBUG)``) turns on
-our logger ``te_passes``; ``TORCH_TRACE=dir`` makes :func:`trace_artifact` emit tlparse
-artifacts (``torch._logging.trace_structured("artifact", ...)``).
-"""
+"""te_passes logging through ``torch._logging``: ``TORCH_LOGS=+te_passes`` (or
+``torch._logging.set_logs(te_passes=logging.DEBUG)``) turns on the ``te_passes`` logger;
+``TORCH_TRACE=dir`` makes :func:`trace_artifact` emit tlparse artifacts."""
 
 from __future__ import annotations
 
@@ -19,12 +16,8 @@ _registered = False
 
 
 def get_logger() -> logging.Logger:
-    """The ``te_passes`` logger, registered with torch._logging on first use.
-
-    ``TORCH_LOGS`` may have been parsed at torch import, before our name existed: only our own
-    logger's level and one stand-in stderr handler are set from it (torch's ``_init_logs`` is not
-    run again, so torch's loggers keep their single handlers; see :class:`_StandInHandler`).
-    """
+    """The ``te_passes`` logger, registered with torch._logging on first use; a ``TORCH_LOGS`` torch parsed
+    before then sets only its level and a :class:`_StandInHandler` (torch's ``_init_logs`` is not rerun)."""
     global _registered
     log = logging.getLogger(LOG_NAME)
     if not _registered:
@@ -59,11 +52,8 @@ class _StandInHandler(_internal._StderrHandler):
 
 
 def trace_artifact(name: str, payload_fn: Callable[[], str], encoding: str = "string") -> None:
-    """Emit one tlparse artifact named ``name`` (no-op unless ``TORCH_TRACE`` is set).
-
-    Mirrors how Inductor emits ``fx_graph_runnable`` etc. (``torch._logging.trace_structured``,
-    torch 2.14). ``payload_fn`` is only called when tracing is on.
-    """
+    """Emit one tlparse artifact named ``name`` as Inductor emits ``fx_graph_runnable``
+    (``torch._logging.trace_structured``); ``payload_fn`` is only called when ``TORCH_TRACE`` is set."""
     torch._logging.trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": name, "encoding": encoding},

@@ -120,12 +120,8 @@ def arg_at(node: torch.fx.Node, rule: OpRule, i: int) -> Any:
 
 def arg_values(op: torch._ops.OpOverload, node: torch.fx.Node) -> list[Any]:
     """``node``'s arguments in ``op``'s schema order (keywords placed, missing ones ``None``)."""
-    args = op._schema.arguments
-    vals = list(node.args) + [None] * max(0, len(args) - len(node.args))
-    for i, a in enumerate(args):
-        if a.name in node.kwargs:
-            vals[i] = node.kwargs[a.name]
-    return vals[: len(args)]
+    rule = op_rule(op)
+    return [arg_at(node, rule, i) for i in range(len(rule.arg_names))]
 
 
 def nodes_in(obj: Any) -> list[torch.fx.Node]:

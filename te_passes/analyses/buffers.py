@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 import torch.fx
@@ -15,7 +15,7 @@ from torch._prims_common import compute_required_storage_length
 
 from te_passes.te.quantized import QuantizedInfo
 
-__all__ = ["Buffer", "BufferOrigin", "Escape", "Liveness", "live_intervals", "names", "tensor_nbytes"]
+__all__ = ["Buffer", "BufferOrigin", "Escape", "Liveness", "live_intervals", "tensor_nbytes"]
 
 
 _UNSET = object()
@@ -117,11 +117,7 @@ class Liveness:
     def owned_buffer(self, node: torch.fx.Node) -> Buffer | None:
         """The buffer ``node`` is the handle of (its value *is* that storage's base), else None."""
         bufs = self.aliases.get(node, frozenset())
-        if len(bufs) == 1:
-            (b,) = bufs
-            if b.handle is node:
-                return b
-        return None
+        return next((b for b in bufs if b.handle is node), None) if len(bufs) == 1 else None
 
     def escaped(self, buf: Buffer) -> list[Escape]:
         """Escapes of ``buf`` (directly, or through a buffer that holds it)."""
@@ -170,8 +166,3 @@ def live_intervals(lv: Liveness, buffers: Iterable[Buffer] | None = None) -> dic
         else:
             out[b] = (lv.order[b.node], lv.order[lv.last_use[b]])
     return out
-
-
-def names(bufs: Sequence[Buffer]) -> list[str]:
-    """Buffer names (for messages and tests)."""
-    return [b.name for b in bufs]

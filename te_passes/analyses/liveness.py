@@ -153,10 +153,7 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
                 continue
             if rule.is_set:
                 argv = arg_values(target, node)
-                dst = arg_set(argv[0]) if argv else EMPTY
-                src = arg_set(argv[1:]) if len(argv) > 1 else EMPTY
-                _link_holders(node, dst, src, holders, escapes)
-                aliases[node] = dst | src
+                aliases[node] = _link_holders(node, arg_set(argv[:1]), arg_set(argv[1:]), holders, escapes)
                 continue
             if rule.maybe:
                 unknown.append(node)
@@ -194,10 +191,8 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
         # --- Dynamo-level torch functions / methods / modules
         name = target if isinstance(target, str) else getattr(target, "__name__", None)
         if node.op == "call_method" and name == "set_":
-            dst = arg_set(node.args[0])
             src = arg_set(node.args[1:]) | arg_set(node.kwargs)
-            _link_holders(node, dst, src, holders, escapes)
-            aliases[node] = dst | src
+            aliases[node] = _link_holders(node, arg_set(node.args[0]), src, holders, escapes)
             continue
         kind = name_alias_kind(name) if isinstance(name, str) and node.op != "call_module" else "maybe"
         if isinstance(target, torch._ops.OpOverloadPacket):
@@ -217,22 +212,14 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
     first_def = {b: b.node for b in buffers}
     last_pos = {b: order[b.node] for b in buffers}
     for n, bs in aliases.items():
-        if not bs or not n.users:
-            continue
-        lu = max(order[u] for u in n.users)
+        lu = max((order[u] for u in n.users), default=-1)
         for b in bs:
-            if lu > last_pos[b]:
-                last_pos[b] = lu
+            last_pos[b] = max(last_pos[b], lu)
     last_use: dict[Buffer, torch.fx.Node] = {b: nodes[p] for b, p in last_pos.items()}
     opaque_uses: dict[Buffer, list[torch.fx.Node]] = {}
-    for node in nodes:
-        if is_opaque_call(node):
-            seen: set[Buffer] = set()
-            for a in node.all_input_nodes:
-                for b in aliases.get(a, EMPTY):
-                    if b not in seen:
-                        seen.add(b)
-                        opaque_uses.setdefault(b, []).append(node)
+    for node in filter(is_opaque_call, nodes):
+        for b in arg_set(node.all_input_nodes):
+            opaque_uses.setdefault(b, []).append(node)
     changed = True
     while changed:
         changed = False
@@ -241,14 +228,9 @@ def _analyze(graph: torch.fx.Graph, stage: str | None, saved_roles) -> Liveness:
                 if order[last_use[h]] > order[last_use[b]]:
                     last_use[b] = last_use[h]
                     changed = True
-    output_buffers: frozenset[Buffer] = EMPTY
-    if out_node is not None:
-        output_buffers = arg_set(out_node.args)
-
-    saved_inputs = frozenset()
-    if stage == "post_grad_bwd":
-        saved_inputs = frozenset(n for n in nodes if n.op == "placeholder"
-                                 and not str(n.target).startswith("tangents"))
+    output_buffers = arg_set(out_node.args) if out_node is not None else EMPTY
+    saved_inputs = frozenset(n for n in graph.find_nodes(op="placeholder")
+                             if stage == "post_grad_bwd" and not str(n.target).startswith("tangents"))
 
     lv = Liveness(graph, order, buffers, aliases, elements, first_def, last_use, holders,
                   output_buffers, escapes, saved_inputs, opaque_uses, unknown)
@@ -263,7 +245,8 @@ def _looks_tensor_valued(node: torch.fx.Node) -> bool:
     return node.op in ("call_function", "call_method", "call_module") and t is not operator.getitem
 
 
-def _link_holders(node, dst: frozenset[Buffer], src: frozenset[Buffer], holders, escapes) -> None:
+def _link_holders(node, dst: frozenset[Buffer], src: frozenset[Buffer], holders, escapes) -> frozenset[Buffer]:
+    """Record that ``dst`` now holds ``src``'s storage (``set_``); returns ``dst | src``."""
     for s in src:
         for d in dst:
             if d is s:
@@ -274,6 +257,7 @@ def _link_holders(node, dst: frozenset[Buffer], src: frozenset[Buffer], holders,
             holders.setdefault(d, set()).add(s)
             if d.origin is not BufferOrigin.ALLOCATED:
                 escapes.append(Escape(s, node, f"set_ into graph {d.origin.value} {d.node.name}"))
+    return dst | src
 
 
 def _attach_quantized(lv: Liveness, saved_roles: dict[str, QuantizedInfo] | None) -> None:

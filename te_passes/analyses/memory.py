@@ -6,11 +6,12 @@ See docs/internals.md#te_passesanalysesmemorypy."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import sympy
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
 
 from te_passes.analyses.buffers import BufferOrigin, Liveness, live_intervals
 from te_passes.analyses.liveness import analyze, gc_paused
@@ -55,24 +56,15 @@ def shape_hints(graph: torch.fx.Graph) -> dict[sympy.Symbol, int]:
     """``{symbol: example value}`` from the ``ShapeEnv`` of the graph's fake tensors
     (``shape_env.var_to_val``), or ``{}`` with static shapes / no metadata."""
     for node in graph.nodes:
-        for v in _flat_vals(node.meta.get("val")):
+        for v in tree_leaves(node.meta.get("val")):
             if not isinstance(v, torch.Tensor):
                 continue
-            fm = getattr(v, "fake_mode", None)
-            env = getattr(fm, "shape_env", None) if fm is not None else None
+            env = getattr(getattr(v, "fake_mode", None), "shape_env", None)
             if env is None:
                 return {}  # real or static fake tensors: no symbols
             table = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else getattr(env, "var_to_val", None)
             return {k: int(val) for k, val in (table or {}).items()}
     return {}
-
-
-def _flat_vals(v: Any) -> Iterable[Any]:
-    if isinstance(v, (list, tuple)):
-        for x in v:
-            yield from _flat_vals(x)
-    elif v is not None:
-        yield v
 
 
 def _as_expr(n: Any) -> sympy.Expr:
@@ -102,11 +94,8 @@ def _estimate(lv: Liveness, sizes) -> MemoryEstimate:
     hints = shape_hints(lv.graph)
     if sizes:
         by_name = {str(k): v for k, v in sizes.items()}
-        syms = {s for b in lv.buffers for s in getattr(_as_expr(b.nbytes() or 0), "free_symbols", ())}
-        syms |= set(hints)
-        for s in syms:
-            if str(s) in by_name:
-                hints[s] = int(by_name[str(s)])
+        syms = {s for b in lv.buffers for s in getattr(_as_expr(b.nbytes() or 0), "free_symbols", ())} | set(hints)
+        hints.update({s: int(by_name[str(s)]) for s in syms if str(s) in by_name})
     intervals = live_intervals(lv)
     # Difference arrays: static byte counts in an int list, symbolic ones in a sparse dict of lists.
     d_int = [0] * (n + 1)
@@ -144,9 +133,7 @@ def _estimate(lv: Liveness, sizes) -> MemoryEstimate:
     else:
         peak = sympy.Max(*[_as_expr(c) for c in candidates])
     concrete = [_subs(c, hints) for c in per_node]
-    peak_concrete = None
-    peak_node = None
-    q_at_peak = None
+    peak_concrete = peak_node = q_at_peak = None
     if concrete and all(c is not None for c in concrete):
         idx = max(range(n), key=lambda i: concrete[i])
         peak_concrete = int(concrete[idx])

@@ -42,6 +42,13 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return new
 
 
+def same_objects(a: Any, b: Any) -> bool:
+    """Whether ``a is b``, element-wise through lists / tuples of the same type (FX arguments by identity)."""
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        return len(a) == len(b) and all(map(same_objects, a, b))
+    return a is b
+
+
 def op_qualname(target: Any) -> str | None:
     """``"ns::op"`` of an ``OpOverload`` (AOT / post-grad graphs) or ``OpOverloadPacket`` (Dynamo
     graphs) node target, else ``None`` (``torch._ops``)."""

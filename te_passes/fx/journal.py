@@ -27,9 +27,6 @@ class GraphJournal:
     def __bool__(self) -> bool:
         return bool(self.ops)
 
-    def __len__(self) -> int:
-        return len(self.ops)
-
     def set_args(self, node: torch.fx.Node, args: tuple, kwargs: dict | None = None) -> None:
         """``node.args, node.kwargs = args, kwargs`` (``kwargs=None``: unchanged)."""
         self.ops.append(("args", node, node.args, node.kwargs))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from te_passes.fx.graph import same_objects
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.ops import direct_call as dc, direct_lowering, te_base as te_base_op
 from te_passes.runtime.ops.te_base import DirectCallUnavailable, op_family, op_qualname, overload
@@ -58,14 +59,9 @@ def _same_call(old: Any, new: Any) -> bool:
     """Whether plan ``old`` makes the same call as ``new``: base op, arg count, the same constant objects."""
     if not isinstance(old, dc.DirectTECall):
         return False
-    def same(x: Any, y: Any) -> bool:  # identity, element-wise through the args' lists / tuples
-        if isinstance(x, (list, tuple)) and type(x) is type(y):
-            return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
-        return x is y
-
     a, b = old.__reduce__()[1], new.__reduce__()[1]
     return (a[0] == b[0] and a[1] == b[1] and len(a[2]) == len(b[2])
-            and all(i == j and same(x, y) for (i, x), (j, y) in zip(a[2], b[2])))
+            and all(i == j and same_objects(x, y) for (i, x), (j, y) in zip(a[2], b[2])))
 
 
 def _constants_reason(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[list[tuple[int, Any]], str | None]:
@@ -98,15 +94,7 @@ class CallTEImplDirectly(TEPass):
     """Retarget TE wrapper ops to their base ops and mark them for a direct call of TE's impl.
 
     Records: ``"retargeted"`` (``from``, ``to``), ``"direct_call"`` (the call), ``"kept"`` (``op``,
-    ``retargeted``, ``reason``). Before / after (post-grad forward of an fp8 ``te.Linear``, as Inductor's
-    wrapper calls it)::
-
-        # before
-        buf0 = torch.ops.transformer_engine_compile.linear.default(primals_1, [], _te_const_0,
-            primals_3, primals_2, None, [], _te_const_1, _te_const_2)
-        # after
-        buf0 = _te_direct_0(primals_1, [], _te_const_0, primals_3, primals_2, None, [],
-            _te_const_1, _te_const_2)"""
+    ``retargeted``, ``reason``)."""
 
     name = "call_te_impl_directly"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

@@ -1,4 +1,6 @@
-"""Pass ``check_cudagraph_pool``: find values that would stay in the CUDA-graph pool after a step."""
+"""Pass ``check_cudagraph_pool``: find values that would stay in the CUDA-graph pool after a step.
+
+See docs/passes/check_cudagraph_pool.md."""
 
 from __future__ import annotations
 
@@ -24,17 +26,11 @@ class CudagraphPoolWarning(UserWarning):
 def pool_findings(lv: Liveness) -> list[dict[str, Any]]:
     """Values allocated in the graph, referenced when it returns, not outputs: ``[{"node", "role",
     "bytes", "at", "how", "source"}]``."""
-    out = []
-    for buf in lv.buffers:
-        if buf.origin is not BufferOrigin.ALLOCATED or lv.is_output(buf):
-            continue
-        esc = lv.escaped(buf)
-        if not esc:
-            continue
-        out.append({"node": buf.name, "role": buf.quantized.role if buf.quantized else None,
-                    "bytes": buf.nbytes(), "at": esc[0].node.name, "how": esc[0].how,
-                    "source": buf.quantized.source if buf.quantized else None})
-    return out
+    return [{"node": buf.name, "role": buf.quantized.role if buf.quantized else None,
+             "bytes": buf.nbytes(), "at": esc[0].node.name, "how": esc[0].how,
+             "source": buf.quantized.source if buf.quantized else None}
+            for buf in lv.buffers
+            if buf.origin is BufferOrigin.ALLOCATED and not lv.is_output(buf) and (esc := lv.escaped(buf))]
 
 
 def _cudagraphs_enabled() -> bool:
@@ -63,15 +59,7 @@ def format_findings(graph_id: str, findings: list[dict[str, Any]]) -> str:
 
 class CheckCudagraphPool(TEPass):
     """Static CUDA-graph pool check (analysis only). Records: ``"pool_leak"`` per finding,
-    ``"pool_check"`` (``findings``, ``allocated_values``, ...); warns (``strict``: raises) on findings.
-
-    Example (a planted leak: an FP8 temporary stashed into a graph input)::
-
-        q = aten._to_copy(x, dtype=float8_e4m3fn)      # allocated in the pool
-        set_ = aten.set_.source_Tensor(cache, q)       # cache (an input) now holds q's storage
-        y = mylib.fp8_gemm(q, w)
-        return (y,)                                    # q is not an output
-        -> pool_leak: node '_to_copy' (quantized rowwise_data, 64 B) escapes at node 'set_'"""
+    ``"pool_check"`` (``findings``, ``allocated_values``, ...); warns (``strict``: raises) on findings."""
 
     name = "check_cudagraph_pool"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})

@@ -30,17 +30,7 @@ class FoldRecipeLookups(TEPass):
     """Fold fp8 recipe / autocast lookups into plain constants.
 
     Records: ``"hoisted"`` (``lookup``, ``value``, ``users``), ``"kept"`` (``reason``; ``lookup``,
-    ``object`` or ``path`` for objects a consumer takes). Before / after (the lookup
-    ``FP8GlobalStateManager.get_fp8_recipe().fp8_gemm_fprop.use_split_accumulator`` as
-    ``call_function`` nodes; Float8CurrentScaling active)::
-
-        # before
-        get_fp8_recipe = transformer_engine...FP8GlobalStateManager.get_fp8_recipe()
-        getattr_1 = getattr(get_fp8_recipe, 'fp8_gemm_fprop')
-        getattr_2 = getattr(getattr_1, 'use_split_accumulator')
-        gemm = gemm(x, split = getattr_2)
-        # after
-        gemm = gemm(x, split = False)
+    ``object`` or ``path`` for objects a consumer takes).
 
     Raises:
         TypeError: ``fp8_state`` is not an ``Fp8State``.
@@ -55,13 +45,7 @@ class FoldRecipeLookups(TEPass):
         fp8_state: recipes.Fp8State | None = None
 
     def config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {}
-        if self.cfg.fp8_state is not None:
-            s = self.cfg.fp8_state
-            cfg["fp8_state"] = {"fp8_enabled": s.fp8_enabled, "fp8_calibration": s.fp8_calibration,
-                                "fp8_parameters": s.fp8_parameters, "recipe": repr(s.recipe),
-                                "fp8_group": None if s.fp8_group is None else type(s.fp8_group).__name__}
-        return cfg
+        return {} if self.cfg.fp8_state is None else {"fp8_state": self.cfg.fp8_state.to_json()}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         with gc_paused():  # no automatic collections rescanning a large graph's heap
@@ -75,9 +59,7 @@ class FoldRecipeLookups(TEPass):
 
     def _state(self, ctx: PassContext | None) -> recipes.Fp8State | None:
         """The ``fp8_state`` config, else the compilation's TE snapshot: never TE's live globals."""
-        if self.cfg.fp8_state is not None:
-            return self.cfg.fp8_state
-        return getattr(getattr(ctx, "te_state", None), "fp8", None)
+        return self.cfg.fp8_state or getattr(getattr(ctx, "te_state", None), "fp8", None)
 
     def _fold_lookups(self, gm: torch.fx.GraphModule, records: list[PassRecord],
                       log: GraphJournal, ctx: PassContext | None = None) -> bool:

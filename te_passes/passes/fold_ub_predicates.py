@@ -97,9 +97,7 @@ class FoldUbPredicates(TEPass):
             records.append(PassRecord("skipped", None, {"reason": f"TE op not decoded, UB not checked: {msg}"}))
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
-        snap = getattr(ctx.te_state, "ub", None)
-        if snap is None:
-            snap = UbSnapshot(source="absent")
+        snap = getattr(ctx.te_state, "ub", None) or UbSnapshot(source="absent")
         records: list[PassRecord] = []
         folds: list[guards.UbFold] = []
         checks: list[ub_graph_guard.UbCheckSpec] = []

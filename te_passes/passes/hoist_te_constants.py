@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from te_passes.analyses.liveness import gc_paused
+from te_passes.fx.graph import same_objects
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.ops.constants import (can_name, hoisted_name, is_liftable_constant, name_constant, names_in,
                                          rebuild_cached)
@@ -44,9 +45,7 @@ class HoistTEConstants(TEPass):
             return TEPassResult(gm, changed, records)
 
     def _lift_constants(self, gm: torch.fx.GraphModule, records: list[PassRecord], ctx: PassContext) -> bool:
-        graph = gm.graph
         count = 0
-        log = ctx.journal
         rebuilds: dict[int, tuple[Any, Any, dict]] = {}  # id(constant) -> (constant, expression, globals)
         taken = names_in(gm)  # names an earlier run gave: kept, new names skip them
 
@@ -71,23 +70,16 @@ class HoistTEConstants(TEPass):
                 "type": type(fresh).__name__}))
             return fresh
 
-        for node in list(graph.nodes):
+        for node in list(gm.graph.nodes):
             if node.op not in ("call_function", "output"):
                 continue
             new_args = tuple(_lift_top(a, lambda v, j, u=node, i=i: lift(v, u, f"args[{i}]{j}"))
                              for i, a in enumerate(node.args))
             new_kwargs = {k: _lift_top(a, lambda v, j, u=node, k=k: lift(v, u, f"{k}{j}"))
                           for k, a in node.kwargs.items()}
-            if not all(map(_same, new_args, node.args)) or not all(
-                    _same(new_kwargs[k], node.kwargs[k]) for k in node.kwargs):
-                log.set_args(node, new_args, new_kwargs)
+            if not same_objects((new_args, *new_kwargs.values()), (node.args, *node.kwargs.values())):
+                ctx.journal.set_args(node, new_args, new_kwargs)
         return any(r.kind == "hoisted_constant" for r in records)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and type(a) is type(b):
-        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-    return a is b
 
 
 def _lift_top(a: Any, lift: Callable[[Any, str], Any]) -> Any:

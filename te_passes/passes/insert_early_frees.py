@@ -1,4 +1,6 @@
-"""Pass ``insert_early_frees``: free each quantized buffer right after its last use."""
+"""Pass ``insert_early_frees``: free each quantized buffer right after its last use.
+
+See docs/passes/insert_early_frees.md."""
 
 from __future__ import annotations
 
@@ -19,15 +21,6 @@ from te_passes.te import quantized
 
 class InsertEarlyFrees(TEPass):
     """Insert ``te_passes.free_storage(buf)`` after the last use of quantized buffers.
-
-    Example (``policy="all"``; an opaque op consuming an FP8 cast)::
-
-        before                                           after
-        q = aten._to_copy(x, dtype=float8_e4m3fn)        q = aten._to_copy(x, dtype=float8_e4m3fn)
-        y = mylib.fp8_gemm(q, w)                         y = mylib.fp8_gemm(q, w)
-                                                         te_passes.free_storage(q)
-        z = aten.relu(y)                                 z = aten.relu(y)
-        return (z,)                                      return (z,)
 
     Records: ``"free"`` (node = the freed value: ``role``, ``bytes``, ``after``, ``source``, ``field``,
     ``op``); ``"kept"`` (``role``, ``bytes``, ``reason``, ``source``); ``"memory"`` (graph level,

@@ -19,17 +19,7 @@ class RemoveQuantizerSetattrs(TEPass):
     """Remove side-effect-only ``__setattr__`` nodes on quantizer constants.
 
     Records: ``"folded_setattr"`` (``receiver``, ``field``, ``value``, ``reason``), ``"kept"``
-    (``receiver``, ``reason``). Before / after (Dynamo graph of a Float8CurrentScaling ``te.Linear``;
-    ``Q(...)`` stands for ``_rebuild_quantizer(Float8CurrentScalingQuantizer, (...))``)::
-
-        # before
-        setattr_1 = Q(<input q>).__setattr__('force_pow_2_scales', False)     # 23 such nodes
-        ...
-        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
-                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))
-        # after
-        linear = torch.ops.transformer_engine_compile.linear(w, [], B0, x, b, None, [], B1,
-                     OpaqueValueBundle({'input_quantizer': Q(<input q>), ...}))   # same objects
+    (``receiver``, ``reason``; ``field``, ``value`` when a write would change the receiver).
 
     Raises (caught by the manager, which undoes the rewrite):
         RuntimeError: the op bundles' quantizers changed (identity or value) during the rewrite.
@@ -72,17 +62,16 @@ class RemoveQuantizerSetattrs(TEPass):
                         "receiver": cls, "reason": f"{bad[0].name} is used, takes kwargs or writes a "
                                                    "non-constant value: not side-effect-only"}))
                 continue
-            noop = all(hasattr(recv, n.args[1]) and type(getattr(recv, n.args[1])) is type(n.args[2])
-                       and getattr(recv, n.args[1]) == n.args[2] for n in nodes)
-            if observers and not noop:
-                changing = next(n for n in nodes if not (hasattr(recv, n.args[1])
-                                                         and getattr(recv, n.args[1]) == n.args[2]))
+            changing = next((n for n in nodes if not _writes_held_value(recv, n.args[1], n.args[2])), None)
+            if observers and changing is not None:
+                field, new = changing.args[1:]
+                old = getattr(recv, field, "<unset>")
+                retyped = f", equal but of type {type(new).__name__}" if old == new else ""
                 for n in nodes:
                     records.append(PassRecord("kept", n.name, {
                         "receiver": cls, "field": n.args[1], "value": n.args[2],
                         "reason": f"receiver is also used by {', '.join(observers)} and {changing.name} changes "
-                                  f"{changing.args[1]} from {getattr(recv, changing.args[1], '<unset>')!r} to "
-                                  f"{changing.args[2]!r}"}))
+                                  f"{field} from {old!r} to {new!r}{retyped}"}))
                 continue
             reason = ("no-op: writes the value the constant already holds (receiver also used by "
                       + ", ".join(observers) + ")") if observers else "receiver is not observed by any other node"
@@ -98,3 +87,7 @@ class RemoveQuantizerSetattrs(TEPass):
                                "residue (identity or value); refusing the rewrite")
         return bool(to_erase)
 
+
+def _writes_held_value(recv: object, field: str, value: object) -> bool:
+    """Whether ``setattr(recv, field, value)`` is a no-op: ``recv`` already holds an equal value of the same type."""
+    return hasattr(recv, field) and type(getattr(recv, field)) is type(value) and getattr(recv, field) == value

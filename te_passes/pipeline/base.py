@@ -25,8 +25,7 @@ from te_passes.fx.journal import GraphJournal
 from te_passes.report import PassRecord
 from te_passes.te.state import TEState
 
-__all__ = ["ALL_STAGES", "AOT_STAGES", "PassConfig", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass",
-           "TEPassResult", "jsonable"]
+__all__ = ["PassConfig", "PassContext", "PassRecord", "PassSkipped", "Stage", "TEPass", "TEPassResult", "jsonable"]
 
 PACKAGE_ROOT: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,10 +58,6 @@ class Stage(str, enum.Enum):
     JOINT = "joint"
     POST_GRAD_FWD = "post_grad_fwd"
     POST_GRAD_BWD = "post_grad_bwd"
-
-
-ALL_STAGES: frozenset[Stage] = frozenset(Stage)
-AOT_STAGES: frozenset[Stage] = frozenset({Stage.JOINT, Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
 
 
 class TEPassResult(PassResult):

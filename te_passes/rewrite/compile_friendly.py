@@ -42,27 +42,16 @@ class RewriteRecord:
 
 
 def _plan(model: torch.nn.Module, attention: str) -> list[tuple[str, Any, str, str | None, Callable | None]]:
+    """``[(name, module, kind, problem or None, rewriter or None)]`` for each TE module ``kind`` of ``model``."""
     te = te_module()
-    plan = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, te.MultiheadAttention):
-            plan.append((name, mod, "MultiheadAttention", multihead_attention_problem(mod),
-                         rewrite_multihead_attention))
-        if isinstance(mod, te.LayerNormLinear):
-            plan.append((name, mod, "LayerNormLinear", layernorm_linear_problem(mod), rewrite_layernorm_linear))
-        elif isinstance(mod, te.LayerNormMLP):
-            plan.append((name, mod, "LayerNormMLP", layernorm_mlp_problem(mod), rewrite_layernorm_mlp))
-        elif isinstance(mod, te.DotProductAttention):
-            if attention == "keep":
-                plan.append((name, mod, "DotProductAttention", "attention='keep'", None))
-            elif attention == "te_fused":
-                plan.append((name, mod, "DotProductAttention", fused_attention_problem(mod),
-                             rewrite_fused_attention))
-            elif attention == "auto":
-                plan.append((name, mod, "DotProductAttention", *_auto_choice(mod)))
-            else:
-                plan.append((name, mod, "DotProductAttention", attention_problem(mod), rewrite_attention))
-    return plan
+    choose = {"MultiheadAttention": lambda m: (multihead_attention_problem(m), rewrite_multihead_attention),
+              "LayerNormLinear": lambda m: (layernorm_linear_problem(m), rewrite_layernorm_linear),
+              "LayerNormMLP": lambda m: (layernorm_mlp_problem(m), rewrite_layernorm_mlp),
+              "DotProductAttention": {"keep": lambda m: ("attention='keep'", None), "auto": _auto_choice,
+                                      "te_fused": lambda m: (fused_attention_problem(m), rewrite_fused_attention),
+                                      "sdpa": lambda m: (attention_problem(m), rewrite_attention)}[attention]}
+    return [(name, mod, kind, *how(mod)) for name, mod in model.named_modules()
+            for kind, how in choose.items() if isinstance(mod, getattr(te, kind))]
 
 
 def _auto_choice(mod: Any) -> tuple[str | None, Callable]:

@@ -76,6 +76,18 @@ def test_changing_setattr_on_observed_receiver_is_kept():
     assert torch.equal(_interp(gm), X * 3.0)
 
 
+def test_type_only_setattr_on_observed_receiver_is_kept():
+    q = _cs_quantizer(columnwise_usage=True)
+    gm = _setattr_graph(q, "columnwise_usage", 1, observer=q)  # True == 1, but bool -> int
+    before = gm.code
+    res = run_pass(gm, recipes.Fp8State())
+    assert gm.code == before and res.modified is False
+    (rec,) = res.records
+    assert rec.kind == "kept" and "also used by use_quantizer" in rec.data["reason"]
+    assert "changes columnwise_usage from True to 1" in rec.data["reason"]
+    assert rec.data["reason"].endswith("int")
+
+
 def test_equal_but_distinct_observer_does_not_block_removal_and_is_untouched():
     q_recv = _cs_quantizer(columnwise_usage=True)
     q_obs = _cs_quantizer(columnwise_usage=True)

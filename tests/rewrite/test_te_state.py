@@ -168,7 +168,7 @@ def test_dpa_prepare_forward_frame_recompiles_as_on_h200_unless_prepared(precisi
                     return dpa(q, q, q) * 2
 
             fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
-            seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+            seen = _metrics_seen()
             for _ in range(3):
                 with mode, _constructing():
                     q = torch.randn(16, 2, 4, 16, dtype=torch.bfloat16, device="cuda")
@@ -264,11 +264,17 @@ def _layer_recompiles(precision, layers, prepare, calls=3):
     return per_call[0], [r for c in per_call[1:] for r in c]
 
 
+def _metrics_seen():
+    """``{id: metric}`` of Dynamo's compilation metrics so far. The objects are held: Dynamo keeps only the
+    last 64 (a deque), and an evicted, freed metric's id may be reused by a new one."""
+    return {id(m): m for m in torch._dynamo.utils.get_compilation_metrics()}
+
+
 def _recompiles_per_call(step, mode, shape, calls):
     """Compile ``step`` with a pass-through backend and call it ``calls`` times on fresh fake
     CUDA inputs of ``shape``; per call, the ``"<frame>: <recompile reason>"`` of its new compiles."""
     fn = torch.compile(step, backend=lambda gm, ex: gm.forward, dynamic=False)
-    seen = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+    seen = _metrics_seen()
     per_call = []
     for _ in range(calls):
         with mode, _constructing():
@@ -276,7 +282,7 @@ def _recompiles_per_call(step, mode, shape, calls):
         with mode:
             fn(x)
         new = [m for m in torch._dynamo.utils.get_compilation_metrics() if id(m) not in seen]
-        seen |= {id(m) for m in new}
+        seen.update((id(m), m) for m in new)
         per_call.append([f"{m.co_name}: {m.recompile_reason}" for m in new if m.recompile_reason])
     return per_call
 
