@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from te_passes.rewrite.module_state import STATE_ATTR, CompileFriendlyError, ModuleState, te_module
-from te_passes.rewrite.refusals import attention_problem, check_sdpa_call, unpack_qkv
+from te_passes.rewrite.refusals import attention_problem, check_sdpa_call
 from te_passes.rewrite.rewriters import rewriter_classes
 from te_passes.runtime.ops.fused_attn import FusedAttentionOpUnavailable, fused_attention_op
-from te_passes.runtime.untouched.attention import dpa_fused_forward
+from te_passes.runtime.untouched.attention import dpa_fused_forward, unpack_qkv
 from te_passes.te.fused_attn import head_dim_problem
 
 PATH = "te_fused"

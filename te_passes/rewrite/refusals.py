@@ -74,11 +74,3 @@ def check_sdpa_call(mod: Any, qkv_format: str | None, mask: str | None, attentio
     if (problem := dpa_call_problem(qkv_format, mask, attention_mask, kwargs, path)) is not None:
         raise CompileFriendlyError(f"{where}: {problem}")
     return qkv_format, mask
-
-
-def unpack_qkv(fmt: str, qkv_layer: Any, kv_layer: Any, q: Any, k: Any, v: Any, interleave_dim: int,
-               kwargs: dict) -> tuple[Any, Any, Any]:
-    """q, k, v from ``DotProductAttention.forward``'s (possibly packed) arguments (TE's ``_unpack_packed_qkv``)."""
-    from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import _unpack_packed_qkv
-
-    return _unpack_packed_qkv(qkv_layer, kv_layer, q, k, v, fmt, interleave_dim, kwargs.get("inference_params"))[:3]

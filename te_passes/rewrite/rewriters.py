@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from te_passes.rewrite.module_state import (STATE_ATTR, CompileFriendlyError, HiddenTrainMixin, ModuleState,
                                             state_of, te_module)
-from te_passes.rewrite.refusals import check_norm_call, check_sdpa_call, multihead_attention_note, unpack_qkv
+from te_passes.rewrite.refusals import check_norm_call, check_sdpa_call, multihead_attention_note
 from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
+from te_passes.runtime.untouched.attention import unpack_qkv
 from te_passes.runtime.untouched.polyfills import layernorm_linear_forward, layernorm_mlp_forward
 
 
