@@ -20,7 +20,7 @@ from te_passes.debug.graph_safety import (BudgetError, GraphFileError, UnsafeGra
     import_te, check_budget, check_memo_indices, check_name, resolve_function)
 from te_passes.debug.sym_expr import check_sym_expr, parse_sym_expr
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
-    ALLOWED_GLOBALS, RENAMED_MODULES, allowed_global, pickle_globals, renamed_module)
+    ALLOWED_GLOBALS, allowed_global, pickle_globals)
 
 
 FORMAT = "te_passes.tegraph/1"
