@@ -108,26 +108,23 @@ def _call_target(fn: Callable[..., Any] | None, mode: str | None, precision: str
 
 
 def run_target(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
+    """Load and run TARGET with its folder first on ``sys.path``; any failure is one :class:`CliError`."""
     with _first_on_sys_path(target):
-        _run_target_on_path(target, mode, precision, verbose)
-
-
-def _run_target_on_path(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
-    try:
-        fn = _load_target(target)
-    except KeyboardInterrupt as e:
-        raise CliError(f"target {target} interrupted while loading", 130) from e
-    try:
-        _call_target(fn, mode, precision, target)
-    except CliError:
-        raise
-    except KeyboardInterrupt as e:
-        raise CliError(f"target {target} interrupted", 130) from e
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            raise CliError(f"target {target} exited with status {e.code}", EXIT_FAIL) from e
-    except BaseException as e:  # noqa: BLE001 - any failure of user code is reported in one line
-        if verbose:
-            traceback.print_exc()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CliError(f"target {target} raised {type(e).__name__}: {msg}", EXIT_FAIL) from e
+        try:
+            fn = _load_target(target)
+        except KeyboardInterrupt as e:
+            raise CliError(f"target {target} interrupted while loading", 130) from e
+        try:
+            _call_target(fn, mode, precision, target)
+        except CliError:
+            raise
+        except KeyboardInterrupt as e:
+            raise CliError(f"target {target} interrupted", 130) from e
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise CliError(f"target {target} exited with status {e.code}", EXIT_FAIL) from e
+        except BaseException as e:  # noqa: BLE001 - any failure of user code is reported in one line
+            if verbose:
+                traceback.print_exc()
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CliError(f"target {target} raised {type(e).__name__}: {msg}", EXIT_FAIL) from e
