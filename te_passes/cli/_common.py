@@ -80,7 +80,6 @@ class Out:
             rows = rows[:limit]
         if self.rich is not None:
             from rich.table import Table
-
             from rich.text import Text
 
             t = Table(title=Text(title) if title is not None else None, title_justify="left", show_lines=False)
@@ -149,10 +148,10 @@ def check_pass_names(names: Iterable[str], where: str) -> list[str]:
 def check_mode(mode: str | None) -> None:
     if mode is None:
         return
-    from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
+    from te_passes.pipeline.compilation import inductor_config_patches
 
     try:
-        _inductor_config_patches(mode, {})
+        inductor_config_patches(mode, {})
     except Exception as e:  # noqa: BLE001 - Inductor's own message names the valid modes
         raise CliError(f"unknown --mode {mode!r}: {e}") from e
 

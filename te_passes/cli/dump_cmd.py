@@ -17,7 +17,6 @@ from te_passes.cli.show import print_summary
 from te_passes.config import TePassesOptionError
 
 
-# --------------------------------------------------------------------------- dump
 def cmd_dump(args: argparse.Namespace, out: Out) -> int:
     if (args.target is None) == (args.example is None):
         raise CliError("give exactly one of TARGET or --example NAME")
@@ -28,7 +27,7 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
     if args.precision is not None and args.precision not in PRECISIONS:
         raise CliError(f"unknown --precision {args.precision!r}; expected one of {', '.join(PRECISIONS)}")
     if args.target is not None:
-        _load_target_precheck(args.target)
+        check_target_file(args.target)
         if ":" not in args.target and (args.mode is not None or args.precision is not None):
             raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
                            "sets its own torch.compile(mode=...)")
@@ -51,10 +50,9 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
     import torch
 
     from te_passes.debug.dump_sessions import claim_dir, unclaim_dir
-
     from te_passes.debug.dump_summary import write_summary
     from te_passes.debug.graph_breaks import CompileEvents
-    from te_passes.examples import EXAMPLES
+    from te_passes.examples import EXAMPLES, describe, run_example
     from te_passes.report import compile_reports
 
     torch._inductor.config.force_disable_caches = True  # every stage must run to be dumped
@@ -68,11 +66,7 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
         write_summary(root, extra, emit=False)  # the session facts are ours: the backend's writers leave them to us
         events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
         if args.example is not None:
-            from te_passes.examples import run_example
-
             ex = EXAMPLES[args.example]
-            from te_passes.examples import describe
-
             extra.update(target=f"--example {args.example} ({describe(args.example, args.precision)})",
                          precision=args.precision or ex.precision)
             try:
@@ -148,12 +142,3 @@ def _collect_strays(root: str, reports: Sequence[Any]) -> list[dict[str, Any]]:
                     json.dump(report_json(r), f, indent=2, default=repr)
         strays.append(entry)
     return strays
-
-
-def _load_target_precheck(target: str) -> None:
-    """Fail fast on a missing target file (before torch is imported)."""
-    path, sep, _ = target.rpartition(":") if ":" in target else (target, "", "")
-    if sep and (path.endswith(".py") or os.sep in path):
-        check_target_file(path)
-    if not sep:
-        check_target_file(target)

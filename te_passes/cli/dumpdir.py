@@ -267,24 +267,6 @@ def _remove_empty_dirs(path: str, rels: Iterable[str]) -> None:
             pass
 
 
-def _clear_old_dump(path: str) -> None:
-    """Remove the previous te_passes dump in ``path``: only the files it wrote (its manifest,
-    or :data:`_LEGACY_GRAPH_FILE` for older dumps), never through a symbolic link; see
-    :func:`_check_old_dump` for what is refused."""
-    import shutil
-    import tempfile
-
-    files = _check_old_dump(path)
-    if files is None:
-        return
-    old = [f for f in files + [MANIFEST] if os.path.lexists(_check_path(path, f, what="the manifest lists"))]
-    trash = tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=path)
-    for rel in old:
-        _move(os.path.join(path, rel), os.path.join(trash, rel))
-    shutil.rmtree(trash, ignore_errors=True)
-    _remove_empty_dirs(path, old)
-
-
 def _old_paths(path: str) -> list[str]:
     """The earlier dump's files in ``path`` that exist (:func:`_check_old_dump`, its manifest
     included), each checked by :func:`_check_path` (no link, no mount point on the way).

@@ -13,25 +13,27 @@ from te_passes.cli.show import cmd_list, cmd_show
 from te_passes.cli.replay import cmd_replay
 
 
-# --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     """The ``te-passes`` argument parser (subcommands ``dump``, ``list``, ``show``, ``replay``)."""
+    # --plain before or after the subcommand (SUPPRESS: a subcommand does not reset the top-level value)
+    plain = argparse.ArgumentParser(add_help=False)
+    plain.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
+                       help="plain text output even on a terminal")
     p = argparse.ArgumentParser(
-        prog="te-passes",
+        prog="te-passes", parents=[plain],
         description="Show what te_passes (the te_inductor torch.compile backend) did to Transformer Engine "
                     "graphs: per-pass TE-aware dumps, diffs, reports, offline replay.",
         epilog="Examples:\n  te-passes dump --example linear-fp8 --out te_passes_dump\n"
                "  te-passes dump train.py:main --mode reduce-overhead --disable insert_early_frees\n"
                "  te-passes show te_passes_dump\n  te-passes replay te_passes_dump/g0 --check\n  te-passes list",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plain", action="store_true", help="plain text output even on a terminal")
     from te_passes import __version__
 
     p.add_argument("--version", action="version", version=f"te-passes {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    d = sub.add_parser("dump", help="run a target (or built-in example) and dump every pass",
+    d = sub.add_parser("dump", parents=[plain], help="run a target (or built-in example) and dump every pass",
                        description="Run TARGET (a Python file, module:function or file.py:function that runs a "
                                    "model under torch.compile(backend='te_inductor')) or --example NAME, and write "
                                    "per-graph, per-stage, per-pass TE-aware graphs, diffs, report.json and index.md.")
@@ -45,24 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pass name(s) to switch off, comma-separated; repeatable (also TE_PASSES_DISABLE)")
     d.add_argument("--verbose", "-v", action="store_true", help="tracebacks and the target's warnings on stderr")
     d.set_defaults(func=cmd_dump)
-    for sp in (d,):
-        sp.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
-                        help="plain text output even on a terminal")
 
-    l_ = sub.add_parser("list", help="the pass pipeline: passes, stages, descriptions, enabled")
+    l_ = sub.add_parser("list", parents=[plain], help="the pass pipeline: passes, stages, descriptions, enabled")
     l_.add_argument("--json", action="store_true", help="print JSON")
     l_.set_defaults(func=cmd_list)
-    l_.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
-                    help="plain text output even on a terminal")
 
-    s = sub.add_parser("show", help="summary tables of a dump directory")
+    s = sub.add_parser("show", parents=[plain], help="summary tables of a dump directory")
     s.add_argument("dir", metavar="DIR", help="a dump directory (or its report.json)")
     s.add_argument("--json", action="store_true", help="print the summary JSON")
     s.set_defaults(func=cmd_show)
-    s.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
-                    help="plain text output even on a terminal")
 
-    r = sub.add_parser("replay", help="re-run the passes offline on saved graphs (no GPU)",
+    r = sub.add_parser("replay", parents=[plain], help="re-run the passes offline on saved graphs (no GPU)",
                        description="Load the graphs a dump saved (*.tegraph: a file, a graph directory like "
                                    "DIR/g0, or a whole dump directory), run the current passes on them with the "
                                    "saved TE state and options, and compare with the saved report.")
@@ -73,8 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="exit 1 when the replay differs from the saved report")
     r.add_argument("--json", action="store_true", help="print the replayed report(s) as JSON")
     r.set_defaults(func=cmd_replay)
-    r.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
-                    help="plain text output even on a terminal")
     return p
 
 
@@ -86,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `te-passes --help | head -1`
         _stdout_gone()
         return EXIT_OK
-    out = Out(plain=True if args.plain else None, quiet=bool(getattr(args, "json", False)))
+    out = Out(plain=True if getattr(args, "plain", False) else None, quiet=bool(getattr(args, "json", False)))
     try:
         code = args.func(args, out)
         sys.stdout.flush()  # a closed pipe fails here, not at interpreter exit

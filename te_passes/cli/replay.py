@@ -14,7 +14,6 @@ from te_passes.cli.dumpdir import staged_out, settle_for_reading
 from te_passes.cli.show import newest_session
 
 
-# --------------------------------------------------------------------------- replay
 def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     if not os.path.exists(args.path):
         raise CliError(f"no such graph file or dump directory: {args.path}")

@@ -13,7 +13,6 @@ from te_passes.debug.graph_breaks import no_islands_text
 from te_passes.cli._common import CliError, EXIT_OK, Out, pass_registry, clean
 
 
-# --------------------------------------------------------------------------- show
 def _fmt_bytes(v: Any) -> str:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         return "" if v is None else str(v)
@@ -211,6 +210,3 @@ def cmd_list(args: argparse.Namespace, out: Out) -> int:
     if unknown:
         out.line(f"warning: TE_PASSES_DISABLE names unknown passes: {', '.join(unknown)}")
     return EXIT_OK
-
-
-# --------------------------------------------------------------------------- replay

@@ -13,14 +13,35 @@ from typing import Any, Callable
 from te_passes.cli._common import CliError, EXIT_FAIL
 
 
-def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | None]:
-    """``(kind, callable or None, file)`` for a TARGET string; see the module docstring."""
+def split_target(target: str) -> tuple[str, str | None, bool]:
+    """``(path, function or None, is_file)`` of a TARGET: ``FILE.py`` -> ``(FILE.py, None, True)``,
+    ``FILE.py:fn`` -> ``(FILE.py, "fn", True)``, ``module:fn`` -> ``(module, "fn", False)``."""
+    path, sep, func = target.rpartition(":")
+    if not sep:
+        return target, None, True
+    return path, func, path.endswith(".py") or os.sep in path
+
+
+def check_target_file(target: str) -> None:
+    """Fail fast (before torch is imported) when TARGET names a file that is missing or a directory."""
+    path, _, is_file = split_target(target)
+    if is_file and os.path.isdir(path):
+        raise CliError(f"target {path} is a directory, not a Python file (give FILE.py, module:function or "
+                       f"FILE.py:function)")
+    if is_file and not os.path.isfile(path):
+        raise CliError(f"target file not found: {path}")
+
+
+def _load_target(target: str) -> Callable[..., Any] | None:
+    """The function TARGET names (``None`` for a plain ``FILE.py``, run as ``__main__``)."""
     import importlib
     import runpy
 
-    path, sep, func = target.rpartition(":") if ":" in target else (target, "", "")
-    if sep and (path.endswith(".py") or os.sep in path):
-        check_target_file(path)
+    check_target_file(target)
+    path, func, is_file = split_target(target)
+    if func is None:
+        return None
+    if is_file:
         try:
             ns = runpy.run_path(path, run_name="te_passes_target")
         except Exception as e:  # noqa: BLE001
@@ -28,69 +49,48 @@ def _load_target(target: str) -> tuple[str, Callable[..., Any] | None, str | Non
         fn = ns.get(func)
         if not callable(fn):
             raise CliError(f"target file {path} has no function {func!r}")
-        return "callable", fn, path
-    if sep:
-        try:
-            mod = importlib.import_module(path)
-        except ModuleNotFoundError as e:
-            raise CliError(f"cannot import target module {path!r}: {e}") from e
-        except Exception as e:  # noqa: BLE001
-            raise CliError(f"target module {path} raised {type(e).__name__} while importing: {e}", EXIT_FAIL) from e
-        fn = getattr(mod, func, None)
-        if not callable(fn):
-            raise CliError(f"target module {path} has no function {func!r}")
-        return "callable", fn, None
-    check_target_file(target)
-    return "file", None, target
-
-
-def check_target_file(path: str) -> None:
-    if os.path.isdir(path):
-        raise CliError(f"target {path} is a directory, not a Python file (give FILE.py, module:function or "
-                       f"FILE.py:function)")
-    if not os.path.isfile(path):
-        raise CliError(f"target file not found: {path}")
-
-
-def _target_dir(target: str) -> str:
-    """The folder ``python FILE.py`` would put first on ``sys.path`` for ``target``: the file's
-    folder for file targets, the working directory for ``module:function``."""
-    path, sep, _ = target.rpartition(":") if ":" in target else (target, "", "")
-    if sep and not (path.endswith(".py") or os.sep in path):
-        return os.getcwd()
-    return os.path.dirname(os.path.realpath(path if sep else target))
+        return fn
+    try:
+        mod = importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        raise CliError(f"cannot import target module {path!r}: {e}") from e
+    except Exception as e:  # noqa: BLE001
+        raise CliError(f"target module {path} raised {type(e).__name__} while importing: {e}", EXIT_FAIL) from e
+    fn = getattr(mod, func, None)
+    if not callable(fn):
+        raise CliError(f"target module {path} has no function {func!r}")
+    return fn
 
 
 @contextlib.contextmanager
-def _first_on_sys_path(folder: str):
-    """``folder`` at ``sys.path[0]`` while the target loads and runs (as ``python FILE.py`` and
+def _first_on_sys_path(target: str):
+    """The folder ``python FILE.py`` would put first on ``sys.path`` (the file's folder; the working
+    directory for ``module:function``) at ``sys.path[0]`` while the target loads and runs (as
     :mod:`runpy` callers do), removed afterwards."""
+    path, _, is_file = split_target(target)
+    folder = os.path.dirname(os.path.realpath(path)) if is_file else os.getcwd()
     sys.path.insert(0, folder)
     try:
         yield
     finally:
-        try:
+        with contextlib.suppress(ValueError):
             sys.path.remove(folder)
-        except ValueError:
-            pass
 
 
-def _call_target(kind: str, fn: Callable[..., Any] | None, file: str | None, mode: str | None,
-                 precision: str | None, target: str) -> None:
+def _call_target(fn: Callable[..., Any] | None, mode: str | None, precision: str | None, target: str) -> None:
     import runpy
 
-    if kind == "file":
+    if fn is None:
         if mode is not None or precision is not None:
             raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
                            "sets its own torch.compile(mode=...)")
         argv = sys.argv
-        sys.argv = [file or target]
+        sys.argv = [target]
         try:
-            runpy.run_path(file or target, run_name="__main__")
+            runpy.run_path(target, run_name="__main__")
         finally:
             sys.argv = argv
         return
-    assert fn is not None
     kwargs: dict[str, Any] = {}
     try:
         params = inspect.signature(fn).parameters
@@ -108,26 +108,23 @@ def _call_target(kind: str, fn: Callable[..., Any] | None, file: str | None, mod
 
 
 def run_target(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
-    with _first_on_sys_path(_target_dir(target)):
-        _run_target_on_path(target, mode, precision, verbose)
-
-
-def _run_target_on_path(target: str, mode: str | None, precision: str | None, verbose: bool) -> None:
-    try:
-        kind, fn, file = _load_target(target)
-    except KeyboardInterrupt as e:
-        raise CliError(f"target {target} interrupted while loading", 130) from e
-    try:
-        _call_target(kind, fn, file, mode, precision, target)
-    except CliError:
-        raise
-    except KeyboardInterrupt as e:
-        raise CliError(f"target {target} interrupted", 130) from e
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            raise CliError(f"target {target} exited with status {e.code}", EXIT_FAIL) from e
-    except BaseException as e:  # noqa: BLE001 - any failure of user code is reported in one line
-        if verbose:
-            traceback.print_exc()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CliError(f"target {target} raised {type(e).__name__}: {msg}", EXIT_FAIL) from e
+    """Load and run TARGET with its folder first on ``sys.path``; any failure is one :class:`CliError`."""
+    with _first_on_sys_path(target):
+        try:
+            fn = _load_target(target)
+        except KeyboardInterrupt as e:
+            raise CliError(f"target {target} interrupted while loading", 130) from e
+        try:
+            _call_target(fn, mode, precision, target)
+        except CliError:
+            raise
+        except KeyboardInterrupt as e:
+            raise CliError(f"target {target} interrupted", 130) from e
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise CliError(f"target {target} exited with status {e.code}", EXIT_FAIL) from e
+        except BaseException as e:  # noqa: BLE001 - any failure of user code is reported in one line
+            if verbose:
+                traceback.print_exc()
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CliError(f"target {target} raised {type(e).__name__}: {msg}", EXIT_FAIL) from e

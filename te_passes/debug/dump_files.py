@@ -63,7 +63,7 @@ def ensure_writable_dir(path: str | os.PathLike) -> str:
 def slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)
 
-_SESSION_LOCK_FILE = ".te_passes_sessions.lock"
+
 def atomic_write(path: str, text: str) -> None:
     """``text`` at ``path``: written to a fresh file (``O_EXCL | O_NOFOLLOW``: never through a
     planted link), then renamed over ``path`` (a link there is replaced, not followed)."""
@@ -82,6 +82,8 @@ def atomic_write(path: str, text: str) -> None:
 class DumpDirLocked(DumpDirError):
     """Another process holds the dump directory's lock (:func:`dir_lock` with ``blocking=False``)."""
 
+
+_SESSION_LOCK_FILE = ".te_passes_sessions.lock"
 
 @contextlib.contextmanager
 def dir_lock(root: str, *, blocking: bool = True):
@@ -134,9 +136,11 @@ def dir_lock(root: str, *, blocking: bool = True):
 
 GRAPH_DIR_RE = re.compile(r"g\d+")
 
+
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
         return str("" if v is None else v).replace("|", "\\|").replace("\n", " ")
+
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(out) + "\n"
@@ -251,8 +255,7 @@ def check_schema(path: str, data: Any) -> None:
             raise DumpFormatError(f"{path} is one graph's report (a graph folder), not a dump summary: show the "
                                   f"dump directory above it ({os.path.dirname(os.path.dirname(os.path.abspath(path)))})")
         raise DumpFormatError(f"{path} is not a te_passes dump summary (no schema)")
-    name, _, version = str(schema).rpartition("/")
-    if name == SCHEMA.rpartition("/")[0]:
+    if str(schema).rpartition("/")[0] == SCHEMA.rpartition("/")[0]:
         raise DumpFormatError(f"{path}: schema {schema} is not supported (this te_passes reads {SCHEMA})")
     raise DumpFormatError(f"{path} is not a te_passes dump summary (schema {schema!r})")
 

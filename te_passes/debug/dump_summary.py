@@ -74,11 +74,7 @@ def _folded_expr(rec: dict[str, Any]) -> str | None:
 
 
 def _memory_entry(graph_id: str, stage: str, mem: Any) -> dict[str, Any]:
-    entry: dict[str, Any] = {"graph_id": graph_id, "stage": stage}
-    if isinstance(mem, dict):
-        entry.update(mem)
-    else:
-        entry["value"] = mem
+    entry: dict[str, Any] = {"graph_id": graph_id, "stage": stage, **(mem if isinstance(mem, dict) else {"value": mem})}
     for k in ("peak_before", "peak_after"):
         entry.setdefault(k, None)
     return entry
@@ -146,8 +142,7 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
                 peaks[k].append(v)
     for k, vals in peaks.items():
         s["memory"][k] = max(vals) if vals else None
-    for k, v in (extra or {}).items():
-        s[k] = v
+    s.update(extra or {})
     return s
 
 

@@ -4,7 +4,6 @@ See docs/internals.md#te_passesdebuggraph_breakspy."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import warnings
 from typing import Any
@@ -144,7 +143,7 @@ class CompileEvents:
                 e["count"] = 1
                 merged[key] = e
         self.graph_breaks = list(merged.values())
-        fallbacks: dict[tuple[str, str, str | None], dict[str, Any]] = collections.OrderedDict()
+        fallbacks: dict[tuple[str, str, str | None], dict[str, Any]] = {}
         for e in self.graph_breaks:
             te = e["te"]
             if te is None:

@@ -20,7 +20,7 @@ from te_passes.debug.graph_safety import (BudgetError, GraphFileError, UnsafeGra
     import_te, check_budget, check_memo_indices, check_name, resolve_function)
 from te_passes.debug.sym_expr import check_sym_expr, parse_sym_expr
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
-    ALLOWED_GLOBALS, RENAMED_MODULES, allowed_global, pickle_globals, renamed_module)
+    ALLOWED_GLOBALS, allowed_global, pickle_globals)
 
 
 FORMAT = "te_passes.tegraph/1"
@@ -264,30 +264,27 @@ def _check_payload(payload: Any, path: str) -> dict[str, Any]:
             raise GraphFileError(f"{path}: nodes[{i}].meta is not a dict")
         if not isinstance(rec.get("meta", {}).get("stack_trace", ""), (str, type(None))):
             raise GraphFileError(f"{path}: nodes[{i}].meta['stack_trace'] is not a str")
-        t = rec.get("target")
-        if rec["op"] in ("call_function",) and not isinstance(t, (_OpRef, _FnRef)):
-            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) call_function target is {type(t).__name__}")
-        if rec["op"] in ("placeholder", "get_attr", "call_method", "call_module", "output") \
-                and not isinstance(t, str):
-            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) target is {type(t).__name__}, expected str")
-        if rec["op"] in ("placeholder", "get_attr", "call_method", "call_module", "output"):
-            check_name(t, f"{path}: nodes[{i}] ({rec['name']}) target", dotted=rec["op"] in ("get_attr", "call_module"))
-        if isinstance(t, _OpRef) and (not isinstance(t.qualname, str) or t.qualname.count("::") != 1):
-            raise GraphFileError(f"{path}: nodes[{i}] ({rec['name']}) op name {str(t.qualname)[:60]!r} is not 'ns::op'")
+        t, at = rec.get("target"), f"{path}: nodes[{i}] ({rec['name']})"
+        if rec["op"] == "call_function" and not isinstance(t, (_OpRef, _FnRef)):
+            raise GraphFileError(f"{at} call_function target is {type(t).__name__}")
+        if rec["op"] != "call_function":
+            if not isinstance(t, str):
+                raise GraphFileError(f"{at} target is {type(t).__name__}, expected str")
+            check_name(t, f"{at} target", dotted=rec["op"] in ("get_attr", "call_module"))
         if isinstance(t, _OpRef):
+            if not isinstance(t.qualname, str) or t.qualname.count("::") != 1:
+                raise GraphFileError(f"{at} op name {str(t.qualname)[:60]!r} is not 'ns::op'")
             for part in t.qualname.split("::"):
-                check_name(part, f"{path}: nodes[{i}] ({rec['name']}) op name")
+                check_name(part, f"{at} op name")
             if t.overload is not None:
-                check_name(t.overload, f"{path}: nodes[{i}] ({rec['name']}) op overload")
+                check_name(t.overload, f"{at} op overload")
         if isinstance(t, _FnRef):
-            check_name(t.module, f"{path}: nodes[{i}] ({rec['name']}) function module", dotted=True)
-            check_name(t.qualname, f"{path}: nodes[{i}] ({rec['name']}) function name", dotted=True)
-    for key, types in (("attrs", dict), ("options", dict), ("te_state", dict), ("example_inputs", list)):
+            check_name(t.module, f"{at} function module", dotted=True)
+            check_name(t.qualname, f"{at} function name", dotted=True)
+    for key, types in (("attrs", dict), ("options", dict), ("te_state", dict), ("example_inputs", list),
+                       ("stage", str), ("graph_id", str)):
         if payload.get(key) is not None and not isinstance(payload[key], types):
             raise GraphFileError(f"{path}: '{key}' is a {type(payload[key]).__name__}, expected {types.__name__}")
-    for key in ("stage", "graph_id"):
-        if payload.get(key) is not None and not isinstance(payload[key], str):
-            raise GraphFileError(f"{path}: '{key}' is a {type(payload[key]).__name__}, expected str")
     for k in payload.get("attrs") or {}:
         check_name(k, f"{path}: attrs key", dotted=True)
     syms = payload.get("symbols")

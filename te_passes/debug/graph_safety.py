@@ -1,16 +1,13 @@
 """What a ``.tegraph`` file (:mod:`te_passes.debug.graph_io`) may hold, checked before anything in
-it is built: the restricted unpickler (:class:`SafeUnpickler`, the allow-list
-:data:`ALLOWED_GLOBALS` / :func:`allowed_global`), the module paths that moved
-(:data:`RENAMED_MODULES`), identifier names (:func:`check_name`), node targets resolved by their
-own ``__module__`` (:func:`resolve_function`), the budgeted walk of a loaded structure
-(:func:`check_budget`), symbolic sizes parsed without evaluation (:func:`parse_sym_expr`) and a
+it is built: the restricted unpickler (:class:`SafeUnpickler`, :func:`allowed_global`), identifier
+names (:func:`check_name`), node targets resolved by their own ``__module__``
+(:func:`resolve_function`), the budgeted walk of a loaded structure (:func:`check_budget`) and a
 static list of a pickle's globals (:func:`pickle_globals`). See docs/cli.md, "Guarantees"."""
 
 from __future__ import annotations
 
 import enum
 import importlib
-import importlib.util
 import pickle
 from typing import Any
 
@@ -20,50 +17,6 @@ import torch.fx
 from te_passes.te import graph_constants as gconst
 
 
-# ------------------------------------------------------------- renamed modules
-#: Old -> new module paths of te_passes modules that moved (the layered layout, runtime's feature folders). A
-#: ``.tegraph`` saved before a move names the old path (pickled classes/functions, ``_FnRef``
-#: targets); :class:`_Unpickler` and ``_FnRef.resolve`` look the name up here first.
-RENAMED_MODULES: dict[str, str] = {
-    "te_passes.te.guards": "te_passes.runtime.ub.guard",
-    "te_passes.te.amax_groups": "te_passes.runtime.te_patches.amax_groups",
-    "te_passes.te.free_op": "te_passes.runtime.ops.free",
-    "te_passes.passes.base": "te_passes.pipeline.base",
-    "te_passes.passes.manager": "te_passes.pipeline.manager",
-    "te_passes.passes.registry": "te_passes.pipeline.registry",
-    "te_passes.debug.cli": "te_passes.cli",
-    # runtime/ feature folders (2026-12-02)
-    "te_passes.runtime.ub": "te_passes.runtime.ub.reinit",
-    "te_passes.runtime.ub_guard": "te_passes.runtime.ub.guard",
-    "te_passes.runtime.ub_graph_guard": "te_passes.runtime.ub.graph_guard",
-    "te_passes.runtime.cudagraphs": "te_passes.runtime.cudagraphs.lean",
-    "te_passes.runtime.cudagraph_engine": "te_passes.runtime.cudagraphs.engine",
-    "te_passes.runtime.cudagraph_policy": "te_passes.runtime.cudagraphs.policy",
-    "te_passes.runtime.cudagraph_hazards": "te_passes.runtime.cudagraphs.hazards",
-    "te_passes.runtime.te_base_op": "te_passes.runtime.ops.te_base",
-    "te_passes.runtime.direct_call": "te_passes.runtime.ops.direct_call",
-    "te_passes.runtime.direct_lowering": "te_passes.runtime.ops.direct_lowering",
-    "te_passes.runtime.free_op": "te_passes.runtime.ops.free",
-    "te_passes.runtime.fused_attn_op": "te_passes.runtime.ops.fused_attn",
-    "te_passes.runtime.te_norm_op": "te_passes.runtime.ops.te_norm",
-    "te_passes.runtime.shared_linear": "te_passes.runtime.ops.shared_linear",
-    "te_passes.runtime.constants": "te_passes.runtime.ops.constants",
-    "te_passes.runtime.quantizer_usage": "te_passes.runtime.te_patches.quantizer_usage",
-    "te_passes.runtime.untouched": "te_passes.runtime.untouched.polyfills",
-    "te_passes.runtime.untouched_attention": "te_passes.runtime.untouched.attention",
-    "te_passes.runtime.untouched_state": "te_passes.runtime.untouched.state",
-    "te_passes.runtime.untouched_gate": "te_passes.runtime.untouched.gate",
-    "te_passes.runtime.delayed_linear": "te_passes.runtime.delayed.linear",
-    "te_passes.runtime.delayed_scaling": "te_passes.runtime.delayed.scaling",
-    "te_passes.runtime.delayed_state": "te_passes.runtime.delayed.state",
-    "te_passes.runtime.amax_groups": "te_passes.runtime.te_patches.amax_groups",
-    "te_passes.runtime.recipe_state": "te_passes.runtime.te_patches.recipe_state",
-}
-
-
-# ------------------------------------------------------------- end renamed modules
-
-
 class GraphFileError(Exception):
     """A graph file is missing, unreadable, not a ``.tegraph`` or needs ops not registered here."""
 
@@ -71,6 +24,7 @@ class GraphFileError(Exception):
 class UnsafeGraphFileError(GraphFileError):
     """A graph file references a global outside the allow-list (:func:`allowed_global`): refused
     before anything in it is built or run."""
+
 
 def import_te() -> None:
     try:
@@ -91,24 +45,17 @@ _REFUSED_BUILTINS = frozenset({"eval", "exec", "compile", "open", "__import__", 
 
 
 #: Exact ``(module, name)`` globals a ``.tegraph`` pickle may reference, besides the rule-based
-#: ones in :func:`allowed_global` (TE constant classes, torch dtypes). Derived from the globals
-#: in real dumps (``tests/debug/test_graph_io_safety.py`` dumps every built-in example, lists the
-#: globals with :func:`pickle_globals` and checks each is allowed): the graph file's own records,
-#: FX's ``immutable_list`` / ``immutable_dict`` (node args), ``TorchVersion`` (the saved torch
-#: version of files written before it was saved as ``str``), TE's quantizer rebuild function
-#: (TE 2.20 ``transformer_engine/pytorch/dynamo/quantizer_opaque.py``); plus the value types a
-#: Dynamo graph's constant arguments may hold (``slice``, ``Ellipsis``, ``complex``,
-#: ``torch.device``, ``torch.Size``). The rule-based part of :func:`allowed_global` covers the
-#: dtypes (``torch.bfloat16``, ``torch.uint8``, ``torch.complex32`` for TE's None sentinels) and
-#: TE's constant classes (``OpaqueValueBundle``, ``_TensorOrQuantizedKind``, ``DType``,
-#: ``Float8CurrentScalingQuantizer``, ``MXFP8Quantizer``, ``Float8TensorStorage``, ...).
+#: ones in :func:`allowed_global` (torch dtypes/layouts, TE constant classes and enums): the graph
+#: file's own records, FX's ``immutable_list`` / ``immutable_dict`` (node args), TE's quantizer
+#: rebuild function (TE 2.20 ``transformer_engine/pytorch/dynamo/quantizer_opaque.py``) and the
+#: value types a Dynamo graph's constant arguments may hold. Checked against real dumps by
+#: ``tests/debug/test_graph_io_safety.py``.
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("te_passes.debug.graph_io", "_NodeRef"), ("te_passes.debug.graph_io", "_OpRef"),
     ("te_passes.debug.graph_io", "_FnRef"), ("te_passes.debug.graph_io", "SymMeta"),
     ("te_passes.debug.graph_io", "TensorMeta"),
-    ("te_passes.pipeline.base", "Stage"),  # a str enum: graph files written before 2026-12-01 pickle it in their info
     ("torch.fx.immutable_collections", "immutable_list"), ("torch.fx.immutable_collections", "immutable_dict"),
-    ("torch", "device"), ("torch", "Size"), ("torch.torch_version", "TorchVersion"),
+    ("torch", "device"), ("torch", "Size"),
     ("builtins", "slice"), ("builtins", "complex"), ("builtins", "Ellipsis"),
     ("transformer_engine.pytorch.dynamo.quantizer_opaque", "_rebuild_quantizer"),
     # how a torch.layout pickles (torch/serialization.py: copyreg, a dict lookup by str(layout))
@@ -116,35 +63,12 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
 })
 
 
-def renamed_module(module: str) -> str:
-    """``module`` mapped through :data:`RENAMED_MODULES` (exact name first, then the longest
-    dotted prefix)."""
-    if module in RENAMED_MODULES:
-        return RENAMED_MODULES[module]
-    parts = module.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        head = ".".join(parts[:i])
-        # an old module that became a package's file (runtime.ub -> runtime.ub.reinit) maps only itself
-        if head in RENAMED_MODULES and not _is_plain_module(RENAMED_MODULES[head]):
-            return RENAMED_MODULES[head] + "." + ".".join(parts[i:])
-    return module
-
-
-def _is_plain_module(module: str) -> bool:
-    """Whether ``module`` is a te_passes module that is not a package (it can have no submodules)."""
-    try:
-        spec = importlib.util.find_spec(module) if module.startswith("te_passes.") else None
-    except (ImportError, ValueError):
-        return False
-    return spec is not None and spec.submodule_search_locations is None
-
-
 def _is_te_module(module: str) -> bool:
     return module.split(".")[0] in ("transformer_engine", "transformer_engine_torch")
 
 
 def allowed_global(module: str, name: str) -> bool:
-    """Whether a ``.tegraph`` pickle may reference global ``module.name`` (after :func:`renamed_module`)."""
+    """Whether a ``.tegraph`` pickle may reference global ``module.name``."""
     if (module, name) in ALLOWED_GLOBALS:
         return True
     if module == "torch._utils" and name.startswith("torch.") and name.count(".") == 1:
@@ -206,28 +130,26 @@ def _owner_module(obj: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def resolve_function(module_name: str, qualname: str) -> Any:
-    """The function ``module_name.qualname`` a ``.tegraph`` node target names (``_FnRef``), after
-    :func:`renamed_module`: the module must be under :data:`TARGET_MODULE_ROOTS`, and every
-    attribute step (``torch.nn.functional.gelu``) must land on an object whose own ``__module__``
-    is under them too (``torch.os.system`` stops at ``os``).
+def resolve_function(module: str, qualname: str) -> Any:
+    """The function ``module.qualname`` a ``.tegraph`` node target names (``_FnRef``): the module
+    must be under :data:`TARGET_MODULE_ROOTS`, and every attribute step (``torch.nn.functional.gelu``)
+    must land on an object whose own ``__module__`` is under them too (``torch.os.system`` stops at ``os``).
 
     Raises:
         UnsafeGraphFileError: the module or a step leaves the allowed modules, a name is not an
             identifier, or the name is a refused builtin (``eval``, ``open``, ...).
         GraphFileError: the module does not import here or has no such function.
     """
-    refuse = UnsafeGraphFileError(f"node target {str(module_name)[:80]}.{str(qualname)[:80]} is outside what a "
+    refuse = UnsafeGraphFileError(f"node target {str(module)[:80]}.{str(qualname)[:80]} is outside what a "
                                   f"te_passes graph may call (modules {', '.join(TARGET_MODULE_ROOTS)})")
-    if not is_dotted_identifier(module_name) or not is_dotted_identifier(qualname):
+    if not is_dotted_identifier(module) or not is_dotted_identifier(qualname):
         raise refuse
-    module = renamed_module(module_name)
     if not allowed_target_module(module) or any(p in _REFUSED_BUILTINS for p in qualname.split(".")):
         raise refuse
     try:
         mod: Any = importlib.import_module(module)
     except ImportError as e:
-        raise GraphFileError(f"function {module_name}.{qualname}: module does not import here "
+        raise GraphFileError(f"function {module}.{qualname}: module does not import here "
                              f"({type(e).__name__}: {e})") from None
     def walk(parts: list[str]) -> Any:
         obj = mod
@@ -357,22 +279,20 @@ class _Checked:
 
 
 class SafeUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` whose ``find_class`` maps through :data:`RENAMED_MODULES`, then
-    accepts only :func:`allowed_global` (the restricted-unpickler pattern of Python's pickle
-    docs, "Restricting Globals")."""
+    """``pickle.Unpickler`` whose ``find_class`` accepts only :func:`allowed_global` (the
+    restricted-unpickler pattern of Python's pickle docs, "Restricting Globals")."""
 
     def __init__(self, file: Any, path: str) -> None:
         super().__init__(file)
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        new = renamed_module(module)
-        if not allowed_global(new, name):
+        if not allowed_global(module, name):
             raise UnsafeGraphFileError(f"{self._path}: refused to load: it references {module}.{name}, which a "
                                        f"te_passes graph file never holds (only te_passes, TE and torch value "
                                        f"types are allowed); the file may be crafted")
-        obj = super().find_class(new, name)
-        if name == "_rebuild_quantizer" or (isinstance(obj, type) and _is_te_module(new)
+        obj = super().find_class(module, name)
+        if name == "_rebuild_quantizer" or (isinstance(obj, type) and _is_te_module(module)
                                             and gconst.te_const_kind(obj) is gconst.TEConstKind.BUNDLE):
             return _Checked(obj, self._path)
         return obj

@@ -77,13 +77,7 @@ def format_quantizer(q: Any) -> str:
         fields = gconst.quantizer_fields(q)
     except TypeError:
         return repr(q)
-    parts = []
-    for k, v in fields.items():
-        if v is True:
-            parts.append(k)
-        elif v is not False:
-            parts.append(f"{k}={format_value(v)}")
-    body = ", ".join(parts)
+    body = ", ".join(k if v is True else f"{k}={format_value(v)}" for k, v in fields.items() if v is not False)
     name = constant_name(q)
     return f"{type(q).__name__}({body})" + (f" as {name}" if name else "")
 
@@ -151,13 +145,9 @@ def _storage_lines(field: gmod.TQField) -> list[tuple[str, str, str | None]]:
         t = node_type(b.node) if isinstance(b.node, torch.fx.Node) else None
         comment = b.role.value + (f" {t}" if t else "")
         rows.append((b.inner_name, format_value(b.node), comment))
-    kw = dict(field.meta.get("nontensor_kwargs", {}) or {})
-    for k, v in kw.items():
-        rows.append((k, format_value(v), None))
-    for k, v in field.meta.items():
-        if k in ("cls", "_inner_names", "nontensor_kwargs", gmod.TQ_KIND_KEY):
-            continue
-        rows.append((k, format_value(v), None))
+    rows += [(k, format_value(v), None) for k, v in (field.meta.get("nontensor_kwargs") or {}).items()]
+    rows += [(k, format_value(v), None) for k, v in field.meta.items()
+             if k not in ("cls", "_inner_names", "nontensor_kwargs", gmod.TQ_KIND_KEY)]
     return rows
 
 
@@ -365,10 +355,7 @@ def format_graph(gm: torch.fx.GraphModule | torch.fx.Graph, *, name: str = "Grap
     """
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     notes = notes or {}
-    params = []
-    for node in graph.find_nodes(op="placeholder"):
-        t = node_type(node)
-        params.append(f'{node.name}: "{t}"' if t else node.name)
+    params = [_lhs(node) for node in graph.find_nodes(op="placeholder")]
     out = [f"# te_passes TE-aware printout: quantizers list their True flags by name (flags not listed are "
            f"False)", f"class {name}(torch.nn.Module):", f"{INDENT}def forward(self, {', '.join(params)}):"]
     for node in graph.nodes:

@@ -42,6 +42,22 @@ def snapshot(root) -> dict[str, str]:
     return out
 
 
+def clear_old_dump(path: str) -> None:
+    """Remove the earlier te_passes dump in ``path`` as ``dump``'s commit does (only the files it
+    wrote, never through a symbolic link; refusals of ``te_passes.cli.dumpdir._check_old_dump``)."""
+    import shutil
+    import tempfile
+
+    from te_passes.cli.dumpdir import _TRASH_PREFIX, _move, _old_paths, _remove_empty_dirs
+
+    old = _old_paths(path)
+    trash = tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=path)
+    for rel in old:
+        _move(os.path.join(path, rel), os.path.join(trash, rel))
+    shutil.rmtree(trash, ignore_errors=True)
+    _remove_empty_dirs(path, old)
+
+
 def dump_example(tmp_path_factory, example: str, name: str = "base") -> Path:
     """``te-passes dump --example EXAMPLE`` into a fresh temporary folder (TE graphs captured on
     fake CUDA tensors); returns the dump folder. Skips without TE."""

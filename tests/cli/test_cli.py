@@ -473,10 +473,10 @@ def _fake_old_dump(root) -> None:
 
 def test_clearing_an_old_dump_keeps_user_folders(tmp_path):
     """Only folders named g<N> whose report.json is our graph report for g<N> are removed."""
-    from te_passes.cli.dumpdir import _clear_old_dump
+    from _cli import clear_old_dump
 
     _fake_old_dump(tmp_path)
-    _clear_old_dump(str(tmp_path))
+    clear_old_dump(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g7", "g8", "golden", "graphs"]
     for name in ("golden", "g7", "g8", "graphs"):
         assert (tmp_path / name / "results.csv").read_text() == "important\n"
@@ -610,11 +610,11 @@ def test_target_messages(case, tmp_path):
 @pytest.mark.parametrize("foreign", ["report.json", "index.md"])
 def test_dump_does_not_overwrite_foreign_top_level_files(foreign, tmp_path):
     from te_passes.cli import CliError
-    from te_passes.cli.dumpdir import _clear_old_dump
+    from _cli import clear_old_dump
 
     (tmp_path / foreign).write_text("{}")
     with pytest.raises(CliError, match="not overwriting"):
-        _clear_old_dump(str(tmp_path))
+        clear_old_dump(str(tmp_path))
     assert (tmp_path / foreign).read_text() == "{}"
 
 

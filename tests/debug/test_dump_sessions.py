@@ -187,12 +187,12 @@ def test_cli_claimed_dir_is_written_directly(tmp_path):
 
 def test_cli_refuses_to_dump_into_a_sessions_dir(tmp_path):
     from te_passes.cli import CliError
-    from te_passes.cli.dumpdir import _clear_old_dump
+    from _cli import clear_old_dump
 
     d = tmp_path / "dumps"
     _compile_two(d)
     with pytest.raises(CliError, match="holds te_passes backend dump sessions .*choose another --out"):
-        _clear_old_dump(str(d))
+        clear_old_dump(str(d))
     assert (d / dump_sessions.session_id() / "report.json").is_file()
 
 

@@ -74,22 +74,6 @@ def test_allow_list_accepts_value_types():
     assert torch  # noqa
 
 
-def test_renamed_modules_are_mapped_before_the_allow_list(tmp_path, monkeypatch):
-    """A dump saved before a module moved: find_class maps the old path first (RENAMED_MODULES)."""
-    data = pickle.dumps({"format": FORMAT, "nodes": [], "x": _NodeRef("a")})
-    old = b"te_passes.debug.graphXio"  # same length: the pickle's strings are length-prefixed
-    data = data.replace(b"te_passes.debug.graph_io", old)
-    p = tmp_path / "old.tegraph"
-    p.write_bytes(data)
-    with pytest.raises(UnsafeGraphFileError, match="te_passes.debug.graphXio._NodeRef"):
-        load_payload(p)
-    monkeypatch.setitem(graph_io.RENAMED_MODULES, old.decode(), "te_passes.debug.graph_io")
-    assert load_payload(p)["x"] == _NodeRef("a")
-    monkeypatch.setitem(graph_io.RENAMED_MODULES, "te_passes.te", "te_passes.core")
-    assert graph_io.renamed_module("te_passes.te.ub") == "te_passes.core.ub"
-    assert graph_io.renamed_module("te_passes.tex") == "te_passes.tex"
-
-
 def test_symbolic_size_text_is_not_evaluated(tmp_path):
     marker = tmp_path / "PWNED2"
     evil = SymMeta(f"__import__('os').system('touch {marker}')", 4)
@@ -197,7 +181,7 @@ def test_real_dumps_hold_only_allowed_globals_and_load(real_dump_files):
     for f in real_dump_files:
         for mod, name in pickle_globals(f.read_bytes()):
             seen.add((mod, name))
-            assert allowed_global(graph_io.renamed_module(mod), name), (f, mod, name)
+            assert allowed_global(mod, name), (f, mod, name)
         gm, payload = load_graph(f)  # through the restricted unpickler
         assert len(gm.graph.nodes) == len(payload["nodes"])
     # the exact allow-list is not wider than needed: every exact entry used by real dumps is listed
