@@ -11,10 +11,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from te_passes.fx.graph import same_objects
+from te_passes.fx.graph import op_qualname, same_objects
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
 from te_passes.runtime.ops import direct_call as dc, direct_lowering, te_base as te_base_op
-from te_passes.runtime.ops.te_base import DirectCallUnavailable, op_family, op_qualname, overload
+from te_passes.runtime.ops.te_base import DirectCallUnavailable, op_family, overload
 from te_passes.runtime.ops.constants import hoisted_name
 
 
