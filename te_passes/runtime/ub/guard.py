@@ -71,7 +71,7 @@ def live_snapshot() -> UbSnapshot:
     snap = _STATE.snapshot
     if snap is None:
         with _LOCK:
-            snap = _STATE.snapshot or _capture_locked()
+            snap = _STATE.snapshot if _STATE.snapshot is not None else _capture_locked()
     return snap
 
 
