@@ -321,9 +321,70 @@ def test_layout_check_matches_the_fake_payload():
     with quiet(), fake_gpu("fp8-cs"), FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         fake = DL._fwd_fake(lin.weight, x, lin.bias, st.scale, st.amax_history, config)
-        want = DL._expected_layout(DL._decode(config), lin.weight, x, lin.bias, st.scale, st.amax_history, config)
+        want = DL.expected_layout(DL.decode(config), lin.weight, x, lin.bias, st.scale, st.amax_history, config)
     assert [(tuple(t.shape), t.dtype) for t in fake[:-1]] == want
     assert any(dt == torch.uint8 for _, dt in want)  # the fp8 data / transpose of the saved input
+
+
+def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
+    """The backward derives TE's output plan from TE's fake forward once per call geometry (two
+    layers of one config share it), and each call's saved FP8 tensors and quantizers are its own:
+    the saved input / weight quantizers point at this call's scale and amax, their usage flags are
+    put back after TE changed them, and the args equal those of an uncached derivation. Real CPU
+    tensors (the impl path), TE's fake forward counted."""
+    import dataclasses
+
+    from te_passes.runtime.delayed import args as A
+    from te_passes.testing.fake_gpu import fake_gpu, quiet
+
+    got = _capture(("E4M3", 16, "max"), 2, aot=False)
+    (dyn,) = got["dynamo"]
+    configs = {a for m in dyn.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+               if "delayed_linear_fwd" in str(n.target) for a in n.args if isinstance(a, str)}
+    (config,) = configs  # both layers: one config string
+    lin = A.te_linear()
+    fakes = []
+    real_fake = lin._linear_forward_fake
+    monkeypatch.setattr(lin, "_linear_forward_fake", lambda args: fakes.append(1) or real_fake(args))
+    monkeypatch.setattr(A, "_PLANS", {})
+
+    def state(n):
+        return torch.rand(n) + 0.5, torch.rand(16, n)
+
+    def call(w, x, fwd, bwd, flat):
+        return A.bwd_args(torch.randn(x.shape, dtype=x.dtype), w, x, None, *fwd, *bwd, flat, config, fake=False)
+
+    def plain(b):
+        return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)
+                if isinstance(getattr(b, f.name), (bool, int, float, str, type(None), torch.dtype))}
+
+    with quiet(), fake_gpu("fp8-cs"):
+        w, x = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+        s0, s1 = state(3), state(3)
+        flat = [torch.zeros(sh, dtype=dt) for sh, dt in A.expected_layout(A.decode(config), w, x, None, *s0, config)]
+        fakes.clear()
+        b0 = call(w, x, s0, state(2), flat)
+        b0.inputmat._quantizer.set_usage(rowwise=True, columnwise=True)  # as a TE impl might
+        bwd1 = state(2)
+        b1 = call(w, x, s1, bwd1, flat)
+        assert len(fakes) == 1 and len(A._PLANS) == 1
+        for saved, i in ((b1.inputmat, 0), (b1.weight_fp8, 1)):
+            q = saved._quantizer
+            assert q.scale.data_ptr() == s1[0][i:].data_ptr() and q.amax.data_ptr() == s1[1][0][i:].data_ptr()
+        assert b1.grad_output_quantizer.scale.data_ptr() == bwd1[0].data_ptr()
+        usage = [(t._quantizer.rowwise_usage, t._quantizer.columnwise_usage) for t in (b1.inputmat, b1.weight_fp8)]
+        monkeypatch.setattr(A, "_PLANS", {})
+        fresh = call(w, x, s1, bwd1, flat)  # derived again, nothing cached
+        assert len(fakes) == 2
+        assert usage == [(t._quantizer.rowwise_usage, t._quantizer.columnwise_usage)
+                         for t in (fresh.inputmat, fresh.weight_fp8)]
+        assert plain(b1) == plain(fresh) and plain(b1)
+        assert [(q.rowwise_usage, q.columnwise_usage) for q in (b1.input_quantizer, b1.weight_quantizer)] == \
+            [(q.rowwise_usage, q.columnwise_usage) for q in (fresh.input_quantizer, fresh.weight_quantizer)]
+        x2 = torch.randn(16, 64, dtype=torch.bfloat16)  # another geometry: a plan of its own
+        flat2 = [torch.zeros(sh, dtype=dt) for sh, dt in A.expected_layout(A.decode(config), w, x2, None, *s0, config)]
+        call(w, x2, s0, state(2), flat2)
+        assert len(A._PLANS) == 2
 
 
 def test_refusal_names_the_reason():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import threading
 from typing import Any
@@ -16,6 +15,8 @@ import torch
 from te_passes._logging import get_logger
 from te_passes.fx.graph import op_qualname
 from te_passes.runtime.delayed import scaling as delayed_scaling
+from te_passes.runtime.delayed.args import (TE_LINEAR, bwd_args, decode, expected_layout, fwd_args,  # noqa: F401
+                                            fwd_tensor_fields, on_device, te_custom_op, te_linear)
 from te_passes.runtime.delayed.scaling import te_inductor_tracing, update_in_graph
 from te_passes.runtime.delayed.state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
                                              make_quantizers_tagged, prepare_delayed_scaling, quantization, refusal,
@@ -24,7 +25,6 @@ from te_passes.te.version import te_module
 
 log = get_logger()
 
-TE_LINEAR = "transformer_engine.pytorch.module.linear"
 FWD_OP = "te_passes::delayed_linear_fwd"
 BWD_OP = "te_passes::delayed_linear_bwd"
 #: TE's reason for refusing a delayed-scaling quantizer (``LinearFwdArgs.compile_unsupported_reason``).
@@ -35,10 +35,6 @@ _QUANTIZER_FIELDS = ("input_quantizer", "weight_quantizer", "output_quantizer", 
                      "grad_weight_quantizer", "grad_output_quantizer")
 _STATE: dict[str, Any] = {"installed": False, "refused": None, "pairs": ()}
 _LOCK = threading.Lock()
-
-
-def _linear():
-    return te_module(TE_LINEAR, import_te=True)
 
 
 #: ``LinearFwdArgs`` fields that cross the op pair in its config string (set at install; a
@@ -63,14 +59,6 @@ def _encode(names: tuple, values: tuple, qin: tuple, qw: tuple, qgo: tuple, auto
     simple = {n: (str(v) if isinstance(v, torch.dtype) else v) for n, v in zip(names, values)}
     return json.dumps({"simple": simple, "q": {"input": qin, "weight": qw, "grad_output": qgo},
                        "autocast_key": autocast_key, "slots": list(slots)}, sort_keys=True)
-
-
-@functools.lru_cache(maxsize=256)
-def _decode(config: str) -> dict:
-    cfg = json.loads(config)
-    simple = dict(cfg["simple"])
-    simple["activation_dtype"] = getattr(torch, simple["activation_dtype"].removeprefix("torch."))
-    return {"simple": simple, "q": cfg["q"], "autocast_key": cfg["autocast_key"], "slots": cfg["slots"]}
 
 
 @contextlib.contextmanager
@@ -102,143 +90,52 @@ def _traced_autocast_state(cfg: dict):
         manager.set_autocast_state(saved)
 
 
-def _quantizer(scale: torch.Tensor, history: torch.Tensor, i: int, desc) -> Any:
-    """TE's ``DelayedScalingRecipeState.make_quantizers`` construction for slot ``i``
-    (``quantization.py``), with the usage / flags of the traced call."""
-    from_te = te_module("transformer_engine.pytorch.tensor.float8_tensor", import_te=True)
-    dtype, internal, opt, row, col = desc
-    q = from_te.Float8Quantizer(scale[i], history[0][i].reshape((1,)), quantization().DType(dtype), rowwise=row,
-                                columnwise=col)
-    q.internal, q.optimize_for_gemm = internal, opt
-    return q
-
-
-def _fwd_args(cfg: dict, weight, inp, bias, scale_f, hist_f, scale_b, hist_b) -> Any:
-    lin = _linear()
-    kw = dict(cfg["simple"])
-    q = cfg["q"]
-    fwd, bwd = cfg["slots"]  # the input's forward slot (the weight's is the next), the grad output's
-    kw.update(weight=weight, inp=inp, bias=bias, weight_workspace=None, tp_group=None, fsdp_group=None,
-              wgrad_store=None, output_quantizer=None, grad_input_quantizer=None, grad_weight_quantizer=None,
-              input_quantizer=_quantizer(scale_f, hist_f, fwd, q["input"]),
-              weight_quantizer=_quantizer(scale_f, hist_f, fwd + 1, q["weight"]),
-              grad_output_quantizer=(_quantizer(scale_b, hist_b, bwd, q["grad_output"])
-                                     if q["grad_output"] is not None and scale_b is not None else None))
-    return lin.LinearFwdArgs(**kw)
-
-
-def _cd():
-    return te_module("transformer_engine.pytorch.dynamo.custom_op", import_te=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _fwd_tensor_fields() -> tuple:
-    return tuple(_cd()._parse_arg_type(_linear().LinearFwdArgs).tensor_field_names())
-
-
 # --------------------------------------------------------------------------- the ops
-def _on_device(flat: list, device: torch.device) -> list:
-    """``flat`` with TE's ``None`` sentinels (0-element ``complex32``, made on the CPU by
-    ``custom_op._encode_none``) re-made on ``device``: a CPU tensor among a graph's outputs makes
-    Inductor cut the graph there, and the op's list then crossed the partition boundary
-    (cudagraph trees: ``AssertionError: <class 'list'>``, H200 2026-12-02). TE decodes a sentinel by
-    dtype and size only."""
-    cd = _cd()
-    return [torch.empty(0, dtype=cd._NONE_SENTINEL_DTYPE, device=device)
-            if t.dtype == cd._NONE_SENTINEL_DTYPE and t.numel() == 0 and t.device != device else t for t in flat]
-
-
-def _layout(fake_result: tuple) -> list[tuple]:
-    """``(shape, dtype)`` per flat slot of a fwd fake result (TensorSpecs, no allocation)."""
-    cd = _cd()
-    n_out = len(fake_result) - 2
-    values = list(fake_result[:n_out]) + list(fake_result[n_out] or ())
-    out = []
-    for v in values:
-        if v is None:
-            out.append(((0,), cd._NONE_SENTINEL_DTYPE))
-        elif v.quantizer is None:
-            out.append((tuple(v.shape), v.dtype))
-        else:
-            out.extend((tuple(sh), dt) for sh, dt in v.quantizer.inner_tensor_specs(tuple(v.shape)).values())
-    return out
-
-
-_LAYOUTS: dict = {}
-
-
-def _expected_layout(cfg: dict, weight, inp, bias, scale, history, config: str) -> list[tuple]:
-    """The fake's payload layout for this call (cached per config and shapes), from quantizers
-    of its own, built before the real impl changes any usage flag."""
-    key = (config, tuple(inp.shape), tuple(weight.shape), bias is None)
-    want = _LAYOUTS.get(key)
-    if want is None:
-        args = _fwd_args(cfg, weight, inp, bias, scale, history.clone(), None, None)
-        want = _LAYOUTS[key] = _layout(_linear()._linear_forward_fake(_cd()._spec_view(args, _fwd_tensor_fields())))
-    return want
-
-
 def _fwd_impl(weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
               amax_history: torch.Tensor, config: str) -> list[torch.Tensor]:
     """TE's forward on quantizers over a copy of ``amax_history``; returns TE's flat payload and
     the copy. Raises ``RuntimeError`` when TE's payload is not the fake's slot for slot (the fake
     fixed the graph's layout)."""
-    cd = _cd()
-    cfg = _decode(config)
+    cd = te_custom_op()
+    cfg = decode(config)
     history = amax_history.clone()
-    want = _expected_layout(cfg, weight, inp, bias, scale, history, config)
-    args = _fwd_args(cfg, weight, inp, bias, scale, history, None, None)
+    want = expected_layout(cfg, weight, inp, bias, scale, history, config)
+    args = fwd_args(cfg, weight, inp, bias, scale, history, None, None)
     with _traced_autocast_state(cfg):
-        flat = cd._pack_fwd_result(_linear()._linear_forward_impl(args))
+        flat = cd._pack_fwd_result(te_linear()._linear_forward_impl(args))
     got = [(tuple(t.shape), t.dtype) for t in flat]
     if got != want:
         raise RuntimeError(f"te_passes: {FWD_OP}: TE's forward returned the payload {got}, its fake {want}")
-    return _on_device(flat, weight.device) + [history]
+    return on_device(flat, weight.device) + [history]
 
 
 def _fwd_fake(weight, inp, bias, scale, amax_history, config):
-    cd = _cd()
+    cd = te_custom_op()
     history = torch.empty_like(amax_history)
-    args = _fwd_args(_decode(config), weight, inp, bias, scale, history, None, None)
-    spec = cd._spec_view(args, _fwd_tensor_fields())
-    return _on_device(cd._pack_fwd_result(_linear()._linear_forward_fake(spec)), weight.device) + [history]
-
-
-def _bwd_args(grad_output, weight, inp, bias, scale_f, hist_f, scale_b, hist_b, fwd_flat, config, fake):
-    cd, lin = _cd(), _linear()
-    fwd_args = _fwd_args(_decode(config), weight, inp, bias, scale_f, hist_f, scale_b, hist_b)
-    plan = cd._OutputPlan.parse(lin._linear_forward_fake(cd._spec_view(fwd_args, _fwd_tensor_fields())))
-    flat = [cd._encode_none(None)] + list(fwd_flat)  # the output itself is not kept for backward
-    bwd = lin.LinearBwdArgs()
-    saved = lin._linear_setup_ctx(bwd, fwd_args, tuple(plan.user_outputs(flat)), plan.ctx_attrs,
-                                  tuple(plan.saved_tensors(flat)))
-    bwd.inputmat, bwd.weight_fp8, bwd.saved_weight, bwd.bias = saved
-    bwd.grad_output = grad_output
-    bwd.reduce_and_update_bwd_fp8_tensors = False  # in the graph (the Function's backward)
-    if fake:
-        return cd._spec_view(bwd, tuple(cd._parse_arg_type(lin.LinearBwdArgs).tensor_field_names()))
-    return bwd
+    args = fwd_args(decode(config), weight, inp, bias, scale, history, None, None)
+    spec = cd._spec_view(args, fwd_tensor_fields())
+    return on_device(cd._pack_fwd_result(te_linear()._linear_forward_fake(spec)), weight.device) + [history]
 
 
 def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None,
               scale_fwd: torch.Tensor, amax_history_fwd: torch.Tensor, scale_bwd: torch.Tensor,
               amax_history_bwd: torch.Tensor, fwd_flat: list[torch.Tensor], config: str) -> list[torch.Tensor]:
-    cd = _cd()
+    cd = te_custom_op()
     history = amax_history_bwd.clone()
-    bwd = _bwd_args(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd.clone(), scale_bwd, history,
+    bwd = bwd_args(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd.clone(), scale_bwd, history,
                     fwd_flat, config, fake=False)
-    with _traced_autocast_state(_decode(config)):
-        grads = _linear()._linear_backward_impl(bwd)
-    return _on_device(cd._pack_bwd_result(grads, 3, BWD_OP), weight.device) + [history]
+    with _traced_autocast_state(decode(config)):
+        grads = te_linear()._linear_backward_impl(bwd)
+    return on_device(cd._pack_bwd_result(grads, 3, BWD_OP), weight.device) + [history]
 
 
 def _bwd_fake(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd,
               fwd_flat, config):
-    cd = _cd()
+    cd = te_custom_op()
     history = torch.empty_like(amax_history_bwd)
-    bwd = _bwd_args(grad_output, weight, inp, bias, scale_fwd, torch.empty_like(amax_history_fwd), scale_bwd,
+    bwd = bwd_args(grad_output, weight, inp, bias, scale_fwd, torch.empty_like(amax_history_fwd), scale_bwd,
                     history, fwd_flat, config, fake=True)
-    return _on_device(cd._pack_bwd_result(_linear()._linear_backward_fake(bwd), 3, BWD_OP), weight.device) + [history]
+    return on_device(cd._pack_bwd_result(te_linear()._linear_backward_fake(bwd), 3, BWD_OP), weight.device) + [history]
 
 
 def _register_ops():
@@ -276,7 +173,7 @@ class DelayedLinearFunction(torch.autograd.Function):
         hist_b.copy_(res[3])
         if ctx.update is not None:
             update_in_graph(histories, scales, ctx.update[0], ctx.update[1], False)
-        cd = _cd()
+        cd = te_custom_op()
         wgrad, dgrad, bgrad = (cd._decode_none(g) for g in res[:3])
         return (wgrad, dgrad, bgrad) + (None,) * (5 + len(ctx.bwd_state))
 
@@ -285,7 +182,7 @@ class DelayedLinearFunction(torch.autograd.Function):
 def delayed_linear_call(fwd_args: Any):
     """What te.Linear's ``_linear_op(fwd_args)`` call becomes for a delayed-scaling call under
     te_inductor: ``(out, None)`` through :class:`DelayedLinearFunction`. Traced by Dynamo."""
-    lin = _linear()
+    lin = te_linear()
     qi, qw, qgo = fwd_args.input_quantizer, fwd_args.weight_quantizer, fwd_args.grad_output_quantizer
     fstate, i_in = getattr(qi, TAG)
     fstate_w, i_w = getattr(qw, TAG)
@@ -404,7 +301,8 @@ def install_delayed_linear() -> bool:
             return False
         missing = [n for n in ("LinearFwdArgs", "LinearBwdArgs", "_linear_forward_impl", "_linear_backward_impl",
                                "_linear_forward_fake", "_linear_backward_fake", "_linear_setup_ctx",
-                               "_check_fp8_reduce_and_update", "_linear_op") if getattr(lin, n, None) is None]
+                               "_check_fp8_reduce_and_update", "_linear_op", "is_fp8_activation_recompute_enabled",
+                               "in_fp8_activation_recompute_phase") if getattr(lin, n, None) is None]
         cd = te_module("transformer_engine.pytorch.dynamo.custom_op")
         missing += [n for n in ("_parse_arg_type", "_spec_view", "_pack_fwd_result", "_pack_bwd_result",
                                 "_OutputPlan", "_encode_none", "_decode_none") if getattr(cd, n, None) is None]
