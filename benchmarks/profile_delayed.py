@@ -124,6 +124,8 @@ def run(mode: str, args, out: Path) -> str:
             f"(tokens {args.tokens}, {args.layers} x te.Linear({args.hidden}), DelayedScaling)\n"
             f"inductor counters: {counters}\ncudagraph skip reasons: {skips.reasons or 'none logged'}\n")
     tp = ""
+    if args.sections:  # wall time per call of our op code's and TE's functions (timers, no profiler)
+        tp += sections(step, args.steps)
     if args.torch_profiler:  # per-op host time: TE's and our custom ops, their dispatch and inner aten ops
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as tprof:
@@ -137,6 +139,85 @@ def run(mode: str, args, out: Path) -> str:
         spin(step, args.spin)
     (out / f"profile_{mode}.txt").write_text(head + s.getvalue() + tp)
     return head
+
+
+#: (module, attribute path) of the functions :func:`sections` times; absent ones are skipped.
+SECTION_TARGETS = (
+    ("te_passes.runtime.delayed.args", "fwd_args"), ("te_passes.runtime.delayed.args", "bwd_args"),
+    ("te_passes.runtime.delayed.args", "_output_plan"), ("te_passes.runtime.delayed.args", "expected_layout"),
+    ("te_passes.runtime.delayed.args", "on_device"), ("te_passes.runtime.delayed.args", "_quantizer"),
+    ("transformer_engine.pytorch.module.linear", "_linear_forward_impl"),
+    ("transformer_engine.pytorch.module.linear", "_linear_backward_impl"),
+    ("transformer_engine.pytorch.module.linear", "_linear_setup_ctx"),
+    ("transformer_engine.pytorch.module.linear", "_Linear.forward"),
+    ("transformer_engine.pytorch.module.linear", "_Linear.backward"),
+    ("transformer_engine.pytorch.dynamo.custom_op", "_pack_fwd_result"),
+    ("transformer_engine.pytorch.dynamo.custom_op", "_pack_bwd_result"),
+    ("transformer_engine.pytorch.dynamo.custom_op", "_OutputPlan.saved_tensors"),
+    ("transformer_engine.pytorch.dynamo.custom_op", "_spec_view"),
+)
+#: custom ops whose whole backend call (impl included) :func:`sections` times.
+SECTION_OPS = ("te_passes::delayed_linear_fwd", "te_passes::delayed_linear_bwd", "te_passes::delayed_scaling_update")
+
+
+def sections(step, steps: int) -> str:
+    """Run ``steps`` steps with a wall-clock timer (``perf_counter_ns``, inclusive) around each
+    :data:`SECTION_TARGETS` function and each :data:`SECTION_OPS` op's backend; returns the table
+    (calls per step, µs per call, µs per step) and the step's own median."""
+    from torch._library import custom_ops
+
+    acc: dict[str, list] = {}
+
+    def timed(name, fn):
+        rec = acc.setdefault(name, [0, 0])
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                rec[0] += 1
+                rec[1] += time.perf_counter_ns() - t0
+
+        return wrapper
+
+    undo = []
+    for modname, path in SECTION_TARGETS:
+        owner = importlib.import_module(modname)
+        *parents, attr = path.split(".")
+        for p in parents:
+            owner = getattr(owner, p, None)
+        fn = getattr(owner, attr, None) if owner is not None else None
+        if fn is None:
+            continue
+        raw = owner.__dict__.get(attr, fn) if isinstance(owner, type) else fn
+        new = timed(path, fn)
+        setattr(owner, attr, staticmethod(new) if isinstance(raw, staticmethod) else new)
+        undo.append((owner, attr, raw))
+    for name in SECTION_OPS:
+        opdef = custom_ops.OPDEFS.get(name)
+        for dev, fn in list(getattr(opdef, "_backend_fns", {}).items()):
+            opdef._backend_fns[dev] = timed(f"op {name}", fn)
+            undo.append((opdef._backend_fns, dev, fn))
+    times = []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(1e6 * (time.perf_counter() - t0))
+    finally:
+        for owner, attr, raw in reversed(undo):
+            if isinstance(owner, dict):
+                owner[attr] = raw
+            else:
+                setattr(owner, attr, raw)
+    lines = [f"\nsections (inclusive wall time, {steps} steps, median step {statistics.median(times):.0f} µs "
+             "with the timers):", f"{'function':<48} {'calls/step':>10} {'µs/call':>9} {'µs/step':>9}"]
+    for name, (n, ns) in sorted(acc.items(), key=lambda kv: -kv[1][1]):
+        if n:
+            lines.append(f"{name:<48} {n / steps:>10.1f} {ns / n / 1e3:>9.1f} {ns / steps / 1e3:>9.1f}")
+    return "\n".join(lines) + "\n"
 
 
 def spin(step, seconds: float) -> None:
@@ -154,6 +235,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--torch-profiler", action="store_true", help="also torch.profiler's per-op CPU table")
+    ap.add_argument("--sections", action="store_true", help="also wall time per call of our and TE's functions")
     ap.add_argument("--spin", type=float, default=0.0, help="then run steps for this many seconds (py-spy)")
     ap.add_argument("--modes", nargs="+", default=["default", "ro", "ro-prepared", "ro-outside"],
                     choices=["eager", "default", "ro", "ro-prepared", "ro-outside"],
