@@ -207,7 +207,8 @@ def sections(step, steps: int) -> str:
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             times.append(1e6 * (time.perf_counter() - t0))
     finally:
         for owner, attr, raw in reversed(undo):
