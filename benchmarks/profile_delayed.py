@@ -132,7 +132,7 @@ def run(mode: str, args, out: Path) -> str:
             for _ in range(10):
                 step()
             torch.cuda.synchronize()
-        tp = ("\ntorch.profiler, 10 steps, by self CPU time:\n"
+        tp += ("\ntorch.profiler, 10 steps, by self CPU time:\n"
               + tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
               + "\nby total CPU time:\n" + tprof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
     if args.spin:  # a steady loop for a sampling profiler (py-spy): its stacks pass through spin()
@@ -146,6 +146,9 @@ SECTION_TARGETS = (
     ("te_passes.runtime.delayed.args", "fwd_args"), ("te_passes.runtime.delayed.args", "bwd_args"),
     ("te_passes.runtime.delayed.args", "_output_plan"), ("te_passes.runtime.delayed.args", "expected_layout"),
     ("te_passes.runtime.delayed.args", "on_device"), ("te_passes.runtime.delayed.args", "_quantizer"),
+    ("te_passes.runtime.delayed.linear", "fwd_args"), ("te_passes.runtime.delayed.linear", "bwd_args"),
+    ("te_passes.runtime.delayed.linear", "expected_layout"), ("te_passes.runtime.delayed.linear", "on_device"),
+    ("te_passes.runtime.delayed.args", "release_call_state"),
     ("transformer_engine.pytorch.module.linear", "_linear_forward_impl"),
     ("transformer_engine.pytorch.module.linear", "_linear_backward_impl"),
     ("transformer_engine.pytorch.module.linear", "_linear_setup_ctx"),
@@ -194,7 +197,7 @@ def sections(step, steps: int) -> str:
         if fn is None:
             continue
         raw = owner.__dict__.get(attr, fn) if isinstance(owner, type) else fn
-        new = timed(path, fn)
+        new = timed(f"{modname.rsplit('.', 1)[-1]}.{path}", fn)
         setattr(owner, attr, staticmethod(new) if isinstance(raw, staticmethod) else new)
         undo.append((owner, attr, raw))
     for name in SECTION_OPS:

@@ -330,7 +330,9 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
     """The backward derives TE's output plan from TE's fake forward once per call geometry (two
     layers of one config share it), and each call's saved FP8 tensors and quantizers are its own:
     the saved input / weight quantizers point at this call's scale and amax, their usage flags are
-    put back after TE changed them, and the args equal those of an uncached derivation. Real CPU
+    put back after TE changed them, the args equal those of an uncached derivation, and once the call
+    is released the cache holds none of its tensors (a per-call tensor kept alive is an untracked
+    allocation of a CUDA graph pool: the H200 reduce-overhead failure of 2026-12-03). Real CPU
     tensors (the impl path), TE's fake forward counted."""
     import dataclasses
 
@@ -354,6 +356,11 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
     def call(w, x, fwd, bwd, flat):
         return A.bwd_args(torch.randn(x.shape, dtype=x.dtype), w, x, None, *fwd, *bwd, flat, config, fake=False)
 
+    def released():
+        A.release_call_state()
+        return all(spec.quantizer.scale is None and spec.quantizer.amax is None
+                   for _, _, specs in A._PLANS.values() for spec, *_ in specs)
+
     def plain(b):
         return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)
                 if isinstance(getattr(b, f.name), (bool, int, float, str, type(None), torch.dtype))}
@@ -365,6 +372,7 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
         fakes.clear()
         b0 = call(w, x, s0, state(2), flat)
         b0.inputmat._quantizer.set_usage(rowwise=True, columnwise=True)  # as a TE impl might
+        assert A._PLANS and released()
         bwd1 = state(2)
         b1 = call(w, x, s1, bwd1, flat)
         assert len(fakes) == 1 and len(A._PLANS) == 1
@@ -373,6 +381,7 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
             assert q.scale.data_ptr() == s1[0][i:].data_ptr() and q.amax.data_ptr() == s1[1][0][i:].data_ptr()
         assert b1.grad_output_quantizer.scale.data_ptr() == bwd1[0].data_ptr()
         usage = [(t._quantizer.rowwise_usage, t._quantizer.columnwise_usage) for t in (b1.inputmat, b1.weight_fp8)]
+        assert released()
         monkeypatch.setattr(A, "_PLANS", {})
         fresh = call(w, x, s1, bwd1, flat)  # derived again, nothing cached
         assert len(fakes) == 2
@@ -384,7 +393,7 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
         x2 = torch.randn(16, 64, dtype=torch.bfloat16)  # another geometry: a plan of its own
         flat2 = [torch.zeros(sh, dtype=dt) for sh, dt in A.expected_layout(A.decode(config), w, x2, None, *s0, config)]
         call(w, x2, s0, state(2), flat2)
-        assert len(A._PLANS) == 2
+        assert len(A._PLANS) == 2 and released()
 
 
 def test_refusal_names_the_reason():

@@ -117,7 +117,10 @@ def expected_layout(cfg: dict, weight, inp, bias, scale, history, config: str) -
 #: The backward's output plan per forward call geometry: ``key -> (plan, usage of the input / weight
 #: quantizers after TE's fake forward, (spec, fwd quantizer index, rowwise, columnwise) per quantized spec)``.
 _PLANS: dict = {}
-_PLAN_LOCK = threading.Lock()
+#: Held from the re-pointing of a cached plan to :func:`release_call_state` (a backward call).
+PLAN_LOCK = threading.RLock()
+#: The cached specs the running backward call re-pointed (under :data:`PLAN_LOCK`).
+_IN_USE: list = []
 
 
 def _plan_key(config: str, weight, inp, bias) -> tuple:
@@ -134,7 +137,7 @@ def _output_plan(args: Any, key: tuple) -> Any:
     to this call: the usage flags the fake set on ``args``' input / weight quantizers, and each
     quantized spec's quantizer copy (which the rebuilt saved tensors hold) re-pointed at this call's
     scale / amax with the usage it had. ``key`` ``None`` (fake tensors, symbolic shapes): not
-    cached. Called under :data:`_PLAN_LOCK`."""
+    cached. Called under :data:`PLAN_LOCK`."""
     qs = (args.input_quantizer, args.weight_quantizer)
     entry = _PLANS.get(key) if key is not None else None
     if entry is None:
@@ -150,6 +153,7 @@ def _output_plan(args: Any, key: tuple) -> Any:
                 return plan
             specs.append((spec, i, sq.rowwise_usage, sq.columnwise_usage))
         _PLANS[key] = (plan, tuple((q.rowwise_usage, q.columnwise_usage) for q in qs), tuple(specs))
+        _IN_USE.extend(s[0] for s in specs)
         return plan
     plan, usage, specs = entry
     for q, (row, col) in zip(qs, usage):
@@ -157,7 +161,19 @@ def _output_plan(args: Any, key: tuple) -> Any:
     for spec, i, row, col in specs:
         sq = spec.quantizer
         sq.scale, sq.amax, sq.rowwise_usage, sq.columnwise_usage = qs[i].scale, qs[i].amax, row, col
+        _IN_USE.append(spec)
     return plan
+
+
+def release_call_state() -> None:
+    """Drop the cached plans' references to the finished backward call's tensors (its scale views and
+    the amax views of its history copy): held by a global cache they would outlive the call, and
+    under CUDA graph trees a per-call tensor that stays alive is an untracked allocation of the
+    graph's pool (``Detected 1 tensor(s) in the cudagraph pool not tracked as outputs``, H200
+    2026-12-03). Called under :data:`PLAN_LOCK` after TE's backward impl."""
+    for spec in _IN_USE:
+        spec.quantizer.scale = spec.quantizer.amax = None
+    _IN_USE.clear()
 
 
 def bwd_args(grad_output, weight, inp, bias, scale_f, hist_f, scale_b, hist_b, fwd_flat, config, fake):
@@ -169,7 +185,7 @@ def bwd_args(grad_output, weight, inp, bias, scale_f, hist_f, scale_b, hist_b, f
     fwd = fwd_args(decode(config), weight, inp, bias, scale_f, hist_f, scale_b, hist_b)
     flat = [cd._encode_none(None)] + list(fwd_flat)  # the output itself is not kept for backward
     bwd = lin.LinearBwdArgs()
-    with _PLAN_LOCK:
+    with PLAN_LOCK:
         plan = _output_plan(fwd, None if fake else _plan_key(config, weight, inp, bias))
         saved = lin._linear_setup_ctx(bwd, fwd, tuple(plan.user_outputs(flat)), plan.ctx_attrs,
                                       tuple(plan.saved_tensors(flat)))

@@ -15,8 +15,9 @@ import torch
 from te_passes._logging import get_logger
 from te_passes.fx.graph import op_qualname
 from te_passes.runtime.delayed import scaling as delayed_scaling
-from te_passes.runtime.delayed.args import (TE_LINEAR, bwd_args, decode, expected_layout, fwd_args,  # noqa: F401
-                                            fwd_tensor_fields, on_device, te_custom_op, te_linear)
+from te_passes.runtime.delayed.args import (PLAN_LOCK, TE_LINEAR, bwd_args, decode, expected_layout,  # noqa: F401
+                                            fwd_args, fwd_tensor_fields, on_device, release_call_state,
+                                            te_custom_op, te_linear)
 from te_passes.runtime.delayed.scaling import te_inductor_tracing, update_in_graph
 from te_passes.runtime.delayed.state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
                                              make_quantizers_tagged, prepare_delayed_scaling, quantization, refusal,
@@ -122,10 +123,14 @@ def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor
               amax_history_bwd: torch.Tensor, fwd_flat: list[torch.Tensor], config: str) -> list[torch.Tensor]:
     cd = te_custom_op()
     history = amax_history_bwd.clone()
-    bwd = bwd_args(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd.clone(), scale_bwd, history,
-                    fwd_flat, config, fake=False)
-    with _traced_autocast_state(decode(config)):
-        grads = te_linear()._linear_backward_impl(bwd)
+    with PLAN_LOCK:  # the cached output plan is this call's until TE's impl has run
+        try:
+            bwd = bwd_args(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd.clone(), scale_bwd, history,
+                           fwd_flat, config, fake=False)
+            with _traced_autocast_state(decode(config)):
+                grads = te_linear()._linear_backward_impl(bwd)
+        finally:
+            release_call_state()
     return on_device(cd._pack_bwd_result(grads, 3, BWD_OP), weight.device) + [history]
 
 
