@@ -198,6 +198,13 @@ def test_stack_trajectory(layers, mode, autocast):
         assert bit and worst_loss == 0.0 and worst_grad == 0.0
 
 
+def _state_names(model):
+    """Names parallel to :func:`_delayed_state`: ``<module>.<scaling_fwd|scaling_bwd>.<scale|amax_history>``."""
+    return [f"{name}.{k}.{t}" for name, m in model.named_modules() if isinstance(getattr(m, "fp8_meta", None), dict)
+            for k in ("scaling_fwd", "scaling_bwd") if type(m.fp8_meta.get(k)).__name__ == "DelayedScalingRecipeState"
+            for t in ("scale", "amax_history")]
+
+
 def _delayed_state(model):
     """Every TE module's DelayedScaling scale and amax history (forward, backward), cloned."""
     return [t.clone() for m in model.modules() if isinstance(getattr(m, "fp8_meta", None), dict)
@@ -253,4 +260,11 @@ def test_transformer_layer_trajectory(layers, mode):
     print("worst grads (rel err, step, name):", [(f"{e:.3g}", i, k) for e, i, k in errs[:8]])
     print("step 0 grads:", {k: f"{e:.3g}" for e, i, k in errs if i == 0})
     worst_state = max(rel_err(y, x) for a, b in zip(ref, got) for x, y in zip(a[2], b[2]))
+    # which quantizer slot departs first (amax history columns: TE's FP8FwdTensorIdx / FP8BwdTensorIdx)
+    names = _state_names(model)
+    slots = sorted(((rel_err(y[..., j], x[..., j]), i, f"{n}[{j}]") for i, (a, b) in enumerate(zip(ref, got))
+                    for n, x, y in zip(names, a[2], b[2]) if n.endswith("amax_history") for j in range(x.shape[-1])),
+                   key=lambda e: (e[1], -e[0]))
+    print("first differing amax slots (rel err, step, slot):",
+          [(f"{e:.3g}", i, k) for e, i, k in slots if e > 0][:8])
     _check(f"tl{layers}-{mode}", st, mode, worst_loss, worst_grad, worst_state)
