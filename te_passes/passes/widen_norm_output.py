@@ -10,6 +10,7 @@ import operator
 import torch
 import torch.fx
 from torch.fx.node import map_arg
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
@@ -65,7 +66,10 @@ class WidenNormOutput(TEPass):
                     and a.meta["val"].dtype != torch.float32 else a for a in (x, weight, bias)]
             log.set_args(norm, (*wide, *norm.args[3:]))
             for node in (norm, *norm.users):
-                log.set_meta(node, "val", _widened(node.meta.get("val")))
+                val = _widened(node.meta.get("val"))
+                log.set_meta(node, "val", val)
+                if "tensor_meta" in node.meta and isinstance(val, torch.Tensor):
+                    log.set_meta(node, "tensor_meta", _extract_tensor_metadata(val))
             narrow = _convert(log, y, dtype, after=y)
             for user in list(y.users):
                 if user is not narrow and user not in linears:  # the linears keep y (fp32) as argument 1
@@ -84,6 +88,9 @@ class WidenNormOutput(TEPass):
         if not linears:
             return "no DelayedScaling te.Linear takes its output", y, []
         x = norm.args[0]
+        if (isinstance(x, torch.fx.Node) and x.target is torch.ops.prims.convert_element_type.default
+                and x.args[1] == torch.float32):
+            return "widened already", y, []  # a second run: nothing to do, nothing to record
         val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor):
             return "its input has no tensor meta['val']", y, linears
@@ -93,7 +100,8 @@ class WidenNormOutput(TEPass):
             return "its weight or bias has no tensor meta['val']", y, linears
         if any(u.target is not operator.getitem for u in norm.users):
             return "a user takes the norm's whole tuple", y, linears
-        if any(u in linears and any(a is y for a in u.args[2:]) for u in y.users):
+        if any(u in linears and (any(a is y for a in u.args[2:]) or any(v is y for v in u.kwargs.values()))
+               for u in y.users):
             return "a delayed te.Linear takes the norm output in another argument too", y, linears
         return None, y, linears
 

@@ -110,3 +110,23 @@ def test_fp32_input_kept_with_the_reason():
     gm, run = _run(aot)
     assert [(r.kind, r.data["reason"]) for r in run.records] == [("kept", "its input is torch.float32: nothing to widen")]
     assert not [n for n in gm.graph.nodes if n.target is CONVERT]
+
+
+def test_second_run_changes_nothing_and_metadata_follows():
+    """Run twice (a re-lowering, a replay): the widened norm is recognised, no edit, no record; the
+    widened output's ``tensor_meta`` says fp32 like its ``val`` (pattern matchers read it)."""
+    from te_passes.pipeline.base import PassContext, Stage
+    from te_passes.config import TePassesOptions
+    from te_passes.passes.widen_norm_output import WidenNormOutput
+    from te_passes.te.state import TEState
+
+    gm, run = _run(_aot("LayerNormLinear"))
+    assert [r.kind for r in run.records] == ["widened"]
+    (norm,) = _named(gm, NORM)
+    y = next(u for u in norm.users if u.args[1] == 0)
+    assert y.meta["tensor_meta"].dtype == torch.float32
+    before = [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes]
+    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
+    again = WidenNormOutput().run(gm, ctx)
+    assert not again.modified and again.records == [] and not ctx.journal
+    assert [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes] == before

@@ -125,7 +125,7 @@ _IN_USE: list = []
 
 def _plan_key(config: str, weight, inp, bias) -> tuple:
     lin = te_linear()
-    return (config, tuple(inp.shape), inp.dtype, tuple(weight.shape), weight.dtype, type(weight),
+    return (config, tuple(inp.shape), inp.dtype, inp.device, tuple(weight.shape), weight.dtype, type(weight),
             None if bias is None else bias.dtype, lin.is_fp8_activation_recompute_enabled(),
             lin.in_fp8_activation_recompute_phase())
 
@@ -149,9 +149,11 @@ def _output_plan(args: Any, key: tuple) -> Any:
             if sq is None:
                 continue
             i = next((i for i, q in enumerate(qs) if q is not None and sq.scale is q.scale), None)
-            if i is None or key is None:  # fake tensors (no cache), or a quantizer not of this call
+            if i is None:  # a quantizer not of this call: nothing to re-point, no cache
                 return plan
             specs.append((spec, i, sq.rowwise_usage, sq.columnwise_usage))
+        if key is None:  # fake tensors (tracing, symbolic shapes): never cached
+            return plan
         _PLANS[key] = (plan, tuple((q.rowwise_usage, q.columnwise_usage) for q in qs), tuple(specs))
         _IN_USE.extend(s[0] for s in specs)
         return plan
@@ -159,9 +161,9 @@ def _output_plan(args: Any, key: tuple) -> Any:
     for q, (row, col) in zip(qs, usage):
         q.rowwise_usage, q.columnwise_usage = row, col
     for spec, i, row, col in specs:
+        _IN_USE.append(spec)  # first: released even if the re-pointing stopped half-way
         sq = spec.quantizer
         sq.scale, sq.amax, sq.rowwise_usage, sq.columnwise_usage = qs[i].scale, qs[i].amax, row, col
-        _IN_USE.append(spec)
     return plan
 
 
@@ -171,9 +173,11 @@ def release_call_state() -> None:
     under CUDA graph trees a per-call tensor that stays alive is an untracked allocation of the
     graph's pool (``Detected 1 tensor(s) in the cudagraph pool not tracked as outputs``, H200
     2026-12-03). Called under :data:`PLAN_LOCK` after TE's backward impl."""
-    for spec in _IN_USE:
-        spec.quantizer.scale = spec.quantizer.amax = None
-    _IN_USE.clear()
+    try:
+        for spec in _IN_USE:
+            spec.quantizer.scale = spec.quantizer.amax = None
+    finally:
+        _IN_USE.clear()
 
 
 def bwd_args(grad_output, weight, inp, bias, scale_f, hist_f, scale_b, hist_b, fwd_flat, config, fake):
