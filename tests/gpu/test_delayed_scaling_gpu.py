@@ -221,7 +221,7 @@ def test_transformer_layer_trajectory(layers, mode):
     te.Linears of LayerNormLinear / LayerNormMLP run on the modules' own quantizers). 20 steps
     against TE eager: loss, every gradient, every scale and amax history (LayerNormLinear,
     LayerNormMLP, te.Linear, DotProductAttention) within ``REL_TOL["fp8"]``; 0 breaks, 0
-    recompiles. Not bit-identical: the norm's FP8 cast matches TE's fused kernel (``widen_norm_output``),
+    recompiles. Not bit-identical: the norm's FP8 cast matches TE's fused kernel (``widen_delayed_inputs``),
     but TE eager's LayerNormMLP also fuses the activation and its backward with the FP8 casts (from
     fp32), which the split rounds to bf16 first (H200 2026-12-03: gradients 6.3e-2, 1 layer)."""
     import transformer_engine.pytorch as te

@@ -1,7 +1,7 @@
-"""Pass ``widen_norm_output``: a DelayedScaling te.Linear quantizes its norm's fp32 output, as TE's
-fused norm + FP8 kernel does, instead of a bf16 rounding of it.
+"""Pass ``widen_delayed_inputs``: a DelayedScaling te.Linear quantizes the fp32 values TE's fused
+kernels quantize (its norm's output, an activation computed in fp32), not a bf16 rounding of them.
 
-See docs/passes/widen_norm_output.md."""
+See docs/passes/widen_delayed_inputs.md."""
 
 from __future__ import annotations
 
@@ -31,26 +31,33 @@ def _convert(log, x: torch.fx.Node, dtype: torch.dtype, **where: torch.fx.Node) 
     return log.call_function(torch.ops.prims.convert_element_type.default, (x, dtype), meta=meta, **where)
 
 
-class WidenNormOutput(TEPass):
-    """At ``post_grad_fwd``: a ``te_passes::te_norm_fwd`` whose output ``y`` is the input of a
-    ``te_passes::delayed_linear_fwd`` runs on fp32 copies of its input, weight and bias, and the
-    linear quantizes the fp32 ``y``; every other user of ``y`` (the backward's saved input, a returned
-    norm output) gets ``y`` converted back to the input dtype.
+class WidenDelayedInputs(TEPass):
+    """At ``post_grad_fwd``, for each ``te_passes::delayed_linear_fwd`` (a DelayedScaling te.Linear):
 
-    TE eager's te.LayerNormLinear / te.LayerNormMLP under DelayedScaling write the FP8 norm output
-    from the kernel's fp32 values (``Impl::FULLY_FUSED`` for a ``Float8Quantizer``,
-    ``transformer_engine/pytorch/csrc/extensions/normalization.cpp``, TE 2.20.2); the untouched split
-    (norm, then te.Linear) rounded them to bf16 first, so the FP8 input and its amax differed.
-    Float8CurrentScaling needs no widening: TE computes its norm output in the input dtype too.
+    * its input ``y`` from a ``te_passes::te_norm_fwd``: the norm runs on fp32 copies of its input,
+      weight and bias and the linear quantizes the fp32 ``y``; every other user of ``y`` (the
+      backward's saved input, a returned norm output) gets ``y`` converted back to the input dtype;
+    * its input a ``prims.convert_element_type(t, bf16 / fp16)`` of an fp32 ``t`` (an activation
+      the untouched LayerNormMLP computes in fp32, ``te/norm_act.py``): the linear takes ``t``; the
+      convert stays for its other users.
 
-    Records: ``"widened"`` (the norm node; ``linear``, ``dtype``), ``"kept"`` (the norm node; ``reason``)."""
+    TE eager under DelayedScaling quantizes those values from fp32 inside its kernels: the norm
+    (``Impl::FULLY_FUSED`` for a ``Float8Quantizer``, ``transformer_engine/pytorch/csrc/extensions/
+    normalization.cpp``) and LayerNormMLP's activation with fc2's input quantizer (``activation.cpp``,
+    TE 2.20.2); the untouched split rounded them to bf16 first, so the FP8 input and its amax differed.
+    Float8CurrentScaling needs neither: TE computes those outputs in the input dtype first too.
 
-    name = "widen_norm_output"
+    Records: ``"widened"`` (the norm node; ``linear``, ``dtype``), ``"fed_fp32"`` (the linear node;
+    ``value``: the fp32 node it now takes, ``skipped``: the convert), ``"kept"`` (the norm node; ``reason``)."""
+
+    name = "widen_delayed_inputs"
     stages = frozenset({Stage.POST_GRAD_FWD})
-    description = "DelayedScaling: te.Linear quantizes its norm's fp32 output (TE's fused norm + FP8), not a bf16 copy"
+    description = ("DelayedScaling: te.Linear quantizes the fp32 values TE's fused kernels quantize (norm output, "
+                   "fp32 activation), not a bf16 rounding")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         records: list[PassRecord] = []
+        self._feed_fp32(gm, ctx, records)
         for norm in list(gm.graph.nodes):
             if norm.op != "call_function" or op_qualname(norm.target) != NORM_OP:
                 continue
@@ -77,7 +84,26 @@ class WidenNormOutput(TEPass):
                                  map_arg(user.kwargs, lambda a: narrow if a is y else a))
             records.append(PassRecord("widened", norm.name, {"linear": ", ".join(n.name for n in linears),
                                                              "dtype": str(dtype).removeprefix("torch.")}))
-        return TEPassResult(gm, any(r.kind == "widened" for r in records), records)
+        return TEPassResult(gm, any(r.kind in ("widened", "fed_fp32") for r in records), records)
+
+    @staticmethod
+    def _feed_fp32(gm: torch.fx.GraphModule, ctx: PassContext, records: list[PassRecord]) -> None:
+        """The second rule: a delayed linear's input rounded from an fp32 value takes the fp32 value."""
+        for lin in list(gm.graph.nodes):
+            if lin.op != "call_function" or op_qualname(lin.target) != LINEAR_OP or len(lin.args) < 2:
+                continue
+            c = lin.args[1]
+            if not (isinstance(c, torch.fx.Node) and c.target is torch.ops.prims.convert_element_type.default
+                    and c.args[1] in NARROW and isinstance(c.args[0], torch.fx.Node)):
+                continue
+            t = c.args[0]
+            val = t.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
+                continue
+            if any(a is c for a in lin.args[2:]) or any(v is c for v in lin.kwargs.values()):
+                continue  # the rounded value also in another argument: left alone
+            ctx.journal.set_args(lin, (lin.args[0], t, *lin.args[2:]))
+            records.append(PassRecord("fed_fp32", lin.name, {"value": t.name, "skipped": c.name}))
 
     @staticmethod
     def _match(norm: torch.fx.Node) -> tuple[str | None, torch.fx.Node | None, list[torch.fx.Node]]:

@@ -1,5 +1,5 @@
-"""widen_norm_output: under DelayedScaling the norm feeding a te.Linear runs in fp32 and the
-linear quantizes the fp32 output, as TE's fused LayerNorm + FP8 kernel does.
+"""widen_delayed_inputs: under DelayedScaling a te.Linear quantizes the fp32 values TE's fused kernels
+quantize: the norm feeding it runs in fp32, an activation computed in fp32 is not rounded first.
 
 Real AOT forward graphs of untouched te.LayerNormLinear / te.LayerNormMLP under DelayedScaling
 (CPU capture, fake GPU: tests/runtime/test_delayed_linear.py's ``_capture``), through the pass
@@ -41,7 +41,11 @@ def _run(aot, **opts):
     options = TePassesOptions.parse(opts or None, known_passes=set(pass_names()))[0]
     (rep,) = run_pipeline(aot, stages=[Stage.POST_GRAD_FWD], options=options,
                           passes=configured_passes(options.pass_config))
-    return rep.gm, next(r for r in rep.runs if r.name == "widen_norm_output")
+    return rep.gm, next(r for r in rep.runs if r.name == "widen_delayed_inputs")
+
+
+def outs_of(gm):
+    return [a for a in gm.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
 
 
 def _named(gm, name):
@@ -49,7 +53,7 @@ def _named(gm, name):
 
 
 @pytest.mark.parametrize("name,linears", [("LayerNormLinear", 1), ("LayerNormMLP", 1)])
-def test_norm_feeding_a_delayed_linear_runs_in_fp32(name, linears):
+def test_delayed_linears_take_fp32_inputs(name, linears):
     aot = _aot(name)
     before = aot.copy()
     (norm0,) = _named(before.forward, NORM)
@@ -58,8 +62,11 @@ def test_norm_feeding_a_delayed_linear_runs_in_fp32(name, linears):
     gm, run = _run(aot)
     assert run.status == "ok", run
     (norm,) = _named(gm, NORM)
-    assert [(r.kind, r.node) for r in run.records] == [("widened", norm.name)]
-    assert run.records[0].data["dtype"] == "bfloat16"
+    widened = [r for r in run.records if r.kind == "widened"]
+    assert [(r.kind, r.node) for r in widened] == [("widened", norm.name)]
+    assert widened[0].data["dtype"] == "bfloat16"
+    # LayerNormMLP: fc2 takes the fp32 activation (second rule); LayerNormLinear has no second linear
+    assert [r.kind for r in run.records if r.kind != "widened"] == (["fed_fp32"] if name == "LayerNormMLP" else [])
     # the norm's input, weight (and LayerNorm bias) are fp32 copies of the graph's
     for a, old in zip(norm.args[:3], norm0.args[:3]):
         if old is None:
@@ -77,6 +84,14 @@ def test_norm_feeding_a_delayed_linear_runs_in_fp32(name, linears):
     narrow = [u for u in y.users if u.target is CONVERT]
     assert len(narrow) == 1 and narrow[0].args == (y, torch.bfloat16)
     assert set(y.users) == set(takers) | set(narrow)
+    if name == "LayerNormMLP":  # fc2's input: the fp32 activation, the bf16 convert kept for the backward
+        (fc2,) = [n for n in lin if n is not takers[0]]
+        act = fc2.args[1]
+        assert act.meta["val"].dtype == torch.float32 and act.target is not CONVERT
+        (skipped,) = [u for u in act.users if u.target is CONVERT]
+        assert skipped.args == (act, torch.bfloat16) and skipped in outs_of(gm)
+        rec = next(r for r in run.records if r.kind == "fed_fp32")
+        assert (rec.node, rec.data) == (fc2.name, {"value": act.name, "skipped": skipped.name})
     # every other user (the saved input of the backward op) gets the bf16 copy: the graph's outputs
     # keep their dtypes, so the backward graph is unchanged
     outs = gm.graph.output_node().args[0]
@@ -91,7 +106,7 @@ def test_switched_off_and_current_scaling_untouched():
     from transformer_engine.common import recipe as R
 
     aot = _aot("LayerNormLinear")
-    gm, run = _run(aot, **{"te_passes.disable": ["widen_norm_output"]})
+    gm, run = _run(aot, **{"te_passes.disable": ["widen_delayed_inputs"]})
     assert run.status == "disabled", run
     (norm,) = _named(gm, NORM)
     assert norm.args[0].op == "placeholder" and not [n for n in gm.graph.nodes if n.target is CONVERT]
@@ -117,7 +132,7 @@ def test_second_run_changes_nothing_and_metadata_follows():
     widened output's ``tensor_meta`` says fp32 like its ``val`` (pattern matchers read it)."""
     from te_passes.pipeline.base import PassContext, Stage
     from te_passes.config import TePassesOptions
-    from te_passes.passes.widen_norm_output import WidenNormOutput
+    from te_passes.passes.widen_delayed_inputs import WidenDelayedInputs
     from te_passes.te.state import TEState
 
     gm, run = _run(_aot("LayerNormLinear"))
@@ -127,6 +142,6 @@ def test_second_run_changes_nothing_and_metadata_follows():
     assert y.meta["tensor_meta"].dtype == torch.float32
     before = [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes]
     ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
-    again = WidenNormOutput().run(gm, ctx)
+    again = WidenDelayedInputs().run(gm, ctx)
     assert not again.modified and again.records == [] and not ctx.journal
     assert [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes] == before
