@@ -130,18 +130,15 @@ def test_fp32_input_kept_with_the_reason():
 def test_second_run_changes_nothing_and_metadata_follows():
     """Run twice (a re-lowering, a replay): the widened norm is recognised, no edit, no record; the
     widened output's ``tensor_meta`` says fp32 like its ``val`` (pattern matchers read it)."""
-    from te_passes.pipeline.base import PassContext, Stage
-    from te_passes.config import TePassesOptions
     from te_passes.passes.widen_delayed_inputs import WidenDelayedInputs
-    from te_passes.te.state import TEState
+    from te_passes.testing.harness import run_passes
 
     gm, run = _run(_aot("LayerNormLinear"))
     assert [r.kind for r in run.records] == ["widened"]
     (norm,) = _named(gm, NORM)
     y = next(u for u in norm.users if u.args[1] == 0)
     assert y.meta["tensor_meta"].dtype == torch.float32
-    before = [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes]
-    ctx = PassContext(Stage.POST_GRAD_FWD, TePassesOptions(), TEState.capture())
-    again = WidenDelayedInputs().run(gm, ctx)
-    assert not again.modified and again.records == [] and not ctx.journal
-    assert [(n.name, str(n.target), str(n.args)) for n in gm.graph.nodes] == before
+    again = run_passes(gm, WidenDelayedInputs(), "post_grad_fwd")
+    (rerun,) = again.report.runs
+    assert rerun.status == "ok" and not rerun.changed and rerun.records == []
+    assert again.after_code == again.before_code
