@@ -31,6 +31,17 @@ def _convert(log, x: torch.fx.Node, dtype: torch.dtype, **where: torch.fx.Node) 
     return log.call_function(torch.ops.prims.convert_element_type.default, (x, dtype), meta=meta, **where)
 
 
+def _is_convert(node, dtypes) -> bool:
+    """Whether ``node`` is ``prims.convert_element_type(<node>, dtype)`` with ``dtype`` in ``dtypes``."""
+    return (isinstance(node, torch.fx.Node) and node.target is torch.ops.prims.convert_element_type.default
+            and node.args[1] in dtypes and isinstance(node.args[0], torch.fx.Node))
+
+
+def _in_other_args(lin: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether the linear ``lin`` takes ``value`` in an argument besides its input (argument 1)."""
+    return any(a is value for a in lin.args[2:]) or any(v is value for v in lin.kwargs.values())
+
+
 class WidenDelayedInputs(TEPass):
     """At ``post_grad_fwd``, for each ``te_passes::delayed_linear_fwd`` (a DelayedScaling te.Linear):
 
@@ -93,14 +104,13 @@ class WidenDelayedInputs(TEPass):
             if lin.op != "call_function" or op_qualname(lin.target) != LINEAR_OP or len(lin.args) < 2:
                 continue
             c = lin.args[1]
-            if not (isinstance(c, torch.fx.Node) and c.target is torch.ops.prims.convert_element_type.default
-                    and c.args[1] in NARROW and isinstance(c.args[0], torch.fx.Node)):
+            if not _is_convert(c, NARROW):
                 continue
             t = c.args[0]
             val = t.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
                 continue
-            if any(a is c for a in lin.args[2:]) or any(v is c for v in lin.kwargs.values()):
+            if _in_other_args(lin, c):
                 continue  # the rounded value also in another argument: left alone
             ctx.journal.set_args(lin, (lin.args[0], t, *lin.args[2:]))
             records.append(PassRecord("fed_fp32", lin.name, {"value": t.name, "skipped": c.name}))
@@ -114,8 +124,7 @@ class WidenDelayedInputs(TEPass):
         if not linears:
             return "no DelayedScaling te.Linear takes its output", y, []
         x = norm.args[0]
-        if (isinstance(x, torch.fx.Node) and x.target is torch.ops.prims.convert_element_type.default
-                and x.args[1] == torch.float32):
+        if _is_convert(x, (torch.float32,)):
             return "widened already", y, []  # a second run: nothing to do, nothing to record
         val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor):
@@ -126,8 +135,7 @@ class WidenDelayedInputs(TEPass):
             return "its weight or bias has no tensor meta['val']", y, linears
         if any(u.target is not operator.getitem for u in norm.users):
             return "a user takes the norm's whole tuple", y, linears
-        if any(u in linears and (any(a is y for a in u.args[2:]) or any(v is y for v in u.kwargs.values()))
-               for u in y.users):
+        if any(_in_other_args(u, y) for u in linears):
             return "a delayed te.Linear takes the norm output in another argument too", y, linears
         return None, y, linears
 

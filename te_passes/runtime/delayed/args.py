@@ -84,6 +84,12 @@ def on_device(flat: list, device: torch.device) -> list:
             if t.dtype == cd._NONE_SENTINEL_DTYPE and t.numel() == 0 and t.device != device else t for t in flat]
 
 
+def fake_forward(args: Any) -> tuple:
+    """TE's fake forward (``_linear_forward_fake``, TensorSpecs, no allocation) of ``LinearFwdArgs`` ``args``.
+    It sets the usage flags of ``args``' quantizers, as TE's impl would."""
+    return te_linear()._linear_forward_fake(te_custom_op()._spec_view(args, fwd_tensor_fields()))
+
+
 def _layout(fake_result: tuple) -> list[tuple]:
     """``(shape, dtype)`` per flat slot of a fwd fake result (TensorSpecs, no allocation)."""
     cd = te_custom_op()
@@ -110,7 +116,7 @@ def expected_layout(cfg: dict, weight, inp, bias, scale, history, config: str) -
     want = _LAYOUTS.get(key)
     if want is None:
         args = fwd_args(cfg, weight, inp, bias, scale, history.clone(), None, None)
-        want = _LAYOUTS[key] = _layout(te_linear()._linear_forward_fake(te_custom_op()._spec_view(args, fwd_tensor_fields())))
+        want = _LAYOUTS[key] = _layout(fake_forward(args))
     return want
 
 
@@ -141,8 +147,7 @@ def _output_plan(args: Any, key: tuple) -> Any:
     qs = (args.input_quantizer, args.weight_quantizer)
     entry = _PLANS.get(key) if key is not None else None
     if entry is None:
-        cd = te_custom_op()
-        plan = cd._OutputPlan.parse(te_linear()._linear_forward_fake(cd._spec_view(args, fwd_tensor_fields())))
+        plan = te_custom_op()._OutputPlan.parse(fake_forward(args))
         specs = []
         for spec in (*plan.user_specs, *plan.saved_specs):
             sq = getattr(spec, "quantizer", None)

@@ -15,9 +15,8 @@ import torch
 from te_passes._logging import get_logger
 from te_passes.fx.graph import op_qualname
 from te_passes.runtime.delayed import scaling as delayed_scaling
-from te_passes.runtime.delayed.args import (PLAN_LOCK, TE_LINEAR, bwd_args, decode, expected_layout,  # noqa: F401
-                                            fwd_args, fwd_tensor_fields, on_device, release_call_state,
-                                            te_custom_op, te_linear)
+from te_passes.runtime.delayed.args import (PLAN_LOCK, TE_LINEAR, bwd_args, decode, expected_layout, fake_forward,
+                                            fwd_args, on_device, release_call_state, te_custom_op, te_linear)
 from te_passes.runtime.delayed.scaling import te_inductor_tracing, update_in_graph
 from te_passes.runtime.delayed.state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
                                              make_quantizers_tagged, prepare_delayed_scaling, quantization, refusal,
@@ -114,8 +113,7 @@ def _fwd_fake(weight, inp, bias, scale, amax_history, config):
     cd = te_custom_op()
     history = torch.empty_like(amax_history)
     args = fwd_args(decode(config), weight, inp, bias, scale, history, None, None)
-    spec = cd._spec_view(args, fwd_tensor_fields())
-    return on_device(cd._pack_fwd_result(te_linear()._linear_forward_fake(spec)), weight.device) + [history]
+    return on_device(cd._pack_fwd_result(fake_forward(args)), weight.device) + [history]
 
 
 def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor, bias: torch.Tensor | None,
