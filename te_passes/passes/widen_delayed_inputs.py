@@ -14,11 +14,14 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.te.norm_act import traced_from_activation
 
 #: The untouched-model polyfills' norm (``te_passes.runtime.ops.te_norm``) and the DelayedScaling
 #: te.Linear forward (``te_passes.runtime.delayed.linear``) whose ``inp`` (argument 1) it feeds.
 NORM_OP = "te_passes::te_norm_fwd"
 LINEAR_OP = "te_passes::delayed_linear_fwd"
+#: Its backward op, whose ``grad_output`` (argument 0) the third rule feeds.
+LINEAR_BWD_OP = "te_passes::delayed_linear_bwd"
 #: Norm input dtypes the pass widens (TE's norm kernels compute in fp32 and round on the way out).
 NARROW = (torch.bfloat16, torch.float16)
 
@@ -37,34 +40,44 @@ def _is_convert(node, dtypes) -> bool:
             and node.args[1] in dtypes and isinstance(node.args[0], torch.fx.Node))
 
 
-def _in_other_args(lin: torch.fx.Node, value: torch.fx.Node) -> bool:
-    """Whether the linear ``lin`` takes ``value`` in an argument besides its input (argument 1)."""
-    return any(a is value for a in lin.args[2:]) or any(v is value for v in lin.kwargs.values())
+def _in_other_args(lin: torch.fx.Node, value: torch.fx.Node, i: int = 1) -> bool:
+    """Whether the linear op ``lin`` takes ``value`` in an argument besides argument ``i`` (the
+    forward op's input, the backward op's grad output: 0)."""
+    seen: list = []
+    map_arg(([a for k, a in enumerate(lin.args) if k != i], lin.kwargs), lambda a: seen.append(a) or a)
+    return any(a is value for a in seen)
 
 
 class WidenDelayedInputs(TEPass):
-    """At ``post_grad_fwd``, for each ``te_passes::delayed_linear_fwd`` (a DelayedScaling te.Linear):
+    """At ``post_grad_fwd`` / ``post_grad_bwd``, for each DelayedScaling te.Linear
+    (``te_passes::delayed_linear_fwd`` / ``_bwd``):
 
     * its input ``y`` from a ``te_passes::te_norm_fwd``: the norm runs on fp32 copies of its input,
       weight and bias and the linear quantizes the fp32 ``y``; every other user of ``y`` (the
       backward's saved input, a returned norm output) gets ``y`` converted back to the input dtype;
-    * its input a ``prims.convert_element_type(t, bf16 / fp16)`` of an fp32 ``t`` (an activation
-      the untouched LayerNormMLP computes in fp32, ``te/norm_act.py``): the linear takes ``t``; the
-      convert stays for its other users.
+    * its input a ``prims.convert_element_type(t, bf16 / fp16)`` of an fp32 ``t`` traced inside the
+      untouched LayerNormMLP's activation (``te/norm_act.py``, :func:`traced_from_activation`): the
+      linear takes ``t``; the convert stays for its other users;
+    * the backward op's ``grad_output`` such a convert of the activation's fp32 gradient: the op
+      takes the fp32 gradient (its bias gradient comes back in the activation dtype, as the fake says).
 
     TE eager under DelayedScaling quantizes those values from fp32 inside its kernels: the norm
     (``Impl::FULLY_FUSED`` for a ``Float8Quantizer``, ``transformer_engine/pytorch/csrc/extensions/
-    normalization.cpp``) and LayerNormMLP's activation with fc2's input quantizer (``activation.cpp``,
-    TE 2.20.2); the untouched split rounded them to bf16 first, so the FP8 input and its amax differed.
-    Float8CurrentScaling needs neither: TE computes those outputs in the input dtype first too.
+    normalization.cpp``), LayerNormMLP's activation with fc2's input quantizer and its backward
+    (``dbias_dgelu`` and kin) with fc1's grad-output quantizer (``activation.cpp``,
+    ``module/layernorm_mlp.py``, TE 2.20.2); the untouched split rounded them to bf16 first, so the
+    FP8 values and their amax differed. A rounding traced anywhere else (a torch activation of the
+    user's between two te.Linears) is TE eager's too: left alone, recorded. Float8CurrentScaling
+    needs none of this: TE computes those outputs in the input dtype first too.
 
     Records: ``"widened"`` (the norm node; ``linear``, ``dtype``), ``"fed_fp32"`` (the linear node;
-    ``value``: the fp32 node it now takes, ``skipped``: the convert), ``"kept"`` (the norm node; ``reason``)."""
+    ``value``: the fp32 node it now takes, ``skipped``: the convert, ``argument``: ``inp`` /
+    ``grad_output``), ``"kept"`` (the norm or linear node; ``reason``)."""
 
     name = "widen_delayed_inputs"
-    stages = frozenset({Stage.POST_GRAD_FWD})
+    stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
     description = ("DelayedScaling: te.Linear quantizes the fp32 values TE's fused kernels quantize (norm output, "
-                   "fp32 activation), not a bf16 rounding")
+                   "LayerNormMLP's activation and its gradient), not a bf16 rounding")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         records: list[PassRecord] = []
@@ -99,21 +112,32 @@ class WidenDelayedInputs(TEPass):
 
     @staticmethod
     def _feed_fp32(gm: torch.fx.GraphModule, ctx: PassContext, records: list[PassRecord]) -> None:
-        """The second rule: a delayed linear's input rounded from an fp32 value takes the fp32 value."""
+        """The second and third rules: a delayed linear's input (forward op) or grad output (backward
+        op) rounded from the activation's fp32 value takes the fp32 value."""
         for lin in list(gm.graph.nodes):
-            if lin.op != "call_function" or op_qualname(lin.target) != LINEAR_OP or len(lin.args) < 2:
+            name = op_qualname(lin.target) if lin.op == "call_function" else None
+            if name not in (LINEAR_OP, LINEAR_BWD_OP):
                 continue
-            c = lin.args[1]
+            i, argument = (1, "inp") if name == LINEAR_OP else (0, "grad_output")
+            c = lin.args[i] if len(lin.args) > i else None
             if not _is_convert(c, NARROW):
                 continue
             t = c.args[0]
             val = t.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
                 continue
-            if _in_other_args(lin, c):
-                continue  # the rounded value also in another argument: left alone
-            ctx.journal.set_args(lin, (lin.args[0], t, *lin.args[2:]))
-            records.append(PassRecord("fed_fp32", lin.name, {"value": t.name, "skipped": c.name}))
+            why = None
+            if not traced_from_activation(c):
+                why = (f"its {argument} is rounded from fp32 outside te_passes' LayerNormMLP activation: "
+                       "TE eager quantizes the rounded value too")
+            elif _in_other_args(lin, c, i):
+                why = f"the rounded {argument} is in another of its arguments too"
+            if why is not None:
+                records.append(PassRecord("kept", lin.name, {"reason": why}))
+                continue
+            ctx.journal.set_args(lin, (*lin.args[:i], t, *lin.args[i + 1:]))
+            records.append(PassRecord("fed_fp32", lin.name, {"value": t.name, "skipped": c.name,
+                                                             "argument": argument}))
 
     @staticmethod
     def _match(norm: torch.fx.Node) -> tuple[str | None, torch.fx.Node | None, list[torch.fx.Node]]:

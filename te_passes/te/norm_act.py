@@ -5,6 +5,7 @@ untouched-model polyfills (:mod:`te_passes.runtime.untouched.polyfills`) and ``c
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -80,3 +81,16 @@ def activation(x: torch.Tensor, name: str, params: dict | None = None) -> torch.
     ``activation_params`` (``clamped_swiglu``: ``limit``, ``alpha``, ``glu_linear_offset``).
     Raises ``KeyError`` for an activation outside :data:`ACTIVATIONS`."""
     return ACTIVATIONS[name](x.float(), params or {}).to(x.dtype)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line \d+, in (?P<name>\S+)')
+
+
+def traced_from_activation(node) -> bool:
+    """Whether the FX ``node`` was traced inside :func:`activation`: the innermost frame of its
+    ``meta["stack_trace"]`` (Dynamo's record, which AOT autograd copies to the forward's decomposed
+    nodes and to their backward's) is this module's ``activation``. A node without a stack trace
+    gives ``False``."""
+    trace = node.meta.get("stack_trace") if hasattr(node, "meta") else None
+    frames = _FRAME.findall(trace) if isinstance(trace, str) else []
+    return bool(frames) and frames[-1] == (activation.__code__.co_filename, activation.__code__.co_name)

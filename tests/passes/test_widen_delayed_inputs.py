@@ -28,18 +28,20 @@ CONVERT = torch.ops.prims.convert_element_type.default
 def _aot(name, recipe=None):
     from tests.runtime.test_delayed_linear import BUILDS, _capture
 
+    if name == "stack-gelu":  # two te.Linears with torch's GELU between (the user's, not TE's)
+        return _capture(("HYBRID", 16, "max"), 2)["aot"]
     build, _ = BUILDS[name]
     return _capture(("HYBRID", 16, "max"), 0, prepare=False, build=build, recipe=recipe)["aot"]
 
 
-def _run(aot, **opts):
+def _run(aot, stage="post_grad_fwd", **opts):
     from te_passes.config import TePassesOptions
     from te_passes.passes.order import configured_passes, pass_names
     from te_passes.pipeline.base import Stage
     from te_passes.testing.capture import run_pipeline
 
     options = TePassesOptions.parse(opts or None, known_passes=set(pass_names()))[0]
-    (rep,) = run_pipeline(aot, stages=[Stage.POST_GRAD_FWD], options=options,
+    (rep,) = run_pipeline(aot, stages=[Stage(stage)], options=options,
                           passes=configured_passes(options.pass_config))
     return rep.gm, next(r for r in rep.runs if r.name == "widen_delayed_inputs")
 
@@ -91,7 +93,7 @@ def test_delayed_linears_take_fp32_inputs(name, linears):
         (skipped,) = [u for u in act.users if u.target is CONVERT]
         assert skipped.args == (act, torch.bfloat16) and skipped in outs_of(gm)
         rec = next(r for r in run.records if r.kind == "fed_fp32")
-        assert (rec.node, rec.data) == (fc2.name, {"value": act.name, "skipped": skipped.name})
+        assert (rec.node, rec.data) == (fc2.name, {"value": act.name, "skipped": skipped.name, "argument": "inp"})
     # every other user (the saved input of the backward op) gets the bf16 copy: the graph's outputs
     # keep their dtypes, so the backward graph is unchanged
     outs = gm.graph.output_node().args[0]
@@ -142,3 +144,73 @@ def test_second_run_changes_nothing_and_metadata_follows():
     (rerun,) = again.report.runs
     assert rerun.status == "ok" and not rerun.changed and rerun.records == []
     assert again.after_code == again.before_code
+
+
+def test_fc1_grad_output_is_the_fp32_activation_gradient():
+    """The third rule, on LayerNormMLP's real AOT backward graph: fc1's backward op takes the fp32
+    gradient of the activation (TE eager's fused ``dbias_dgelu`` quantizes it from fp32), not its
+    bf16 rounding; fc2's backward op (its grad output is the graph's bf16 tangent) is untouched;
+    the op's outputs keep their fake dtypes (bias gradient bf16: ``grads_in_fake_dtypes``)."""
+    aot = _aot("LayerNormMLP")
+    before = aot.copy()
+    bwd0 = _named(before.backward, "te_passes.delayed_linear_bwd.default")
+    assert [b.args[0].target is CONVERT for b in bwd0] == [False, True]
+    conv0 = bwd0[1].args[0]
+    assert conv0.args[1] == torch.bfloat16 and conv0.args[0].meta["val"].dtype == torch.float32
+    gm, run = _run(aot, "post_grad_bwd")
+    assert run.status == "ok" and run.changed, run
+    fc2_bwd, fc1_bwd = _named(gm, "te_passes.delayed_linear_bwd.default")
+    assert fc2_bwd.args[0].op == "placeholder" and fc2_bwd.args[0].name == bwd0[0].args[0].name
+    g32 = fc1_bwd.args[0]
+    assert g32.name == conv0.args[0].name and g32.meta["val"].dtype == torch.float32
+    assert g32.meta["val"].shape == conv0.meta["val"].shape
+    assert fc1_bwd.args[1:] == tuple(torch.fx.map_arg(bwd0[1].args[1:], lambda a: next(
+        n for n in gm.graph.nodes if n.name == a.name)))
+    assert [(r.kind, r.node, r.data) for r in run.records] == [
+        ("fed_fp32", fc1_bwd.name, {"value": g32.name, "skipped": conv0.name, "argument": "grad_output"})]
+    assert [v.dtype for v in fc1_bwd.meta["val"][:3]] == [torch.bfloat16] * 3
+    gm.graph.lint()
+    # a second run: the fp32 gradient is no convert, nothing to do
+    from te_passes.passes.widen_delayed_inputs import WidenDelayedInputs
+    from te_passes.testing.harness import run_passes
+
+    again = run_passes(gm, WidenDelayedInputs(), "post_grad_bwd")
+    assert again.report.runs[0].records == [] and again.after_code == again.before_code
+
+
+@pytest.mark.parametrize("stage", ["post_grad_fwd", "post_grad_bwd"])
+def test_a_users_torch_activation_keeps_its_rounding(stage):
+    """te.Linear -> torch GELU (bf16) -> te.Linear: Inductor's GELU also computes in fp32 and
+    rounds, but TE eager quantizes that bf16 rounding (the user's GELU is no TE kernel): the
+    linear keeps it, and the record says why."""
+    aot = _aot("stack-gelu")
+    graph = aot.forward if stage == "post_grad_fwd" else aot.backward
+    op = "te_passes.delayed_linear_fwd.default" if stage == "post_grad_fwd" else "te_passes.delayed_linear_bwd.default"
+    i = 1 if stage == "post_grad_fwd" else 0
+    rounded = [n for n in _named(graph, op) if n.args[i].target is CONVERT]
+    assert len(rounded) == 1 and rounded[0].args[i].args[0].meta["val"].dtype == torch.float32
+    gm, run = _run(aot, stage)
+    assert not run.changed, run
+    argument = "inp" if i else "grad_output"
+    assert [(r.kind, r.node, r.data["reason"]) for r in run.records] == [
+        ("kept", rounded[0].name, f"its {argument} is rounded from fp32 outside te_passes' LayerNormMLP activation: "
+         "TE eager quantizes the rounded value too")]
+    assert all(n.args[i].target is CONVERT for n in _named(gm, op) if n.name == rounded[0].name)
+
+
+def test_bias_gradient_comes_back_in_the_activation_dtype():
+    """``grads_in_fake_dtypes``: TE's ``bgrad_quantize`` on an fp32 grad output returns an fp32
+    bias gradient, the fake says the activation dtype: cast; a wgrad / dgrad in a third dtype is
+    refused with the names."""
+    from te_passes.runtime.delayed.linear import grads_in_fake_dtypes
+
+    cfg = {"simple": {"activation_dtype": torch.bfloat16}}
+    w, d = torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)
+    b = torch.tensor([1.0, 2.0 ** -9 + 1.0, 3.0, 4.0])
+    wg, dg, bg = grads_in_fake_dtypes((w, d, b), cfg)
+    assert wg is w and dg is d and bg.dtype == torch.bfloat16 and bg.tolist() == [1.0, 1.0, 3.0, 4.0]
+    assert grads_in_fake_dtypes((w, d, None), cfg)[2] is None
+    main_grad = torch.ones(4, 4)  # fuse_wgrad_accumulation: fp32 is TE's own choice, kept
+    assert grads_in_fake_dtypes((main_grad, d, b.to(torch.bfloat16)), cfg)[0] is main_grad
+    with pytest.raises(RuntimeError, match="TE's dgrad is torch.float16, its fake torch.bfloat16"):
+        grads_in_fake_dtypes((w, d.half(), b), cfg)

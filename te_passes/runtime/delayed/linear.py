@@ -129,7 +129,28 @@ def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor
                 grads = te_linear()._linear_backward_impl(bwd)
         finally:
             release_call_state()
-    return on_device(cd._pack_bwd_result(grads, 3, BWD_OP), weight.device) + [history]
+    return on_device(cd._pack_bwd_result(grads_in_fake_dtypes(grads, decode(config)), 3, BWD_OP),
+                     weight.device) + [history]
+
+
+def grads_in_fake_dtypes(grads: tuple, cfg: dict) -> tuple:
+    """TE's ``(wgrad, dgrad, grad_bias)`` with ``grad_bias`` in the activation dtype, as TE's fake
+    (``_linear_backward_fake``, TE 2.20.2) gives it: TE's ``bgrad_quantize`` returns the bias gradient
+    in the grad output's dtype, which is fp32 when ``widen_delayed_inputs`` feeds the activation's fp32
+    gradient (TE eager's fused ``dbias_dgelu`` reduces in fp32 and writes the activation dtype too).
+
+    Raises:
+        RuntimeError: TE returned a floating wgrad / dgrad not in the activation dtype (the fake's
+            ``out_dtype``) and not fp32 (``fuse_wgrad_accumulation``'s main_grad).
+    """
+    wgrad, dgrad, bgrad = grads
+    dtype = cfg["simple"]["activation_dtype"]
+    for name, g in (("wgrad", wgrad), ("dgrad", dgrad)):
+        if isinstance(g, torch.Tensor) and g.is_floating_point() and g.dtype not in (dtype, torch.float32):
+            raise RuntimeError(f"te_passes: {BWD_OP}: TE's {name} is {g.dtype}, its fake {dtype}")
+    if isinstance(bgrad, torch.Tensor) and bgrad.dtype != dtype:
+        bgrad = bgrad.to(dtype)
+    return (wgrad, dgrad, bgrad)
 
 
 def _bwd_fake(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd,
