@@ -53,8 +53,8 @@ class WidenDelayedInputs(TEPass):
     (``te_passes::delayed_linear_fwd`` / ``_bwd``):
 
     * its input ``y`` from a ``te_passes::te_norm_fwd``: the norm runs on fp32 copies of its input,
-      weight and bias and the linear quantizes the fp32 ``y``; every other user of ``y`` (the
-      backward's saved input, a returned norm output) gets ``y`` converted back to the input dtype;
+      weight and bias and the linear quantizes the fp32 ``y``; every other user of ``y`` (a returned
+      norm output, a backward that reads the input itself) gets ``y`` converted back to the input dtype;
     * its input a ``prims.convert_element_type(t, bf16 / fp16)`` of an fp32 ``t`` traced inside the
       untouched LayerNormMLP's activation (``te/norm_act.py``, :func:`traced_from_activation`): the
       linear takes ``t``; the convert stays for its other users;
@@ -101,11 +101,11 @@ class WidenDelayedInputs(TEPass):
                 log.set_meta(node, "val", val)
                 if "tensor_meta" in node.meta and isinstance(val, torch.Tensor):
                     log.set_meta(node, "tensor_meta", _extract_tensor_metadata(val))
-            narrow = _convert(log, y, dtype, after=y)
-            for user in list(y.users):
-                if user is not narrow and user not in linears:  # the linears keep y (fp32) as argument 1
-                    log.set_args(user, map_arg(user.args, lambda a: narrow if a is y else a),
-                                 map_arg(user.kwargs, lambda a: narrow if a is y else a))
+            others = [u for u in y.users if u not in linears]  # the linears keep y (fp32) as argument 1
+            narrow = _convert(log, y, dtype, after=y) if others else None
+            for user in others:
+                log.set_args(user, map_arg(user.args, lambda a: narrow if a is y else a),
+                             map_arg(user.kwargs, lambda a: narrow if a is y else a))
             records.append(PassRecord("widened", norm.name, {"linear": ", ".join(n.name for n in linears),
                                                              "dtype": str(dtype).removeprefix("torch.")}))
         return TEPassResult(gm, any(r.kind in ("widened", "fed_fp32") for r in records), records)

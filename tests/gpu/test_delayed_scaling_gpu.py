@@ -268,3 +268,53 @@ def test_transformer_layer_trajectory(layers, mode):
     print("first differing amax slots (rel err, step, slot):",
           [(f"{e:.3g}", i, k) for e, i, k in slots if e > 0][:8])
     _check(f"tl{layers}-{mode}", st, mode, worst_loss, worst_grad, worst_state)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_transformer_layer_eager_noise_floor(layers):
+    """How far TE eager moves from itself when one input value moves by one bf16 ulp (element
+    [0, 0, 0] of step 0's input): the divergence an ulp-level difference (the compiled split's fp32
+    activation vs TE's kernel, amaxes 1e-7 apart) grows into through FP8 rounding over 20 steps.
+    Same model, data and metrics as :func:`test_transformer_layer_trajectory`. Asserted: TE eager
+    is deterministic (the same inputs twice: bit-identical trajectories), so the printed floor is the
+    nudge's alone."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch import quantization as Q
+
+    recipe = _recipe()
+    hidden, ffn, heads, seq, batch = 512, 2048, 8, 256, 2
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    xs = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
+    dys = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 1e-2
+           for _ in range(STEPS)]
+
+    def build():
+        torch.manual_seed(0)
+        mods = [te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                    params_dtype=torch.bfloat16, device="cuda", layer_number=i + 1)
+                for i in range(layers)]
+        return mods[0] if layers == 1 else torch.nn.Sequential(*mods)
+
+    def run(inputs):
+        Q.FP8GlobalStateManager.reset()
+        m = build()
+        return _trajectory(m, m, recipe, inputs, dys, ro=False)
+
+    ref = run(xs)
+    again = run(xs)
+    nudged = [x.clone() for x in xs]
+    nudged[0].view(torch.int16)[0, 0, 0] += 1  # the next bf16 value away from zero (one ulp)
+    assert not torch.equal(nudged[0], xs[0])
+    got = run(nudged)
+
+    def worst(a_traj, b_traj):
+        out = max(rel_err(b[0], a[0]) for a, b in zip(a_traj, b_traj))
+        grad = max(grad_rel_err(k, b[1][k], a[1][k], a[1]) for a, b in zip(a_traj, b_traj) for k in a[1])
+        state = max(rel_err(y, x) for a, b in zip(a_traj, b_traj) for x, y in zip(a[2], b[2]))
+        return out, grad, state
+
+    det = worst(ref, again)
+    floor = worst(ref, got)
+    print(f"delayed tl{layers} eager noise floor: deterministic rerun (out, grads, state) "
+          f"{tuple(f'{e:.3g}' for e in det)}; one input value nudged by one bf16 ulp {tuple(f'{e:.3g}' for e in floor)}")
+    assert det == (0.0, 0.0, 0.0), det

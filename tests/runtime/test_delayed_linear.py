@@ -542,3 +542,26 @@ def test_hidden_gemms_use_the_modules_own_state():
                if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes if "delayed_linear_fwd" in str(n.target)]
     import json
     assert sorted(json.loads(c)["slots"] for c in configs) == [[0, 0], [3, 2]], configs
+
+
+def test_backward_keeps_a_stand_in_of_the_input():
+    """TE's backward of a DelayedScaling te.Linear reads its FP8 copy of the input (in the op's
+    payload), not the input: the forward saves a 1-element stand-in of the input's shape (0 strides)
+    for the backward op instead of the activation, so no layer's bf16 input outlives its forward
+    (memory). With ``save_original_input`` TE's backward reads the input itself: kept."""
+    import json
+
+    from te_passes.runtime.delayed.args import backward_reads_input
+
+    a = _capture(("HYBRID", 16, "max"), 2)["aot"]
+    fwd_ops, bwd_ops = _named(a.forward, FWD), _named(a.backward, BWD)
+    saved = {x.name for x in a.forward.graph.output_node().args[0] if isinstance(x, torch.fx.Node)}
+    for op in fwd_ops:
+        assert not backward_reads_input(op.args[-1])
+        assert op.args[1].name not in saved, f"the forward saves {op.args[1].name}, the input of {op.name}"
+    for op in bwd_ops:
+        val = op.args[2].meta["val"]
+        assert tuple(val.shape) == (32, 64) and val.stride() == (0, 0) and val.dtype == torch.bfloat16, val
+    cfg = json.loads(fwd_ops[0].args[-1])
+    cfg["simple"]["save_original_input"] = True
+    assert backward_reads_input(json.dumps(cfg, sort_keys=True))

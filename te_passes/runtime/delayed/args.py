@@ -90,6 +90,26 @@ def fake_forward(args: Any) -> tuple:
     return te_linear()._linear_forward_fake(te_custom_op()._spec_view(args, fwd_tensor_fields()))
 
 
+@functools.lru_cache(maxsize=256)
+def backward_reads_input(config: str) -> bool:
+    """Whether TE's backward of a call with op-pair config ``config`` reads the input's values: TE's
+    forward saves ``inp`` itself for backward (``ctx_attrs["saved_tensor_aliases"][0] == "inp"``:
+    ``save_original_input``, ``backward_override="high_precision"``) rather than its FP8 copy. From
+    TE's fake forward (``_linear_forward_fake``, TE 2.20.2) on 16 × 16 meta tensors: the alias
+    depends on the call's flags and quantizers, not on shapes. ``False`` for a call that saves
+    nothing for backward (grad disabled). Cached per config."""
+    cfg = decode(config)
+    dtype = cfg["simple"]["activation_dtype"]
+    fwd, bwd = cfg["slots"]
+    n = max(fwd + 2, bwd + 1)
+    meta = dict(device="meta", dtype=torch.float32)
+    w, x = (torch.empty(16, 16, device="meta", dtype=dtype) for _ in range(2))
+    args = fwd_args(cfg, w, x, None, torch.ones(n, **meta), torch.zeros(1, n, **meta), torch.ones(n, **meta),
+                    torch.zeros(1, n, **meta))
+    aliases = (te_custom_op()._OutputPlan.parse(fake_forward(args)).ctx_attrs or {}).get("saved_tensor_aliases")
+    return aliases is not None and aliases[0] == "inp"  # no aliases: nothing saved (no grad)
+
+
 def _layout(fake_result: tuple) -> list[tuple]:
     """``(shape, dtype)`` per flat slot of a fwd fake result (TensorSpecs, no allocation)."""
     cd = te_custom_op()

@@ -15,8 +15,9 @@ import torch
 from te_passes._logging import get_logger
 from te_passes.fx.graph import op_qualname
 from te_passes.runtime.delayed import scaling as delayed_scaling
-from te_passes.runtime.delayed.args import (PLAN_LOCK, TE_LINEAR, bwd_args, decode, expected_layout, fake_forward,
-                                            fwd_args, on_device, release_call_state, te_custom_op, te_linear)
+from te_passes.runtime.delayed.args import (PLAN_LOCK, TE_LINEAR, backward_reads_input, bwd_args, decode,
+                                            expected_layout, fake_forward, fwd_args, on_device, release_call_state,
+                                            te_custom_op, te_linear)
 from te_passes.runtime.delayed.scaling import te_inductor_tracing, update_in_graph
 from te_passes.runtime.delayed.state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
                                              make_quantizers_tagged, prepare_delayed_scaling, quantization, refusal,
@@ -59,6 +60,12 @@ def _encode(names: tuple, values: tuple, qin: tuple, qw: tuple, qgo: tuple, auto
     simple = {n: (str(v) if isinstance(v, torch.dtype) else v) for n, v in zip(names, values)}
     return json.dumps({"simple": simple, "q": {"input": qin, "weight": qw, "grad_output": qgo},
                        "autocast_key": autocast_key, "slots": list(slots)}, sort_keys=True)
+
+
+@torch._dynamo.assume_constant_result
+def _saves_input(config: str) -> bool:
+    """:func:`~te_passes.runtime.delayed.args.backward_reads_input`, a trace-time constant."""
+    return backward_reads_input(config)
 
 
 @contextlib.contextmanager
@@ -181,7 +188,10 @@ class DelayedLinearFunction(torch.autograd.Function):
         # module's; ``update`` is (recipe, group) for the first fp8 module (post-backward update)
         flat = torch.ops.te_passes.delayed_linear_fwd(weight, inp, bias, scale_f, hist_f, config)
         hist_f.copy_(flat[-1])
-        ctx.save_for_backward(weight, inp, bias, *flat[1:-1])
+        # TE's backward reads the input's geometry only (it saved the FP8 copy, in ``flat``) unless it
+        # saved the input itself: keep a 1-element stand-in of its shape, not the activation
+        saved_inp = inp if _saves_input(config) else inp.new_empty(()).expand(inp.shape)
+        ctx.save_for_backward(weight, saved_inp, bias, *flat[1:-1])
         ctx.scale_f, ctx.hist_f, ctx.config, ctx.update, ctx.own, ctx.bwd_state = (
             scale_f, hist_f, config, update, own, bwd_state)
         return flat[0]
