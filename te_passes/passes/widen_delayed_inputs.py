@@ -14,7 +14,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
-from te_passes.te.norm_act import traced_from_activation
+from te_passes.te.norm_act import activation_provenance
 
 #: The untouched-model polyfills' norm (``te_passes.runtime.ops.te_norm``) and the DelayedScaling
 #: te.Linear forward (``te_passes.runtime.delayed.linear``) whose ``inp`` (argument 1) it feeds.
@@ -56,16 +56,18 @@ class WidenDelayedInputs(TEPass):
       weight and bias and the linear quantizes the fp32 ``y``; every other user of ``y`` (a returned
       norm output, a backward that reads the input itself) gets ``y`` converted back to the input dtype;
     * its input a ``prims.convert_element_type(t, bf16 / fp16)`` of an fp32 ``t`` traced inside the
-      untouched LayerNormMLP's activation (``te/norm_act.py``, :func:`traced_from_activation`): the
+      untouched LayerNormMLP's activation (``te/norm_act.py``, :func:`activation_provenance`): the
       linear takes ``t``; the convert stays for its other users;
-    * the backward op's ``grad_output`` such a convert of the activation's fp32 gradient: the op
-      takes the fp32 gradient (its bias gradient comes back in the activation dtype, as the fake says).
+    * the backward op's ``grad_output`` such a convert of the activation's fp32 gradient, for an
+      activation whose backward TE fuses with the FP8 cast (``norm_act.DBIAS_FUSED``: not the gated
+      ones): the op takes the fp32 gradient (its bias gradient comes back in the activation dtype,
+      as the fake says).
 
     TE eager under DelayedScaling quantizes those values from fp32 inside its kernels: the norm
     (``Impl::FULLY_FUSED`` for a ``Float8Quantizer``, ``transformer_engine/pytorch/csrc/extensions/
-    normalization.cpp``), LayerNormMLP's activation with fc2's input quantizer and its backward
-    (``dbias_dgelu`` and kin) with fc1's grad-output quantizer (``activation.cpp``,
-    ``module/layernorm_mlp.py``, TE 2.20.2); the untouched split rounded them to bf16 first, so the
+    normalization.cpp``), LayerNormMLP's activation with fc2's input quantizer (every activation)
+    and its backward with fc1's grad-output quantizer (``dbias_dgelu`` and kin: gelu, qgelu, relu,
+    srelu, silu; ``activation.cpp``, ``module/layernorm_mlp.py``, TE 2.20.2); the untouched split rounded them to bf16 first, so the
     FP8 values and their amax differed. A rounding traced anywhere else (a torch activation of the
     user's between two te.Linears) is TE eager's too: left alone, recorded. Float8CurrentScaling
     needs none of this: TE computes those outputs in the input dtype first too.
@@ -126,10 +128,15 @@ class WidenDelayedInputs(TEPass):
             val = t.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
                 continue
-            why = None
-            if not traced_from_activation(c):
+            why, where = None, activation_provenance(c)
+            if where == "no stack trace":
+                why = f"its {argument} is rounded from fp32 where the graph has no stack trace: cannot tell by whom"
+            elif where == "elsewhere":
                 why = (f"its {argument} is rounded from fp32 outside te_passes' LayerNormMLP activation: "
                        "TE eager quantizes the rounded value too")
+            elif where == "backward_unfused" and name == LINEAR_BWD_OP:
+                why = ("its grad_output is a gated activation's gradient, which TE eager computes in bf16 "
+                       "and then quantizes (no fused dbias kernel under DelayedScaling)")
             elif _in_other_args(lin, c, i):
                 why = f"the rounded {argument} is in another of its arguments too"
             if why is not None:

@@ -75,22 +75,45 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
 }
 
 
+#: Activations whose backward TE fuses with fc1's grad-output FP8 cast and the bias gradient under
+#: DelayedScaling (``_get_act_func_supported_list(recipe)[name][2]``, a ``tex.dbias_d*`` kernel:
+#: from fp32 values); the others' gradient TE computes in the input dtype and quantizes that
+#: (``module/layernorm_mlp.py``, TE 2.20.2). Checked against TE by tests/te/test_norm_act.py.
+DBIAS_FUSED: frozenset[str] = frozenset({"gelu", "qgelu", "relu", "srelu", "silu"})
+
+
 def activation(x: torch.Tensor, name: str, params: dict | None = None) -> torch.Tensor:
     """TE's ``LayerNormMLP`` activation ``name`` of ``x`` ([..., n] or, gated, [..., 2n] ->
     [..., n]), computed in fp32 like TE's kernels, returned in ``x.dtype``. ``params``:
     ``activation_params`` (``clamped_swiglu``: ``limit``, ``alpha``, ``glu_linear_offset``).
+    Traced through one of two functions, so that :func:`activation_provenance` can tell from a
+    node's stack trace whether TE fuses its backward with an FP8 cast (:data:`DBIAS_FUSED`).
     Raises ``KeyError`` for an activation outside :data:`ACTIVATIONS`."""
+    if name in DBIAS_FUSED:
+        return _activation_dbias_fused(x, name, params)
+    return _activation_backward_unfused(x, name, params)
+
+
+def _activation_dbias_fused(x: torch.Tensor, name: str, params: dict | None) -> torch.Tensor:
+    return ACTIVATIONS[name](x.float(), params or {}).to(x.dtype)
+
+
+def _activation_backward_unfused(x: torch.Tensor, name: str, params: dict | None) -> torch.Tensor:
     return ACTIVATIONS[name](x.float(), params or {}).to(x.dtype)
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line \d+, in (?P<name>\S+)')
+_PROVENANCE = {(f.__code__.co_filename, f.__code__.co_name): kind for f, kind in
+               ((_activation_dbias_fused, "dbias_fused"), (_activation_backward_unfused, "backward_unfused"))}
 
 
-def traced_from_activation(node) -> bool:
-    """Whether the FX ``node`` was traced inside :func:`activation`: the innermost frame of its
-    ``meta["stack_trace"]`` (Dynamo's record, which AOT autograd copies to the forward's decomposed
-    nodes and to their backward's) is this module's ``activation``. A node without a stack trace
-    gives ``False``."""
+def activation_provenance(node) -> str | None:
+    """Where the FX ``node`` was traced, from the innermost frame of its ``meta["stack_trace"]``
+    (Dynamo's record, which AOT autograd copies to the forward's decomposed nodes and to their
+    backward's): ``"dbias_fused"`` / ``"backward_unfused"`` inside :func:`activation` (an activation
+    in / not in :data:`DBIAS_FUSED`), ``"elsewhere"``, or ``"no stack trace"``."""
     trace = node.meta.get("stack_trace") if hasattr(node, "meta") else None
     frames = _FRAME.findall(trace) if isinstance(trace, str) else []
-    return bool(frames) and frames[-1] == (activation.__code__.co_filename, activation.__code__.co_name)
+    if not frames:
+        return "no stack trace"
+    return _PROVENANCE.get(frames[-1], "elsewhere")

@@ -26,10 +26,14 @@ CONVERT = torch.ops.prims.convert_element_type.default
 
 
 def _aot(name, recipe=None):
-    from tests.runtime.test_delayed_linear import BUILDS, _capture
+    from tests.runtime.test_delayed_linear import BUILDS, _capture, _te
 
     if name == "stack-gelu":  # two te.Linears with torch's GELU between (the user's, not TE's)
         return _capture(("HYBRID", 16, "max"), 2)["aot"]
+    if name.startswith("LayerNormMLP-"):  # another activation: "LayerNormMLP-swiglu"
+        act = name.split("-", 1)[1]
+        return _capture(("HYBRID", 16, "max"), 0, prepare=False, recipe=recipe, build=lambda: _te().LayerNormMLP(
+            64, 256, params_dtype=torch.bfloat16, device="cuda", activation=act))["aot"]
     build, _ = BUILDS[name]
     return _capture(("HYBRID", 16, "max"), 0, prepare=False, build=build, recipe=recipe)["aot"]
 
@@ -209,10 +213,10 @@ def test_bias_gradient_comes_back_in_the_activation_dtype():
     wg, dg, bg = grads_in_fake_dtypes((w, d, b), cfg)
     assert wg is w and dg is d and bg.dtype == torch.bfloat16 and bg.tolist() == [1.0, 1.0, 3.0, 4.0]
     assert grads_in_fake_dtypes((w, d, None), cfg)[2] is None
-    main_grad = torch.ones(4, 4)  # fuse_wgrad_accumulation: fp32 is TE's own choice, kept
-    assert grads_in_fake_dtypes((main_grad, d, b.to(torch.bfloat16)), cfg)[0] is main_grad
     with pytest.raises(RuntimeError, match="TE's dgrad is torch.float16, its fake torch.bfloat16"):
         grads_in_fake_dtypes((w, d.half(), b), cfg)
+    with pytest.raises(RuntimeError, match="TE's wgrad is torch.float32, its fake torch.bfloat16"):
+        grads_in_fake_dtypes((w.float(), d, b), cfg)  # both GEMMs write the activation dtype
 
 
 def test_another_user_of_the_norm_output_gets_the_bf16_copy():
@@ -238,3 +242,39 @@ def test_another_user_of_the_norm_output_gets_the_bf16_copy():
     assert lin.args[1] is y and outs_of(gm)[-1] is narrow[0] and y not in outs_of(gm)
     assert [a.meta["val"].dtype for a in outs_of(gm)] == before
     gm.graph.lint()
+
+
+@pytest.mark.parametrize("act", ["swiglu", "geglu", "silu"])
+def test_gated_activation_gradient_keeps_its_rounding(act):
+    """TE fuses the activation's backward with fc1's grad cast only where it has a ``dbias_d*``
+    kernel (not for gated activations under DelayedScaling: TE eager computes their gradient in bf16
+    and quantizes that, ``module/layernorm_mlp.py``). A gated activation: fc2 still takes the fp32
+    activation (TE's forward fuses every activation with fc2's cast), fc1's backward keeps the bf16
+    gradient, recorded; silu (fused): both rules fire."""
+    aot = _aot(f"LayerNormMLP-{act}")
+    _, fwd = _run(aot, "post_grad_fwd")
+    assert [r.kind for r in fwd.records] == ["fed_fp32", "widened"], fwd.records
+    gm, bwd = _run(aot, "post_grad_bwd")
+    fc2_bwd, fc1_bwd = _named(gm, "te_passes.delayed_linear_bwd.default")
+    if act == "silu":
+        assert [(r.kind, r.node, r.data["argument"]) for r in bwd.records] == [("fed_fp32", fc1_bwd.name, "grad_output")]
+        assert fc1_bwd.args[0].meta["val"].dtype == torch.float32
+        return
+    assert [(r.kind, r.node, r.data["reason"]) for r in bwd.records] == [
+        ("kept", fc1_bwd.name, "its grad_output is a gated activation's gradient, which TE eager computes in bf16 "
+         "and then quantizes (no fused dbias kernel under DelayedScaling)")]
+    assert fc1_bwd.args[0].target is CONVERT and not bwd.changed
+
+
+def test_a_graph_without_stack_traces_is_left_alone_and_says_so():
+    """No ``meta["stack_trace"]`` (a graph rebuilt by a rewrite that dropped it): the pass cannot
+    tell whose rounding it is, leaves it and records that, rather than a wrong reason."""
+    aot = _aot("LayerNormMLP")
+    for n in aot.backward.graph.nodes:
+        n.meta.pop("stack_trace", None)
+    gm, run = _run(aot, "post_grad_bwd")
+    (fc2_bwd, fc1_bwd) = _named(gm, "te_passes.delayed_linear_bwd.default")
+    assert [(r.kind, r.node, r.data["reason"]) for r in run.records] == [
+        ("kept", fc1_bwd.name, "its grad_output is rounded from fp32 where the graph has no stack trace: "
+         "cannot tell by whom")]
+    assert not run.changed

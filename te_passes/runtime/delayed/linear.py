@@ -147,13 +147,13 @@ def grads_in_fake_dtypes(grads: tuple, cfg: dict) -> tuple:
     gradient (TE eager's fused ``dbias_dgelu`` reduces in fp32 and writes the activation dtype too).
 
     Raises:
-        RuntimeError: TE returned a floating wgrad / dgrad not in the activation dtype (the fake's
-            ``out_dtype``) and not fp32 (``fuse_wgrad_accumulation``'s main_grad).
+        RuntimeError: TE returned a floating wgrad / dgrad not in the activation dtype (both GEMMs'
+            ``out_dtype``, the fake's dtype; ``fuse_wgrad_accumulation`` is refused, ``state.MUST_BE_OFF``).
     """
     wgrad, dgrad, bgrad = grads
     dtype = cfg["simple"]["activation_dtype"]
     for name, g in (("wgrad", wgrad), ("dgrad", dgrad)):
-        if isinstance(g, torch.Tensor) and g.is_floating_point() and g.dtype not in (dtype, torch.float32):
+        if isinstance(g, torch.Tensor) and g.is_floating_point() and g.dtype != dtype:
             raise RuntimeError(f"te_passes: {BWD_OP}: TE's {name} is {g.dtype}, its fake {dtype}")
     if isinstance(bgrad, torch.Tensor) and bgrad.dtype != dtype:
         bgrad = bgrad.to(dtype)
