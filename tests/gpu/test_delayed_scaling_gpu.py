@@ -215,6 +215,28 @@ def _delayed_state(model):
             for t in (m.fp8_meta[k].scale, m.fp8_meta[k].amax_history)]
 
 
+def _tl_case(layers):
+    """The TransformerLayer trajectories' data and model: ``(xs, dys, build)``, 20 steps of
+    [256, 2, 512] bf16 inputs and output gradients, ``build()`` the ``layers`` te.TransformerLayer(512,
+    2048, 8) (one module, or a Sequential) with seeded parameters."""
+    import transformer_engine.pytorch as te
+
+    hidden, ffn, heads, seq, batch = 512, 2048, 8, 256, 2
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    xs = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
+    dys = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 1e-2
+           for _ in range(STEPS)]
+
+    def build():
+        torch.manual_seed(0)
+        mods = [te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                    params_dtype=torch.bfloat16, device="cuda", layer_number=i + 1)
+                for i in range(layers)]
+        return mods[0] if layers == 1 else torch.nn.Sequential(*mods)
+
+    return xs, dys, build
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layers", [1, 2])
 def test_transformer_layer_trajectory(layers, mode):
@@ -230,22 +252,10 @@ def test_transformer_layer_trajectory(layers, mode):
     FP8 rounding grows over the steps (H200 2026-12-03: 1 layer 1.85e-2, 2 layers 6.2e-2;
     :func:`test_transformer_layer_eager_noise_floor` checks that TE eager is deterministic on this
     data and how far an isolated ulp change moves it)."""
-    import transformer_engine.pytorch as te
     from transformer_engine.pytorch import quantization as Q
 
     recipe = _recipe()
-    hidden, ffn, heads, seq, batch = 512, 2048, 8, 256, 2
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    xs = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
-    dys = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 1e-2
-           for _ in range(STEPS)]
-
-    def build():
-        torch.manual_seed(0)
-        mods = [te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
-                                    params_dtype=torch.bfloat16, device="cuda", layer_number=i + 1)
-                for i in range(layers)]
-        return mods[0] if layers == 1 else torch.nn.Sequential(*mods)
+    xs, dys, build = _tl_case(layers)
 
     Q.FP8GlobalStateManager.reset()
     ref_model = build()
@@ -284,22 +294,10 @@ def test_transformer_layer_eager_noise_floor(layers):
     step 0) one bf16 ulp away (printed: how much an isolated ulp change moves TE eager; H200
     2026-12-03: grads 2.4e-4 with 1 layer, nothing with 2 — far below the compiled split's 6.2e-2,
     whose ulp-level differences are in every activation value, not in one)."""
-    import transformer_engine.pytorch as te
     from transformer_engine.pytorch import quantization as Q
 
     recipe = _recipe()
-    hidden, ffn, heads, seq, batch = 512, 2048, 8, 256, 2
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    xs = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(STEPS)]
-    dys = [torch.randn(seq, batch, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 1e-2
-           for _ in range(STEPS)]
-
-    def build():
-        torch.manual_seed(0)
-        mods = [te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
-                                    params_dtype=torch.bfloat16, device="cuda", layer_number=i + 1)
-                for i in range(layers)]
-        return mods[0] if layers == 1 else torch.nn.Sequential(*mods)
+    xs, dys, build = _tl_case(layers)
 
     def run(inputs):
         Q.FP8GlobalStateManager.reset()
