@@ -67,8 +67,8 @@ class WidenDelayedInputs(TEPass):
     (``Impl::FULLY_FUSED`` for a ``Float8Quantizer``, ``transformer_engine/pytorch/csrc/extensions/
     normalization.cpp``), LayerNormMLP's activation with fc2's input quantizer (every activation)
     and its backward with fc1's grad-output quantizer (``dbias_dgelu`` and kin: gelu, qgelu, relu,
-    srelu, silu; ``activation.cpp``, ``module/layernorm_mlp.py``, TE 2.20.2); the untouched split rounded them to bf16 first, so the
-    FP8 values and their amax differed. A rounding traced anywhere else (a torch activation of the
+    srelu, silu; ``activation.cpp``, ``module/layernorm_mlp.py``, TE 2.20.2); the untouched split
+    rounded them to bf16 first, so the FP8 values and their amax differed. A rounding traced anywhere else (a torch activation of the
     user's between two te.Linears) is TE eager's too: left alone, recorded. Float8CurrentScaling
     needs none of this: TE computes those outputs in the input dtype first too.
 

@@ -107,7 +107,7 @@ _PROVENANCE = {(f.__code__.co_filename, f.__code__.co_name): kind for f, kind in
                ((_activation_dbias_fused, "dbias_fused"), (_activation_backward_unfused, "backward_unfused"))}
 
 
-def activation_provenance(node) -> str | None:
+def activation_provenance(node) -> str:
     """Where the FX ``node`` was traced, from the innermost frame of its ``meta["stack_trace"]``
     (Dynamo's record, which AOT autograd copies to the forward's decomposed nodes and to their
     backward's): ``"dbias_fused"`` / ``"backward_unfused"`` inside :func:`activation` (an activation
