@@ -5,7 +5,6 @@ untouched-model polyfills (:mod:`te_passes.runtime.untouched.polyfills`) and ``c
 
 from __future__ import annotations
 
-import re
 from typing import Callable
 
 import torch
@@ -81,39 +80,16 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
 #: (``module/layernorm_mlp.py``, TE 2.20.2). Checked against TE by tests/te/test_norm_act.py.
 DBIAS_FUSED: frozenset[str] = frozenset({"gelu", "qgelu", "relu", "srelu", "silu"})
 
+#: Gated activations: act(first half) * second half of the last dim, [..., 2n] -> [..., n]
+#: (``activation.cpp``'s ``shape_divisor=2``, TE 2.20.2).
+GATED: frozenset[str] = frozenset({"geglu", "glu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"})
+
 
 def activation(x: torch.Tensor, name: str, params: dict | None = None) -> torch.Tensor:
     """TE's ``LayerNormMLP`` activation ``name`` of ``x`` ([..., n] or, gated, [..., 2n] ->
-    [..., n]), computed in fp32 like TE's kernels, returned in ``x.dtype``. ``params``:
-    ``activation_params`` (``clamped_swiglu``: ``limit``, ``alpha``, ``glu_linear_offset``).
-    Traced through one of two functions, so that :func:`activation_provenance` can tell from a
-    node's stack trace whether TE fuses its backward with an FP8 cast (:data:`DBIAS_FUSED`).
-    Raises ``KeyError`` for an activation outside :data:`ACTIVATIONS`."""
-    if name in DBIAS_FUSED:
-        return _activation_dbias_fused(x, name, params)
-    return _activation_backward_unfused(x, name, params)
-
-
-def _activation_dbias_fused(x: torch.Tensor, name: str, params: dict | None) -> torch.Tensor:
+    [..., n]) in torch ops, computed in fp32 like TE's kernels, returned in ``x.dtype``: the
+    polyfills' activation under ``TE_PASSES_UNTOUCHED_NORM=torch`` (the default is TE's kernel,
+    :mod:`te_passes.runtime.ops.te_act`). ``params``: ``activation_params`` (``clamped_swiglu``:
+    ``limit``, ``alpha``, ``glu_linear_offset``). Raises ``KeyError`` for an activation outside
+    :data:`ACTIVATIONS`."""
     return ACTIVATIONS[name](x.float(), params or {}).to(x.dtype)
-
-
-def _activation_backward_unfused(x: torch.Tensor, name: str, params: dict | None) -> torch.Tensor:
-    return ACTIVATIONS[name](x.float(), params or {}).to(x.dtype)
-
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line \d+, in (?P<name>\S+)')
-_PROVENANCE = {(f.__code__.co_filename, f.__code__.co_name): kind for f, kind in
-               ((_activation_dbias_fused, "dbias_fused"), (_activation_backward_unfused, "backward_unfused"))}
-
-
-def activation_provenance(node) -> str:
-    """Where the FX ``node`` was traced, from the innermost frame of its ``meta["stack_trace"]``
-    (Dynamo's record, which AOT autograd copies to the forward's decomposed nodes and to their
-    backward's): ``"dbias_fused"`` / ``"backward_unfused"`` inside :func:`activation` (an activation
-    in / not in :data:`DBIAS_FUSED`), ``"elsewhere"``, or ``"no stack trace"``."""
-    trace = node.meta.get("stack_trace") if hasattr(node, "meta") else None
-    frames = _FRAME.findall(trace) if isinstance(trace, str) else []
-    if not frames:
-        return "no stack trace"
-    return _PROVENANCE.get(frames[-1], "elsewhere")

@@ -1,5 +1,6 @@
 """te/norm_act.py against TE 2.20.2: which LayerNormMLP activations TE fuses with an FP8 cast in
-the backward under DelayedScaling (``DBIAS_FUSED``), and the provenance the passes read from it."""
+the backward under DelayedScaling (``DBIAS_FUSED``), which are gated (``GATED``), and the
+``te_passes::te_act_*`` fakes built on them."""
 
 from __future__ import annotations
 
@@ -22,21 +23,32 @@ def test_dbias_fused_is_tes_list():
     assert {k for k, (_, _, dbias) in table.items() if dbias is not None} == norm_act.DBIAS_FUSED
 
 
-def test_provenance_from_the_innermost_frame():
-    """The provenance reads the innermost ``File ..., in <function>`` line of ``meta["stack_trace"]``."""
-    g = torch.fx.Graph()
-    n = g.placeholder("x")
+@pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
+@pytest.mark.parametrize("name", sorted(norm_act.ACTIVATIONS))
+def test_gated_and_the_te_op_fake_follow_tes_kernels(name):
+    """``GATED`` is the activations whose TE kernel halves the last dim: the torch-ops activation's
+    shape says it, and the ``te_passes::te_act_fwd`` / ``_bwd`` fakes give that shape (forward) and
+    the input's (backward) in the input dtype, the pybind function they call exists in TE's
+    extension."""
+    import transformer_engine_torch as tex
 
-    def frame(fn):
-        return f'  File "{fn.__code__.co_filename}", line 1, in {fn.__code__.co_name}\n    code\n'
+    from te_passes.runtime.ops import te_act
 
-    user = '  File "/u/model.py", line 3, in forward\n    y = f(x)\n'
-    for meta, want in [(None, "no stack trace"), (user, "elsewhere"),
-                       (user + frame(norm_act.activation) + frame(norm_act._activation_dbias_fused), "dbias_fused"),
-                       (user + frame(norm_act._activation_backward_unfused), "backward_unfused"),
-                       (frame(norm_act._activation_dbias_fused) + user, "elsewhere")]:
-        n.meta["stack_trace"] = meta
-        assert norm_act.activation_provenance(n) == want, (meta, want)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    params = {"limit": 7.0, "alpha": 1.702} if name == "clamped_swiglu" else None
+    n = norm_act.activation(x, name, params).shape[-1]
+    assert (n == 4) == (name in norm_act.GATED), (name, n)
+    assert callable(getattr(tex, name)) and callable(getattr(tex, te_act.backward_kernel(name)))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fx = torch.empty(4, 8, dtype=torch.bfloat16)
+        y = torch.ops.te_passes.te_act_fwd(fx, name, 7.0, 1.702, 1.0)
+        dx = torch.ops.te_passes.te_act_bwd(torch.empty_like(y), fx, name, 7.0, 1.702, 1.0)
+    assert (tuple(y.shape), y.dtype) == ((4, n), torch.bfloat16)
+    assert (tuple(dx.shape), dx.dtype) == ((4, 8), torch.bfloat16)
+    with pytest.raises(KeyError, match="'tanh' is not one of TE's LayerNormMLP activations"):
+        te_act.te_activation(x, "tanh")
 
 
 @pytest.mark.parametrize("name", sorted(norm_act.ACTIVATIONS))

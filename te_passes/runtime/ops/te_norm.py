@@ -15,7 +15,9 @@ _NS = "te_passes"
 @torch.library.custom_op(f"{_NS}::te_norm_fwd", mutates_args=())
 def te_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,
                 zero_centered_gamma: bool, sm_margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` [..., h] -> ``(y [..., h] in x.dtype, mu [n] fp32 (empty for RMSNorm), rsigma [n] fp32)``."""
+    """``x`` [..., h] -> ``(y [..., h] in x.dtype, mu [...] fp32 (LayerNorm; RMSNorm: empty [0]),
+    rsigma [...] fp32)``: the statistics per row, shaped like ``x`` without its last dim (so that a
+    graph can broadcast them against ``x``: ``widen_delayed_inputs``)."""
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.constants import TE_DType
 
@@ -26,14 +28,15 @@ def te_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     else:
         y, mu, rs = tex.layernorm_fwd(x2, weight, bias, eps, None, None, TE_DType[x.dtype], sm_margin,
                                       zero_centered_gamma)
-    return y.view(x.shape), mu, rs
+        mu = mu.view(x.shape[:-1])
+    return y.view(x.shape), mu, rs.view(x.shape[:-1])
 
 
 @te_norm_fwd.register_fake
 def _(x, weight, bias, eps, rms, zero_centered_gamma, sm_margin):
-    n = x.numel() // x.shape[-1]
-    return (torch.empty_like(x), x.new_empty((0 if rms else n,), dtype=torch.float32),
-            x.new_empty((n,), dtype=torch.float32))
+    rows = x.shape[:-1]
+    return (torch.empty_like(x), x.new_empty((0,) if rms else rows, dtype=torch.float32),
+            x.new_empty(rows, dtype=torch.float32))
 
 
 @torch.library.custom_op(f"{_NS}::te_norm_bwd", mutates_args=())
@@ -44,11 +47,12 @@ def te_norm_bwd(dy: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: tor
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     dy2 = dy.reshape(x2.shape).contiguous()
+    rs2 = rsigma.reshape(-1)
     if rms:
-        dx, dw = tex.rmsnorm_bwd(dy2, x2, rsigma, weight, sm_margin, zero_centered_gamma)
+        dx, dw = tex.rmsnorm_bwd(dy2, x2, rs2, weight, sm_margin, zero_centered_gamma)
         db = weight.new_empty((0,))
     else:
-        dx, dw, db = tex.layernorm_bwd(dy2, x2, mu, rsigma, weight, sm_margin, zero_centered_gamma)
+        dx, dw, db = tex.layernorm_bwd(dy2, x2, mu.reshape(-1), rs2, weight, sm_margin, zero_centered_gamma)
     return dx.view(x.shape), dw, db
 
 

@@ -20,6 +20,7 @@ from te_passes.config import TePassesOptionError
 from te_passes.runtime.delayed import linear as delayed_linear
 from te_passes.runtime.ops.fused_attn import install_fused_attention_op
 from te_passes.runtime.ops.shared_linear import owner_delayed_slots
+from te_passes.runtime.ops.te_act import te_activation
 from te_passes.runtime.ops.te_norm import te_norm
 from te_passes.runtime.te_patches import recipe_state
 from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
@@ -37,9 +38,10 @@ from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
 
 from te_passes.te.version import is_supported, te_version
 
-#: ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm kernels as the ``te_passes::te_norm``
-#: op; TE eager's numerics, measured as fast as the torch-ops norm: docs/untouched.md) or ``torch``
-#: (LayerNorm / RMSNorm in torch ops, fused by Inductor).
+#: ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm and LayerNormMLP activation kernels as
+#: the ``te_passes::te_norm_fwd`` / ``te_act_fwd`` ops; TE eager's numerics, measured as fast as the
+#: torch-ops norm: docs/untouched.md) or ``torch`` (LayerNorm / RMSNorm and the activation in torch
+#: ops, fused by Inductor; also what CPU Inductor runs need: TE's kernels are CUDA-only).
 NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
 NORM_CHOICES = ("torch", "te")
 
@@ -71,8 +73,12 @@ def _norm_choice() -> str:
     return norm_impl()
 
 
+def _te_kernels() -> bool:
+    return (_norm_choice() if torch.compiler.is_compiling() else norm_impl()) == "te"
+
+
 def _norm(mod: Any, inp: torch.Tensor) -> torch.Tensor:
-    if (_norm_choice() if torch.compiler.is_compiling() else norm_impl()) == "te":
+    if _te_kernels():
         return te_norm(inp, mod.layer_norm_weight, mod.layer_norm_bias, mod.eps, mod.normalization,
                        mod.zero_centered_gamma)
     return normalize(inp, mod.layer_norm_weight, mod.layer_norm_bias, mod.eps, mod.normalization,
@@ -92,7 +98,8 @@ def layernorm_mlp_forward(mod: Any, fc1: torch.nn.Module, fc2: torch.nn.Module, 
     """``te.LayerNormMLP`` ``mod``'s forward as norm + ``fc1`` + activation + ``fc2``:
     ``inp`` [..., hidden] -> [..., hidden] (or ``(out, fc2_bias)`` with ``return_bias``)."""
     h = fc1(_norm(mod, inp), is_first_microbatch=is_first_microbatch)
-    return fc2(activation(h, mod.activation, mod.activation_params), is_first_microbatch=is_first_microbatch)
+    act = te_activation if _te_kernels() else activation
+    return fc2(act(h, mod.activation, mod.activation_params), is_first_microbatch=is_first_microbatch)
 
 
 # --------------------------------------------------------------------------- the polyfills
