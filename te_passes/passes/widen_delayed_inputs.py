@@ -1,5 +1,6 @@
 """Pass ``widen_delayed_inputs``: a DelayedScaling te.Linear quantizes the fp32 values TE's fused
-kernels quantize (its norm's output, an activation computed in fp32), not a bf16 rounding of them.
+kernels quantize (its norm's output, LayerNormMLP's activation and its gradient), not a bf16
+rounding of them.
 
 See docs/passes/widen_delayed_inputs.md."""
 
@@ -9,72 +10,81 @@ import operator
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
-from te_passes.te.norm_act import activation_provenance
+from te_passes.te.norm_act import DBIAS_FUSED
 
-#: The untouched-model polyfills' norm (``te_passes.runtime.ops.te_norm``) and the DelayedScaling
-#: te.Linear forward (``te_passes.runtime.delayed.linear``) whose ``inp`` (argument 1) it feeds.
+#: The untouched-model polyfills' TE-kernel ops (``te_passes.runtime.ops.te_norm`` / ``te_act``) and
+#: the DelayedScaling te.Linear op pair (``te_passes.runtime.delayed.linear``): the forward's ``inp``
+#: is argument 1, the backward's ``grad_output`` argument 0.
 NORM_OP = "te_passes::te_norm_fwd"
+ACT_OP = "te_passes::te_act_fwd"
+ACT_BWD_OP = "te_passes::te_act_bwd"
 LINEAR_OP = "te_passes::delayed_linear_fwd"
-#: Its backward op, whose ``grad_output`` (argument 0) the third rule feeds.
 LINEAR_BWD_OP = "te_passes::delayed_linear_bwd"
-#: Norm input dtypes the pass widens (TE's norm kernels compute in fp32 and round on the way out).
+#: Activation dtypes the pass widens (TE's kernels compute in fp32 and round on the way out).
 NARROW = (torch.bfloat16, torch.float16)
+_A = torch.ops.aten
+#: The switch between the polyfills' TE kernels and torch ops (``runtime/untouched/polyfills.py``).
+NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
 
 
-def _convert(log, x: torch.fx.Node, dtype: torch.dtype, **where: torch.fx.Node) -> torch.fx.Node:
-    """A new ``prims.convert_element_type(x, dtype)`` at ``where`` (``after=`` / ``before=``), its fake
-    ``meta["val"]`` set."""
-    val = x.meta.get("val")
-    meta = {"val": val.to(dtype)} if isinstance(val, torch.Tensor) else {}
-    return log.call_function(torch.ops.prims.convert_element_type.default, (x, dtype), meta=meta, **where)
+def _add(log, target, args: tuple, before: torch.fx.Node) -> torch.fx.Node:
+    """A new ``target(*args)`` node before ``before``, its fake ``meta["val"]`` (and ``tensor_meta``)
+    computed by running ``target`` on the arguments' fake values."""
+    vals = map_arg(args, lambda a: a.meta["val"])
+    with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
+        val = target(*vals)
+    return log.call_function(target, args, meta={"val": val, "tensor_meta": _extract_tensor_metadata(val)},
+                             before=before)
 
 
-def _is_convert(node, dtypes) -> bool:
-    """Whether ``node`` is ``prims.convert_element_type(<node>, dtype)`` with ``dtype`` in ``dtypes``."""
-    return (isinstance(node, torch.fx.Node) and node.target is torch.ops.prims.convert_element_type.default
-            and node.args[1] in dtypes and isinstance(node.args[0], torch.fx.Node))
+def _f32(log, x, before):
+    return _add(log, torch.ops.prims.convert_element_type.default, (x, torch.float32), before)
 
 
-def _in_other_args(lin: torch.fx.Node, value: torch.fx.Node, i: int = 1) -> bool:
-    """Whether the linear op ``lin`` takes ``value`` in an argument besides argument ``i`` (the
-    forward op's input, the backward op's grad output: 0)."""
+def _dtype(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _in_other_args(lin: torch.fx.Node, value: torch.fx.Node, i: int) -> bool:
+    """Whether ``lin`` takes ``value`` in an argument besides argument ``i``."""
     seen: list = []
     map_arg(([a for k, a in enumerate(lin.args) if k != i], lin.kwargs), lambda a: seen.append(a) or a)
     return any(a is value for a in seen)
 
 
 class WidenDelayedInputs(TEPass):
-    """At ``post_grad_fwd`` / ``post_grad_bwd``, for each DelayedScaling te.Linear
-    (``te_passes::delayed_linear_fwd`` / ``_bwd``):
+    """At ``post_grad_fwd`` / ``post_grad_bwd``, for each DelayedScaling te.Linear op
+    (``te_passes::delayed_linear_fwd``'s ``inp``, ``delayed_linear_bwd``'s ``grad_output``) whose
+    value, bf16 / fp16, comes from one of TE's kernels that TE eager fuses with that FP8 cast:
 
-    * its input ``y`` from a ``te_passes::te_norm_fwd``: the norm runs on fp32 copies of its input,
-      weight and bias and the linear quantizes the fp32 ``y``; every other user of ``y`` (a returned
-      norm output, a backward that reads the input itself) gets ``y`` converted back to the input dtype;
-    * its input a ``prims.convert_element_type(t, bf16 / fp16)`` of an fp32 ``t`` traced inside the
-      untouched LayerNormMLP's activation (``te/norm_act.py``, :func:`activation_provenance`): the
-      linear takes ``t``; the convert stays for its other users;
-    * the backward op's ``grad_output`` such a convert of the activation's fp32 gradient, for an
-      activation whose backward TE fuses with the FP8 cast (``norm_act.DBIAS_FUSED``: not the gated
-      ones): the op takes the fp32 gradient (its bias gradient comes back in the activation dtype,
-      as the fake says).
+    * ``te_norm_fwd``'s output ``y``: the linear takes ``y32``, rebuilt in fp32 from the norm's own
+      statistics as TE's norm kernels compute it (``ln_fwd_kernels.cuh`` / ``rmsnorm_fwd_kernels.cuh``,
+      TE 2.20.2: ``g * (rs * (x - mu)) + b``, ``g * (rs * x)``, ``g = w (+ 1 zero-centred)``); ``y``
+      stays for its other users;
+    * ``te_act_fwd``'s output (LayerNormMLP's activation: TE fuses every activation with fc2's input
+      cast): the op runs on an fp32 copy of its input and the linear takes its fp32 output; other
+      users get it converted back;
+    * ``te_act_bwd``'s output (the activation's gradient, fc1's grad output), for activations with
+      a fused ``dbias_d*`` kernel (``norm_act.DBIAS_FUSED``; gated ones: TE eager computes their
+      gradient in bf16 and quantizes that, kept with the reason): the same on fp32 copies.
 
-    TE eager under DelayedScaling quantizes those values from fp32 inside its kernels: the norm
-    (``Impl::FULLY_FUSED`` for a ``Float8Quantizer``, ``transformer_engine/pytorch/csrc/extensions/
-    normalization.cpp``), LayerNormMLP's activation with fc2's input quantizer (every activation)
-    and its backward with fc1's grad-output quantizer (``dbias_dgelu`` and kin: gelu, qgelu, relu,
-    srelu, silu; ``activation.cpp``, ``module/layernorm_mlp.py``, TE 2.20.2); the untouched split
-    rounded them to bf16 first, so the FP8 values and their amax differed. A rounding traced anywhere else (a torch activation of the
-    user's between two te.Linears) is TE eager's too: left alone, recorded. Float8CurrentScaling
-    needs none of this: TE computes those outputs in the input dtype first too.
+    The bf16 / fp16 values the graph returns are unchanged, so the other graph is untouched. A
+    rounding from fp32 anywhere else (a torch activation between two te.Linears; the torch-ops
+    polyfills of ``TE_PASSES_UNTOUCHED_NORM=torch``) is kept and recorded: TE eager quantizes the
+    user's rounded value too. Float8CurrentScaling needs none of this (TE computes those outputs in
+    the input dtype first).
 
-    Records: ``"widened"`` (the norm node; ``linear``, ``dtype``), ``"fed_fp32"`` (the linear node;
-    ``value``: the fp32 node it now takes, ``skipped``: the convert, ``argument``: ``inp`` /
-    ``grad_output``), ``"kept"`` (the norm or linear node; ``reason``)."""
+    Records: ``"fed_fp32"`` (the linear; ``value``: the fp32 node it takes, ``skipped``: the
+    narrow node, ``argument``: ``inp`` / ``grad_output``, ``source``: the TE op), ``"widened"``
+    (a ``te_act_*`` node now on fp32 copies; ``dtype``: its former one), ``"kept"`` (the linear;
+    ``reason``)."""
 
     name = "widen_delayed_inputs"
     stages = frozenset({Stage.POST_GRAD_FWD, Stage.POST_GRAD_BWD})
@@ -83,98 +93,120 @@ class WidenDelayedInputs(TEPass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         records: list[PassRecord] = []
-        self._feed_fp32(gm, ctx, records)
-        for norm in list(gm.graph.nodes):
-            if norm.op != "call_function" or op_qualname(norm.target) != NORM_OP:
-                continue
-            why, y, linears = self._match(norm)
-            if why is not None:
-                if linears:
-                    records.append(PassRecord("kept", norm.name, {"reason": why}))
-                continue
-            x, weight, bias = norm.args[:3]
-            dtype = x.meta["val"].dtype
-            log = ctx.journal
-            wide = [_convert(log, a, torch.float32, before=norm) if isinstance(a, torch.fx.Node)
-                    and a.meta["val"].dtype != torch.float32 else a for a in (x, weight, bias)]
-            log.set_args(norm, (*wide, *norm.args[3:]))
-            for node in (norm, *norm.users):
-                val = _widened(node.meta.get("val"))
-                log.set_meta(node, "val", val)
-                if "tensor_meta" in node.meta and isinstance(val, torch.Tensor):
-                    log.set_meta(node, "tensor_meta", _extract_tensor_metadata(val))
-            others = [u for u in y.users if u not in linears]  # the linears keep y (fp32) as argument 1
-            narrow = _convert(log, y, dtype, after=y) if others else None
-            for user in others:
-                log.set_args(user, map_arg(user.args, lambda a: narrow if a is y else a),
-                             map_arg(user.kwargs, lambda a: narrow if a is y else a))
-            records.append(PassRecord("widened", norm.name, {"linear": ", ".join(n.name for n in linears),
-                                                             "dtype": str(dtype).removeprefix("torch.")}))
-        return TEPassResult(gm, any(r.kind in ("widened", "fed_fp32") for r in records), records)
-
-    @staticmethod
-    def _feed_fp32(gm: torch.fx.GraphModule, ctx: PassContext, records: list[PassRecord]) -> None:
-        """The second and third rules: a delayed linear's input (forward op) or grad output (backward
-        op) rounded from the activation's fp32 value takes the fp32 value."""
+        seen: set[torch.fx.Node] = set()
         for lin in list(gm.graph.nodes):
             name = op_qualname(lin.target) if lin.op == "call_function" else None
             if name not in (LINEAR_OP, LINEAR_BWD_OP):
                 continue
             i, argument = (1, "inp") if name == LINEAR_OP else (0, "grad_output")
-            c = lin.args[i] if len(lin.args) > i else None
-            if not _is_convert(c, NARROW):
+            v = lin.args[i] if len(lin.args) > i else None
+            if not isinstance(v, torch.fx.Node) or v in seen:
                 continue
-            t = c.args[0]
-            val = t.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
-                continue
-            why, where = None, activation_provenance(c)
-            if where == "no stack trace":
-                why = f"its {argument} is rounded from fp32 where the graph has no stack trace: cannot tell by whom"
-            elif where == "elsewhere":
-                why = (f"its {argument} is rounded from fp32 outside te_passes' LayerNormMLP activation: "
-                       "TE eager quantizes the rounded value too")
-            elif where == "backward_unfused" and name == LINEAR_BWD_OP:
-                why = ("its grad_output is a gated activation's gradient, which TE eager computes in bf16 "
-                       "and then quantizes (no fused dbias kernel under DelayedScaling)")
-            elif _in_other_args(lin, c, i):
-                why = f"the rounded {argument} is in another of its arguments too"
+            seen.add(v)
+            takers = [u for u in v.users if u.op == "call_function" and op_qualname(u.target) == name
+                      and len(u.args) > i and u.args[i] is v]
+            source = self._source(v)
+            why = self._problem(v, source, argument, name)
             if why is not None:
-                records.append(PassRecord("kept", lin.name, {"reason": why}))
+                records.extend(PassRecord("kept", u.name, {"reason": why}) for u in takers if why)
                 continue
-            ctx.journal.set_args(lin, (*lin.args[:i], t, *lin.args[i + 1:]))
-            records.append(PassRecord("fed_fp32", lin.name, {"value": t.name, "skipped": c.name,
-                                                             "argument": argument}))
+            ok = [u for u in takers if not _in_other_args(u, v, i)]
+            records.extend(PassRecord("kept", u.name, {"reason": f"it takes its {argument} in another argument too"})
+                           for u in takers if u not in ok)
+            if not ok:
+                continue
+            log = ctx.journal
+            value = self._rebuild(log, v, ok[0]) if source == NORM_OP else self._widen(log, v, ok, records)
+            for u in ok:
+                log.set_args(u, (*u.args[:i], value, *u.args[i + 1:]))
+                data = {"value": value.name, "skipped": v.name} if value is not v else {"value": value.name}
+                records.append(PassRecord("fed_fp32", u.name, {**data, "argument": argument, "source": source}))
+        return TEPassResult(gm, bool(ctx.journal), records)
 
     @staticmethod
-    def _match(norm: torch.fx.Node) -> tuple[str | None, torch.fx.Node | None, list[torch.fx.Node]]:
-        """``(why not, y, the delayed linears taking y as their input)``; ``why`` ``None``: widen."""
-        y = next((u for u in norm.users if u.target is operator.getitem and u.args[1] == 0), None)
-        linears = [u for u in (y.users if y is not None else ()) if u.op == "call_function"
-                   and op_qualname(u.target) == LINEAR_OP and len(u.args) > 1 and u.args[1] is y]
-        if not linears:
-            return "no DelayedScaling te.Linear takes its output", y, []
-        x = norm.args[0]
-        if _is_convert(x, (torch.float32,)):
-            return "widened already", y, []  # a second run: nothing to do, nothing to record
-        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-        if not isinstance(val, torch.Tensor):
-            return "its input has no tensor meta['val']", y, linears
-        if val.dtype not in NARROW:
-            return f"its input is {val.dtype}: nothing to widen", y, linears
-        if any(isinstance(a, torch.fx.Node) and not isinstance(a.meta.get("val"), torch.Tensor) for a in norm.args[1:3]):
-            return "its weight or bias has no tensor meta['val']", y, linears
-        if any(u.target is not operator.getitem for u in norm.users):
-            return "a user takes the norm's whole tuple", y, linears
-        if any(_in_other_args(u, y) for u in linears):
-            return "a delayed te.Linear takes the norm output in another argument too", y, linears
-        return None, y, linears
+    def _source(v: torch.fx.Node) -> str | None:
+        """The TE op producing ``v`` (``te_norm_fwd`` through its output 0), else ``None``."""
+        if v.op != "call_function":
+            return None
+        if v.target is operator.getitem and v.args[1] == 0 and isinstance(v.args[0], torch.fx.Node):
+            return NORM_OP if op_qualname(v.args[0].target) == NORM_OP else None
+        name = op_qualname(v.target)
+        return name if name in (ACT_OP, ACT_BWD_OP) else None
 
+    @staticmethod
+    def _problem(v, source, argument, linear_op) -> str | None:
+        """Why ``v`` is not widened: ``""`` (nothing to say: another producer, or done by a
+        previous run), a reason to record, or ``None``: widen."""
+        dtype = _dtype(v)
+        if source is None:
+            rounded = (v.op == "call_function" and v.target is torch.ops.prims.convert_element_type.default
+                       and dtype in NARROW and _dtype(v.args[0]) == torch.float32)
+            return (f"its {argument} is rounded from fp32 by torch ops, not by one of TE's kernels (te_norm_fwd / "
+                    "te_act_fwd / te_act_bwd): a user's torch activation, whose rounded value TE eager quantizes "
+                    f"too, or the torch-ops polyfills ({NORM_ENV}=torch; te gives TE eager's numerics)"
+                    if rounded else "")
+        if (source == ACT_BWD_OP) != (linear_op == LINEAR_BWD_OP):
+            return ""
+        producer = v.args[0] if source == NORM_OP else v
+        if dtype is None:
+            return f"its {argument} has no tensor meta['val']"
+        if dtype not in NARROW:
+            first = producer.args[0]
+            if source != NORM_OP and getattr(first, "target", None) is torch.ops.prims.convert_element_type.default:
+                return ""  # widened by a previous run
+            return f"its {argument} is {dtype}: nothing to widen"
+        if source == ACT_BWD_OP and producer.args[2] not in DBIAS_FUSED:
+            return (f"its grad_output is the gradient of {producer.args[2]!r}, which TE eager computes in "
+                    f"{str(dtype).removeprefix('torch.')} and then quantizes (no fused dbias kernel under "
+                    "DelayedScaling)")
+        n_tensor = 3 if source == NORM_OP else 2 if source == ACT_BWD_OP else 1
+        if any(isinstance(a, torch.fx.Node) and not isinstance(a.meta.get("val"), torch.Tensor)
+               for a in producer.args[:n_tensor]):
+            return f"an input of its {argument}'s {source} has no tensor meta['val']"
+        return None
 
-def _widened(val):
-    """``val`` (a fake tensor or a tuple of them) with its :data:`NARROW` tensors in fp32."""
-    if isinstance(val, torch.Tensor):
-        return val.to(torch.float32) if val.dtype in NARROW else val
-    if isinstance(val, (tuple, list)):
-        return type(val)(_widened(v) for v in val)
-    return val
+    @staticmethod
+    def _rebuild(log, y: torch.fx.Node, lin: torch.fx.Node) -> torch.fx.Node:
+        """``y32`` from the norm node's input, weight, bias and statistics (mu, rsigma: shaped like
+        ``x`` without its last dim, ``te_norm_fwd``), before ``lin`` (the first linear taking ``y``)."""
+        norm = y.args[0]
+        x, w, b, _eps, rms, zcg = norm.args[:6]
+        stats = {u.args[1]: u for u in norm.users if u.target is operator.getitem}
+        for k in (1, 2):  # mu, rsigma: reuse the graph's getitem, else add one
+            if k not in stats:
+                stats[k] = _add(log, operator.getitem, (norm, k), lin)
+        rs = _add(log, _A.unsqueeze.default, (stats[2], -1), lin)
+        x32 = _f32(log, x, lin)
+        if rms:
+            yn = _add(log, _A.mul.Tensor, (rs, x32), lin)
+        else:
+            yn = _add(log, _A.mul.Tensor, (rs, _add(log, _A.sub.Tensor, (x32, _add(
+                log, _A.unsqueeze.default, (stats[1], -1), lin)), lin)), lin)
+        g = _f32(log, w, lin)
+        if zcg:
+            g = _add(log, _A.add.Tensor, (g, 1.0), lin)
+        y32 = _add(log, _A.mul.Tensor, (g, yn), lin)
+        if not rms and isinstance(b, torch.fx.Node):
+            y32 = _add(log, _A.add.Tensor, (y32, _f32(log, b, lin)), lin)
+        return y32
+
+    @staticmethod
+    def _widen(log, v: torch.fx.Node, takers: list[torch.fx.Node], records: list[PassRecord]) -> torch.fx.Node:
+        """``v`` (a ``te_act_fwd`` / ``te_act_bwd`` node) on fp32 copies of its tensor inputs, its
+        value fp32; its users other than ``takers`` get a copy in its former dtype. Returns ``v``."""
+        dtype = _dtype(v)
+        n = 1 if op_qualname(v.target) == ACT_OP else 2
+        log.set_args(v, (*[_f32(log, a, v) for a in v.args[:n]], *v.args[n:]))
+        val = v.meta["val"].to(torch.float32)
+        log.set_meta(v, "val", val)
+        if "tensor_meta" in v.meta:
+            log.set_meta(v, "tensor_meta", _extract_tensor_metadata(val))
+        others = [u for u in v.users if u not in takers]
+        if others:
+            narrow = log.call_function(torch.ops.prims.convert_element_type.default, (v, dtype),
+                                       meta={"val": val.to(dtype)}, after=v)
+            for user in others:
+                log.set_args(user, map_arg(user.args, lambda a: narrow if a is v else a),
+                             map_arg(user.kwargs, lambda a: narrow if a is v else a))
+        records.append(PassRecord("widened", v.name, {"dtype": str(dtype).removeprefix("torch.")}))
+        return v

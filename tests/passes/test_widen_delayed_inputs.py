@@ -1,5 +1,6 @@
 """widen_delayed_inputs: under DelayedScaling a te.Linear quantizes the fp32 values TE's fused kernels
-quantize: the norm feeding it runs in fp32, an activation computed in fp32 is not rounded first.
+quantize: the norm's output rebuilt in fp32 from its statistics, LayerNormMLP's activation and its
+gradient from TE's kernels on fp32 copies.
 
 Real AOT forward graphs of untouched te.LayerNormLinear / te.LayerNormMLP under DelayedScaling
 (CPU capture, fake GPU: tests/runtime/test_delayed_linear.py's ``_capture``), through the pass
@@ -22,7 +23,10 @@ pytestmark = [pytest.mark.skipif(capture_skip_reason() is not None, reason=str(c
               pytest.mark.usefixtures("reset_te_fp8_state")]
 
 NORM, LINEAR = "te_passes.te_norm_fwd.default", "te_passes.delayed_linear_fwd.default"
+LINEAR_BWD = "te_passes.delayed_linear_bwd.default"
+ACT, ACT_BWD = "te_passes.te_act_fwd.default", "te_passes.te_act_bwd.default"
 CONVERT = torch.ops.prims.convert_element_type.default
+A = torch.ops.aten
 
 
 def _aot(name, recipe=None):
@@ -34,6 +38,11 @@ def _aot(name, recipe=None):
         act = name.split("-", 1)[1]
         return _capture(("HYBRID", 16, "max"), 0, prepare=False, recipe=recipe, build=lambda: _te().LayerNormMLP(
             64, 256, params_dtype=torch.bfloat16, device="cuda", activation=act))["aot"]
+    if name.startswith("LayerNormLinear-"):  # "LayerNormLinear-RMSNorm", "LayerNormLinear-LayerNorm-zcg"
+        _, normalization, *zcg = name.split("-")
+        return _capture(("HYBRID", 16, "max"), 0, prepare=False, recipe=recipe, build=lambda: _te().LayerNormLinear(
+            64, 64, params_dtype=torch.bfloat16, device="cuda", normalization=normalization,
+            zero_centered_gamma=bool(zcg)))["aot"]
     build, _ = BUILDS[name]
     return _capture(("HYBRID", 16, "max"), 0, prepare=False, build=build, recipe=recipe)["aot"]
 
@@ -58,127 +67,174 @@ def _named(gm, name):
     return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == name]
 
 
-@pytest.mark.parametrize("name,linears", [("LayerNormLinear", 1), ("LayerNormMLP", 1)])
-def test_delayed_linears_take_fp32_inputs(name, linears):
+
+def _getitem(node, k):
+    return next(u for u in node.users if u.target is operator.getitem and u.args[1] == k)
+
+
+def _ev(node, env):
+    """Evaluate the nodes behind ``node`` on CPU tensors (``env``: node -> value at the leaves)."""
+    if node in env:
+        return env[node]
+    if not isinstance(node, torch.fx.Node):
+        return node
+    return node.target(*torch.fx.map_arg(node.args, lambda a: _ev(a, env)))
+
+
+def _check_rebuilt(gm, norm, y32, rms=False, zcg=False):
+    """``y32`` is TE's norm formula over the norm node's own input, weight, bias and statistics,
+    node for node, fp32; evaluated on CPU it equals torch's fp32 norm of the same input."""
+    x, w, b = norm.args[:3]
+    mu, rs = _getitem(norm, 1), _getitem(norm, 2)
+    f32 = lambda n: n.target is CONVERT and n.args[1] == torch.float32  # noqa: E731
+    if not rms:
+        assert y32.target is A.add.Tensor and f32(y32.args[1]) and y32.args[1].args[0] is b
+        prod = y32.args[0]
+    else:
+        prod = y32
+    assert prod.target is A.mul.Tensor
+    g, yn = prod.args
+    if zcg:
+        assert g.target is A.add.Tensor and g.args[1] == 1.0
+        g = g.args[0]
+    assert f32(g) and g.args[0] is w
+    assert yn.target is A.mul.Tensor and yn.args[0].target is A.unsqueeze.default and yn.args[0].args == (rs, -1)
+    centred = yn.args[1]
+    if rms:
+        assert f32(centred) and centred.args[0] is x
+    else:
+        assert centred.target is A.sub.Tensor and f32(centred.args[0]) and centred.args[0].args[0] is x
+        assert centred.args[1].target is A.unsqueeze.default and centred.args[1].args == (mu, -1)
+    assert y32.meta["val"].dtype == y32.meta["tensor_meta"].dtype == torch.float32
+    assert y32.meta["val"].shape == x.meta["val"].shape
+    gen = torch.Generator().manual_seed(0)
+    shape = tuple(x.meta["val"].shape)
+    xv = (torch.randn(shape, generator=gen) * 3 + 0.5).bfloat16()
+    wv = (torch.rand(shape[-1], generator=gen) + 0.5).bfloat16()
+    bv = (torch.randn(shape[-1], generator=gen) * 0.1).bfloat16()
+    xf = xv.float()
+    eps = norm.args[3]
+    var = xf.square().mean(-1) if rms else xf.var(-1, unbiased=False)
+    env = {x: xv, w: wv, b: bv, mu: xf.mean(-1), rs: torch.rsqrt(var + eps)}
+    want = (torch.nn.functional.rms_norm(xf, shape[-1:], wv.float() + zcg, eps) if rms else
+            torch.nn.functional.layer_norm(xf, shape[-1:], wv.float() + zcg, bv.float(), eps))
+    torch.testing.assert_close(_ev(y32, env), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["LayerNormLinear", "LayerNormMLP"])
+def test_delayed_linears_take_fp32_inputs(name):
+    """The first linear takes the norm output rebuilt in fp32 from the norm's statistics (the norm
+    and its bf16 output stay for the graph's outputs); LayerNormMLP's fc2 takes TE's activation
+    kernel run on an fp32 copy of fc1's output."""
     aot = _aot(name)
     before = aot.copy()
-    (norm0,) = _named(before.forward, NORM)
-    x0 = norm0.args[0]
-    assert x0.meta["val"].dtype == torch.bfloat16
     gm, run = _run(aot)
-    assert run.status == "ok", run
+    assert run.status == "ok" and run.changed, run
     (norm,) = _named(gm, NORM)
-    widened = [r for r in run.records if r.kind == "widened"]
-    assert [(r.kind, r.node) for r in widened] == [("widened", norm.name)]
-    assert widened[0].data["dtype"] == "bfloat16"
-    # LayerNormMLP: fc2 takes the fp32 activation (second rule); LayerNormLinear has no second linear
-    assert [r.kind for r in run.records if r.kind != "widened"] == (["fed_fp32"] if name == "LayerNormMLP" else [])
-    # the norm's input, weight (and LayerNorm bias) are fp32 copies of the graph's
-    for a, old in zip(norm.args[:3], norm0.args[:3]):
-        if old is None:
-            assert a is None
-            continue
-        assert a.target is CONVERT and a.args[1] == torch.float32 and a.args[0].name == old.name
-        assert a.meta["val"].dtype == torch.float32 and a.meta["val"].shape == old.meta["val"].shape
-    assert norm.args[3:] == norm0.args[3:]
-    y = next(u for u in norm.users if u.target is operator.getitem and u.args[1] == 0)
-    assert norm.meta["val"][0].dtype == y.meta["val"].dtype == torch.float32
-    assert [t.dtype for t in norm.meta["val"][1:]] == [torch.float32, torch.float32]  # mu, rsigma: as before
-    lin = _named(gm, LINEAR)
-    takers = [n for n in lin if n.args[1] is y]
-    assert len(takers) == linears  # the linear after the norm quantizes the fp32 output
-    # no other user of y: the backward op keeps a stand-in of its input, not the input
-    # (runtime/delayed/linear.py), so no bf16 copy is made
-    assert set(y.users) == set(takers), y.users
-    if name == "LayerNormMLP":  # fc2's input: the fp32 activation; the bf16 convert is left without users
-        (fc2,) = [n for n in lin if n is not takers[0]]
-        act = fc2.args[1]
-        assert act.meta["val"].dtype == torch.float32 and act.target is not CONVERT
-        (skipped,) = [u for u in act.users if u.target is CONVERT]
-        assert skipped.args == (act, torch.bfloat16) and not skipped.users  # Inductor drops it
-        rec = next(r for r in run.records if r.kind == "fed_fp32")
-        assert (rec.node, rec.data) == (fc2.name, {"value": act.name, "skipped": skipped.name, "argument": "inp"})
-    # the graph's outputs keep their dtypes, so the backward graph is unchanged; y is no output
-    outs = gm.graph.output_node().args[0]
-    assert y not in outs
-    out_vals = [a.meta["val"].dtype for a in outs if isinstance(a, torch.fx.Node)]
-    before_vals = [a.meta["val"].dtype for a in before.forward.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
-    assert out_vals == before_vals
+    assert [a.name if isinstance(a, torch.fx.Node) else a for a in norm.args] == [
+        a.name if isinstance(a, torch.fx.Node) else a for a in _named(before.forward, NORM)[0].args]  # untouched
+    y = _getitem(norm, 0)
+    assert y.meta["val"].dtype == torch.bfloat16
+    lins = _named(gm, LINEAR)
+    fc1 = lins[0]
+    y32 = fc1.args[1]
+    _check_rebuilt(gm, norm, y32)
+    want = [("fed_fp32", fc1.name, {"value": y32.name, "skipped": y.name, "argument": "inp",
+                                    "source": "te_passes::te_norm_fwd"})]
+    if name == "LayerNormMLP":
+        fc2 = lins[1]
+        (act,) = _named(gm, ACT)
+        assert fc2.args[1] is act and act.meta["val"].dtype == torch.float32
+        h = act.args[0]
+        assert h.target is CONVERT and h.args == (fc1_out := h.args[0], torch.float32)
+        assert fc1_out.meta["val"].dtype == torch.bfloat16 and act.args[1:] == _named(before.forward, ACT)[0].args[1:]
+        assert set(act.users) == {fc2}  # no other user: no bf16 copy
+        want += [("widened", act.name, {"dtype": "bfloat16"}),
+                 ("fed_fp32", fc2.name, {"value": act.name, "argument": "inp", "source": "te_passes::te_act_fwd"})]
+    assert [(r.kind, r.node, r.data) for r in run.records] == want
+    # the graph's outputs keep their dtypes, so the backward graph is unchanged
+    assert [a.meta["val"].dtype for a in outs_of(gm)] == [a.meta["val"].dtype for a in outs_of(before.forward)]
     gm.graph.lint()
+
+
+@pytest.mark.parametrize("normalization,zcg", [("RMSNorm", False), ("LayerNorm", True), ("RMSNorm", True)])
+def test_rmsnorm_and_zero_centered_gamma(normalization, zcg):
+    aot = _aot("LayerNormLinear-" + normalization + ("-zcg" if zcg else ""))
+    gm, run = _run(aot)
+    (norm,) = _named(gm, NORM)
+    (lin,) = _named(gm, LINEAR)
+    assert norm.args[4] is (normalization == "RMSNorm") and norm.args[5] is zcg
+    _check_rebuilt(gm, norm, lin.args[1], rms=normalization == "RMSNorm", zcg=zcg)
+    assert [r.kind for r in run.records] == ["fed_fp32"]
 
 
 def test_switched_off_and_current_scaling_untouched():
     from transformer_engine.common import recipe as R
 
-    aot = _aot("LayerNormLinear")
+    aot = _aot("LayerNormMLP")
     gm, run = _run(aot, **{"te_passes.disable": ["widen_delayed_inputs"]})
     assert run.status == "disabled", run
-    (norm,) = _named(gm, NORM)
-    assert norm.args[0].op == "placeholder" and not [n for n in gm.graph.nodes if n.target is CONVERT]
-    # Float8CurrentScaling: no delayed te.Linear after the norm, nothing to widen, nothing recorded
-    gm, run = _run(_aot("LayerNormLinear", recipe=R.Float8CurrentScaling()))
+    assert all(lin.args[1].target in (operator.getitem, torch.ops.te_passes.te_act_fwd.default)
+               for lin in _named(gm, LINEAR)) and not [n for n in gm.graph.nodes if n.target is CONVERT]
+    # Float8CurrentScaling: no delayed te.Linear, nothing to widen, nothing recorded
+    gm, run = _run(_aot("LayerNormMLP", recipe=R.Float8CurrentScaling()))
     assert run.status == "ok" and run.records == [] and not run.changed, run
     assert not [n for n in gm.graph.nodes if n.target is CONVERT]
 
 
-def test_fp32_input_kept_with_the_reason():
-    """An fp32 model has nothing to widen: the norm is kept and the record says why."""
+def test_fp32_values_kept_with_the_reason():
+    """An fp32 model has nothing to widen: the record says why, the graph is unchanged."""
     aot = _aot("LayerNormLinear")
     (norm,) = _named(aot.forward, NORM)
-    x = norm.args[0]
-    x.meta["val"] = x.meta["val"].to(torch.float32)
+    for n in (norm.args[0], _getitem(norm, 0)):
+        n.meta["val"] = n.meta["val"].to(torch.float32)
     gm, run = _run(aot)
-    assert [(r.kind, r.data["reason"]) for r in run.records] == [("kept", "its input is torch.float32: nothing to widen")]
-    assert not [n for n in gm.graph.nodes if n.target is CONVERT]
+    (lin,) = _named(gm, LINEAR)
+    assert [(r.kind, r.node, r.data["reason"]) for r in run.records] == [
+        ("kept", lin.name, "its inp is torch.float32: nothing to widen")]
+    assert not run.changed and lin.args[1] is _getitem(_named(gm, NORM)[0], 0)
 
 
-def test_second_run_changes_nothing_and_metadata_follows():
-    """Run twice (a re-lowering, a replay): the widened norm is recognised, no edit, no record; the
-    widened output's ``tensor_meta`` says fp32 like its ``val`` (pattern matchers read it)."""
+@pytest.mark.parametrize("stage", ["post_grad_fwd", "post_grad_bwd"])
+def test_second_run_changes_nothing(stage):
+    """Run twice (a re-lowering, a replay): the rebuilt / widened values are recognised, no edit,
+    no record."""
     from te_passes.passes.widen_delayed_inputs import WidenDelayedInputs
     from te_passes.testing.harness import run_passes
 
-    gm, run = _run(_aot("LayerNormLinear"))
-    assert [r.kind for r in run.records] == ["widened"]
-    (norm,) = _named(gm, NORM)
-    y = next(u for u in norm.users if u.args[1] == 0)
-    assert y.meta["tensor_meta"].dtype == torch.float32
-    again = run_passes(gm, WidenDelayedInputs(), "post_grad_fwd")
+    gm, run = _run(_aot("LayerNormMLP"), stage)
+    assert run.changed
+    again = run_passes(gm, WidenDelayedInputs(), stage)
     (rerun,) = again.report.runs
     assert rerun.status == "ok" and not rerun.changed and rerun.records == []
     assert again.after_code == again.before_code
 
 
 def test_fc1_grad_output_is_the_fp32_activation_gradient():
-    """The third rule, on LayerNormMLP's real AOT backward graph: fc1's backward op takes the fp32
-    gradient of the activation (TE eager's fused ``dbias_dgelu`` quantizes it from fp32), not its
-    bf16 rounding; fc2's backward op (its grad output is the graph's bf16 tangent) is untouched;
-    the op's outputs keep their fake dtypes (bias gradient bf16: ``grads_in_fake_dtypes``)."""
+    """The backward rule, on LayerNormMLP's real AOT backward graph: the activation's backward op
+    (TE's dgelu) runs on fp32 copies of fc2's dgrad and fc1's output, and fc1's backward op takes
+    its fp32 gradient (TE eager's fused ``dbias_dgelu`` quantizes it from fp32); fc2's backward op
+    (its grad output is the graph's bf16 tangent) is untouched; the op's outputs keep their fake
+    dtypes (bias gradient bf16: ``grads_in_fake_dtypes``)."""
     aot = _aot("LayerNormMLP")
     before = aot.copy()
-    bwd0 = _named(before.backward, "te_passes.delayed_linear_bwd.default")
-    assert [b.args[0].target is CONVERT for b in bwd0] == [False, True]
-    conv0 = bwd0[1].args[0]
-    assert conv0.args[1] == torch.bfloat16 and conv0.args[0].meta["val"].dtype == torch.float32
+    (dact0,) = _named(before.backward, ACT_BWD)
+    bwd0 = _named(before.backward, LINEAR_BWD)
+    assert bwd0[1].args[0] is dact0 and dact0.meta["val"].dtype == torch.bfloat16
     gm, run = _run(aot, "post_grad_bwd")
     assert run.status == "ok" and run.changed, run
-    fc2_bwd, fc1_bwd = _named(gm, "te_passes.delayed_linear_bwd.default")
+    fc2_bwd, fc1_bwd = _named(gm, LINEAR_BWD)
+    (dact,) = _named(gm, ACT_BWD)
     assert fc2_bwd.args[0].op == "placeholder" and fc2_bwd.args[0].name == bwd0[0].args[0].name
-    g32 = fc1_bwd.args[0]
-    assert g32.name == conv0.args[0].name and g32.meta["val"].dtype == torch.float32
-    assert g32.meta["val"].shape == conv0.meta["val"].shape
-    assert fc1_bwd.args[1:] == tuple(torch.fx.map_arg(bwd0[1].args[1:], lambda a: next(
-        n for n in gm.graph.nodes if n.name == a.name)))
+    assert fc1_bwd.args[0] is dact and dact.meta["val"].dtype == torch.float32
+    for a, old in zip(dact.args[:2], dact0.args[:2]):
+        assert a.target is CONVERT and a.args[1] == torch.float32 and a.args[0].name == old.name
+    assert dact.args[2:] == dact0.args[2:] == ("gelu", 7.0, 1.702, 1.0)
     assert [(r.kind, r.node, r.data) for r in run.records] == [
-        ("fed_fp32", fc1_bwd.name, {"value": g32.name, "skipped": conv0.name, "argument": "grad_output"})]
+        ("widened", dact.name, {"dtype": "bfloat16"}),
+        ("fed_fp32", fc1_bwd.name, {"value": dact.name, "argument": "grad_output", "source": "te_passes::te_act_bwd"})]
     assert [v.dtype for v in fc1_bwd.meta["val"][:3]] == [torch.bfloat16] * 3
     gm.graph.lint()
-    # a second run: the fp32 gradient is no convert, nothing to do
-    from te_passes.passes.widen_delayed_inputs import WidenDelayedInputs
-    from te_passes.testing.harness import run_passes
-
-    again = run_passes(gm, WidenDelayedInputs(), "post_grad_bwd")
-    assert again.report.runs[0].records == [] and again.after_code == again.before_code
 
 
 @pytest.mark.parametrize("stage", ["post_grad_fwd", "post_grad_bwd"])
@@ -188,7 +244,7 @@ def test_a_users_torch_activation_keeps_its_rounding(stage):
     linear keeps it, and the record says why."""
     aot = _aot("stack-gelu")
     graph = aot.forward if stage == "post_grad_fwd" else aot.backward
-    op = "te_passes.delayed_linear_fwd.default" if stage == "post_grad_fwd" else "te_passes.delayed_linear_bwd.default"
+    op = LINEAR if stage == "post_grad_fwd" else LINEAR_BWD
     i = 1 if stage == "post_grad_fwd" else 0
     rounded = [n for n in _named(graph, op) if n.args[i].target is CONVERT]
     assert len(rounded) == 1 and rounded[0].args[i].args[0].meta["val"].dtype == torch.float32
@@ -196,9 +252,9 @@ def test_a_users_torch_activation_keeps_its_rounding(stage):
     assert not run.changed, run
     argument = "inp" if i else "grad_output"
     assert [(r.kind, r.node, r.data["reason"]) for r in run.records] == [
-        ("kept", rounded[0].name, f"its {argument} is rounded from fp32 outside te_passes' LayerNormMLP activation: "
-         "TE eager quantizes the rounded value too")]
-    assert all(n.args[i].target is CONVERT for n in _named(gm, op) if n.name == rounded[0].name)
+        ("kept", rounded[0].name, f"its {argument} is rounded from fp32 by torch ops, not by one of TE's kernels "
+         "(te_norm_fwd / te_act_fwd / te_act_bwd): a user's torch activation, whose rounded value TE eager "
+         "quantizes too, or the torch-ops polyfills (TE_PASSES_UNTOUCHED_NORM=torch; te gives TE eager's numerics)")]
 
 
 def test_bias_gradient_comes_back_in_the_activation_dtype():
@@ -219,27 +275,28 @@ def test_bias_gradient_comes_back_in_the_activation_dtype():
         grads_in_fake_dtypes((w.float(), d, b), cfg)  # both GEMMs write the activation dtype
 
 
-def test_another_user_of_the_norm_output_gets_the_bf16_copy():
-    """A user of the norm output besides the linear (here the graph returns it too, as a module
-    returning its norm output would; the untouched polyfill keeps ``return_layernorm_output`` an
-    island): it gets ``y`` converted back to bf16 (one convert, after ``y``); the linear keeps the
-    fp32 ``y``; the graph's outputs keep their dtypes."""
-    aot = _aot("LayerNormLinear")
+def test_other_users_keep_the_bf16_values():
+    """Users besides the linears (here the graph returns the norm output and the activation, as a
+    module returning them would): the norm's bf16 output stays theirs; the widened activation gives
+    them one bf16 copy right after it; the linears take the fp32 values; outputs keep their dtypes."""
+    aot = _aot("LayerNormMLP")
     fw = aot.forward
     (norm0,) = _named(fw, NORM)
-    y0 = next(u for u in norm0.users if u.target is operator.getitem and u.args[1] == 0)
+    (act0,) = _named(fw, ACT)
     out = fw.graph.output_node()
-    out.args = ((*out.args[0], y0),)
+    out.args = ((*out.args[0], _getitem(norm0, 0), act0),)
     fw.recompile()
     before = [a.meta["val"].dtype for a in outs_of(fw)]
     gm, run = _run(aot)
-    assert [r.kind for r in run.records] == ["widened"], run.records
+    assert [r.kind for r in run.records] == ["fed_fp32", "widened", "fed_fp32"], run.records
     (norm,) = _named(gm, NORM)
-    y = next(u for u in norm.users if u.target is operator.getitem and u.args[1] == 0)
-    (lin,) = _named(gm, LINEAR)
-    narrow = [u for u in y.users if u.target is CONVERT]
-    assert len(narrow) == 1 and narrow[0].args == (y, torch.bfloat16) and set(y.users) == {lin, narrow[0]}
-    assert lin.args[1] is y and outs_of(gm)[-1] is narrow[0] and y not in outs_of(gm)
+    (act,) = _named(gm, ACT)
+    fc1, fc2 = _named(gm, LINEAR)
+    narrow = [u for u in act.users if u.target is CONVERT]
+    assert len(narrow) == 1 and narrow[0].args == (act, torch.bfloat16) and set(act.users) == {fc2, narrow[0]}
+    assert narrow[0].prev is act
+    assert outs_of(gm)[-2:] == [_getitem(norm, 0), narrow[0]] and fc2.args[1] is act
+    assert fc1.args[1] is not _getitem(norm, 0)
     assert [a.meta["val"].dtype for a in outs_of(gm)] == before
     gm.graph.lint()
 
@@ -253,28 +310,29 @@ def test_gated_activation_gradient_keeps_its_rounding(act):
     gradient, recorded; silu (fused): both rules fire."""
     aot = _aot(f"LayerNormMLP-{act}")
     _, fwd = _run(aot, "post_grad_fwd")
-    assert [r.kind for r in fwd.records] == ["fed_fp32", "widened"], fwd.records
+    assert [r.kind for r in fwd.records] == ["fed_fp32", "widened", "fed_fp32"], fwd.records
     gm, bwd = _run(aot, "post_grad_bwd")
-    fc2_bwd, fc1_bwd = _named(gm, "te_passes.delayed_linear_bwd.default")
+    fc2_bwd, fc1_bwd = _named(gm, LINEAR_BWD)
     if act == "silu":
-        assert [(r.kind, r.node, r.data["argument"]) for r in bwd.records] == [("fed_fp32", fc1_bwd.name, "grad_output")]
+        assert [(r.kind, r.data.get("argument")) for r in bwd.records] == [("widened", None),
+                                                                            ("fed_fp32", "grad_output")]
         assert fc1_bwd.args[0].meta["val"].dtype == torch.float32
         return
     assert [(r.kind, r.node, r.data["reason"]) for r in bwd.records] == [
-        ("kept", fc1_bwd.name, "its grad_output is a gated activation's gradient, which TE eager computes in bf16 "
+        ("kept", fc1_bwd.name, f"its grad_output is the gradient of {act!r}, which TE eager computes in bfloat16 "
          "and then quantizes (no fused dbias kernel under DelayedScaling)")]
-    assert fc1_bwd.args[0].target is CONVERT and not bwd.changed
+    assert op_name(fc1_bwd.args[0]) == ACT_BWD and not bwd.changed
 
 
-def test_a_graph_without_stack_traces_is_left_alone_and_says_so():
-    """No ``meta["stack_trace"]`` (a graph rebuilt by a rewrite that dropped it): the pass cannot
-    tell whose rounding it is, leaves it and records that, rather than a wrong reason."""
-    aot = _aot("LayerNormMLP")
-    for n in aot.backward.graph.nodes:
-        n.meta.pop("stack_trace", None)
-    gm, run = _run(aot, "post_grad_bwd")
-    (fc2_bwd, fc1_bwd) = _named(gm, "te_passes.delayed_linear_bwd.default")
-    assert [(r.kind, r.node, r.data["reason"]) for r in run.records] == [
-        ("kept", fc1_bwd.name, "its grad_output is rounded from fp32 where the graph has no stack trace: "
-         "cannot tell by whom")]
-    assert not run.changed
+def test_torch_ops_polyfills_are_kept_and_say_how_to_match_te(monkeypatch):
+    """``TE_PASSES_UNTOUCHED_NORM=torch``: the norm and activation in torch ops; the pass cannot
+    tell a polyfill's rounding from a user's, keeps both, and the reason names the switch."""
+    monkeypatch.setenv("TE_PASSES_UNTOUCHED_NORM", "torch")
+    gm, run = _run(_aot("LayerNormMLP"))
+    assert not _named(gm, NORM) and not _named(gm, ACT) and not run.changed
+    assert [r.kind for r in run.records] == ["kept", "kept"]
+    assert all("TE_PASSES_UNTOUCHED_NORM=torch" in r.data["reason"] for r in run.records)
+
+
+def op_name(node):
+    return str(node.target)
