@@ -113,10 +113,15 @@ class WidenDelayedInputs(TEPass):
             ok = [u for u in takers if not _in_other_args(u, v, i)]
             records.extend(PassRecord("kept", u.name, {"reason": f"it takes its {argument} in another argument too"})
                            for u in takers if u not in ok)
+            if source != NORM_OP and len(ok) < len(takers):  # widening v would hand those a bf16 copy: leave v
+                records.extend(PassRecord("kept", u.name, {"reason": f"another te.Linear takes its {argument} in "
+                                                                     "two arguments"}) for u in ok)
+                ok = []
             if not ok:
                 continue
             log = ctx.journal
-            value = self._rebuild(log, v, ok[0]) if source == NORM_OP else self._widen(log, v, ok, records)
+            # lin: the first taker in graph order (the loop walks the graph), so the new nodes precede them all
+            value = self._rebuild(log, v, lin) if source == NORM_OP else self._widen(log, v, ok, records)
             for u in ok:
                 log.set_args(u, (*u.args[:i], value, *u.args[i + 1:]))
                 data = {"value": value.name, "skipped": v.name} if value is not v else {"value": value.name}
@@ -168,13 +173,16 @@ class WidenDelayedInputs(TEPass):
     @staticmethod
     def _rebuild(log, y: torch.fx.Node, lin: torch.fx.Node) -> torch.fx.Node:
         """``y32`` from the norm node's input, weight, bias and statistics (mu, rsigma: shaped like
-        ``x`` without its last dim, ``te_norm_fwd``), before ``lin`` (the first linear taking ``y``)."""
+        ``x`` without its last dim, ``te_norm_fwd``), before ``lin`` (the first linear taking ``y``,
+        in graph order)."""
         norm = y.args[0]
         x, w, b, _eps, rms, zcg = norm.args[:6]
         stats = {u.args[1]: u for u in norm.users if u.target is operator.getitem}
-        for k in (1, 2):  # mu, rsigma: reuse the graph's getitem, else add one
+        for k in (2,) if rms else (1, 2):  # rsigma (and mu): the graph's getitem, else a new one (no-grad graphs)
             if k not in stats:
-                stats[k] = _add(log, operator.getitem, (norm, k), lin)
+                val = norm.meta["val"][k]
+                stats[k] = log.call_function(operator.getitem, (norm, k), before=lin, meta={
+                    "val": val, "tensor_meta": _extract_tensor_metadata(val)})
         rs = _add(log, _A.unsqueeze.default, (stats[2], -1), lin)
         x32 = _f32(log, x, lin)
         if rms:

@@ -81,7 +81,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
 DBIAS_FUSED: frozenset[str] = frozenset({"gelu", "qgelu", "relu", "srelu", "silu"})
 
 #: Gated activations: act(first half) * second half of the last dim, [..., 2n] -> [..., n]
-#: (``activation.cpp``'s ``shape_divisor=2``, TE 2.20.2).
+#: (``activation.cpp``'s ``shape_divisor=2``, TE 2.20.2; LayerNormMLP's fc1 is twice as wide for them).
 GATED: frozenset[str] = frozenset({"geglu", "glu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"})
 
 

@@ -29,7 +29,7 @@ CONVERT = torch.ops.prims.convert_element_type.default
 A = torch.ops.aten
 
 
-def _aot(name, recipe=None):
+def _aot(name, recipe=None, training=True):
     from tests.runtime.test_delayed_linear import BUILDS, _capture, _te
 
     if name == "stack-gelu":  # two te.Linears with torch's GELU between (the user's, not TE's)
@@ -40,9 +40,10 @@ def _aot(name, recipe=None):
             64, 256, params_dtype=torch.bfloat16, device="cuda", activation=act))["aot"]
     if name.startswith("LayerNormLinear-"):  # "LayerNormLinear-RMSNorm", "LayerNormLinear-LayerNorm-zcg"
         _, normalization, *zcg = name.split("-")
-        return _capture(("HYBRID", 16, "max"), 0, prepare=False, recipe=recipe, build=lambda: _te().LayerNormLinear(
-            64, 64, params_dtype=torch.bfloat16, device="cuda", normalization=normalization,
-            zero_centered_gamma=bool(zcg)))["aot"]
+        return _capture(("HYBRID", 16, "max"), 0, prepare=False, recipe=recipe, training=training,
+                        build=lambda: _te().LayerNormLinear(64, 64, params_dtype=torch.bfloat16, device="cuda",
+                                                            normalization=normalization,
+                                                            zero_centered_gamma=bool(zcg)))["aot"]
     build, _ = BUILDS[name]
     return _capture(("HYBRID", 16, "max"), 0, prepare=False, build=build, recipe=recipe)["aot"]
 
@@ -85,7 +86,7 @@ def _check_rebuilt(gm, norm, y32, rms=False, zcg=False):
     """``y32`` is TE's norm formula over the norm node's own input, weight, bias and statistics,
     node for node, fp32; evaluated on CPU it equals torch's fp32 norm of the same input."""
     x, w, b = norm.args[:3]
-    mu, rs = _getitem(norm, 1), _getitem(norm, 2)
+    mu, rs = None if rms else _getitem(norm, 1), _getitem(norm, 2)
     f32 = lambda n: n.target is CONVERT and n.args[1] == torch.float32  # noqa: E731
     if not rms:
         assert y32.target is A.add.Tensor and f32(y32.args[1]) and y32.args[1].args[0] is b
@@ -233,7 +234,6 @@ def test_fc1_grad_output_is_the_fp32_activation_gradient():
     assert [(r.kind, r.node, r.data) for r in run.records] == [
         ("widened", dact.name, {"dtype": "bfloat16"}),
         ("fed_fp32", fc1_bwd.name, {"value": dact.name, "argument": "grad_output", "source": "te_passes::te_act_bwd"})]
-    assert [v.dtype for v in fc1_bwd.meta["val"][:3]] == [torch.bfloat16] * 3
     gm.graph.lint()
 
 
@@ -336,3 +336,72 @@ def test_torch_ops_polyfills_are_kept_and_say_how_to_match_te(monkeypatch):
 
 def op_name(node):
     return str(node.target)
+
+
+@pytest.mark.parametrize("act,stage", [("gelu", "post_grad_fwd"), ("swiglu", "post_grad_fwd"),
+                                       ("gelu", "post_grad_bwd"), ("silu", "post_grad_bwd")])
+def test_metadata_is_what_fake_propagation_gives(act, stage):
+    """Every node's ``meta["val"]`` after the pass (the new nodes', the widened op's, and the
+    delayed ops' own: their fakes now see fp32 arguments) equals a fresh fake propagation of the
+    rewritten graph, shape and dtype."""
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from te_passes.testing.fake_gpu import fake_gpu, quiet
+
+    def sig(v):
+        return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(v)]
+
+    gm, run = _run(_aot(f"LayerNormMLP-{act}"), stage)
+    assert run.changed
+    old = {n: sig(n.meta.get("val")) for n in gm.graph.nodes if n.op == "call_function"}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with quiet(), fake_gpu("fp8-cs"):
+        inputs = [mode.from_tensor(p.meta["val"]) if isinstance(p.meta.get("val"), torch.Tensor) else p.meta.get("val")
+                  for p in gm.graph.nodes if p.op == "placeholder"]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    assert {n.name: sig(n.meta.get("val")) for n in old} == {n.name: v for n, v in old.items()}
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_inference_graph_without_the_statistics(normalization):
+    """A no-grad graph drops the norm's unused mean / rsigma getitems: the pass adds the one it
+    needs (rsigma; LayerNorm also mu) with the norm's own fake values."""
+    aot = _aot(f"LayerNormLinear-{normalization}", training=False)
+    (norm0,) = _named(aot.forward, NORM)
+    assert {u.args[1] for u in norm0.users} == {0}
+    gm, run = _run(aot)
+    assert run.status == "ok" and [r.kind for r in run.records] == ["fed_fp32"], run
+    (norm,) = _named(gm, NORM)
+    (lin,) = _named(gm, LINEAR)
+    rms = normalization == "RMSNorm"
+    assert {u.args[1] for u in norm.users} == ({0, 2} if rms else {0, 1, 2})
+    _check_rebuilt(gm, norm, lin.args[1], rms=rms)
+    gm.graph.lint()
+
+
+def test_linears_sharing_the_norm_output_in_any_user_order():
+    """Two delayed linears take one norm output, the later one first in ``y.users`` (an earlier
+    rewrite re-pointed it): one rebuilt value, defined before both."""
+    aot = _aot("LayerNormLinear")
+    fw = aot.forward
+    (lin,) = _named(fw, LINEAR)
+    y = lin.args[1]
+    with fw.graph.inserting_before(lin):
+        tmp = fw.graph.call_function(A.clone.default, (y,))
+        tmp.meta = dict(y.meta)
+        lin2 = fw.graph.node_copy(lin, lambda n: tmp if n is y else n)
+        out2 = fw.graph.call_function(operator.getitem, (lin2, 0))
+        out2.meta["val"] = lin2.meta["val"][0]
+    out = fw.graph.output_node()
+    out.args = ((*out.args[0], out2),)
+    lin2.replace_input_with(tmp, y)
+    fw.graph.erase_node(tmp)
+    fw.recompile()
+    assert [u.name for u in y.users][:2] == [lin.name, lin2.name] and lin2.next is not lin
+    gm, run = _run(aot)
+    assert run.status == "ok", run
+    first, second = _named(gm, LINEAR)
+    assert first.args[1] is second.args[1] and [r.kind for r in run.records] == ["fed_fp32", "fed_fp32"]
+    gm.graph.lint()  # every argument defined before its user

@@ -26,14 +26,24 @@ def test_dbias_fused_is_tes_list():
 @pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 @pytest.mark.parametrize("name", sorted(norm_act.ACTIVATIONS))
 def test_gated_and_the_te_op_fake_follow_tes_kernels(name):
-    """``GATED`` is the activations whose TE kernel halves the last dim: the torch-ops activation's
-    shape says it, and the ``te_passes::te_act_fwd`` / ``_bwd`` fakes give that shape (forward) and
+    """``GATED`` is the activations whose TE kernel halves the last dim: TE's LayerNormMLP makes
+    their fc1 twice ``ffn_hidden_size`` wide (``module/layernorm_mlp.py``), the torch-ops
+    activation's shape says it, and the ``te_passes::te_act_fwd`` / ``_bwd`` fakes give that shape (forward) and
     the input's (backward) in the input dtype, the pybind function they call exists in TE's
     extension."""
     import transformer_engine_torch as tex
 
     from te_passes.runtime.ops import te_act
 
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_passes.testing.fake_gpu import capture_lock, constructing, fake_gpu, import_te, quiet
+
+    te = import_te()
+    with capture_lock, quiet(), fake_gpu("bf16"), FakeTensorMode(allow_non_fake_inputs=True), constructing():
+        mlp = te.LayerNormMLP(64, 32, activation=name, params_dtype=torch.bfloat16, device="cuda")
+        fc1_rows = mlp.fc1_weight.shape[0]
+    assert (fc1_rows == 64) == (name in norm_act.GATED), (name, fc1_rows)  # TE's fc1 is twice ffn wide: gated
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     params = {"limit": 7.0, "alpha": 1.702} if name == "clamped_swiglu" else None
     n = norm_act.activation(x, name, params).shape[-1]
