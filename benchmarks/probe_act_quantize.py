@@ -83,19 +83,23 @@ def main() -> None:
                 qf = quantizer(scale)
                 fused = norm(x, w, b, qf, torch.bfloat16)[0]
                 _, mu, rs = norm(x, w, b, None, torch.bfloat16)
-                paths = {"stats of the bf16 kernel, y rebuilt (widen_delayed_inputs)": rebuild(
+                paths = {"stats of the bf16 kernel, y rebuilt (widen_delayed_inputs)": lambda: rebuild(
                              x, w, b, None if rms else mu, rs),
-                         "bf16 in, fp32 out": norm(x, w, b, None, torch.float32)[0],
-                         "fp32 copies (session 12's rule)": norm(x.float(), w.float(),
-                                                                    None if b is None else b.float(), None,
-                                                                    torch.float32)[0]}
-                for name, y in paths.items():
+                         "bf16 in, fp32 out": lambda: norm(x, w, b, None, torch.float32)[0],
+                         "fp32 copies (session 12's rule)": lambda: norm(
+                             x.float(), w.float(), None if b is None else b.float(), None, torch.float32)[0]}
+                what = f"{'rmsnorm' if rms else 'layernorm'} | {rows} x {hidden} | {scale} | "
+                for name, path in paths.items():
+                    try:
+                        y = path()
+                    except RuntimeError as e:  # TE has no kernel for bf16 in / fp32 out (common.h getKernel)
+                        print(f"{what}{name} | unavailable: {str(e).splitlines()[0][-70:]} | - | -", flush=True)
+                        continue
                     q = quantizer(scale)
                     out = q(y)
                     diff = (out._data != fused._data).sum().item()
-                    print(f"{'rmsnorm' if rms else 'layernorm'} | {rows} x {hidden} | {scale} | {name} | {diff} of "
-                          f"{out._data.numel()} | {qf.amax.item():.8g} / {q.amax.item():.8g} | -", flush=True)
-
+                    print(f"{what}{name} | {diff} of {out._data.numel()} | {qf.amax.item():.8g} / "
+                          f"{q.amax.item():.8g} | -", flush=True)
 
 if __name__ == "__main__":
     main()
