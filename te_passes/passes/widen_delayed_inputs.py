@@ -16,31 +16,31 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
+from te_passes.runtime.ops import te_act
+from te_passes.runtime.untouched.polyfills import NORM_ENV
 from te_passes.te.norm_act import DBIAS_FUSED
 
 #: The untouched-model polyfills' TE-kernel ops (``te_passes.runtime.ops.te_norm`` / ``te_act``) and
 #: the DelayedScaling te.Linear op pair (``te_passes.runtime.delayed.linear``): the forward's ``inp``
 #: is argument 1, the backward's ``grad_output`` argument 0.
 NORM_OP = "te_passes::te_norm_fwd"
-ACT_OP = "te_passes::te_act_fwd"
-ACT_BWD_OP = "te_passes::te_act_bwd"
+ACT_OP, ACT_BWD_OP = te_act.FWD_OP, te_act.BWD_OP
 LINEAR_OP = "te_passes::delayed_linear_fwd"
 LINEAR_BWD_OP = "te_passes::delayed_linear_bwd"
 #: Activation dtypes the pass widens (TE's kernels compute in fp32 and round on the way out).
 NARROW = (torch.bfloat16, torch.float16)
 _A = torch.ops.aten
-#: The switch between the polyfills' TE kernels and torch ops (``runtime/untouched/polyfills.py``).
-NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
 
 
-def _add(log, target, args: tuple, before: torch.fx.Node) -> torch.fx.Node:
-    """A new ``target(*args)`` node before ``before``, its fake ``meta["val"]`` (and ``tensor_meta``)
-    computed by running ``target`` on the arguments' fake values."""
+def _add(log, target, args: tuple, before: torch.fx.Node | None = None, after: torch.fx.Node | None = None
+         ) -> torch.fx.Node:
+    """A new ``target(*args)`` node before ``before`` (or after ``after``), its fake ``meta["val"]``
+    (and ``tensor_meta``) computed by running ``target`` on the arguments' fake values."""
     vals = map_arg(args, lambda a: a.meta["val"])
     with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
         val = target(*vals)
     return log.call_function(target, args, meta={"val": val, "tensor_meta": _extract_tensor_metadata(val)},
-                             before=before)
+                             before=before, after=after)
 
 
 def _f32(log, x, before):
@@ -211,8 +211,7 @@ class WidenDelayedInputs(TEPass):
             log.set_meta(v, "tensor_meta", _extract_tensor_metadata(val))
         others = [u for u in v.users if u not in takers]
         if others:
-            narrow = log.call_function(torch.ops.prims.convert_element_type.default, (v, dtype),
-                                       meta={"val": val.to(dtype)}, after=v)
+            narrow = _add(log, torch.ops.prims.convert_element_type.default, (v, dtype), after=v)
             for user in others:
                 log.set_args(user, map_arg(user.args, lambda a: narrow if a is v else a),
                              map_arg(user.kwargs, lambda a: narrow if a is v else a))
