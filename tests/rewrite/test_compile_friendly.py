@@ -163,12 +163,14 @@ def test_state_dict_identity_and_reload():
     assert list(sd1) == list(sd0)
     assert {k: v.data_ptr() for k, v in sd1.items() if v.numel()} == ptrs0
     assert all(p is params0[n] for n, p in layer.named_parameters()) and len(list(layer.parameters())) == len(params0)
-    # the hidden te.Linear modules run on the very same Parameter objects
+    # the hidden te.Linear modules run on the very same Parameter objects, read from the owner
+    # at each call (they hold none of their own)
     mlp = layer.layernorm_mlp
     fc1, fc2 = module_state.state_of(mlp).linears
-    assert fc1.fc1_weight is mlp.fc1_weight and fc2.fc2_bias is mlp.fc2_bias and fc1.weight_names == ["fc1_weight"]
+    assert fc1._get_weight_tensors()[0] is mlp.fc1_weight and fc2._get_weight_and_bias_tensors()[1] is mlp.fc2_bias
+    assert fc1.weight_names == ["fc1_weight"] and not list(fc1.parameters()) and not list(fc2.parameters())
     qkv_lin = module_state.state_of(layer.self_attention.layernorm_qkv).linears[0]
-    assert qkv_lin.query_weight is layer.self_attention.layernorm_qkv.query_weight
+    assert qkv_lin._get_weight_tensors()[0] is layer.self_attention.layernorm_qkv.query_weight
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(1.0)
@@ -176,7 +178,7 @@ def test_state_dict_identity_and_reload():
     res = layer.load_state_dict(torch.load(buf, weights_only=False))
     assert not res.missing_keys and not res.unexpected_keys
     assert all(torch.equal(v, sd0[k]) for k, v in layer.state_dict().items())
-    assert fc1.fc1_weight is mlp.fc1_weight  # loading copies into the shared objects
+    assert fc1._get_weight_tensors()[0] is mlp.fc1_weight  # loading copies into the shared objects
     # restore() swaps the TE classes back
     assert sorted(cf.restore(layer)) == ["layernorm_mlp", "self_attention", "self_attention.core_attention",
                                          "self_attention.layernorm_qkv"]

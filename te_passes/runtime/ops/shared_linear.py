@@ -12,6 +12,7 @@ def _split_cat_linear_cls():
     import transformer_engine.pytorch as te
 
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
     class _SharedLinear(te.Linear):
         """A ``te.Linear`` running on parameters owned by another module; under DelayedScaling on
@@ -58,12 +59,24 @@ def _split_cat_linear_cls():
             qw.internal = True
             return [qw]
 
+        def _get_weight_tensors(self):
+            # te.Linear._get_weight_tensors (module/linear.py) on the owner's *current* Parameters:
+            # a swap on the owner (functional_call, load_state_dict(assign=True), attribute
+            # assignment, FSDP2) reaches the GEMM; Dynamo guards / lifts the owner's attribute
+            weights = owner_tensors(self, self.weight_names)
+            if any(isinstance(w, QuantizedTensor) for w in weights):
+                if not self.fp8:
+                    return [w.dequantize() for w in weights]
+                if len(weights) != 1:
+                    raise RuntimeError("Splitting QuantizedTensor into multiple params is not supported")
+            return weights
+
         def _get_weight_and_bias_tensors(self):
             weights = self._get_weight_tensors()
             weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
             bias = None
             if self.use_bias:
-                biases = [getattr(self, n) for n in self.bias_names]
+                biases = owner_tensors(self, self.bias_names)
                 bias = biases[0] if len(biases) == 1 else torch.cat(biases, dim=0)
             return weight, bias
 
@@ -100,35 +113,41 @@ def owner_delayed_slots(lin: torch.nn.Module, manager) -> tuple[torch.nn.Module,
     return link
 
 
+def owner_tensors(lin: torch.nn.Module, names: list[str]) -> list:
+    """The tensors ``names`` of hidden ``te.Linear`` ``lin``'s owner as the owner holds them *now*
+    (``Parameter``\\ s, or TE's empty placeholder tensor for "no bias"): the hidden module keeps no
+    reference of its own, so a parameter swapped on the owner is what the GEMM reads."""
+    owner = lin.__dict__[OWNER_ATTR][0]
+    return [getattr(owner, n) for n in names]
+
+
 def shared_linear(owner: torch.nn.Module, *, in_features: int, out_features: int,
                    weight_names: list[str], bias_names: list[str], split_sizes: list[int],
                    use_bias: bool, return_bias: bool, parallel_mode: str | None, name: str | None,
                    dtype: torch.dtype, slots: tuple[int, int] = (0, 0)) -> torch.nn.Module:
-    """A hidden ``te.Linear`` (built on ``meta``, no allocation) whose weights/biases are
-    ``owner``'s ``Parameter`` objects ``weight_names`` / ``bias_names`` and, under DelayedScaling,
-    whose quantizers are ``owner``'s at ``slots`` (forward, backward: :func:`owner_delayed_slots`)."""
+    """A hidden ``te.Linear`` (built on ``meta``, no allocation) whose GEMM reads ``owner``'s
+    weights / biases ``weight_names`` / ``bias_names`` at every call (:func:`owner_tensors`: it
+    registers no ``Parameter`` of its own, so a swapped owner parameter is never ignored) and, under
+    DelayedScaling, whose quantizers are ``owner``'s at ``slots`` (forward, backward:
+    :func:`owner_delayed_slots`)."""
     if not _SHARED_LINEAR:
         _SHARED_LINEAR.append(_split_cat_linear_cls())
     lin = _SHARED_LINEAR[0](in_features, out_features, bias=use_bias, return_bias=return_bias,
                             params_dtype=dtype, parallel_mode=parallel_mode, device="meta", name=name)
-    for n in ("weight", "bias"):
+    for n in ("weight", "bias", *weight_names, *bias_names):
         lin._parameters.pop(n, None)
         lin.__dict__.pop(n, None)
     lin.weight_names, lin.bias_names, lin.parameter_split_sizes = list(weight_names), list(bias_names), list(split_sizes)
-    for n in weight_names:
-        torch.nn.Module.register_parameter(lin, n, getattr(owner, n))
-    for n in bias_names:
-        v = getattr(owner, n)
-        if isinstance(v, torch.nn.Parameter):
-            torch.nn.Module.register_parameter(lin, n, v)
-        else:  # TE's placeholder for "no bias": an empty plain tensor attribute
-            object.__setattr__(lin, n, v)
     lin.train(owner.training)
     lin.__dict__[OWNER_ATTR] = (owner, *slots)
     # Built on meta, te.Linear skipped this: the process-global cuBLAS workspace must exist before
-    # the first GEMM (which may run inside a cudagraph pool under reduce-overhead). A no-op for
-    # fake or non-cuda parameters.
-    lin._prealloc_cublas_workspace()
+    # the first GEMM (which may run inside a cudagraph pool under reduce-overhead). TE's method reads
+    # the weight by name: lent for the call. A no-op for fake or non-cuda parameters.
+    lin._parameters[weight_names[0]] = getattr(owner, weight_names[0])
+    try:
+        lin._prealloc_cublas_workspace()
+    finally:
+        del lin._parameters[weight_names[0]]
     return lin
 
 

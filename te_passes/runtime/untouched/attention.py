@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from te_passes.runtime.ops.fused_attn import fused_attention_op, refused_reason
 from te_passes.te.fused_attn import head_dim_problem
@@ -76,6 +77,14 @@ def fused_attention_call_problem(mod: Any, q: Any, k: Any, v: Any, call: dict[st
     return None
 
 
+def _constant(v: Any) -> Any:
+    """``v`` with a symbolic scalar (``SymInt`` / ``SymFloat`` / ``SymBool``) specialised under a
+    guard (Dynamo's ``guard_scalar``); anything else as it is."""
+    # Dynamo answers type(v) / isinstance for an unspecialised scalar with its Python type (float, int)
+    symbolic = type(v) in (int, float, bool) or isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+    return guard_scalar(v) if symbolic else v
+
+
 def _fused_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str, cu_q: Any, cu_kv: Any, *,
               is_training: bool, attn_scale: Any, deterministic: bool, layer_number: Any, **call: Any) -> torch.Tensor:
     """The ``fused_attn`` op on q / k / v (made contiguous) of format ``fmt``, as TE's ``FusedAttention.forward``
@@ -86,13 +95,19 @@ def _fused_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str, cu_q:
 
     q, k, v = (t.contiguous() for t in (q, k, v))
     seq_dim = 0 if fmt == "sbhd" else 1
-    batch, s_q, s_kv = q.shape[1 - seq_dim], q.shape[seq_dim], k.shape[seq_dim]
+    # TE's op holds max_seqlen_q / _kv in its OpaqueValueBundle, a compile-time constant: a symbolic
+    # sequence length (automatic dynamic shapes, dynamic=True) is specialised here with a guard
+    # (Dynamo's guard_scalar): one graph per sequence length, the batch dimension stays dynamic
+    batch, s_q, s_kv = q.shape[1 - seq_dim], guard_scalar(q.shape[seq_dim]), guard_scalar(k.shape[seq_dim])
+    # likewise every other scalar of the bundle (dynamic=True makes module floats symbolic: softmax_scale)
+    attn_scale = _constant(attn_scale)
+    call = {f: _constant(v) for f, v in call.items()}
     cu_q = dpa_utils.get_full_cu_seqlens(batch, s_q, q.device) if cu_q is None else cu_q[: batch + 1]
     cu_kv = dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device) if cu_kv is None else cu_kv[: batch + 1]
     args = FusedAttnFwdArgs(
         q=q, k=k, v=v, attn_bias=None, softmax_offset=None, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
         cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
-        packed_qkv=None, packed_kv=None, is_training=is_training, max_seqlen_q=int(s_q), max_seqlen_kv=int(s_kv),
+        packed_qkv=None, packed_kv=None, is_training=is_training, max_seqlen_q=s_q, max_seqlen_kv=s_kv,
         attn_scale=attn_scale, dropout_p=0.0, qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_bias_type="no_bias",
         softmax_type="vanilla", deterministic=deterministic, use_FAv2_bwd=False, return_max_logit=False,
         rng_gen=None, fp8=False, fp8_meta=None, quantizers=None, fp8_output=False, bf16_backward=False,
