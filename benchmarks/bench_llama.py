@@ -62,9 +62,12 @@ PRESETS: dict[str, list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
     ],
 }
 GPU_CALL_S, GPU_BUDGET_S = 540.0, 430.0
-#: Estimated seconds on one H100 (cold caches): a worker's start (imports, CUDA init, the TE eager
-#: reference), a compile of one layer (te_inductor on a TransformerLayer: ~20-40 s; session 15's
-#: toy layer took 5-7 s warm) and per further layer, eager / mgc set-up, and 57 timed-or-profiled steps.
+#: Estimated seconds on one H100, on the safe side: a worker's start (imports, CUDA init, the TE
+#: eager reference; 14-20 s for session 15's first rows), a compile + first step of one layer (the
+#: lead's figure for a TransformerLayer on H100: 20-40 s; measured on the toy layer (2048, 8192, 16):
+#: te_inductor 5.3-7.2 s, -ro 3.4-4.5 s, session 15, docs/benchmarks/h100_2026-12-06_s15/; 4 layers
+#: 15-19 s on the H200, session 5) and per further layer, eager / mgc set-up, and 57 steps (1 + warmup 6
+#: + 30 timed + 10 profiled + 10 split).
 COST_S = dict(worker=20.0, compile=30.0, per_layer=8.0, torchao=10.0, plain=4.0)
 #: TE eager ms per 1000 layer-tokens (issue 41's H100 table: 8.63 ms for 4096 llama8b tokens, fp8)
 STEP_MS_PER_KTOK = {"llama8b": 2.6, "llama1b": 0.8}
