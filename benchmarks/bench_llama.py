@@ -152,14 +152,16 @@ def tasks_of(args, drop_mxfp8: str | None = None) -> list[dict]:
 
 
 def mxfp8_reason() -> str | None:
-    """Why this machine's GPU cannot run MXFP8 (not Blackwell, sm_100+, or no GPU), or None."""
+    """Why this machine cannot run MXFP8 (no GPU, or TE's ``is_mxfp8_available`` says no: Blackwell
+    only), or None."""
     import torch
 
     if not torch.cuda.is_available():
-        return "no CUDA device"
-    cap = torch.cuda.get_device_capability()
-    return None if cap[0] >= 10 else (f"MXFP8 needs Blackwell (sm_100+); {torch.cuda.get_device_name()} is "
-                                      f"sm_{cap[0]}{cap[1]}: mxfp8 rows left out")
+        return "MXFP8: no CUDA device"
+    import transformer_engine.pytorch as te
+
+    ok, why = te.is_mxfp8_available(return_reason=True)
+    return None if ok else f"MXFP8 unavailable on {torch.cuda.get_device_name()} ({why}): mxfp8 rows left out"
 
 
 def estimate_s(task: dict) -> float:

@@ -375,3 +375,23 @@ def test_competitor_row_is_measured_against_te_names(monkeypatch, tmp_path):
                               out=str(tmp_path), kernel_list=True, accumulate=False)
     row = tv.measure(dict(precision="bf16", variant="eager"), args, model, x, dy, ref, prepare=False, tag="t")
     assert row["bit_identical"] == "20/20" and row["max_rel_err"] == 0.0 and row["kernels"] == {}
+
+
+def test_mxfp8_left_out_with_the_reason(monkeypatch):
+    """On a GPU without MXFP8 (TE's is_mxfp8_available says no: Hopper) the plan leaves the mxfp8
+    rows out and writes TE's reason into the notes; on one with it they stay."""
+    te = _te()
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(te, "is_mxfp8_available", lambda return_reason=False: (False, "needs sm_100+"))
+    why = bl.mxfp8_reason()
+    assert why == "MXFP8 unavailable on NVIDIA H100 80GB HBM3 (needs sm_100+): mxfp8 rows left out"
+    args = _ns(rows=["llama8b-4096"], recipes=["fp8", "mxfp8"], variants=["eager"], gpu_plan=False, dry_run=False,
+               plan=False, no_cpu_check=True, rope=False)
+    assert [t["precision"] for t in bl.plan(args)] == ["fp8"] and args.plan_notes == [why]
+    assert why in bl.notes(argparse.Namespace(**dict(vars(args), accumulate=False, iters=30, warmup=6,
+                                                     kernel_steps=10)))
+    monkeypatch.setattr(te, "is_mxfp8_available", lambda return_reason=False: (True, ""))
+    assert [t["precision"] for t in bl.plan(args)] == ["fp8", "mxfp8"] and args.plan_notes == []
