@@ -173,10 +173,12 @@ def host_gpu_split(step: Callable[[], Any], steps: int) -> dict[str, Any]:
                 host_waited=bool(waited))
 
 
-def kernel_sum_ms(step: Callable[[], Any], steps: int = 10, trace_to: Path | None = None) -> float:
+def kernel_sum_ms(step: Callable[[], Any], steps: int = 10, trace_to: Path | None = None,
+                  by_name: dict[str, list[float]] | None = None) -> float:
     """Sum of the device-side events' durations per step under ``torch.profiler`` (kernels, memcpy,
     memset; kernels inside CUDA-graph replays included): the step's kernel-time floor, in ms (0
-    without a GPU). ``trace_to``: also write the key-averages tables (by device / host time) there."""
+    without a GPU). ``trace_to``: also write the key-averages tables (by device / host time) there.
+    ``by_name``: filled with device event name -> ``[launches, µs]`` per step (the kernel list)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -193,9 +195,14 @@ def kernel_sum_ms(step: Callable[[], Any], steps: int = 10, trace_to: Path | Non
         trace_to.write_text(f"torch.profiler, {steps} steps\n\n## by device time\n"
                             + ka.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40)
                             + "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40))
-    us = sum(e.time_range.elapsed_us() for e in prof.events()  # GPU-side user ranges would double count
-             if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
-    return us / 1e3 / steps
+    dev = [e for e in prof.events()  # GPU-side user ranges would double count
+           if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    if by_name is not None:
+        for e in dev:
+            n_us = by_name.setdefault(e.name, [0.0, 0.0])
+            n_us[0] += 1 / steps
+            n_us[1] += e.time_range.elapsed_us() / steps
+    return sum(e.time_range.elapsed_us() for e in dev) / 1e3 / steps
 
 
 def cprofile(step: Callable[[], Any], path: Path, steps: int = 20) -> None:

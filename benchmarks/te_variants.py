@@ -15,8 +15,9 @@ from typing import Any, Callable
 import harness
 
 #: ``bf16``: no te.autocast; ``fp8``: Float8CurrentScaling; ``fp8-delayed``: DelayedScaling;
-#: ``fp8-block``: Float8BlockScaling (each built once, outside the compiled function).
-PRECISIONS = ("bf16", "fp8", "fp8-delayed", "fp8-block")
+#: ``fp8-block``: Float8BlockScaling; ``mxfp8``: MXFP8BlockScaling (Blackwell only; each built once,
+#: outside the compiled function).
+PRECISIONS = ("bf16", "fp8", "fp8-delayed", "fp8-block", "mxfp8")
 #: every variant (what each is: docs/benchmarks.md "Benchmark harness", Variants)
 VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-nodirect", "te_inductor-nohoist",
             "te_inductor-ro", "te_inductor-ro-lean", "te_inductor-ro-trees", "te_step-ro", "te_mgc", "te_mgc-noclone",
@@ -31,7 +32,7 @@ def recipe_for(precision: str):
     from transformer_engine.common import recipe as r
 
     return {"bf16": lambda: None, "fp8": r.Float8CurrentScaling, "fp8-delayed": r.DelayedScaling,
-            "fp8-block": r.Float8BlockScaling}[precision]()
+            "fp8-block": r.Float8BlockScaling, "mxfp8": r.MXFP8BlockScaling}[precision]()
 
 
 def forward_of(model, recipe) -> Callable:
@@ -57,10 +58,13 @@ def _te_compile(fn, mode: str | None, options: dict[str, Any]):
     return torch.compile(fn, backend=functools.partial(te_inductor, mode=mode, options=options))
 
 
-def build_step(variant: str, model, recipe, x, dy, options: dict[str, Any], prepare: bool) -> tuple[Callable, dict]:
+def build_step(variant: str, model, recipe, x, dy, options: dict[str, Any], prepare: bool, *,
+               accumulate: bool = False) -> tuple[Callable, dict]:
     """``(step, info)`` for ``variant``: ``step()`` runs ``p.grad = None``, forward, backward and
     returns the output; ``info`` holds ``unavailable`` when the API the variant needs is missing.
-    ``prepare``: ``prepare_te_state`` first (compiled ``inductor*`` / ``te_inductor*`` variants only)."""
+    ``prepare``: ``prepare_te_state`` first (compiled ``inductor*`` / ``te_inductor*`` variants only).
+    ``accumulate``: parameter gradients are not cleared between steps (backward adds into ``.grad``;
+    ``x.grad`` is still cleared)."""
     import torch
     import transformer_engine.pytorch as te
 
@@ -72,7 +76,7 @@ def build_step(variant: str, model, recipe, x, dy, options: dict[str, Any], prep
     mark = False
 
     def zero():
-        for p in params:
+        for p in () if accumulate else params:
             p.grad = None
         x.grad = None
 
@@ -188,7 +192,9 @@ def measure(task: dict, args, model, x, dy, ref: dict, *, prepare: bool, tag: st
     """One row: first call (compile / capture + one step) and its numerics against ``ref``, timed
     steps, kernel-time sum, host / GPU split, compile counters, peak memory (MiB over what was
     allocated before ``model`` was handed in; ``peak_mib`` steady state, ``first_peak_mib`` the
-    first call). ``args``: warmup, iters, kernel_steps, split_steps, te_option, profile, trace, out."""
+    first call). ``args``: warmup, iters, kernel_steps, split_steps, te_option, profile, trace, out;
+    optional: ``accumulate`` (:func:`build_step`), ``kernel_list`` (``row["kernels"]``: kernel name ->
+    ``[launches, µs]`` per step, :func:`harness.kernel_sum_ms`)."""
     import torch
 
     from te_passes.report import clear_compile_reports
@@ -201,7 +207,8 @@ def measure(task: dict, args, model, x, dy, ref: dict, *, prepare: bool, tag: st
     torch.cuda.reset_peak_memory_stats()
     with CompileWatch() as watch:
         t0 = time.perf_counter()
-        step, info = build_step(task["variant"], model, recipe, x, dy, harness.parse_kv(args.te_option), prepare)
+        step, info = build_step(task["variant"], model, recipe, x, dy, harness.parse_kv(args.te_option), prepare,
+                                accumulate=getattr(args, "accumulate", False))
         if info:
             return info
         y = step()
@@ -221,7 +228,10 @@ def measure(task: dict, args, model, x, dy, ref: dict, *, prepare: bool, tag: st
         row["peak_mib"] = (torch.cuda.max_memory_allocated() - start) / 2**20
         if args.kernel_steps:
             trace = Path(args.out) / f"trace_{tag}.txt" if tag in args.trace else None
-            row["kernel_ms"] = harness.kernel_sum_ms(step, args.kernel_steps, trace)
+            kernels: dict | None = {} if getattr(args, "kernel_list", False) else None
+            row["kernel_ms"] = harness.kernel_sum_ms(step, args.kernel_steps, trace, by_name=kernels)
+            if kernels is not None:
+                row["kernels"] = kernels
         if args.split_steps:
             row.update(harness.host_gpu_split(step, args.split_steps))
         if tag in args.profile:
