@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from te_passes.config import TePassesOptionError, TePassesOptions
+from te_passes.config import TePassesOptionError, TePassesOptions, unwrapped
 from te_passes.debug.dump import DumpWriter, tracing_enabled
 from te_passes.debug.dump_files import DumpDirError
 from te_passes.passes.order import configured_passes, pass_names
@@ -26,7 +26,7 @@ from te_passes.runtime.te_patches.recipe_state import RecipeStateError, autocast
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError
 
-#: The errors that reach a ``torch.compile``'d call's caller as themselves (:func:`_unwrapped`).
+#: The errors that reach a ``torch.compile``'d call's caller as themselves (:func:`te_passes.config.unwrapped`).
 DOCUMENTED_ERRORS: tuple[type[Exception], ...] = (TePassesOptionError, TePassError, UbConfigError,
                                                    RecipeStateError)
 
@@ -56,7 +56,7 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
         _install_te_hooks()
         return compile_graph(gm, example_inputs, CompileSettings.parse(mode, options, set(pass_names())))
     except DOCUMENTED_ERRORS as e:
-        raise _unwrapped(e) from e.__cause__
+        raise unwrapped(e) from e.__cause__
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: CompileSettings):
@@ -93,31 +93,6 @@ def _observers(opts: TePassesOptions) -> list[PassObserver]:
     except DumpDirError as e:
         where = "option te_passes.dump_dir" if source == "option" else "environment variable TE_PASSES_DUMP_DIR"
         raise TePassesOptionError(f"{where}: {e}") from None
-
-
-@functools.cache
-def _shortened(cls: type) -> type:
-    """``cls`` with ``torch._dynamo.exc.ShortenTraceback`` as a second base (Dynamo re-raises those unwrapped)."""
-    from torch._dynamo.exc import ShortenTraceback
-
-    def __init__(self, *args: Any) -> None:  # noqa: N807 - ShortenTraceback's frame argument
-        Exception.__init__(self, *args)
-        self.first_useful_frame = None
-
-    return type(cls.__name__, (cls, ShortenTraceback), {"__init__": __init__, "__module__": cls.__module__,
-                                                        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-
-
-def _unwrapped(e: BaseException) -> BaseException:
-    """``e`` as an instance of :func:`_shortened` of its class, keeping message, attributes and cause."""
-    from torch._dynamo.exc import ShortenTraceback
-
-    if isinstance(e, ShortenTraceback):
-        return e
-    new = _shortened(type(e))(*e.args)
-    new.__cause__ = e.__cause__
-    new.__dict__.update({k: v for k, v in vars(e).items() if k != "first_useful_frame"})
-    return new
 
 
 def _install_te_hooks(*_args: Any) -> bool:

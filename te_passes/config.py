@@ -6,7 +6,11 @@ options not given (``TE_PASSES_DISABLE`` adds to ``te_passes.disable``). docs/us
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import os
+import sys
+import warnings
 from typing import Any, Callable, Mapping
 
 from te_passes._json import jsonable
@@ -27,9 +31,12 @@ def _as_name_list(key: str, value: Any) -> tuple[str, ...]:
 
 
 def _as_bool(key: str, value: Any) -> bool:
-    """``True``/``False`` only: ``"false"`` or ``0`` are refused, never guessed."""
+    """``True``/``False`` (or a numpy bool) only: ``"false"`` or ``0`` are refused, never guessed."""
     if isinstance(value, bool):
         return value
+    np = sys.modules.get("numpy")  # a numpy bool can only come from an imported numpy
+    if np is not None and isinstance(value, np.bool_):
+        return bool(value)
     raise TePassesOptionError(f"option {PREFIX}{key} must be a bool (True or False), got {value!r} "
                               f"({type(value).__name__})")
 
@@ -63,6 +70,21 @@ def _as_pass_config(key: str, value: Any) -> dict[str, dict[str, Any]]:
     return {k: dict(v) for k, v in value.items()}
 
 
+def _as_ub_snapshot(key: str, value: Any) -> Any:
+    """A ``UbSnapshot``, a mapping or a JSON file path (loaded and checked by ``UbSnapshot.load``);
+    anything else is refused here, naming the key once."""
+    if isinstance(value, (str, os.PathLike, Mapping)) or _looks_like_ub_snapshot(value):
+        return value
+    raise TePassesOptionError(f"option {PREFIX}{key} must be a UbSnapshot, a dict or a JSON file path, "
+                              f"got {value!r} ({type(value).__name__})")
+
+
+def _looks_like_ub_snapshot(value: Any) -> bool:
+    # config sits below te_passes.te (import layers): te.ub.UbSnapshot by name and module
+    cls = type(value)
+    return cls.__name__ == "UbSnapshot" and cls.__module__ == "te_passes.te.ub"
+
+
 def _as_choice(*choices: str) -> Callable[[str, Any], str]:
     def conv(key: str, value: Any) -> str:
         if value not in choices:
@@ -83,12 +105,66 @@ OPTION_SPECS: dict[str, _Spec] = {
     "disable": _Spec(_as_name_list, "TE_PASSES_DISABLE"),  # pass names to skip
     "strict": _Spec(_as_bool, "TE_PASSES_STRICT"),  # raise instead of warn when a pass or a check fails
     "dump_dir": _Spec(_as_opt_path, "TE_PASSES_DUMP_DIR"),  # per-pass graphs, diffs and report.json
-    "ub_snapshot": _Spec(lambda _key, value: value),  # UB state to fold against: UbSnapshot, dict or JSON path
+    "ub_snapshot": _Spec(_as_ub_snapshot),  # UB state to fold against: UbSnapshot, dict or JSON path
     "ub_on_change": _Spec(_as_choice("recompile", "error")),  # what a UB-dependent graph does on a UB change
     "pass_config": _Spec(_as_pass_config),  # per-pass constructor arguments
     "cudagraphs": _Spec(_as_choice("lean", "trees"), "TE_PASSES_CUDAGRAPHS"),  # reduce-overhead replay
     "untouched": _Spec(_as_bool, "TE_PASSES_UNTOUCHED"),  # trace TE's disabled forwards through the polyfills
 }
+
+
+#: ``TE_PASSES_UNTOUCHED_NORM``: the untouched-model polyfills' norm and activation, ``"te"`` (TE's own
+#: kernels, the default) or ``"torch"`` (torch ops); read at trace time, checked with the options.
+UNTOUCHED_NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
+UNTOUCHED_NORM_CHOICES = ("torch", "te")
+
+#: ``TE_PASSES_*`` environment variables without a ``te_passes.*`` option: read elsewhere (runtime, tests,
+#: tools). Any other ``TE_PASSES_*`` name is warned about once (:func:`check_environment`).
+OTHER_ENV_VARS: dict[str, str] = {
+    UNTOUCHED_NORM_ENV: "te (TE's norm / activation kernels, the default) or torch",
+    "TE_PASSES_FUSED_ATTN": "0 switches off te_passes' fused-attention op",
+    "TE_PASSES_VENV": "the venv make setup builds",
+    "TE_PASSES_COMMIT": "the commit GPU runs record",
+    "TE_PASSES_GPU_OUT": "where GPU tests write graphs",
+    "TE_PASSES_PROPERTY_EXAMPLES": "hypothesis examples of the property tests",
+}
+
+
+def untouched_norm(environ: Mapping[str, str] | None = None) -> str:
+    """``TE_PASSES_UNTOUCHED_NORM`` of ``environ`` (default ``os.environ``): ``"te"`` (unset or empty) or
+    ``"torch"``. Raises ``TePassesOptionError``: any other value (the message names the variable)."""
+    text = (os.environ if environ is None else environ).get(UNTOUCHED_NORM_ENV, "")
+    value = text.strip().lower() or "te"
+    if value not in UNTOUCHED_NORM_CHOICES:
+        raise TePassesOptionError(f"environment variable {UNTOUCHED_NORM_ENV}={text!r}: must be one of "
+                                  f"{list(UNTOUCHED_NORM_CHOICES)}")
+    return value
+
+
+def known_env_vars() -> list[str]:
+    """Every ``TE_PASSES_*`` environment variable te_passes reads."""
+    return sorted({s.env for s in OPTION_SPECS.values() if s.env} | set(OTHER_ENV_VARS))
+
+
+_WARNED_ENV: set[str] = set()
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Check the ``TE_PASSES_*`` variables of ``environ`` (default ``os.environ``) that have no option:
+    ``TE_PASSES_UNTOUCHED_NORM``'s value (raises ``TePassesOptionError``), and any unknown
+    ``TE_PASSES_*`` name (a ``RuntimeWarning`` naming the closest valid name, once per name and process)."""
+    environ = os.environ if environ is None else environ
+    untouched_norm(environ)
+    known = known_env_vars()
+    for name in sorted(k for k in environ if k.startswith("TE_PASSES_") and k not in known):
+        if name in _WARNED_ENV:
+            continue
+        _WARNED_ENV.add(name)
+        n = len("TE_PASSES_")  # compared without the shared prefix (else every name is "close")
+        close = difflib.get_close_matches(name[n:], [k[n:] for k in known], n=1)
+        hint = f"did you mean TE_PASSES_{close[0]}?" if close else f"te_passes reads {', '.join(known)}"
+        warnings.warn(f"te_passes: unknown environment variable {name} is ignored; {hint}", RuntimeWarning,
+                      stacklevel=3)
 
 
 #: ``te_passes.*`` keys that are refused with a reason (not options a backend can honour).
@@ -133,8 +209,14 @@ class TePassesOptions:
               environ: Mapping[str, str] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
         """``(TePassesOptions, inductor_options)`` from ``torch.compile``'s ``options`` and ``environ``
         (default ``os.environ``); ``known_passes``: the valid ``disable`` names. Raises
-        ``TePassesOptionError``: an unknown ``te_passes.*`` key, a bad value, an unknown pass name."""
+        ``TePassesOptionError``: ``options`` not a mapping, an unknown ``te_passes.*`` key, a bad value, an
+        unknown pass name, a bad ``TE_PASSES_*`` value (:func:`check_environment`, which also warns
+        about unknown ``TE_PASSES_*`` names)."""
         environ = os.environ if environ is None else environ
+        if options is not None and not isinstance(options, Mapping):
+            raise TePassesOptionError(f"options must be a dict {{option name: value}} (e.g. "
+                                      f"{{'{PREFIX}strict': True}}), got {type(options).__name__}: {options!r}")
+        check_environment(environ)
         ours: dict[str, Any] = {}
         inductor: dict[str, Any] = {}
         for key, value in (options or {}).items():
@@ -176,3 +258,40 @@ class TePassesOptions:
         """The options that change what passes do (the cache-key part: not dump_dir, cudagraphs)."""
         skip = ("dump_dir", "cudagraphs", "from_env")
         return jsonable({k: v for k, v in dataclasses.asdict(self).items() if k not in skip})
+
+
+# --------------------------------------------------------------------------- errors reach the caller unwrapped
+@functools.cache
+def _shortened(cls: type) -> type:
+    """``cls`` with ``torch._dynamo.exc.ShortenTraceback`` as a second base (Dynamo re-raises those unwrapped)."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    def __init__(self, *args: Any) -> None:  # noqa: N807 - ShortenTraceback's frame argument
+        Exception.__init__(self, *args)
+        self.first_useful_frame = None
+        self.te_passes_message = cls.__str__(self)
+
+    def __str__(self) -> str:  # noqa: N807 - te_passes' one line, not the args Dynamo appends its hints to
+        return self.te_passes_message
+
+    return type(cls.__name__, (cls, ShortenTraceback), {"__init__": __init__, "__str__": __str__,
+                                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                        "__doc__": cls.__doc__})
+
+
+def unwrapped(e: BaseException) -> BaseException:
+    """``e`` as an instance of a subclass of its own class that is also a ``torch._dynamo.exc.ShortenTraceback``
+    (same name, message, attributes and cause). Dynamo re-raises a ``ShortenTraceback`` raised in a backend or
+    while it traces as it is (torch 2.14 ``_dynamo/convert_frame.py`` ``_compile``, ``output_graph.py``
+    ``call_user_compiler``), instead of wrapping it in ``BackendCompilerFailed`` /
+    ``InternalTorchDynamoError``: ``except TePassesOptionError`` then catches it at the compiled call. Its
+    ``str()`` stays te_passes' message: Dynamo appends its "from user code" stack and "report to PyTorch"
+    hint to ``args[0]`` (``torch._dynamo.exc.augment_exc_message``), which are about Dynamo, not this error."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    if isinstance(e, ShortenTraceback):
+        return e
+    new = _shortened(type(e))(*e.args)
+    new.__cause__ = e.__cause__
+    new.__dict__.update({k: v for k, v in vars(e).items() if k not in ("first_useful_frame", "te_passes_message")})
+    return new

@@ -130,7 +130,7 @@ def test_warning_when_te_is_left_in_graph_capture_state(caplog):
 
 
 @pytest.mark.parametrize("value, match", [
-    (42, r"option te_passes.ub_snapshot: te_passes.ub_snapshot must be a UbSnapshot, dict or JSON path, got int"),
+    (42, r"^option te_passes.ub_snapshot must be a UbSnapshot, a dict or a JSON file path, got 42 \(int\)$"),
     ("/nonexistent/ub.json", r"option te_passes.ub_snapshot: cannot read UB snapshot '/nonexistent/ub.json'"),
     ({"bogus": 1}, r"option te_passes.ub_snapshot: UB snapshot has unknown keys \['bogus'\]"),
 ])
@@ -164,3 +164,148 @@ def test_unwritable_dump_dir_is_an_option_error(via, tmp_path, monkeypatch):
     with pytest.raises(te_passes.TePassesOptionError, match=f"{where}: dump directory .*afile/sub is not writable") as ei:
         f(torch.ones(2))
     assert not isinstance(ei.value, BackendCompilerFailed)
+
+
+# --------------------------------------------------------------------------- issue 43: edges, one line each
+def test_options_that_are_not_a_mapping_name_the_expected_dict():
+    msg = ("options must be a dict {option name: value} (e.g. {'te_passes.strict': True}), "
+           "got list: [('te_passes.strict', True)]")
+    with pytest.raises(te_passes.TePassesOptionError) as ei:
+        te_passes.te_inductor_backend(options=[("te_passes.strict", True)])
+    assert str(ei.value) == msg
+    f = torch.compile(lambda x: x + 1, backend=functools.partial(te_passes.te_inductor,
+                                                                 options=[("te_passes.strict", True)]))
+    with pytest.raises(te_passes.TePassesOptionError) as ei:
+        f(torch.ones(2))
+    assert str(ei.value) == msg and not isinstance(ei.value, BackendCompilerFailed)
+
+
+def test_ub_snapshot_of_a_wrong_type_names_the_key_once():
+    with pytest.raises(te_passes.TePassesOptionError) as ei:
+        te_passes.te_inductor_backend(options={"te_passes.ub_snapshot": 5})
+    assert str(ei.value) == "option te_passes.ub_snapshot must be a UbSnapshot, a dict or a JSON file path, got 5 (int)"
+    from te_passes.te.ub import UbSnapshot
+
+    te_passes.te_inductor_backend(options={"te_passes.ub_snapshot": UbSnapshot()})  # the real class is accepted
+
+
+def test_numpy_bools_are_bools():
+    np = pytest.importorskip("numpy")
+    from te_passes.config import TePassesOptions
+
+    opts, _ = TePassesOptions.parse({"te_passes.strict": np.bool_(True), "te_passes.untouched": np.False_})
+    assert opts.strict is True and opts.untouched is False
+    te_passes.te_inductor_backend(options={"te_passes.strict": np.bool_(True)})
+    with pytest.raises(te_passes.TePassesOptionError) as ei:
+        te_passes.te_inductor_backend(options={"te_passes.strict": np.int64(1)})
+    assert str(ei.value) == "option te_passes.strict must be a bool (True or False), got np.int64(1) (int64)"
+
+
+def test_prepare_te_state_without_a_model_is_one_clear_error():
+    with pytest.raises(TypeError) as ei:
+        te_passes.prepare_te_state(None, None, fp8=False)
+    assert str(ei.value) == ("prepare_te_state: model must be a torch.nn.Module (the model about to be "
+                             "compiled), got NoneType")
+
+
+NORM_MSG = "environment variable TE_PASSES_UNTOUCHED_NORM='bogus': must be one of ['torch', 'te']"
+
+
+def test_bad_untouched_norm_is_an_option_error_at_the_first_call(monkeypatch):
+    """No TE module in the graph: refused with the options, at the first call, unwrapped."""
+    monkeypatch.setenv("TE_PASSES_UNTOUCHED_NORM", "bogus")
+    with pytest.raises(te_passes.TePassesOptionError) as ei:
+        te_passes.te_inductor_backend()
+    assert str(ei.value) == NORM_MSG
+    f = torch.compile(lambda x: x * 5, backend="te_inductor")
+    try:
+        f(torch.ones(2))
+    except te_passes.TePassesOptionError as e:
+        assert str(e) == NORM_MSG and not isinstance(e, BackendCompilerFailed)
+    else:
+        pytest.fail("a bad TE_PASSES_UNTOUCHED_NORM was accepted")
+
+
+@pytest.mark.te
+def test_bad_untouched_norm_read_while_dynamo_traces_a_te_module_is_unwrapped(monkeypatch):
+    """The polyfill of an untouched te.LayerNormLinear reads TE_PASSES_UNTOUCHED_NORM while Dynamo traces
+    (before te_inductor runs): ``except te_passes.TePassesOptionError`` catches it (it was an
+    InternalTorchDynamoError with Dynamo's "report to PyTorch" hint)."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    from torch._dynamo.exc import InternalTorchDynamoError
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from te_passes.runtime.install import install
+    from te_passes.testing.fake_gpu import constructing, fake_gpu, quiet
+
+    assert install()
+    monkeypatch.setenv("TE_PASSES_UNTOUCHED_NORM", "bogus")
+    seen = []
+    with quiet(), fake_gpu("bf16"):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, constructing():
+            model = te.LayerNormLinear(64, 128, params_dtype=torch.bfloat16, device="cuda")
+            x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+        f = torch.compile(model, backend="te_inductor")
+        with mode:
+            try:
+                f(x)
+            except te_passes.TePassesOptionError as e:
+                seen.append(e)
+    (e,) = seen
+    assert str(e) == NORM_MSG and not isinstance(e, InternalTorchDynamoError)
+    import traceback
+
+    # raised by the polyfill while Dynamo traced (not by te_inductor's option check after the trace)
+    assert "norm_impl" in [f.name for f in traceback.extract_tb(e.__traceback__)]
+
+
+def test_unknown_te_passes_variable_is_warned_about_once_with_the_closest_name(monkeypatch):
+    import te_passes.config as config
+
+    monkeypatch.setattr(config, "_WARNED_ENV", set())
+    monkeypatch.setenv("TE_PASSES_DISABLED", "insert_early_frees")
+    with pytest.warns(RuntimeWarning) as rec:
+        te_passes.te_inductor_backend()
+    msgs = [str(w.message) for w in rec if "TE_PASSES_DISABLED" in str(w.message)]
+    assert msgs == ["te_passes: unknown environment variable TE_PASSES_DISABLED is ignored; did you mean "
+                    "TE_PASSES_DISABLE?"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        te_passes.te_inductor_backend()  # once per process
+    monkeypatch.setenv("TE_PASSES_ZZZ", "1")
+    with pytest.warns(RuntimeWarning, match=r"unknown environment variable TE_PASSES_ZZZ is ignored; "
+                                            r"te_passes reads TE_PASSES_COMMIT, .*TE_PASSES_UNTOUCHED_NORM"):
+        te_passes.te_inductor_backend()
+
+
+def test_readme_and_usage_name_the_same_error_classes():
+    import pathlib
+    import re
+
+    from te_passes.backend import DOCUMENTED_ERRORS
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    para = readme[readme.index("Errors come as"):].split("\n\n")[0]
+    usage = (root / "docs" / "usage.md").read_text()
+    table = usage[usage.index("## Errors: what you meet"):usage.index("Dynamo wraps an exception")]
+    want = {e.__name__ for e in DOCUMENTED_ERRORS}
+    assert set(re.findall(r"te_passes\.(\w+Error)", para)) == want
+    assert set(re.findall(r"^\| `te_passes\.(\w+Error)`", table, re.M)) == want
+
+
+
+def test_every_te_passes_variable_the_sources_read_is_known():
+    """The unknown-name warning never fires for a variable te_passes, its tests, benchmarks or scripts read."""
+    import pathlib
+    import re
+
+    from te_passes.config import known_env_vars
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = [p for d in ("te_passes", "tests", "benchmarks", "scripts") for p in (root / d).rglob("*")
+             if p.suffix in (".py", ".sh") and p.is_file()] + [root / "Makefile"]
+    used = {m for p in files for m in re.findall(r"\bTE_PASSES_[A-Z][A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
+    used -= {"TE_PASSES_DISABLED", "TE_PASSES_ZZZ"}  # this file's unknown names
+    assert used and used <= set(known_env_vars()), sorted(used - set(known_env_vars()))

@@ -29,6 +29,8 @@ class MemoryEstimate:
     input_bytes: Any
     quantized_bytes_at_peak: int | None
     timeline: list[tuple[str, Any]]
+    #: ``{symbol: hint}`` of the shape symbols the graph's byte counts use (the ShapeEnv may hold more:
+    #: a Dynamo graph's symbols the post-grad graph no longer has; a saved graph restores only its own).
     symbols: dict[str, int]
     unknown_size: list[str]
 
@@ -97,6 +99,7 @@ def _estimate(lv: Liveness, sizes) -> MemoryEstimate:
         syms = {s for b in lv.buffers for s in getattr(_as_expr(b.nbytes() or 0), "free_symbols", ())} | set(hints)
         hints.update({s: int(by_name[str(s)]) for s in syms if str(s) in by_name})
     intervals = live_intervals(lv)
+    used: set[Any] = set()  # the symbols the byte counts use: the record's ``symbols`` (not the whole ShapeEnv's)
     # Difference arrays: static byte counts in an int list, symbolic ones in a sparse dict of lists.
     d_int = [0] * (n + 1)
     d_sym: dict[int, list[Any]] = {}
@@ -108,6 +111,7 @@ def _estimate(lv: Liveness, sizes) -> MemoryEstimate:
             if b.val is None:
                 unknown.append(b.name)
             continue
+        used.update(getattr(nb, "free_symbols", ()))
         if isinstance(nb, int):
             d_int[lo] += nb
             d_int[hi + 1] -= nb
@@ -150,7 +154,7 @@ def _estimate(lv: Liveness, sizes) -> MemoryEstimate:
         input_bytes=input_bytes if isinstance(input_bytes, int) else sympy.expand(input_bytes),
         quantized_bytes_at_peak=q_at_peak,
         timeline=timeline,
-        symbols={str(k): v for k, v in hints.items()},
+        symbols={str(k): v for k, v in hints.items() if k in used},
         unknown_size=unknown,
     )
 

@@ -44,6 +44,7 @@ class Out:
     def __init__(self, *, plain: bool | None = None, quiet: bool = False) -> None:
         self.rich = None
         self.quiet = quiet
+        self._printed = False  # plain output: a heading / table title gets a blank line above it, but not first
         if plain is None:
             plain = not sys.stdout.isatty() or os.environ.get("TERM") == "dumb"
         if not plain:
@@ -56,10 +57,16 @@ class Out:
 
     def line(self, text: str = "") -> None:
         text = clean(text)
+        self._printed = True
         if self.rich is not None:
             self.rich.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
         else:
             print(text, flush=True)
+
+    def _gap(self) -> str:
+        """``"\n"`` before a heading or table title, except at the very top of the output."""
+        gap, self._printed = ("\n" if self._printed else ""), True
+        return gap
 
     def heading(self, text: str) -> None:
         text = clean(text, one_line=True)
@@ -68,7 +75,7 @@ class Out:
 
             self.rich.rule(Text(text, style="bold"))
         else:
-            print(f"\n== {text} ==", flush=True)
+            print(f"{self._gap()}== {text} ==", flush=True)
 
     def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
               limit: int | None = 60) -> None:
@@ -93,13 +100,14 @@ class Out:
             self.rich.print(t)
         else:
             if title:
-                print(f"\n{title}")
+                print(f"{self._gap()}{title}")
             widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
             widths = [min(w, 80) for w in widths]
             print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
             print("  ".join("-" * w for w in widths))
             for r in rows:
                 print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        self._printed = True
         if more:
             self.line(f"... {more} more rows (see report.json)")
 
@@ -117,6 +125,7 @@ class Out:
                 yield
         else:
             print(f"» {text}", flush=True)
+            self._printed = True
             yield
 
 

@@ -7,10 +7,25 @@ import os
 import sys
 from typing import Sequence
 
+import importlib
+from typing import Any, Callable
+
 from te_passes.cli._common import CliError, DEFAULT_OUT, EXIT_FAIL, EXIT_OK, Out, print_error
-from te_passes.cli.dump_cmd import cmd_dump
-from te_passes.cli.show import cmd_list, cmd_show
-from te_passes.cli.replay import cmd_replay
+
+
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace, Out], int]:
+    """The subcommand ``module.name``, imported when it runs: ``te-passes --help`` imports no torch."""
+    def run(args: argparse.Namespace, out: Out) -> int:
+        fn: Any = getattr(importlib.import_module(f"te_passes.cli.{module}"), name)
+        return fn(args, out)
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+cmd_dump = _lazy("dump_cmd", "cmd_dump")
+cmd_list = _lazy("show", "cmd_list")
+cmd_show = _lazy("show", "cmd_show")
+cmd_replay = _lazy("replay", "cmd_replay")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,10 +38,13 @@ def _short_left(v: Any, n: int = 50) -> str:
 
 def _grouped(items: list[dict[str, Any]], key: Callable[[dict[str, Any]], tuple]) -> list[list[Any]]:
     """Rows ``[*key, count, nodes]`` grouping ``items`` with equal ``key`` (first-seen order)."""
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple, list[Any]] = {}
     for it in items:
-        groups.setdefault(key(it), []).append(str(it.get("node")))
-    return [[*k, len(nodes), _short(", ".join(nodes), 50)] for k, nodes in groups.items()]
+        group = groups.setdefault(key(it), [0, []])
+        group[0] += 1
+        if it.get("node") is not None:  # a graph-level record (a skipped pass) names no node
+            group[1].append(str(it["node"]))
+    return [[*k, n, _short(", ".join(nodes), 50)] for k, (n, nodes) in groups.items()]
 
 
 def print_summary(out: Out, s: dict[str, Any], root: str) -> None:

@@ -213,8 +213,23 @@ def compare_reports(new: dict[str, Any], saved: dict[str, Any], *, require_all: 
                     diffs.append(f"{key[0]}:{key[1]}:{a['name']}: {field} {a[field]!r} -> {b[field]!r}")
             if a["records"] != b["records"]:
                 diffs.append(f"{key[0]}:{key[1]}:{a['name']}: records differ ({len(a['records'])} saved, "
-                             f"{len(b['records'])} replayed)")
+                             f"{len(b['records'])} replayed){_first_record_difference(a['records'], b['records'])}")
     for key in saved_stages if require_all else ():
         if key not in new_stages:
             diffs.append(f"{key[0]}:{key[1]}: saved stage has no replayable graph file")
     return diffs
+
+
+def _first_record_difference(saved: list[Any], new: list[Any]) -> str:
+    """``": <kind> record <i>: <field> <saved> -> <replayed>"`` for the first differing field of two record
+    lists of equal length (``""`` otherwise, or when no single field differs)."""
+    if len(saved) != len(new):
+        return ""
+    for i, (a, b) in enumerate(zip(saved, new)):
+        if a == b or not (isinstance(a, dict) and isinstance(b, dict)):
+            continue
+        for k in list(dict.fromkeys([*a, *b])):
+            if a.get(k) != b.get(k):
+                shown = [repr(v) if len(repr(v)) <= 60 else repr(v)[:59] + "…" for v in (a.get(k), b.get(k))]
+                return f": {a.get('kind', 'record')} record {i}: {k} {shown[0]} -> {shown[1]}"
+    return ""

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from te_passes._logging import get_logger
 from te_passes.backend import te_inductor
 from te_passes.config import TePassesOptions
 from te_passes.debug.offline import run_stages
@@ -19,6 +20,8 @@ from te_passes.report import compile_reports
 from te_passes.testing.capture import capture_aot, capture_dynamo
 from te_passes.testing.dynamo_capture import UNTOUCHED_MODELS
 from te_passes.testing.fake_gpu import PRECISIONS, CaptureError, fake_gpu, make_recipe
+
+log = get_logger()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +48,11 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in (
             "2 x te.Linear(64, 64) with GELU between, Float8CurrentScaling, forward + backward"),
     # untouched TE modules, traced through te_passes' polyfills (docs/untouched.md)
     Example("transformer-layer-bf16", "transformer_layer", "bf16", 1,
-            "untouched te.TransformerLayer(64, 256, 4) in bf16, forward + backward", tokens=16),
+            "untouched te.TransformerLayer(64, 256, 4) in bf16, forward + backward (without a GPU: the forward's "
+            "Dynamo graph)", tokens=16),
     Example("transformer-layer-fp8", "transformer_layer", "fp8-cs", 1,
-            "untouched te.TransformerLayer(64, 256, 4), Float8CurrentScaling, forward + backward", tokens=16),
+            "untouched te.TransformerLayer(64, 256, 4), Float8CurrentScaling, forward + backward (without a GPU: "
+            "the forward's Dynamo graph)", tokens=16),
 )}
 
 #: How each precision reads in an example's description (after the module: TE recipe class, or bf16).
@@ -106,17 +111,23 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
                  disable: Sequence[str], say: Callable[[str], None]) -> ExampleResult:
     opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))
     patches = _inductor_config_patches(mode, {})
-    say(f"capturing the Dynamo and AOTAutograd graphs of {ex.name} ({precision}) on fake CUDA tensors")
+    untouched = ex.model in UNTOUCHED_MODELS
+    say(f"capturing the {'Dynamo graph' if untouched else 'Dynamo and AOTAutograd graphs'} of {ex.name} "
+        f"({precision}) on fake CUDA tensors" + (" (an untouched model: its AOTAutograd graphs need a GPU)"
+                                                   if untouched else ""))
     aot_error = None
     try:
         captured = capture_aot(ex.model, precision, ex.layers, ex.tokens, ex.hidden)
     except CaptureError as e:
-        if ex.model not in UNTOUCHED_MODELS:
+        if not untouched:
             raise
         aot_error = str(e)  # the untouched models' AOT trace on fake tensors: the Dynamo stage only
+        log.debug("te-passes dump --example %s: AOTAutograd capture failed: %s", ex.name, aot_error)
         captured = capture_dynamo(ex.model, precision, ex.layers, ex.tokens, ex.hidden)
     jobs = captured.stage_jobs()
-    say(f"running the pass pipeline on {len(jobs)} stages")
+    stages = ", ".join(job[0].value for job in jobs)
+    say(f"running the Dynamo-stage passes on 1 graph ({stages})" if aot_error is not None else
+        f"running the pass pipeline on {len(jobs)} graphs ({stages})")
     with fake_gpu(precision), torch._inductor.config.patch(
             {k: v for k, v in patches.items() if not k.endswith("_custom_pre_pass")}):
         report = run_stages(jobs, configured_passes(), options=opts, mode=mode, dump_dir=dump_dir)
@@ -126,8 +137,10 @@ def _run_offline(ex: Example, precision: str, mode: str | None, dump_dir: str | 
             "partitioned from the joint graph before the joint-stage passes ran.")
     if aot_error is not None:
         note = ("No GPU here: te_passes ran its Dynamo-stage passes on the real Dynamo graph of the untouched "
-                f"model (one graph, traced through te_passes' polyfills) captured on fake CUDA tensors; the "
-                f"AOTAutograd graphs could not be captured without a GPU ({aot_error}); Inductor was not run.")
+                "model's forward (one graph, traced through te_passes' polyfills) captured on fake CUDA tensors; "
+                "its AOTAutograd graphs (joint, forward, backward) need a GPU: on fake CUDA tensors the joint "
+                "trace stops at a device mismatch inside TE's ops (docs/untouched.md \"Known gaps\"); Inductor "
+                "was not run.")
         return ExampleResult("offline pass pipeline on the captured Dynamo graph (untouched model)", note, [report])
     return ExampleResult("offline pass pipeline on captured graphs (Dynamo, joint, post-grad fwd/bwd)", note,
                          [report])

@@ -65,9 +65,13 @@ def prepare_te_state(model: torch.nn.Module, recipe: Any, *, fp8: bool,
 
     Raises:
         ValueError: ``fp8=True`` without a recipe.
-        TypeError: a prepared module's parameters are not ``dtype`` (under ``torch.autocast``: prepare
-            inside it), ``recipe`` is not a TE ``Recipe``, ``fp8`` not a bool, ``dtype`` not a ``torch.dtype``.
+        TypeError: ``model`` is not a ``torch.nn.Module``, a prepared module's parameters are not ``dtype``
+            (under ``torch.autocast``: prepare inside it), ``recipe`` is not a TE ``Recipe``, ``fp8`` not a
+            bool, ``dtype`` not a ``torch.dtype``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare_te_state: model must be a torch.nn.Module (the model about to be compiled), "
+                        f"got {type(model).__name__}")
     import transformer_engine.pytorch as te
 
     if not isinstance(fp8, bool):

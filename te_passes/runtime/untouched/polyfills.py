@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import os
 import sys
 import threading
 import types
@@ -16,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.comptime import comptime
 
-from te_passes.config import TePassesOptionError
+from te_passes.config import UNTOUCHED_NORM_CHOICES, UNTOUCHED_NORM_ENV, TePassesOptionError, unwrapped, untouched_norm
 from te_passes.runtime.delayed import linear as delayed_linear
 from te_passes.runtime.ops.fused_attn import install_fused_attention_op
 from te_passes.runtime.ops.shared_linear import owner_delayed_slots
@@ -42,8 +41,8 @@ from te_passes.te.version import is_supported, te_version
 #: the ``te_passes::te_norm_fwd`` / ``te_act_fwd`` ops; TE eager's numerics, measured as fast as the
 #: torch-ops norm: docs/untouched.md) or ``torch`` (LayerNorm / RMSNorm and the activation in torch
 #: ops, fused by Inductor; also what CPU Inductor runs need: TE's kernels are CUDA-only).
-NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
-NORM_CHOICES = ("torch", "te")
+NORM_ENV = UNTOUCHED_NORM_ENV  # checked with the options (te_passes.config.check_environment)
+NORM_CHOICES = UNTOUCHED_NORM_CHOICES
 
 #: ``disabled_f`` targets: TE function qualname -> (attribute path under ``transformer_engine.pytorch``, TE module).
 TARGETS: dict[str, tuple[str, str, str]] = {
@@ -61,11 +60,12 @@ TARGETS: dict[str, tuple[str, str, str]] = {
 
 # --------------------------------------------------------------------------- shared forwards
 def norm_impl(environ: Any = None) -> str:
-    """``TE_PASSES_UNTOUCHED_NORM`` (``te`` default, or ``torch``); raises ``TePassesOptionError``."""
-    v = (environ or os.environ).get(NORM_ENV, "te").strip().lower() or "te"
-    if v not in NORM_CHOICES:
-        raise TePassesOptionError(f"environment variable {NORM_ENV}={v!r}: must be one of {list(NORM_CHOICES)}")
-    return v
+    """``TE_PASSES_UNTOUCHED_NORM`` (``te`` default, or ``torch``); raises ``TePassesOptionError`` (as Dynamo
+    re-raises it unwrapped: this runs while Dynamo traces)."""
+    try:
+        return untouched_norm(environ)
+    except TePassesOptionError as e:
+        raise unwrapped(e) from None
 
 
 @torch._dynamo.assume_constant_result
