@@ -89,7 +89,8 @@ def test_rope_formats(qkv_format, precomputed):
 
 
 @pytest.mark.parametrize("kw", [dict(rotary_pos_interleaved=True), dict(num_gqa_groups=HEADS),
-                                dict(fuse_qkv_params=True, num_gqa_groups=HEADS)], ids=["interleaved", "mha", "fused_qkv"])
+                                dict(fuse_qkv_params=True, num_gqa_groups=HEADS)],
+                         ids=["interleaved", "mha", "fused_qkv"])
 def test_rope_variants(kw):
     r = _run(lambda: _Llama(**kw), (SEQ, BATCH, HIDDEN))
     _one_graph(r, 4)

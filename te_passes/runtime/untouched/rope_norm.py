@@ -40,7 +40,7 @@ NORM_CLASSES: tuple[tuple[str, str, str], ...] = (
 )
 THD_REASON = ("tensor_format='thd' (packed sequences with cu_seqlens): left to TE's FusedRoPEFunc, as the THD "
               "attention after it is left to TE (runtime/untouched/attention.py)")
-THD_FIX = "none inside te_passes for THD yet; sbhd / bshd batches compile to one graph"
+THD_FIX = "none inside te_passes for THD / padded sequences yet; unpadded sbhd / bshd batches compile to one graph"
 
 _lock = threading.Lock()
 _STATE: dict[str, Any] = {"rope": None, "rope_island": None, "base_forward": None, "norm_island": None,
@@ -69,8 +69,11 @@ def named_island(f: Callable[..., Any], label: str) -> Callable[..., Any]:
 # --------------------------------------------------------------------------- RoPE
 def rope_call_problem(tensor_format: str, cu_seqlens: Any) -> str | None:
     """Why a fused ``apply_rotary_pos_emb`` call stays with TE (named island), or ``None``."""
-    if tensor_format == "thd" or cu_seqlens is not None:
+    if tensor_format == "thd":
         return THD_REASON
+    if cu_seqlens is not None:
+        return (f"cu_seqlens with tensor_format={tensor_format!r} (padded sequences): left to TE's FusedRoPEFunc, "
+                "as the padded attention after it is left to TE (runtime/untouched/attention.py)")
     if tensor_format not in ("sbhd", "bshd"):
         return f"tensor_format={tensor_format!r} (TE's fused RoPE takes sbhd / bshd / thd)"
     return None
