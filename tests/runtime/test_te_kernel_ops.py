@@ -269,3 +269,25 @@ def test_te_ops_norm_forward_matches_te_eager(tex_norms, kind, in_dtype):
         assert a is not None and torch.equal(a, b)
     fwd = [c for c in tex_norms.calls if c[0].endswith("_fwd")]
     assert len(fwd) == 2 and fwd[0][:2] == fwd[1][:2] == (fwd[0][0], (12, 16)), tex_norms.calls
+
+
+def test_l2_normalization_forward_is_tes_formulas():
+    """CPU: ``te.ops.L2Normalization`` compiled for a backend taking the polyfills computes TE's ``jit.py``
+    forward (``l2normalization_fwd_fused_``) and TE's hand-written backward (``l2normalization_backward_fused_``)
+    exactly (the functions TE's ``lazy_compile`` wraps, called uncompiled)."""
+    from transformer_engine.pytorch import jit
+    from transformer_engine.pytorch.ops import L2Normalization
+    from te_passes.runtime.untouched import polyfills
+
+    assert polyfills.install_untouched_polyfills()
+    mod = L2Normalization(eps=1e-6)
+    torch._dynamo.reset()
+    graphs: list = []
+    x = torch.randn(5, 2, 3, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.compile(mod, backend=_te_marked_backend(graphs), fullgraph=True)(x)
+    assert len(graphs) == 1
+    g = torch.randn_like(y)
+    y.backward(g)
+    want, rsqrt_norm = jit.l2normalization_fwd_fused_.__wrapped__(x.detach(), 1e-6)
+    dx = jit.l2normalization_backward_fused_.__wrapped__(g, x.detach(), rsqrt_norm, 1e-6)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want) and torch.equal(x.grad, dx)
