@@ -240,7 +240,7 @@ def tex_norms(tex, monkeypatch):
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 def test_te_ops_norm_forward_matches_te_eager(tex_norms, kind, in_dtype):
     """CPU: ``te.RMSNorm`` / ``te.LayerNorm`` (2-d normalized_shape, zero-centred gamma) compiled for a backend
-    taking the polyfills runs ``te_passes::te_norm_fwd`` on TE's casts (input and weight to the weight's dtype)
+    taking the polyfills runs ``te_passes::te_ops_norm_fwd`` on TE's casts (input and weight to the weight's dtype)
     and gives TE eager's output and every gradient on the same stand-in kernels."""
     import transformer_engine.pytorch as te
     from te_passes.runtime.untouched import polyfills
@@ -255,7 +255,7 @@ def test_te_ops_norm_forward_matches_te_eager(tex_norms, kind, in_dtype):
     graphs: list = []
     x = torch.randn(3, 4, 2, 8, dtype=in_dtype, requires_grad=True)
     y = torch.compile(mod, backend=_te_marked_backend(graphs), fullgraph=True)(x)
-    assert len(graphs) == 1 and any("te_norm_fwd" in str(n.target) for n in graphs[0].graph.nodes)
+    assert len(graphs) == 1 and any("te_ops_norm_fwd" in str(n.target) for n in graphs[0].graph.nodes)
     g = torch.randn_like(y)
     y.backward(g)
     got = [x.grad] + [p.grad for p in mod.parameters()]
@@ -269,6 +269,10 @@ def test_te_ops_norm_forward_matches_te_eager(tex_norms, kind, in_dtype):
         assert a is not None and torch.equal(a, b)
     fwd = [c for c in tex_norms.calls if c[0].endswith("_fwd")]
     assert len(fwd) == 2 and fwd[0][:2] == fwd[1][:2] == (fwd[0][0], (12, 16)), tex_norms.calls
+    w = torch.randn(16, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.te_passes.te_ops_norm_fwd.default,
+                          (torch.randn(3, 16, dtype=torch.bfloat16, requires_grad=True), w,
+                           None if kind == "RMSNorm" else torch.randn_like(w), 1e-5, kind == "RMSNorm", True, 0))
 
 
 def test_l2_normalization_forward_is_tes_formulas():

@@ -1,7 +1,7 @@
 """Llama-class TE layers under te_inductor in one Dynamo graph (issue 38), CPU with a fake GPU: RoPE
 (``te.MultiheadAttention``'s ``apply_rotary_pos_emb(..., fused=True)`` -> ``te_passes::te_rope_fwd``) and
 TE's ``te.ops`` norms (``te.RMSNorm`` / ``te.LayerNorm``: the final norm of a stack, ``output_layernorm``,
-``qk_norm_type``) -> ``te_passes::te_norm_fwd`` (runtime/untouched/rope_norm.py).
+``qk_norm_type``) -> ``te_passes::te_ops_norm_fwd`` (runtime/untouched/rope_norm.py).
 
 Each model is compiled as a user writes it and called three times on fake cuda tensors (helpers of
 tests/runtime/test_untouched.py): one graph, no break, no recompile, every TE GEMM a
@@ -102,7 +102,8 @@ def test_llama_stack_with_final_rmsnorm_is_one_graph(precision):
     r = _run(lambda: _Llama(layers=4, final_norm=True), (SEQ, BATCH, HIDDEN), precision)
     _one_graph(r, 16)
     assert _count(r["targets"], "te_rope_fwd") == 8
-    assert _count(r["targets"], "te_norm_fwd") == 9  # 2 per layer (LayerNormLinear, LayerNormMLP) + the final norm
+    assert _count(r["targets"], "te_norm_fwd") == 8  # 2 per layer: LayerNormLinear, LayerNormMLP
+    assert _count(r["targets"], "te_ops_norm_fwd") == 1  # the final te.RMSNorm
 
 
 def _rope_fn(fused, fmt="sbhd", cu_seqlens=None):
@@ -161,7 +162,7 @@ def _norm(kind, **kw):
 def test_te_norm_module_is_one_graph(kind, zero_centered_gamma, precision):
     r = _run(lambda: _norm(kind, zero_centered_gamma=zero_centered_gamma), (SEQ, BATCH, HIDDEN), precision)
     _one_graph(r, 0)
-    assert _count(r["targets"], "te_norm_fwd") == 1, r["targets"]
+    assert _count(r["targets"], "te_ops_norm_fwd") == 1, r["targets"]
 
 
 @pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
@@ -169,7 +170,7 @@ def test_te_norm_module_torch_ops_switch(kind, monkeypatch):
     monkeypatch.setenv(untouched.NORM_ENV, "torch")
     r = _run(lambda: _norm(kind), (SEQ, BATCH, HIDDEN))
     _one_graph(r, 0)
-    assert _count(r["targets"], "te_norm_fwd") == 0 and _count(r["targets"], "norm") >= 1, r["targets"]
+    assert _count(r["targets"], "norm_fwd") == 0 and _count(r["targets"], "norm") >= 1, r["targets"]
 
 
 def test_te_norm_module_only_under_te_inductor():
@@ -196,7 +197,8 @@ def test_te_norm_module_sm_margin_is_a_named_island():
 def test_output_layernorm_is_one_graph(normalization, precision):
     r = _run(lambda: _llama_layer(output_layernorm=True, normalization=normalization), (SEQ, BATCH, HIDDEN), precision)
     _one_graph(r, 4)
-    assert _count(r["targets"], "te_norm_fwd") == 2, r["targets"]  # LayerNormMLP's + the output norm
+    assert _count(r["targets"], "te_norm_fwd") == 1, r["targets"]  # LayerNormMLP's
+    assert _count(r["targets"], "te_ops_norm_fwd") == 1, r["targets"]  # the output norm
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
@@ -207,5 +209,24 @@ def test_qk_norm_is_one_graph(qk_norm_type, before_rope, precision):
              precision)
     _one_graph(r, 4)
     assert _count(r["targets"], "te_rope_fwd") == 2
-    norms = _count(r["targets"], "te_norm_fwd")
-    assert norms == (2 if qk_norm_type == "L2Normalization" else 4), r["targets"]  # + q_norm, k_norm
+    assert _count(r["targets"], "te_norm_fwd") == 2, r["targets"]  # LayerNormLinear, LayerNormMLP
+    assert _count(r["targets"], "te_ops_norm_fwd") == (0 if qk_norm_type == "L2Normalization" else 2)  # q, k
+
+
+def test_te_ops_norm_output_is_quantized_rounded_under_delayed_scaling():
+    """A DelayedScaling te.Linear after a standalone te.RMSNorm quantizes the norm's bf16 output, as TE eager does
+    (the one-op fuser has no next op to fuse the cast with): ``widen_delayed_inputs`` feeds fp32 only from
+    LayerNormLinear / LayerNormMLP's ``te_norm_fwd``, not from ``te_ops_norm_fwd`` (real AOT graph, CPU capture)."""
+    from tests.passes.test_widen_delayed_inputs import _run as run_pass
+    from tests.runtime.test_delayed_linear import _capture
+
+    def build():
+        return torch.nn.Sequential(_norm("RMSNorm"), te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16,
+                                                               device="cuda"))
+
+    aot = _capture(("HYBRID", 16, "max"), 0, prepare=False, build=build)["aot"]
+    gm, run = run_pass(aot)
+    (lin,) = [n for n in gm.graph.nodes if str(n.target) == "te_passes.delayed_linear_fwd.default"]
+    src = lin.args[1]
+    assert str(src.args[0].target) == "te_passes.te_ops_norm_fwd.default" and src.args[1] == 0, src
+    assert not [r for r in run.records if r.kind == "fed_fp32"], run.records

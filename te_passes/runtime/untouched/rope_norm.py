@@ -8,7 +8,7 @@
   ``BasicOperation.forward``, which builds an ``OperationFuser`` and an ``autograd.Function`` around TE's
   pybind norm kernels. Dynamo never consults ``substitute_in_graph`` for a Python method it inlines as a
   module's forward, so these classes get a class-level ``forward`` (:func:`te_ops_norm_forward`) that is
-  ``BasicOperation.forward`` eagerly and under other backends, and the ``te_passes::te_norm_fwd`` op (TE's
+  ``BasicOperation.forward`` eagerly and under other backends, and the ``te_passes::te_ops_norm_fwd`` op (TE's
   kernel; torch ops under ``TE_PASSES_UNTOUCHED_NORM=torch``) in te_inductor frames.
 
 What stays eager is a named island (``island_records()``). Docs: docs/untouched.md."""
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from te_passes.runtime.ops.te_norm import te_norm
+from te_passes.runtime.ops.te_ops_norm import te_ops_norm
 from te_passes.runtime.ops.te_rope import te_rope
 from te_passes.runtime.untouched.gate import note_island
 from te_passes.runtime.untouched.state import active_frames
@@ -130,8 +130,8 @@ def te_ops_norm_problem(op: Any, inp: Any, extra_inputs: tuple, kwargs: dict) ->
         return "parameters on the meta device (TE initialises them in its first forward)"
     margins = getattr(op, "_sm_margins", None)
     if margins is not None and margins.get("backward", 0):
-        return (f"sm_margin['backward']={margins['backward']}: te_passes::te_norm_bwd launches TE's kernel with "
-                "sm_margin 0")
+        return (f"sm_margin['backward']={margins['backward']}: te_passes::te_ops_norm_fwd's backward launches TE's "
+                "kernel with sm_margin 0")
     return None
 
 
@@ -140,7 +140,7 @@ def te_ops_norm_forward(self, input, *extra_inputs, **kwargs):  # noqa: A002 - T
     ``te.LayerNorm``): ``BasicOperation.forward`` (TE's) eagerly and in frames of other backends; in frames
     traced for te_inductor, ``input`` [..., *normalized_shape] -> the same shape in TE's dtype (the
     ``torch.autocast`` dtype if enabled, else the weight's; L2Normalization: the input's), through
-    ``te_passes::te_norm_fwd`` (TE's kernels, TE's casts: ``ops/basic/rmsnorm.py`` ``op_forward``) or the
+    ``te_passes::te_ops_norm_fwd`` (TE's kernels, TE's casts: ``ops/basic/rmsnorm.py`` ``op_forward``) or the
     torch-ops norm under ``TE_PASSES_UNTOUCHED_NORM=torch``. Raises ``ValueError`` as TE does for an input
     whose trailing dims are not the weight's."""
     base = _STATE["base_forward"]
@@ -169,7 +169,7 @@ def te_ops_norm_forward(self, input, *extra_inputs, **kwargs):  # noqa: A002 - T
         grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                             or (b is not None and self.bias.requires_grad))
         margin = self._sm_margins["forward" if grad else "inference"]
-        y = te_norm(x, w, b, self.eps, normalization, self.zero_centered_gamma, margin)
+        y = te_ops_norm(x, w, b, self.eps, normalization, self.zero_centered_gamma, margin)
     else:
         y = normalize(x, w, b, self.eps, normalization, self.zero_centered_gamma)
     return y.view(input.shape)
