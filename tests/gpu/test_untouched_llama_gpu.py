@@ -170,3 +170,34 @@ def test_llama_with_rope_against_te_eager(layers, final_norm, kw, precision):
             assert err <= REL_TOL[precision], f"{k}: relative error {err:.3e} > {REL_TOL[precision]:.0e}"
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] <= 2  # one per sequence length (dynamic=False)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_final_norm_then_linear_bit_for_bit(recipe_name):
+    """``te.RMSNorm`` -> ``te.Linear`` (a stack's final norm and LM head) under an FP8 recipe: TE eager quantizes the
+    norm's bf16 output (a standalone ``te.ops`` norm fuses no cast), and so must the compiled model
+    (``te_ops_norm_fwd`` is not widened by ``widen_delayed_inputs``): output and every gradient bit-identical
+    over 3 steps."""
+    te = _te()
+    from transformer_engine.common import recipe as R
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(te.RMSNorm(HIDDEN, params_dtype=torch.bfloat16, device="cuda"),
+                                   te.Linear(HIDDEN, 4 * HIDDEN, bias=False, params_dtype=torch.bfloat16,
+                                             device="cuda"))
+
+    ref, cand = build(), build()
+    copy_params(ref, cand)
+    recipe = R.DelayedScaling() if recipe_name == "delayed" else R.Float8CurrentScaling()
+    fn = _compiled(cand)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for step in range(3):
+        x = torch.randn(512, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        dy = torch.randn(512, BATCH, 4 * HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        with te.autocast(enabled=True, recipe=recipe):
+            y, g = fwd_bwd(fn, cand, x, dy)
+            y_ref, g_ref = fwd_bwd(ref, ref, x, dy)
+        diffs = {k: _max_diff(g[k], g_ref[k]) for k in g_ref}
+        print(f"final norm + linear {recipe_name} step {step}: out {_max_diff(y, y_ref):.3e} grads {diffs}")
+        assert torch.equal(y, y_ref) and all(torch.equal(g[k], g_ref[k]) for k in g_ref), (step, diffs)
