@@ -27,6 +27,7 @@ from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_proble
 from te_passes.runtime.untouched.gate import (BACKEND_MARK, ENV, OPTION, PREPARE_FIX, Island, island_fix_for, note_island,  # noqa: F401
                                               backend_wants_polyfills, clear_island_records, island_records,
                                               untouched_enabled)
+from te_passes.runtime.untouched.rope_norm import install_rope_norm_polyfills
 from te_passes.runtime.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, active_frames,  # noqa: F401
                                                run_eager, prepare_layernorm_linear,
                                                prepare_layernorm_mlp, register_start_callback, on_compile_start,
@@ -366,6 +367,8 @@ def install_untouched_polyfills() -> bool:
                 continue
             _STATUS[qualname] = PolyfillStatus(qualname, True)
         _install_default_recipe()
+        for name, why in (install_rope_norm_polyfills(_te_kernels) if is_supported() else {}).items():
+            _STATUS[name] = PolyfillStatus(name, why is None, why)  # RoPE and te.ops norms: rope_norm.py
         install_fused_attention_op(import_te=True)  # the FusedAttention polyfill's op (refusal: refused_reason())
         recipe_state.install_trace_hooks()  # its nodes record the te.autocast state they are traced under
         register_start_callback()
