@@ -10,7 +10,7 @@ fc1_out, quantizer)``; both compute in fp32 from bf16. Per path: FP8 bytes that 
 kernel's, the amax TE records (fused / path), and for the backward the bias gradient's max |diff|.
 Paths: Inductor's fp32 GELU / GELU backward (session 13's rule), TE's own elementwise kernels on
 fp32 copies (``tex.gelu(x.float(), None)``, ``tex.dgelu(g.float(), x.float(), None)``: what
-``widen_delayed_inputs`` feeds now) then TE's quantize / ``bgrad_quantize``. Norm, against the
+``widen_quantized_inputs`` feeds now) then TE's quantize / ``bgrad_quantize``. Norm, against the
 fused FP8 call: the output rebuilt in fp32 by Inductor from the bf16 kernel's mean / rsigma (the
 pass's rule), ``tex.layernorm_fwd`` with bf16 input and fp32 output, and TE's kernel on fp32
 copies (session 12's rule), each then quantized. Results: docs/benchmarks.md.
@@ -63,7 +63,7 @@ def main() -> None:
                 print(f"gelu bwd | {rows} x {n} | {scale} | {name} | {diff} of {out._data.numel()} | "
                       f"{qb.amax.item():.8g} / {q.amax.item():.8g} | {ddb:.3g} ({db.dtype})", flush=True)
     @torch.compile
-    def rebuild(x, w, b, mu, rs):  # widen_delayed_inputs' norm rule: TE's formula on TE's statistics
+    def rebuild(x, w, b, mu, rs):  # widen_quantized_inputs' norm rule: TE's formula on TE's statistics
         y = rs.unsqueeze(-1) * (x.float() if mu is None else x.float() - mu.unsqueeze(-1))
         y = w.float() * y
         return y if b is None else y + b.float()
@@ -83,7 +83,7 @@ def main() -> None:
                 qf = quantizer(scale)
                 fused = norm(x, w, b, qf, torch.bfloat16)[0]
                 _, mu, rs = norm(x, w, b, None, torch.bfloat16)
-                paths = {"stats of the bf16 kernel, y rebuilt (widen_delayed_inputs)": lambda: rebuild(
+                paths = {"stats of the bf16 kernel, y rebuilt (widen_quantized_inputs)": lambda: rebuild(
                              x, w, b, None if rms else mu, rs),
                          "bf16 in, fp32 out": lambda: norm(x, w, b, None, torch.float32)[0],
                          "fp32 copies (session 12's rule)": lambda: norm(

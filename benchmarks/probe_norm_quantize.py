@@ -6,7 +6,7 @@
 TE eager's te.LayerNormLinear under DelayedScaling writes FP8 from its norm kernel
 (``tex.layernorm_fwd`` / ``rmsnorm_fwd`` with a ``Float8Quantizer``: ``Impl::FULLY_FUSED``). The
 compiled split quantizes the norm's output with the same quantizer: from bf16 (before
-``widen_delayed_inputs``) or from the fp32 norm of fp32 copies (after). Per path and shape: FP8 bytes
+``widen_quantized_inputs``) or from the fp32 norm of fp32 copies (after). Per path and shape: FP8 bytes
 that differ from the fused kernel's, the amax TE records, mu / rsigma against the fused call's.
 Results: docs/benchmarks.md.
 """
@@ -46,7 +46,7 @@ def main() -> None:
                 y16, mu16, rs16 = norm(x, w, b, None, torch.bfloat16)
                 paths["bf16 then quantize (before)"] = (y16, mu16, rs16)
                 y32, mu32, rs32 = norm(x.float(), w.float(), None if b is None else b.float(), None, torch.float32)
-                paths["fp32 then quantize (widen_delayed_inputs)"] = (y32, mu32, rs32)
+                paths["fp32 then quantize (widen_quantized_inputs)"] = (y32, mu32, rs32)
                 for name, (y, mu, rs) in paths.items():
                     q = quantizer(scale)
                     out = q(y)

@@ -10,7 +10,7 @@ from te_passes.passes.fold_ub_predicates import FoldUbPredicates
 from te_passes.passes.hoist_te_constants import HoistTEConstants
 from te_passes.passes.insert_early_frees import InsertEarlyFrees
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs
-from te_passes.passes.widen_delayed_inputs import WidenDelayedInputs
+from te_passes.passes.widen_quantized_inputs import WidenQuantizedInputs
 from te_passes.pipeline.base import TEPass
 from te_passes.pipeline.registry import build_passes
 
@@ -19,7 +19,7 @@ PASSES: tuple[type[TEPass], ...] = (
     FoldUbPredicates,
     FoldRecipeLookups,
     RemoveQuantizerSetattrs,
-    WidenDelayedInputs,
+    WidenQuantizedInputs,
     HoistTEConstants,
     CallTEImplDirectly,  # needs the hoisted constants; before the frees / pool check (they treat base ops alike)
     InsertEarlyFrees,

@@ -75,10 +75,53 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
 
 
 #: Activations whose backward TE fuses with fc1's grad-output FP8 cast and the bias gradient under
-#: DelayedScaling (``_get_act_func_supported_list(recipe)[name][2]``, a ``tex.dbias_d*`` kernel:
+#: DelayedScaling and MXFP8 (``_get_act_func_supported_list(recipe)[name][2]``, a ``tex.dbias_d*`` kernel:
 #: from fp32 values); the others' gradient TE computes in the input dtype and quantizes that
 #: (``module/layernorm_mlp.py``, TE 2.20.2). Checked against TE by tests/te/test_norm_act.py.
 DBIAS_FUSED: frozenset[str] = frozenset({"gelu", "qgelu", "relu", "srelu", "silu"})
+
+#: What TE eager's ``LayerNormLinear`` / ``LayerNormMLP`` quantize for a GEMM input that one of its
+#: norm / activation kernels produced, per the GEMM's quantizer class (TE 2.20.2:
+#: ``csrc/extensions/normalization.cpp`` ``layernorm_fwd`` / ``rmsnorm_fwd``, ``activation.cpp``
+#: ``activation_helper``, ``bias.cpp`` ``dact_dbias``, ``module/layernorm_mlp.py``), source
+#: ``"norm"`` (the norm's output), ``"act"`` (the activation, fc2's input) or ``"dact"`` (the
+#: activation's gradient, fc1's grad output; only for :data:`DBIAS_FUSED` activations):
+#: ``"fp32"``: the kernel writes the quantized tensor from its fp32 values (scale, amax and cast);
+#: ``"amax"``: the kernel writes the input dtype plus the amax of its fp32 values, and the cast
+#: scales the rounded values by that amax (Float8CurrentScaling's ``FUSED_ACTIVATION_AMAX_FP8``).
+#: Absent: the kernel writes the input dtype and the cast takes that tensor's own amax (the norm
+#: kernels' amax is of the rounded values, ``rmsnorm_fwd_kernels.cuh``), as the untouched split
+#: does. MXFP8's norm is unfused unless ``NVTE_NORM_FWD_USE_CUDNN=1`` (:data:`CUDNN_NORM_ENV`).
+FUSED_QUANTIZE: dict[str, dict[str, str]] = {
+    "Float8Quantizer": {"norm": "fp32", "act": "fp32", "dact": "fp32"},        # DelayedScaling
+    "MXFP8Quantizer": {"act": "fp32", "dact": "fp32"},                          # MXFP8BlockScaling
+    "Float8CurrentScalingQuantizer": {"act": "amax"},                           # Float8CurrentScaling
+    "Float8BlockQuantizer": {},                                                 # Float8BlockScaling
+}
+#: The recipe each quantizer class of :data:`FUSED_QUANTIZE` belongs to (``transformer_engine.common.recipe``).
+QUANTIZER_RECIPES: dict[str, str] = {"Float8Quantizer": "DelayedScaling", "MXFP8Quantizer": "MXFP8BlockScaling",
+                                     "Float8CurrentScalingQuantizer": "Float8CurrentScaling",
+                                     "Float8BlockQuantizer": "Float8BlockScaling"}
+#: TE's switch to cuDNN's norm kernels; with an MXFP8 quantizer and both dims multiples of 128 TE's
+#: norm then writes MXFP8 straight from cuDNN's fp32 values (``normalization.cpp``).
+CUDNN_NORM_ENV = "NVTE_NORM_FWD_USE_CUDNN"
+
+
+def fused_quantize(quantizer_cls: str, source: str, activation: str | None = None) -> str | None:
+    """:data:`FUSED_QUANTIZE`'s rule (``"fp32"``, ``"amax"`` or ``None``: the split's bf16 value is
+    TE eager's) for a GEMM input of quantizer class ``quantizer_cls`` (its ``__name__``) produced
+    by ``source`` (``"norm"``, ``"act"``, ``"dact"``; ``activation``: the activation's name, which
+    decides ``"dact"``). Raises ``KeyError`` for a quantizer class TE's table was not read for
+    (NVFP4, custom recipes) and ``ValueError`` for another source."""
+    if source not in ("norm", "act", "dact"):
+        raise ValueError(f"source {source!r} is not 'norm', 'act' or 'dact'")
+    if quantizer_cls not in FUSED_QUANTIZE:
+        raise KeyError(f"quantizer class {quantizer_cls!r}: which values TE's fused kernels quantize for it was "
+                       f"not read (known: {sorted(FUSED_QUANTIZE)})")
+    if source == "dact" and activation not in DBIAS_FUSED:
+        return None
+    return FUSED_QUANTIZE[quantizer_cls].get(source)
+
 
 #: Gated activations: act(first half) * second half of the last dim, [..., 2n] -> [..., n]
 #: (``activation.cpp``'s ``shape_divisor=2``, TE 2.20.2; LayerNormMLP's fc1 is twice as wide for them).

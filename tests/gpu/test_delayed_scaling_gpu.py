@@ -246,7 +246,7 @@ def test_transformer_layer_trajectory(layers, mode):
     te.Linears of LayerNormLinear / LayerNormMLP run on the modules' own quantizers). 20 steps
     against TE eager: loss, every gradient, every scale and amax history (LayerNormLinear,
     LayerNormMLP, te.Linear, DotProductAttention) within ``REL_TOL["fp8"]``; 0 breaks, 0
-    recompiles. ``widen_delayed_inputs`` makes the split quantize the fp32 values TE's fused kernels
+    recompiles. ``widen_quantized_inputs`` makes the split quantize the fp32 values TE's fused kernels
     quantize (norm output rebuilt from TE's statistics, TE's activation kernels on fp32 copies):
     measured bit-identical on this data (H100 2026-12-06, docs/benchmarks.md "Session 15"); the
     tolerance stays because fc1's bias gradient is reduced in another order than TE's fused

@@ -24,6 +24,32 @@ def test_dbias_fused_is_tes_list():
 
 
 @pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
+def test_fused_quantize_follows_tes_tables():
+    """``fused_quantize``'s gradient rule exists exactly where TE's table for that recipe has a
+    ``dbias_d*`` kernel (``_get_act_func_supported_list``: DelayedScaling and MXFP8, not current /
+    block scaling), its quantizer classes are TE's (``transformer_engine.pytorch``) and
+    ``QUANTIZER_RECIPES`` names TE's recipe classes; a class TE's code was not read for and an unknown
+    source are refused with the names."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch.module.layernorm_mlp import _get_act_func_supported_list
+
+    for qcls, recipe_name in norm_act.QUANTIZER_RECIPES.items():
+        assert isinstance(getattr(te, qcls), type) and isinstance(getattr(R, recipe_name), type), qcls
+        table = _get_act_func_supported_list(getattr(R, recipe_name)())
+        fused = {k for k, (_, _, dbias) in table.items() if dbias is not None}
+        assert {a for a in table if norm_act.fused_quantize(qcls, "dact", a)} == fused, qcls
+    assert set(norm_act.FUSED_QUANTIZE) == set(norm_act.QUANTIZER_RECIPES)
+    assert norm_act.fused_quantize("Float8CurrentScalingQuantizer", "act") == "amax"
+    assert norm_act.fused_quantize("Float8CurrentScalingQuantizer", "norm") is None
+    assert norm_act.fused_quantize("Float8Quantizer", "norm") == norm_act.fused_quantize("MXFP8Quantizer", "act") == "fp32"
+    with pytest.raises(KeyError, match="quantizer class 'NVFP4Quantizer': which values TE's fused kernels quantize"):
+        norm_act.fused_quantize("NVFP4Quantizer", "act")
+    with pytest.raises(ValueError, match="source 'gemm' is not 'norm', 'act' or 'dact'"):
+        norm_act.fused_quantize("Float8Quantizer", "gemm")
+
+
+@pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 @pytest.mark.parametrize("name", sorted(norm_act.ACTIVATIONS))
 def test_gated_and_the_te_op_fake_follow_tes_kernels(name):
     """``GATED`` is the activations whose TE kernel halves the last dim: TE's LayerNormMLP makes

@@ -143,7 +143,7 @@ def _bwd_impl(grad_output: torch.Tensor, weight: torch.Tensor, inp: torch.Tensor
 def grads_in_fake_dtypes(grads: tuple, cfg: dict) -> tuple:
     """TE's ``(wgrad, dgrad, grad_bias)`` with ``grad_bias`` in the activation dtype, as TE's fake
     (``_linear_backward_fake``, TE 2.20.2) gives it: TE's ``bgrad_quantize`` returns the bias gradient
-    in the grad output's dtype, which is fp32 when ``widen_delayed_inputs`` feeds the activation's fp32
+    in the grad output's dtype, which is fp32 when ``widen_quantized_inputs`` feeds the activation's fp32
     gradient (TE eager's fused ``dbias_dgelu`` reduces in fp32 and writes the activation dtype too).
 
     Raises:

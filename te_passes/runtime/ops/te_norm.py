@@ -17,7 +17,7 @@ def te_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 zero_centered_gamma: bool, sm_margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` [..., h] -> ``(y [..., h] in x.dtype, mu [...] fp32 (LayerNorm; RMSNorm: empty [0]),
     rsigma [...] fp32)``: the statistics per row, shaped like ``x`` without its last dim (so that a
-    graph can broadcast them against ``x``: ``widen_delayed_inputs``)."""
+    graph can broadcast them against ``x``: ``widen_quantized_inputs``)."""
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.constants import TE_DType
 

@@ -14,6 +14,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from te_passes.runtime.ops.fused_attn import fused_attention_op, refused_reason
+from te_passes.te.attention_backend import backend_problem
 from te_passes.te.fused_attn import head_dim_problem
 from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask
 
@@ -152,7 +153,8 @@ def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: A
                 kwargs: dict[str, Any]) -> str | None:
     """Why this untouched ``DotProductAttention`` call does not take the fused op (trace time), or
     ``None``: the configuration (:func:`te_passes.te.untouched_rules.dpa_config_problem`), cuDNN's
-    head-dim range, TE's FAv2 backward, the op's availability, the call's arguments, the dtypes."""
+    head-dim range, TE's FAv2 backward, the op's availability, the call's arguments, the dtypes, and
+    the backend TE's own selection picks (:func:`te_passes.te.attention_backend.backend_problem`)."""
     from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
 
     p = dpa_config_problem(mod, "fused-op") or dpa_call_problem(fmt, mask, attention_mask, kwargs, "fused-op")
@@ -172,4 +174,5 @@ def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: A
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in (torch.bfloat16, torch.float16) or t.device.type != "cuda":
             return f"{name} is {t.dtype} on {t.device} (the op runs TE's bf16/fp16 cuDNN kernels on CUDA)"
-    return None
+    window, brd = resolve_mask(mod, mask, kwargs.get("window_size"), kwargs.get("bottom_right_diagonal"))
+    return backend_problem(mod, fmt, mask, q, k, v, window, brd)  # TE's own backend selection

@@ -1,12 +1,15 @@
-"""widen_delayed_inputs: under DelayedScaling a te.Linear quantizes the fp32 values TE's fused kernels
-quantize: the norm's output rebuilt in fp32 from its statistics, LayerNormMLP's activation and its
-gradient from TE's kernels on fp32 copies.
+"""widen_quantized_inputs: a te.Linear quantizes the values TE eager's fused norm / activation kernels
+quantize under its recipe (``te.norm_act.FUSED_QUANTIZE``). DelayedScaling: the norm's output rebuilt
+in fp32 from its statistics, LayerNormMLP's activation and its gradient from TE's kernels on fp32
+copies; MXFP8: the activation and its gradient in fp32; Float8CurrentScaling: the bf16 activation
+with the amax of its fp32 values; Float8BlockScaling: nothing (TE eager quantizes the bf16 values).
 
-Real AOT forward graphs of untouched te.LayerNormLinear / te.LayerNormMLP under DelayedScaling
-(CPU capture, fake GPU: tests/runtime/test_delayed_linear.py's ``_capture``), through the pass
-manager path the backend uses (``run_pipeline``): the exact rewritten nodes, their fake values,
-the nodes left alone with their reason, the switch off, and Float8CurrentScaling untouched. The
-numerics against TE eager (TE's norm and quantize kernels) are the GPU test's:
+Real AOT forward / backward graphs of untouched te.LayerNormLinear / te.LayerNormMLP (CPU capture,
+fake GPU: tests/runtime/test_delayed_linear.py's ``_capture``, ``testing.aot_capture.capture_aot``
+for the other recipes), through the pass manager path the backend uses (``run_pipeline``): the exact
+rewritten nodes, their fake values (a fresh fake propagation, TE's op fakes included), the nodes
+left alone with their reason, the switch off. The numerics against TE eager (TE's kernels) are the
+GPU tests': ``tests/gpu/test_llama_numerics_gpu.py`` and
 ``tests/gpu/test_delayed_scaling_gpu.py::test_transformer_layer_trajectory``.
 """
 
@@ -57,7 +60,7 @@ def _run(aot, stage="post_grad_fwd", **opts):
     options = TePassesOptions.parse(opts or None, known_passes=set(pass_names()))[0]
     (rep,) = run_pipeline(aot, stages=[Stage(stage)], options=options,
                           passes=configured_passes(options.pass_config))
-    return rep.gm, next(r for r in rep.runs if r.name == "widen_delayed_inputs")
+    return rep.gm, next(r for r in rep.runs if r.name == "widen_quantized_inputs")
 
 
 def outs_of(gm):
@@ -141,7 +144,7 @@ def test_delayed_linears_take_fp32_inputs(name):
     y32 = fc1.args[1]
     _check_rebuilt(gm, norm, y32)
     want = [("fed_fp32", fc1.name, {"value": y32.name, "skipped": y.name, "argument": "inp",
-                                    "source": "te_passes::te_norm_fwd"})]
+                                    "source": "te_passes::te_norm_fwd", "quantizer": "Float8Quantizer"})]
     if name == "LayerNormMLP":
         fc2 = lins[1]
         (act,) = _named(gm, ACT)
@@ -151,7 +154,8 @@ def test_delayed_linears_take_fp32_inputs(name):
         assert fc1_out.meta["val"].dtype == torch.bfloat16 and act.args[1:] == _named(before.forward, ACT)[0].args[1:]
         assert set(act.users) == {fc2}  # no other user: no bf16 copy
         want += [("widened", act.name, {"dtype": "bfloat16"}),
-                 ("fed_fp32", fc2.name, {"value": act.name, "argument": "inp", "source": "te_passes::te_act_fwd"})]
+                 ("fed_fp32", fc2.name, {"value": act.name, "argument": "inp", "source": "te_passes::te_act_fwd",
+                                         "quantizer": "Float8Quantizer"})]
     assert [(r.kind, r.node, r.data) for r in run.records] == want
     # the graph's outputs keep their dtypes, so the backward graph is unchanged
     assert [a.meta["val"].dtype for a in outs_of(gm)] == [a.meta["val"].dtype for a in outs_of(before.forward)]
@@ -169,18 +173,12 @@ def test_rmsnorm_and_zero_centered_gamma(normalization, zcg):
     assert [r.kind for r in run.records] == ["fed_fp32"]
 
 
-def test_switched_off_and_current_scaling_untouched():
-    from transformer_engine.common import recipe as R
-
+def test_switched_off():
     aot = _aot("LayerNormMLP")
-    gm, run = _run(aot, **{"te_passes.disable": ["widen_delayed_inputs"]})
+    gm, run = _run(aot, **{"te_passes.disable": ["widen_quantized_inputs"]})
     assert run.status == "disabled", run
     assert all(lin.args[1].target in (operator.getitem, torch.ops.te_passes.te_act_fwd.default)
                for lin in _named(gm, LINEAR)) and not [n for n in gm.graph.nodes if n.target is CONVERT]
-    # Float8CurrentScaling: no delayed te.Linear, nothing to widen, nothing recorded
-    gm, run = _run(_aot("LayerNormMLP", recipe=R.Float8CurrentScaling()))
-    assert run.status == "ok" and run.records == [] and not run.changed, run
-    assert not [n for n in gm.graph.nodes if n.target is CONVERT]
 
 
 def test_fp32_values_kept_with_the_reason():
@@ -200,12 +198,12 @@ def test_fp32_values_kept_with_the_reason():
 def test_second_run_changes_nothing(stage):
     """Run twice (a re-lowering, a replay): the rebuilt / widened values are recognised, no edit,
     no record."""
-    from te_passes.passes.widen_delayed_inputs import WidenDelayedInputs
+    from te_passes.passes.widen_quantized_inputs import WidenQuantizedInputs
     from te_passes.testing.harness import run_passes
 
     gm, run = _run(_aot("LayerNormMLP"), stage)
     assert run.changed
-    again = run_passes(gm, WidenDelayedInputs(), stage)
+    again = run_passes(gm, WidenQuantizedInputs(), stage)
     (rerun,) = again.report.runs
     assert rerun.status == "ok" and not rerun.changed and rerun.records == []
     assert again.after_code == again.before_code
@@ -233,7 +231,8 @@ def test_fc1_grad_output_is_the_fp32_activation_gradient():
     assert dact.args[2:] == dact0.args[2:] == ("gelu", 7.0, 1.702, 1.0)
     assert [(r.kind, r.node, r.data) for r in run.records] == [
         ("widened", dact.name, {"dtype": "bfloat16"}),
-        ("fed_fp32", fc1_bwd.name, {"value": dact.name, "argument": "grad_output", "source": "te_passes::te_act_bwd"})]
+        ("fed_fp32", fc1_bwd.name, {"value": dact.name, "argument": "grad_output", "source": "te_passes::te_act_bwd",
+                                    "quantizer": "Float8Quantizer"})]
     gm.graph.lint()
 
 
@@ -405,3 +404,190 @@ def test_linears_sharing_the_norm_output_in_any_user_order():
     first, second = _named(gm, LINEAR)
     assert first.args[1] is second.args[1] and [r.kind for r in run.records] == ["fed_fp32", "fed_fp32"]
     gm.graph.lint()  # every argument defined before its user
+
+
+# --------------------------------------------------------------------------- the other recipes
+TE_LINEAR, TE_LINEAR_BWD = "transformer_engine_compile.linear.default", "transformer_engine_compile.linear_backward.default"
+
+
+def _aot_te(module, precision, **kw):
+    """AOT graphs of an untouched ``module`` (``layernorm_mlp`` / ``layernorm_linear``, hidden 64) under
+    ``precision`` (``fp8-cs``: Float8CurrentScaling on a fake Hopper; ``mxfp8``: MXFP8BlockScaling on a
+    fake Blackwell): TE's own te.Linear ops (``transformer_engine_compile::linear``)."""
+    from te_passes.testing.aot_capture import capture_aot
+
+    return capture_aot(module, precision, 1, hidden=64, **kw)
+
+
+def _te_linears(gm, bwd=False):
+    ops = {"transformer_engine_compile::linear_backward", "transformer_engine_compile::linear_backward_base"} if bwd \
+        else {"transformer_engine_compile::linear", "transformer_engine_compile::linear_base"}
+    from te_passes.fx.graph import op_qualname
+
+    return [n for n in gm.graph.nodes if n.op == "call_function" and op_qualname(n.target) in ops]
+
+
+def _fake_repropagates(gm, precision):
+    """Every call node's ``meta["val"]`` equals a fresh fake propagation of ``gm`` (shapes, dtypes)."""
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from te_passes.testing.fake_gpu import fake_gpu, quiet
+
+    def sig(v):
+        return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in pytree.tree_leaves(v)]
+
+    old = {n: sig(n.meta.get("val")) for n in gm.graph.nodes if n.op == "call_function"}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with quiet(), fake_gpu(precision):
+        inputs = [mode.from_tensor(p.meta["val"]) if isinstance(p.meta.get("val"), torch.Tensor) else p.meta.get("val")
+                  for p in gm.graph.nodes if p.op == "placeholder"]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    assert {n.name: sig(n.meta.get("val")) for n in old} == {n.name: v for n, v in old.items()}
+
+
+def _check_amax_matched(value, act):
+    """``value`` is ``where(|a| == m, a, clamp(f32(bf16(a)), -m, m))``, ``m = amax(|a|)``, node for
+    node, over the widened activation ``act``."""
+    assert value.target is A.where.self
+    top, a, clamped = value.args
+    assert a is act and top.target is A.eq.Tensor
+    mag, m = top.args
+    assert mag.target is A.abs.default and mag.args == (act,)
+    assert m.target is A.amax.default and m.args == (mag,)
+    assert clamped.target is A.clamp.Tensor and clamped.args[2] is m
+    assert clamped.args[1].target is A.neg.default and clamped.args[1].args == (m,)
+    r32 = clamped.args[0]
+    assert r32.target is CONVERT and r32.args[1] == torch.float32
+    narrow = r32.args[0]
+    assert narrow.target is CONVERT and narrow.args == (act, torch.bfloat16)
+    assert value.meta["val"].dtype == torch.float32 and value.meta["val"].shape == act.meta["val"].shape
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+def test_current_scaling_activation_takes_its_fp32_amax(act):
+    """Float8CurrentScaling: TE's activation kernel writes bf16 and the amax of its fp32 values, which
+    fc2's cast uses (``FUSED_ACTIVATION_AMAX_FP8``). fc2 (TE's ``linear`` op) takes the bf16 values,
+    as fp32, whose amax is the fp32 one; the norm output (TE's kernel: amax of the bf16 values) and
+    the whole backward (TE computes the gradient in bf16, then quantizes it) stay."""
+    aot = _aot_te("layernorm_mlp", "fp8-cs", activation=act, bias=False)
+    before = aot.copy()
+    gm, run = _run(aot)
+    assert run.status == "ok" and run.changed, run
+    fc1, fc2 = _te_linears(gm)
+    (norm,) = _named(gm, NORM)
+    assert fc1.args[3] is _getitem(norm, 0)  # the norm rule does not apply
+    (a,) = _named(gm, ACT)
+    assert a.meta["val"].dtype == torch.float32 and a.args[0].target is CONVERT
+    value = fc2.args[3]
+    _check_amax_matched(value, a)
+    assert [(r.kind, r.node, r.data) for r in run.records] == [
+        ("widened", a.name, {"dtype": "bfloat16"}),
+        ("fed_fp32_amax", fc2.name, {"value": value.name, "skipped": a.name, "argument": "inp",
+                                     "source": "te_passes::te_act_fwd", "quantizer": "Float8CurrentScalingQuantizer"})]
+    assert [o.meta["val"].dtype for o in outs_of(gm)] == [o.meta["val"].dtype for o in outs_of(before.forward)]
+    gm.graph.lint()
+    _fake_repropagates(gm, "fp8-cs")
+    gm_b, run_b = _run(aot, "post_grad_bwd")
+    assert run_b.status == "ok" and not run_b.changed and run_b.records == [], run_b
+
+
+def test_current_scaling_value_casts_like_te():
+    """The rewritten value, evaluated on CPU for an activation whose amax is not a bf16 value: its amax
+    is the fp32 amax (TE's kernel's), every other element is the bf16 rounding TE's kernel writes,
+    and the FP8 (E4M3, TE's saturating cast) of ``value * scale`` equals that of ``bf16(a) * scale``
+    byte for byte (``scale = 448 / amax``: ``compute_scale_from_amax``); TE's quantizer, fed the bf16
+    values, would have scaled by their own, other, amax."""
+    aot = _aot_te("layernorm_mlp", "fp8-cs", activation="gelu", bias=False)
+    gm, _ = _run(aot)
+    (a,) = _named(gm, ACT)
+    value = _te_linears(gm)[1].args[3]
+    gen = torch.Generator().manual_seed(3)
+    a32 = (torch.randn(tuple(a.meta["val"].shape), generator=gen) * 2).clamp(-6, 6)
+    a32.view(-1)[5] = 7.0234375  # the amax, between the bf16 values 7.0 and 7.03125 (rounds up)
+    a32.view(-1)[9] = -7.02  # below the amax, but its bf16 rounding (-7.03125) is above: clamped
+    got = _ev(value, {a: a32})
+    m = a32.abs().amax()
+    a16 = a32.bfloat16().float()
+    assert got.abs().amax() == m and a16.abs().amax() != m
+    assert torch.equal(got.view(-1)[:5], a16.view(-1)[:5]) and got.view(-1)[5] == m and got.view(-1)[9] == -m
+
+    def fp8(t, amax):
+        s = torch.tensor(448.0) / amax
+        return (t * s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    assert torch.equal(fp8(got, got.abs().amax()), fp8(a16, m))  # TE eager: bf16 values, fp32 amax
+    assert not torch.equal(fp8(a16, a16.abs().amax()), fp8(a16, m))  # the split without the rule
+
+
+def test_current_scaling_layernorm_linear_untouched():
+    """Float8CurrentScaling's norm kernel takes the amax of the bf16 values it writes: the split's
+    bf16 norm output is what TE eager quantizes; nothing to do, nothing recorded."""
+    aot = _aot_te("layernorm_linear", "fp8-cs")
+    gm, run = _run(aot)
+    assert run.status == "ok" and not run.changed and run.records == [], run
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_mxfp8_activation_and_gradient_in_fp32(act):
+    """MXFP8: TE's activation kernel writes MXFP8 from its fp32 values (``FULLY_FUSED``) and its
+    ``dbias_d*`` backward (gelu; not the gated swiglu) too; the norm runs unfused (bf16, then
+    quantized). fc2 takes the fp32 activation; fc1's backward the fp32 gradient for gelu."""
+    aot = _aot_te("layernorm_mlp", "mxfp8", activation=act, bias=False)
+    gm, run = _run(aot)
+    fc1, fc2 = _te_linears(gm)
+    (norm,) = _named(gm, NORM)
+    (a,) = _named(gm, ACT)
+    assert fc1.args[3] is _getitem(norm, 0) and fc2.args[3] is a and a.meta["val"].dtype == torch.float32
+    assert [(r.kind, r.node, r.data) for r in run.records] == [
+        ("widened", a.name, {"dtype": "bfloat16"}),
+        ("fed_fp32", fc2.name, {"value": a.name, "argument": "inp", "source": "te_passes::te_act_fwd",
+                                "quantizer": "MXFP8Quantizer"})]
+    _fake_repropagates(gm, "mxfp8")
+    gm_b, run_b = _run(aot, "post_grad_bwd")
+    fc2_b, fc1_b = _te_linears(gm_b, bwd=True)
+    (da,) = _named(gm_b, ACT_BWD)
+    if act == "swiglu":
+        assert not run_b.changed and [(r.kind, r.node, r.data["reason"]) for r in run_b.records] == [
+            ("kept", fc1_b.name, "its grad_output is the gradient of 'swiglu', which TE eager computes in bfloat16 "
+             "and then quantizes (no fused dbias kernel under MXFP8BlockScaling)")]
+        return
+    assert fc1_b.args[0] is da and da.meta["val"].dtype == torch.float32
+    assert [(r.kind, r.node) for r in run_b.records] == [("widened", da.name), ("fed_fp32", fc1_b.name)]
+    _fake_repropagates(gm_b, "mxfp8")
+
+
+def test_mxfp8_gradient_with_a_bias_is_kept():
+    """With a bias TE's ``linear_backward`` would return fc1's bias gradient in the fp32 grad output's
+    dtype (its fake: bf16): the gradient rule is left out, with the reason; the forward rule applies."""
+    aot = _aot_te("layernorm_mlp", "mxfp8", activation="gelu", bias=True)
+    _, run = _run(aot)
+    assert [r.kind for r in run.records] == ["widened", "fed_fp32"]
+    gm_b, run_b = _run(aot, "post_grad_bwd")
+    assert not run_b.changed
+    assert [(r.kind, r.data["reason"]) for r in run_b.records] == [
+        ("kept", "its grad_output would be fp32 and TE's linear_backward then returns the bias gradient in fp32 "
+         "where its fake says the activation dtype (a bias with a dbias-fused activation)")]
+
+
+def test_block_scaling_untouched():
+    """Float8BlockScaling: TE eager normalizes and activates in bf16 and quantizes that (no fused
+    path): nothing to do in either graph, nothing recorded."""
+    from transformer_engine.common import recipe as R
+
+    aot = _aot("LayerNormMLP", recipe=R.Float8BlockScaling())
+    for stage in ("post_grad_fwd", "post_grad_bwd"):
+        gm, run = _run(aot, stage)
+        assert run.status == "ok" and not run.changed and run.records == [], run
+        assert _te_linears(gm, bwd=stage == "post_grad_bwd")
+
+
+def test_mxfp8_cudnn_norm_is_named(monkeypatch):
+    """``NVTE_NORM_FWD_USE_CUDNN=1``: TE eager's MXFP8 norm may run cuDNN's fused kernel from its own fp32
+    values: not expressed, recorded with the reason."""
+    monkeypatch.setenv("NVTE_NORM_FWD_USE_CUDNN", "1")
+    _, run = _run(_aot_te("layernorm_linear", "mxfp8"))
+    assert [(r.kind, r.data["reason"]) for r in run.records] == [
+        ("kept", "NVTE_NORM_FWD_USE_CUDNN=1: TE eager's MXFP8 norm may run cuDNN's fused kernel (both dims multiples "
+         "of 128), which quantizes its own fp32 values: not expressed")]
