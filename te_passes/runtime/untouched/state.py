@@ -240,15 +240,16 @@ def _touched(ctx: Any) -> set[int]:
     return out
 
 
-def _compile_frame() -> tuple[Any, dict, tuple, dict, Any] | None:
-    """``(compiler_fn, locals, closure, globals, code)`` of the frame Dynamo starts compiling (the
-    arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack), or ``None``."""
+def _compile_frame() -> tuple[Any, dict, tuple, dict, Any, bool] | None:
+    """``(compiler_fn, locals, closure, globals, code, recompile)`` of the frame Dynamo starts compiling (the
+    arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack; ``recompile``: Dynamo
+    compiled ``code`` before and its guards failed), or ``None``."""
     f = sys._getframe(1)
     while f is not None:
         if f.f_code.co_name == "_compile" and f.f_globals.get("__name__") == "torch._dynamo.convert_frame":
             loc = f.f_locals
             return (loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {},
-                    loc.get("code"))
+                    loc.get("code"), loc.get("cache_entry") is not None)
         f = f.f_back
     return None
 
@@ -258,8 +259,8 @@ def _compile_frame() -> tuple[Any, dict, tuple, dict, Any] | None:
 _RECIPES_SEEN: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], Any]]" = weakref.WeakKeyDictionary()
 
 
-def note_recipes(code: Any, recipes: list[Any]) -> bool:
-    """At a compile start of ``code``: remember each fp8 recipe in effect, and warn once
+def note_recipes(code: Any, recipes: list[Any], recompile: bool = True) -> bool:
+    """At a compile start of ``code``: remember each fp8 recipe in effect, and at a ``recompile`` warn once
     (:func:`te_passes.runtime.untouched.gate.warn_new_recipe`) when one is a new object equal (same class
     and ``repr``, TE's autocast key) to the one an earlier compile of ``code`` started under — the
     recompile a new recipe object per step causes. Returns whether such a recipe was seen."""
@@ -273,7 +274,7 @@ def note_recipes(code: Any, recipes: list[Any]) -> bool:
     for r in recipes:
         key = (type(r).__qualname__, repr(r))
         ref = seen.get(key)
-        if ref is not None and ref() is not r:
+        if recompile and ref is not None and ref() is not r:
             renewed = type(r).__name__
         try:
             seen[key] = weakref.ref(r)
@@ -293,7 +294,7 @@ def on_compile_start(_args: Any = None) -> None:
         found = _compile_frame()
         if found is None or "transformer_engine.pytorch" not in sys.modules:
             return
-        compiler_fn, loc, closure, glob, code = found
+        compiler_fn, loc, closure, glob, code, recompile = found
         if not backend_wants_polyfills(compiler_fn):
             return
         from te_passes.runtime.install import install  # imports this module: resolved at call time
@@ -310,7 +311,7 @@ def on_compile_start(_args: Any = None) -> None:
             prime_recipe(r)
         q = FP8GlobalStateManager.quantization_state
         in_effect = recipes + ([q.fp8_recipe] if q.autocast_depth > 0 and q.fp8_enabled else [])
-        note_recipes(code, [r for r in in_effect if isinstance(r, Recipe)])
+        note_recipes(code, [r for r in in_effect if isinstance(r, Recipe)], recompile)
         if mods:
             active = q.autocast_depth > 0
             # No te.autocast active now: the fp8 state inside the trace is unknown (te.autocast may be

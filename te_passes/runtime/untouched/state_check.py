@@ -26,7 +26,8 @@ from te_passes.runtime.untouched.state import PREPARED_KEY, active_frames, prepa
 #: The TE function whose call closes ``prepare_forward`` (``transformer_engine/pytorch/utils.py``).
 TE_UTILS_MODULE = "transformer_engine.pytorch.utils"
 HOOKED = "nvtx_range_push"
-#: Module attribute: the traced ``fp8`` a module was prepared again with (one restart per module and state).
+#: Module attribute: the set of traced ``fp8`` values a module was prepared again with (one restart per module
+#: and state).
 REPREPARED_KEY = "_te_passes_reprepared"
 
 _STATE: dict[str, Any] = {"te": None, "refused": None}
@@ -65,13 +66,16 @@ def check_prepared_state(ctx: Any) -> None:
         return
     mod, fp8 = found
     dtype, prepared_fp8, _ = mod.__dict__[PREPARED_KEY]
-    if fp8 == prepared_fp8 or mod.__dict__.get(REPREPARED_KEY) == fp8:
+    tried = mod.__dict__.setdefault(REPREPARED_KEY, set())
+    if fp8 == prepared_fp8 or fp8 in tried:  # a module run under both states in one frame: restarts stop here
         return
     try:
         state = traced_autocast(ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator())
     except Exception:  # noqa: BLE001 - the state is unknown: leave it to a recompile
         return
-    mod.__dict__[REPREPARED_KEY] = fp8
+    if fp8 and getattr(state.fp8_recipe, "delayed", lambda: False)():
+        return  # DelayedScaling's state is registered at compile start (runtime/delayed/state.py), not here
+    tried.add(fp8)
     prepare_all([mod], dtype, fp8, state.fp8_recipe)
     # Dynamo's restart that also clears its speculation log (the new trace takes other branches)
     raise torch._dynamo.exc.UnspecializeRestartAnalysis(
