@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "te_inductor", "te_inductor_backend", "TePassesOptionError", "TePassError",
            "UbConfigError", "compile_friendly", "prepare_te_state", "prepare_delayed_scaling",
-           "RecipeStateError", "compile_step", "make_graphed", "StepCaptureError", "reinitialize_ub"]
+           "RecipeStateError", "compile_step", "make_graphed", "StepCaptureError", "reinitialize_ub",
+           "mark_untouched_backend"]
 
 #: Public names and the module each lives in, imported on first access (``import te_passes`` stays
 #: light). The errors reach a ``torch.compile``'d function's caller unwrapped (docs/usage.md "Errors").
@@ -26,6 +27,7 @@ _LAZY = {
     "make_graphed": "te_passes.step_capture",
     "StepCaptureError": "te_passes.step_capture",
     "reinitialize_ub": "te_passes.runtime.ub.reinit",  # instead of TE's destroy_ub() + initialize_ub()
+    "mark_untouched_backend": "te_passes.runtime.untouched.gate",  # a backend of your own takes the polyfills
 }
 
 

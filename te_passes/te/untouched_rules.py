@@ -122,8 +122,8 @@ def dpa_config_problem(mod: Any, path: str = "SDPA") -> str | None:
         return f"qkv_format={mod.qkv_format!r} ({path} path: sbhd, bshd)"
     if mod.attn_mask_type not in SDPA_MASK_TYPES:
         return f"attn_mask_type={mod.attn_mask_type!r} ({path} path: {sorted(SDPA_MASK_TYPES)})"
-    if tuple(mod.window_size or (-1, -1)) not in ((-1, -1), (-1, 0)):
-        return f"sliding window {mod.window_size}"
+    if p := window_problem(mod.window_size, mod.attn_mask_type, path):
+        return p
     if mod.attention_dropout:
         return (f"attention_dropout={mod.attention_dropout}: SDPA's dropout draws a different random "
                 "stream than TE's attention backends" if path == "SDPA" else
@@ -141,6 +141,43 @@ def dpa_config_problem(mod: Any, path: str = "SDPA") -> str | None:
         return "different K and V head dims"
     if mod.tp_size != 1:
         return f"tensor parallel (tp_size={mod.tp_size})"
+    return None
+
+
+#: The path label of the untouched-model polyfill's fused op (``runtime/untouched/attention.py``), the one
+#: path that takes sliding windows.
+FUSED_OP_PATH = "fused-op"
+
+
+def window_problem(window: Any, mask: str, path: str = "SDPA") -> str | None:
+    """Why ``window_size`` ``window`` (``None``, ``(-1, -1)``, ``(-1, 0)``: no window) with ``attn_mask_type``
+    ``mask`` is not expressed by ``path``, or ``None``. Only :data:`FUSED_OP_PATH` takes a sliding window: the
+    windows TE's ``get_attention_backend`` leaves to FusedAttention (``attention/dot_product_attention/
+    utils.py``, "Filter: Sliding window attention": ``(>=0, >=0)``; a causal mask's ``(w, -1)`` is TE's
+    ``(w, 0)``, ``check_set_window_size``), passed on as TE's ``FusedAttention.forward`` does. The call's
+    other conditions (no dropout, ``s_q <= s_kv``, not FP8) are checked where the call is known."""
+    w = tuple(window) if window is not None else (-1, -1)
+    if w in ((-1, -1), (-1, 0)):
+        return None
+    if path != FUSED_OP_PATH:
+        return f"sliding window {window} ({path} path: none)"
+    ok = len(w) == 2 and w[0] >= 0 and (w[1] >= 0 or (w[1] == -1 and "causal" in mask))
+    return None if ok else f"sliding window {window} with attn_mask_type={mask!r} (TE's FusedAttention: (>=0, >=0))"
+
+
+def window_call_problem(mod: Any, qkv_format: str, q: Any, k: Any, kwargs: dict) -> str | None:
+    """Why the sliding window of this ``DotProductAttention`` call (``kwargs["window_size"]``, else
+    ``mod.window_size``; already accepted by :func:`window_problem`) cannot run for its sequence lengths
+    (q / k [s, b, h, d] for ``sbhd``, [b, s, h, d] for ``bshd``): TE's FusedAttention refuses a window
+    with ``s_q > s_kv`` (``get_attention_backend``)."""
+    window = kwargs.get("window_size")
+    window = mod.window_size if window is None else window
+    if window is None or tuple(window) in ((-1, -1), (-1, 0)):
+        return None
+    seq = 0 if qkv_format == "sbhd" else 1
+    s_q, s_kv = q.shape[seq], k.shape[seq]
+    if s_q > s_kv:
+        return f"sliding window {tuple(window)} with s_q={s_q} > s_kv={s_kv} (TE's FusedAttention refuses it)"
     return None
 
 
@@ -169,7 +206,10 @@ def dpa_call_problem(qkv_format: str, mask: str, attention_mask: Any, kwargs: di
         ok = NEUTRAL_KWARGS.get(k)
         if ok is None:
             return f"keyword argument {k!r} is not one the {path} path knows"
-        if not ok(v):
+        if k == "window_size":
+            if p := window_problem(v, mask, path):
+                return p
+        elif not ok(v):
             return f"{k}={v!r} is not expressed by the {path} path"
     if qkv_format not in ("sbhd", "bshd"):
         return f"qkv_format={qkv_format!r} ({path} path: sbhd, bshd)"

@@ -133,7 +133,9 @@ def traced_autocast(tx: Any) -> TracedAutocast:
             if name == "fp8_recipe" and var is not None and getattr(var, "source", None) is not None:
                 recipe_source = AttrSource(var.source, "fp8_recipe")
     guard = None
-    if values["fp8_recipe"] is not None:
+    # fp8 and calibration off: TE's impls read no recipe (reads_autocast), so none is guarded — te.autocast(
+    # enabled=False) without a recipe builds a new default recipe per call (quantization.autocast_enter)
+    if values["fp8_recipe"] is not None and (values["fp8_enabled"] or values["fp8_calibration"]):
         try:
             guard = _guard_recipe(tx, recipe_source, values["fp8_recipe"])
         except Exception as e:  # noqa: BLE001 - Dynamo internals: keep the reason, the state is still right

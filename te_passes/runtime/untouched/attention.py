@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 from te_passes.runtime.ops.fused_attn import fused_attention_op, refused_reason
 from te_passes.te.attention_backend import backend_problem
 from te_passes.te.fused_attn import head_dim_problem
-from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask
+from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask, window_call_problem
 
 #: Mask types the op path expresses (``causal_bottom_right`` as TE resolves it: DPA passes the diagonal).
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
@@ -157,7 +157,8 @@ def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: A
     the backend TE's own selection picks (:func:`te_passes.te.attention_backend.backend_problem`)."""
     from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
 
-    p = dpa_config_problem(mod, "fused-op") or dpa_call_problem(fmt, mask, attention_mask, kwargs, "fused-op")
+    p = (dpa_config_problem(mod, "fused-op") or dpa_call_problem(fmt, mask, attention_mask, kwargs, "fused-op")
+         or window_call_problem(mod, fmt, q, k, kwargs))
     if p:
         return p
     reason = refused_reason()

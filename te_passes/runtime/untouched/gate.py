@@ -63,6 +63,31 @@ def untouched_enabled(options: dict[str, Any] | None = None, environ: Any = None
     return parsed.untouched
 
 
+def mark_untouched_backend(fn: Any) -> Any:
+    """Opt a backend callable of your own into the untouched-model polyfills, as ``te_inductor`` is:
+    sets :data:`BACKEND_MARK` on ``fn`` and installs te_passes' runtime integration now — what loading
+    ``te_passes.backend`` does (:func:`te_passes.runtime.dynamo_hooks.register`: the polyfills, TE's
+    ``SplitAlongDim`` rebinding, the compile-start callback; again at a later compile start if TE is
+    imported after this call) — so frames compiled for ``fn`` get the same graphs in a fresh process as
+    after ``te_passes.te_inductor`` was loaded. Returns ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or takes no attributes (a bound method: mark its function
+            or wrap it in ``functools.partial``).
+    """
+    if not callable(fn):
+        raise TypeError(f"mark_untouched_backend takes a backend callable, not {type(fn).__name__}")
+    try:
+        setattr(fn, BACKEND_MARK, True)
+    except (AttributeError, TypeError) as e:
+        raise TypeError(f"mark_untouched_backend: cannot set {BACKEND_MARK} on {fn!r} ({e}); mark a plain "
+                        "function or a functools.partial of it") from None
+    from te_passes.runtime import dynamo_hooks  # the backend's own registration (imports this module)
+
+    dynamo_hooks.register()
+    return fn
+
+
 def backend_wants_polyfills(compiler_fn: Any) -> bool:
     """Whether Dynamo's ``compiler_fn`` (``OutputGraph.compiler_fn``) is ``te_inductor`` (or
     carries :data:`BACKEND_MARK`) with ``te_passes.untouched`` on."""
@@ -123,6 +148,29 @@ def note_island(te_module: str, name: str, reason: str, fix: str) -> bool:
             _WARNED.add("DelayedScaling")
     if warn:
         warnings.warn(f"te_passes: {Island(te_module, name, reason, fix)}", RuntimeWarning, stacklevel=2)
+    return True
+
+
+#: The one-time warning for a new (equal) recipe object per step: Dynamo's guard on the recipe's identity.
+NEW_RECIPE_FIX = ("build the recipe once, outside the training loop, and pass that same object to te.autocast "
+                  "every step (te.autocast(enabled=True) without recipe= builds a new default recipe per call: "
+                  "pass recipe=...)")
+
+
+def warn_new_recipe(recipe_cls: str, where: str) -> bool:
+    """Warn once per process (``RuntimeWarning``; :func:`clear_island_records` re-arms it) that a compile of
+    ``where`` (a function's qualname) started under a new ``recipe_cls`` object equal to the one an earlier
+    compile of it ran under: each new object recompiles, and past ``torch._dynamo.config.recompile_limit``
+    Dynamo runs the frame eagerly for good. Returns whether it warned now."""
+    with _lock:
+        if "new recipe" in _WARNED:
+            return False
+        _WARNED.add("new recipe")
+    warnings.warn(f"te_passes: {where} is compiled again because te.autocast got a new {recipe_cls} object equal "
+                  f"to the one an earlier compile ran under; te_inductor's graphs are guarded on the recipe object "
+                  f"(TE's ops read it at run time), so every new recipe object recompiles, and after "
+                  f"torch._dynamo.config.recompile_limit ({torch._dynamo.config.recompile_limit}) recompiles "
+                  f"Dynamo runs {where} eagerly, uncompiled. Fix: {NEW_RECIPE_FIX}", RuntimeWarning, stacklevel=2)
     return True
 
 

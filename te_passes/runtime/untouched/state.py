@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -16,12 +17,14 @@ from te_passes.runtime.delayed.scaling import mark_registered_state_static
 from te_passes.runtime.delayed.state import DELAYED_ATTR, prepare_delayed_scaling
 from te_passes.runtime.dynamo_callbacks import keep_start_callback
 from te_passes.runtime.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
-from te_passes.runtime.untouched.gate import backend_wants_polyfills
+from te_passes.runtime.untouched.gate import backend_wants_polyfills, warn_new_recipe
 from te_passes.te.module_init import forward_prepare_args
 from te_passes.te.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
 
 #: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
 STATE_ATTR = "_te_passes_untouched_state"
+#: Module attribute: ``(dtype, fp8, id(recipe) or None)`` te_passes ran TE's first-forward lazy init with.
+PREPARED_KEY = "_te_passes_prepared_key"
 
 
 @torch._dynamo.assume_constant_result
@@ -132,7 +135,7 @@ def run_eager() -> Any:
         tc._is_compiling_flag = old
 
 
-def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: Any, gemms: tuple[Any, ...] = (),
+def prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: Any, gemms: tuple[Any, ...] = (),
                  skip: Callable[[Any], bool] = lambda m: False) -> None:
     """``prepare_te_module`` on ``gemms`` and every TE module under ``mods`` (but those ``skip``
     names), once per (dtype, fp8, recipe) and module; ``dtype`` ``None``: each module's parameter dtype."""
@@ -141,22 +144,26 @@ def _prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: 
 
     if fp8 and not isinstance(recipe, Recipe):
         return  # a recipe built inside the traced function: TE's own first forward initialises
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
     todo = [(g, (1, False)) for g in gemms] + [(m, None) for root in mods for m in root.modules()]
+    live = FP8GlobalStateManager.quantization_state.autocast_depth > 0  # fp8 off: not the live te.autocast's state
     # no_grad: an outermost te.autocast exit with grad enabled would run TE's DelayedScaling update
-    with run_eager(), torch.no_grad(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None else _null()):
+    with run_eager(), torch.no_grad(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None or live
+                                        else _null()):
         for m, args in todo:
             d = dtype or _param_dtype(m)
-            key = (d, fp8, id(recipe) if recipe is not None else None)
-            if d is None or m.__dict__.get("_te_passes_prepared_key") == key or skip(m):
+            key = (d, fp8, id(recipe) if recipe is not None and fp8 else None)  # fp8 off: TE reads no recipe
+            if d is None or m.__dict__.get(PREPARED_KEY) == key or skip(m):
                 continue
             if prepare_te_module(m, d, fp8, recipe, args):
-                m.__dict__["_te_passes_prepared_key"] = key
+                m.__dict__[PREPARED_KEY] = key
 
 
 def _already_initialised(m: Any) -> bool:
     """Whether TE's first forward (or ours) already ran on ``m``: ``set_activation_dtype`` set a dtype
     (TE 2.20.2 ``TransformerEngineBaseModule.__init__`` sets ``activation_dtype = None``)."""
-    return m.__dict__.get("activation_dtype") is not None or "_te_passes_prepared_key" in m.__dict__
+    return m.__dict__.get("activation_dtype") is not None or PREPARED_KEY in m.__dict__
 
 
 def _param_dtype(m: Any) -> torch.dtype | None:
@@ -211,10 +218,10 @@ def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
         # te.Linears only take the activation dtype (their quantizers are the module's). A module
         # not prepared stays an island (polyfills._delayed_problem): no state of their own made here
         if mod.__dict__.get(DELAYED_ATTR) == id(recipe):
-            _prepare_all([], dtype, fp8, recipe, st.gemms)
+            prepare_all([], dtype, fp8, recipe, st.gemms)
         return
     touched = _touched(ctx)
-    _prepare_all(_frame_modules(ctx), dtype, fp8, recipe, st.gemms, skip=lambda m: id(m) in touched)
+    prepare_all(_frame_modules(ctx), dtype, fp8, recipe, st.gemms, skip=lambda m: id(m) in touched)
 
 
 def _touched(ctx: Any) -> set[int]:
@@ -233,16 +240,49 @@ def _touched(ctx: Any) -> set[int]:
     return out
 
 
-def _compile_frame() -> tuple[Any, dict, tuple, dict] | None:
-    """``(compiler_fn, locals, closure, globals)`` of the frame Dynamo starts compiling (the
-    arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack), or ``None``."""
+def _compile_frame() -> tuple[Any, dict, tuple, dict, Any, bool] | None:
+    """``(compiler_fn, locals, closure, globals, code, recompile)`` of the frame Dynamo starts compiling (the
+    arguments of ``torch._dynamo.convert_frame._compile``, found on the call stack; ``recompile``: Dynamo
+    compiled ``code`` before and its guards failed), or ``None``."""
     f = sys._getframe(1)
     while f is not None:
         if f.f_code.co_name == "_compile" and f.f_globals.get("__name__") == "torch._dynamo.convert_frame":
             loc = f.f_locals
-            return loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {}
+            return (loc.get("compiler_fn"), loc.get("locals") or {}, loc.get("closure") or (), loc.get("globals") or {},
+                    loc.get("code"), loc.get("cache_entry") is not None)
         f = f.f_back
     return None
+
+
+#: Per compiled code object: ``(recipe class, repr)`` -> a weak reference to the recipe object an fp8
+#: compile of it started under (:func:`note_recipes`).
+_RECIPES_SEEN: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], Any]]" = weakref.WeakKeyDictionary()
+
+
+def note_recipes(code: Any, recipes: list[Any], recompile: bool = True) -> bool:
+    """At a compile start of ``code``: remember each fp8 recipe in effect, and at a ``recompile`` warn once
+    (:func:`te_passes.runtime.untouched.gate.warn_new_recipe`) when one is a new object equal (same class
+    and ``repr``, TE's autocast key) to the one an earlier compile of ``code`` started under — the
+    recompile a new recipe object per step causes. Returns whether such a recipe was seen."""
+    if code is None or not recipes:
+        return False
+    try:
+        seen = _RECIPES_SEEN.setdefault(code, {})
+    except TypeError:  # not weak-referenceable
+        return False
+    renewed = None
+    for r in recipes:
+        key = (type(r).__qualname__, repr(r))
+        ref = seen.get(key)
+        if recompile and ref is not None and ref() is not r:
+            renewed = type(r).__name__
+        try:
+            seen[key] = weakref.ref(r)
+        except TypeError:
+            continue
+    if renewed is not None:
+        warn_new_recipe(renewed, getattr(code, "co_qualname", getattr(code, "co_name", "the compiled function")))
+    return renewed is not None
 
 
 def on_compile_start(_args: Any = None) -> None:
@@ -254,9 +294,12 @@ def on_compile_start(_args: Any = None) -> None:
         found = _compile_frame()
         if found is None or "transformer_engine.pytorch" not in sys.modules:
             return
-        compiler_fn, loc, closure, glob = found
+        compiler_fn, loc, closure, glob, code, recompile = found
         if not backend_wants_polyfills(compiler_fn):
             return
+        from te_passes.runtime.install import install  # imports this module: resolved at call time
+
+        install()  # a marked backend in a process that never loaded te_inductor: the same hooks (split, ...)
         from transformer_engine.common.recipe import Recipe
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
@@ -266,13 +309,15 @@ def on_compile_start(_args: Any = None) -> None:
         mods = [v for v in values if isinstance(v, torch.nn.Module)]
         for r in recipes:
             prime_recipe(r)
+        q = FP8GlobalStateManager.quantization_state
+        in_effect = recipes + ([q.fp8_recipe] if q.autocast_depth > 0 and q.fp8_enabled else [])
+        note_recipes(code, [r for r in in_effect if isinstance(r, Recipe)], recompile)
         if mods:
-            q = FP8GlobalStateManager.quantization_state
             active = q.autocast_depth > 0
             # No te.autocast active now: the fp8 state inside the trace is unknown (te.autocast may be
             # inside the compiled function), so a module TE already initialised (an eager step ran)
             # keeps its state — re-initialising it with fp8 off made the trace guard on the wrong value.
-            _prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None,
+            prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None,
                          skip=(lambda m: False) if active else _already_initialised)
             _prepare_delayed(mods, recipes, q)
         mark_registered_state_static()  # the compiled update writes every registered module's state
@@ -365,6 +410,11 @@ def prepare_layernorm_mlp(ctx: Any) -> None:
 
 
 def register_start_callback() -> None:
-    keep_start_callback(on_compile_start)  # kept over torch._dynamo.reset()
+    """The compile-start callback (kept over ``torch._dynamo.reset()``) and the in-trace check of its guesses
+    (:mod:`te_passes.runtime.untouched.state_check`, which imports this module)."""
+    keep_start_callback(on_compile_start)
+    from te_passes.runtime.untouched.state_check import install_state_check
+
+    install_state_check()
 
 
