@@ -176,3 +176,18 @@ def test_llama_examples_are_listed_and_run_offline(tmp_path):
     counts = re.search(r"(\d+) graph\(s\), (\d+) graph break\(s\), (\d+) island\(s\)", result.note)
     assert counts, result.note
     assert len(result.reports) == int(counts.group(1)) >= 1
+
+
+def test_scope_recognises_te_inductor_however_wrapped():
+    """``backend="te_inductor"`` (torch.compile's wrapper, with or without options), ``te_inductor_backend()``
+    (a ``functools.partial``): ours; ``"eager"`` / ``"inductor"``: not."""
+    import te_passes.backend as backend
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert checkpoint_scope.is_te_inductor(torch._TorchCompileWrapper("te_inductor", None, None, None))
+    assert checkpoint_scope.is_te_inductor(torch._TorchCompileWrapper("te_inductor", "reduce-overhead", None, None))
+    assert checkpoint_scope.is_te_inductor(backend.te_inductor_backend(mode="reduce-overhead"))
+    assert not checkpoint_scope.is_te_inductor(torch._TorchCompileWrapper("eager", None, None, None))
+    assert not checkpoint_scope.is_te_inductor(lookup_backend("inductor"))
+    assert not checkpoint_scope.is_te_inductor(None)
+    assert checkpoint_scope.compiling_backend() is None  # outside a Dynamo compile
