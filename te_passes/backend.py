@@ -21,6 +21,7 @@ from te_passes.pipeline.compilation import Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
 from te_passes.runtime.delayed import linear as delayed_linear
 from te_passes.runtime import dynamo_hooks
+from te_passes.runtime.cudagraphs.stable_grads import protect_grads
 from te_passes.runtime.install import install as install_runtime
 from te_passes.runtime.te_patches.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
@@ -65,6 +66,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
     dynamo_hooks.warn_capture_state("te_inductor")
     settings = _without_cudagraphs_if_hazard(gm, settings)
+    if settings.config_patches.get("triton.cudagraphs"):
+        protect_grads(example_inputs)  # .grad outside the graph pool: accumulation across replays
     manager = PassManager(configured_passes(settings.options.pass_config), observers=_observers(settings.options))
     comp = Compilation(manager, settings, TEState.capture(ub_snapshot=settings.ub_snapshot),
                        recompile=lambda g, args: compile_graph(g, args, settings))

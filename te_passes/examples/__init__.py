@@ -14,8 +14,10 @@ from te_passes._logging import get_logger
 from te_passes.backend import te_inductor
 from te_passes.config import TePassesOptions
 from te_passes.debug.offline import run_stages
+from te_passes.examples.llama import LlamaConfig, TinyLlama, capture_llama, random_batch, train_step
 from te_passes.pipeline.compilation import inductor_config_patches as _inductor_config_patches
 from te_passes.passes.order import configured_passes, pass_names
+from te_passes.pipeline.base import Stage
 from te_passes.report import compile_reports
 from te_passes.testing.capture import capture_aot, capture_dynamo
 from te_passes.testing.dynamo_capture import UNTOUCHED_MODELS
@@ -26,7 +28,8 @@ log = get_logger()
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """A built-in example: ``model`` (``"linear"``/``"stack"``), default ``precision``
+    """A built-in example: ``model`` (``"linear"``/``"stack"``/``"transformer_layer"``/``"llama"``: the
+    small Llama of :mod:`te_passes.examples.llama`, ``layers`` TransformerLayers), default ``precision``
     (``"bf16"``/``"fp8-cs"``/``"mxfp8"``), ``layers``, ``tokens``, ``hidden``, one-line
     ``description``."""
 
@@ -53,6 +56,13 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in (
     Example("transformer-layer-fp8", "transformer_layer", "fp8-cs", 1,
             "untouched te.TransformerLayer(64, 256, 4), Float8CurrentScaling, forward + backward (without a GPU: "
             "the forward's Dynamo graph)", tokens=16),
+    # a training loop's model (issue 42): docs/usage.md "Training loop"
+    Example("llama-bf16", "llama", "bf16", 2,
+            "small Llama (Embedding, 2 x te.TransformerLayer with RMSNorm, SwiGLU, GQA, RoPE, causal; te.RMSNorm, "
+            "te.Linear head, cross-entropy) in bf16, 2 training steps", tokens=16),
+    Example("llama-fp8", "llama", "fp8-cs", 2,
+            "small Llama (Embedding, 2 x te.TransformerLayer with RMSNorm, SwiGLU, GQA, RoPE, causal; te.RMSNorm, "
+            "te.Linear head, cross-entropy), Float8CurrentScaling, 2 training steps", tokens=16),
 )}
 
 #: How each precision reads in an example's description (after the module: TE recipe class, or bf16).
@@ -102,6 +112,8 @@ def run_example(name: str, *, precision: str | None = None, mode: str | None = N
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
     say = status or (lambda msg: None)
+    if ex.model == "llama":
+        return _run_llama(ex, precision, mode, dump_dir, disable, say)
     if torch.cuda.is_available():
         return _run_on_gpu(ex, precision, mode, dump_dir, disable, say)
     return _run_offline(ex, precision, mode, dump_dir, disable, say)
@@ -186,3 +198,43 @@ def _run_on_gpu(ex: Example, precision: str, mode: str | None, dump_dir: str | N
     torch.cuda.synchronize()
     return ExampleResult(f"torch.compile(backend='te_inductor') on {torch.cuda.get_device_name()}", None,
                          compile_reports()[n0:])
+
+
+def _run_llama(ex: Example, precision: str, mode: str | None, dump_dir: str | None, disable: Sequence[str],
+               say: Callable[[str], None]) -> ExampleResult:
+    """The small Llama: on a GPU 2 AdamW training steps under te_inductor; else its forward + loss
+    captured on fake CUDA tensors (2 steps) and te_passes' Dynamo-stage passes run on every graph."""
+    config = LlamaConfig(layers=ex.layers, hidden=ex.hidden)
+    recipe = make_recipe(precision)
+    if torch.cuda.is_available():
+        say(f"building the small Llama on {torch.cuda.get_device_name()}; 2 training steps under te_inductor")
+        torch.manual_seed(0)
+        model = TinyLlama(config, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        options: dict[str, Any] = {"te_passes.disable": list(disable)}
+        if dump_dir is not None:
+            options["te_passes.dump_dir"] = dump_dir
+        compiled = torch.compile(model, backend=functools.partial(te_inductor, mode=mode, options=options))
+        n0 = len(compile_reports())
+        for _ in range(2):
+            train_step(compiled, opt, [random_batch(config, ex.tokens)], recipe=recipe)
+        torch.cuda.synchronize()
+        return ExampleResult(f"torch.compile(model, backend='te_inductor') on {torch.cuda.get_device_name()}", None,
+                             compile_reports()[n0:])
+    opts, _ = TePassesOptions.parse({"te_passes.disable": list(disable)}, known_passes=set(pass_names()))
+    patches = _inductor_config_patches(mode, {})
+    say(f"capturing the Dynamo graphs of the small Llama ({precision}, 2 steps) on fake CUDA tensors")
+    cap = capture_llama(config, precision, steps=2, seq=ex.tokens)
+    say(f"running the pass pipeline on {len(cap.graphs)} graph(s)")
+    reports = []
+    with fake_gpu(precision), torch._inductor.config.patch(
+            {k: v for k, v in patches.items() if not k.endswith("_custom_pre_pass")}):
+        for gm, inputs in cap.graphs:
+            reports.append(run_stages([(Stage.DYNAMO, gm, inputs)], configured_passes(), options=opts, mode=mode,
+                                      dump_dir=dump_dir))
+    islands = "; ".join(cap.islands) or "none"
+    note = (f"No GPU here: the small Llama's forward + loss was compiled as users write it on fake CUDA tensors, "
+            f"2 training steps (forward only: the backward needs a CUDA device): {cap.summary()}; islands: "
+            f"{islands}. te_passes ran its Dynamo-stage passes on each graph; the AOTAutograd graphs of untouched "
+            f"TE models are not captured without a GPU and Inductor was not run.")
+    return ExampleResult("offline pass pipeline on the captured Dynamo graphs (small Llama)", note, reports)

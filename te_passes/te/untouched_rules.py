@@ -82,7 +82,8 @@ def layernorm_mlp_config_problem(mod: Any) -> str | None:
     if mod.activation not in ACTIVATIONS:
         return f"activation {mod.activation!r} has no torch expression here"
     if getattr(mod, "checkpoint", False):
-        return "checkpoint=True (TE's own activation recompute)"
+        return ("checkpoint=True (TE's own activation recompute); the torch alternative te_inductor compiles: "
+                "torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False) around the module")
     if getattr(mod, "gemm_gelu_fusion", False):
         return "NVTE_GEMM_GELU_FUSION (GEMM+GELU fused with UB overlap)"
     if mod.activation_params and mod.activation != "clamped_swiglu":
