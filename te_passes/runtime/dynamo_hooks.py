@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from te_passes._logging import get_logger
-from te_passes.runtime import checkpoint_scope
+from te_passes.runtime import dynamo_scope
 from te_passes.runtime.dynamo_callbacks import drop_start_callback, keep_start_callback
 from te_passes.runtime.install import install
 from te_passes.te.capture_state import te_capture_state
@@ -52,8 +52,8 @@ def on_compile_start_capture(_args: Any) -> None:
 def register() -> None:
     """Install the runtime hooks now if TE is imported, else at a later Dynamo compile; register the
     capture-state warning (both kept over ``torch._dynamo.reset()``) and the activation-checkpointing
-    scope of te_inductor compiles (:mod:`te_passes.runtime.checkpoint_scope`). Idempotent."""
+    scope of te_inductor compiles (:mod:`te_passes.runtime.dynamo_scope`). Idempotent."""
     if not install():
         keep_start_callback(on_compile_start_install)
     keep_start_callback(on_compile_start_capture)
-    checkpoint_scope.register()
+    dynamo_scope.register()

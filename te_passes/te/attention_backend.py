@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 #: The fused-attention sub-backend the polyfill's op runs (``FusedAttnBackend`` name).
 FUSED_OP_BACKEND = "F16_arbitrary_seqlen"
@@ -21,13 +22,13 @@ def selection_key(mod: Any, fmt: str, mask: str, q: Any, k: Any, v: Any, window:
     ``sbhd`` / ``bshd`` call without mask tensor, bias, KV cache, context parallelism, FP8 or score
     mod (what ``runtime.untouched.attention.dpa_problem`` leaves), as ``((field, value), ...)`` of
     plain constants: q [s_q, b, h, d] (``sbhd``) / [b, s_q, h, d] (``bshd``), k / v [s_kv, b, g, d];
-    the layout ``<fmt>_<fmt>_<fmt>`` (the one the fused op runs). ``None`` when a size is not a plain
-    ``int`` (a symbolic sequence length: TE's selection takes concrete ones)."""
-    seq, bat = (0, 1) if fmt == "sbhd" else (1, 0)
-    sizes = (q.shape[bat], q.shape[seq], k.shape[seq], q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
-    if not all(type(s) is int for s in sizes):
-        return None
-    batch, s_q, s_kv, heads, groups, d_qk, d_v = sizes
+    the layout ``<fmt>_<fmt>_<fmt>`` (the one the fused op runs). Symbolic sequence lengths are
+    specialised under a guard (as the fused op does); ``batch_size`` is 1 (see the body)."""
+    seq = 0 if fmt == "sbhd" else 1
+    # the fused op specialises the sequence lengths under a guard anyway (runtime/untouched/attention.py);
+    # the batch stays dynamic: asked as 1 (TE 2.20.2 reads it only for THD layouts and cuDNN's query)
+    s_q, s_kv = guard_scalar(q.shape[seq]), guard_scalar(k.shape[seq])
+    batch, heads, groups, d_qk, d_v = 1, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     return (("qkv_dtype", q.dtype), ("qkv_layout", f"{fmt}_{fmt}_{fmt}"), ("batch_size", batch),
             ("num_heads", heads), ("num_gqa_groups", groups), ("max_seqlen_q", s_q), ("max_seqlen_kv", s_kv),
             ("head_dim_qk", d_qk), ("head_dim_v", d_v), ("attn_mask_type", mask), ("window_size", tuple(window)),
@@ -63,7 +64,7 @@ def selected_backend(key: tuple) -> str:
 def backend_problem(mod: Any, fmt: str, mask: str, q: Any, k: Any, v: Any, window: tuple, brd: bool) -> str | None:
     """Why TE would not run this call on ``FusedAttention`` with the op's sub-backend
     (:data:`FUSED_OP_BACKEND`), or ``None``: TE's selection (:func:`selected_backend`) for the call's
-    :func:`selection_key`. A symbolic size is not asked about (``None``)."""
+    :func:`selection_key`."""
     key = selection_key(mod, fmt, mask, q, k, v, window, brd)
     if key is None:
         return None

@@ -20,6 +20,7 @@ import torch
 te = pytest.importorskip("transformer_engine.pytorch")
 
 from te_passes.runtime.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.runtime.untouched.gate import mark_untouched_backend  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -40,7 +41,7 @@ class _Recorder:
     def __init__(self):
         self.graphs: list = []
         self.calls: list[list[torch.Tensor]] = []
-        self._te_passes_untouched = True
+        mark_untouched_backend(self)  # as te_inductor: the polyfills and the runtime hooks (Dynamo scope)
 
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm)

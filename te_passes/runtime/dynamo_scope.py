@@ -1,13 +1,16 @@
-"""Activation checkpointing around TE modules under te_inductor: Dynamo's
-``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` turned on for the compiles of
-te_inductor frames only, by a Dynamo start callback, and restored by the matching end callback.
+"""Dynamo config for te_inductor's compiles only (:data:`FLAGS`): set by a Dynamo start callback
+for a te_inductor frame and restored by the matching end callback; other backends' compiles and the
+user's own values are untouched.
 
-Without it, ``torch.utils.checkpoint.checkpoint(te_module, x, use_reentrant=False)`` stops Dynamo's
-checkpoint higher-order op at TE's first ``fast_setattr`` (``module/base.py`` ``prepare_forward``:
-``HOP: Unsafe side effect``) and the region runs eagerly. Why skipping the replay of those side
-effects in the recompute is safe for TE: docs/usage.md "Training loop" (activation checkpointing).
-The flag is read only while Dynamo traces a frame (``CheckpointHigherOrderVariable.__init__``,
-torch/_dynamo/variables/higher_order_ops.py), so a start/end callback pair scopes it to one compile.
+Activation checkpointing: without ``skip_fwd_side_effects_in_bwd_under_checkpoint``,
+``torch.utils.checkpoint.checkpoint(te_module, x, use_reentrant=False)`` stops Dynamo's checkpoint
+higher-order op at TE's first ``fast_setattr`` (``module/base.py`` ``prepare_forward``: ``HOP:
+Unsafe side effect``) and the region runs eagerly; why skipping the replay of those side effects in
+the recompute is safe for TE: docs/usage.md "Training loop" (activation checkpointing). Dynamic
+shapes: ``specialize_float`` and ``allow_ignore_mark_dynamic`` (see :data:`FLAGS`). Each value is
+read only while Dynamo wraps and traces a frame (e.g. ``CheckpointHigherOrderVariable.__init__``,
+torch/_dynamo/variables/higher_order_ops.py; ``variables/builder.py``), so a start/end callback pair
+scopes it to one compile.
 """
 
 from __future__ import annotations
@@ -22,8 +25,18 @@ import torch
 
 from te_passes.runtime.dynamo_callbacks import keep_start_callback
 
-#: The Dynamo config flag te_inductor turns on for its own compiles.
+#: The Dynamo config flag te_inductor turns on for its own compiles (activation checkpointing).
 FLAG = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+#: Every Dynamo config value te_inductor's compiles run with (each read while Dynamo wraps a frame's
+#: inputs / traces it, so a start / end callback pair scopes it to one compile):
+#: - :data:`FLAG`: TE's first-forward ``fast_setattr`` inside ``torch.utils.checkpoint`` regions;
+#: - ``specialize_float``: ``dynamic=True`` (``assume_static_by_default`` off) makes the floats Dynamo
+#:   reads symbolic — a quantizer's ``amax_epsilon``, a module's ``softmax_scale`` — which TE's custom
+#:   ops must hold as constants in their ``OpaqueValueBundle`` (an internal Dynamo error otherwise);
+#: - ``allow_ignore_mark_dynamic``: TE's fused-attention op holds ``max_seqlen`` as a constant, so a
+#:   sequence length the user marked dynamic is specialised under a guard (one graph per length)
+#:   instead of failing with ``ConstraintViolationError`` (docs/untouched.md "Sequence lengths").
+FLAGS: dict[str, Any] = {FLAG: True, "specialize_float": True, "allow_ignore_mark_dynamic": True}
 #: A backend callable (or anything it wraps) with this attribute set to ``True`` counts as te_inductor
 #: (the CPU captures' recording backends; the untouched-model polyfills' mark, runtime/untouched/gate.py).
 BACKEND_MARK = "_te_passes_untouched"
@@ -68,8 +81,8 @@ def compiling_backend() -> Any:
 
 
 def on_compile_start(_args: Any = None) -> None:
-    """Dynamo start callback: for a te_inductor frame, set :data:`FLAG` for this compile (the user's
-    value is restored by :func:`on_compile_end`)."""
+    """Dynamo start callback: for a te_inductor frame, set :data:`FLAGS` for this compile (the user's
+    values are restored by :func:`on_compile_end`)."""
     if not is_te_inductor(compiling_backend()):
         return
     handler = torch._dynamo.callback_handler
@@ -79,16 +92,17 @@ def on_compile_start(_args: Any = None) -> None:
         if _scope["restore"] is not None:
             return
         cfg = torch._dynamo.config
-        _scope["restore"] = (getattr(cfg, FLAG),)
-        setattr(cfg, FLAG, True)
+        _scope["restore"] = {name: getattr(cfg, name) for name in FLAGS}
+        for name, value in FLAGS.items():
+            setattr(cfg, name, value)
 
 
 def on_compile_end(_args: Any = None) -> None:
-    """Dynamo end callback (runs in a ``finally``, torch/_dynamo/callback.py): restore :data:`FLAG`."""
+    """Dynamo end callback (runs in a ``finally``, torch/_dynamo/callback.py): restore :data:`FLAGS`."""
     with _lock:
         restore, _scope["restore"] = _scope["restore"], None
-    if restore is not None:
-        setattr(torch._dynamo.config, FLAG, restore[0])
+    for name, value in (restore or {}).items():
+        setattr(torch._dynamo.config, name, value)
 
 
 def register() -> None:
