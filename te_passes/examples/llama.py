@@ -46,9 +46,10 @@ class TinyLlama(torch.nn.Module):
     """Embedding, ``config.layers`` x ``te.TransformerLayer``, ``te.RMSNorm`` (or ``torch.nn.RMSNorm``),
     ``te.Linear`` LM head.
 
-    ``forward(tokens, targets=None)``: ``tokens`` int64 ``[seq, batch]`` (TE's default ``sbhd``
-    layout); returns the logits ``[seq, batch, vocab]`` in ``config.dtype``, or with ``targets``
-    (int64 ``[seq, batch]``) the mean cross-entropy, fp32 scalar.
+    ``forward(tokens, targets=None, is_first_microbatch=None)``: ``tokens`` int64 ``[seq, batch]`` (TE's
+    default ``sbhd`` layout); returns the logits ``[seq, batch, vocab]`` in ``config.dtype``, or with
+    ``targets`` (int64 ``[seq, batch]``) the mean cross-entropy, fp32 scalar. ``is_first_microbatch`` is
+    passed to every TE module (Megatron-style FP8 weight caching; docs/usage.md "Training loop").
 
     Raises:
         ValueError: ``hidden`` not divisible by ``heads`` or ``heads`` by ``kv_groups``.
@@ -74,15 +75,17 @@ class TinyLlama(torch.nn.Module):
         self.head = te.Linear(c.hidden, c.vocab, bias=False, params_dtype=c.dtype, device=device)
         self.rope = te.RotaryPositionEmbedding(c.hidden // c.heads) if c.rope else None
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                is_first_microbatch: bool | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         rope = self.rope(tokens.shape[0]) if self.rope is not None else None
+        kw = {"rotary_pos_emb": rope, "is_first_microbatch": is_first_microbatch}
         for layer in self.layers:
             if self.config.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, rotary_pos_emb=rope)
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, **kw)
             else:
-                x = layer(x, rotary_pos_emb=rope)
-        logits = self.head(self.norm(x))
+                x = layer(x, **kw)
+        logits = self.head(self.norm(x), is_first_microbatch=is_first_microbatch)
         if targets is None:
             return logits
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -172,12 +175,12 @@ class LlamaCapture:
 
 def capture_llama(config: LlamaConfig | None = None, precision: str = "bf16", *, steps: int = 2,
                   micro_batches: int = 1, seq: int = 16, batch: int = 2, eval_between: bool = False,
-                  backend_mark: bool = True) -> LlamaCapture:
+                  first_microbatch_flag: bool = False, backend_mark: bool = True) -> LlamaCapture:
     """Compile :class:`TinyLlama`'s loss as users do (``torch.compile(model)``, ``te.autocast`` outside)
     on fake cuda tensors and call it for ``steps`` steps of ``micro_batches`` micro-batches each (with
     ``eval_between``: a ``model.eval()`` + ``torch.no_grad()`` forward after each step, under the same
-    ``te.autocast``). The backend
-    records each graph and runs it on the fake tensors (TE's fake impls); it stands in for te_inductor
+    ``te.autocast``; with ``first_microbatch_flag``: ``is_first_microbatch=(i == 0)`` for micro-batch
+    ``i``, Megatron-style). The backend records each graph and runs it on the fake tensors (TE's fake impls); it stands in for te_inductor
     (``backend_mark``: it takes te_passes' polyfills and checkpoint scope) or for any other backend.
 
     Forward only: the backward (and so ``.grad`` accumulation) needs a CUDA device (the autograd
@@ -218,9 +221,10 @@ def capture_llama(config: LlamaConfig | None = None, precision: str = "bf16", *,
         stopped = None
         try:
             for batches in data:
-                for tokens, targets in batches:
+                for i, (tokens, targets) in enumerate(batches):
                     with mode, autocast():
-                        compiled(tokens, targets) / len(batches)
+                        flag = {"is_first_microbatch": i == 0} if first_microbatch_flag else {}
+                        compiled(tokens, targets, **flag) / len(batches)
                 if eval_between:
                     model.eval()
                     with mode, torch.no_grad(), autocast():

@@ -15,8 +15,10 @@ from te_passes.runtime.cudagraphs import stable_grads
 def pool(monkeypatch):
     """Storages registered here count as owned by the graph pool; ``backward`` produces gradients
     in such storages (as a replayed backward graph's outputs are)."""
-    owned: set[int] = set()  # storage addresses (a strong reference would stop AccumulateGrad's steal)
-    monkeypatch.setattr(stable_grads, "pool_owned", lambda t: t.untyped_storage().data_ptr() in owned)
+    # the storages, kept alive (no address reuse); a reference to the tensor would stop AccumulateGrad's steal
+    owned: list[torch.UntypedStorage] = []
+    monkeypatch.setattr(stable_grads, "pool_owned",
+                        lambda t: any(t.untyped_storage().data_ptr() == o.data_ptr() for o in owned))
     return owned
 
 
@@ -33,7 +35,7 @@ class _PoolGrad(torch.autograd.Function):
     def backward(ctx, gy):
         (x,) = ctx.saved_tensors
         gw = (gy * x).sum(0)
-        ctx.pool.add(gw.untyped_storage().data_ptr())
+        ctx.pool.append(gw.untyped_storage())
         return None, gw, None
 
 

@@ -79,6 +79,21 @@ def test_rope_and_te_rmsnorm_are_the_only_breaks():
         assert all(kernel in reason for reason in cap.graph_breaks), (kernel, list(cap.graph_breaks))
 
 
+def test_megatron_is_first_microbatch():
+    """``is_first_microbatch=(i == 0)`` per micro-batch (Megatron-style): in bf16 the flag is inert in TE (no
+    FP8 weight workspace) and te_inductor compiles one graph per value in step 1, nothing after; under fp8
+    TE's own te.Linear falls back to eager, each break naming TE's reason (docs/usage.md "Training loop":
+    the fix is is_first_microbatch=None)."""
+    cap = capture_llama(_cfg(rope=False, te_norm=False, layers=1), "bf16", steps=2, micro_batches=2,
+                        first_microbatch_flag=True)
+    assert cap.graph_breaks == {} and cap.stopped is None, cap.summary()
+    assert cap.gemms == [5, 5] and cap.recompiles == [], cap.summary()
+    cap = capture_llama(_cfg(rope=False, te_norm=False, layers=1), "fp8-cs", steps=1, micro_batches=1,
+                        first_microbatch_flag=True)
+    assert cap.graph_breaks, cap.summary()
+    assert all("FP8 weight caching (is_first_microbatch)" in r for r in cap.graph_breaks), list(cap.graph_breaks)
+
+
 # --------------------------------------------------------------------------- activation checkpointing
 def _checkpoint_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and "tag_activation_checkpoint" in str(n.target)]
