@@ -27,7 +27,7 @@ _LAZY = {
     "make_graphed": "te_passes.step_capture",
     "StepCaptureError": "te_passes.step_capture",
     "reinitialize_ub": "te_passes.runtime.ub.reinit",  # instead of TE's destroy_ub() + initialize_ub()
-    "mark_untouched_backend": "te_passes.runtime.untouched.gate",  # a backend of your own takes the polyfills
+    "mark_untouched_backend": "te_passes.runtime.dynamo_hooks",  # a backend of your own takes the polyfills
 }
 
 

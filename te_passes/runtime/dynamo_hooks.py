@@ -15,6 +15,7 @@ from te_passes._logging import get_logger
 from te_passes.runtime import dynamo_scope
 from te_passes.runtime.dynamo_callbacks import drop_start_callback, keep_start_callback
 from te_passes.runtime.install import install
+from te_passes.runtime.untouched.gate import BACKEND_MARK
 from te_passes.te.capture_state import te_capture_state
 
 log = get_logger()
@@ -57,3 +58,25 @@ def register() -> None:
         keep_start_callback(on_compile_start_install)
     keep_start_callback(on_compile_start_capture)
     dynamo_scope.register()
+
+
+def mark_untouched_backend(fn: Any) -> Any:
+    """Opt a backend callable of your own into the untouched-model polyfills, as ``te_inductor`` is:
+    sets :data:`te_passes.runtime.untouched.gate.BACKEND_MARK` on ``fn`` and runs :func:`register` (what
+    loading ``te_passes.backend`` does: the polyfills, TE's ``SplitAlongDim`` rebinding, the compile-start
+    callbacks; at a later compile start if TE is imported after this call), so frames compiled for ``fn``
+    get the same graphs in a fresh process as after ``te_passes.te_inductor`` was loaded. Returns ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or takes no attributes (a builtin, a bound method: mark its
+            function or a ``functools.partial`` of it).
+    """
+    if not callable(fn):
+        raise TypeError(f"mark_untouched_backend takes a backend callable, not {type(fn).__name__}")
+    try:
+        setattr(fn, BACKEND_MARK, True)
+    except (AttributeError, TypeError) as e:
+        raise TypeError(f"mark_untouched_backend: cannot set {BACKEND_MARK} on {fn!r} ({e}); mark a plain "
+                        "function or a functools.partial of it") from None
+    register()
+    return fn

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from te_passes.runtime.untouched.gate import mark_untouched_backend
+from te_passes.runtime.dynamo_hooks import mark_untouched_backend
 from te_passes.te.version import te_version
 from te_passes.testing.captured import CapturedGraph
 from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing, fake_gpu, import_te, make_recipe,
@@ -156,9 +156,11 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
             def never_run(*args, **kwargs):
                 raise _NeverRun()
             return never_run
-        # take te_passes' polyfills as te_inductor does, with every hook loading the backend installs
-        # (GQA's SplitAlongDim among them): the same graph in a fresh process as after te_inductor
-        mark_untouched_backend(backend)
+        backend._te_passes_untouched = True  # take te_passes' polyfills, as te_inductor does
+        if model in UNTOUCHED_MODELS:
+            # with every hook loading the backend installs (GQA's SplitAlongDim among them): the same
+            # graph in a fresh process as after te_inductor was loaded
+            mark_untouched_backend(backend)
 
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
         try:

@@ -309,7 +309,9 @@ def test_mark_untouched_backend_in_a_fresh_process():
 
 
 def test_mark_untouched_backend_refuses_what_it_cannot_mark():
+    from te_passes.runtime.dynamo_hooks import mark_untouched_backend
+
     with pytest.raises(TypeError, match="backend callable"):
-        gate.mark_untouched_backend(42)
+        mark_untouched_backend(42)
     with pytest.raises(TypeError, match="cannot set _te_passes_untouched"):
-        gate.mark_untouched_backend(len)
+        mark_untouched_backend(len)

@@ -63,31 +63,6 @@ def untouched_enabled(options: dict[str, Any] | None = None, environ: Any = None
     return parsed.untouched
 
 
-def mark_untouched_backend(fn: Any) -> Any:
-    """Opt a backend callable of your own into the untouched-model polyfills, as ``te_inductor`` is:
-    sets :data:`BACKEND_MARK` on ``fn`` and installs te_passes' runtime integration now — what loading
-    ``te_passes.backend`` does (:func:`te_passes.runtime.dynamo_hooks.register`: the polyfills, TE's
-    ``SplitAlongDim`` rebinding, the compile-start callback; again at a later compile start if TE is
-    imported after this call) — so frames compiled for ``fn`` get the same graphs in a fresh process as
-    after ``te_passes.te_inductor`` was loaded. Returns ``fn``.
-
-    Raises:
-        TypeError: ``fn`` is not callable, or takes no attributes (a bound method: mark its function
-            or wrap it in ``functools.partial``).
-    """
-    if not callable(fn):
-        raise TypeError(f"mark_untouched_backend takes a backend callable, not {type(fn).__name__}")
-    try:
-        setattr(fn, BACKEND_MARK, True)
-    except (AttributeError, TypeError) as e:
-        raise TypeError(f"mark_untouched_backend: cannot set {BACKEND_MARK} on {fn!r} ({e}); mark a plain "
-                        "function or a functools.partial of it") from None
-    from te_passes.runtime import dynamo_hooks  # the backend's own registration (imports this module)
-
-    dynamo_hooks.register()
-    return fn
-
-
 def backend_wants_polyfills(compiler_fn: Any) -> bool:
     """Whether Dynamo's ``compiler_fn`` (``OutputGraph.compiler_fn``) is ``te_inductor`` (or
     carries :data:`BACKEND_MARK`) with ``te_passes.untouched`` on."""

@@ -297,9 +297,6 @@ def on_compile_start(_args: Any = None) -> None:
         compiler_fn, loc, closure, glob, code, recompile = found
         if not backend_wants_polyfills(compiler_fn):
             return
-        from te_passes.runtime.install import install  # imports this module: resolved at call time
-
-        install()  # a marked backend in a process that never loaded te_inductor: the same hooks (split, ...)
         from transformer_engine.common.recipe import Recipe
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
@@ -410,11 +407,6 @@ def prepare_layernorm_mlp(ctx: Any) -> None:
 
 
 def register_start_callback() -> None:
-    """The compile-start callback (kept over ``torch._dynamo.reset()``) and the in-trace check of its guesses
-    (:mod:`te_passes.runtime.untouched.state_check`, which imports this module)."""
-    keep_start_callback(on_compile_start)
-    from te_passes.runtime.untouched.state_check import install_state_check
-
-    install_state_check()
+    keep_start_callback(on_compile_start)  # kept over torch._dynamo.reset()
 
 
