@@ -110,3 +110,33 @@ def test_unknown_torch_is_refused_naming_the_supported_ones(tmp_path):
     assert proc.returncode == 2
     assert "TORCH=2.13.0 is not supported (supported: 2.15.0, 2.14.1" in proc.stderr, proc.stderr
     assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("fail", [None, "test TORCH=2.14.1 *", "test PYTEST_ARGS=-p no:cacheprovider"])
+def test_ci_lints_first_then_tests_both_torch_versions_and_fails_when_either_fails(tmp_path, fail):
+    """.ci/run against a stub ``make`` (records its arguments; fails the call whose arguments hold
+    match the glob ``fail``): lint, the default's tests, then TORCH=2.14.1's; both run, either failing
+    fails CI."""
+    import shutil
+
+    shutil.copytree(os.path.join(ROOT, ".ci"), tmp_path / "repo" / ".ci")
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "make"
+    (tmp_path / "fail").write_text(fail or "no call matches this")
+    stub.write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path}/make.log\n"
+                    f"[[ \"$*\" == $(cat {tmp_path}/fail) ]] && exit 2\nexit 0\n")
+    stub.chmod(0o755)
+    e = {k: v for k, v in os.environ.items() if k != "CI_OTHER_TESTS"}
+    e["PATH"] = f"{tmp_path / 'bin'}:{e['PATH']}"
+    proc = subprocess.run(["bash", str(tmp_path / "repo" / ".ci" / "run")], env=e, capture_output=True, text=True,
+                          timeout=60)
+    calls = (tmp_path / "make.log").read_text().splitlines()
+    assert calls[0] == "lint" and calls[1] == "test PYTEST_ARGS=-p no:cacheprovider", calls
+    assert calls[2].startswith("test TORCH=2.14.1 PYTEST_ARGS=-p no:cacheprovider tests/"), calls
+    assert "tests/runtime/test_untouched.py" in calls[2] and "tests/cli/test_cli.py" in calls[2], calls
+    assert len(calls) == 3
+    if fail is None:
+        assert proc.returncode == 0 and "CI: torch 2.14.1: passed" in proc.stdout, proc.stdout + proc.stderr
+    else:
+        failed = "torch 2.14.1" if "TORCH=2.14.1" in fail else "torch 2.15.0 (default)"
+        assert proc.returncode == 1 and f"CI: {failed}: failed" in proc.stderr, proc.stdout + proc.stderr
