@@ -1,12 +1,15 @@
 # te_passes: `make demo` (set up + main job on the built-in example), `make test` (set up + tests).
-VENV ?= $(or $(TE_PASSES_VENV),$(HOME)/.cache/te_passes/venv)
+# TORCH picks the torch of the environment (2.15.0 default, 2.14.1): one venv per torch version
+# (docs/install.md); TE_PASSES_VENV overrides the venv's path.
+TORCH ?= 2.15.0
+VENV ?= $(or $(TE_PASSES_VENV),$(HOME)/.cache/te_passes/venv-torch$(TORCH))
 PYTEST_ARGS ?=
 DUMP ?= te_passes_dump
 
 .PHONY: setup demo lint test test-gpu bench
 
 setup:
-	@TE_PASSES_VENV=$(VENV) bash scripts/setup_env.sh
+	@TORCH=$(TORCH) TE_PASSES_VENV=$(VENV) bash scripts/setup_env.sh
 
 demo: setup
 	$(VENV)/bin/te-passes dump --example linear-fp8 --out $(DUMP)

@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # Set up (idempotently) the te_passes environment on a CPU machine of this project's kind:
-#   a venv with torch 2.14.1 (CUDA 13.0 build), Transformer Engine 2.20.2 built from source
-#   (about 10 minutes the first time, see ../shared/README.md), and this package (editable, dev extras).
+#   a venv with torch $TORCH (default 2.15.0; 2.14.1 also supported), Transformer Engine 2.20.2 built
+#   from source against that torch (about 10-15 minutes the first time, see ../shared/README.md), and
+#   this package (editable, dev extras). One venv per torch version, so switching does not rebuild.
 # A second run checks installed versions only and finishes in seconds.
-# Env: TE_PASSES_VENV (default ~/.cache/te_passes/venv), PYTHON (default python3).
+# Env: TORCH (2.15.0 | 2.14.1), TE_PASSES_VENV (default ~/.cache/te_passes/venv-torch$TORCH),
+#      PYTHON (default python3), MAX_JOBS (TE compile jobs, default 2).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${TE_PASSES_VENV:-$HOME/.cache/te_passes/venv}
+TORCH_V=${TORCH:-2.15.0}; TE_V=2.20.2
+case "$TORCH_V" in
+  2.15.0) CUDA_TK=13.2.2 ;;  # torch 2.15.0: cu132 build, triton 3.9
+  2.14.1) CUDA_TK=13.0.3 ;;  # torch 2.14.1: cu130 build, triton 3.8
+  *) echo "setup: TORCH=$TORCH_V is not supported (supported: 2.15.0, 2.14.1; docs/install.md)" >&2; exit 2 ;;
+esac
+VENV=${TE_PASSES_VENV:-$HOME/.cache/te_passes/venv-torch$TORCH_V}
 PY=${PYTHON:-python3}
-TORCH_V=2.14.1; TE_V=2.20.2
+# Our own pins for every pip call into this venv. PIP_CONSTRAINT replaces a machine-wide constraint
+# from pip's configuration (pip config list; here /etc/xdg/pip caps torch at 2.14.1) for these calls only.
+export PIP_CONSTRAINT="$ROOT/scripts/constraints/torch-$TORCH_V.txt"
 if [ -t 1 ]; then  # bold step lines on a terminal only: no ANSI codes in pipes and CI logs
   step() { printf '\033[1m[setup %s]\033[0m %s\n' "$1" "$2"; }
 else
   step() { printf '[setup %s] %s\n' "$1" "$2"; }
 fi
+
+filter() { grep -v "^WARNING: Location" || true; }  # pip's noise; pip's own status survives (pipefail)
 
 have() {  # have DIST VERSION  -> installed version equals VERSION
   "$VENV/bin/python" - "$1" "$2" <<'PYEOF' 2>/dev/null
@@ -33,35 +45,53 @@ PYEOF
 }
 
 if [ ! -x "$VENV/bin/python" ]; then
-  step 1/5 "creating venv $VENV"
+  step 1/5 "creating venv $VENV (torch $TORCH_V)"
   mkdir -p "$(dirname "$VENV")"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/pip" install -q --upgrade pip 2>&1 | filter || true
 else
   step 1/5 "venv $VENV exists"
 fi
 PIP=("$VENV/bin/pip" install --progress-bar on)
+# The torch transformer_engine_torch was compiled against: a TE extension built for another torch is
+# an ABI mismatch, so TE is rebuilt whenever this differs from the venv's torch.
+TE_STAMP="$VENV/.te_built_against_torch"
 
-if have torch $TORCH_V && have cuda-toolkit 13.0.3 && have ninja '*' && have pybind11 '*' && have wheel '*'; then
+# curand listed explicitly: torch 2.15.0 dropped it from its cuda-toolkit extras and TE's import
+# loads it ("RuntimeError: curand shared object not found").
+if have torch "$TORCH_V" && have cuda-toolkit $CUDA_TK && have nvidia-curand '*' && have ninja '*' \
+    && have pybind11 '*' && have wheel '*'; then
   step 2/5 "torch $TORCH_V and build deps present"
 else
-  step 2/5 "installing torch $TORCH_V (CUDA 13.0 build) and TE build deps"
-  "${PIP[@]}" "torch==$TORCH_V" 'cuda-toolkit[crt,cccl]==13.0.3' ninja wheel pybind11 numpy setuptools 2>&1 | grep -v "^WARNING: Location"
+  step 2/5 "installing torch $TORCH_V (cuda-toolkit $CUDA_TK) and TE build deps"
+  have transformer_engine_torch '*' && ! have torch "$TORCH_V" && echo "another torch" > "$TE_STAMP"
+  "${PIP[@]}" "torch==$TORCH_V" "cuda-toolkit[crt,cccl,curand]==$CUDA_TK" ninja wheel pybind11 numpy setuptools 2>&1 | filter
 fi
 
-if have transformer_engine $TE_V && have transformer_engine_torch $TE_V; then
-  step 3/5 "Transformer Engine $TE_V present"
+if [ ! -f "$TE_STAMP" ] && have transformer_engine_torch '*'; then
+  echo "$TORCH_V" > "$TE_STAMP"  # a venv set up before this stamp existed: TE was built with its torch
+fi
+if have transformer_engine $TE_V && have transformer_engine_torch $TE_V \
+    && [ "$(cat "$TE_STAMP" 2>/dev/null)" = "$TORCH_V" ]; then
+  step 3/5 "Transformer Engine $TE_V (built against torch $TORCH_V) present"
 else
-  step 3/5 "building Transformer Engine $TE_V (about 10 minutes: compiles transformer_engine_torch)"
+  step 3/5 "building Transformer Engine $TE_V against torch $TORCH_V (10-15 minutes: compiles transformer_engine_torch)"
+  # --no-cache-dir: pip would otherwise reuse a cached transformer_engine_torch wheel built against
+  # another torch version; --force-reinstall of that one wheel when only the torch changed.
+  WHAT=("transformer-engine[pytorch]==$TE_V")
+  if have transformer_engine_torch '*'; then WHAT=(--force-reinstall --no-deps "transformer_engine_torch==$TE_V"); fi
   NVTE_BUILD_USE_NVIDIA_WHEELS=1 MAX_JOBS=${MAX_JOBS:-2} NVTE_FRAMEWORK=pytorch \
-    "${PIP[@]}" --no-build-isolation "transformer-engine[pytorch]==$TE_V" 2>&1 | grep -v "^WARNING: Location"
+    "${PIP[@]}" --no-cache-dir --no-build-isolation "${WHAT[@]}" 2>&1 | filter
+  "$VENV/bin/python" -c "import torch, transformer_engine.pytorch" \
+    || { echo "setup: transformer_engine.pytorch does not import with torch $TORCH_V (see above)" >&2; exit 1; }
+  echo "$TORCH_V" > "$TE_STAMP"
 fi
 
 if have pytest '*' && have hypothesis '*' && have rich '*' && have pytest-timeout '*' && have import-linter '*'; then
   step 4/5 "dev tools present"
 else
   step 4/5 "installing dev tools (pytest, hypothesis, rich, import-linter)"
-  "${PIP[@]}" pytest hypothesis rich pytest-timeout import-linter 2>&1 | grep -v "^WARNING: Location"
+  "${PIP[@]}" pytest hypothesis rich pytest-timeout import-linter 2>&1 | filter
 fi
 
 # Editable install, re-pointed when this checkout moved (CI clones elsewhere) or pyproject changed.

@@ -1,5 +1,7 @@
-"""Which Transformer Engine is installed, and whether te_passes knows it (:data:`SUPPORTED_TE`:
-the ``major.minor`` series whose op layout and run-time reads the TE layer was written against)."""
+"""Which Transformer Engine and torch are installed, and whether te_passes knows them
+(:data:`SUPPORTED_TE`: the ``major.minor`` series whose op layout and run-time reads the TE layer was
+written against; :data:`SUPPORTED_TORCH`: the torch series it runs on, pyproject.toml's pin), and the
+gate a torch-version-specific patch uses (:func:`torch_at_least`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from te_passes.te import runtime_reads
 
 #: TE release series (major, minor) whose op layout te_passes decodes.
 SUPPORTED_TE: frozenset[tuple[int, int]] = frozenset({(2, 20)})
+
+#: torch release series (major, minor) te_passes runs on with TE 2.20 (pyproject.toml pins
+#: ``torch>=2.14,<2.16``; docs/install.md has the support matrix).
+SUPPORTED_TORCH: frozenset[tuple[int, int]] = frozenset({(2, 14), (2, 15)})
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,6 +47,43 @@ def is_supported(v: str | None = None) -> bool:
         return parse_version(v) in SUPPORTED_TE
     except (ValueError, IndexError):
         return False
+
+
+def torch_series(v: str | None = None) -> tuple[int, int]:
+    """``(major, minor)`` of torch version ``v`` (default: the imported torch's ``torch.__version__``):
+    ``"2.15.0+cu132"`` -> ``(2, 15)``, ``"2.16.0a0+git1234"`` -> ``(2, 16)``. Raises ``ValueError`` on
+    a string without integer major and minor parts."""
+    v = torch_version_string() if v is None else v
+    try:
+        return parse_version(v)
+    except (ValueError, IndexError):
+        raise ValueError(f"torch version {v!r} is not of the form major.minor[.patch][+local]") from None
+
+
+def torch_at_least(major: int, minor: int, v: str | None = None) -> bool:
+    """Whether torch ``v`` (default: the imported one) is ``major.minor`` or later: the gate of a patch or
+    workaround one torch range needs (kept next to the patch, with a comment naming the range)."""
+    return torch_series(v) >= (major, minor)
+
+
+def torch_support_refusal(v: str | None = None) -> str | None:
+    """Why te_passes does not support torch ``v`` (default: the imported one), or ``None`` when it does
+    (:data:`SUPPORTED_TORCH`)."""
+    try:
+        series = torch_series(v)
+    except ValueError as e:
+        return str(e)
+    if series in SUPPORTED_TORCH:
+        return None
+    names = ", ".join(f"{a}.{b}" for a, b in sorted(SUPPORTED_TORCH))
+    return f"torch {v or torch_version_string()}: te_passes supports torch {names} (te_passes.te.version.SUPPORTED_TORCH)"
+
+
+def torch_version_string() -> str:
+    """The imported torch's ``torch.__version__`` as a ``str`` (e.g. ``"2.15.0+cu132"``)."""
+    import torch
+
+    return str(torch.__version__)
 
 
 def te_module(name: str, *, import_te: bool = False):

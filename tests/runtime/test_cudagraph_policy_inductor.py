@@ -21,6 +21,7 @@ import te_passes.runtime.cudagraphs.policy as pol
 import te_passes.runtime.cudagraphs.lean as cg
 from te_passes.backend import te_inductor
 from te_passes.report import clear_compile_reports, compile_reports
+from te_passes.te.version import torch_at_least
 
 from test_cudagraph_policy import FakeEngine
 
@@ -148,7 +149,12 @@ def test_aot_cache_hit_tells_saved_tensors_by_data_flow(monkeypatch):
             r = _runners()
             assert r["fwd"].captured and r["bwd"].captured and r["fwd"].stats["eager"] == 0
             kinds = r["fwd"].output_kinds()
-            assert kinds[0] == "clone" and kinds.count("clone") == 1, kinds
+            # torch 2.15 (not 2.14): the backward's static inputs leave out a saved tensor that is a
+            # forward input (x: [1, 2, 3], 2.14 [0, 1, 2, 3]), so the data flow on a cache hit does not
+            # see it read and clones that output too (one copy of x per step; gradients as above)
+            both = attempt == 1 and torch_at_least(2, 15)
+            assert kinds[:2] == (["clone", "clone"] if both else ["clone", "alias"]), kinds
+            assert kinds.count("clone") == (2 if both else 1), kinds
             seen.append([e["event"] for e in _records()])
     # first compile: metadata; second: a cache hit, saved tensors found by data flow
     assert "dataflow" not in seen[0] and seen[1][0] == "dataflow", seen
