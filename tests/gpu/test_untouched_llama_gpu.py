@@ -176,7 +176,7 @@ def test_llama_with_rope_against_te_eager(layers, final_norm, kw, precision):
 def test_final_norm_then_linear_bit_for_bit(recipe_name):
     """``te.RMSNorm`` -> ``te.Linear`` (a stack's final norm and LM head) under an FP8 recipe: TE eager quantizes the
     norm's bf16 output (a standalone ``te.ops`` norm fuses no cast), and so must the compiled model
-    (``te_ops_norm_fwd`` is not widened by ``widen_delayed_inputs``): output and every gradient bit-identical
+    (``te_ops_norm_fwd`` is not widened by ``widen_quantized_inputs``): output and every gradient bit-identical
     over 3 steps."""
     te = _te()
     from transformer_engine.common import recipe as R

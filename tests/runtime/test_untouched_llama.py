@@ -215,9 +215,9 @@ def test_qk_norm_is_one_graph(qk_norm_type, before_rope, precision):
 
 def test_te_ops_norm_output_is_quantized_rounded_under_delayed_scaling():
     """A DelayedScaling te.Linear after a standalone te.RMSNorm quantizes the norm's bf16 output, as TE eager does
-    (the one-op fuser has no next op to fuse the cast with): ``widen_delayed_inputs`` feeds fp32 only from
+    (the one-op fuser has no next op to fuse the cast with): ``widen_quantized_inputs`` feeds fp32 only from
     LayerNormLinear / LayerNormMLP's ``te_norm_fwd``, not from ``te_ops_norm_fwd`` (real AOT graph, CPU capture)."""
-    from tests.passes.test_widen_delayed_inputs import _run as run_pass
+    from tests.passes.test_widen_quantized_inputs import _run as run_pass
     from tests.runtime.test_delayed_linear import _capture
 
     def build():

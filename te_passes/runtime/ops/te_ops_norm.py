@@ -2,7 +2,7 @@
 ``te_passes::te_ops_norm_fwd``: TE's kernels through ``te_passes::te_norm_fwd`` / ``te_norm_bwd``, under an op
 of its own. A standalone ``te.ops`` norm returns its rounded output (a one-op fuser has no next op to fuse a
 cast with), so a DelayedScaling te.Linear after it quantizes that rounded value as TE eager does;
-``widen_delayed_inputs`` feeds fp32 only from ``te_norm_fwd`` (LayerNormLinear / LayerNormMLP, whose norm
+``widen_quantized_inputs`` feeds fp32 only from ``te_norm_fwd`` (LayerNormLinear / LayerNormMLP, whose norm
 kernel fuses the cast). Docs: docs/untouched.md.
 """
 
