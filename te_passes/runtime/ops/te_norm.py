@@ -61,20 +61,24 @@ def _(dy, x, mu, rsigma, weight, rms, zero_centered_gamma, sm_margin):
     return torch.empty_like(x), torch.empty_like(weight), weight.new_empty((0,) if rms else weight.shape)
 
 
-def _setup(ctx, inputs, output):
+def setup_norm_context(ctx, inputs, output):
+    """``register_autograd`` ``setup_context`` of a norm forward op with ``te_norm_fwd``'s schema:
+    saves x, mean, rsigma, weight for :func:`norm_backward`."""
     x, weight, bias, _eps, rms, zcg, _sm = inputs
     _, mu, rs = output
     ctx.save_for_backward(x, mu, rs, weight)
     ctx.rms, ctx.zcg, ctx.has_bias = rms, zcg, bias is not None
 
 
-def _backward(ctx, dy, _dmu, _drs):
+def norm_backward(ctx, dy, _dmu, _drs):
+    """``register_autograd`` backward of a norm forward op with ``te_norm_fwd``'s schema: ``te_norm_bwd``
+    (TE's kernel) with ``sm_margin`` 0 -> grads of x, weight, bias."""
     x, mu, rs, weight = ctx.saved_tensors
     dx, dw, db = te_norm_bwd(dy, x, mu, rs, weight, ctx.rms, ctx.zcg, 0)
     return dx, dw, (db if ctx.has_bias else None), None, None, None, None
 
 
-te_norm_fwd.register_autograd(_backward, setup_context=_setup)
+te_norm_fwd.register_autograd(norm_backward, setup_context=setup_norm_context)
 
 
 def te_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, normalization: str,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from te_passes.runtime.ops.te_norm import te_norm_bwd, te_norm_fwd
+from te_passes.runtime.ops.te_norm import norm_backward, setup_norm_context, te_norm_fwd
 
 FWD_OP = "te_passes::te_ops_norm_fwd"
 
@@ -28,20 +28,7 @@ def _(x, weight, bias, eps, rms, zero_centered_gamma, sm_margin):
     return te_norm_fwd(x, weight, bias, eps, rms, zero_centered_gamma, sm_margin)  # its fake
 
 
-def _setup(ctx, inputs, output):
-    x, weight, bias, _eps, rms, zcg, _sm = inputs
-    _, mu, rs = output
-    ctx.save_for_backward(x, mu, rs, weight)
-    ctx.rms, ctx.zcg, ctx.has_bias = rms, zcg, bias is not None
-
-
-def _backward(ctx, dy, _dmu, _drs):
-    x, mu, rs, weight = ctx.saved_tensors
-    dx, dw, db = te_norm_bwd(dy, x, mu, rs, weight, ctx.rms, ctx.zcg, 0)
-    return dx, dw, (db if ctx.has_bias else None), None, None, None, None
-
-
-te_ops_norm_fwd.register_autograd(_backward, setup_context=_setup)
+te_ops_norm_fwd.register_autograd(norm_backward, setup_context=setup_norm_context)
 
 
 def te_ops_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, normalization: str,
