@@ -20,7 +20,6 @@ import torch
 te = pytest.importorskip("transformer_engine.pytorch")
 
 from te_passes.runtime.untouched import gate, polyfills as untouched, split as untouched_split  # noqa: E402
-from te_passes.runtime.untouched import state_check  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,7 +29,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _polyfills():
     assert untouched.install_untouched_polyfills(), untouched.polyfill_status()
     assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()
-    assert state_check.install_state_check(), state_check.refused_reason()
     untouched.clear_island_records()
     yield
 
@@ -118,6 +116,7 @@ def test_te_autocast_disabled_inside_the_compiled_function():
     _no_recompile(_run(_layer, body, lambda r: contextlib.nullcontext(), precision="bf16"))
 
 
+@pytest.mark.xfail(strict=True, reason="one step-2 recompile remains: the in-trace state check that prepared the module again was withdrawn in session 16 (it changed plain te.Linear AOT graphs: saved quantizers)")
 @pytest.mark.parametrize("build", [_layer, _llama], ids=["layer", "llama"])
 def test_fp8_te_autocast_inside_the_compiled_function_never_recompiles(build):
     """Was one recompile on step 2 (TE's MultiheadAttention reads proj's fp8 state, prepared with fp8 off at
@@ -142,6 +141,7 @@ class _WithHead(torch.nn.Module):
             return self.head(h)
 
 
+@pytest.mark.xfail(strict=True, reason="one step-2 recompile remains: the in-trace state check that prepared the module again was withdrawn in session 16 (it changed plain te.Linear AOT graphs: saved quantizers)")
 @pytest.mark.parametrize("where", ["outside", "inside"])
 def test_nested_te_autocast_disabled_lm_head_never_recompiles(where):
     """Was one recompile on step 2: the compile-start callback prepared the head with the outer fp8 state."""
@@ -153,40 +153,6 @@ def test_nested_te_autocast_disabled_lm_head_never_recompiles(where):
                 return model(x)
         r = _run(_WithHead, body, lambda recipe: contextlib.nullcontext())
     _no_recompile(r)
-
-
-def test_a_restart_prepares_the_module_with_the_traced_state():
-    """The state check (runtime/untouched/state_check.py) re-prepares the LM head with fp8 off, once."""
-    holder = {}
-
-    def build():
-        holder["m"] = _WithHead()
-        return holder["m"]
-    _no_recompile(_run(build, _plain, lambda recipe: te.autocast(enabled=True, recipe=recipe)))
-    head = holder["m"].head
-    assert head.fp8 is False and head.__dict__.get(state_check.REPREPARED_KEY) == {False}
-    assert holder["m"].layer.self_attention.proj.fp8 is True
-
-
-def test_a_module_run_under_both_states_in_one_frame_restarts_a_bounded_number_of_times():
-    """One te.Linear called in fp8 and again under te.autocast(enabled=False) in one frame: at most one restart
-    per state (no 'Excessive RestartAnalysis'), one graph, no break."""
-    def build():
-        return te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
-
-    def body(model, recipe, x):
-        with te.autocast(enabled=True, recipe=recipe):
-            h = model(x)
-        with te.autocast(enabled=False):
-            return model(h)
-    holder = {}
-
-    def keep():
-        holder["m"] = build()
-        return holder["m"]
-    r = _run(keep, body, lambda recipe: contextlib.nullcontext(), shape=(32, 64))
-    assert r["breaks"] == {} and r["graphs"] <= 2, r
-    assert holder["m"].__dict__[state_check.REPREPARED_KEY] <= {True, False}
 
 
 # --------------------------------------------------------------------------- item 4: a new recipe per step

@@ -32,7 +32,6 @@ from te_passes.runtime.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, Untou
                                                run_eager, prepare_layernorm_linear,
                                                prepare_layernorm_mlp, register_start_callback, on_compile_start,
                                                prepare_te_module, prime_recipe)
-from te_passes.runtime.untouched.state_check import install_state_check
 from te_passes.te.norm_act import activation, normalize
 from te_passes.runtime.delayed.scaling import te_inductor_tracing
 from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
@@ -373,7 +372,6 @@ def install_untouched_polyfills() -> bool:
         install_fused_attention_op(import_te=True)  # the FusedAttention polyfill's op (refusal: refused_reason())
         recipe_state.install_trace_hooks()  # its nodes record the te.autocast state they are traced under
         register_start_callback()
-        install_state_check()  # the start callback's guesses checked in the trace (refusal: refused_reason())
         return any(s.installed for s in _STATUS.values())
 
 
