@@ -1,7 +1,8 @@
 """Issue 38 item 8 on a GPU: an untouched ``te.TransformerLayer`` compiled by te_inductor (default mode, fwd +
 bwd, 20 steps) under a ``te.autocast`` whose state does not change between steps — bf16 under
 ``te.autocast(enabled=False)`` (TE builds a new default recipe per call), and an fp8 layer with its LM head
-kept in bf16 by a nested ``te.autocast(enabled=False)`` — is 1 graph with 0 recompiles and 0 graph breaks
+kept in bf16 by a nested ``te.autocast(enabled=False)`` (still one step-2 recompile: strict xfail) — is 1 graph
+with 0 recompiles and 0 graph breaks
 (the H100 run of 2026-12-07 measured 12 graphs and 8 recompiles for the bf16 case, then Dynamo's limit).
 
 Run (one node id, every case)::
@@ -39,7 +40,9 @@ class _WithHead(torch.nn.Module):
             return self.head(h)
 
 
-@pytest.mark.parametrize("case", ["bf16-autocast-off", "fp8-nested-off-head"])
+@pytest.mark.parametrize("case", ["bf16-autocast-off", pytest.param("fp8-nested-off-head", marks=pytest.mark.xfail(
+    strict=True, reason="one step-2 recompile remains: the in-trace state check was withdrawn in session 16 "
+                        "(docs/untouched.md 'Recompiles')"))])
 def test_te_autocast_same_state_never_recompiles(case):
     import transformer_engine.pytorch as te
 
