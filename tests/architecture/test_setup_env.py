@@ -112,7 +112,7 @@ def test_unknown_torch_is_refused_naming_the_supported_ones(tmp_path):
     assert not (tmp_path / "v").exists()
 
 
-@pytest.mark.parametrize("fail", [None, "test TORCH=2.14.1 *", "test PYTEST_ARGS=-p no:cacheprovider"])
+@pytest.mark.parametrize("fail", [None, "test TORCH=2.14.1 *", "test PYTEST_ARGS=-p no:cacheprovider *"])
 def test_ci_lints_first_then_tests_both_torch_versions_and_fails_when_either_fails(tmp_path, fail):
     """.ci/run against a stub ``make`` (records its arguments; fails the call whose arguments hold
     match the glob ``fail``): lint, the default's tests, then TORCH=2.14.1's; both run, either failing
@@ -131,8 +131,12 @@ def test_ci_lints_first_then_tests_both_torch_versions_and_fails_when_either_fai
     proc = subprocess.run(["bash", str(tmp_path / "repo" / ".ci" / "run")], env=e, capture_output=True, text=True,
                           timeout=60)
     calls = (tmp_path / "make.log").read_text().splitlines()
-    assert calls[0] == "lint" and calls[1] == "test PYTEST_ARGS=-p no:cacheprovider", calls
+    assert calls[0] == "lint" and calls[1].startswith("test PYTEST_ARGS=-p no:cacheprovider"), calls
     assert calls[2].startswith("test TORCH=2.14.1 PYTEST_ARGS=-p no:cacheprovider tests/"), calls
+    # the listed torch-2.15-only failures: deselected from the default run, run on torch 2.14.1
+    with open(os.path.join(ROOT, ".ci", "known-failures-torch2.15.txt")) as f:
+        known = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    assert known and all(f"--deselect {t} " in calls[1] + " " and t in calls[2].split() for t in known), calls
     assert "tests/runtime/test_untouched.py" in calls[2] and "tests/cli/test_cli.py" in calls[2], calls
     assert len(calls) == 3
     if fail is None:
