@@ -5,7 +5,6 @@ See docs/internals.md#te_passesruntimeuntouchedpolyfillspy and docs/untouched.md
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import sys
 import threading
@@ -27,7 +26,7 @@ from te_passes.runtime.untouched.attention import (dpa_fused_forward, dpa_proble
 from te_passes.runtime.untouched.gate import (BACKEND_MARK, ENV, OPTION, PREPARE_FIX, Island, island_fix_for, note_island,  # noqa: F401
                                               backend_wants_polyfills, clear_island_records, island_records,
                                               untouched_enabled)
-from te_passes.runtime.untouched.rope_norm import install_rope_norm_polyfills
+from te_passes.runtime.untouched.rope_norm import install_rope_norm_polyfills, named_island
 from te_passes.runtime.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, active_frames,  # noqa: F401
                                                run_eager, prepare_layernorm_linear,
                                                prepare_layernorm_mlp, register_start_callback, on_compile_start,
@@ -110,15 +109,7 @@ _ISLAND_FNS: dict[str, Callable[..., Any]] = {}  # TE's function, disabled, name
 
 
 def _disabled(f: Callable[..., Any], label: str | None) -> Callable[..., Any]:
-    if label is None:
-        return torch._dynamo.disable(f, recursive=True)
-
-    @functools.wraps(f)
-    def island(*args: Any, **kwargs: Any) -> Any:
-        return f(*args, **kwargs)
-
-    island.__name__ = island.__qualname__ = f"te_passes_untouched_island[{label}]"
-    return torch._dynamo.disable(island, recursive=True)
+    return torch._dynamo.disable(f, recursive=True) if label is None else named_island(f, label)
 
 
 def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
