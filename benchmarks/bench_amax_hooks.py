@@ -1,6 +1,6 @@
 """Per-call cost of te_passes' amax-group hooks on TE's eager Linear impls, side by side.
 
-The hooks (:mod:`te_passes.runtime.te_patches.amax_groups`) wrap ``_linear_forward_impl`` /
+The hooks (:mod:`te_passes.compat.autocast.amax_groups`) wrap ``_linear_forward_impl`` /
 ``_linear_backward_impl`` of TE 2.20.2; every *eager* te.Linear call pays the wrapper. Timed
 here, interleaved (a/b/a/b, so machine noise hits both alike), ns per call, best of
 ``--repeats`` runs of ``--calls`` calls:
@@ -49,8 +49,8 @@ def main() -> None:
     from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
-    from te_passes.runtime.te_patches import amax_groups
-    from te_passes.runtime.te_patches import quantizer_usage
+    from te_passes.compat.autocast import amax_groups
+    from te_passes.compat.autocast import quantizer_usage
 
     def quantizer():
         return Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cpu"))

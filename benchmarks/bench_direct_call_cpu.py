@@ -60,9 +60,9 @@ def main(argv=None) -> int:
 
     from te_passes.passes.call_te_impl_directly import CallTEImplDirectly
     from te_passes.passes.hoist_te_constants import HoistTEConstants
-    from te_passes.runtime.ops import direct_call as dc
-    from te_passes.runtime.ops.te_base import overload
-    from te_passes.runtime.install import install
+    from te_passes.ops import direct_call as dc
+    from te_passes.ops.te_base import overload
+    from te_passes.compat.install import install
     from te_passes.testing.capture import capture_aot, run_pipeline
 
     rows = []

@@ -26,7 +26,7 @@ import harness  # noqa: E402
 
 
 def _constants(gm):
-    from te_passes.runtime.ops.constants import is_liftable_constant
+    from te_passes.ops.constants import is_liftable_constant
 
     out = []
     for n in gm.graph.nodes:
@@ -58,7 +58,7 @@ def _per_call_functions(consts):
 def _install() -> None:
     """``runtime.install()``, as the backend does before any pass runs (TE loaded: it wraps TE's
     constant classes' ``__fx_repr__``; without it ``hoist_te_constants`` leaves constants inline)."""
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
 
     install()
 

@@ -339,7 +339,7 @@ class Hooks:
         import torch._library.utils as lu
         from torch._inductor.output_code import CompiledFxGraph
 
-        from te_passes.runtime.ops.direct_call import DirectTECall
+        from te_passes.ops.direct_call import DirectTECall
 
         try:
             import transformer_engine.pytorch as te

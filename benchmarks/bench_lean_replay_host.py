@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host cost of one lean CUDA-graph replay (te_passes/runtime/cudagraphs/lean.py), CPU only.
+"""Host cost of one lean CUDA-graph replay (te_passes/cudagraphs/lean.py), CPU only.
 
 What a replay does on the host — static-input address check, use-count check of the pool's
 outputs, copy of the non-static inputs, the replay call, building the outputs (aliases / clones)
@@ -23,7 +23,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import harness  # noqa: E402
 import torch  # noqa: E402
 
-from te_passes.runtime.cudagraphs.lean import LeanCUDAGraph  # noqa: E402
+from te_passes.cudagraphs.lean import LeanCUDAGraph  # noqa: E402
 
 
 class NoopEngine:

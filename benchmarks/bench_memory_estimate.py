@@ -216,7 +216,7 @@ def main(argv=None) -> None:
     p.add_argument("--scaling", default="10000,100000")
     p.add_argument("--skip-te", action="store_true", help="skip the real TE graphs (no TE installed)")
     a = p.parse_args(argv)
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
 
     install()  # as the backend does before any pass runs (the free op's Inductor lowering)
     print(f"torch {torch.__version__}")

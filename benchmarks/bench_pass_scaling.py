@@ -104,7 +104,7 @@ def part1(sizes: list[int], repeat: int, lazy: bool = True) -> None:
 
     dyn = capture_dynamo(model="stack", precision="fp8-cs", layers=4)
     aot = capture_aot(model="stack", precision="fp8-cs", layers=4)
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
 
     install()  # as the backend does before any pass runs (TE loaded now: the constant classes get wrapped)
     bases = [("dynamo", dyn.gm, Stage.DYNAMO), ("aot fwd", aot.forward, Stage.POST_GRAD_FWD),

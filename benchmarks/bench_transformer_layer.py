@@ -73,7 +73,7 @@ def build(model: str):
 
 def measure(task: dict, args) -> dict:
     import te_passes
-    from te_passes.rewrite.te_state import unprepared_te_state
+    from te_passes.compat.untouched.rewrite.te_state import unprepared_te_state
 
     layers, seq, batch = MODELS[task["model"]]
     attention, base = split_variant(task["variant"].split("+")[0])

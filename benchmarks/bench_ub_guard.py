@@ -3,7 +3,7 @@
 What is timed (median over ``--repeats`` runs of ``--calls`` back-to-back calls, ns per call):
 
 * ``trivial call``            — ``f(x)`` where ``f`` returns ``x`` (the floor of any Python call);
-* ``UB-guarded trivial call`` — the same ``f`` behind :func:`te_passes.runtime.ub.graph_guard.make_guarded`
+* ``UB-guarded trivial call`` — the same ``f`` behind :func:`te_passes.compat.ub.graph_guard.make_guarded`
   (layer 2, fast path: one integer compare per call);
 * ``compiled graph``          — a ``te_inductor``-compiled graph (CPU, 16 floats) called directly,
   and the same compiled callable behind the UB guard;
@@ -44,9 +44,9 @@ def main() -> None:
     args = ap.parse_args()
     calls, reps = args.calls, args.repeats
 
-    from te_passes.runtime.ub import guard as guards
-    from te_passes.runtime.ub.guard import UbFold
-    from te_passes.runtime.ub.graph_guard import UbDependence, UbGuard, make_guarded
+    from te_passes.compat.ub import guard as guards
+    from te_passes.compat.ub.guard import UbFold
+    from te_passes.compat.ub.graph_guard import UbDependence, UbGuard, make_guarded
 
     rows: list[tuple[str, float, str]] = []
 

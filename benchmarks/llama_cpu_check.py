@@ -73,8 +73,8 @@ def trace_te(model: str, layers: int, seq: int, batch: int, precision: str, rope
     """
     import torch
 
-    from te_passes.runtime.delayed.scaling import GATE_MARK
-    from te_passes.runtime.install import install
+    from te_passes.compat.delayed_scaling.scaling import GATE_MARK
+    from te_passes.compat.install import install
     from te_passes.testing.dynamo_capture import first_line
     from te_passes.testing.fake_gpu import constructing
 
@@ -102,8 +102,8 @@ def trace_te(model: str, layers: int, seq: int, batch: int, precision: str, rope
             if precision == "fp8-delayed":  # what te_inductor's compile-start callback does on a GPU
                 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-                from te_passes.rewrite.te_state import prepare_te_state
-                from te_passes.runtime.delayed.linear import prepare_delayed_scaling
+                from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
+                from te_passes.compat.delayed_scaling.linear import prepare_delayed_scaling
 
                 FP8GlobalStateManager.reset()
                 prepare_te_state(te_model, recipe, fp8=True)

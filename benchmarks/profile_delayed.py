@@ -60,7 +60,7 @@ def run(mode: str, args, out: Path) -> str:
 
     ro, outside = mode.startswith("ro"), mode.endswith("-outside")
     if mode.endswith("-prepared"):  # the state prepared (and marked static) by the user, not at compile start
-        from te_passes.runtime.delayed.state import prepare_delayed_scaling
+        from te_passes.compat.delayed_scaling.state import prepare_delayed_scaling
 
         prepare_delayed_scaling(model, recipe)
     if mode == "eager":  # TE eager, the baseline the compiled modes are compared with
@@ -143,12 +143,12 @@ def run(mode: str, args, out: Path) -> str:
 
 #: (module, attribute path) of the functions :func:`sections` times; absent ones are skipped.
 SECTION_TARGETS = (
-    ("te_passes.runtime.delayed.args", "fwd_args"), ("te_passes.runtime.delayed.args", "bwd_args"),
-    ("te_passes.runtime.delayed.args", "_output_plan"), ("te_passes.runtime.delayed.args", "expected_layout"),
-    ("te_passes.runtime.delayed.args", "on_device"), ("te_passes.runtime.delayed.args", "_quantizer"),
-    ("te_passes.runtime.delayed.linear", "fwd_args"), ("te_passes.runtime.delayed.linear", "bwd_args"),
-    ("te_passes.runtime.delayed.linear", "expected_layout"), ("te_passes.runtime.delayed.linear", "on_device"),
-    ("te_passes.runtime.delayed.args", "release_call_state"),
+    ("te_passes.compat.delayed_scaling.args", "fwd_args"), ("te_passes.compat.delayed_scaling.args", "bwd_args"),
+    ("te_passes.compat.delayed_scaling.args", "_output_plan"), ("te_passes.compat.delayed_scaling.args", "expected_layout"),
+    ("te_passes.compat.delayed_scaling.args", "on_device"), ("te_passes.compat.delayed_scaling.args", "_quantizer"),
+    ("te_passes.compat.delayed_scaling.linear", "fwd_args"), ("te_passes.compat.delayed_scaling.linear", "bwd_args"),
+    ("te_passes.compat.delayed_scaling.linear", "expected_layout"), ("te_passes.compat.delayed_scaling.linear", "on_device"),
+    ("te_passes.compat.delayed_scaling.args", "release_call_state"),
     ("transformer_engine.pytorch.module.linear", "_linear_forward_impl"),
     ("transformer_engine.pytorch.module.linear", "_linear_backward_impl"),
     ("transformer_engine.pytorch.module.linear", "_linear_setup_ctx"),

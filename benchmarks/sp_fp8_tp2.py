@@ -13,7 +13,7 @@ torch.compile value object: 'amax_reduction_group' holds a torch.distributed.Pro
 when an eager step of the same module ran before: TE's eager impls
 (``module/linear.py`` ``_linear_forward_impl`` line 448, ``_linear_backward_impl`` 1142/1150,
 ``set_quantizer_amax_reduction_group``) leave the TP group on the module's persistent input /
-grad-output quantizers. te_passes releases it (``te_passes.runtime.te_patches.amax_groups``).
+grad-output quantizers. te_passes releases it (``te_passes.compat.autocast.amax_groups``).
 
 Model, per rank (``tp_group`` = WORLD, 2 ranks): ``te.Linear(hidden, ffn, parallel_mode="column",
 sequence_parallel=True)`` then ``te.Linear(ffn, hidden, parallel_mode="row",
@@ -176,7 +176,7 @@ def _err(exc: BaseException) -> str:
 
 
 def _te_passes_hook_stats() -> dict[str, Any] | None:
-    mod = sys.modules.get("te_passes.runtime.te_patches.amax_groups")
+    mod = sys.modules.get("te_passes.compat.autocast.amax_groups")
     fn = getattr(mod, "hook_stats", None)
     return fn() if callable(fn) else None
 

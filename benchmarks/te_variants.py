@@ -81,7 +81,7 @@ def build_step(variant: str, model, recipe, x, dy, options: dict[str, Any], prep
         x.grad = None
 
     if variant.startswith(("inductor", "te_inductor")) and prepare:
-        from te_passes.rewrite.te_state import prepare_te_state
+        from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
 
         prepare_te_state(model, recipe, fp8=fp8)
     if variant == "eager":

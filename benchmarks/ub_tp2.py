@@ -26,7 +26,7 @@ still retried once so the run goes on. Then the UB snapshot and the folded UB pr
 te_passes compile reports.
 
 Phase 2: UB re-initialised with :data:`REINIT_CFGS` for the FP8 mode (``--reinit-cfgs``),
-through ``te_passes.runtime.ub.reinit.reinitialize_ub`` (TE's ``destroy_ub()`` minus its process-wide
+through ``te_passes.compat.ub.reinit.reinitialize_ub`` (TE's ``destroy_ub()`` minus its process-wide
 ``torch.compiler.reset()``). The change, and why TE 2.20.2 accepts it (``module/base.py``):
 
 * ``proj_fprop`` -- the row layer's forward reduce-scatter, TE default ``pipeline``
@@ -139,14 +139,14 @@ MODES = ("reduce-overhead", "default")
 def _reinit_ub(te_base, tokens: int, hidden: int, cfgs) -> str:
     """Re-initialise UB; returns which API did it."""
     try:
-        from te_passes.runtime.ub.reinit import reinitialize_ub  # type: ignore[attr-defined]
+        from te_passes.compat.ub.reinit import reinitialize_ub  # type: ignore[attr-defined]
     except ImportError:
         reinitialize_ub = None
     if reinitialize_ub is not None:
         modes = [te_base.UserBufferQuantizationMode.NONE, te_base.UserBufferQuantizationMode.FP8]
         reinitialize_ub(shape=[tokens, hidden], tp_size=2, quantization_modes=modes, dtype=torch.bfloat16,
                         ub_cfgs=cfgs, bootstrap_backend="nccl")
-        return "te_passes.runtime.ub.reinit.reinitialize_ub"
+        return "te_passes.compat.ub.reinit.reinitialize_ub"
     te_base.destroy_ub()  # TE 2.20.2: ends with torch.compiler.reset() (drops every compiled graph)
     _init_ub(te_base, tokens, hidden, cfgs)
     return "transformer_engine destroy_ub() + initialize_ub() (process-wide torch.compiler.reset())"
@@ -215,7 +215,7 @@ def phase2_expectations(reads: Mapping[str, Mapping[str, Any]], before: Mapping[
                         after: Mapping[str, Any], cudagraphs: bool) -> dict[str, dict[str, Any]]:
     """What a UB re-initialisation from ``before`` to ``after`` (snapshot dicts) must recompile,
     per function of ``reads`` (:func:`graph_ub_reads`), under te_passes' two guard layers
-    (:mod:`te_passes.runtime.ub.guard`):
+    (:mod:`te_passes.compat.ub.guard`):
 
     * ``dynamo_compiles``: 1 when the frame folded a UB query while Dynamo traced it and the
       snapshot fingerprint changed (the UB-state token guard fails; one re-trace), else 0;
@@ -350,7 +350,7 @@ def main() -> int:
     from transformer_engine.common.recipe import Float8CurrentScaling
 
     from te_passes.report import compile_reports
-    from te_passes.runtime.ub import guard as guards
+    from te_passes.compat.ub import guard as guards
     from te_passes.te.ub import UbSnapshot
     from te_passes.testing.gpu import CompileWatch, ensure_te_inductor_backend, rel_err
 

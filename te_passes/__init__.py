@@ -17,17 +17,17 @@ _LAZY = {
     "TePassesOptionError": "te_passes.config",
     "TePassError": "te_passes.pipeline.manager",
     "UbConfigError": "te_passes.te.ub",
-    "compile_friendly": "te_passes.rewrite.compile_friendly",  # opt-in model rewrite
-    "prepare_te_state": "te_passes.rewrite.te_state",  # TE's first-forward lazy state, before compiling
+    "compile_friendly": "te_passes.compat.untouched.rewrite.compile_friendly",  # opt-in model rewrite
+    "prepare_te_state": "te_passes.compat.untouched.rewrite.te_state",  # TE's first-forward lazy state, before compiling
     # DelayedScaling: TE's amax buffers registered, state static, before compiling
-    "prepare_delayed_scaling": "te_passes.runtime.delayed.linear",
-    "RecipeStateError": "te_passes.runtime.te_patches.recipe_state",  # raised by te_inductor, unwrapped
+    "prepare_delayed_scaling": "te_passes.compat.delayed_scaling.linear",
+    "RecipeStateError": "te_passes.compat.autocast.recipe_state",  # raised by te_inductor, unwrapped
     # small batches (whole-step capture; TE's CUDA-graph capture over te_inductor)
     "compile_step": "te_passes.step_capture",
     "make_graphed": "te_passes.step_capture",
     "StepCaptureError": "te_passes.step_capture",
-    "reinitialize_ub": "te_passes.runtime.ub.reinit",  # instead of TE's destroy_ub() + initialize_ub()
-    "mark_untouched_backend": "te_passes.runtime.dynamo_hooks",  # a backend of your own takes the polyfills
+    "reinitialize_ub": "te_passes.compat.ub.reinit",  # instead of TE's destroy_ub() + initialize_ub()
+    "mark_untouched_backend": "te_passes.compat.dynamo.hooks",  # a backend of your own takes the polyfills
 }
 
 

@@ -19,11 +19,11 @@ from te_passes.debug.dump_files import DumpDirError
 from te_passes.passes.order import configured_passes, pass_names
 from te_passes.pipeline.compilation import Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
-from te_passes.runtime.delayed import linear as delayed_linear
-from te_passes.runtime import dynamo_hooks
-from te_passes.runtime.cudagraphs.stable_grads import protect_grads
-from te_passes.runtime.install import install as install_runtime
-from te_passes.runtime.te_patches.recipe_state import RecipeStateError, autocast_for_graph, run_under
+from te_passes.compat.delayed_scaling import linear as delayed_linear
+from te_passes.compat.dynamo import hooks as dynamo_hooks
+from te_passes.cudagraphs.stable_grads import protect_grads
+from te_passes.compat.install import install as install_runtime
+from te_passes.compat.autocast.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError
 
@@ -99,7 +99,7 @@ def _observers(opts: TePassesOptions) -> list[PassObserver]:
 
 
 def _install_te_hooks(*_args: Any) -> bool:
-    """:func:`te_passes.runtime.install.install` (a seam tests replace)."""
+    """:func:`te_passes.compat.install.install` (a seam tests replace)."""
     return install_runtime()
 
 

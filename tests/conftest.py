@@ -77,7 +77,7 @@ def reset_te_fp8_state():
     yield
     from transformer_engine.pytorch import quantization as Q
 
-    from te_passes.runtime.delayed import state as delayed_state
+    from te_passes.compat.delayed_scaling import state as delayed_state
 
     Q.FP8GlobalStateManager.reset()
     delayed_state.TRACE_COUNTS.clear()

@@ -235,7 +235,7 @@ def test_bad_untouched_norm_read_while_dynamo_traces_a_te_module_is_unwrapped(mo
     from torch._dynamo.exc import InternalTorchDynamoError
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
     from te_passes.testing.fake_gpu import constructing, fake_gpu, quiet
 
     assert install()

@@ -78,7 +78,7 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
 def _replay(args: argparse.Namespace, out: Out, disable: list[str] | None, dump_dir: str | None) -> list:
     from te_passes.debug.offline import ReplayError, replay
     from te_passes.passes.order import configured_passes
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
 
     import torch  # noqa: F401  (before transformer_engine)
     with contextlib.suppress(ImportError):  # TE's op families defined, as where the graphs were compiled

@@ -317,6 +317,6 @@ def render_index(summary: dict[str, Any], root: str) -> str:
                         "reads UB (UB snapshot in te_state)"], rows))
     reads = [(gid, u["ub_reads"]) for gid, u in summary["uuid"].items() if (u or {}).get("ub_reads")]
     if reads:
-        L.append("\nWhy a graph reads UB state (a UB change re-keys only these; te_passes.runtime.ub.graph_guard.ub_state_reads):\n")
+        L.append("\nWhy a graph reads UB state (a UB change re-keys only these; te_passes.compat.ub.graph_guard.ub_state_reads):\n")
         L.extend(f"- {gid}: " + "; ".join(r) for gid, r in reads)
     return "\n".join(L)

@@ -8,7 +8,7 @@ import dataclasses
 import warnings
 from typing import Any
 
-from te_passes.runtime.untouched.gate import island_records
+from te_passes.compat.untouched.gate import island_records
 from te_passes.te.fallbacks import classify_graph_break, fallback_reason_from_warning
 
 

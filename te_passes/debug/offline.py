@@ -18,7 +18,7 @@ from te_passes.pipeline.base import Stage, TEPass
 from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver
 from te_passes.report import CompileReport
-from te_passes.runtime.install import install as install_runtime
+from te_passes.compat.install import install as install_runtime
 from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch.utils._dtype_abbrs import dtype_abbrs
 
-from te_passes.runtime.ops.constants import hoisted_name
+from te_passes.ops.constants import hoisted_name
 from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
 

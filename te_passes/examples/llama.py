@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from te_passes.runtime.install import install as install_runtime
-from te_passes.runtime.untouched.gate import clear_island_records, island_records
+from te_passes.compat.install import install as install_runtime
+from te_passes.compat.untouched.gate import clear_island_records, island_records
 from te_passes.testing.dynamo_capture import first_line
 from te_passes.testing.fake_gpu import capture_lock, constructing, fake_gpu, import_te, make_recipe, quiet
 

@@ -13,9 +13,9 @@ import torch.fx
 
 from te_passes.fx.graph import op_qualname, same_objects
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime.ops import direct_call as dc, direct_lowering, te_base as te_base_op
-from te_passes.runtime.ops.te_base import DirectCallUnavailable, op_family, overload
-from te_passes.runtime.ops.constants import hoisted_name
+from te_passes.ops import direct_call as dc, direct_lowering, te_base as te_base_op
+from te_passes.ops.te_base import DirectCallUnavailable, op_family, overload
+from te_passes.ops.constants import hoisted_name
 
 
 def _tensor_slot_nodes(node: torch.fx.Node) -> list[tuple[str, torch.fx.Node]] | str:

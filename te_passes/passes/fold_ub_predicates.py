@@ -15,8 +15,8 @@ from torch.fx.node import map_arg
 from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
-from te_passes.runtime.ub import guard as guards
-from te_passes.runtime.ub import graph_guard as ub_graph_guard
+from te_passes.compat.ub import guard as guards
+from te_passes.compat.ub import graph_guard as ub_graph_guard
 from te_passes.te.ub import UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import describe_ub_query, find_ub_queries
 from te_passes.te.ub_rules import check_linear_ub_config, ub_flags_set

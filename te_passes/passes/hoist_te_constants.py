@@ -13,7 +13,7 @@ import torch.fx
 from te_passes.analyses.liveness import gc_paused
 from te_passes.fx.graph import same_objects
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime.ops.constants import (can_name, hoisted_name, is_liftable_constant, name_constant, names_in,
+from te_passes.ops.constants import (can_name, hoisted_name, is_liftable_constant, name_constant, names_in,
                                          rebuild_cached)
 from te_passes.te.graph_constants import te_const_kind
 

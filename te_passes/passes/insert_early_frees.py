@@ -15,7 +15,7 @@ from te_passes.analyses.buffers import Buffer, BufferOrigin, Liveness
 from te_passes.analyses.liveness import analyze, analyze_shared, gc_paused
 from te_passes.analyses.memory import MemoryEstimate, estimate
 from te_passes.pipeline.base import PassConfig, PassContext, PassRecord, PassSkipped, Stage, TEPass, TEPassResult
-from te_passes.runtime.ops import free as free_op
+from te_passes.ops import free as free_op
 from te_passes.te import quantized
 
 

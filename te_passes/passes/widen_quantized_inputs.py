@@ -17,15 +17,15 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
-from te_passes.runtime.ops import te_act
-from te_passes.runtime.untouched.polyfills import NORM_ENV
+from te_passes.ops import te_act
+from te_passes.compat.untouched.polyfills import NORM_ENV
 from te_passes.te.graph_model import UnknownTEOp, decode
 from te_passes.te.norm_act import CUDNN_NORM_ENV, FUSED_QUANTIZE, QUANTIZER_RECIPES, fused_quantize
 
-#: The untouched-model polyfills' TE-kernel ops (``te_passes.runtime.ops.te_norm`` / ``te_act``).
+#: The untouched-model polyfills' TE-kernel ops (``te_passes.ops.te_norm`` / ``te_act``).
 NORM_OP = "te_passes::te_norm_fwd"
 ACT_OP, ACT_BWD_OP = te_act.FWD_OP, te_act.BWD_OP
-#: The DelayedScaling te.Linear op pair (``te_passes.runtime.delayed.linear``): the forward's ``inp`` is
+#: The DelayedScaling te.Linear op pair (``te_passes.compat.delayed_scaling.linear``): the forward's ``inp`` is
 #: argument 1, the backward's ``grad_output`` argument 0; its quantizers are ``Float8Quantizer``\\ s.
 LINEAR_OP = "te_passes::delayed_linear_fwd"
 LINEAR_BWD_OP = "te_passes::delayed_linear_bwd"

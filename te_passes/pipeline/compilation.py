@@ -23,11 +23,11 @@ from te_passes.pipeline import base
 from te_passes.pipeline.base import PassContext, Stage, TEPass
 from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport, StageReport, cache_hit_note, new_compile_report
-from te_passes.runtime.cudagraphs.engine import CudagraphRecorder
-from te_passes.runtime.cudagraphs.policy import LeanCUDAGraphPolicy
-from te_passes.runtime.ub.graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
+from te_passes.cudagraphs.engine import CudagraphRecorder
+from te_passes.cudagraphs.policy import LeanCUDAGraphPolicy
+from te_passes.compat.ub.graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
                                               wrap_with_te_state_guard)
-from te_passes.runtime.ub.guard import dynamo_stage_inputs
+from te_passes.compat.ub.guard import dynamo_stage_inputs
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError, UbSnapshot
 

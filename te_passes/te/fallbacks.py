@@ -103,7 +103,7 @@ def classify_graph_break(reason: str, innermost_frame: tuple[str, str] | None = 
         target = m.group("target")
         return TEFallback(UNTOUCHED_TARGETS.get(target, target), "untouched_island",
                           f"te_passes' polyfill of {target} left this call to TE's eager forward "
-                          "(te_passes.runtime.untouched.polyfills.island_records() names the reason and the fix)")
+                          "(te_passes.compat.untouched.polyfills.island_records() names the reason and the fix)")
     m = _DISABLED_RE.search(reason) if "torch.compiler.disable" in reason else None
     if m:
         qual = m.group("qual")

@@ -1,5 +1,5 @@
 """Data-free fakes of TE's fused (cuDNN) attention forward / backward, for the
-``register_custom_op`` family te_passes registers (:mod:`te_passes.runtime.ops.fused_attn`).
+``register_custom_op`` family te_passes registers (:mod:`te_passes.ops.fused_attn`).
 
 See docs/internals.md#te_passestefused_attnpy."""
 

@@ -1,4 +1,4 @@
-"""What TE modules' first forward initialises lazily (for :func:`te_passes.rewrite.te_state.prepare_te_state`)."""
+"""What TE modules' first forward initialises lazily (for :func:`te_passes.compat.untouched.rewrite.te_state.prepare_te_state`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """TE's LayerNorm / RMSNorm (``module/layernorm_linear.py``) and ``LayerNormMLP`` activations
 (``transformer_engine/common/util/math.h``) in traceable torch ops: the math shared by the
-untouched-model polyfills (:mod:`te_passes.runtime.untouched.polyfills`) and ``compile_friendly``
-(:mod:`te_passes.rewrite`). Docs: docs/untouched.md."""
+untouched-model polyfills (:mod:`te_passes.compat.untouched.polyfills`) and ``compile_friendly``
+(:mod:`te_passes.compat.untouched.rewrite`). Docs: docs/untouched.md."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def activation(x: torch.Tensor, name: str, params: dict | None = None) -> torch.
     """TE's ``LayerNormMLP`` activation ``name`` of ``x`` ([..., n] or, gated, [..., 2n] ->
     [..., n]) in torch ops, computed in fp32 like TE's kernels, returned in ``x.dtype``: the
     polyfills' activation under ``TE_PASSES_UNTOUCHED_NORM=torch`` (the default is TE's kernel,
-    :mod:`te_passes.runtime.ops.te_act`). ``params``: ``activation_params`` (``clamped_swiglu``:
+    :mod:`te_passes.ops.te_act`). ``params``: ``activation_params`` (``clamped_swiglu``:
     ``limit``, ``alpha``, ``glu_linear_offset``). Raises ``KeyError`` for an activation outside
     :data:`ACTIVATIONS`."""
     return ACTIVATIONS[name](x.float(), params or {}).to(x.dtype)

@@ -13,14 +13,14 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from te_passes.runtime.dynamo_hooks import mark_untouched_backend
+from te_passes.compat.dynamo.hooks import mark_untouched_backend
 from te_passes.te.version import te_version
 from te_passes.testing.captured import CapturedGraph
 from te_passes.testing.fake_gpu import (CaptureError, capture_lock, constructing, fake_gpu, import_te, make_recipe,
                                         quiet)
 
 #: What :func:`capture_dynamo` builds; the last four are untouched TE modules, traced through
-#: te_passes' polyfills (:mod:`te_passes.runtime.untouched.polyfills`).
+#: te_passes' polyfills (:mod:`te_passes.compat.untouched.polyfills`).
 MODELS: tuple[str, ...] = ("linear", "stack", "layernorm_linear", "layernorm_mlp", "multihead_attention",
                            "transformer_layer")
 UNTOUCHED_MODELS: tuple[str, ...] = MODELS[2:]

@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 
-from te_passes.runtime.untouched import state as untouched_state
+from te_passes.compat.untouched import state as untouched_state
 from te_passes.testing.inductor_state import clear_system_info
 from te_passes.testing.ub import StandInCommunicator
 

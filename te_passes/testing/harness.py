@@ -17,7 +17,7 @@ from te_passes.pipeline.compilation import Compilation
 from te_passes.passes.order import configured_passes
 from te_passes.pipeline.manager import PassManager, PassObserver
 from te_passes.report import CompileReport, StageReport
-from te_passes.runtime.install import install as install_runtime
+from te_passes.compat.install import install as install_runtime
 from te_passes.te.state import TEState
 
 __all__ = ["HarnessRun", "count_ops", "diff", "op_name", "pass_context", "run_passes"]

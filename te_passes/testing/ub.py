@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 from typing import Iterator, Mapping
 
-from te_passes.runtime.ub import guard as guards
+from te_passes.compat.ub import guard as guards
 
 
 @dataclasses.dataclass

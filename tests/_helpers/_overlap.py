@@ -49,7 +49,7 @@ def stand_in_impls(monkeypatch, linear, forward, backward):
     """``forward`` / ``backward`` in place of TE's ``linear._linear_forward_impl`` /
     ``_linear_backward_impl``, wrapped by te_passes' real hook install (its result asserted); on
     exit the hooks come off, the monkeypatches are undone and the hooks go back on TE's real impls."""
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
 
     monkeypatch.setattr(linear, "_linear_forward_impl", forward)
     monkeypatch.setattr(linear, "_linear_backward_impl", backward)

@@ -21,7 +21,7 @@ from te_passes.passes.fold_recipe_lookups import FoldRecipeLookups  # noqa: E402
 from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
 from te_passes.pipeline.base import TEPassResult  # noqa: E402
-from te_passes.runtime.install import install  # noqa: E402
+from te_passes.compat.install import install  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
 

@@ -4,7 +4,7 @@
 TE's real impls (``_linear_forward_impl``) need a GPU; this family has the same machinery
 (wrapper + base ops, ``_ArgPlan``, config bundle, tensor-or-quantized slots, ``pack_result``)
 so a compiled call can run on CPU through both paths: the dispatcher op and
-:class:`te_passes.runtime.ops.direct_call.DirectTECall`.
+:class:`te_passes.ops.direct_call.DirectTECall`.
 
 ``ToyFwdArgs`` fields cover every ``_FieldKind`` te.Linear uses except PROCESS_GROUP:
 TENSOR (``inp``, ``bias``), TENSOR_OR_QUANTIZED holding a tensor (``weight``) and ``None``

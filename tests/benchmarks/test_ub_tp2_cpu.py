@@ -6,7 +6,7 @@ communicator kind TE chose, as :class:`te_passes.testing.ub.StandInCommunicator`
 own config rules decide what the phase-2 config changes. Then the script's two te.Linear layers
 (column ``qkv``, row ``proj``; fake CUDA tensors, ``fake`` TP group of size 2) are compiled with
 ``te_inductor`` (passes and guards real; ``compile_fx`` stands in, there is no GPU), UB is
-re-initialised through ``te_passes.runtime.ub.reinit.reinitialize_ub`` and both functions are called again:
+re-initialised through ``te_passes.compat.ub.reinit.reinitialize_ub`` and both functions are called again:
 the script's own expectation / judging functions must agree with what happened.
 """
 
@@ -75,7 +75,7 @@ def te_ub_without_gpus(world):
             yield te_base
         finally:
             te_base._ub_communicators, te_base._ub_initialized, te_base._ub_with_cublasmp = saved
-            from te_passes.runtime.ub import guard as guards
+            from te_passes.compat.ub import guard as guards
 
             guards.on_ub_state_changed()
 
@@ -144,7 +144,7 @@ def test_judge_flags_a_config_that_touches_the_column_layer_or_wrong_counts(ub_t
 
 
 def test_count_calls_sees_only_calls_that_happen(ub_tp2):
-    from te_passes.runtime.ub.reinit import keep_compiled_graphs
+    from te_passes.compat.ub.reinit import keep_compiled_graphs
 
     with ub_tp2.count_calls(torch.compiler, "reset") as calls:
         with keep_compiled_graphs():
@@ -198,7 +198,7 @@ def test_phase2_recompiles_exactly_what_the_script_expects(ub_tp2, world, mode):
     from _fake_inductor import te_inductor_without_gpu
 
     from te_passes.report import clear_compile_reports, compile_reports
-    from te_passes.runtime.ub.reinit import reinitialize_ub
+    from te_passes.compat.ub.reinit import reinitialize_ub
 
     torch._dynamo.reset()
     clear_compile_reports()

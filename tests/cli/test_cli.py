@@ -53,7 +53,7 @@ def fp8_dump(tmp_path_factory):
 @pytest.fixture(scope="module")
 def independent_run():
     """The same passes on the same real graphs, run in this process without the dump code."""
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
     from te_passes.testing.capture import capture_aot, run_pipeline
     from te_passes.testing.fake_gpu import fake_gpu
 

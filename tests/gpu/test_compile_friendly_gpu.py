@@ -52,7 +52,7 @@ def _assert_grads_close(tag, g, g_ref, precision):
 
 def _twins(build):
     """(TE original, rewritten copy with identical parameters)."""
-    from te_passes.rewrite.compile_friendly import compile_friendly, rewrite_records
+    from te_passes.compat.untouched.rewrite.compile_friendly import compile_friendly, rewrite_records
 
     ref = build()
     cand = build()
@@ -130,7 +130,7 @@ def test_layernorm_linear_matches_te(normalization, zero_centered_gamma):
 @pytest.mark.parametrize("groups", [HEADS, 2])
 def test_sdpa_attention_matches_te(fmt, mask, groups):
     te = _te()
-    from te_passes.rewrite.compile_friendly import compile_friendly
+    from te_passes.compat.untouched.rewrite.compile_friendly import compile_friendly
 
     d = HIDDEN // HEADS
     ref = te.DotProductAttention(HEADS, d, num_gqa_groups=groups, qkv_format=fmt, attn_mask_type=mask)
@@ -180,7 +180,7 @@ def test_transformer_layer_one_graph_and_numerics(precision, mode):
                                    params_dtype=torch.bfloat16, device="cuda")
 
     ref, cand = _twins(build)
-    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
 
     prepare_te_state(cand, recipe, fp8=precision == "fp8")  # else step 2 recompiles (TE lazy state)
     ref_fn = _layer_fn(ref, precision, recipe)
@@ -219,7 +219,7 @@ def test_untouched_layer_no_recompiles_after_prepare(precision):
     te = _te()
     from transformer_engine.common.recipe import Float8CurrentScaling
 
-    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
 
     recipe = make_recipe(precision) or Float8CurrentScaling()
 

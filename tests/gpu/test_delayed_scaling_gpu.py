@@ -87,8 +87,8 @@ def _step_fn(recipe, metas):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_update_trajectory(mode):
-    from te_passes.rewrite.te_state import prime_recipe
-    from te_passes.runtime.delayed.scaling import mark_delayed_state_static
+    from te_passes.compat.untouched.rewrite.te_state import prime_recipe
+    from te_passes.compat.delayed_scaling.scaling import mark_delayed_state_static
 
     recipe = _recipe()
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -163,8 +163,8 @@ def test_stack_trajectory(layers, mode, autocast):
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch import quantization as Q
 
-    from te_passes.rewrite.te_state import prepare_te_state
-    from te_passes.runtime.delayed.linear import prepare_delayed_scaling
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
+    from te_passes.compat.delayed_scaling.linear import prepare_delayed_scaling
 
     recipe = _recipe()
     hidden, tokens = 256, 256

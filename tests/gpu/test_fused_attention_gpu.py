@@ -69,7 +69,7 @@ def test_fakes_equal_real_outputs():
 def test_compiled_fused_dpa_matches_te_eager(fmt, mask):
     import transformer_engine.pytorch as te
 
-    from te_passes.rewrite.compile_friendly import compile_friendly, rewrite_records
+    from te_passes.compat.untouched.rewrite.compile_friendly import compile_friendly, rewrite_records
 
     d = HIDDEN // HEADS
     ref = te.DotProductAttention(HEADS, d, attention_dropout=0.0, attn_mask_type=mask, qkv_format=fmt)
@@ -99,8 +99,8 @@ def test_transformer_layer_te_fused_one_graph_and_numerics(mode):
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import Float8CurrentScaling
 
-    from te_passes.rewrite.compile_friendly import compile_friendly, rewrite_records
-    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.compat.untouched.rewrite.compile_friendly import compile_friendly, rewrite_records
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
     from tests.gpu.test_compile_friendly_gpu import _assert_close, _assert_grads_close
 
     recipe = Float8CurrentScaling()  # entered disabled: TE's MultiheadAttention reads a recipe

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 HIDDEN = 4096
 TOKENS = 256
 STEPS = 100
-#: events that mean "this call / graph did not replay lean" (see te_passes/runtime/cudagraphs/lean.py)
+#: events that mean "this call / graph did not replay lean" (see te_passes/cudagraphs/lean.py)
 FALLBACK_EVENTS = ("eager", "disabled", "clone", "trees", "no_cudagraph", "not_captured", "copied")
 
 
@@ -57,7 +57,7 @@ def _records() -> list[dict]:
 def _runners():
     """Lean wrappers of the graphs this test compiled (conftest clears the reports per test)."""
     from te_passes.report import compile_reports
-    from te_passes.runtime.cudagraphs.lean import lean_runners
+    from te_passes.cudagraphs.lean import lean_runners
 
     ids = {rep.graph_id for rep in compile_reports()}
     return sorted((r for r in lean_runners() if r.name.split(".")[0] in ids), key=lambda r: r.name)

@@ -89,7 +89,7 @@ def _print(tag, diffs):
 
 def _compare(layers, recipe_name, steps=2, backend="te_inductor"):
     """(compiled step-0 tensors, eager step-0 tensors, eager rerun, compile stats)."""
-    from te_passes.runtime.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
     from transformer_engine.pytorch import quantization as Q
 
     recipe = _recipe(recipe_name)
@@ -136,7 +136,7 @@ def test_unfused_attention_backend(softmax_fusion, monkeypatch):
 
     from te_passes.backend import te_inductor
     from te_passes.fx.graph import op_qualname
-    from te_passes.runtime.untouched.gate import BACKEND_MARK
+    from te_passes.compat.untouched.gate import BACKEND_MARK
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_FLASH_ATTN", "0")

@@ -7,7 +7,7 @@ Run on the H200 (after the gpu-kit bring-up)::
 TE 2.20.2's ``_linear_forward_impl`` reads the recipe while it runs (``module/linear.py:611``:
 ``fp8_gemm_fprop.use_split_accumulator``, True for Float8BlockScaling). te_inductor sets the
 ``te.autocast`` state where Dynamo traced the op around the compiled call
-(``te_passes.runtime.te_patches.recipe_state``). Checked, ``te.autocast`` inside the compiled function,
+(``te_passes.compat.autocast.recipe_state``). Checked, ``te.autocast`` inside the compiled function,
 default and reduce-overhead, each of several steps:
 
 * one ``te.Linear(1024)`` (no other kernel): output and every gradient **bit-identical** to TE
@@ -164,8 +164,8 @@ def test_stack4(recipe_name, mode):
 def test_transformer_layer(recipe_name, mode):
     import transformer_engine.pytorch as te
 
-    from te_passes.rewrite.compile_friendly import compile_friendly
-    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.compat.untouched.rewrite.compile_friendly import compile_friendly
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
 
     recipe = _recipe(recipe_name)
     torch._dynamo.reset()

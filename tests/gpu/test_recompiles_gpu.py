@@ -40,7 +40,7 @@ def _build(case: str):
                                                       params_dtype=torch.bfloat16, device="cuda")
                                   for _ in range(layers)])
     if case.startswith("cf"):
-        from te_passes.rewrite.compile_friendly import compile_friendly
+        from te_passes.compat.untouched.rewrite.compile_friendly import compile_friendly
 
         compile_friendly(model, strict=True, attention="te_fused" if case.startswith("cffused") else "sdpa")
     return model
@@ -51,7 +51,7 @@ def test_no_recompile_after_first_step(case):
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import Float8CurrentScaling
 
-    from te_passes.rewrite.te_state import prepare_te_state, unprepared_te_state
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state, unprepared_te_state
 
     fp8 = case.endswith("fp8")
     # TE's MultiheadAttention reads the recipe even in bf16: the layers get one (built outside)

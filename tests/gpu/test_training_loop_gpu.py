@@ -78,7 +78,7 @@ def _run(precision, setup, mode, init):
 
     s = SETUPS[setup]
     cfg = _config(s["checkpoint"])
-    from te_passes.runtime.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
 
     FP8GlobalStateManager.reset()
     torch._dynamo.reset()

@@ -50,7 +50,7 @@ def _outer(precision, recipe):
 
 def _compare(build, shape, precision, mode="default", steps=3):
     """Eager twin vs ``torch.compile(model, backend="te_inductor")``; returns (stats, worst errors)."""
-    from te_passes.runtime.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
 
     recipe = make_recipe(precision)
     torch.manual_seed(0)
@@ -157,7 +157,7 @@ def test_untouched_multihead_attention(precision):
 
 def test_inductor_backend_keeps_te_islands():
     """backend='inductor' after te_passes was imported: TE's eager islands as before, numerics = eager."""
-    import te_passes.runtime.untouched.polyfills  # noqa: F401 - imported, polyfills registered
+    import te_passes.compat.untouched.polyfills  # noqa: F401 - imported, polyfills registered
 
     te = _te()
     torch.manual_seed(0)

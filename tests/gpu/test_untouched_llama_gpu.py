@@ -37,7 +37,7 @@ def _te():
 
 
 def _compiled(fn, **kw):
-    from te_passes.runtime.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
 
     torch._dynamo.reset()
     install_untouched_polyfills()

@@ -23,8 +23,8 @@ from torch._dynamo.utils import counters
 
 from te_passes.passes.call_te_impl_directly import CallTEImplDirectly
 from te_passes.report import clear_compile_reports, compile_reports
-from te_passes.runtime.ops import direct_call as dc, direct_lowering as dl
-from te_passes.runtime.ops.te_base import overload
+from te_passes.ops import direct_call as dc, direct_lowering as dl
+from te_passes.ops.te_base import overload
 
 NS = "transformer_engine_compile"
 
@@ -32,7 +32,7 @@ NS = "transformer_engine_compile"
 def _run(captured, stage, **opts):
     from te_passes.config import TePassesOptions
     from te_passes.passes.order import configured_passes, pass_names
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
     from te_passes.testing.capture import run_pipeline
 
     install()  # as the backend does before any pass runs (registers the direct-call lowerings)
@@ -407,7 +407,7 @@ def test_args_object_equals_te_unpack(te_aot_graphs, precision):
 def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
     """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gave ``install()`` a
     reason) the pass only retargets, and the reason is recorded."""
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
 
     install()
     monkeypatch.setitem(dl._LOWERINGS, torch.ops.transformer_engine_compile.linear_backward_base.default,
@@ -483,7 +483,7 @@ def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
     ``runtime.install()`` did not register is retargeted, kept, and the record says why."""
     from torch._inductor import lowering as L
 
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
     from te_passes.testing.capture import run_pipeline
 
     base = torch.ops.transformer_engine_compile.linear_base.default
@@ -505,7 +505,7 @@ def test_install_registers_lowerings_of_families_defined_later(toy):
     when it runs, the toy family (defined after te_passes was imported) included; idempotent."""
     from torch._inductor import lowering as L
 
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
 
     install()
     ops = [overload(f"{NS}::{toy.OP_NAME}{s}") for s in ("_base", "_backward_base")]

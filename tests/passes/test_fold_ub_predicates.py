@@ -27,8 +27,8 @@ from te_passes.passes.fold_ub_predicates import FoldUbPredicates  # noqa: E402
 from te_passes.pipeline.manager import TePassError  # noqa: E402
 from te_passes.passes.order import pass_names  # noqa: E402
 from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
-from te_passes.runtime.ub import guard as guards  # noqa: E402
-from te_passes.runtime.ub import graph_guard as ub_graph_guard  # noqa: E402
+from te_passes.compat.ub import guard as guards  # noqa: E402
+from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
 from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot  # noqa: E402

@@ -19,7 +19,7 @@ from torch._inductor.virtualized import V  # noqa: E402
 
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
-from te_passes.runtime.ops.constants import hoisted_name  # noqa: E402
+from te_passes.ops.constants import hoisted_name  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.te.graph_constants import TEConstKind, te_const_kind  # noqa: E402
 

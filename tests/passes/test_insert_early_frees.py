@@ -16,8 +16,8 @@ from te_passes.analyses.liveness import analyze
 from te_passes.pipeline.base import PassSkipped, Stage
 from te_passes.passes.insert_early_frees import InsertEarlyFrees
 from te_passes.pipeline.manager import PassManager
-from te_passes.runtime.ops import free as free_op
-from te_passes.runtime.ops.free import free_storage, is_free_node
+from te_passes.ops import free as free_op
+from te_passes.ops.free import free_storage, is_free_node
 from te_passes.testing.harness import pass_context
 
 from _qgraphs import F8, QGEMM, QUANTIZE2, real_aot, record_vals
@@ -29,7 +29,7 @@ aten = torch.ops.aten
 def _runtime():
     """``runtime.install()``, as the backend does before any pass runs: it registers the free
     op's Inductor lowering, which the pass requires and never registers itself."""
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
 
     install()
 

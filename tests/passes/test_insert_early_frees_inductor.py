@@ -247,7 +247,7 @@ def test_lowering_warns_when_an_opaque_reader_got_a_copy(monkeypatch, caplog):
     import logging
 
     from te_passes._logging import get_logger
-    from te_passes.runtime.ops import free as free_op
+    from te_passes.ops import free as free_op
 
     monkeypatch.setattr(free_op, "mark_realize", lambda node, journal: None)
     get_logger()  # registered with torch._logging

@@ -15,7 +15,7 @@ from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.fold_recipe_lookups import FoldRecipeLookups  # noqa: E402
 from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
-from te_passes.runtime.ops.constants import hoisted_name  # noqa: E402
+from te_passes.ops.constants import hoisted_name  # noqa: E402
 from te_passes.te.graph_constants import TEConstKind, te_const_kind  # noqa: E402
 from te_passes.testing.harness import run_passes  # noqa: E402
 

@@ -260,7 +260,7 @@ def test_bias_gradient_comes_back_in_the_activation_dtype():
     """``grads_in_fake_dtypes``: TE's ``bgrad_quantize`` on an fp32 grad output returns an fp32
     bias gradient, the fake says the activation dtype: cast; a wgrad / dgrad in a third dtype is
     refused with the names."""
-    from te_passes.runtime.delayed.linear import grads_in_fake_dtypes
+    from te_passes.compat.delayed_scaling.linear import grads_in_fake_dtypes
 
     cfg = {"simple": {"activation_dtype": torch.bfloat16}}
     w, d = torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)

@@ -44,9 +44,9 @@ from torch._dynamo.utils import counters  # noqa: E402
 from torch._inductor.virtualized import V  # noqa: E402
 
 from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
-from te_passes.runtime.ops.constants import (  # noqa: E402
+from te_passes.ops.constants import (  # noqa: E402
     NamedConstants, hoisted_name, name_constant, named_constants, rebuild_constant, rendered_in_full)
-from te_passes.runtime.install import install  # noqa: E402
+from te_passes.compat.install import install  # noqa: E402
 from te_passes.te.graph_constants import bundle_dict  # noqa: E402
 
 _NAME = re.compile(r"_te_const_\d+")

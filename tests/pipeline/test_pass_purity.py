@@ -2,7 +2,7 @@
 
 The process-level integration — TE's UB and amax-group hooks, the Inductor lowering of our free
 op, the ``__fx_repr__`` wrappers of TE's value-opaque constant classes — is installed once by
-:func:`te_passes.runtime.install.install` (the backend calls it). Then every registered pass runs
+:func:`te_passes.compat.install.install` (the backend calls it). Then every registered pass runs
 through the manager on real captured TE graphs (fp8 te.Linear, every stage, and a UB te.Linear
 whose TE op checks and trace-time folds make ``fold_ub_predicates`` return a dependence), and the
 process state that passes used to write is compared before/after: the UB guard's registries and
@@ -30,10 +30,10 @@ te = pytest.importorskip("transformer_engine.pytorch")
 from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.order import pass_names  # noqa: E402
-from te_passes.runtime.ops import constants  # noqa: E402
-from te_passes.runtime.ub import guard as ub_guard
-from te_passes.runtime.ub import graph_guard as ub_graph_guard  # noqa: E402
-from te_passes.runtime.install import install  # noqa: E402
+from te_passes.ops import constants  # noqa: E402
+from te_passes.compat.ub import guard as ub_guard
+from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
+from te_passes.compat.install import install  # noqa: E402
 from te_passes.testing.capture import capture_aot, run_pipeline  # noqa: E402
 from te_passes.testing.fake_gpu import fake_gpu  # noqa: E402
 
@@ -45,7 +45,7 @@ TE_FUNCTIONS = (("transformer_engine.pytorch.module.base", ("initialize_ub", "de
 #: Module-level containers passes may fill: memos of pure functions of a class or a source text,
 #: holding no pass result. ``(module, name)``.
 MEMO_CACHES = {
-    ("te_passes.runtime.ops.constants", "_LIFTABLE_TYPES"),  # id(class) -> is a liftable TE constant class
+    ("te_passes.ops.constants", "_LIFTABLE_TYPES"),  # id(class) -> is a liftable TE constant class
     ("te_passes.te.graph_constants", "_KIND_CACHE"),  # (class, is a class) -> TEConstKind
     ("te_passes.te.graph_model", "_SLOTS_CACHE"),  # id(schema) -> its slot layout
     ("te_passes.te.quantized", "_TARGET_KIND"),  # id(op target) -> its quantized-op kind
@@ -138,7 +138,7 @@ def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_al
 
     from _qgraphs import QGEMM, QUANTIZE2, record_vals
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
-    from te_passes.runtime.ops import free as free_op
+    from te_passes.ops import free as free_op
     from te_passes.testing.harness import run_passes
 
     def f(x, w):

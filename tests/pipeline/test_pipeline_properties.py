@@ -41,7 +41,7 @@ from _qgraphs import F8, QGEMM, QUANTIZE2, record_vals, te_available  # noqa: E4
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.passes.order import configured_passes  # noqa: E402
-from te_passes.runtime.ops import free as free_op  # noqa: E402
+from te_passes.ops import free as free_op  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import run_passes  # noqa: E402
 

@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from te_passes.rewrite import compile_friendly as cf
-from te_passes.rewrite import module_state, rewriters
+from te_passes.compat.untouched.rewrite import compile_friendly as cf
+from te_passes.compat.untouched.rewrite import module_state, rewriters
 from te_passes.te import norm_act
 
 te = pytest.importorskip("transformer_engine.pytorch")
@@ -368,7 +368,7 @@ def _run_calls(precision: str, prepare: bool, calls: int = 3, autocast: bool = T
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformer_engine.common import recipe as te_recipe
 
-    from te_passes.rewrite.te_state import prepare_te_state
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
 
     torch._dynamo.reset()  # the same ``step`` code object is compiled by every call of this helper
     counters.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_passes.rewrite import compile_friendly as cf
+from te_passes.compat.untouched.rewrite import compile_friendly as cf
 from te_passes.te import version as vmod
 
 te = pytest.importorskip("transformer_engine.pytorch")

@@ -21,8 +21,8 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 from transformer_engine.common import recipe as te_recipe  # noqa: E402
 
-from te_passes.rewrite import compile_friendly as cf  # noqa: E402
-from te_passes.rewrite.te_state import prepare_te_state, prime_recipe, te_modules_to_prepare  # noqa: E402
+from te_passes.compat.untouched.rewrite import compile_friendly as cf  # noqa: E402
+from te_passes.compat.untouched.rewrite.te_state import prepare_te_state, prime_recipe, te_modules_to_prepare  # noqa: E402
 from te_passes.testing.fake_gpu import constructing as _constructing, fake_gpu, quiet as _quiet  # noqa: E402
 
 
@@ -187,7 +187,7 @@ def test_dpa_prepare_forward_frame_recompiles_as_on_h200_unless_prepared(precisi
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
 def test_unprepared_te_state_names_module_attribute_and_fix(precision):
-    from te_passes.rewrite.te_state import unprepared_te_state
+    from te_passes.compat.untouched.rewrite.te_state import unprepared_te_state
 
     fp8 = precision == "fp8-cs"
     recipe = te_recipe.Float8CurrentScaling()

@@ -31,7 +31,7 @@ def fake_pg(fake_tp_group):
 @pytest.fixture
 def hooks():
     """The amax-group hooks module, restored to 'installed' after the test."""
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
 
     yield amax_groups
     amax_groups.install_amax_group_hooks(import_te=True)
@@ -161,7 +161,7 @@ def test_row_parallel_first_trace_fails_on_the_group_guard_without_hooks(sp, hoo
 # ------------------------------------------------------------------------- the fix
 def _process_groups_in_graph(gm: torch.fx.GraphModule) -> list[str]:
     """Every quantizer constant (incl. inside bundles) that holds a ProcessGroup."""
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
     from te_passes.te import graph_constants
 
     return [f"{node.name}: {type(obj).__name__}" for node, obj, _ in graph_constants.iter_te_constants(gm.graph)
@@ -274,7 +274,7 @@ def does_not(args):
 def test_unsafe_reason_refuses_impls_that_do_not_reapply_the_group(hooks):
     import types
 
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
 
     mod = types.ModuleType("fake_te_linear")
     mod.set_quantizer_amax_reduction_group = set_quantizer_amax_reduction_group

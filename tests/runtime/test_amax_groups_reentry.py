@@ -1,4 +1,4 @@
-"""Review of the issue-8 hooks (:mod:`te_passes.runtime.te_patches.amax_groups`): re-entrant / concurrent calls and
+"""Review of the issue-8 hooks (:mod:`te_passes.compat.autocast.amax_groups`): re-entrant / concurrent calls and
 the per-call cost of the wrappers around TE's ``_linear_forward_impl`` / ``_linear_backward_impl``.
 
 TE 2.20.2 only *sets* the group at the start of each impl call (``module/linear.py:448``,
@@ -52,7 +52,7 @@ def set_quantizer_amax_reduction_group(quantizer, group):  # the stand-ins call 
 def stub_impls(monkeypatch):
     """Install the hooks over stand-in impls in TE's ``module.linear``; yields a setter for the
     forward stand-in's body. TE's real impls and hooks are restored afterwards."""
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
 
     linear = sys.modules.get(amax_groups.TE_LINEAR_MODULE)
     if linear is None:
@@ -75,7 +75,7 @@ def stub_impls(monkeypatch):
 
 
 def test_nested_call_keeps_the_group_until_the_outermost_call_returns(group, stub_impls):
-    from te_passes.runtime.te_patches.amax_groups import holds_process_group
+    from te_passes.compat.autocast.amax_groups import holds_process_group
 
     linear, body = stub_impls
     q = _quantizer()
@@ -93,7 +93,7 @@ def test_nested_call_keeps_the_group_until_the_outermost_call_returns(group, stu
 
 
 def test_concurrent_call_on_another_thread_does_not_strip_the_group(group, stub_impls):
-    from te_passes.runtime.te_patches.amax_groups import holds_process_group
+    from te_passes.compat.autocast.amax_groups import holds_process_group
 
     linear, body = stub_impls
     q = _quantizer()
@@ -104,7 +104,7 @@ def test_concurrent_call_on_another_thread_does_not_strip_the_group(group, stub_
 
 
 def test_backward_wrapper_releases_both_quantizers_and_counts_them(group, stub_impls):
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
 
     linear, _ = stub_impls
     qi, qg = _quantizer(), _quantizer()
@@ -120,7 +120,7 @@ def test_call_never_drops_a_group_the_quantizer_had_before_it(group, stub_impls)
     ``unsafe_reason``'s name check cannot see, or user code), a wrapped call puts it back rather
     than dropping it: dropping it would silently skip the amax reduction from the next call on.
     Here the stand-in sets it again (so the check passes) but the group was there first."""
-    from te_passes.runtime.te_patches.amax_groups import holds_process_group
+    from te_passes.compat.autocast.amax_groups import holds_process_group
 
     linear, body = stub_impls
     q = _quantizer()
@@ -137,7 +137,7 @@ def test_sweep_skips_a_quantizer_a_running_call_holds(group, stub_impls):
     eager impl: it must leave that call's group alone."""
     from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
 
-    from te_passes.runtime.te_patches.amax_groups import holds_process_group, sweep_live_linear_modules
+    from te_passes.compat.autocast.amax_groups import holds_process_group, sweep_live_linear_modules
 
     linear, body = stub_impls
     q = _quantizer()
@@ -162,7 +162,7 @@ def test_debug_quantizers_of_one_parent_share_the_in_flight_count(group, stub_im
     """TE builds ``DebugQuantizer`` wrappers per call (``_get_debug_quantizers``) around the
     module's persistent quantizers, and TE's setter writes to ``parent_quantizer``
     (``module/_common.py``): calls with *different* wrappers of one parent are counted together."""
-    from te_passes.runtime.te_patches.amax_groups import holds_process_group
+    from te_passes.compat.autocast.amax_groups import holds_process_group
 
     linear, body = stub_impls
     parent = _quantizer()
@@ -191,7 +191,7 @@ def test_te_imported_after_te_passes_gets_hooks_and_sweep_at_first_dynamo_compil
         import sys, torch, torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         import te_passes.backend
-        from te_passes.runtime.te_patches import amax_groups as ag
+        from te_passes.compat.autocast import amax_groups as ag
         assert "transformer_engine.pytorch.module.linear" not in sys.modules
         assert not ag.amax_group_hooks_installed()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

@@ -1,4 +1,4 @@
-"""The lean CUDA-graph policy (te_passes/runtime/cudagraphs/policy.py, cudagraphs.py, issue 14) on CPU, with a fake
+"""The lean CUDA-graph policy (te_passes/cudagraphs/policy.py, cudagraphs.py, issue 14) on CPU, with a fake
 capture/replay engine.
 
 The fake engine keeps CUDA-graph semantics where they matter for correctness: a "replay" runs
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from te_passes.config import TePassesOptionError, TePassesOptions
-from te_passes.runtime.cudagraphs import engine as eng
-from te_passes.runtime.cudagraphs import policy as cgp
-from te_passes.runtime.cudagraphs.engine import CudagraphRecorder
-from te_passes.runtime.cudagraphs.policy import LeanCUDAGraphPolicy, static_hazard
-from te_passes.runtime.cudagraphs.lean import LeanCUDAGraph
+from te_passes.cudagraphs import engine as eng
+from te_passes.cudagraphs import policy as cgp
+from te_passes.cudagraphs.engine import CudagraphRecorder
+from te_passes.cudagraphs.policy import LeanCUDAGraphPolicy, static_hazard
+from te_passes.cudagraphs.lean import LeanCUDAGraph
 
 
 class FakeGraph:

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch._inductor.utils import fresh_cache
 
-import te_passes.runtime.cudagraphs.policy as pol
-import te_passes.runtime.cudagraphs.lean as cg
+import te_passes.cudagraphs.policy as pol
+import te_passes.cudagraphs.lean as cg
 from te_passes.backend import te_inductor
 from te_passes.report import clear_compile_reports, compile_reports
 from te_passes.te.version import torch_at_least

@@ -1,7 +1,7 @@
 """Issue 24: te.Linear under DelayedScaling in one te_inductor graph (CPU capture, fake GPU).
 
 TE's real modules on fake CUDA tensors (te_passes.testing.fake_gpu); the state a first step
-leaves is made by :func:`te_passes.runtime.delayed.linear.prepare_delayed_scaling` (TE's
+leaves is made by :func:`te_passes.compat.delayed_scaling.linear.prepare_delayed_scaling` (TE's
 ``init_fp8_metadata`` and ``add_fp8_tensors_to_global_buffer``). The Dynamo trace runs with a
 recording backend that carries the gate mark (it stands in for te_inductor; a backend without
 it gets TE's eager island, as without te_passes); the AOT graphs are Inductor's
@@ -34,10 +34,10 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformer_engine.common import recipe as R
 
-    from te_passes.rewrite.te_state import prepare_te_state
-    from te_passes.runtime import install
-    from te_passes.runtime.delayed.linear import prepare_delayed_scaling
-    from te_passes.runtime.delayed.scaling import GATE_MARK
+    from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
+    from te_passes.compat import install
+    from te_passes.compat.delayed_scaling.linear import prepare_delayed_scaling
+    from te_passes.compat.delayed_scaling.scaling import GATE_MARK
     from te_passes.testing.aot_capture import capture_aot
     from te_passes.testing.captured import CapturedGraph
     from te_passes.testing.compile_watch import CompileWatch, fresh_compile_state
@@ -84,7 +84,7 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
         if gated:
             setattr(backend, GATE_MARK, True)
         if not prepare:  # te_inductor's untouched-model start callback prepares instead
-            from te_passes.runtime.untouched.gate import BACKEND_MARK
+            from te_passes.compat.untouched.gate import BACKEND_MARK
 
             setattr(backend, BACKEND_MARK, True)
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
@@ -161,7 +161,7 @@ def test_graph_outputs_are_on_the_ops_device():
     ``custom_op._encode_none``) were saved for backward, so Inductor cut the forward at them and the
     op's list output crossed the partition (cudagraph trees: ``AssertionError: <class 'list'>``,
     H200 2026-12-02). The ops now return their sentinels on the weight's device."""
-    from te_passes.runtime.delayed.linear import cudagraph_hazard
+    from te_passes.compat.delayed_scaling.linear import cudagraph_hazard
 
     got = _capture(("HYBRID", 16, "max"), 2)
     assert cudagraph_hazard(got["dynamo"][0]) is None  # reduce-overhead keeps CUDA graphs for it
@@ -190,7 +190,7 @@ def test_untouched_model_prepared_at_compile_start(autocast_inside):
     te.Linears for its DelayedScaling recipe (the active te.autocast's, or the frame's one recipe with
     te.autocast inside), so the untouched stack is one graph with the TE ops, 0 breaks, 0 recompiles
     over two calls (before: a recompile per module as TE's global buffers grew, and an eager island)."""
-    from te_passes.runtime.untouched.state import DELAYED_ATTR
+    from te_passes.compat.untouched.state import DELAYED_ATTR
 
     got = _capture(("HYBRID", 16, "max"), 3, prepare=False, calls=2, aot=False, autocast_inside=autocast_inside)
     st = got["stats"]
@@ -208,7 +208,7 @@ def test_every_registered_state_tensor_static_at_compile_start():
     from transformer_engine.common import recipe as R
     from transformer_engine.pytorch import quantization as Q
 
-    from te_passes.runtime.delayed.state import prepare_delayed_scaling
+    from te_passes.compat.delayed_scaling.state import prepare_delayed_scaling
     from te_passes.testing.fake_gpu import import_te
 
     te = import_te()
@@ -308,7 +308,7 @@ def test_layout_check_matches_the_fake_payload():
     layout must be exactly what the fake op returns (the graph's layout), slot for slot."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from te_passes.runtime.delayed import linear as DL
+    from te_passes.compat.delayed_scaling import linear as DL
     from te_passes.testing.fake_gpu import fake_gpu, quiet
 
     got = _capture(("E4M3", 16, "max"), 1, aot=False)
@@ -336,7 +336,7 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
     tensors (the impl path), TE's fake forward counted."""
     import dataclasses
 
-    from te_passes.runtime.delayed import args as A
+    from te_passes.compat.delayed_scaling import args as A
     from te_passes.testing.fake_gpu import fake_gpu, quiet
 
     got = _capture(("E4M3", 16, "max"), 2, aot=False)
@@ -402,8 +402,8 @@ def test_refusal_names_the_reason():
 
     import transformer_engine.pytorch  # noqa: F401  (TE's distributed module, read by refusal)
 
-    from te_passes.runtime.delayed import linear as DL
-    from te_passes.runtime.delayed import state as DS
+    from te_passes.compat.delayed_scaling import linear as DL
+    from te_passes.compat.delayed_scaling import state as DS
 
     q = NS(**{DL.TAG: (None, 0)})
     base = {name: None for name in DS.MUST_BE_OFF}
@@ -424,7 +424,7 @@ def test_impls_run_under_the_traced_autocast_state():
     from transformer_engine.common import recipe as R
     from transformer_engine.pytorch import quantization as Q
 
-    from te_passes.runtime.delayed import linear as DL
+    from te_passes.compat.delayed_scaling import linear as DL
 
     recipe = R.DelayedScaling(amax_history_len=4)
     M = Q.FP8GlobalStateManager
@@ -483,7 +483,7 @@ def test_untouched_te_modules_one_graph(name, autocast_inside):
     ``delayed_linear_fwd`` / ``_bwd`` (qkv, proj, fc1, fc2 per layer), the post-backward update in
     the backward and, with te.autocast inside, the post-forward update in the forward; no
     island, no TE op of TE's own compiled family (its refusal of delayed quantizers)."""
-    from te_passes.runtime.untouched import polyfills as untouched
+    from te_passes.compat.untouched import polyfills as untouched
 
     untouched.clear_island_records()
     build, gemms = BUILDS[name]
@@ -551,7 +551,7 @@ def test_backward_keeps_a_stand_in_of_the_input():
     (memory). With ``save_original_input`` TE's backward reads the input itself: kept."""
     import json
 
-    from te_passes.runtime.delayed.args import backward_reads_input
+    from te_passes.compat.delayed_scaling.args import backward_reads_input
 
     a = _capture(("HYBRID", 16, "max"), 2)["aot"]
     fwd_ops, bwd_ops = _named(a.forward, FWD), _named(a.backward, BWD)

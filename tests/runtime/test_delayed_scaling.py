@@ -35,7 +35,7 @@ def te_mods():
     from transformer_engine.common import recipe as R
     from transformer_engine.pytorch import quantization as Q
 
-    from te_passes.runtime.delayed.scaling import install_delayed_scaling
+    from te_passes.compat.delayed_scaling.scaling import install_delayed_scaling
 
     assert install_delayed_scaling(), "the DelayedScaling integration refused to install"
     return te, R, Q
@@ -126,7 +126,7 @@ def test_update_in_one_graph_matches_te_eager(te_mods, cfg, monkeypatch):
     frame, 0 breaks, 0 recompiles over 5 steps; the update op is in the post-grad graph, its writes functionalized into
     ``copy_`` on the state placeholders; every scale and history equals TE eager's, bit for bit."""
     te, R, Q = te_mods
-    from te_passes.rewrite.te_state import prime_recipe
+    from te_passes.compat.untouched.rewrite.te_state import prime_recipe
     from te_passes.testing.compile_watch import CompileWatch, fresh_compile_state
 
     steps = 5
@@ -258,7 +258,7 @@ def test_update_op_eager_equals_te_unfused(te_mods, monkeypatch):
 def test_gate():
     """The gate recognises te_inductor through Dynamo's wrappers and nothing else."""
     from te_passes.backend import te_inductor, te_inductor_backend
-    from te_passes.runtime.delayed.scaling import is_te_inductor_backend, te_inductor_tracing
+    from te_passes.compat.delayed_scaling.scaling import is_te_inductor_backend, te_inductor_tracing
 
     assert is_te_inductor_backend(te_inductor)
     assert is_te_inductor_backend(te_inductor_backend())
@@ -271,7 +271,7 @@ def test_gate():
 def test_pairs_exposed(te_mods):
     """(TE original, replacement) pairs for the lead's unification with the other polyfills."""
     _, _, Q = te_mods
-    from te_passes.runtime.delayed.scaling import polyfill_pairs
+    from te_passes.compat.delayed_scaling.scaling import polyfill_pairs
 
     pairs = dict((orig.__name__, new) for orig, new in polyfill_pairs())
     assert set(pairs) == {"check_recipe_support", "reduce_and_update_fp8_tensors"}
@@ -287,8 +287,8 @@ def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs_only_on_cpu_
 
     from te_passes.backend import _without_cudagraphs_if_hazard
     from te_passes.pipeline.compilation import CompileSettings
-    from te_passes.runtime.delayed import linear as delayed_linear
-    from te_passes.runtime.delayed import scaling as delayed_scaling
+    from te_passes.compat.delayed_scaling import linear as delayed_linear
+    from te_passes.compat.delayed_scaling import scaling as delayed_scaling
 
     assert delayed_scaling.install_delayed_scaling() or delayed_scaling.refused_reason() is None
     op = torch.ops.te_passes.delayed_scaling_update.default

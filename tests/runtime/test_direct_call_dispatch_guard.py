@@ -22,7 +22,7 @@ import torch
 import torch._dynamo
 
 from te_passes.report import clear_compile_reports, compile_reports
-from te_passes.runtime.ops import direct_call as dc
+from te_passes.ops import direct_call as dc
 
 NS = "transformer_engine_compile"
 OP = "tpq_view_toy"

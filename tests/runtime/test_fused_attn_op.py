@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.runtime.ops import fused_attn as fop  # noqa: E402
+from te_passes.ops import fused_attn as fop  # noqa: E402
 from te_passes.te import fused_attn as tfa  # noqa: E402
 from te_passes.te import graph_model as gmod  # noqa: E402
 from te_passes.te import op_families as opf  # noqa: E402
@@ -240,7 +240,7 @@ def test_post_grad_pipeline_calls_te_impls_directly():
     """te_passes' configured post-grad pipeline (through the harness, as the backend runs it)
     retargets both wrapper ops to their base ops and marks them for a direct call of TE's
     ``_fused_attn_forward_impl`` / ``_fused_attn_backward_impl``."""
-    from te_passes.runtime.install import install
+    from te_passes.compat.install import install
     from te_passes.testing.harness import run_passes
 
     install()
@@ -257,7 +257,7 @@ def test_post_grad_pipeline_calls_te_impls_directly():
 
 
 def test_runtime_install_registers_the_family_in_a_fresh_process():
-    """``te_passes.runtime.install.install()`` (what the backend calls) registers the family once
+    """``te_passes.compat.install.install()`` (what the backend calls) registers the family once
     TE's attention module is imported, and the direct-call lowering covers its base ops."""
     import os
     import subprocess
@@ -265,8 +265,8 @@ def test_runtime_install_registers_the_family_in_a_fresh_process():
 
     code = ("import torch, transformer_engine.pytorch\n"
             "from torch._library.custom_ops import OPDEFS\n"
-            "from te_passes.runtime.ops import direct_lowering as dl, te_base as te_base_op\n"
-            "from te_passes.runtime.install import install\n"
+            "from te_passes.ops import direct_lowering as dl, te_base as te_base_op\n"
+            "from te_passes.compat.install import install\n"
             "assert 'transformer_engine_compile::fused_attn' not in OPDEFS\n"
             "install()\n"
             "ops = [te_base_op.overload(f'transformer_engine_compile::fused_attn{s}') for s in ('_base', '_backward_base')]\n"
@@ -282,7 +282,7 @@ def test_runtime_install_registers_the_family_in_a_fresh_process():
 
 
 def test_switch_that_is_not_a_bool_keeps_the_op_unregistered_with_the_reason(monkeypatch):
-    from te_passes.runtime.ops import fused_attn as fao
+    from te_passes.ops import fused_attn as fao
 
     monkeypatch.setenv(fao.ENV_SWITCH, "maybe")
     assert "TE_PASSES_FUSED_ATTN='maybe' is not a bool" in fao._switched_off()

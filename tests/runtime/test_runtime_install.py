@@ -3,10 +3,10 @@ rebind TE names never run while Dynamo compiles a frame (a backend call)."""
 
 import torch
 
-from te_passes.runtime.delayed import linear as delayed_linear, scaling as delayed_scaling
-from te_passes.runtime import dynamo_hooks
-from te_passes.runtime.dynamo_callbacks import drop_start_callback, keep_start_callback
-from te_passes.runtime.install import install
+from te_passes.compat.delayed_scaling import linear as delayed_linear, scaling as delayed_scaling
+from te_passes.compat.dynamo import hooks as dynamo_hooks
+from te_passes.compat.dynamo.callbacks import drop_start_callback, keep_start_callback
+from te_passes.compat.install import install
 
 
 def test_kept_start_callback_survives_dynamo_reset():

@@ -1,4 +1,4 @@
-"""``.grad`` outside the CUDA-graph pool (te_passes/runtime/cudagraphs/stable_grads.py): the
+"""``.grad`` outside the CUDA-graph pool (te_passes/cudagraphs/stable_grads.py): the
 post-accumulate-grad hook's decisions on CPU, with the pool test replaced by a set of "pool" tensors
 (torch's tree manager needs a GPU; tests/gpu/test_training_loop_gpu.py runs the real thing: gradient
 accumulation with ``zero_grad(set_to_none=False)`` under ``mode="reduce-overhead"``)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_passes.runtime.cudagraphs import stable_grads
+from te_passes.cudagraphs import stable_grads
 
 
 @pytest.fixture

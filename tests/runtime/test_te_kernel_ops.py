@@ -73,7 +73,7 @@ def tex(monkeypatch):
 
 @pytest.mark.parametrize("name", ["gelu", "swiglu", "clamped_swiglu"])
 def test_activation_op_calls_tes_function_and_differentiates(tex, name):
-    from te_passes.runtime.ops.te_act import te_activation
+    from te_passes.ops.te_act import te_activation
     from te_passes.te.norm_act import activation
 
     params = {"limit": 3.0, "alpha": 1.5, "glu_linear_offset": 0.5} if name == "clamped_swiglu" else None
@@ -92,7 +92,7 @@ def test_activation_op_calls_tes_function_and_differentiates(tex, name):
 
 
 def test_norm_op_statistics_shaped_like_the_rows(tex):
-    from te_passes.runtime.ops.te_norm import te_norm_fwd
+    from te_passes.ops.te_norm import te_norm_fwd
 
     x = torch.randn(5, 2, 16, dtype=torch.bfloat16, requires_grad=True)
     w = torch.rand(16, dtype=torch.bfloat16, requires_grad=True)
@@ -143,7 +143,7 @@ def test_rope_op_calls_tes_kernel_and_differentiates(tex_rope, fmt, interleaved)
     """The op against TE's unfused path (torch autograd): values and gradient; a non-contiguous input (MHA's
     q / k views) reaches TE's kernel as is; freqs are cast to fp32 as FusedRoPEFunc does."""
     from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
-    from te_passes.runtime.ops.te_rope import te_rope
+    from te_passes.ops.te_rope import te_rope
 
     base = torch.randn(6, 3, 2, 16, dtype=torch.bfloat16)
     x = (base if fmt == "sbhd" else base.transpose(0, 1))[..., 4:12].requires_grad_()  # a strided view
@@ -167,7 +167,7 @@ def test_rope_op_calls_tes_kernel_and_differentiates(tex_rope, fmt, interleaved)
 
 
 def test_rope_op_rejects_bad_format():
-    from te_passes.runtime.ops.te_rope import te_rope
+    from te_passes.ops.te_rope import te_rope
 
     with pytest.raises(ValueError, match="tensor_format 'sbdh'"):
         te_rope(torch.randn(2, 2, 2, 4), torch.randn(2, 1, 1, 4), "sbdh")
@@ -188,7 +188,7 @@ def test_rope_polyfill_runs_tes_fused_call_through_the_op(tex_rope):
     the op (TE's arguments in TE's order) and gives TE eager's fused values and gradient (FusedRoPEFunc on the same
     stand-in kernels)."""
     from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
-    from te_passes.runtime.untouched import polyfills
+    from te_passes.compat.untouched import polyfills
 
     assert polyfills.install_untouched_polyfills()
     freqs = torch.randn(12, 1, 1, 8)
@@ -243,7 +243,7 @@ def test_te_ops_norm_forward_matches_te_eager(tex_norms, kind, in_dtype):
     taking the polyfills runs ``te_passes::te_ops_norm_fwd`` on TE's casts (input and weight to the weight's dtype)
     and gives TE eager's output and every gradient on the same stand-in kernels."""
     import transformer_engine.pytorch as te
-    from te_passes.runtime.untouched import polyfills
+    from te_passes.compat.untouched import polyfills
 
     assert polyfills.install_untouched_polyfills()
     torch.manual_seed(0)
@@ -281,7 +281,7 @@ def test_l2_normalization_forward_is_tes_formulas():
     exactly (the functions TE's ``lazy_compile`` wraps, called uncompiled)."""
     from transformer_engine.pytorch import jit
     from transformer_engine.pytorch.ops import L2Normalization
-    from te_passes.runtime.untouched import polyfills
+    from te_passes.compat.untouched import polyfills
 
     assert polyfills.install_untouched_polyfills()
     mod = L2Normalization(eps=1e-6)

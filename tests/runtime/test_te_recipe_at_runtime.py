@@ -4,7 +4,7 @@ TE 2.20.2's ``_linear_forward_impl`` reads ``FP8GlobalStateManager.get_fp8_recip
 runs (``module/linear.py:611``: ``recipe.fp8_gemm_fprop.use_split_accumulator``; ``:414`` for
 ``save_original_input``). Compiled code runs the op after Dynamo traced the ``te.autocast`` away;
 te_inductor sets the state in effect where Dynamo traced the op around the compiled call
-(``te_passes.runtime.te_patches.recipe_state``). The inventory of such reads is
+(``te_passes.compat.autocast.recipe_state``). The inventory of such reads is
 ``te_passes.te.runtime_reads``.
 
 How the values are seen (CPU, TE's device checks faked): TE's impls (the ``impl`` in the base
@@ -427,7 +427,7 @@ def test_another_recipe_object_is_seen_at_the_next_call():
 def test_two_autocast_states_in_one_graph_are_refused():
     from transformer_engine.common import recipe as R
 
-    from te_passes.runtime.te_patches.recipe_state import RecipeStateError
+    from te_passes.compat.autocast.recipe_state import RecipeStateError
 
     r1, r2 = R.Float8CurrentScaling(), R.Float8BlockScaling()
     with FG.fake_gpu("fp8-cs"), FG.quiet(), cpu_inputs_allowed():
@@ -447,7 +447,7 @@ def test_two_autocast_states_in_one_graph_are_refused():
 
 
 def test_te_op_node_without_a_traced_state_is_refused(te_dynamo_graph):
-    from te_passes.runtime.te_patches import recipe_state as RS
+    from te_passes.compat.autocast import recipe_state as RS
 
     g = te_dynamo_graph("fp8-cs", 1)
     nodes = RS.te_op_nodes(g.gm)
@@ -463,7 +463,7 @@ def test_traced_state_records_where_it_came_from():
     one around it from the process ("live"); the recipe is the user's object either way."""
     from transformer_engine.common import recipe as R
 
-    from te_passes.runtime.te_patches import recipe_state as RS
+    from te_passes.compat.autocast import recipe_state as RS
 
     rec = R.Float8CurrentScaling()
     got = {}
@@ -531,7 +531,7 @@ def _fused_runs(mode: str):
     from test_fused_attn_op import fwd_args
     from transformer_engine.common import recipe as R
 
-    from te_passes.runtime.ops import fused_attn as fop
+    from te_passes.ops import fused_attn as fop
 
     op = fop.fused_attention_op()
     rec = R.Float8BlockScaling()
@@ -606,7 +606,7 @@ def test_a_high_precision_region_next_to_an_fp8_one_compiles():
 def test_quantized_nodes_decide_when_states_differ(te_dynamo_graph):
     """A bf16 TE op node traced under another state than the fp8 ones does not count; bf16 nodes
     alone with differing states get no wrapper (nothing reads the state)."""
-    from te_passes.runtime.te_patches import recipe_state as RS
+    from te_passes.compat.autocast import recipe_state as RS
 
     bf16 = te_dynamo_graph("bf16", 1)
     (n,) = RS.te_op_nodes(bf16.gm)

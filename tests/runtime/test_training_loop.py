@@ -17,7 +17,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 from te_passes.examples import EXAMPLES, run_example  # noqa: E402
 from te_passes.examples.llama import LlamaConfig, capture_llama  # noqa: E402
-from te_passes.runtime import dynamo_scope  # noqa: E402
+from te_passes.compat.dynamo import scope as dynamo_scope  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -21,10 +21,10 @@ import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 from te_passes.backend import te_inductor  # noqa: E402
 from te_passes.report import compile_reports  # noqa: E402
-from te_passes.runtime.ub import reinit as ub, guard as guards  # noqa: E402
-from te_passes.runtime.ub import graph_guard as ub_graph_guard  # noqa: E402
-from te_passes.runtime.ub.guard import UbStateChanged  # noqa: E402
-from te_passes.runtime.ub.graph_guard import UbCheckSpec, UbDependence, UbGuard, make_guarded  # noqa: E402
+from te_passes.compat.ub import reinit as ub, guard as guards  # noqa: E402
+from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
+from te_passes.compat.ub.guard import UbStateChanged  # noqa: E402
+from te_passes.compat.ub.graph_guard import UbCheckSpec, UbDependence, UbGuard, make_guarded  # noqa: E402
 from te_passes.te.ub import UbConfigError, UbSnapshot  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The UB snapshot is part of a graph's pipeline uuid (Inductor FX-graph-cache key) only when
-the graph reads UB state (te_passes.runtime.ub.graph_guard.ub_state_reads, te_passes.backend.pipeline_uuid):
+the graph reads UB state (te_passes.compat.ub.graph_guard.ub_state_reads, te_passes.backend.pipeline_uuid):
 after a UB change, graphs that never look at UB state keep their uuid and hit the FX graph
 cache; graphs that do still change their key. Also: the backward TE op's ``ub_overlap_ag``
 flag (TE 2.20.2 ``LinearBwdArgs``) counts as UB use (graph_model.UB_CONFIG_KEYS).
@@ -25,8 +25,8 @@ from _ubgraphs import BF16_RS, FP8_RS, Plain, UbModel, fresh_ub_compiles, plain_
 from te_passes.backend import te_inductor  # noqa: E402
 from te_passes.report import compile_reports  # noqa: E402
 from te_passes.te import graph_model as gmod  # noqa: E402
-from te_passes.runtime.ub import guard as guards  # noqa: E402
-from te_passes.runtime.ub import graph_guard as ub_graph_guard  # noqa: E402
+from te_passes.compat.ub import guard as guards  # noqa: E402
+from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
 

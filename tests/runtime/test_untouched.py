@@ -1,6 +1,6 @@
 """Untouched TE models in one Dynamo graph (issue 21) on CPU with a fake GPU: te_passes' polyfills
 of TE's disabled LayerNormLinear / LayerNormMLP / FusedAttention forwards
-(te_passes/runtime/untouched/polyfills.py), taken only by frames compiled for te_inductor (here: a
+(te_passes/compat/untouched/polyfills.py), taken only by frames compiled for te_inductor (here: a
 recording backend carrying the same mark), never by other backends.
 
 Each test compiles a model exactly as a user writes it (no compile_friendly, no
@@ -20,7 +20,7 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.runtime.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

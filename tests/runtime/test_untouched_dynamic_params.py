@@ -19,8 +19,8 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.runtime.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
-from te_passes.runtime.dynamo_hooks import mark_untouched_backend  # noqa: E402
+from te_passes.compat.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat.dynamo.hooks import mark_untouched_backend  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

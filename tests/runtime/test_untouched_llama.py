@@ -15,8 +15,8 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.runtime.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
-from te_passes.runtime.untouched import rope_norm  # noqa: E402
+from te_passes.compat.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat.untouched import rope_norm  # noqa: E402
 from tests.runtime.test_untouched import _fullgraph, _one_graph, _plain_backend, _run, _te_backend  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -19,7 +19,7 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.runtime.untouched import gate, polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat.untouched import gate, polyfills as untouched, split as untouched_split  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -275,7 +275,7 @@ def test_mark_untouched_backend_in_a_fresh_process():
 
 
 def test_mark_untouched_backend_refuses_what_it_cannot_mark():
-    from te_passes.runtime.dynamo_hooks import mark_untouched_backend
+    from te_passes.compat.dynamo.hooks import mark_untouched_backend
 
     with pytest.raises(TypeError, match="backend callable"):
         mark_untouched_backend(42)

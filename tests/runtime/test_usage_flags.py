@@ -6,7 +6,7 @@ row-wise only); Dynamo's trace of the same module leaves ``True`` on that persis
 (``_linear_forward_fake``, ``linear.py:835``) and guards ``quantizers['scaling_fwd'][0]
 .columnwise_usage == True``. So every eager step recompiled the next compiled call (measured on
 2 x H200, docs/benchmarks.md; after 8 recompiles Dynamo runs the frame eagerly for good).
-te_passes' wrappers around the impls (:mod:`te_passes.runtime.te_patches.amax_groups`) put the usage flags back
+te_passes' wrappers around the impls (:mod:`te_passes.compat.autocast.amax_groups`) put the usage flags back
 when the last call in flight on a quantizer returns.
 
 No GPU: ``fake`` process group of size 2 (conftest ``fake_tp_group``), TE on fake CUDA tensors;
@@ -24,7 +24,7 @@ from unittest import mock
 import pytest
 import torch
 
-from te_passes.runtime.te_patches import quantizer_usage
+from te_passes.compat.autocast import quantizer_usage
 from te_passes.testing.capture import capture_skip_reason
 
 from _overlap import b_runs_inside_a, stand_in_impls  # noqa: E402
@@ -41,7 +41,7 @@ def group(fake_tp_group):
 
 @pytest.fixture
 def hooks():
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
 
     amax_groups.install_amax_group_hooks(import_te=True)
     yield amax_groups
@@ -260,7 +260,7 @@ class _Debug:
 def stub_impls(monkeypatch):
     """Stand-in impls in TE's real ``module.linear`` that set usage like TE's (one ``set_usage``
     each, audited as such), wrapped by the real install; ``body`` is the forward's rest."""
-    from te_passes.runtime.te_patches import amax_groups
+    from te_passes.compat.autocast import amax_groups
 
     import transformer_engine.pytorch.module.linear as linear
     amax_groups.uninstall_amax_group_hooks()
@@ -353,7 +353,7 @@ def test_debug_quantizer_around_no_quantizer_is_skipped(stub_impls):
 
 
 def test_weight_quantizer_left_alone_for_quantized_or_distributed_weights(hooks):
-    from te_passes.runtime.te_patches.quantizer_usage import usage_targets
+    from te_passes.compat.autocast.quantizer_usage import usage_targets
 
     wq, iq = object(), object()
     plain = types.SimpleNamespace(weight=torch.zeros(1), weight_quantizer=wq, input_quantizer=iq)

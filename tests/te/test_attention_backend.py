@@ -97,7 +97,7 @@ def test_transformer_layer_runs_the_backend_te_selects(env, monkeypatch, fresh_s
     call (``_attention_backends``, the selection; softmax's ``_default_causal_mask``), whose guards
     the second call fails; calls 2-3 then reuse that graph."""
     from tests.runtime.test_untouched import _layer, _run
-    from te_passes.runtime.untouched import polyfills as untouched, split
+    from te_passes.compat.untouched import polyfills as untouched, split
 
     assert untouched.install_untouched_polyfills() and split.install_split_polyfill()  # as runtime.install()
     for k, v in env.items():

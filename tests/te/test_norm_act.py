@@ -59,7 +59,7 @@ def test_gated_and_the_te_op_fake_follow_tes_kernels(name):
     extension."""
     import transformer_engine_torch as tex
 
-    from te_passes.runtime.ops import te_act
+    from te_passes.ops import te_act
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 

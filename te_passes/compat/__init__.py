@@ -1,0 +1,5 @@
+"""The only code that changes how Transformer Engine and torch behave, in capability folders: ``dynamo/``
+(compile-start callbacks, the Dynamo config scope of te_inductor compiles), ``ub/`` (TE's UB registry
+functions), ``autocast/`` (te.autocast state, amax groups, quantizer usage), ``delayed_scaling/``,
+``untouched/`` (polyfills of TE's Dynamo-disabled forwards and the opt-in ``compile_friendly`` rewrite).
+docs/design.md "The compat fence"."""

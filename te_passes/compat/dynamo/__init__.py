@@ -1,0 +1,1 @@
+"""te_passes' Dynamo integration: compile-start callbacks and the Dynamo config scope of te_inductor compiles."""

@@ -1,0 +1,288 @@
+"""Guards for compiled graphs specialised on TE's Userbuffers (UB) state.
+
+See docs/internals.md#te_passescompatubguardpy."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot
+from te_passes.te.ub_queries import register_ub_query_function
+from te_passes.te.version import te_module
+
+#: The UB state token Dynamo guards on (``"ub-<fingerprint[:16]>"``); renewed on every UB change.
+UB_STATE_TOKEN: str = "ub-unset"
+
+
+class UbStateChanged(RuntimeError):
+    """A compiled graph specialised on UB state was called after that state changed, under
+    ``te_passes.ub_on_change="error"`` (or it cannot be recompiled). The message names the graph,
+    the folded queries whose values changed (old -> new) and the two fingerprints."""
+
+
+# --------------------------------------------------------------------------- global UB state
+@dataclasses.dataclass(slots=True)
+class _UbGlobalState:
+    generation: int = 0
+    snapshot: UbSnapshot | None = None
+    registry_key: tuple | None = None
+    hooks_installed: bool = False
+    originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    replacements: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    frame_tokens: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+_STATE = _UbGlobalState()
+_LOCK = threading.RLock()
+
+#: Counters: ``generation_changes``, ``slow_checks`` (generation mismatches examined),
+#: ``kept`` (change did not affect the graph), ``recompiles``, ``errors``.
+guard_stats: dict[str, int] = {"generation_changes": 0, "slow_checks": 0, "kept": 0,
+                               "recompiles": 0, "errors": 0}
+
+
+def _registry_key() -> tuple | None:
+    """Cheap identity of TE's registry: (id of the dict, its size, initialized, cuBLASMp)."""
+    base = sys.modules.get(TE_UB_MODULE)
+    if base is None:
+        return None
+    comms = getattr(base, "_ub_communicators", None)
+    return (id(comms), len(comms) if comms else 0, bool(getattr(base, "_ub_initialized", False)),
+            bool(getattr(base, "_ub_with_cublasmp", False)))
+
+
+def _capture_locked() -> UbSnapshot:
+    """Capture the live UB state and renew :data:`UB_STATE_TOKEN` (``_LOCK`` held)."""
+    global UB_STATE_TOKEN
+    _STATE.registry_key = _registry_key()
+    snap = _STATE.snapshot = UbSnapshot.capture()
+    UB_STATE_TOKEN = "ub-" + snap.fingerprint()[:16]
+    return snap
+
+
+def live_snapshot() -> UbSnapshot:
+    """The live UB snapshot, captured once per UB generation (cached until the next change)."""
+    snap = _STATE.snapshot
+    if snap is None:
+        with _LOCK:
+            snap = _STATE.snapshot if _STATE.snapshot is not None else _capture_locked()
+    return snap
+
+
+def ub_global_state() -> _UbGlobalState:
+    """The process's UB state object (``generation``, ``snapshot``, hooks) the graph guards compare against."""
+    return _STATE
+
+
+def ub_state_lock() -> threading.RLock:
+    """The re-entrant lock held while the UB state changes and while a guard revalidates."""
+    return _LOCK
+
+
+def current_generation() -> int:
+    """The UB generation: bumped by every ``initialize_ub``/``destroy_ub`` and :func:`on_ub_state_changed`."""
+    return _STATE.generation
+
+
+def on_ub_state_changed() -> None:
+    """Record that TE's UB registry changed: bump the generation, re-capture, renew the token."""
+    with _LOCK:
+        _STATE.generation += 1
+        _STATE.snapshot = None
+        guard_stats["generation_changes"] += 1
+        _capture_locked()
+
+
+@torch.compiler.assume_constant_result
+def sync_ub_state() -> bool:
+    """Re-capture when TE's registry was replaced or resized behind te_passes' back (``module/base.py``'s
+    ``_ub_communicators`` assigned directly). Called while Dynamo traces, *before* :data:`UB_STATE_TOKEN`
+    is read, so the guard is installed on the current token. Returns ``True`` (a trace-time constant)."""
+    if _STATE.snapshot is None or _registry_key() != _STATE.registry_key:
+        on_ub_state_changed()
+    return True
+
+
+# --------------------------------------------------------------------------- trace-time folds
+@dataclasses.dataclass(frozen=True)
+class UbFold:
+    """One folded UB query: ``api`` (``"get_ub_is_fp8"``, ``"get_ub.with_cublasmp"``, ...),
+    constant ``args``, the ``value`` it was folded to, the FX ``node`` name (``None`` for
+    trace-time folds) and ``source`` (``"fx"`` or ``"dynamo_trace"``)."""
+
+    api: str
+    args: tuple
+    value: Any
+    node: str | None = None
+    source: str = "fx"
+
+
+#: Folds made while Dynamo traced, keyed by ``str(CompileId)`` of the trace.
+_PENDING_TRACE_FOLDS: dict[str, list[UbFold]] = {}
+
+
+def _compile_key() -> str:
+    from torch._guards import CompileContext
+
+    return str(CompileContext.current_compile_id())
+
+
+@torch.compiler.assume_constant_result
+def _trace_time_query(token: str, api: str, name: str, use_fp8: bool) -> Any:
+    """Evaluate a UB query on the live snapshot while Dynamo traces (``token`` only ties the
+    call to the guarded global). Records the fold for ``fold_ub_predicates``' report."""
+    try:
+        value = live_snapshot().query(api, (name, bool(use_fp8)))
+    except UbConfigError:
+        # A registry that creates communicators on first lookup (a dict subclass with
+        # __missing__, as test harnesses use) is not in the snapshot: ask TE, then re-capture.
+        value = _live_query(api, name, bool(use_fp8))
+        on_ub_state_changed()
+    fold = UbFold(api, (name, bool(use_fp8)), value, None, "dynamo_trace")
+    with _LOCK:
+        pending = _PENDING_TRACE_FOLDS.setdefault(_compile_key(), [])
+        if fold not in pending:
+            pending.append(fold)
+    return value
+
+
+def _live_query(api: str, name: str, use_fp8: bool) -> Any:
+    base = sys.modules.get(TE_UB_MODULE)
+    get_ub = getattr(base, "get_ub", None)
+    if get_ub is None:
+        raise UbConfigError(f"{api}({name!r}, {use_fp8}): Transformer Engine is not loaded")
+    method = "is_fp8_ubuf" if api == "get_ub_is_fp8" else api.split(".", 1)[1]
+    try:
+        return getattr(get_ub(name, use_fp8), method)()
+    except (RuntimeError, KeyError) as e:
+        raise UbConfigError(f"{api}({name!r}, use_fp8={use_fp8}): {e}") from None
+
+
+def drain_trace_folds() -> list[UbFold]:
+    """Take the UB folds Dynamo made while tracing the graph now being compiled (the current
+    ``CompileId``); folds left over from other traces (a backend that never ran passes) are
+    dropped."""
+    with _LOCK:
+        out = _PENDING_TRACE_FOLDS.pop(_compile_key(), [])
+        _PENDING_TRACE_FOLDS.clear()
+    return list(out)
+
+
+def dynamo_stage_inputs() -> dict[str, Any]:
+    """What the runtime saw while Dynamo traced the graph now being compiled (``ub_trace_folds``,
+    ``ub_prev_token``), for the passes' ``PassContext.inputs`` (the backend calls this once)."""
+    folds = drain_trace_folds()
+    prev = None
+    if folds:
+        from torch._guards import CompileContext  # noqa: PLC0415 - torch._guards: only while compiling
+
+        compile_id = CompileContext.current_compile_id()
+        old = note_frame_token(compile_id, UB_STATE_TOKEN)
+        prev = (compile_id, old, UB_STATE_TOKEN) if old is not None else None
+    return {"ub_trace_folds": folds, "ub_prev_token": prev}
+
+
+def _make_guarded_get_ub_is_fp8(orig: Callable) -> Callable:
+    """Build the drop-in for TE's ``module/base.py`` ``get_ub_is_fp8`` (see :func:`install_te_ub_hooks`)."""
+    def get_ub_is_fp8(name: str, use_fp8: bool) -> bool:
+        if torch.compiler.is_compiling() and sync_ub_state():
+            return _trace_time_query(UB_STATE_TOKEN, "get_ub_is_fp8", name, use_fp8)
+        return orig(name, use_fp8)
+
+    get_ub_is_fp8.__doc__ = _make_guarded_get_ub_is_fp8.__doc__
+    get_ub_is_fp8.__wrapped__ = orig  # type: ignore[attr-defined]
+    get_ub_is_fp8.__te_passes_original__ = orig  # type: ignore[attr-defined]
+    return get_ub_is_fp8
+
+
+def ub_query(name: str, use_fp8: bool, method: str = "is_fp8_ubuf") -> Any:
+    """``get_ub(name, use_fp8).<method>()`` (``method``: one of :data:`te_passes.te.ub.UB_PREDICATE_METHODS`)
+    that Dynamo folds to a guarded constant, for user code (the pybind call is a graph break)."""
+    if torch.compiler.is_compiling() and sync_ub_state():
+        return _trace_time_query(UB_STATE_TOKEN, f"get_ub.{method}", name, use_fp8)
+    from transformer_engine.pytorch.module import base
+
+    return getattr(base.get_ub(name, use_fp8), method)()
+
+
+register_ub_query_function(ub_query, "ub_query")
+
+
+# --------------------------------------------------------------------------- TE hooks
+def _rebind(old: dict[str, Callable], new: dict[str, Callable]) -> None:
+    """In every loaded TE module, rebind each name ``n`` that is bound to ``old[n]`` to ``new[n]``."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is not None and mod_name.startswith("transformer_engine"):
+            for n, fn in old.items():
+                if getattr(mod, n, None) is fn:
+                    setattr(mod, n, new[n])
+
+
+def _wrap_state_change(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            on_ub_state_changed()
+
+    hooked.__te_passes_original__ = orig  # type: ignore[attr-defined]
+    return hooked
+
+
+def install_te_ub_hooks(*, import_te: bool = False) -> bool:
+    """Hook TE's UB functions (idempotent). Returns whether hooks are installed."""
+    if _STATE.hooks_installed:
+        return True
+    base = te_module(TE_UB_MODULE, import_te=import_te)
+    if base is None:
+        return False
+    with _LOCK:
+        if _STATE.hooks_installed:
+            return True
+        origs = {n: getattr(base, n) for n in ("initialize_ub", "destroy_ub", "get_ub_is_fp8")}
+        repl = {"initialize_ub": _wrap_state_change(origs["initialize_ub"]),
+                "destroy_ub": _wrap_state_change(origs["destroy_ub"]),
+                "get_ub_is_fp8": _make_guarded_get_ub_is_fp8(origs["get_ub_is_fp8"])}
+        _STATE.originals, _STATE.replacements = origs, repl
+        _rebind(origs, repl)
+        _STATE.hooks_installed = True
+        _STATE.snapshot = None
+    live_snapshot()
+    return True
+
+
+def uninstall_te_ub_hooks() -> None:
+    """Restore TE's original functions everywhere :func:`install_te_ub_hooks` rebound them."""
+    with _LOCK:
+        if not _STATE.hooks_installed:
+            return
+        _rebind(_STATE.replacements, _STATE.originals)
+        _STATE.hooks_installed = False
+        _STATE.originals = {}
+
+
+def te_ub_hooks_installed() -> bool:
+    """Whether :func:`install_te_ub_hooks` is in effect."""
+    return _STATE.hooks_installed
+
+
+def note_frame_token(compile_id: Any, token: str) -> str | None:
+    """Remember the UB token a Dynamo frame was traced with (``compile_id``: Dynamo's
+    ``CompileId``); return the earlier, different token when this trace is a *recompile* of the
+    same frame (``frame_compile_id > 0``), else ``None``."""
+    frame_id = getattr(compile_id, "frame_id", None)
+    if frame_id is None:
+        return None
+    with _LOCK:
+        prev = _STATE.frame_tokens.get(frame_id)
+        _STATE.frame_tokens[frame_id] = token
+    if not getattr(compile_id, "frame_compile_id", 0):
+        return None  # first compile of this frame (frame ids restart after torch._dynamo.reset())
+    return prev if prev is not None and prev != token else None

@@ -1,0 +1,66 @@
+"""Re-initialising Userbuffers under ``te_inductor`` without TE's process-wide
+``torch.compiler.reset()`` (public API; the guards that make it safe are in
+:mod:`te_passes.compat.ub.guard`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from te_passes.compat.ub import guard as guards
+from te_passes.te.ub import UbSnapshot
+
+
+def notify_ub_changed() -> None:
+    """Tell te_passes that TE's UB registry changed outside the hooked ``initialize_ub``/``destroy_ub``
+    (code that edits ``module/base.py``'s ``_ub_communicators`` / ``_ub_initialized`` by hand)."""
+    guards.on_ub_state_changed()
+
+
+@contextlib.contextmanager
+def _no_compiler_reset() -> Iterator[None]:
+    real = torch.compiler.reset
+
+    def _skip_reset() -> None:  # TE's destroy_ub() calls torch.compiler.reset()
+        return None
+
+    torch.compiler.reset = _skip_reset
+    try:
+        yield
+    finally:
+        torch.compiler.reset = real
+
+
+def destroy_ub_keep_compiled() -> None:
+    """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()`` (``ImportError``: no TE)."""
+    from transformer_engine.pytorch.module import base
+
+    guards.install_te_ub_hooks()
+    with _no_compiler_reset():
+        base.destroy_ub()
+    guards.on_ub_state_changed()
+
+
+def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
+    """Destroy TE's UB communicators and initialise them again (TE's ``initialize_ub(*args, **kwargs)``),
+    keeping compiled graphs; returns the new :class:`UbSnapshot`. Raises what ``initialize_ub`` raises
+    (UB is then left destroyed)."""
+    from transformer_engine.pytorch.module import base
+
+    destroy_ub_keep_compiled()
+    base.initialize_ub(*args, **kwargs)
+    guards.on_ub_state_changed()
+    return UbSnapshot.capture()
+
+
+@contextlib.contextmanager
+def keep_compiled_graphs() -> Iterator[None]:
+    """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()``."""
+    guards.install_te_ub_hooks()
+    with _no_compiler_reset():
+        try:
+            yield
+        finally:
+            guards.on_ub_state_changed()

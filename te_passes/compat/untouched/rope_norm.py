@@ -1,0 +1,239 @@
+"""RoPE and TE's ``te.ops`` norms inside te_inductor's untouched graphs (issue 38).
+
+- ``attention/rope.py`` ``apply_rotary_pos_emb`` (what ``te.MultiheadAttention`` calls with ``fused=True``:
+  TE's ``FusedRoPEFunc``, whose pybind kernels break the graph) gets a ``substitute_in_graph`` polyfill: in
+  te_inductor frames the fused call is the ``te_passes::te_rope_fwd`` op (TE's kernel,
+  :mod:`te_passes.ops.te_rope`); everywhere else TE's own function runs.
+- ``te.RMSNorm`` / ``te.LayerNorm`` (and ``te.ops.RMSNorm`` / ``LayerNorm`` / ``L2Normalization``) inherit
+  ``BasicOperation.forward``, which builds an ``OperationFuser`` and an ``autograd.Function`` around TE's
+  pybind norm kernels. Dynamo never consults ``substitute_in_graph`` for a Python method it inlines as a
+  module's forward, so these classes get a class-level ``forward`` (:func:`te_ops_norm_forward`) that is
+  ``BasicOperation.forward`` eagerly and under other backends, and the ``te_passes::te_ops_norm_fwd`` op (TE's
+  kernel; torch ops under ``TE_PASSES_UNTOUCHED_NORM=torch``) in te_inductor frames.
+
+What stays eager is a named island (``island_records()``). Docs: docs/untouched.md."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import threading
+import types
+from typing import Any, Callable
+
+import torch
+
+from te_passes.ops.te_ops_norm import te_ops_norm
+from te_passes.ops.te_rope import te_rope
+from te_passes.compat.untouched.gate import note_island
+from te_passes.compat.untouched.state import active_frames
+from te_passes.te.norm_act import normalize
+
+ROPE_MODULE = "transformer_engine.pytorch.attention.rope"
+ROPE_TARGET = "apply_rotary_pos_emb"
+#: ``te.ops`` basic operations given a class-level forward: (module, class, TE's public name).
+NORM_CLASSES: tuple[tuple[str, str, str], ...] = (
+    ("transformer_engine.pytorch.ops.basic.rmsnorm", "RMSNorm", "te.RMSNorm"),
+    ("transformer_engine.pytorch.ops.basic.layer_norm", "LayerNorm", "te.LayerNorm"),
+    ("transformer_engine.pytorch.ops.basic.l2normalization", "L2Normalization", "te.ops.L2Normalization"),
+)
+THD_REASON = ("tensor_format='thd' (packed sequences with cu_seqlens): left to TE's FusedRoPEFunc, as the THD "
+              "attention after it is left to TE (runtime/untouched/attention.py)")
+THD_FIX = "none inside te_passes for THD / padded sequences yet; unpadded sbhd / bshd batches compile to one graph"
+
+_lock = threading.Lock()
+_STATE: dict[str, Any] = {"rope": None, "rope_island": None, "base_forward": None, "norm_island": None,
+                          "te_kernels": None, "kinds": []}
+
+
+def function_copy(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` with another identity (same code, globals, defaults, closure): Dynamo traces it as TE's own
+    function, never as the polyfill registered for ``f``."""
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = dict(f.__kwdefaults__ or {}) or None
+    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
+    return g
+
+
+def named_island(f: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """``f`` under ``torch._dynamo.disable``, named ``te_passes_untouched_island[<label>]`` in graphs."""
+    @functools.wraps(f)
+    def island(*args: Any, **kwargs: Any) -> Any:
+        return f(*args, **kwargs)
+
+    island.__name__ = island.__qualname__ = f"te_passes_untouched_island[{label}]"
+    return torch._dynamo.disable(island, recursive=True)
+
+
+# --------------------------------------------------------------------------- RoPE
+def rope_call_problem(tensor_format: str, cu_seqlens: Any) -> str | None:
+    """Why a fused ``apply_rotary_pos_emb`` call stays with TE (named island), or ``None``."""
+    if tensor_format == "thd":
+        return THD_REASON
+    if cu_seqlens is not None:
+        return (f"cu_seqlens with tensor_format={tensor_format!r} (padded sequences): left to TE's FusedRoPEFunc, "
+                "as the padded attention after it is left to TE (runtime/untouched/attention.py)")
+    if tensor_format not in ("sbhd", "bshd"):
+        return f"tensor_format={tensor_format!r} (TE's fused RoPE takes sbhd / bshd / thd)"
+    return None
+
+
+def _apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, fused=False,
+                          cu_seqlens=None, cp_size=1, cp_rank=0):
+    # TE's signature (attention/rope.py, TE 2.20.2); fused=False is TE's own torch code, traced as is
+    te_fn = _STATE["rope"]
+    if not fused or not active_frames():
+        return te_fn(t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens, cp_size, cp_rank)
+    problem = rope_call_problem(tensor_format, cu_seqlens)
+    if problem is not None:
+        note_island("te.apply_rotary_pos_emb", "", problem, THD_FIX)
+        return _STATE["rope_island"](t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens,
+                                     cp_size, cp_rank)
+    return te_rope(t, freqs, tensor_format, start_positions, interleaved, None, cp_size, cp_rank)
+
+
+# --------------------------------------------------------------------------- te.ops norms
+class _L2Normalize(torch.autograd.Function):
+    """TE's ``L2Normalization`` (``ops/basic/l2normalization.py``) with TE's formulas
+    (``jit.py`` ``l2normalization_fwd_fused_`` / ``l2normalization_backward_fused_``): fp32 math, the
+    output in ``x.dtype``; the backward recomputes the squared norm as TE's does."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        xf = x.float()
+        rsqrt_norm = torch.rsqrt(xf.pow(2).sum(dim=-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rsqrt_norm)
+        ctx.eps = eps
+        return (xf * rsqrt_norm).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rsqrt_norm = ctx.saved_tensors
+        xf, dyf = x.float(), dy.float()
+        x_dy_sum = (xf * dyf).sum(dim=-1, keepdim=True)
+        x_norm_squared = xf.pow(2).sum(dim=-1, keepdim=True) + ctx.eps
+        return (rsqrt_norm * (dyf - xf * x_dy_sum / x_norm_squared)).to(x.dtype), None
+
+
+def te_ops_norm_problem(op: Any, inp: Any, extra_inputs: tuple, kwargs: dict) -> str | None:
+    """Trace time: why the call ``op(inp, *extra_inputs, **kwargs)`` of a ``te.ops`` norm stays with TE
+    (a named island), or ``None``."""
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
+
+    if extra_inputs or kwargs:
+        return "extra inputs / op kwargs (te.ops fuser channels)"
+    if not isinstance(inp, torch.Tensor) or isinstance(inp, QuantizedTensorStorage):
+        return f"a {type(inp).__name__} input (TE dequantizes quantized inputs first)"
+    weight = getattr(op, "weight", None)
+    if weight is not None and weight.device.type == "meta":
+        return "parameters on the meta device (TE initialises them in its first forward)"
+    margins = getattr(op, "_sm_margins", None)
+    if margins is not None and margins.get("backward", 0):
+        return (f"sm_margin['backward']={margins['backward']}: te_passes::te_ops_norm_fwd's backward launches TE's "
+                "kernel with sm_margin 0")
+    return None
+
+
+def te_ops_norm_forward(self, input, *extra_inputs, **kwargs):  # noqa: A002 - TE's parameter name
+    """The forward of TE's ``te.ops`` ``RMSNorm`` / ``LayerNorm`` / ``L2Normalization`` (so of ``te.RMSNorm`` /
+    ``te.LayerNorm``): ``BasicOperation.forward`` (TE's) eagerly and in frames of other backends; in frames
+    traced for te_inductor, ``input`` [..., *normalized_shape] -> the same shape in TE's dtype (the
+    ``torch.autocast`` dtype if enabled, else the weight's; L2Normalization: the input's), through
+    ``te_passes::te_ops_norm_fwd`` (TE's kernels, TE's casts: ``ops/basic/rmsnorm.py`` ``op_forward``) or the
+    torch-ops norm under ``TE_PASSES_UNTOUCHED_NORM=torch``. Raises ``ValueError`` as TE does for an input
+    whose trailing dims are not the weight's."""
+    base = _STATE["base_forward"]
+    if not torch.compiler.is_compiling() or not active_frames():
+        return base(self, input, *extra_inputs, **kwargs)
+    problem = te_ops_norm_problem(self, input, extra_inputs, kwargs)
+    kind = next((name for cls, name in _STATE["kinds"] if isinstance(self, cls)), None)
+    if problem is not None or kind is None:
+        note_island(f"te.{type(self).__name__}", "", problem or "not a te.ops norm te_passes expresses",
+                    "none inside te_passes for this call; the rest of the model still compiles")
+        return _STATE["norm_island"](self, input, *extra_inputs, **kwargs)
+    if kind == "L2Normalization":
+        return _L2Normalize.apply(input, self.eps)
+    weight = self.weight
+    dims = tuple(weight.shape)
+    if tuple(input.shape[input.dim() - len(dims):]) != dims or input.dim() < len(dims):
+        raise ValueError(f"Input tensor (shape={tuple(input.shape)}) and weight tensor (shape={dims}) are not "
+                         "compatible")
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
+    inner = math.prod(dims)
+    x = input.to(dtype).reshape(*input.shape[:input.dim() - len(dims)], inner)
+    w = weight.to(dtype).reshape(inner)
+    b = self.bias.to(dtype).reshape(inner) if kind == "LayerNorm" else None
+    normalization = "RMSNorm" if kind == "RMSNorm" else "LayerNorm"
+    if _STATE["te_kernels"]():
+        grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                            or (b is not None and self.bias.requires_grad))
+        margin = self._sm_margins["forward" if grad else "inference"]
+        y = te_ops_norm(x, w, b, self.eps, normalization, self.zero_centered_gamma, margin)
+    else:
+        y = normalize(x, w, b, self.eps, normalization, self.zero_centered_gamma)
+    return y.view(input.shape)
+
+
+# --------------------------------------------------------------------------- installation
+def install_rope_norm_polyfills(te_kernels: Callable[[], bool]) -> dict[str, str | None]:
+    """Register the RoPE polyfill and the ``te.ops`` norm forwards (idempotent, thread-safe; call outside
+    a Dynamo trace: traces read the class attributes). ``te_kernels()``: whether the norm runs TE's kernels
+    (``TE_PASSES_UNTOUCHED_NORM``, read at trace time). Returns, per target, ``None`` (installed) or why
+    not. Never raises."""
+    out: dict[str, str | None] = {}
+    with _lock:
+        _STATE["te_kernels"] = te_kernels
+        out[ROPE_TARGET] = _install_rope()
+        out.update(_install_norms())
+    return out
+
+
+def _install_rope() -> str | None:
+    if _STATE["rope"] is not None:
+        return None
+    try:
+        orig = getattr(importlib.import_module(ROPE_MODULE), ROPE_TARGET)
+    except Exception as e:  # noqa: BLE001
+        return f"{ROPE_MODULE}.{ROPE_TARGET}: {type(e).__name__}: {e}"
+    if not isinstance(orig, types.FunctionType):
+        return f"{ROPE_MODULE}.{ROPE_TARGET} is {orig!r}, not TE's function"
+    try:
+        torch.compiler.substitute_in_graph(orig, skip_signature_check=True)(_apply_rotary_pos_emb)
+    except (TypeError, ValueError) as e:
+        return f"substitute_in_graph: {e}"
+    _STATE["rope"] = function_copy(orig)
+    _STATE["rope_island"] = named_island(_STATE["rope"], ROPE_TARGET)
+    return None
+
+
+def _install_norms() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    try:
+        from transformer_engine.pytorch.ops.op import BasicOperation
+    except Exception as e:  # noqa: BLE001
+        return {name: f"transformer_engine.pytorch.ops.op: {type(e).__name__}: {e}" for _, _, name in NORM_CLASSES}
+    base = BasicOperation.__dict__.get("forward")
+    for modname, cls_name, te_name in NORM_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(modname), cls_name)
+        except Exception as e:  # noqa: BLE001
+            out[te_name] = f"{modname}.{cls_name}: {type(e).__name__}: {e}"
+            continue
+        if any(cls is c for c, _ in _STATE["kinds"]):
+            out[te_name] = None
+            continue
+        if not isinstance(base, types.FunctionType) or cls.forward is not base:
+            out[te_name] = f"{modname}.{cls_name}.forward is not BasicOperation.forward (TE changed it)"
+            continue
+        _STATE["base_forward"] = base
+        _STATE["norm_island"] = _STATE["norm_island"] or named_island(base, "BasicOperation.forward")
+        cls.forward = te_ops_norm_forward
+        _STATE["kinds"].append((cls, cls_name))
+        out[te_name] = None
+    return out
+
+
+def installed_norm_classes() -> tuple[type, ...]:
+    """The ``te.ops`` classes whose forward :func:`install_rope_norm_polyfills` set."""
+    return tuple(c for c, _ in _STATE["kinds"])

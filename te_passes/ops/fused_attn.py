@@ -1,0 +1,127 @@
+"""TE's fused (cuDNN) attention as a ``register_custom_op`` op family.
+
+See docs/internals.md#te_passesopsfused_attnpy."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+from te_passes.config import ENV_BOOLS
+from te_passes.te import version as te_version_mod
+from te_passes.te.fused_attn import make_fakes
+from te_passes.te.op_families import TE_OP_NAMESPACE
+
+#: Family name: the four ops live in ``transformer_engine_compile``.
+OP_NAME = "fused_attn"
+#: Environment switch; ``0`` / ``false`` / ``off`` / ``no`` keep the op unregistered (any other
+#: value but the true spellings too, with that reason).
+ENV_SWITCH = "TE_PASSES_FUSED_ATTN"
+#: ``FusedAttnFwdArgs`` fields that receive gradients, in ``_fused_attn_backward_impl``'s order.
+GRAD_FIELDS: tuple[str, ...] = ("q", "k", "v", "attn_bias", "softmax_offset")
+
+
+class FusedAttentionOpUnavailable(RuntimeError):
+    """The fused-attention op is not (and will not be) registered; the message says why."""
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"forward_fn": None, "error": None}
+
+
+def _switched_off() -> str | None:
+    v = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if v and v not in ENV_BOOLS:
+        return (f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is not a bool (one of {', '.join(ENV_BOOLS)}): "
+                "not registering the op until it is")
+    if v and not ENV_BOOLS[v]:
+        return f"switched off ({ENV_SWITCH}={os.environ[ENV_SWITCH]!r})"
+    return None
+
+
+def refused_reason() -> str | None:
+    """Why the op cannot be used in this process now (wrong TE version, switched off, TE's
+    registration failed), or ``None``. Checked on every call, also after registration."""
+    v = te_version_mod.te_version()
+    if v is None:
+        return "Transformer Engine is not installed"
+    if not te_version_mod.is_supported(v):  # the TE series the graph model decodes (2.20.x)
+        return (f"TE {v}: the fused-attention op wraps TE 2.20.x's FusedAttnFwdArgs / "
+                "_fused_attn_forward_impl layout and its fakes mirror TE 2.20's kernels; not registered "
+                "for other versions")
+    off = _switched_off()
+    if off:
+        return off
+    return _state["error"]
+
+
+def _te_parts() -> dict[str, Any]:
+    """TE's pieces, checked; raises ``FusedAttentionOpUnavailable`` naming a missing one."""
+    import torch  # noqa: F401  (TE needs torch first)
+    from transformer_engine.pytorch import dynamo as te_dynamo
+    from transformer_engine.pytorch.attention.dot_product_attention import backends
+
+    names = ("FusedAttnFwdArgs", "FusedAttnBwdArgs", "_fused_attn_forward_impl", "_fused_attn_setup_ctx",
+             "_fused_attn_backward_impl")
+    missing = [n for n in names if not hasattr(backends, n)]
+    if missing or not hasattr(te_dynamo, "register_custom_op"):
+        raise FusedAttentionOpUnavailable(
+            f"TE {te_version_mod.te_version()} lacks {missing or ['dynamo.register_custom_op']} "
+            "(attention/dot_product_attention/backends.py, pytorch/dynamo)")
+    return {n: getattr(backends, n) for n in names} | {"register_custom_op": te_dynamo.register_custom_op}
+
+
+def install_fused_attention_op(*, import_te: bool = False) -> bool:
+    """Register the ``fused_attn`` family once (idempotent, thread-safe); returns whether it is
+    registered and usable. A no-op returning ``False`` while TE's attention module is not imported
+    (unless ``import_te``), on another TE version or when switched off (:func:`refused_reason`)."""
+    if refused_reason() is not None:
+        return False
+    if _state["forward_fn"] is not None:
+        return True
+    name = "transformer_engine.pytorch.attention.dot_product_attention.backends"
+    if te_version_mod.te_module(name, import_te=import_te) is None:
+        return False
+    with _lock:
+        if _state["forward_fn"] is not None or _state["error"] is not None:
+            return _state["forward_fn"] is not None
+        from torch._library.custom_ops import OPDEFS
+
+        if f"{TE_OP_NAMESPACE}::{OP_NAME}" in OPDEFS:
+            _state["error"] = (f"{TE_OP_NAMESPACE}::{OP_NAME} is already defined by someone else; "
+                               "te_passes does not replace it")
+            return False
+        try:
+            parts = _te_parts()
+        except FusedAttentionOpUnavailable as e:
+            _state["error"] = str(e)
+            return False
+        fwd_fake, bwd_fake = make_fakes()
+        fn = parts["register_custom_op"](
+            op_name=OP_NAME, input_tensors_for_grad=list(GRAD_FIELDS),
+            fwd_arg_type=parts["FusedAttnFwdArgs"], fwd_impl=parts["_fused_attn_forward_impl"],
+            fwd_fake_impl=fwd_fake, setup_context=parts["_fused_attn_setup_ctx"],
+            bwd_arg_type=parts["FusedAttnBwdArgs"], bwd_impl=parts["_fused_attn_backward_impl"],
+            bwd_fake_impl=bwd_fake)
+        if fn is None:
+            _state["error"] = ("TE's register_custom_op refused the fused_attn family (see "
+                               "transformer_engine.pytorch.utils record_compile_disabled)")
+            return False
+        _state["forward_fn"] = fn
+    return True  # its nodes record their te.autocast state once recipe_state.install_trace_hooks() ran
+
+
+def fused_attention_op() -> Callable[[Any], Any]:
+    """TE's ``forward_fn`` of the ``fused_attn`` family, registering it if needed (imports TE).
+
+    Raises:
+        FusedAttentionOpUnavailable: :func:`refused_reason` (TE version, switch, registration).
+    """
+    install_fused_attention_op(import_te=True)
+    reason = refused_reason()
+    if reason is None and _state["forward_fn"] is None:
+        reason = "TE's attention module could not be imported"
+    if reason is not None:
+        raise FusedAttentionOpUnavailable(f"TE fused-attention op unavailable: {reason}")
+    return _state["forward_fn"]
