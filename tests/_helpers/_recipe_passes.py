@@ -54,7 +54,7 @@ def ctx(stage=Stage.DYNAMO):
 
 @pytest.fixture(autouse=True)
 def _runtime():
-    """``runtime.install()``, as the backend does before any pass runs (it wraps TE's constant
+    """``compat.install()``, as the backend does before any pass runs (it wraps TE's constant
     classes' ``__fx_repr__``, which ``hoist_te_constants`` needs and never patches itself)."""
     install()
 

@@ -13,7 +13,7 @@ mode) and ``mode="reduce-overhead"``:
   op: te_passes scopes ``skip_fwd_side_effects_in_bwd_under_checkpoint`` to its compiles), gradient
   accumulation over 4 micro-batches (``loss / 4``), ``zero_grad(set_to_none=False)`` (TE's tutorial loop:
   ``.grad`` is never None after step 1 — under reduce-overhead this raised "accessing gradient tensor
-  output of CUDAGraphs that has been overwritten" before ``runtime/cudagraphs/stable_grads.py``);
+  output of CUDAGraphs that has been overwritten" before ``cudagraphs/stable_grads.py``);
 * ``acc4_none`` (bf16): no checkpointing, 4 micro-batches, ``zero_grad(set_to_none=True)`` (the first
   micro-batch's ``.grad`` is copied out of the graph pool every step).
 

@@ -480,7 +480,7 @@ def test_feature_error_reads_no_source(toy, monkeypatch):
 
 def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
     """The pass only looks the lowering up (it registers nothing): a base op whose lowering
-    ``runtime.install()`` did not register is retargeted, kept, and the record says why."""
+    ``compat.install()`` did not register is retargeted, kept, and the record says why."""
     from torch._inductor import lowering as L
 
     from te_passes.compat.install import install
@@ -501,7 +501,7 @@ def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
 
 
 def test_install_registers_lowerings_of_families_defined_later(toy):
-    """``runtime.install()`` registers the direct-call lowering of every TE op family in OPDEFS
+    """``compat.install()`` registers the direct-call lowering of every TE op family in OPDEFS
     when it runs, the toy family (defined after te_passes was imported) included; idempotent."""
     from torch._inductor import lowering as L
 

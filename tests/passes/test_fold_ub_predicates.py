@@ -572,7 +572,7 @@ def test_warns_when_traced_before_hooks_were_installed():
         try:
             with pytest.warns(RuntimeWarning, match="UB hooks were not installed when Dynamo traced this graph"):
                 res, _ = run_pass(gm)
-            # A pass changes no process state (issue 12): te_inductor's runtime.install() hooks later traces.
+            # A pass changes no process state (issue 12): te_inductor's compat.install() hooks later traces.
             assert not guards.te_ub_hooks_installed()
         finally:
             guards.install_te_ub_hooks()

@@ -27,7 +27,7 @@ aten = torch.ops.aten
 
 @pytest.fixture(autouse=True)
 def _runtime():
-    """``runtime.install()``, as the backend does before any pass runs: it registers the free
+    """``compat.install()``, as the backend does before any pass runs: it registers the free
     op's Inductor lowering, which the pass requires and never registers itself."""
     from te_passes.compat.install import install
 
@@ -181,7 +181,7 @@ def test_memory_record_and_stages():
 
 
 def test_skips_when_the_inductor_lowering_is_unavailable(monkeypatch):
-    """``runtime.install()`` could not register the lowering (torch API drift): the pass says why."""
+    """``compat.install()`` could not register the lowering (torch API drift): the pass says why."""
     monkeypatch.setattr(free_op, "_lowering_registered", False)
     monkeypatch.setattr(free_op, "_lowering_error", "AttributeError: no register_lowering")
     gm, _, _ = _opaque_graph()

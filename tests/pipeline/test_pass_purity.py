@@ -8,11 +8,11 @@ whose TE op checks and trace-time folds make ``fold_ub_predicates`` return a dep
 process state that passes used to write is compared before/after: the UB guard's registries and
 token, TE module functions, TE constant classes' ``__fx_repr__``, Inductor's lowering table, and
 every module-level container (dict, list, set, ...) of every loaded ``te_passes`` module — which
-is what catches a registry like the former ``runtime.ops.constants._NAMED`` (the names
+is what catches a registry like the former ``ops.constants._NAMED`` (the names
 ``hoist_te_constants`` gives its constants now live in the post-grad graph's own ``gm.meta``).
 Memo caches of pure functions are listed in :data:`MEMO_CACHES` with the reason.
 
-Without ``runtime.install()``, ``insert_early_frees`` leaves the graph alone with a record saying
+Without ``compat.install()``, ``insert_early_frees`` leaves the graph alone with a record saying
 why and registers no Inductor lowering (it used to register it while it ran).
 """
 
@@ -130,7 +130,7 @@ def test_fold_ub_predicates_returns_its_dependence_instead_of_registering_it():
 
 
 def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_alone(monkeypatch):
-    """As in a process where ``runtime.install()`` never ran: the free op's lowering is not
+    """As in a process where ``compat.install()`` never ran: the free op's lowering is not
     registered. Through the harness (no install): the pass is skipped with the reason, the graph
     is unchanged, and the pass did not register the lowering itself."""
     from torch._inductor import lowering
@@ -157,7 +157,7 @@ def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_al
     (r,) = run.report.runs
     assert r.status == "skipped" and not r.changed
     (why,) = [rec.data["reason"] for rec in run.records("skipped")]
-    assert "not installed" in why and "runtime.install.install()" in why and "reuse a freed buffer" in why
+    assert "not installed" in why and "compat.install.install()" in why and "reuse a freed buffer" in why
     assert run.diff() == {} and run.after_code == run.before_code
     assert free_op.free_storage not in lowering.lowerings and _diff(before, after) == []
     # installed: the same graph gets its free

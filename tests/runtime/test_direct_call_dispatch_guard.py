@@ -1,4 +1,4 @@
-"""DirectTECall runs TE's impl below ADInplaceOrView (runtime/ops/direct_call.py, issue 22).
+"""DirectTECall runs TE's impl below ADInplaceOrView (ops/direct_call.py, issue 22).
 
 A toy TE op family (registered through TE's own ``register_custom_op``, as tests/_helpers/_toy_te_op.py)
 whose forward impl returns ``out2d.view(...)`` of a GEMM result, as TE's ``_linear_forward_impl``

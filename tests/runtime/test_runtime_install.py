@@ -1,4 +1,4 @@
-"""runtime.install(): te_passes' start callbacks survive torch._dynamo.reset(), and the parts that
+"""compat.install(): te_passes' start callbacks survive torch._dynamo.reset(), and the parts that
 rebind TE names never run while Dynamo compiles a frame (a backend call)."""
 
 import torch

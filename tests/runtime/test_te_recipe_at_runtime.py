@@ -561,7 +561,7 @@ def _fused_runs(mode: str):
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_fused_attention_impls_see_what_eager_impls_see(mode):
-    """The fused_attn family (runtime/ops/fused_attn.py): TE's _fused_attn_forward_impl reads the
+    """The fused_attn family (ops/fused_attn.py): TE's _fused_attn_forward_impl reads the
     recipe at backends.py:1606; te.autocast(Float8BlockScaling) inside the compiled function:
     forward and backward impls see what the same op called eagerly sees."""
     eager, comp, rec = _fused_runs(mode)

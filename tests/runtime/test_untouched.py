@@ -29,7 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.fixture(autouse=True)
 def _polyfills():
     assert untouched.install_untouched_polyfills(), untouched.polyfill_status()
-    assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()  # runtime.install() does both
+    assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()  # compat.install() does both
     untouched.clear_island_records()
     yield
 
@@ -168,7 +168,7 @@ def test_bf16_inside_te_autocast():
 
 
 def test_gqa_split_is_torch_split_under_te_inductor_only():
-    """GQA's q/k/v split (TE's SplitAlongDim, rebound by runtime/untouched/split.py) is a torch.split with
+    """GQA's q/k/v split (TE's SplitAlongDim, rebound by compat/untouched/split.py) is a torch.split with
     contiguous parts in te_inductor frames; any other backend meets TE's autograd.Function and breaks as before."""
     from transformer_engine.pytorch.attention import multi_head_attention as mha
 

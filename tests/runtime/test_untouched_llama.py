@@ -1,7 +1,7 @@
 """Llama-class TE layers under te_inductor in one Dynamo graph (issue 38), CPU with a fake GPU: RoPE
 (``te.MultiheadAttention``'s ``apply_rotary_pos_emb(..., fused=True)`` -> ``te_passes::te_rope_fwd``) and
 TE's ``te.ops`` norms (``te.RMSNorm`` / ``te.LayerNorm``: the final norm of a stack, ``output_layernorm``,
-``qk_norm_type``) -> ``te_passes::te_ops_norm_fwd`` (runtime/untouched/rope_norm.py).
+``qk_norm_type``) -> ``te_passes::te_ops_norm_fwd`` (compat/untouched/rope_norm.py).
 
 Each model is compiled as a user writes it and called three times on fake cuda tensors (helpers of
 tests/runtime/test_untouched.py): one graph, no break, no recompile, every TE GEMM a

@@ -99,7 +99,7 @@ def test_transformer_layer_runs_the_backend_te_selects(env, monkeypatch, fresh_s
     from tests.runtime.test_untouched import _layer, _run
     from te_passes.compat.untouched import polyfills as untouched, split
 
-    assert untouched.install_untouched_polyfills() and split.install_split_polyfill()  # as runtime.install()
+    assert untouched.install_untouched_polyfills() and split.install_split_polyfill()  # as compat.install()
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     untouched.clear_island_records()
