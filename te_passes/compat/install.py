@@ -12,12 +12,15 @@ from te_passes.compat.autocast import recipe_state
 from te_passes.compat.untouched import polyfills as untouched, split as untouched_split
 from te_passes.compat.autocast.amax_groups import install_amax_group_hooks
 from te_passes.compat.ub.guard import install_te_ub_hooks
+from te_passes.compat import table
+from te_passes.compat.rows import ROWS
 
 
 def install() -> bool:
     """Install every runtime hook (idempotent; ``te_inductor`` calls it on every compile, so classes and
     ops TE registers later are picked up). Returns whether TE's hooks are in place (``False`` while
     Transformer Engine is not imported yet; the backend's Dynamo start callback retries until then)."""
+    table.install(ROWS)  # the patch table (te_passes.compat.rows); the calls below are not rows yet
     free_op.register_inductor_lowering()  # failure is kept: lowering_error(); the pass then skips
     fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets

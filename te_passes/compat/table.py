@@ -1,0 +1,362 @@
+"""The patch table: every change te_passes makes to Transformer Engine or torch is one :class:`Row`.
+
+A row names what it changes, the TE and torch versions it was checked against, why it exists and when to
+drop it; its ``plan`` builds the replacement objects and returns the :data:`Change`\\ s to make (or raises
+:class:`Refused` with the reason). Only this module applies them (``setattr`` on a foreign object,
+``torch.compiler.substitute_in_graph``, Inductor's ``lowerings`` table, Dynamo config toggles), under one
+lock, at one moment (:func:`install`); :func:`revert` undoes them newest first; :func:`status` says for
+every row whether it is active or why it was refused. Marker attributes te_passes stamps on foreign
+objects at run time go through :func:`stamp` (their names are registered in :data:`STAMPS`).
+
+The rows themselves live in :mod:`te_passes.compat.rows` (one ordered registry, by capability).
+docs/design.md "The compat fence" prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import torch
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from te_passes._logging import get_logger
+from te_passes.te.version import te_version, torch_version_string
+
+log = get_logger()
+
+
+class Refused(Exception):
+    """Raised by a row's ``plan`` when the installed TE / torch does not have what the row was checked
+    against; the message is the reason :func:`status` reports."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebind:
+    """``setattr(owner, attr, new)``; reverted by putting the previous value back (only while ``new`` is still
+    there). ``owner``: a module, class or object of TE / torch."""
+
+    owner: Any
+    attr: str
+    new: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Substitute:
+    """``torch.compiler.substitute_in_graph(original, skip_signature_check=True)(polyfill)``: Dynamo traces
+    ``polyfill`` wherever it meets ``original``. Reverted with torch >= 2.15's
+    ``torch._dynamo.decorators._unregister_substitute_in_graph``; on torch 2.14 it stays (status says so)."""
+
+    original: Callable[..., Any]
+    polyfill: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """``torch._inductor.lowering.lowerings[op] = fn`` (Inductor's lowering table); reverted by restoring the
+    previous entry (or removing it)."""
+
+    op: Any
+    fn: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Toggle:
+    """``setattr(config, attr, value)`` while a te_inductor frame is traced (:func:`apply_toggles`),
+    not at install. ``config``: a torch config module (e.g. ``torch._dynamo.config``)."""
+
+    config: Any
+    attr: str
+    value: Any
+
+
+Change = Union[Rebind, Substitute, Lowering, Toggle]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One change of TE or torch behaviour.
+
+    Attributes:
+        name: ``"<capability>.<what>"``, unique (e.g. ``"ub.initialize_ub"``).
+        target: what it changes, as a person reads it (``"transformer_engine.pytorch.module.base.initialize_ub"``).
+        kind: ``"rebind"``, ``"substitute"``, ``"lowering"``, ``"toggle"`` (the :data:`Change` types it makes).
+        why: why te_passes needs it.
+        drop_when: the upstream issue / release that makes it unnecessary.
+        te: the TE versions it was checked against (a PEP 440 specifier; ``""``: touches no TE object).
+        torch: the torch versions it was checked against (PEP 440 specifier).
+        plan: builds and returns the changes; raises :class:`Refused` (or ``ImportError``) with the reason.
+        after: runs after the changes are made (e.g. a sweep of live TE modules); its errors are logged.
+        sweep: ``plan`` runs again at every :func:`install` while the row is active, and the changes not yet
+            made are made (TE classes / op families defined after the first install; a :class:`Lowering`
+            even inside a trace, other changes only outside one).
+    """
+
+    name: str
+    target: str
+    kind: str
+    why: str
+    drop_when: str
+    te: str
+    torch: str
+    plan: Callable[[], Sequence[Change]]
+    after: Callable[[], None] | None = None
+    sweep: bool = False
+
+    def version_refusal(self, te: str | None, torch_v: str) -> str | None:
+        """Why this row does not apply to TE ``te`` / torch ``torch_v`` (``None``: it does)."""
+        for what, spec, have in (("torch", self.torch, torch_v), ("TE", self.te, te)):
+            if not spec:
+                continue
+            if have is None:
+                return f"{what} is not importable"
+            try:
+                ok = Version(have).release[:3] and SpecifierSet(spec).contains(
+                    ".".join(map(str, Version(have).release[:3])), prereleases=True)
+            except (InvalidSpecifier, ValueError) as e:
+                return f"bad version range {spec!r} / {have!r}: {e}"
+            if not ok:
+                return f"checked against {what} {spec}, installed {what} is {have}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStatus:
+    """What :func:`install` did with a row: ``active`` with the number of ``changes`` made, or the ``reason``
+    it was refused (``"not installed yet"`` before :func:`install`)."""
+
+    name: str
+    active: bool
+    changes: int = 0
+    reason: str | None = None
+
+
+#: Marker attributes te_passes stamps on foreign objects at run time (through :func:`stamp`): name -> why.
+STAMPS: dict[str, str] = {}
+
+_LOCK = threading.RLock()
+_ROWS: list[Row] = []
+_STATUS: dict[str, RowStatus] = {}
+_UNDO: list[tuple[str, Callable[[], None]]] = []  # (row name, undo), oldest first
+_TOGGLES: dict[str, list[Toggle]] = {}
+_MADE: dict[str, set[tuple[Any, ...]]] = {}  # row name -> keys of the changes made (for sweeps)
+
+
+def _key(change: Change) -> tuple[Any, ...]:
+    if isinstance(change, (Rebind, Toggle)):
+        return (type(change).__name__, id(change.owner if isinstance(change, Rebind) else change.config), change.attr)
+    return (type(change).__name__, id(change.original if isinstance(change, Substitute) else change.op))
+
+
+def register_stamp(name: str, why: str) -> str:
+    """Register marker attribute ``name`` (must start with ``_te_passes_``) with ``why``; returns ``name``.
+
+    Raises:
+        ValueError: the name does not start with ``_te_passes_`` or is registered with another reason."""
+    if not name.startswith("_te_passes_"):
+        raise ValueError(f"stamp {name!r}: te_passes' marker attributes start with '_te_passes_'")
+    if STAMPS.setdefault(name, why) != why:
+        raise ValueError(f"stamp {name!r} is already registered for: {STAMPS[name]}")
+    return name
+
+
+def stamp(obj: Any, name: str, value: Any) -> None:
+    """``setattr(obj, name, value)`` for a registered marker (:func:`register_stamp`).
+
+    Raises:
+        KeyError: ``name`` is not registered. AttributeError / TypeError: ``obj`` takes no attributes."""
+    if name not in STAMPS:
+        raise KeyError(f"te_passes marker {name!r} is not registered (compat.table.register_stamp)")
+    setattr(obj, name, value)
+
+
+def _apply(change: Change) -> Callable[[], None]:
+    """Make one change; return its undo."""
+    if isinstance(change, Rebind):
+        missing = object()
+        old = change.owner.__dict__.get(change.attr, missing) if isinstance(change.owner, type) else \
+            getattr(change.owner, change.attr, missing)
+        setattr(change.owner, change.attr, change.new)
+
+        def undo() -> None:
+            now = change.owner.__dict__.get(change.attr) if isinstance(change.owner, type) else \
+                getattr(change.owner, change.attr, None)
+            if now is not change.new:
+                return  # someone rebound it after us: leave theirs
+            if old is missing:
+                delattr(change.owner, change.attr)
+            else:
+                setattr(change.owner, change.attr, old)
+        return undo
+    if isinstance(change, Substitute):
+        torch.compiler.substitute_in_graph(change.original, skip_signature_check=True)(change.polyfill)
+        unregister = getattr(torch._dynamo.decorators, "_unregister_substitute_in_graph", None)
+        return (lambda: unregister(change.original)) if unregister is not None else (lambda: None)
+    if isinstance(change, Lowering):
+        from torch._inductor import lowering as L
+
+        had = change.op in L.lowerings
+        old = L.lowerings.get(change.op)
+        L.lowerings[change.op] = change.fn
+
+        def undo_lowering() -> None:
+            if L.lowerings.get(change.op) is not change.fn:
+                return
+            if had:
+                L.lowerings[change.op] = old
+            else:
+                del L.lowerings[change.op]
+        return undo_lowering
+    raise TypeError(f"not a patch-table change: {change!r}")
+
+
+def _in_trace() -> bool:
+    return torch._guards.TracingContext.try_get() is not None
+
+
+def install(rows: Sequence[Row]) -> list[RowStatus]:
+    """Apply every row not yet active whose versions match (idempotent, thread-safe); refused rows keep
+    their reason. ``rows``: the registry (:data:`te_passes.compat.rows.ROWS`, through
+    :func:`te_passes.compat.install.install`). While Dynamo compiles
+    a frame (a trace may have read and guarded on the names) only Inductor lowerings are registered; the
+    other rows wait ("pending") for the next call outside a trace. Returns :func:`status`.
+
+    Raises:
+        ValueError: two rows share a name."""
+    with _LOCK:
+        names = [r.name for r in rows]
+        if len(set(names)) != len(names):
+            raise ValueError(f"patch table: duplicate row names {sorted({n for n in names if names.count(n) > 1})}")
+        for row in rows:
+            if row.name not in {r.name for r in _ROWS}:
+                _ROWS.append(row)
+            st = _STATUS.get(row.name)
+            if st is not None and st.active and row.sweep:
+                _sweep(row)
+                continue
+            if st is not None and (st.active or not st.reason.startswith("pending")):
+                continue
+            why = row.version_refusal(te_version(), torch_version_string())
+            if why is not None:
+                _STATUS[row.name] = RowStatus(row.name, False, reason=why)
+                continue
+            try:
+                changes = list(row.plan())
+            except (Refused, ImportError, AttributeError) as e:
+                _STATUS[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}"
+                                              if not isinstance(e, Refused) else str(e))
+                log.info("te_passes: patch %s refused: %s", row.name, _STATUS[row.name].reason)
+                continue
+            if _in_trace() and not all(isinstance(c, Lowering) for c in changes):
+                _STATUS[row.name] = RowStatus(row.name, False, reason="pending: install() was called inside a trace")
+                continue
+            toggles = [c for c in changes if isinstance(c, Toggle)]
+            done: list[Callable[[], None]] = []
+            try:
+                for c in changes:
+                    if not isinstance(c, Toggle):
+                        done.append(_apply(c))
+            except (TypeError, ValueError, AttributeError) as e:  # substitute_in_graph: someone registered one
+                for undo in reversed(done):
+                    undo()
+                _STATUS[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}")
+                continue
+            _UNDO.extend((row.name, u) for u in done)
+            _MADE[row.name] = {_key(c) for c in changes}
+            _TOGGLES[row.name] = toggles
+            _STATUS[row.name] = RowStatus(row.name, True, len(changes))
+            if row.after is not None:
+                try:
+                    row.after()
+                except Exception as e:  # noqa: BLE001 - a sweep must not undo an install
+                    log.warning("te_passes: patch %s: after-install step failed: %s: %s", row.name, type(e).__name__, e)
+        return status()
+
+
+def _sweep(row: Row) -> None:
+    """Make the changes of active sweep row ``row`` that are not made yet (see :attr:`Row.sweep`)."""
+    try:
+        changes = list(row.plan())
+    except (Refused, ImportError, AttributeError) as e:
+        log.info("te_passes: patch %s: sweep refused: %s", row.name, e)
+        return
+    made = _MADE.setdefault(row.name, set())
+    trace = _in_trace()
+    for c in changes:
+        k = _key(c)
+        if k in made or (trace and not isinstance(c, Lowering)):
+            continue
+        if isinstance(c, Toggle):
+            _TOGGLES.setdefault(row.name, []).append(c)
+        else:
+            try:
+                _UNDO.append((row.name, _apply(c)))
+            except (TypeError, ValueError, AttributeError) as e:
+                log.warning("te_passes: patch %s: sweep change %r failed: %s", row.name, c, e)
+                continue
+        made.add(k)
+    _STATUS[row.name] = RowStatus(row.name, True, len(made))
+
+
+def revert(names: Sequence[str] | None = None) -> None:
+    """Undo the changes of the rows ``names`` (default: every row), newest first; those rows read
+    ``"reverted"`` in :func:`status` and :func:`install` applies them again."""
+    with _LOCK:
+        keep = []
+        for name, undo in reversed(_UNDO):
+            if names is None or name in names:
+                undo()
+            else:
+                keep.append((name, undo))
+        _UNDO[:] = list(reversed(keep))
+        for row in _ROWS:
+            if names is None or row.name in names:
+                _STATUS[row.name] = RowStatus(row.name, False, reason="pending: reverted")
+                _TOGGLES.pop(row.name, None)
+                _MADE.pop(row.name, None)
+
+
+def status() -> list[RowStatus]:
+    """Every known row, in registry order: active, or why not."""
+    with _LOCK:
+        return [_STATUS.get(r.name, RowStatus(r.name, False, reason="pending: not installed yet")) for r in _ROWS]
+
+
+def is_active(name: str) -> bool:
+    """Whether row ``name`` is in effect."""
+    st = _STATUS.get(name)
+    return bool(st and st.active)
+
+
+def refusal(name: str) -> str | None:
+    """Why row ``name`` is not active (``None`` when it is)."""
+    st = _STATUS.get(name)
+    return None if st and st.active else (st.reason if st else "pending: not installed yet")
+
+
+def rows() -> list[Row]:
+    """The rows :func:`install` has seen, in registry order."""
+    with _LOCK:
+        return list(_ROWS)
+
+
+def toggles() -> Iterator[Toggle]:
+    """The :class:`Toggle` changes of every active row (applied by :func:`apply_toggles`)."""
+    with _LOCK:
+        for row in _ROWS:
+            yield from _TOGGLES.get(row.name, ())
+
+
+def apply_toggles() -> Callable[[], None]:
+    """Set every active toggle; returns the function that puts the previous values back."""
+    old = []
+    for t in list(toggles()):
+        old.append((t, getattr(t.config, t.attr)))
+        setattr(t.config, t.attr, t.value)
+
+    def restore() -> None:
+        for t, v in reversed(old):
+            setattr(t.config, t.attr, v)
+    return restore
