@@ -23,6 +23,7 @@ from te_passes.compat.delayed_scaling import linear as delayed_linear
 from te_passes.compat.dynamo import hooks as dynamo_hooks
 from te_passes.cudagraphs.stable_grads import protect_grads
 from te_passes.compat.install import install as install_runtime
+from te_passes.compat import gate as frame_gate
 from te_passes.compat.autocast.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError
@@ -103,4 +104,5 @@ def _install_te_hooks(*_args: Any) -> bool:
     return install_runtime()
 
 
+frame_gate.register_backend(te_inductor)
 dynamo_hooks.register()

@@ -14,6 +14,7 @@ import torch
 from te_passes._logging import get_logger
 from te_passes.compat.dynamo import scope as dynamo_scope
 from te_passes.compat.dynamo.callbacks import drop_start_callback, keep_start_callback
+from te_passes.compat import gate as frame_gate
 from te_passes.compat.install import install
 from te_passes.compat.untouched.gate import BACKEND_MARK
 from te_passes.te.capture_state import te_capture_state
@@ -73,6 +74,7 @@ def mark_untouched_backend(fn: Any) -> Any:
     """
     if not callable(fn):
         raise TypeError(f"mark_untouched_backend takes a backend callable, not {type(fn).__name__}")
+    frame_gate.register_backend(fn)
     try:
         setattr(fn, BACKEND_MARK, True)
     except (AttributeError, TypeError) as e:
