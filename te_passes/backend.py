@@ -21,8 +21,8 @@ from te_passes.pipeline.compilation import Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
 from te_passes.compat.delayed_scaling import linear as delayed_linear
 from te_passes.compat.dynamo import hooks as dynamo_hooks
+from te_passes.compat.dynamo.callbacks import warn_capture_state
 from te_passes.cudagraphs.stable_grads import protect_grads
-from te_passes.compat.install import install as install_runtime
 from te_passes.compat import gate as frame_gate
 from te_passes.compat.autocast.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
@@ -55,7 +55,6 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
         RuntimeError: unknown mode or Inductor option (Inductor's message).
     """
     try:
-        _install_te_hooks()
         return compile_graph(gm, example_inputs, CompileSettings.parse(mode, options, set(pass_names())))
     except DOCUMENTED_ERRORS as e:
         raise unwrapped(e) from e.__cause__
@@ -65,7 +64,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     """:func:`te_inductor` on parsed settings (also the UB guard's recompile path)."""
     from torch._inductor.compile_fx import compile_fx
 
-    dynamo_hooks.warn_capture_state("te_inductor")
+    warn_capture_state("te_inductor")
     settings = _without_cudagraphs_if_hazard(gm, settings)
     if settings.config_patches.get("triton.cudagraphs"):
         protect_grads(example_inputs)  # .grad outside the graph pool: accumulation across replays
@@ -97,11 +96,6 @@ def _observers(opts: TePassesOptions) -> list[PassObserver]:
     except DumpDirError as e:
         where = "option te_passes.dump_dir" if source == "option" else "environment variable TE_PASSES_DUMP_DIR"
         raise TePassesOptionError(f"{where}: {e}") from None
-
-
-def _install_te_hooks(*_args: Any) -> bool:
-    """:func:`te_passes.compat.install.install` (a seam tests replace)."""
-    return install_runtime()
 
 
 frame_gate.register_backend(te_inductor)

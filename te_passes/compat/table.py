@@ -221,7 +221,7 @@ def install(rows: Sequence[Row]) -> list[RowStatus]:
     their reason. ``rows``: the registry (:data:`te_passes.compat.rows.ROWS`, through
     :func:`te_passes.compat.install.install`). While Dynamo compiles
     a frame (a trace may have read and guarded on the names) only Inductor lowerings are registered; the
-    other rows wait ("pending") for the next call outside a trace. Returns :func:`status`.
+    other rows wait ("pending") for the next call outside a trace. Returns the status of ``rows``.
 
     Raises:
         ValueError: two rows share a name."""
@@ -272,7 +272,7 @@ def install(rows: Sequence[Row]) -> list[RowStatus]:
                     row.after()
                 except Exception as e:  # noqa: BLE001 - a sweep must not undo an install
                     log.warning("te_passes: patch %s: after-install step failed: %s: %s", row.name, type(e).__name__, e)
-        return status()
+        return [_STATUS[r.name] for r in rows]
 
 
 def _sweep(row: Row) -> None:
@@ -298,6 +298,15 @@ def _sweep(row: Row) -> None:
                 continue
         made.add(k)
     _STATUS[row.name] = RowStatus(row.name, True, len(made))
+
+
+def sweep() -> None:
+    """Make the new changes of every active sweep row (:attr:`Row.sweep`); rows that are not active stay so
+    (a reverted row is applied again only by :func:`install`)."""
+    with _LOCK:
+        for row in _ROWS:
+            if row.sweep and is_active(row.name):
+                _sweep(row)
 
 
 def revert(names: Sequence[str] | None = None) -> None:

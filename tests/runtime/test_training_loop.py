@@ -17,7 +17,9 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 from te_passes.examples import EXAMPLES, run_example  # noqa: E402
 from te_passes.examples.llama import LlamaConfig, capture_llama  # noqa: E402
-from te_passes.compat.dynamo import scope as dynamo_scope  # noqa: E402
+from te_passes.compat import gate, table  # noqa: E402
+from te_passes.compat.dynamo import callbacks as dynamo_callbacks  # noqa: E402
+from te_passes.compat.dynamo.rows import CHECKPOINT_FLAG  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -119,7 +121,7 @@ def test_checkpoint_without_the_scope_runs_the_model_eagerly(monkeypatch):
     """What users get without te_passes' scope (``backend="inductor"`` alike): Dynamo's checkpoint op stops at
     TE's ``fast_setattr`` ("HOP: Unsafe side effect"), the whole forward is skipped (a graph break in a loop):
     no graph at all."""
-    monkeypatch.setattr(dynamo_scope, "is_te_inductor", lambda fn: False)
+    monkeypatch.setattr(table, "apply_toggles", lambda: (lambda: None))  # no Dynamo config scope
     cap = capture_llama(_cfg(rope=False, te_norm=False, layers=1, checkpoint=True), "bf16", steps=1)
     assert cap.graphs == []
     assert any("HOP: Unsafe side effect" in r and "DunderDictVariable" in r for r in cap.graph_breaks), cap.graph_breaks
@@ -145,7 +147,7 @@ def _compile_count(backend_mark):
         graphs.append(gm)
         return gm.forward
     if backend_mark:
-        backend._te_passes_untouched = True
+        gate.register_backend(backend)
     torch._dynamo.reset()
     fn = torch.compile(_checkpointed, backend=backend)
     fn(torch.randn(4, requires_grad=True))
@@ -159,12 +161,12 @@ def test_scope_is_te_inductor_compiles_only(user_value):
     is what remains after each compile."""
     import te_passes.backend  # noqa: F401 - registers te_passes' Dynamo callbacks, as the backend's lookup does
 
-    with torch._dynamo.config.patch({dynamo_scope.FLAG: user_value}):
+    with torch._dynamo.config.patch({CHECKPOINT_FLAG: user_value}):
         ours = _compile_count(True)
-        assert getattr(torch._dynamo.config, dynamo_scope.FLAG) is user_value
+        assert getattr(torch._dynamo.config, CHECKPOINT_FLAG) is user_value
         assert len(ours) == 1 and _checkpoint_nodes(ours[0])
         theirs = _compile_count(False)
-        assert getattr(torch._dynamo.config, dynamo_scope.FLAG) is user_value
+        assert getattr(torch._dynamo.config, CHECKPOINT_FLAG) is user_value
         assert bool(theirs and _checkpoint_nodes(theirs[0])) is user_value
 
 
@@ -174,11 +176,11 @@ def test_scope_restores_after_a_failed_compile():
 
     def backend(gm, example_inputs):
         raise RuntimeError("backend failed")
-    backend._te_passes_untouched = True
+    gate.register_backend(backend)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="backend failed"):
         torch.compile(_checkpointed, backend=backend)(torch.randn(4, requires_grad=True))
-    assert getattr(torch._dynamo.config, dynamo_scope.FLAG) is False
+    assert getattr(torch._dynamo.config, CHECKPOINT_FLAG) is False
 
 
 # --------------------------------------------------------------------------- te-passes dump --example
@@ -199,10 +201,10 @@ def test_scope_recognises_te_inductor_however_wrapped():
     import te_passes.backend as backend
     from torch._dynamo.backends.registry import lookup_backend
 
-    assert dynamo_scope.is_te_inductor(torch._TorchCompileWrapper("te_inductor", None, None, None))
-    assert dynamo_scope.is_te_inductor(torch._TorchCompileWrapper("te_inductor", "reduce-overhead", None, None))
-    assert dynamo_scope.is_te_inductor(backend.te_inductor_backend(mode="reduce-overhead"))
-    assert not dynamo_scope.is_te_inductor(torch._TorchCompileWrapper("eager", None, None, None))
-    assert not dynamo_scope.is_te_inductor(lookup_backend("inductor"))
-    assert not dynamo_scope.is_te_inductor(None)
-    assert dynamo_scope.compiling_backend() is None  # outside a Dynamo compile
+    assert dynamo_callbacks.is_te_inductor(torch._TorchCompileWrapper("te_inductor", None, None, None))
+    assert dynamo_callbacks.is_te_inductor(torch._TorchCompileWrapper("te_inductor", "reduce-overhead", None, None))
+    assert dynamo_callbacks.is_te_inductor(backend.te_inductor_backend(mode="reduce-overhead"))
+    assert not dynamo_callbacks.is_te_inductor(torch._TorchCompileWrapper("eager", None, None, None))
+    assert not dynamo_callbacks.is_te_inductor(lookup_backend("inductor"))
+    assert not dynamo_callbacks.is_te_inductor(None)
+    assert gate.tracing_backend() is None  # outside a Dynamo compile

@@ -15,7 +15,6 @@ import torch
 
 from te_passes.compat.delayed_scaling.scaling import mark_registered_state_static
 from te_passes.compat.delayed_scaling.state import DELAYED_ATTR, prepare_delayed_scaling
-from te_passes.compat.dynamo.callbacks import keep_start_callback
 from te_passes.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
 from te_passes.compat.untouched.gate import backend_wants_polyfills, warn_new_recipe
 from te_passes.te.module_init import forward_prepare_args
@@ -407,6 +406,6 @@ def prepare_layernorm_mlp(ctx: Any) -> None:
 
 
 def register_start_callback() -> None:
-    keep_start_callback(on_compile_start)  # kept over torch._dynamo.reset()
+    """No-op: te_passes' one start callback (compat.dynamo.callbacks) runs :func:`on_compile_start`."""
 
 
