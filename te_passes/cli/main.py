@@ -26,10 +26,11 @@ cmd_dump = _lazy("dump_cmd", "cmd_dump")
 cmd_list = _lazy("show", "cmd_list")
 cmd_show = _lazy("show", "cmd_show")
 cmd_replay = _lazy("replay", "cmd_replay")
+cmd_doctor = _lazy("doctor", "cmd_doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``te-passes`` argument parser (subcommands ``dump``, ``list``, ``show``, ``replay``)."""
+    """The ``te-passes`` argument parser (subcommands ``dump``, ``list``, ``show``, ``replay``, ``doctor``)."""
     # --plain before or after the subcommand (SUPPRESS: a subcommand does not reset the top-level value)
     plain = argparse.ArgumentParser(add_help=False)
     plain.add_argument("--plain", action="store_true", default=argparse.SUPPRESS,
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "graphs: per-pass TE-aware dumps, diffs, reports, offline replay.",
         epilog="Examples:\n  te-passes dump --example linear-fp8 --out te_passes_dump\n"
                "  te-passes dump train.py:main --mode reduce-overhead --disable insert_early_frees\n"
-               "  te-passes show te_passes_dump\n  te-passes replay te_passes_dump/g0 --check\n  te-passes list",
+               "  te-passes show te_passes_dump\n  te-passes replay te_passes_dump/g0 --check\n  te-passes list\n"
+               "  te-passes doctor",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     from te_passes import __version__
 
@@ -83,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="exit 1 when the replay differs from the saved report")
     r.add_argument("--json", action="store_true", help="print the replayed report(s) as JSON")
     r.set_defaults(func=cmd_replay)
+
+    dr = sub.add_parser("doctor", parents=[plain], help="torch / TE versions and what te_passes changes in them",
+                        description="Load the backend and print every row of te_passes' patch table (each change "
+                                    "it makes to TE or torch): active, or refused with the reason; the TE / torch "
+                                    "versions it was checked against; why it exists.")
+    dr.add_argument("--json", action="store_true", help="print JSON (with each row's drop_when)")
+    dr.set_defaults(func=cmd_doctor)
     return p
 
 

@@ -326,7 +326,7 @@ def test_list_shows_the_registry_and_te_passes_disable(tmp_path):
 def test_help(tmp_path):
     proc = run_cli("--help", cwd=str(tmp_path))
     assert proc.returncode == 0
-    for cmd in ("dump", "list", "show", "replay"):
+    for cmd in ("dump", "list", "show", "replay", "doctor"):
         assert cmd in proc.stdout
 
 

@@ -181,7 +181,7 @@ def test_attention_modules_any_sequence_length(build):
 def test_mark_dynamic_sequence_length():
     """mark_dynamic on the sequence dimension asks for one graph valid for every length, which TE's op
     cannot give (max_seqlen is a constant of its bundle): te_inductor's compiles take Dynamo's
-    ``allow_ignore_mark_dynamic`` (compat/dynamo/scope.py), so the length is specialised under a
+    ``allow_ignore_mark_dynamic`` (patch-table row ``dynamo.allow_ignore_mark_dynamic``), so the length is specialised under a
     guard like the default's — one graph per length, no ConstraintViolationError, no island."""
     r = _run_lengths(_llama, "mark")
     assert r["shapes"] == [(s, 2, 64) for s in SEQ_LENS]

@@ -34,12 +34,12 @@ def _register_callbacks() -> None:
     register_on(torch._dynamo.callback_handler)
 
 
-def _toggle(name: str, value: Any, why: str, drop_when: str) -> Row:
+def _toggle(short: str, name: str, value: Any, why: str, drop_when: str) -> Row:
     def plan() -> list[Change]:
         if not hasattr(torch._dynamo.config, name):
             raise Refused(f"torch._dynamo.config has no {name}")
         return [Toggle(torch._dynamo.config, name, value)]
-    return Row(name=f"dynamo.{name}", target=f"torch._dynamo.config.{name} = {value!r} (te_inductor compiles)",
+    return Row(name=f"dynamo.{short}", target=f"torch._dynamo.config.{name} = {value!r} (te_inductor compiles)",
                kind="toggle", why=why, drop_when=drop_when, te="", torch=_TORCH, plan=plan)
 
 
@@ -50,16 +50,16 @@ ROWS: tuple[Row, ...] = (
         drop_when="torch keeps backend callbacks over reset() (or forwards backend_ctx_ctor from "
                   "torch.compile's wrapper)",
         te="", torch=_TORCH, plan=_plan_keep_callbacks, after=_register_callbacks),
-    _toggle(CHECKPOINT_FLAG, True,
+    _toggle("checkpoint_side_effects", CHECKPOINT_FLAG, True,
             "torch.utils.checkpoint(te_module, ..., use_reentrant=False) otherwise stops Dynamo's checkpoint op at "
             "TE's first-forward fast_setattr (module/base.py prepare_forward: 'HOP: Unsafe side effect') and the "
             "region runs eagerly",
             "TE's prepare_forward sets no module attribute inside a checkpointed forward"),
-    _toggle("specialize_float", True,
+    _toggle("specialize_float", "specialize_float", True,
             "dynamic=True makes the floats Dynamo reads symbolic (a quantizer's amax_epsilon, softmax_scale), which "
             "TE's custom ops must hold as constants in their OpaqueValueBundle",
             "TE's custom ops take symbolic floats"),
-    _toggle("allow_ignore_mark_dynamic", True,
+    _toggle("allow_ignore_mark_dynamic", "allow_ignore_mark_dynamic", True,
             "TE's fused-attention op holds max_seqlen as a constant: a sequence length the user marked dynamic is "
             "specialised under a guard (one graph per length) instead of ConstraintViolationError",
             "TE's FusedAttnFwdArgs takes a symbolic max_seqlen"),
