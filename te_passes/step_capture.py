@@ -8,13 +8,14 @@ refuse: docs/design.md, "Step capture"."""
 from __future__ import annotations
 
 import sys
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from te_passes.backend import te_inductor_backend
+from te_passes.compat import table
+from te_passes.compat.dynamo.callbacks import step_scope
 from te_passes.config import PREFIX, TePassesOptionError, parse_guards_option
 from te_passes.pipeline.compilation import inductor_config_patches
 from te_passes.te.capture_state import te_capture_state
@@ -27,38 +28,10 @@ class StepCaptureError(RuntimeError):
     what and why (nothing was left half-set: TE's capture state is reset before raising)."""
 
 
-# --------------------------------------------------------------------------- trace_autograd_ops, scoped
-# ``torch._dynamo.config.trace_autograd_ops`` is read only while Dynamo traces a frame
-# (torch/_dynamo/variables/tensor.py ``method_backward``, variables/torch.py ``autograd.grad``):
-# a compile-start callback sets it for compiles that start while a compiled step runs in this
-# thread, the matching end callback (run in a ``finally``, torch/_dynamo/callback.py) restores it.
-# ``torch._dynamo.reset()`` clears every callback, so each step call checks that ours are registered.
-_step_state = threading.local()
-_scope_lock = threading.Lock()
-_scope: dict[str, Any] = {"restore": None}
-_handler = torch._dynamo.callback_handler
-
-
-def _on_compile_start(_args: Any) -> None:
-    if getattr(_step_state, "depth", 0) == 0 or _scope["restore"] is not None:
-        return
-    cfg = torch._dynamo.config
-    _scope["restore"] = (cfg.trace_autograd_ops,)
-    cfg.trace_autograd_ops = True
-
-
-def _on_compile_end(_args: Any) -> None:
-    restore, _scope["restore"] = _scope["restore"], None
-    if restore is not None:
-        torch._dynamo.config.trace_autograd_ops = restore[0]
-
-
-def _install_scope() -> None:
-    with _scope_lock:
-        if _on_compile_start not in _handler.start_callbacks:
-            _handler.register_start_callback(_on_compile_start)
-        if _on_compile_end not in _handler.end_callbacks:
-            _handler.register_end_callback(_on_compile_end)
+# ``torch._dynamo.config.trace_autograd_ops`` (read only while Dynamo traces a frame: torch/_dynamo/variables/
+# tensor.py ``method_backward``, variables/torch.py ``autograd.grad``) is the patch-table row
+# ``dynamo.trace_autograd_ops``, applied to the compiles that start while a step runs in this thread
+# (:func:`te_passes.compat.dynamo.callbacks.step_scope`).
 
 
 def _refuse_capture_state(what: str) -> None:
@@ -127,23 +100,19 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if te_capture_state():
             _refuse_capture_state("compile_step")
-        if _on_compile_start not in _handler.start_callbacks or _on_compile_end not in _handler.end_callbacks:
-            _install_scope()
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        _step_state.depth = getattr(_step_state, "depth", 0) + 1
         try:
-            if self.guards == "skip_unsafe":
-                out = self._call_skipping_guards(args, kwargs)
-            else:
-                out = self.compiled(*args, **kwargs)
+            with step_scope():
+                if self.guards == "skip_unsafe":
+                    out = self._call_skipping_guards(args, kwargs)
+                else:
+                    out = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             hint = _optimizer_hint(str(e))
             if hint is None:
                 raise
             raise StepCaptureError(f"compile_step: {hint}") from e
-        finally:
-            _step_state.depth -= 1
         return tree_map_only(torch.Tensor, lambda t: t.clone(), out) if self._clone else out
 
     def _call_skipping_guards(self, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -219,7 +188,6 @@ def compile_step(step_fn: Callable[..., Any], *, mode: str | None = "reduce-over
         cudagraphs = bool(inductor_config_patches(mode, inductor_options).get("triton.cudagraphs"))
     else:
         cudagraphs = False
-    _install_scope()
 
     def te_passes_step(*args: Any, **kwargs: Any) -> Any:
         # detached in the traced step: no output requires grad, so one inference graph holds fwd + bwd
@@ -262,11 +230,8 @@ class GraphedModule(torch.nn.Module):
         qstate = getattr(mgr, "quantization_state", None)
         if qstate is None or not qstate.fp8_graph_capturing:
             return self.compiled(*args, **kwargs)
-        qstate.fp8_graph_capturing = False
-        try:
+        with table.scoped_attr(qstate, "fp8_graph_capturing", False):
             return self.compiled(*args, **kwargs)
-        finally:
-            qstate.fp8_graph_capturing = True
 
 
 class _TEState:
@@ -295,20 +260,14 @@ class _TEState:
         if self._mgr.get_autocast_state() != self.autocast or \
                 self._mgr.quantization_state.autocast_depth != self.depth:
             self._mgr.set_autocast_state(self.autocast)
-            self._mgr.quantization_state.autocast_depth = self.depth
+            table.set_state(self._mgr.quantization_state, "autocast_depth", self.depth)
             fixed.append("TE's FP8 autocast state")
         cls = type(self._module)
         if cls.__dict__.get("__call__") is not self.cls_call:
-            if self.cls_call is None:
-                delattr(cls, "__call__")
-            else:
-                cls.__call__ = self.cls_call
+            table.set_state(cls, "__call__", table.MISSING if self.cls_call is None else self.cls_call)
             fixed.append(f"{cls.__name__}.__call__")
         if self._module.__dict__.get("forward") is not self.forward:
-            if self.forward is None:
-                self._module.__dict__.pop("forward", None)
-            else:
-                self._module.forward = self.forward
+            table.set_state(self._module, "forward", table.MISSING if self.forward is None else self.forward)
             fixed.append("the module's forward")
         return fixed
 

@@ -55,13 +55,14 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
     from te_passes.examples import EXAMPLES, describe, run_example
     from te_passes.report import compile_reports
 
-    torch._inductor.config.force_disable_caches = True  # every stage must run to be dumped
     n_before = len(compile_reports())
     extra: dict[str, Any] = {"owner": "cli", "mode": args.mode or "default", "disabled": disable + env_disable}
     # the backend's writers in this process, given TE_PASSES_DUMP_DIR=--out (or a torch.compile
     # option naming --out), write straight into the staging folder (no session folder)
     claim_dir(args.out, into=root)
     claim_dir(root)
+    no_caches = torch._inductor.config.patch(force_disable_caches=True)  # every stage must run to be dumped
+    no_caches.__enter__()
     try:
         write_summary(root, extra, emit=False)  # the session facts are ours: the backend's writers leave them to us
         events = CompileEvents(reemit_warnings=args.verbose, ignore_warnings=CLI_CAUSED_WARNINGS)
@@ -107,6 +108,7 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
         extra["elsewhere"] = _collect_strays(root, new_reports)
         return write_summary(root, extra)
     finally:
+        no_caches.__exit__(None, None, None)
         unclaim_dir(args.out)
         unclaim_dir(root)
 

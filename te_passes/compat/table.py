@@ -14,6 +14,7 @@ docs/design.md "The compat fence" prints the table.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Callable, Iterator, Sequence, Union
@@ -64,12 +65,14 @@ class Lowering:
 
 @dataclasses.dataclass(frozen=True)
 class Toggle:
-    """``setattr(config, attr, value)`` while a te_inductor frame is traced (:func:`apply_toggles`),
-    not at install. ``config``: a torch config module (e.g. ``torch._dynamo.config``)."""
+    """``setattr(config, attr, value)`` while Dynamo traces a frame of ``scope`` (:func:`apply_toggles`), not at
+    install. ``config``: a torch config module (e.g. ``torch._dynamo.config``); ``scope``: ``"te_inductor"``
+    (a frame te_inductor compiles) or ``"step"`` (a frame compiled while a ``compile_step`` step runs)."""
 
     config: Any
     attr: str
     value: Any
+    scope: str = "te_inductor"
 
 
 Change = Union[Rebind, Substitute, Lowering, Toggle]
@@ -351,17 +354,17 @@ def rows() -> list[Row]:
         return list(_ROWS)
 
 
-def toggles() -> Iterator[Toggle]:
-    """The :class:`Toggle` changes of every active row (applied by :func:`apply_toggles`)."""
+def toggles(scope: str = "te_inductor") -> Iterator[Toggle]:
+    """The :class:`Toggle` changes of ``scope`` of every active row (applied by :func:`apply_toggles`)."""
     with _LOCK:
         for row in _ROWS:
-            yield from _TOGGLES.get(row.name, ())
+            yield from (t for t in _TOGGLES.get(row.name, ()) if t.scope == scope)
 
 
-def apply_toggles() -> Callable[[], None]:
-    """Set every active toggle; returns the function that puts the previous values back."""
+def apply_toggles(scope: str = "te_inductor") -> Callable[[], None]:
+    """Set every active toggle of ``scope``; returns the function that puts the previous values back."""
     old = []
-    for t in list(toggles()):
+    for t in list(toggles(scope)):
         old.append((t, getattr(t.config, t.attr)))
         setattr(t.config, t.attr, t.value)
 
@@ -369,3 +372,30 @@ def apply_toggles() -> Callable[[], None]:
         for t, v in reversed(old):
             setattr(t.config, t.attr, v)
     return restore
+
+
+#: :func:`set_state`'s ``value`` that deletes the attribute.
+MISSING: Any = object()
+
+
+def set_state(obj: Any, attr: str, value: Any) -> None:
+    """``obj.attr = value`` (:data:`MISSING`: delete it) for run-time *state* of TE or torch, not behaviour: putting
+    back what a failed ``te.make_graphed_callables`` left on a module class, a test's stand-in UB registry.
+    Every such write goes through here or :func:`scoped_attr` so the fence test can see them."""
+    if value is MISSING:
+        if attr in getattr(obj, "__dict__", {}):
+            delattr(obj, attr)
+    else:
+        setattr(obj, attr, value)
+
+
+@contextlib.contextmanager
+def scoped_attr(obj: Any, attr: str, value: Any) -> Iterator[None]:
+    """``obj.attr = value`` for the ``with`` block, then the previous value again (also on an exception):
+    run-time state of TE that one call must see differently (e.g. TE's CUDA-graph capture flag)."""
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, old)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
+from te_passes.compat import table
 from te_passes.compat.ub import guard as guards
 
 
@@ -37,6 +38,16 @@ class StandInCommunicator:
         return self.tp_size
 
 
+#: TE's UB registry (transformer_engine/pytorch/module/base.py module globals).
+_REGISTRY = ("_ub_communicators", "_ub_initialized", "_ub_with_cublasmp")
+
+
+def _set_registry(base: Any, values: tuple[Any, Any, Any]) -> None:
+    for attr, v in zip(_REGISTRY, values):
+        table.set_state(base, attr, v)
+    guards.on_ub_state_changed()
+
+
 def set_ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | None, *,
                     with_cublasmp: bool = False) -> None:
     """Replace TE's UB registry: ``buffers`` maps ``(name, "none"|"fp8")`` to communicators;
@@ -46,13 +57,8 @@ def set_ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | Non
     from transformer_engine.pytorch.module import base
 
     modes = {"none": base.UserBufferQuantizationMode.NONE, "fp8": base.UserBufferQuantizationMode.FP8}
-    if buffers is None:
-        base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp = None, False, False
-    else:
-        base._ub_communicators = {(n, modes[m]): c for (n, m), c in buffers.items()}
-        base._ub_initialized = True
-        base._ub_with_cublasmp = with_cublasmp
-    guards.on_ub_state_changed()
+    comms = None if buffers is None else {(n, modes[m]): c for (n, m), c in buffers.items()}
+    _set_registry(base, (comms, buffers is not None, buffers is not None and with_cublasmp))
 
 
 @contextlib.contextmanager
@@ -61,10 +67,9 @@ def ub_registry(buffers: Mapping[tuple[str, str], StandInCommunicator] | None, *
     """:func:`set_ub_registry` for the duration of the block, then restore TE's previous registry."""
     from transformer_engine.pytorch.module import base
 
-    saved = (base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp)
+    saved = tuple(getattr(base, a) for a in _REGISTRY)
     set_ub_registry(buffers, with_cublasmp=with_cublasmp)
     try:
         yield
     finally:
-        base._ub_communicators, base._ub_initialized, base._ub_with_cublasmp = saved
-        guards.on_ub_state_changed()
+        _set_registry(base, saved)

@@ -12,9 +12,10 @@ row ``dynamo.keep_callbacks`` registers these two again after each clear.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from te_passes._logging import get_logger
 from te_passes.compat import gate, table
@@ -27,6 +28,7 @@ _LOCK = threading.Lock()
 #: The restore function of the toggles set for the te_inductor compile in progress, and whether the
 #: capture-state warning was given in the current capture episode.
 _SCOPE: dict[str, Any] = {"restore": None, "capture_warned": False}
+_STEP = threading.local()  # .depth: compile_step steps running in this thread
 
 
 def warn_capture_state(where: str) -> bool:
@@ -55,6 +57,17 @@ def is_te_inductor(compiler_fn: Any) -> bool:
     return any(getattr(c, "_te_passes_untouched", False) is True for c in gate.backend_chain(compiler_fn))  # MERGE: drop
 
 
+@contextlib.contextmanager
+def step_scope() -> Iterator[None]:
+    """Frames Dynamo compiles in this thread inside the ``with`` block get the ``"step"`` toggles of the patch
+    table (``te_passes.compile_step`` runs each step in one)."""
+    _STEP.depth = getattr(_STEP, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STEP.depth -= 1
+
+
 def on_compile_start(args: Any = None) -> None:
     """Dynamo start callback (every compile, any backend); see the module docstring. Never raises for a
     frame that is not te_inductor's."""
@@ -62,11 +75,14 @@ def on_compile_start(args: Any = None) -> None:
         _SCOPE["capture_warned"] = False
     elif not _SCOPE["capture_warned"]:
         _SCOPE["capture_warned"] = warn_capture_state("the start of a Dynamo compile")
-    if not is_te_inductor(gate.tracing_backend()):
-        return
+    ours = is_te_inductor(gate.tracing_backend())
+    scopes = (["te_inductor"] if ours else []) + (["step"] if getattr(_STEP, "depth", 0) else [])
     with _LOCK:
-        if _SCOPE["restore"] is None:
-            _SCOPE["restore"] = table.apply_toggles()
+        if _SCOPE["restore"] is None and scopes:
+            restores = [table.apply_toggles(sc) for sc in scopes]
+            _SCOPE["restore"] = lambda: [r() for r in reversed(restores)]
+    if not ours:
+        return
     table.sweep()  # TE objects defined since the last install
     untouched_compile_start(args)
 

@@ -34,12 +34,13 @@ def _register_callbacks() -> None:
     register_on(torch._dynamo.callback_handler)
 
 
-def _toggle(short: str, name: str, value: Any, why: str, drop_when: str) -> Row:
+def _toggle(short: str, name: str, value: Any, why: str, drop_when: str, scope: str = "te_inductor") -> Row:
     def plan() -> list[Change]:
         if not hasattr(torch._dynamo.config, name):
             raise Refused(f"torch._dynamo.config has no {name}")
-        return [Toggle(torch._dynamo.config, name, value)]
-    return Row(name=f"dynamo.{short}", target=f"torch._dynamo.config.{name} = {value!r} (te_inductor compiles)",
+        return [Toggle(torch._dynamo.config, name, value, scope)]
+    where = "te_inductor compiles" if scope == "te_inductor" else "compiles inside a compile_step step"
+    return Row(name=f"dynamo.{short}", target=f"torch._dynamo.config.{name} = {value!r} ({where})",
                kind="toggle", why=why, drop_when=drop_when, te="", torch=_TORCH, plan=plan)
 
 
@@ -63,4 +64,8 @@ ROWS: tuple[Row, ...] = (
             "TE's fused-attention op holds max_seqlen as a constant: a sequence length the user marked dynamic is "
             "specialised under a guard (one graph per length) instead of ConstraintViolationError",
             "TE's FusedAttnFwdArgs takes a symbolic max_seqlen"),
+    _toggle("trace_autograd_ops", "trace_autograd_ops", True,
+            "te_passes.compile_step traces the whole training step: loss.backward() / torch.autograd.grad inside "
+            "the compiled function (torch/_dynamo/variables/tensor.py method_backward)",
+            "torch traces autograd ops by default", scope="step"),
 )
