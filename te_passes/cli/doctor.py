@@ -16,6 +16,16 @@ def _state(active: bool, reason: str | None) -> str:
     return "pending" if (reason or "").startswith("pending") else "refused"
 
 
+def markdown(data: list[dict]) -> str:
+    """The patch table as a Markdown table (docs/design.md "The compat fence" prints it): one line per row."""
+    def cell(v: object) -> str:
+        return str(v or "-").replace("|", "\\|").replace("\n", " ")
+    lines = ["| row | changes | TE | torch | why | drop when |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| `{d['name']}` | {d['kind']}: `{cell(d['target'])}` | {cell(d['te'])} | {cell(d['torch'])} | "
+              f"{cell(d['why'])} | {cell(d['drop_when'])} |" for d in data]
+    return "\n".join(lines)
+
+
 def cmd_doctor(args: argparse.Namespace, out: Out) -> int:
     """Load the backend (the one install moment), then print the versions and the patch table. Exit 0."""
     import torch
@@ -34,6 +44,9 @@ def cmd_doctor(args: argparse.Namespace, out: Out) -> int:
     versions = {"te_passes": __version__, "torch": torch.__version__, "transformer_engine": te_version()}
     if args.json:
         print(json.dumps({"versions": versions, "rows": data}, indent=2))
+        return EXIT_OK
+    if args.markdown:
+        print(markdown(data))
         return EXIT_OK
     out.line(f"te_passes {versions['te_passes']}, torch {versions['torch']}, "
              f"Transformer Engine {versions['transformer_engine'] or 'not importable'}")

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "it makes to TE or torch): active, or refused with the reason; the TE / torch "
                                     "versions it was checked against; why it exists.")
     dr.add_argument("--json", action="store_true", help="print JSON (with each row's drop_when)")
+    dr.add_argument("--markdown", action="store_true", help="print the table in Markdown (as docs/design.md has it)")
     dr.set_defaults(func=cmd_doctor)
     return p
 
