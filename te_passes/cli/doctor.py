@@ -16,6 +16,12 @@ def _state(active: bool, reason: str | None) -> str:
     return "pending" if (reason or "").startswith("pending") else "refused"
 
 
+def row_dicts(rows: list) -> list[dict]:
+    """What each :class:`te_passes.compat.table.Row` declares (name, kind, target, te, torch, why, drop_when)."""
+    return [{"name": r.name, "kind": r.kind, "target": r.target, "te": r.te, "torch": r.torch, "why": r.why,
+             "drop_when": r.drop_when} for r in rows]
+
+
 def markdown(data: list[dict]) -> str:
     """The patch table as a Markdown table (docs/design.md "The compat fence" prints it): one line per row."""
     def cell(v: object) -> str:
@@ -35,12 +41,10 @@ def cmd_doctor(args: argparse.Namespace, out: Out) -> int:
     from te_passes.compat import table
     from te_passes.te.version import te_version
 
-    rows = table.rows()
     status = {s.name: s for s in table.status()}
-    data = [{"name": r.name, "state": _state(status[r.name].active, status[r.name].reason),
-             "changes": status[r.name].changes, "reason": status[r.name].reason, "kind": r.kind,
-             "target": r.target, "te": r.te, "torch": r.torch, "why": r.why, "drop_when": r.drop_when}
-            for r in rows]
+    data = [{**d, "state": _state(status[d["name"]].active, status[d["name"]].reason),
+             "changes": status[d["name"]].changes, "reason": status[d["name"]].reason}
+            for d in row_dicts(table.rows())]
     versions = {"te_passes": __version__, "torch": torch.__version__, "transformer_engine": te_version()}
     if args.json:
         print(json.dumps({"versions": versions, "rows": data}, indent=2))

@@ -30,3 +30,17 @@ def test_doctor_table_names_each_row_and_the_count(tmp_path):
     assert f"patch table: {len(ROWS)} of {len(ROWS)} rows active" in proc.stdout
     for row in ROWS:
         assert row.name in proc.stdout
+
+
+def test_docs_print_the_table_of_the_registry():
+    """docs/design.md "The rows" is ``te-passes doctor --markdown`` of the registry, verbatim."""
+    import os
+    import re
+
+    from te_passes.cli.doctor import markdown, row_dicts
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "design.md")).read()
+    got = re.search(r"<!-- patch-table:begin -->\n(.*?)<!-- patch-table:end -->", doc, re.S)
+    assert got, "docs/design.md lost its patch-table markers"
+    assert got.group(1).strip() == markdown(row_dicts(list(ROWS))).strip(), \
+        "docs/design.md's patch table is stale: paste `te-passes doctor --markdown` between the markers"
