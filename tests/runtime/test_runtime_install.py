@@ -3,7 +3,7 @@ rebind TE names never run while Dynamo compiles a frame (a backend call)."""
 
 import torch
 
-from te_passes.compat.delayed_scaling import linear as delayed_linear, scaling as delayed_scaling
+from te_passes.compat.delayed_scaling import linear as delayed_linear
 from te_passes.compat.dynamo import hooks as dynamo_hooks
 from te_passes.compat.dynamo.callbacks import drop_start_callback, keep_start_callback
 from te_passes.compat.install import install
@@ -34,22 +34,39 @@ def test_backend_callbacks_are_back_after_reset():
     assert dynamo_hooks.on_compile_start_capture in torch._dynamo.callback_handler.start_callbacks
 
 
-def test_install_inside_a_compile_does_not_rebind_te_names(monkeypatch):
-    """A backend call (Dynamo's TracingContext is set) must not run the TE-rebinding installs: the
-    trace already read those names and its guards would evaluate the rebound ones."""
-    calls = []
-    monkeypatch.setattr(delayed_scaling, "install_delayed_scaling", lambda: calls.append("scaling") or False)
-    monkeypatch.setattr(delayed_linear, "install_delayed_linear", lambda: calls.append("linear") or False)
-    monkeypatch.setattr(delayed_scaling, "installed", lambda: False)
-    monkeypatch.setattr(delayed_scaling, "refused_reason", lambda: None)
+def test_install_inside_a_compile_does_not_rebind_te_names():
+    """A backend call (Dynamo's TracingContext is set) must not apply the TE-rebinding rows: the
+    trace already read those names and its guards would evaluate the rebound ones. They wait
+    ("pending"), install() says it is not settled, and the next install outside a compile applies them."""
+    import transformer_engine.pytorch  # noqa: F401 - the rows plan on TE's loaded modules
+    from transformer_engine.pytorch.module import linear as te_linear
+
+    from te_passes.compat import table
+
+    # check_recipe_support is a substitution, which torch 2.14 cannot undo: left in place
+    rows = [n for n in delayed_linear.ROW_NAMES if n != "delayed_scaling.check_recipe_support"]
+    install()
+    table.revert(rows)
+    te_op = te_linear._linear_op
     seen = {}
 
     def backend(gm, example_inputs):
         seen["in_compile"] = install()
-        seen["calls_in_compile"] = list(calls)
+        seen["op_in_compile"] = te_linear._linear_op
+        seen["refusals"] = {n: table.refusal(n) for n in rows}
         return gm.forward
 
-    torch._dynamo.reset()
-    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
-    assert seen["calls_in_compile"] == [] and seen["in_compile"] is False
-    assert install() is False and calls == ["scaling", "linear"]  # outside a compile they run
+    start_cb = dynamo_hooks.on_compile_start_install  # it would install at the compile's start (no trace yet)
+    had_cb = start_cb in torch._dynamo.callback_handler.start_callbacks
+    drop_start_callback(start_cb)
+    try:
+        torch._dynamo.reset()
+        torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    finally:
+        settled = install()  # outside a compile they apply
+        if had_cb:
+            keep_start_callback(start_cb)
+    assert seen["in_compile"] is False and seen["op_in_compile"] is te_op, seen
+    assert set(seen["refusals"].values()) == {"pending: install() was called inside a trace"}
+    assert settled and all(table.is_active(n) for n in rows) and te_linear._linear_op is not te_op
+    assert te_linear._linear_op.__wrapped__ is te_op
