@@ -12,6 +12,7 @@ from typing import Any
 
 from te_passes._logging import get_logger
 from te_passes.compat.table import Change, Lowering, Rebind, Refused, Row
+from te_passes.ops import constants, direct_lowering as dl, free
 
 log = get_logger()
 
@@ -29,8 +30,6 @@ def _staged_lowering(L: Any, op: Any, fn: Any) -> Any:
 
 def _free_plan() -> list[Change]:
     from torch._inductor import lowering as L
-
-    from te_passes.ops import free
 
     have = L.lowerings.get(free.free_storage)
     if have is not None and not getattr(have, free.LOWERING_MARK, False):
@@ -52,8 +51,6 @@ def _fallback_facts(L: Any, op: Any, constraint: Any) -> None:
 def _direct_call_plan() -> list[Change]:
     from torch._inductor import lowering as L
     from torch._library.utils import get_layout_constraint_tag
-
-    from te_passes.ops import direct_lowering as dl
 
     why = dl.feature_error()
     if why is not None:
@@ -77,8 +74,6 @@ def _direct_call_plan() -> list[Change]:
 
 
 def _named_constants_plan() -> list[Change]:
-    from te_passes.ops import constants
-
     out: list[Change] = []
     for cls in constants.te_constant_classes():
         orig = cls.__dict__["__fx_repr__"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from te_passes.compat.delayed_scaling import linear, scaling
+from te_passes.compat.delayed_scaling.state import make_quantizers_tagged
 from te_passes.compat.table import Change, Rebind, Refused, Row, Substitute
 from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, layout_unchecked_reason
 from te_passes.te.version import te_module
@@ -38,8 +40,6 @@ def _linear_parts() -> tuple[Any, Any]:
 
     Raises:
         Refused: as :func:`_quantization`; TE's linear module not imported yet (pending) or lacking a name."""
-    from te_passes.compat.delayed_scaling import linear
-
     q = _quantization()
     lin = te_module("transformer_engine.pytorch.module.linear")
     if lin is None:
@@ -51,16 +51,12 @@ def _linear_parts() -> tuple[Any, Any]:
 
 
 def _reduce_and_update_plan() -> list[Change]:
-    from te_passes.compat.delayed_scaling import scaling
-
     manager = _quantization().FP8GlobalStateManager
     original = manager.__dict__["reduce_and_update_fp8_tensors"].__func__
     return [Rebind(manager, "reduce_and_update_fp8_tensors", classmethod(scaling.make_reduce_and_update(original)))]
 
 
 def _check_recipe_support_plan() -> list[Change]:
-    from te_passes.compat.delayed_scaling import scaling
-
     q = _quantization()
     return [Substitute(q.check_recipe_support, scaling.make_check_recipe_support(q, q.check_recipe_support))]
 
@@ -77,16 +73,12 @@ def _float8_quantizer_specs_plan() -> list[Change]:
 
 
 def _make_quantizers_plan() -> list[Change]:
-    from te_passes.compat.delayed_scaling.state import make_quantizers_tagged
-
     q, _ = _linear_parts()
     rs = q.DelayedScalingRecipeState
     return [Rebind(rs, "make_quantizers", make_quantizers_tagged(rs.__dict__["make_quantizers"]))]
 
 
 def _compile_unsupported_reason_plan() -> list[Change]:
-    from te_passes.compat.delayed_scaling import linear
-
     _, lin = _linear_parts()
     args = lin.LinearFwdArgs
     return [Rebind(args, "compile_unsupported_reason",
@@ -94,8 +86,6 @@ def _compile_unsupported_reason_plan() -> list[Change]:
 
 
 def _linear_op_plan() -> list[Change]:
-    from te_passes.compat.delayed_scaling import linear
-
     _, lin = _linear_parts()
     return [Rebind(lin, "_linear_op", linear.linear_op_wrapper(lin._linear_op, linear.simple_fields_of(lin.LinearFwdArgs)))]
 
