@@ -29,5 +29,7 @@ def install() -> bool:
     # at a compile's start or outside torch.compile; until then the start callback stays.
     if torch._guards.TracingContext.try_get() is None:
         untouched_split.install_split_polyfill()  # refusal kept: untouched_split.refused_reason()
-    settled = settled and not any(not s.active and s.reason.startswith("pending") for s in table.status())
+    rows = {r.name for r in ROWS}  # a row waiting ("pending": TE not imported yet, or inside a trace) is retried
+    settled = settled and not any(s.name in rows and not s.active and s.reason.startswith("pending")
+                                  for s in table.status())
     return settled and all(m.installed() or m.refused_reason() is not None for m in (untouched_split,))

@@ -35,8 +35,9 @@ def _ours(Q, lin, f8) -> dict[str, object]:
     """What each rebinding row put in place (``None`` where TE's own object is there)."""
     def wrapped(fn):
         return fn if getattr(fn, "__wrapped__", None) is not None else None
+    update = Q.FP8GlobalStateManager.__dict__["reduce_and_update_fp8_tensors"].__func__
     return {
-        "delayed_scaling.reduce_and_update": wrapped(Q.FP8GlobalStateManager.__dict__["reduce_and_update_fp8_tensors"].__func__),
+        "delayed_scaling.reduce_and_update": wrapped(update),
         "delayed_scaling.make_quantizers": wrapped(Q.DelayedScalingRecipeState.__dict__["make_quantizers"]),
         "delayed_scaling.compile_unsupported_reason": wrapped(lin.LinearFwdArgs.__dict__["compile_unsupported_reason"]),
         "delayed_scaling.linear_op": wrapped(lin._linear_op),
@@ -51,7 +52,8 @@ def test_rows_active_on_the_installed_te_and_torch(te):
     assert all(st[n].active for n in NAMES), {n: st[n].reason for n in NAMES}
     ours = _ours(Q, lin, f8)
     assert all(v is not None for v in ours.values())
-    assert ours["delayed_scaling.float8_quantizer_specs"] is f8.Float8CurrentScalingQuantizer.__dict__["storage_metadata"]
+    current = f8.Float8CurrentScalingQuantizer.__dict__
+    assert ours["delayed_scaling.float8_quantizer_specs"] is current["storage_metadata"]
     assert st["delayed_scaling.float8_quantizer_specs"].changes == 2
     # the markers it stamps on TE objects are registered
     assert {state.TAG, state.DELAYED_ATTR} <= set(table.STAMPS)

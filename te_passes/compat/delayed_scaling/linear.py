@@ -263,7 +263,8 @@ def delayed_linear_call(fwd_args: Any, names: tuple[str, ...]):
 
 def unsupported_reason_wrapper(original):
     """``LinearFwdArgs.compile_unsupported_reason`` (TE's ``original``) that, while Dynamo traces a te_inductor
-    frame, accepts the call :func:`delayed_linear_call` takes (TE refuses its quantizers: :data:`TE_QUANTIZER_REASON`)."""
+    frame, accepts the call :func:`delayed_linear_call` takes (TE refuses its quantizers:
+    :data:`TE_QUANTIZER_REASON`)."""
     def compile_unsupported_reason(self):
         reason = original(self)
         if (reason == TE_QUANTIZER_REASON and torch.compiler.is_compiling() and te_inductor_tracing()

@@ -87,7 +87,8 @@ def _compile_unsupported_reason_plan() -> list[Change]:
 
 def _linear_op_plan() -> list[Change]:
     _, lin = _linear_parts()
-    return [Rebind(lin, "_linear_op", linear.linear_op_wrapper(lin._linear_op, linear.simple_fields_of(lin.LinearFwdArgs)))]
+    names = linear.simple_fields_of(lin.LinearFwdArgs)
+    return [Rebind(lin, "_linear_op", linear.linear_op_wrapper(lin._linear_op, names))]
 
 
 ROWS: tuple[Row, ...] = (
