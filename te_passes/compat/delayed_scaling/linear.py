@@ -310,11 +310,14 @@ def cudagraph_hazard(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
+@torch._dynamo.assume_constant_result
 def installed() -> bool:
-    """Whether every row of :data:`ROW_NAMES` is active (``te_passes.compat.table``)."""
+    """Whether every row of :data:`ROW_NAMES` is active (``te_passes.compat.table``); a trace-time constant
+    (read while Dynamo traces the untouched-model polyfills: no guard on the table)."""
     return all(table.is_active(n) for n in ROW_NAMES)
 
 
+@torch._dynamo.assume_constant_result
 def refused_reason() -> str | None:
     """Why te.Linear's op pair is not in place: the first row of :data:`ROW_NAMES` not active, with its
     ``table.refusal`` (``None`` when all are)."""
