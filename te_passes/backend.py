@@ -24,7 +24,6 @@ from te_passes.compat.dynamo import hooks as dynamo_hooks
 from te_passes.compat.dynamo.callbacks import warn_capture_state
 from te_passes.cudagraphs.stable_grads import protect_grads
 from te_passes.compat import gate as frame_gate
-from te_passes.compat.install import install as install_runtime
 from te_passes.compat.autocast.recipe_state import RecipeStateError, autocast_for_graph, run_under
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError
@@ -56,7 +55,6 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
         RuntimeError: unknown mode or Inductor option (Inductor's message).
     """
     try:
-        install_runtime()  # MERGE: drop once the ops' lowerings are sweep rows
         return compile_graph(gm, example_inputs, CompileSettings.parse(mode, options, set(pass_names())))
     except DOCUMENTED_ERRORS as e:
         raise unwrapped(e) from e.__cause__

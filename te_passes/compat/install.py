@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from te_passes.ops import constants, direct_lowering, free as free_op, fused_attn as fused_attn_op
-from te_passes.compat.delayed_scaling import linear as delayed_linear, scaling as delayed_scaling
+from te_passes.ops import fused_attn as fused_attn_op
 from te_passes.compat.autocast import recipe_state
 from te_passes.compat.untouched import polyfills as untouched, split as untouched_split
 from te_passes.compat.autocast.amax_groups import install_amax_group_hooks
@@ -20,11 +19,8 @@ def install() -> bool:
     """Install every runtime hook (idempotent; ``te_inductor`` calls it on every compile, so classes and
     ops TE registers later are picked up). Returns whether TE's hooks are in place (``False`` while
     Transformer Engine is not imported yet; the backend's Dynamo start callback retries until then)."""
+    fused_attn_op.install_fused_attention_op()  # our op family (TE's register_custom_op), before the lowering rows
     table.install(ROWS)  # the patch table (te_passes.compat.rows); the calls below are not rows yet
-    free_op.register_inductor_lowering()  # failure is kept: lowering_error(); the pass then skips
-    fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
-    direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
-    constants.wrap_te_constant_classes()
     recipe_state.install_trace_hooks()  # refusal kept: trace_hook_refusal(), graphs then refused
     untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
     settled = install_te_ub_hooks() & install_amax_group_hooks()
@@ -32,8 +28,8 @@ def install() -> bool:
     # trace may have read and guarded on: never while Dynamo compiles a frame (a backend call), only
     # at a compile's start or outside torch.compile; until then the start callback stays.
     if torch._guards.TracingContext.try_get() is None:
-        delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
-        delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
         untouched_split.install_split_polyfill()  # refusal kept: untouched_split.refused_reason()
-    return settled and all(m.installed() or m.refused_reason() is not None
-                           for m in (delayed_scaling, delayed_linear, untouched_split))
+    rows = {r.name for r in ROWS}  # a row waiting ("pending": TE not imported yet, or inside a trace) is retried
+    settled = settled and not any(s.name in rows and not s.active and s.reason.startswith("pending")
+                                  for s in table.status())
+    return settled and all(m.installed() or m.refused_reason() is not None for m in (untouched_split,))

@@ -194,12 +194,12 @@ def names_in(owner: torch.fx.GraphModule) -> set[str]:
 
 def can_name(v: Any) -> str | None:
     """Why :func:`name_constant` cannot name ``v`` (``None``: it can): its class's
-    ``__fx_repr__`` must already be wrapped by :func:`wrap_te_constant_classes`
-    (``runtime.install()``), since a pass changes no class while it runs."""
+    ``__fx_repr__`` must already be :func:`named_fx_repr`'s (``te_passes.compat.install.install()``
+    rebinds it), since a pass changes no class while it runs."""
     cls = type(v)
     for klass in cls.__mro__:
         if "__fx_repr__" in klass.__dict__:
-            if getattr(klass.__dict__["__fx_repr__"], _WRAPPED_FLAG, False):
+            if is_named_fx_repr(klass.__dict__["__fx_repr__"]):
                 return None
             return (f"{cls.__qualname__}.__fx_repr__ is not wrapped: te_passes.compat.install.install() wraps "
                     "TE's constant classes (the backend calls it on every te_inductor call)")
@@ -213,7 +213,7 @@ def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
     Raises:
         TypeError: ``owner`` is not a ``torch.fx.GraphModule``, ``v``'s class has no
             ``__fx_repr__`` (not a value-opaque constant) or takes no weak reference.
-        RuntimeError: ``v``'s class is not wrapped yet (``runtime.install()`` has not run since
+        RuntimeError: ``v``'s class is not wrapped yet (``te_passes.compat.install.install()`` has not run since
             it was loaded; :func:`can_name` says so beforehand).
     """
     if not isinstance(owner, torch.fx.GraphModule):
@@ -228,14 +228,23 @@ def name_constant(v: Any, name: str, owner: torch.fx.GraphModule) -> None:
     table.add(v, name)  # TypeError: no weak references
 
 
-def _wrap_fx_repr(cls: type, orig: Callable) -> None:
+def named_fx_repr(orig: Callable) -> Callable:
+    """The ``__fx_repr__`` a TE constant class gets in place of its own ``orig`` (the patch-table row
+    ``lowering.named_constants`` of :mod:`te_passes.compat.lowering_rows` rebinds it): inside the Inductor
+    lowering of the graph that named the object (:func:`name_constant`), ``(name, {name: obj})``;
+    everywhere else ``orig(obj)``. Marked (:func:`is_named_fx_repr`)."""
     def __fx_repr__(self, _orig=orig):  # noqa: N807 - the protocol name
         name = _name_in_lowering(self)
         return (name, {name: self}) if name is not None else _orig(self)
 
     setattr(__fx_repr__, _WRAPPED_FLAG, True)
     __fx_repr__.__doc__ = getattr(orig, "__doc__", None)
-    cls.__fx_repr__ = __fx_repr__
+    return __fx_repr__
+
+
+def is_named_fx_repr(fn: Any) -> bool:
+    """Whether ``fn`` (a class's ``__fx_repr__``) is :func:`named_fx_repr`'s."""
+    return bool(getattr(fn, _WRAPPED_FLAG, False))
 
 
 #: Where TE defines its value-opaque constant classes: the op-argument bundle and the base of every
@@ -264,14 +273,3 @@ def te_constant_classes() -> list[type]:
         if "__fx_repr__" in cls.__dict__ and cls.__weakrefoffset__ != 0 and is_opaque_constant_type(cls):
             out.append(cls)
     return sorted(out, key=lambda c: (c.__module__, c.__qualname__))
-
-
-def wrap_te_constant_classes() -> bool:
-    """Wrap the ``__fx_repr__`` of every :func:`te_constant_classes` class once (idempotent,
-    process-wide; see :func:`name_constant`). Returns whether TE's constant classes are loaded."""
-    classes = te_constant_classes()
-    for cls in classes:
-        orig = cls.__dict__["__fx_repr__"]
-        if not getattr(orig, _WRAPPED_FLAG, False):
-            _wrap_fx_repr(cls, orig)
-    return bool(classes)

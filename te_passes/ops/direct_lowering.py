@@ -5,7 +5,6 @@ See docs/internals.md#te_passesopsdirect_loweringpy."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -19,10 +18,9 @@ log = get_logger()
 
 
 # --------------------------------------------------------------------------- Inductor lowering
-_lock = threading.Lock()
-#: ``base OpOverload -> None (registered) | reason it is not``.
-_LOWERINGS: dict[Any, str | None] = {}
-_FEATURE_ERROR: list[str | None] = []
+_FEATURE_ERROR: list[str | None] = []  # memo of feature_error() (a fact about this torch)
+#: Attribute marking te_passes' direct-call lowering functions: how a pass tells the lowering in place is ours.
+LOWERING_MARK = "_te_passes_direct"
 
 
 def _stored_names(fn: Any) -> frozenset[str]:
@@ -67,64 +65,55 @@ def feature_error() -> str | None:
     return reason
 
 
-def ensure_lowering(base_op: torch._ops.OpOverload) -> str | None:
-    """Register the direct-call lowering of TE base op ``base_op`` (idempotent, process-wide)."""
-    with _lock:
-        if base_op in _LOWERINGS:
-            return _LOWERINGS[base_op]
-        reason = feature_error()
-        if reason is None:
-            try:
-                reason = _register(base_op)
-            except Exception as e:  # noqa: BLE001
-                reason = f"registering the lowering failed ({type(e).__name__}: {e})"
-        _LOWERINGS[base_op] = reason
-        if reason is not None:
-            log.info("te_passes: no direct-call lowering for %s: %s", base_op, reason)
-        return reason
-
-
-def install_lowerings() -> dict[str, str | None]:
-    """Register the direct-call lowering of both base ops of every TE op family (:func:`op_family`)
-    defined now (idempotent, process-wide; :func:`te_passes.compat.install.install` calls it on every
-    ``te_inductor`` call, so families TE registers later are picked up). Returns :func:`lowering_state`."""
+def base_ops() -> list[torch._ops.OpOverload]:
+    """The forward and backward base op of every TE op family (:func:`op_family`) defined now, in
+    ``OPDEFS`` order: the ops the direct-call lowering is for (the patch-table row
+    ``lowering.direct_call`` of :mod:`te_passes.compat.lowering_rows` registers one per op)."""
     prefix = TE_OP_NAMESPACE + "::"
+    out: list[torch._ops.OpOverload] = []
     for qual in [q for q in opdefs() if q.startswith(prefix) and q.endswith("_base")]:
         fam = op_family(overload(qual))
         if fam is None:
             continue
         for base_q in (fam.forward_base, fam.backward_base):
-            base_op = overload(base_q)
-            if base_op not in _LOWERINGS:
-                ensure_lowering(base_op)
-    return lowering_state()
+            op = overload(base_q)
+            if op not in out:
+                out.append(op)
+    return out
+
+
+def is_direct_lowering(fn: Any) -> bool:
+    """Whether Inductor lowering ``fn`` is te_passes' direct-call lowering (:func:`make_lowering`)."""
+    return bool(getattr(fn, LOWERING_MARK, False))
 
 
 def lowering_reason(base_op: torch._ops.OpOverload) -> str | None:
-    """Why the direct-call lowering of ``base_op`` is not in place (``None``: it is). A pure
-    lookup of what :func:`install_lowerings` registered: a pass asks, it never registers."""
-    if base_op in _LOWERINGS:
-        return _LOWERINGS[base_op]
+    """Why the direct-call lowering of ``base_op`` is not in place (``None``: it is): a pure lookup of
+    Inductor's lowering table (``torch._inductor.lowering.lowerings``) and of :func:`feature_error`; a
+    pass asks, it never registers."""
+    from torch._inductor import lowering as L
+
+    fn = L.lowerings.get(base_op)
+    if fn is not None and is_direct_lowering(fn):
+        return None
+    if fn is not None:
+        return f"{base_op} already has an Inductor lowering that is not te_passes'"
+    why = feature_error()
+    if why is not None:
+        return why
     return (f"direct-call lowering not installed: no lowering registered for {base_op} "
             "(te_passes.compat.install.install() registers one for each TE op family defined when it "
             "runs; the backend calls it on every te_inductor call)")
 
 
-def lowering_state() -> dict[str, str | None]:
-    """``{op: None | reason}`` for every base op :func:`ensure_lowering` was asked about."""
-    return {str(k): v for k, v in _LOWERINGS.items()}
-
-
-def _register(base_op: torch._ops.OpOverload) -> str | None:
-    from torch._inductor import lowering as L
+def make_lowering(base_op: torch._ops.OpOverload, fallback: Any, constraint: Any) -> Any:
+    """The direct-call lowering of TE base op ``base_op`` (not registered: the patch-table row
+    ``lowering.direct_call`` registers it): Inductor's ``fallback`` lowering of the op
+    (``register_lowering`` of ``fallback_handler``, as ``make_fallback`` builds it) plus, for a node
+    the ``call_te_impl_directly`` pass planned (``node.meta[META_KEY]``), the :class:`DirectTECall` named
+    as the kernel of the ``FallbackKernel`` it built. ``constraint``: the op's layout constraint
+    (``tag_to_layout_constraint`` of its tag) at registration."""
     from torch._inductor.virtualized import V
-    from torch._library.utils import get_layout_constraint_tag
-
-    if base_op in L.lowerings:
-        return f"{base_op} already has an Inductor lowering that is not te_passes'"
-    constraint = L.tag_to_layout_constraint(get_layout_constraint_tag(base_op, with_default=True))
-    L.make_fallback(base_op, layout_constraint=constraint, warn=False)
-    fallback = L.lowerings[base_op]
 
     def _lower_te_base_op(*args: Any, **kwargs: Any) -> Any:
         graph = V.graph
@@ -136,10 +125,9 @@ def _register(base_op: torch._ops.OpOverload) -> str | None:
             _emit_direct_call(graph, node, call, base_op, first, constraint)
         return out
 
-    _lower_te_base_op._te_passes_direct = True  # type: ignore[attr-defined]
+    setattr(_lower_te_base_op, LOWERING_MARK, True)
     _lower_te_base_op._is_fallback_handler = True  # type: ignore[attr-defined]  (it is one, plus a rename)
-    L.lowerings[base_op] = _lower_te_base_op
-    return None
+    return _lower_te_base_op
 
 
 def _emit_direct_call(graph: Any, node: torch.fx.Node, call: Any, base_op: Any, first: int, constraint: Any) -> None:

@@ -4,8 +4,6 @@ See docs/internals.md#te_passesopsfreepy."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from te_passes._logging import get_logger
@@ -44,40 +42,38 @@ def is_free_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is free_storage
 
 
-_lowering_lock = threading.Lock()
-_lowering_registered: bool | None = None
-_lowering_error: str | None = None
+#: Attribute marking te_passes' lowering function of :data:`free_storage` (kept by Inductor's
+#: ``register_lowering`` wrapper, ``functools.wraps``): how a pass tells the lowering in place is ours.
+LOWERING_MARK = "_te_passes_free_lowering"
 
 
-def register_inductor_lowering() -> bool:
-    """Register :data:`free_storage`'s Inductor lowering (idempotent); True when registered."""
-    global _lowering_registered, _lowering_error
-    with _lowering_lock:
-        if _lowering_registered is not None:
-            return _lowering_registered
-        try:
-            from torch._inductor import lowering as L
-            from torch._inductor.virtualized import V
+def make_inductor_lowering():
+    """The Inductor lowering function of :data:`free_storage` (not registered: the patch-table row
+    ``lowering.free_storage`` of :mod:`te_passes.compat.lowering_rows` registers it). Takes the free's
+    argument (an Inductor IR value) and returns ``None``: frees a materialized buffer through Inductor's
+    fallback kernel (``torch._inductor.lowering.fallback_handler``) and marks it never reused
+    (``V.graph.never_reuse_buffers``); drops the free of a value no kernel materialized.
 
-            if free_storage not in L.lowerings:
-                fallback = L.fallback_handler(free_storage, add_to_fallback_set=False)
+    Raises:
+        ImportError / AttributeError: this torch's Inductor lacks ``fallback_handler``.
+    """
+    from torch._inductor import lowering as L
+    from torch._inductor.virtualized import V
 
-                @L.register_lowering(free_storage, type_promotion_kind=None)
-                def _lower_free_storage(t):
-                    if not is_materialized(t):
-                        # No kernel got this value as a buffer: every reader so far inlined
-                        # it, or (a layout constraint) copied it. Realizing it here would
-                        # compute it once more into a buffer made only to be freed.
-                        _log_dropped_free(t)
-                        return None
-                    V.graph.never_reuse_buffers.add(t.get_name())
-                    return fallback(t)
+    fallback = L.fallback_handler(free_storage, add_to_fallback_set=False)
 
-            _lowering_registered = True
-        except Exception as e:  # noqa: BLE001 - report any API drift as "not registered"
-            _lowering_registered = False
-            _lowering_error = f"{type(e).__name__}: {e}"
-        return _lowering_registered
+    def _lower_free_storage(t):
+        if not is_materialized(t):
+            # No kernel got this value as a buffer: every reader so far inlined
+            # it, or (a layout constraint) copied it. Realizing it here would
+            # compute it once more into a buffer made only to be freed.
+            _log_dropped_free(t)
+            return None
+        V.graph.never_reuse_buffers.add(t.get_name())
+        return fallback(t)
+
+    setattr(_lower_free_storage, LOWERING_MARK, True)
+    return _lower_free_storage
 
 
 def is_materialized(t) -> bool:
@@ -119,18 +115,15 @@ def _log_dropped_free(t) -> None:
                            "it); no buffer to free, none created", name)
 
 
-def lowering_error() -> str | None:
-    """Why :func:`register_inductor_lowering` failed (``None`` if it did not fail)."""
-    return _lowering_error
-
-
 def lowering_reason() -> str | None:
-    """Why :data:`free_storage`'s Inductor lowering is not in place (``None``: it is). A pure
-    lookup of what :func:`register_inductor_lowering` (run by
-    ``te_passes.compat.install.install()``) did: a pass asks, it never registers."""
-    if _lowering_registered:
+    """Why :data:`free_storage`'s Inductor lowering is not in place (``None``: it is): a pure lookup of
+    Inductor's lowering table (``torch._inductor.lowering.lowerings``); a pass asks, it never registers."""
+    from torch._inductor import lowering as L
+
+    fn = L.lowerings.get(free_storage)
+    if fn is not None and getattr(fn, LOWERING_MARK, False):
         return None
-    if _lowering_registered is False:
-        return f"cannot register the Inductor lowering of {QUALNAME} ({_lowering_error})"
+    if fn is not None:
+        return f"the Inductor lowering of {QUALNAME} is not te_passes' (someone registered another)"
     return (f"the Inductor lowering of {QUALNAME} is not installed: te_passes.compat.install.install() "
             "registers it (the backend calls it on every te_inductor call)")

@@ -67,3 +67,37 @@ def test_rows_refuse_outside_their_torch_range(monkeypatch):
         table.revert(["dynamo.specialize_float"])
         table.install(ROWS)
     assert table.is_active("dynamo.specialize_float")
+
+
+def test_install_inside_a_compile_does_not_rebind_te_names():
+    """A backend call (Dynamo's TracingContext is set) must not apply the TE-rebinding rows: the
+    trace already read those names and its guards would evaluate the rebound ones. They wait
+    ("pending"), install() says it is not settled, and the next install outside a compile applies them."""
+    import transformer_engine.pytorch  # noqa: F401 - the rows plan on TE's loaded modules
+    from transformer_engine.pytorch.module import linear as te_linear
+
+    from te_passes.compat.delayed_scaling import linear as delayed_linear
+    from te_passes.compat.install import install
+
+    # check_recipe_support is a substitution, which torch 2.14 cannot undo: left in place
+    rows = [n for n in delayed_linear.ROW_NAMES if n != "delayed_scaling.check_recipe_support"]
+    install()
+    table.revert(rows)
+    te_op = te_linear._linear_op
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["in_compile"] = install()
+        seen["op_in_compile"] = te_linear._linear_op
+        seen["refusals"] = {n: table.refusal(n) for n in rows}
+        return gm.forward
+
+    try:
+        torch._dynamo.reset()
+        torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    finally:
+        settled = install()  # outside a compile they apply
+    assert seen["in_compile"] is False and seen["op_in_compile"] is te_op, seen
+    assert set(seen["refusals"].values()) == {"pending: install() was called inside a trace"}
+    assert settled and all(table.is_active(n) for n in rows) and te_linear._linear_op is not te_op
+    assert te_linear._linear_op.__wrapped__ is te_op

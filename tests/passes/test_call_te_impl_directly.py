@@ -405,20 +405,30 @@ def test_args_object_equals_te_unpack(te_aot_graphs, precision):
 
 
 def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
-    """Without the Inductor lowering (torch API drift: ``ensure_lowering`` gave ``install()`` a
-    reason) the pass only retargets, and the reason is recorded."""
+    """Without the Inductor lowering (torch API drift: ``feature_error`` names what is missing, the
+    patch-table row ``lowering.direct_call`` is refused with it) the pass only retargets, and the
+    reason is recorded."""
+    from te_passes.compat import table
     from te_passes.compat.install import install
 
     install()
-    monkeypatch.setitem(dl._LOWERINGS, torch.ops.transformer_engine_compile.linear_backward_base.default,
-                        "this torch's Inductor lacks X")
-    gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_bwd")
+    assert dl.feature_error() is None  # torch 2.14.1 / 2.15 have everything the lowering needs
+    table.revert(["lowering.direct_call"])
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(dl, "_FEATURE_ERROR", ["this torch's Inductor lacks X"])
+            install()
+            assert table.refusal("lowering.direct_call") == "this torch's Inductor lacks X"
+            gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_bwd")
+    finally:
+        table.revert(["lowering.direct_call"])
+        install()
     (n,) = _te_nodes(gm)
     assert n.target is torch.ops.transformer_engine_compile.linear_backward_base.default
     assert dc.META_KEY not in n.meta
     assert [(r.kind, r.data.get("reason")) for r in run.records] == [
         ("kept", "this torch's Inductor lacks X"), ("retargeted", None)]
-    assert dl.feature_error() is None  # torch 2.14.1 has everything the lowering needs
+    assert table.is_active("lowering.direct_call") and dl.lowering_reason(n.target) is None
 
 
 def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):
@@ -471,11 +481,21 @@ def test_feature_error_reads_no_source(toy, monkeypatch):
         m.delattr(L, "tag_to_layout_constraint")
         why = dl.feature_error()
         assert why is not None and "tag_to_layout_constraint" in why, why
-    # a refusal reaches the pass as a kept record (ensure_lowering returns it for a new op)
-    with monkeypatch.context() as m:
-        m.setattr(dl, "_FEATURE_ERROR", ["this torch's Inductor lacks what the direct-call lowering needs (X)"])
-        m.setattr(dl, "_LOWERINGS", {})
-        assert "lacks" in dl.ensure_lowering(overload(f"{NS}::{toy.OP_NAME}_base"))
+    # a refusal is the row's (lowering.direct_call) and what the pass reads for an op without the lowering
+    from te_passes.compat import table
+    from te_passes.compat.install import install
+
+    table.revert(["lowering.direct_call"])
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(dl, "_FEATURE_ERROR", ["this torch's Inductor lacks what the direct-call lowering needs (X)"])
+            install()
+            assert "lacks" in table.refusal("lowering.direct_call")
+            assert "lacks" in dl.lowering_reason(overload(f"{NS}::{toy.OP_NAME}_base"))
+    finally:
+        table.revert(["lowering.direct_call"])
+        install()
+    assert dl.lowering_reason(overload(f"{NS}::{toy.OP_NAME}_base")) is None
 
 
 def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
@@ -489,7 +509,7 @@ def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
     base = torch.ops.transformer_engine_compile.linear_base.default
     a = te_aot_graphs("fp8-cs", 1)
     install()
-    monkeypatch.delitem(dl._LOWERINGS, base)
+    monkeypatch.delitem(L.lowerings, base)  # as if install() had not registered it (monkeypatch puts it back)
     n_lowerings = len(L.lowerings)
     (rep,) = run_pipeline(a, stages=["post_grad_fwd"])
     run = next(r for r in rep.runs if r.name == "call_te_impl_directly")
@@ -497,7 +517,7 @@ def test_lowering_not_installed_only_retargets(te_aot_graphs, monkeypatch):
     assert n.target is base and dc.META_KEY not in n.meta
     (kept,) = [r for r in run.records if r.kind == "kept"]
     assert kept.data["reason"].startswith("direct-call lowering not installed: ") and str(base) in kept.data["reason"]
-    assert base not in dl._LOWERINGS and len(L.lowerings) == n_lowerings
+    assert base not in L.lowerings and len(L.lowerings) == n_lowerings
 
 
 def test_install_registers_lowerings_of_families_defined_later(toy):

@@ -181,14 +181,30 @@ def test_memory_record_and_stages():
 
 
 def test_skips_when_the_inductor_lowering_is_unavailable(monkeypatch):
-    """``compat.install()`` could not register the lowering (torch API drift): the pass says why."""
-    monkeypatch.setattr(free_op, "_lowering_registered", False)
-    monkeypatch.setattr(free_op, "_lowering_error", "AttributeError: no register_lowering")
-    gm, _, _ = _opaque_graph()
-    with pytest.raises(PassSkipped, match=r"cannot register .*no register_lowering.*Inductor could reuse a freed buffer"):
-        InsertEarlyFrees().run(gm, pass_context(Stage.POST_GRAD_FWD))
-    rep = PassManager([InsertEarlyFrees()]).run(gm, pass_context(Stage.POST_GRAD_FWD))
-    assert rep.runs[0].status == "skipped" and not any(is_free_node(n) for n in gm.graph.nodes)
+    """``compat.install()`` could not register the lowering (torch API drift: the patch-table row
+    ``lowering.free_storage`` is refused, naming what is missing): the pass says why."""
+    from torch._inductor import lowering as L
+
+    from te_passes.compat import table
+    from te_passes.compat.install import install
+
+    table.revert(["lowering.free_storage"])
+    try:
+        with monkeypatch.context() as m:
+            m.delattr(L, "register_lowering")
+            install()
+        assert "register_lowering" in table.refusal("lowering.free_storage")
+        assert free_storage not in L.lowerings
+        gm, _, _ = _opaque_graph()
+        with pytest.raises(PassSkipped, match=r"not installed: te_passes\.compat\.install\.install\(\) registers it"
+                                              r".*Inductor could reuse a freed buffer"):
+            InsertEarlyFrees().run(gm, pass_context(Stage.POST_GRAD_FWD))
+        rep = PassManager([InsertEarlyFrees()]).run(gm, pass_context(Stage.POST_GRAD_FWD))
+        assert rep.runs[0].status == "skipped" and not any(is_free_node(n) for n in gm.graph.nodes)
+    finally:
+        table.revert(["lowering.free_storage"])
+        install()
+    assert table.is_active("lowering.free_storage") and free_op.lowering_reason() is None
 
 
 # --------------------------------------------------------------------------- Inductor
@@ -199,7 +215,7 @@ def test_inductor_keeps_the_free_and_never_reuses_the_freed_buffer():
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.utils import run_and_get_code
 
-    assert free_op.register_inductor_lowering()
+    assert free_op.lowering_reason() is None  # compat.install() registered it (the autouse fixture)
 
     class InsertFree(CustomGraphPass):
         def __call__(self, graph):

@@ -129,7 +129,7 @@ def test_fold_ub_predicates_returns_its_dependence_instead_of_registering_it():
     assert _diff(before, after) == []
 
 
-def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_alone(monkeypatch):
+def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_alone():
     """As in a process where ``compat.install()`` never ran: the free op's lowering is not
     registered. Through the harness (no install): the pass is skipped with the reason, the graph
     is unchanged, and the pass did not register the lowering itself."""
@@ -137,6 +137,7 @@ def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_al
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from _qgraphs import QGEMM, QUANTIZE2, record_vals
+    from te_passes.compat import table
     from te_passes.passes.insert_early_frees import InsertEarlyFrees
     from te_passes.ops import free as free_op
     from te_passes.testing.harness import run_passes
@@ -148,19 +149,22 @@ def test_insert_early_frees_without_the_runtime_leaves_the_graph_and_inductor_al
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     gm = make_fx(f)(x, w)
     record_vals(gm, x, w)
-    assert install()  # then undo what install() registered for the free op (monkeypatch restores it)
-    monkeypatch.setattr(free_op, "_lowering_registered", None)
-    monkeypatch.delitem(lowering.lowerings, free_op.free_storage, raising=False)
-    before = _process_state()
-    run = run_passes(gm, InsertEarlyFrees(), Stage.POST_GRAD_FWD, install=False)
-    after = _process_state()
+    assert install()  # then undo what install() registered for the free op (its patch-table row)
+    table.revert(["lowering.free_storage"])
+    try:
+        before = _process_state()
+        run = run_passes(gm, InsertEarlyFrees(), Stage.POST_GRAD_FWD, install=False)
+        after = _process_state()
+        registered_by_the_pass = free_op.free_storage in lowering.lowerings
+    finally:
+        install()
+    assert free_op.lowering_reason() is None  # install() put it back
     (r,) = run.report.runs
     assert r.status == "skipped" and not r.changed
     (why,) = [rec.data["reason"] for rec in run.records("skipped")]
     assert "not installed" in why and "compat.install.install()" in why and "reuse a freed buffer" in why
     assert run.diff() == {} and run.after_code == run.before_code
-    assert free_op.free_storage not in lowering.lowerings and _diff(before, after) == []
+    assert not registered_by_the_pass and _diff(before, after) == []
     # installed: the same graph gets its free
-    monkeypatch.undo()
     run = run_passes(gm, InsertEarlyFrees(), Stage.POST_GRAD_FWD)
     assert run.diff() == {"te_passes.free_storage.default": 1}

@@ -3,8 +3,8 @@
 TE's real modules on fake CUDA tensors (te_passes.testing.fake_gpu); the state a first step
 leaves is made by :func:`te_passes.compat.delayed_scaling.linear.prepare_delayed_scaling` (TE's
 ``init_fp8_metadata`` and ``add_fp8_tensors_to_global_buffer``). The Dynamo trace runs with a
-recording backend that carries the gate mark (it stands in for te_inductor; a backend without
-it gets TE's eager island, as without te_passes); the AOT graphs are Inductor's
+recording backend registered at the frame gate (``compat.gate.register_backend``: it stands in for
+te_inductor; a backend not registered gets TE's eager island, as without te_passes); the AOT graphs are Inductor's
 (``capture_aot``). No TE kernel runs here: numerics are the GPU test's
 (tests/gpu/test_delayed_scaling_gpu.py).
 """
@@ -37,7 +37,7 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
     from te_passes.compat.untouched.rewrite.te_state import prepare_te_state
     from te_passes.compat import install
     from te_passes.compat.delayed_scaling.linear import prepare_delayed_scaling
-    from te_passes.compat.delayed_scaling.scaling import GATE_MARK
+    from te_passes.compat import gate
     from te_passes.testing.aot_capture import capture_aot
     from te_passes.testing.captured import CapturedGraph
     from te_passes.testing.compile_watch import CompileWatch, fresh_compile_state
@@ -82,7 +82,7 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
             return gm.forward  # runs on the fake tensors (the ops' fake impls)
 
         if gated:
-            setattr(backend, GATE_MARK, True)
+            gate.register_backend(backend)
         if not prepare:  # te_inductor's untouched-model start callback prepares instead
             from te_passes.compat.untouched.gate import BACKEND_MARK
 

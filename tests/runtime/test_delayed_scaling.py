@@ -35,9 +35,12 @@ def te_mods():
     from transformer_engine.common import recipe as R
     from transformer_engine.pytorch import quantization as Q
 
-    from te_passes.compat.delayed_scaling.scaling import install_delayed_scaling
+    from te_passes.compat import table
+    from te_passes.compat.install import install
 
-    assert install_delayed_scaling(), "the DelayedScaling integration refused to install"
+    install()
+    for name in ("delayed_scaling.reduce_and_update", "delayed_scaling.check_recipe_support"):
+        assert table.is_active(name), f"the DelayedScaling row {name} refused to install: {table.refusal(name)}"
     return te, R, Q
 
 
@@ -256,27 +259,18 @@ def test_update_op_eager_equals_te_unfused(te_mods, monkeypatch):
 
 
 def test_gate():
-    """The gate recognises te_inductor through Dynamo's wrappers and nothing else."""
+    """The gate the polyfills use (compat/gate.py) recognises te_inductor through Dynamo's wrappers and
+    nothing else."""
     from te_passes.backend import te_inductor, te_inductor_backend
-    from te_passes.compat.delayed_scaling.scaling import is_te_inductor_backend, te_inductor_tracing
+    from te_passes.compat.delayed_scaling.scaling import te_inductor_tracing
+    from te_passes.compat.gate import options_for
 
-    assert is_te_inductor_backend(te_inductor)
-    assert is_te_inductor_backend(te_inductor_backend())
-    assert is_te_inductor_backend(functools.partial(te_inductor, options={}))
-    assert not is_te_inductor_backend(torch._dynamo.lookup_backend("inductor"))
-    assert not is_te_inductor_backend(None)
+    assert options_for(te_inductor) is not None
+    assert options_for(te_inductor_backend()) is not None
+    assert options_for(functools.partial(te_inductor, options={})) is not None
+    assert options_for(torch._dynamo.lookup_backend("inductor")) is None
+    assert options_for(None) is None
     assert not te_inductor_tracing()  # eager
-
-
-def test_pairs_exposed(te_mods):
-    """(TE original, replacement) pairs for the lead's unification with the other polyfills."""
-    _, _, Q = te_mods
-    from te_passes.compat.delayed_scaling.scaling import polyfill_pairs
-
-    pairs = dict((orig.__name__, new) for orig, new in polyfill_pairs())
-    assert set(pairs) == {"check_recipe_support", "reduce_and_update_fp8_tensors"}
-    assert Q.FP8GlobalStateManager.__dict__["reduce_and_update_fp8_tensors"].__func__ is pairs[
-        "reduce_and_update_fp8_tensors"]
 
 
 def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs_only_on_cpu_values():
@@ -288,10 +282,8 @@ def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs_only_on_cpu_
     from te_passes.backend import _without_cudagraphs_if_hazard
     from te_passes.pipeline.compilation import CompileSettings
     from te_passes.compat.delayed_scaling import linear as delayed_linear
-    from te_passes.compat.delayed_scaling import scaling as delayed_scaling
 
-    assert delayed_scaling.install_delayed_scaling() or delayed_scaling.refused_reason() is None
-    op = torch.ops.te_passes.delayed_scaling_update.default
+    op = torch.ops.te_passes.delayed_scaling_update.default  # our op: defined when te_passes.backend loads
 
     def graph(device):
         g = torch.fx.Graph()

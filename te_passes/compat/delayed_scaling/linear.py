@@ -7,24 +7,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import threading
 from typing import Any
 
 import torch
 
-from te_passes._logging import get_logger
 from te_passes.fx.graph import op_qualname
-from te_passes.compat.delayed_scaling import scaling as delayed_scaling
-from te_passes.compat.delayed_scaling.args import (PLAN_LOCK, TE_LINEAR, backward_reads_input, bwd_args, decode,
+from te_passes.compat import table
+from te_passes.compat.delayed_scaling.args import (PLAN_LOCK, backward_reads_input, bwd_args, decode,
                                             expected_layout, fake_forward, fwd_args, on_device, release_call_state,
                                             te_custom_op, te_linear)
-from te_passes.compat.delayed_scaling.scaling import te_inductor_tracing, update_in_graph
+from te_passes.compat.delayed_scaling.scaling import update_in_graph
+from te_passes.compat.gate import te_inductor_tracing
 from te_passes.compat.delayed_scaling.state import (TAG, TRACE_COUNTS, backward_state_index, check_covered,  # noqa: F401
-                                             make_quantizers_tagged, prepare_delayed_scaling, quantization, refusal,
-                                             register_delayed_state)
-from te_passes.te.version import te_module
-
-log = get_logger()
+                                                   prepare_delayed_scaling, quantization, refusal,
+                                                   register_delayed_state)
 
 FWD_OP = "te_passes::delayed_linear_fwd"
 BWD_OP = "te_passes::delayed_linear_bwd"
@@ -34,16 +30,21 @@ TE_QUANTIZER_REASON = "a quantizer not registered as a torch.compile value-opaqu
 _TENSOR_FIELDS = ("weight", "inp", "bias", "weight_workspace")
 _QUANTIZER_FIELDS = ("input_quantizer", "weight_quantizer", "output_quantizer", "grad_input_quantizer",
                      "grad_weight_quantizer", "grad_output_quantizer")
-_STATE: dict[str, Any] = {"installed": False, "refused": None, "pairs": ()}
-_LOCK = threading.Lock()
+#: The patch-table rows te.Linear's op pair needs, all or none (:mod:`te_passes.compat.delayed_scaling.rows`).
+ROW_NAMES = ("delayed_scaling.reduce_and_update", "delayed_scaling.check_recipe_support",
+             "delayed_scaling.float8_quantizer_specs", "delayed_scaling.make_quantizers",
+             "delayed_scaling.compile_unsupported_reason", "delayed_scaling.linear_op")
+#: What the op pair uses of TE's ``module.linear`` / ``dynamo.custom_op`` (checked before any row applies).
+LINEAR_NAMES = ("LinearFwdArgs", "LinearBwdArgs", "_linear_forward_impl", "_linear_backward_impl",
+                "_linear_forward_fake", "_linear_backward_fake", "_linear_setup_ctx", "_check_fp8_reduce_and_update",
+                "_linear_op", "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase")
+CUSTOM_OP_NAMES = ("_parse_arg_type", "_spec_view", "_pack_fwd_result", "_pack_bwd_result", "_OutputPlan",
+                   "_encode_none", "_decode_none")
 
 
-#: ``LinearFwdArgs`` fields that cross the op pair in its config string (set at install; a
-#: module-level tuple so that Dynamo reads it as a constant).
-SIMPLE_FIELDS: tuple[str, ...] = ()
-
-
-def _simple_fields_of(args_cls: type) -> tuple[str, ...]:
+def simple_fields_of(args_cls: type) -> tuple[str, ...]:
+    """The fields of TE's ``LinearFwdArgs`` dataclass ``args_cls`` that cross the op pair in its config string
+    (every field but the tensors, the quantizers and the process groups / wgrad store)."""
     return tuple(f.name for f in dataclasses.fields(args_cls)
                  if f.name not in _TENSOR_FIELDS and f.name not in _QUANTIZER_FIELDS
                  and f.name not in ("tp_group", "fsdp_group", "wgrad_store"))
@@ -169,12 +170,11 @@ def _bwd_fake(grad_output, weight, inp, bias, scale_fwd, amax_history_fwd, scale
     return on_device(cd._pack_bwd_result(te_linear()._linear_backward_fake(bwd), 3, BWD_OP), weight.device) + [history]
 
 
-def _register_ops():
-    fwd = torch.library.custom_op(FWD_OP, _fwd_impl, mutates_args=())
-    fwd.register_fake(_fwd_fake)
-    bwd = torch.library.custom_op(BWD_OP, _bwd_impl, mutates_args=())
-    bwd.register_fake(_bwd_fake)
-    return fwd, bwd
+#: The op pair's ``CustomOpDef``\ s (our ops: defined at import).
+FWD_OP_DEF = torch.library.custom_op(FWD_OP, _fwd_impl, mutates_args=())
+FWD_OP_DEF.register_fake(_fwd_fake)
+BWD_OP_DEF = torch.library.custom_op(BWD_OP, _bwd_impl, mutates_args=())
+BWD_OP_DEF.register_fake(_bwd_fake)
 
 
 # --------------------------------------------------------------------------- the Function
@@ -213,9 +213,10 @@ class DelayedLinearFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- the trace-time path
-def delayed_linear_call(fwd_args: Any):
+def delayed_linear_call(fwd_args: Any, names: tuple[str, ...]):
     """What te.Linear's ``_linear_op(fwd_args)`` call becomes for a delayed-scaling call under
-    te_inductor: ``(out, None)`` through :class:`DelayedLinearFunction`. Traced by Dynamo."""
+    te_inductor: ``(out, None)`` through :class:`DelayedLinearFunction`; ``names``: the fields of
+    ``fwd_args`` that cross the op pair in its config (:func:`simple_fields_of`). Traced by Dynamo."""
     lin = te_linear()
     qi, qw, qgo = fwd_args.input_quantizer, fwd_args.weight_quantizer, fwd_args.grad_output_quantizer
     fstate, i_in = getattr(qi, TAG)
@@ -223,7 +224,6 @@ def delayed_linear_call(fwd_args: Any):
     if fstate_w is not fstate or i_w != i_in + 1 or i_in % 3:
         raise RuntimeError("te_passes: te.Linear's input / weight quantizers are not slots 3g / 3g+1 of one "
                            "DelayedScalingRecipeState (TE's make_quantizers layout, FP8FwdTensorIdx)")
-    names = SIMPLE_FIELDS
     manager = quantization().FP8GlobalStateManager
     autocast_key = manager.get_unique_autocast_key(manager.get_fp8_recipe(), manager.get_fp8_group())
     i_go = getattr(qgo, TAG)[1] if qgo is not None else 0
@@ -261,7 +261,10 @@ def delayed_linear_call(fwd_args: Any):
     return out, None
 
 
-def _unsupported_reason_wrapper(original):
+def unsupported_reason_wrapper(original):
+    """``LinearFwdArgs.compile_unsupported_reason`` (TE's ``original``) that, while Dynamo traces a te_inductor
+    frame, accepts the call :func:`delayed_linear_call` takes (TE refuses its quantizers:
+    :data:`TE_QUANTIZER_REASON`)."""
     def compile_unsupported_reason(self):
         reason = original(self)
         if (reason == TE_QUANTIZER_REASON and torch.compiler.is_compiling() and te_inductor_tracing()
@@ -273,14 +276,16 @@ def _unsupported_reason_wrapper(original):
     return compile_unsupported_reason
 
 
-def _linear_op_wrapper(te_op):
+def linear_op_wrapper(te_op, names: tuple[str, ...]):
+    """TE's ``module.linear._linear_op`` (``te_op``) that, while Dynamo traces a te_inductor frame, sends a
+    tagged delayed-scaling call to :func:`delayed_linear_call` (``names``: :func:`simple_fields_of`)."""
     def linear_op(fwd_args):
         # type(...).__qualname__ first: Dynamo evaluates it on TE's value-opaque quantizers too
         # (TE's is_value_opaque_quantizer does the same), where a getattr could not be traced
         if (torch.compiler.is_compiling() and te_inductor_tracing() and fwd_args.fp8
                 and type(fwd_args.input_quantizer).__qualname__ == "Float8Quantizer"
                 and getattr(fwd_args.input_quantizer, TAG, None) is not None and refusal(fwd_args) is None):
-            return delayed_linear_call(fwd_args)
+            return delayed_linear_call(fwd_args, names)
         return te_op(fwd_args)
 
     linear_op.__wrapped__ = te_op
@@ -305,66 +310,23 @@ def cudagraph_hazard(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
+@torch._dynamo.assume_constant_result
 def installed() -> bool:
-    """Whether the install ran to the end (see :func:`refused_reason` for why not)."""
-    return _STATE["installed"]
+    """Whether every row of :data:`ROW_NAMES` is active (``te_passes.compat.table``); a trace-time constant
+    (read while Dynamo traces the untouched-model polyfills: no guard on the table)."""
+    return all(table.is_active(n) for n in ROW_NAMES)
 
 
+@torch._dynamo.assume_constant_result
 def refused_reason() -> str | None:
-    """Why the te.Linear part is not installed (``None`` when it is or before the install ran)."""
-    return _STATE["refused"]
+    """Why te.Linear's op pair is not in place: the first row of :data:`ROW_NAMES` not active, with its
+    ``table.refusal`` (``None`` when all are)."""
+    return next((f"{n}: {table.refusal(n)}" for n in ROW_NAMES if not table.is_active(n)), None)
 
 
-def replacement_pairs() -> tuple:
-    """The ``(TE original, te_passes replacement)`` pairs installed: ``make_quantizers`` of
-    ``DelayedScalingRecipeState`` (tags), ``LinearFwdArgs.compile_unsupported_reason`` and
-    ``module.linear._linear_op`` (the module global te.Linear calls under torch.compile)."""
-    return _STATE["pairs"]
-
-
-def install_delayed_linear() -> bool:
-    """Register the op pair and rebind the three TE names (once; TE's linear module loaded, the
-    update op installed). Returns whether in place; a refusal is kept (:func:`refused_reason`)."""
-    with _LOCK:
-        if _STATE["installed"] or _STATE["refused"] is not None:
-            return _STATE["installed"]
-        lin = te_module(TE_LINEAR)
-        if lin is None or not delayed_scaling.install_delayed_scaling():
-            if delayed_scaling.refused_reason() is not None:
-                _STATE["refused"] = delayed_scaling.refused_reason()
-            return False
-        missing = [n for n in ("LinearFwdArgs", "LinearBwdArgs", "_linear_forward_impl", "_linear_backward_impl",
-                               "_linear_forward_fake", "_linear_backward_fake", "_linear_setup_ctx",
-                               "_check_fp8_reduce_and_update", "_linear_op", "is_fp8_activation_recompute_enabled",
-                               "in_fp8_activation_recompute_phase") if getattr(lin, n, None) is None]
-        cd = te_module("transformer_engine.pytorch.dynamo.custom_op")
-        missing += [n for n in ("_parse_arg_type", "_spec_view", "_pack_fwd_result", "_pack_bwd_result",
-                                "_OutputPlan", "_encode_none", "_decode_none") if getattr(cd, n, None) is None]
-        if missing:
-            _STATE["refused"] = f"TE's linear module lacks {', '.join(missing)}"
-            log.info("te_passes: te.Linear under DelayedScaling stays TE's eager island: %s", _STATE["refused"])
-            return False
-        f8 = te_module("transformer_engine.pytorch.tensor.float8_tensor", import_te=True)
-        base = te_module("transformer_engine.pytorch.quantized_tensor", import_te=True).Quantizer
-        spec_pairs = []
-        for name in ("storage_metadata", "inner_tensor_specs"):
-            # delayed and current scaling produce the same Float8TensorStorage layout; TE 2.20 gives
-            # only the current-scaling quantizer the TensorSpec methods (checked per call: _expected_layout)
-            if getattr(f8.Float8Quantizer, name) is getattr(base, name):
-                setattr(f8.Float8Quantizer, name, f8.Float8CurrentScalingQuantizer.__dict__[name])
-                spec_pairs.append((getattr(base, name), f8.Float8Quantizer.__dict__[name]))
-        global SIMPLE_FIELDS
-        SIMPLE_FIELDS = _simple_fields_of(lin.LinearFwdArgs)
-        _register_ops()
-        q = quantization()
-        rs = q.DelayedScalingRecipeState
-        orig_mq = rs.__dict__["make_quantizers"]
-        rs.make_quantizers = make_quantizers_tagged(orig_mq)
-        orig_reason = lin.LinearFwdArgs.__dict__["compile_unsupported_reason"]
-        lin.LinearFwdArgs.compile_unsupported_reason = _unsupported_reason_wrapper(orig_reason)
-        orig_op = lin._linear_op
-        lin._linear_op = _linear_op_wrapper(orig_op)
-        _STATE.update(installed=True, pairs=(*spec_pairs, (orig_mq, rs.make_quantizers),
-                                             (orig_reason, lin.LinearFwdArgs.compile_unsupported_reason),
-                                             (orig_op, lin._linear_op)))
-        return True
+def unavailable_reason(lin: Any, cd: Any) -> str | None:
+    """Why TE's ``module.linear`` (``lin``) / ``dynamo.custom_op`` (``cd``) lack what the op pair uses
+    (:data:`LINEAR_NAMES`, :data:`CUSTOM_OP_NAMES`), or ``None``."""
+    missing = [n for n in LINEAR_NAMES if getattr(lin, n, None) is None]
+    missing += [n for n in CUSTOM_OP_NAMES if getattr(cd, n, None) is None]
+    return f"TE's linear module lacks {', '.join(missing)}" if missing else None

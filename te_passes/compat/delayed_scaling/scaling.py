@@ -4,70 +4,18 @@ See docs/internals.md#te_passescompatdelayed_scalingscalingpy and docs/design.md
 
 from __future__ import annotations
 
-import functools
-import threading
 import types
 from typing import Any, Callable
 
 import torch
 
-from te_passes._logging import get_logger
+from te_passes.compat.gate import te_inductor_tracing  # noqa: F401  (the one frame gate; re-exported)
 from te_passes.te.delayed_scaling import (
-    TE_QUANTIZATION_MODULE, layout_unchecked_reason, module_delayed_state, unfused_requested,
-    update_refused_reason)
+    TE_QUANTIZATION_MODULE, module_delayed_state, unfused_requested, update_refused_reason)
 from te_passes.te.version import te_module
-
-log = get_logger()
 
 #: the update op's qualified name (``torch.ops.te_passes.delayed_scaling_update``).
 UPDATE_OP = "te_passes::delayed_scaling_update"
-#: the backend function's module: a compile whose unwrapped ``compiler_fn`` lives here is ours.
-BACKEND_MODULE = "te_passes.backend"
-#: a backend function with this attribute set to True counts as te_inductor for the gate (the CPU
-#: capture's recording backends, which stand in for te_inductor without running Inductor).
-GATE_MARK = "_te_passes_gate"
-
-_LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"op": None, "installed": False, "refused": None, "pairs": ()}
-
-
-# --------------------------------------------------------------------------- the gate
-def _unwrap_backend(fn: Any) -> Any:
-    """The user's backend behind Dynamo's wrappers (``_torchdynamo_orig_backend``, ``__wrapped__``,
-    ``functools.partial``, ``compiler_fn``), at most 16 levels."""
-    for _ in range(16):
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-            continue
-        for attr in ("_torchdynamo_orig_backend", "__wrapped__", "compiler_fn"):
-            inner = getattr(fn, attr, None)
-            if inner is not None and inner is not fn:
-                fn = inner
-                break
-        else:
-            return fn
-    return fn
-
-
-def is_te_inductor_backend(fn: Any) -> bool:
-    """Whether a Dynamo ``compiler_fn`` is te_passes' backend (``te_inductor`` or
-    ``te_inductor_backend(...)``'s partial), through Dynamo's wrappers."""
-    inner = _unwrap_backend(fn)
-    return getattr(inner, "__module__", None) == BACKEND_MODULE or bool(getattr(inner, GATE_MARK, False))
-
-
-@torch._dynamo.assume_constant_result
-def te_inductor_tracing() -> bool:
-    """The gate: ``True`` only while Dynamo traces a frame that ``te_inductor`` will compile."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-    except (ImportError, AttributeError):
-        return False
-    if tx is None:
-        return False
-    return is_te_inductor_backend(getattr(tx.output, "compiler_fn", None))
 
 
 # --------------------------------------------------------------------------- the update op
@@ -91,31 +39,13 @@ def _update_impl(amax_reduced: torch.Tensor, amax_histories: list[torch.Tensor],
         q._amax_and_scale_update(history, scale, fp8_max, recipe)
 
 
-def _register_update_op():
-    op = torch.library.custom_op(UPDATE_OP, _update_impl, mutates_args=("amax_histories", "scales"))
-
-    @op.register_fake
-    def _fake(amax_reduced, amax_histories, scales, amax_compute_algo, fp8_dtype, fp8_max, margin):
-        return None
-
-    return op
+#: ``torch.ops.te_passes.delayed_scaling_update``'s ``CustomOpDef`` (our op: defined at import).
+UPDATE_OP_DEF = torch.library.custom_op(UPDATE_OP, _update_impl, mutates_args=("amax_histories", "scales"))
 
 
-def update_op():
-    """The registered ``te_passes::delayed_scaling_update`` ``CustomOpDef``, or ``None`` (not
-    installed, or refused: :func:`refused_reason`)."""
-    return _STATE["op"]
-
-
-def installed() -> bool:
-    """Whether the install ran to the end (see :func:`refused_reason` for why not)."""
-    return _STATE["installed"]
-
-
-def refused_reason() -> str | None:
-    """Why the DelayedScaling integration is not installed (``None`` when it is, or before
-    :func:`install_delayed_scaling` ran)."""
-    return _STATE["refused"]
+@UPDATE_OP_DEF.register_fake
+def _update_fake(amax_reduced, amax_histories, scales, amax_compute_algo, fp8_dtype, fp8_max, margin):
+    return None
 
 
 # --------------------------------------------------------------------------- in-graph update
@@ -178,7 +108,10 @@ class DelayedScalingRefused(RuntimeError):
     """A DelayedScaling configuration te_inductor cannot compile (the message names it)."""
 
 
-def _make_reduce_and_update(original: Callable) -> Callable:
+def make_reduce_and_update(original: Callable) -> Callable:
+    """The function rebound (as a classmethod) in place of ``FP8GlobalStateManager.reduce_and_update_fp8_tensors``
+    (``original``: TE's function): while Dynamo traces a te_inductor frame, :func:`reduce_and_update_in_graph`
+    (or :class:`DelayedScalingRefused` naming the recipe it cannot compile); TE's own function otherwise."""
     te_original = _copy_function(original)
 
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
@@ -191,11 +124,14 @@ def _make_reduce_and_update(original: Callable) -> Callable:
 
     reduce_and_update_fp8_tensors.__doc__ = original.__doc__
     reduce_and_update_fp8_tensors.__wrapped__ = original
-    reduce_and_update_fp8_tensors._te_passes_delayed = True
     return reduce_and_update_fp8_tensors
 
 
-def _make_check_recipe_support(q: Any, original: Callable) -> Callable:
+def make_check_recipe_support(q: Any, original: Callable) -> Callable:
+    """The polyfill Dynamo traces for TE's ``quantization.check_recipe_support`` (``original``; ``q``: TE's
+    quantization module): under te_inductor a DelayedScaling recipe is checked for what the in-graph update
+    supports (:class:`DelayedScalingRefused`) and for fp8 support (``RuntimeError``) and not refused as TE's own
+    check refuses it under torch.compile; TE's check otherwise."""
     te_original = _copy_function(original)
 
     def check_recipe_support_polyfill(recipe):
@@ -210,15 +146,6 @@ def _make_check_recipe_support(q: Any, original: Callable) -> Callable:
         return te_original(recipe)
 
     return check_recipe_support_polyfill
-
-
-def polyfill_pairs() -> tuple[tuple[Callable, Callable], ...]:
-    """The ``(TE original, te_passes replacement)`` pairs installed (empty before
-    :func:`install_delayed_scaling` or when refused): ``check_recipe_support`` (a
-    ``torch.compiler.substitute_in_graph`` polyfill) and ``reduce_and_update_fp8_tensors``'s
-    function (rebound on ``FP8GlobalStateManager`` as a classmethod: Dynamo does not consult
-    substitutions for classmethods)."""
-    return _STATE["pairs"]
 
 
 def mark_delayed_state_static(owners: Any) -> int:
@@ -259,32 +186,3 @@ def mark_registered_state_static() -> int:
     for t in tensors:
         torch._dynamo.mark_static_address(t)
     return len(tensors)
-
-
-def install_delayed_scaling() -> bool:
-    """Register the update op and the replacements, once, when TE's quantization module is
-    loaded and its layout is the checked one. Returns whether they are in place; a refusal is
-    kept (:func:`refused_reason`) and logged once; then DelayedScaling compiles as without
-    te_passes (TE's error / eager islands)."""
-    with _LOCK:
-        if _STATE["installed"] or _STATE["refused"] is not None:
-            return _STATE["installed"]
-        q = te_module(TE_QUANTIZATION_MODULE)
-        if q is None:
-            return False
-        reason = layout_unchecked_reason(q)
-        if reason is not None:
-            _STATE["refused"] = reason
-            log.info("te_passes: DelayedScaling stays uncompiled: %s", reason)
-            return False
-        op = _register_update_op()
-        manager = q.FP8GlobalStateManager
-        original_update = manager.__dict__["reduce_and_update_fp8_tensors"].__func__
-        replacement = _make_reduce_and_update(original_update)
-        manager.reduce_and_update_fp8_tensors = classmethod(replacement)
-        original_check = q.check_recipe_support
-        polyfill = torch.compiler.substitute_in_graph(original_check, skip_signature_check=True)(
-            _make_check_recipe_support(q, original_check))
-        _STATE.update(op=op, installed=True, pairs=((original_check, polyfill),
-                                                     (original_update, replacement)))
-        return True

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from te_passes.compat import table
 from te_passes.compat.delayed_scaling import scaling as delayed_scaling
 from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, module_delayed_state
 from te_passes.te.module_init import forward_prepare_args
@@ -19,11 +20,15 @@ def quantization():
     return te_module(TE_QUANTIZATION_MODULE, import_te=True)
 
 
-#: attribute te_passes sets on each delayed-scaling ``Float8Quantizer``: ``(recipe state, index)``.
-TAG = "_te_passes_delayed"
+#: attribute te_passes stamps on each delayed-scaling ``Float8Quantizer``: ``(recipe state, index)``.
+TAG = table.register_stamp(
+    "_te_passes_delayed", "a DelayedScaling Float8Quantizer's (DelayedScalingRecipeState, slot): te.Linear's "
+    "op pair reads its scale / amax history there (TE's quantizer keeps only views of them)")
 #: Module attribute: ``id`` of the DelayedScaling recipe :func:`prepare_delayed_scaling` prepared the
 #: module (and every module under it) for.
-DELAYED_ATTR = "_te_passes_delayed_recipe"
+DELAYED_ATTR = table.register_stamp(
+    "_te_passes_delayed_recipe", "id of the DelayedScaling recipe prepare_delayed_scaling prepared a TE module for "
+    "(the untouched-model start callback prepares a module once per recipe)")
 
 
 #: fields that must be ``None`` / ``False`` here, with the reason named when they are not.
@@ -149,7 +154,7 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
                 m.init_fp8_metadata(num_gemms=args[0] if args else m.fp8_meta.get("num_gemms", 1))
     n = register_delayed_state(model)
     for m in model.modules():
-        m.__dict__[DELAYED_ATTR] = id(recipe)
+        table.stamp(m, DELAYED_ATTR, id(recipe))
     if static:
         delayed_scaling.mark_delayed_state_static(model)
     return n
@@ -163,14 +168,16 @@ def tag_module(m: Any) -> None:
             continue
         for i, q in enumerate(qs):
             if getattr(q, "scale", None) is not None and q.scale._base is state.scale:
-                setattr(q, TAG, (state, i))
+                table.stamp(q, TAG, (state, i))
 
 
 def make_quantizers_tagged(original):
+    """``DelayedScalingRecipeState.make_quantizers`` (TE's ``original``) that stamps :data:`TAG` on each
+    quantizer it makes: ``(the recipe state, slot)``."""
     def make_quantizers(self):
         qs = original(self)
         for i, q in enumerate(qs):
-            setattr(q, TAG, (self, i))
+            table.stamp(q, TAG, (self, i))
         return qs
 
     make_quantizers.__wrapped__ = original
