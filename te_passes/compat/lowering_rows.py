@@ -37,17 +37,6 @@ def _free_plan() -> list[Change]:
     return [Lowering(free.free_storage, _staged_lowering(L, free.free_storage, free.make_inductor_lowering()))]
 
 
-def _fallback_facts(L: Any, op: Any, constraint: Any) -> None:
-    """What ``torch._inductor.lowering.make_fallback(op, layout_constraint=constraint)`` records besides the
-    lowering (and Inductor records itself for every custom op it falls back to): ``op`` needs realized inputs,
-    its layout constraint (read by ``GraphLowering.run_node`` before it calls the lowering). Additive and
-    idempotent; not reverted (the table's :class:`~te_passes.compat.table.Lowering` sets the lowering only)."""
-    if op not in L.needs_realized_inputs:
-        L.add_needs_realized_inputs(op)
-    if constraint is not None and L.maybe_layout_constraints(op) is not constraint:
-        L.add_layout_constraint(op, constraint)
-
-
 def _direct_call_plan() -> list[Change]:
     from torch._inductor import lowering as L
     from torch._library.utils import get_layout_constraint_tag
@@ -67,9 +56,9 @@ def _direct_call_plan() -> list[Change]:
             log.info("te_passes: no direct-call lowering for %s: Inductor decomposes it", op)
             continue
         constraint = L.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
-        _fallback_facts(L, op, constraint)
         fallback = _staged_lowering(L, op, L.fallback_handler(op))
-        changes.append(Lowering(op, dl.make_lowering(op, fallback, constraint)))
+        changes.append(Lowering(op, dl.make_lowering(op, fallback, constraint), realized_inputs=True,
+                                layout_constraint=constraint))
     return changes
 
 

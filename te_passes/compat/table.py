@@ -57,10 +57,14 @@ class Substitute:
 @dataclasses.dataclass(frozen=True)
 class Lowering:
     """``torch._inductor.lowering.lowerings[op] = fn`` (Inductor's lowering table); reverted by restoring the
-    previous entry (or removing it)."""
+    previous entry (or removing it). ``realized_inputs`` / ``layout_constraint``: what Inductor's
+    ``make_fallback`` records besides the lowering (``add_needs_realized_inputs``, ``add_layout_constraint``,
+    read by ``GraphLowering.run_node``); removed again on revert when this change added them."""
 
     op: Any
     fn: Callable[..., Any]
+    realized_inputs: bool = False
+    layout_constraint: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +206,13 @@ def _apply(change: Change) -> Callable[[], None]:
 
         had = change.op in L.lowerings
         old = L.lowerings.get(change.op)
+        added_realized = change.realized_inputs and change.op not in L.needs_realized_inputs
+        constraints = getattr(L, "_maybe_layout_constraints", {})
+        added_constraint = change.layout_constraint is not None and change.op not in constraints
+        if added_realized:
+            L.add_needs_realized_inputs(change.op)
+        if added_constraint:
+            L.add_layout_constraint(change.op, change.layout_constraint)
         L.lowerings[change.op] = change.fn
 
         def undo_lowering() -> None:
@@ -211,6 +222,10 @@ def _apply(change: Change) -> Callable[[], None]:
                 L.lowerings[change.op] = old
             else:
                 del L.lowerings[change.op]
+            if added_realized:
+                L.needs_realized_inputs.discard(change.op)
+            if added_constraint:
+                constraints.pop(change.op, None)
         return undo_lowering
     raise TypeError(f"not a patch-table change: {change!r}")
 
