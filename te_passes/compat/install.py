@@ -8,10 +8,9 @@ import torch
 
 from te_passes.ops import constants, direct_lowering, free as free_op, fused_attn as fused_attn_op
 from te_passes.compat.delayed_scaling import linear as delayed_linear, scaling as delayed_scaling
-from te_passes.compat.autocast import recipe_state
+from te_passes.compat.autocast.rows import ROWS as AUTOCAST_ROWS
+from te_passes.compat.ub.rows import ROWS as UB_ROWS
 from te_passes.compat.untouched import polyfills as untouched, split as untouched_split
-from te_passes.compat.autocast.amax_groups import install_amax_group_hooks
-from te_passes.compat.ub.guard import install_te_ub_hooks
 from te_passes.compat import table
 from te_passes.compat.rows import ROWS
 
@@ -25,9 +24,10 @@ def install() -> bool:
     fused_attn_op.install_fused_attention_op()  # first, so the lowerings below cover its family; refusal kept
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
-    recipe_state.install_trace_hooks()  # refusal kept: trace_hook_refusal(), graphs then refused
+    table.install(AUTOCAST_ROWS)  # again: autocast.trace_hooks sweeps the fused_attn family registered above
     untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
-    settled = install_te_ub_hooks() & install_amax_group_hooks()
+    settled = all(table.is_active(r.name) or not table.refusal(r.name).startswith("pending")
+                  for r in (*UB_ROWS, *AUTOCAST_ROWS))  # ub.* / autocast.* rows: TE imported (or refused)
     # These rebind TE names (te.autocast's check, Linear's _linear_op, a recipe-state method) that a
     # trace may have read and guarded on: never while Dynamo compiles a frame (a backend call), only
     # at a compile's start or outside torch.compile; until then the start callback stays.
