@@ -224,12 +224,11 @@ def trace_hook_changes() -> list[table.Rebind]:
 
 
 def install_trace_hooks() -> bool:
-    """Apply row ``autocast.trace_hooks`` now (``table.install``: a sweep once it is active, so TE op families
+    """Apply row ``autocast.trace_hooks`` again (``table.install``: a sweep once it is active, so TE op families
     defined since are wrapped); returns whether it is active (``table.refusal`` says why not). For the untouched
-    polyfills, which register the fused_attn family themselves."""
-    from te_passes.compat.autocast.rows import ROWS  # noqa: PLC0415 - rows.py imports this module
-
-    table.install([r for r in ROWS if r.name == TRACE_HOOKS_ROW])
+    polyfills, which register the fused_attn family themselves; a no-op returning ``False`` before
+    :func:`te_passes.compat.install.install` gave the table its rows."""
+    table.install([r for r in table.rows() if r.name == TRACE_HOOKS_ROW])
     return table.is_active(TRACE_HOOKS_ROW)
 
 
