@@ -91,20 +91,25 @@ def test_revert_puts_te_objects_back_and_install_applies_again(reinstalled):
     assert _original(te_base.destroy_ub) is hooked["destroy_ub"].__te_passes_original__
 
 
-def test_ub_rows_sweep_a_te_module_imported_later(reinstalled):
-    orig = _original(te_base.get_ub_is_fp8)
+def test_ub_rows_cover_te_modules_loaded_before_and_after_they_are_applied(reinstalled):
+    """Applied anew, a row rebinds every loaded TE module holding TE's function; a TE module imported after that
+    takes the drop-in from module/base.py (why the ub rows are not sweeps)."""
+    table.revert(["ub.get_ub_is_fp8"])
+    orig = te_base.get_ub_is_fp8
+    early = types.ModuleType("transformer_engine._te_passes_test_early")
+    early.get_ub_is_fp8 = orig  # a TE module that imported TE's function before te_passes
+    sys.modules[early.__name__] = early
     late = types.ModuleType("transformer_engine._te_passes_test_late")
-    late.get_ub_is_fp8 = orig  # a TE module that imported TE's function (it could not see ours)
-    sys.modules[late.__name__] = late
     try:
-        before = {s.name: s.changes for s in table.status()}["ub.get_ub_is_fp8"]
         table.install(ub_rows.ROWS)
+        assert early.get_ub_is_fp8 is te_base.get_ub_is_fp8 is te_linear.get_ub_is_fp8
+        assert early.get_ub_is_fp8.__te_passes_original__ is orig
+        exec("from transformer_engine.pytorch.module.base import get_ub_is_fp8", late.__dict__)  # noqa: S102
         assert late.get_ub_is_fp8 is te_base.get_ub_is_fp8
-        assert {s.name: s.changes for s in table.status()}["ub.get_ub_is_fp8"] == before + 1
         table.revert(["ub.get_ub_is_fp8"])
-        assert late.get_ub_is_fp8 is orig and te_base.get_ub_is_fp8 is orig
+        assert early.get_ub_is_fp8 is orig and te_base.get_ub_is_fp8 is orig
     finally:
-        del sys.modules[late.__name__]
+        del sys.modules[early.__name__]
 
 
 def test_trace_hooks_row_sweeps_a_te_op_family_defined_later(reinstalled):

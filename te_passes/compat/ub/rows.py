@@ -1,7 +1,9 @@
 """The patch-table rows of the UB capability (:class:`te_passes.compat.table.Row`), in install order.
 
 ``ub.initialize_ub`` / ``ub.destroy_ub`` / ``ub.get_ub_is_fp8`` rebind TE's UB functions in every loaded TE
-module that holds them (sweeps: TE modules imported later too); :data:`COMPILER_RESET` is not in the registry:
+module that holds them. Not sweeps: a TE module imported later takes the function from ``module/base.py``, which
+holds the drop-in by then (and a sweep would scan ``sys.modules`` at every compile). :data:`COMPILER_RESET` is not
+in the registry:
 :mod:`te_passes.compat.ub.reinit` applies it for the length of a ``with`` block only.
 See docs/internals.md#te_passescompatubrowspy."""
 
@@ -28,8 +30,7 @@ def te_modules() -> list[Any]:
 
 def rebind_everywhere(name: str, build: Callable[[Callable], Callable]) -> list[Rebind]:
     """One :class:`Rebind` per loaded TE module whose ``name`` is TE's ``module/base.py`` function ``name`` (the
-    original, also when the row is active: then the modules that imported it since are found), to
-    ``build(original)`` (or the drop-in ``base`` already holds).
+    original), to ``build(original)`` (or the drop-in ``base`` already holds).
 
     Raises:
         Refused: ``"pending: ..."`` while TE's ``module/base.py`` is not imported (:func:`table.install` tries again).
@@ -47,7 +48,7 @@ def _after() -> None:
     guard.recapture()
 
 
-_COMMON = dict(kind="rebind", te=TE, torch=TORCH, after=_after, sweep=True)
+_COMMON = dict(kind="rebind", te=TE, torch=TORCH, after=_after)
 
 ROWS: tuple[Row, ...] = (
     Row(name="ub.initialize_ub",
