@@ -67,7 +67,7 @@ def main() -> None:
             x.input_quantizer.set_usage(rowwise=True, columnwise=False)
             return x
 
-        def wrapped(name):  # what install_amax_group_hooks builds for TE's impl ``name``
+        def wrapped(name):  # what row autocast.linear_impls builds for TE's impl ``name``
             return amax_groups._wrap_impl(impl, amax_groups.PER_CALL_GROUP_FIELDS[name],
                                           quantizer_usage.PER_CALL_USAGE_FIELDS[name], quantizer_usage.WEIGHT_FIELD[name])
         fwd, bwd = wrapped("_linear_forward_impl"), wrapped("_linear_backward_impl")

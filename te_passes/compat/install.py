@@ -7,10 +7,7 @@ from __future__ import annotations
 import torch
 
 from te_passes.ops import fused_attn as fused_attn_op
-from te_passes.compat.autocast import recipe_state
 from te_passes.compat.untouched import polyfills as untouched, split as untouched_split
-from te_passes.compat.autocast.amax_groups import install_amax_group_hooks
-from te_passes.compat.ub.guard import install_te_ub_hooks
 from te_passes.compat import table
 from te_passes.compat.rows import ROWS
 
@@ -21,9 +18,8 @@ def install() -> bool:
     Transformer Engine is not imported yet; the backend's Dynamo start callback retries until then)."""
     fused_attn_op.install_fused_attention_op()  # our op family (TE's register_custom_op), before the lowering rows
     table.install(ROWS)  # the patch table (te_passes.compat.rows); the calls below are not rows yet
-    recipe_state.install_trace_hooks()  # refusal kept: trace_hook_refusal(), graphs then refused
     untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
-    settled = install_te_ub_hooks() & install_amax_group_hooks()
+    settled = True
     # These rebind TE names (te.autocast's check, Linear's _linear_op, a recipe-state method) that a
     # trace may have read and guarded on: never while Dynamo compiles a frame (a backend call), only
     # at a compile's start or outside torch.compile; until then the start callback stays.

@@ -15,12 +15,15 @@ from torch.fx.node import map_arg
 from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
+from te_passes.compat import table
 from te_passes.compat.ub import guard as guards
 from te_passes.compat.ub import graph_guard as ub_graph_guard
 from te_passes.te.ub import UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import describe_ub_query, find_ub_queries
 from te_passes.te.ub_rules import check_linear_ub_config, ub_flags_set
 
+#: The patch-table row whose absence leaves TE's own (unguarded) get_ub_is_fp8 folds in a Dynamo graph.
+UB_FP8_ROW = "ub.get_ub_is_fp8"
 #: Pure functions whose call nodes are folded once all their arguments are constants.
 _PURE_FOLDABLE = frozenset({
     operator.not_, operator.truth, operator.eq, operator.ne, operator.and_, operator.or_,
@@ -121,10 +124,11 @@ class FoldUbPredicates(TEPass):
 
         # 3. TE op UB configurations.
         self._check_te_ops(gm, snap, records, checks)
-        if checks and ctx.stage is Stage.DYNAMO and not guards.te_ub_hooks_installed():
-            reason = ("TE's UB hooks were not installed when Dynamo traced this graph (transformer_engine "
-                      "was imported after torch.compile(backend='te_inductor') was called): get_ub_is_fp8 "
-                      "values folded by TE in this frame are not guarded; import transformer_engine first")
+        if checks and ctx.stage is Stage.DYNAMO and not table.is_active(UB_FP8_ROW):
+            reason = (f"TE's UB hooks were not installed when Dynamo traced this graph (patch {UB_FP8_ROW}: "
+                      f"{table.refusal(UB_FP8_ROW)}; e.g. transformer_engine was imported after "
+                      "torch.compile(backend='te_inductor') was called): get_ub_is_fp8 values folded by TE in "
+                      "this frame are not guarded; import transformer_engine first")
             warnings.warn(f"te_passes: graph {ctx.graph_id}: {reason}", RuntimeWarning, stacklevel=2)
             records.append(PassRecord("skipped", None, {"reason": reason}))
 

@@ -49,14 +49,15 @@ def stand_in_impls(monkeypatch, linear, forward, backward):
     """``forward`` / ``backward`` in place of TE's ``linear._linear_forward_impl`` /
     ``_linear_backward_impl``, wrapped by te_passes' real hook install (its result asserted); on
     exit the hooks come off, the monkeypatches are undone and the hooks go back on TE's real impls."""
+    import _rows
     from te_passes.compat.autocast import amax_groups
 
     monkeypatch.setattr(linear, "_linear_forward_impl", forward)
     monkeypatch.setattr(linear, "_linear_backward_impl", backward)
-    assert amax_groups.install_amax_group_hooks()
+    assert _rows.on(amax_groups.ROW)
     try:
         yield
     finally:
-        amax_groups.uninstall_amax_group_hooks()
+        _rows.off(amax_groups.ROW)
         monkeypatch.undo()
-        amax_groups.install_amax_group_hooks(import_te=True)
+        _rows.on(amax_groups.ROW)

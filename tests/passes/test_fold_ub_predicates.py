@@ -27,7 +27,8 @@ from te_passes.passes.fold_ub_predicates import FoldUbPredicates  # noqa: E402
 from te_passes.pipeline.manager import TePassError  # noqa: E402
 from te_passes.passes.order import pass_names  # noqa: E402
 from te_passes.report import CompileReport, StageReport, PassRun  # noqa: E402
-from te_passes.compat.ub import guard as guards  # noqa: E402
+from te_passes.compat import table  # noqa: E402
+from te_passes.compat.ub import guard as guards, rows as ub_rows  # noqa: E402
 from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
 from te_passes.testing.harness import pass_context  # noqa: E402
@@ -191,8 +192,8 @@ def _graph(build):
 
 
 def _te_original(name):
-    guards.install_te_ub_hooks()
-    return guards._STATE.originals.get(name, getattr(te_base, name))
+    fn = getattr(te_base, name)
+    return getattr(fn, "__te_passes_original__", fn)
 
 
 FORMS = [
@@ -568,14 +569,16 @@ def test_real_linear_aot_graphs_checked_at_post_grad():
 def test_warns_when_traced_before_hooks_were_installed():
     with ub_registry(QKV):
         gm, _, _ = capture_ub_linear("fp8-cs", **COLUMN)
-        guards.uninstall_te_ub_hooks()
+        table.revert(["ub.get_ub_is_fp8"])
         try:
-            with pytest.warns(RuntimeWarning, match="UB hooks were not installed when Dynamo traced this graph"):
+            with pytest.warns(RuntimeWarning, match=r"UB hooks were not installed when Dynamo traced this graph "
+                                                    r"\(patch ub.get_ub_is_fp8: pending: reverted;"):
                 res, _ = run_pass(gm)
             # A pass changes no process state (issue 12): te_inductor's compat.install() hooks later traces.
-            assert not guards.te_ub_hooks_installed()
+            assert not table.is_active("ub.get_ub_is_fp8")
         finally:
-            guards.install_te_ub_hooks()
+            table.install(ub_rows.ROWS)
+        assert table.is_active("ub.get_ub_is_fp8")
     assert [r["kind"] for r in records(res)] == ["ub_check", "skipped"]
 
 

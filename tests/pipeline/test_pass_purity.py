@@ -31,6 +31,7 @@ from te_passes.config import TePassesOptions  # noqa: E402
 from te_passes.pipeline.base import Stage  # noqa: E402
 from te_passes.passes.order import pass_names  # noqa: E402
 from te_passes.ops import constants  # noqa: E402
+from te_passes.compat import table  # noqa: E402
 from te_passes.compat.ub import guard as ub_guard
 from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
 from te_passes.compat.install import install  # noqa: E402
@@ -83,7 +84,7 @@ def _process_state() -> dict:
     return {
         "ub_token": ub_guard.UB_STATE_TOKEN,
         "ub_generation": st.generation,
-        "ub_hooks": (st.hooks_installed, dict(st.originals), dict(st.replacements)),
+        "patch_table": [(s.name, s.active, s.changes, s.reason) for s in table.status()],
         "ub_frame_tokens": dict(st.frame_tokens),
         "ub_pending_trace_folds": {k: list(v) for k, v in ub_guard._PENDING_TRACE_FOLDS.items()},
         "ub_guard_stats": dict(ub_guard.guard_stats),

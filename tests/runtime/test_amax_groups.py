@@ -16,7 +16,10 @@ from unittest import mock
 import pytest
 import torch
 
+from te_passes.compat import table
 from te_passes.testing.capture import capture_skip_reason
+
+import _rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
@@ -34,7 +37,7 @@ def hooks():
     from te_passes.compat.autocast import amax_groups
 
     yield amax_groups
-    amax_groups.install_amax_group_hooks(import_te=True)
+    _rows.on(amax_groups.ROW)
 
 
 class _SP:
@@ -139,7 +142,7 @@ def test_sweep_without_torch_distributed_is_a_no_op(hooks):
 # ------------------------------------------------------------------------- the reproduction
 @pytest.mark.parametrize("backend", ["inductor", "eager"])
 def test_first_trace_after_eager_step_fails_without_te_passes_hooks(sp, hooks, backend):
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     m = sp("column")
     m.eager_step()
     assert hooks.holds_process_group(m.quantizer("input")), "TE's eager forward left no group"
@@ -148,7 +151,7 @@ def test_first_trace_after_eager_step_fails_without_te_passes_hooks(sp, hooks, b
 
 
 def test_row_parallel_first_trace_fails_on_the_group_guard_without_hooks(sp, hooks):
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     m = sp("row")
     m.eager_step()
     m.backward_leftover()
@@ -174,7 +177,7 @@ def test_te_inductor_first_call_compiles_after_eager_step_before_te_passes_loade
     whose sweep releases the leftover group, and the first trace compiles."""
     from te_passes.te import graph_model
 
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     m = sp(parallel_mode)
     m.eager_step()
     if parallel_mode == "row":
@@ -182,7 +185,7 @@ def test_te_inductor_first_call_compiles_after_eager_step_before_te_passes_loade
     sticky = m.quantizer("input" if parallel_mode == "column" else "grad_output")
     assert hooks.holds_process_group(sticky)
 
-    assert hooks.install_amax_group_hooks()  # what importing te_passes.backend does
+    assert _rows.on(hooks.ROW)  # what importing te_passes.backend does
     assert hooks.hook_stats()["released_at_install"] == 1
     assert not hooks.holds_process_group(sticky)
 
@@ -205,7 +208,7 @@ def test_hooks_release_the_group_after_each_eager_call_and_guards_never_see_it(s
 
     (The usage flags TE's eager impl leaves are put back by the same wrappers: issue 17,
     tests/runtime/test_usage_flags.py; on the GPU benchmarks/sp_fp8_tp2.py's alternation check.)"""
-    assert hooks.install_amax_group_hooks()
+    assert _rows.on(hooks.ROW)
     m = sp("column")
     before = hooks.hook_stats()["released_after_calls"]
     m.eager_step()
@@ -231,7 +234,7 @@ def test_without_hooks_each_eager_step_rearms_the_failure_after_a_good_compile(s
     import te_passes.backend as backend
 
     monkeypatch.setattr(backend, "_install_te_hooks", lambda *a: False)  # te_inductor re-installs per call
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     m = sp("column")
     m.eager_step()
     hooks.release_group(m.quantizer("input"))
@@ -291,15 +294,17 @@ def test_unsafe_reason_refuses_impls_that_do_not_reapply_the_group(hooks):
 def test_install_refuses_and_says_why_when_te_layout_changed(hooks, monkeypatch, caplog):
     import sys
 
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     linear = sys.modules[hooks.TE_LINEAR_MODULE]
     monkeypatch.setattr(linear, "_linear_backward_impl", lambda args: None)
     with caplog.at_level("WARNING", logger="te_passes"):
-        assert not hooks.install_amax_group_hooks()
-    assert "no longer calls set_quantizer_amax_reduction_group" in hooks.refused_reason()
+        assert not _rows.on(hooks.ROW)
+    assert "no longer calls set_quantizer_amax_reduction_group" in table.refusal(hooks.ROW)
     assert any("not wrapping TE's Linear impls" in r.getMessage() for r in caplog.records)
+    assert linear._linear_forward_impl is not None and not getattr(linear._linear_forward_impl, "_te_passes_amax_hook",
+                                                                   False)
     monkeypatch.undo()
-    assert hooks.install_amax_group_hooks() and hooks.refused_reason() is None
+    assert _rows.on(hooks.ROW) and table.refusal(hooks.ROW) is None
 
 
 def test_backend_installs_the_hooks_on_import_and_wraps_te_impls(hooks):
@@ -308,8 +313,8 @@ def test_backend_installs_the_hooks_on_import_and_wraps_te_impls(hooks):
     import te_passes.backend  # noqa: F401
 
     linear = sys.modules[hooks.TE_LINEAR_MODULE]
-    assert hooks.amax_group_hooks_installed()
+    assert table.is_active(hooks.ROW)
     assert getattr(linear._linear_forward_impl, "_te_passes_amax_hook", False)
     assert getattr(linear._linear_backward_impl, "_te_passes_amax_hook", False)
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     assert not getattr(linear._linear_forward_impl, "_te_passes_amax_hook", False)

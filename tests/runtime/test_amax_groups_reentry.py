@@ -25,6 +25,7 @@ import torch
 from te_passes.testing.capture import capture_skip_reason
 
 from _overlap import b_runs_inside_a, stand_in_impls  # noqa: E402
+import _rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
@@ -57,7 +58,7 @@ def stub_impls(monkeypatch):
     linear = sys.modules.get(amax_groups.TE_LINEAR_MODULE)
     if linear is None:
         import transformer_engine.pytorch.module.linear as linear  # noqa: F811
-    amax_groups.uninstall_amax_group_hooks()
+    _rows.off(amax_groups.ROW)
     body = {}
 
     def _linear_forward_impl(args):  # stands in for TE's: sets the group first, like linear.py:448
@@ -191,9 +192,10 @@ def test_te_imported_after_te_passes_gets_hooks_and_sweep_at_first_dynamo_compil
         import sys, torch, torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         import te_passes.backend
+        from te_passes.compat import table
         from te_passes.compat.autocast import amax_groups as ag
         assert "transformer_engine.pytorch.module.linear" not in sys.modules
-        assert not ag.amax_group_hooks_installed()
+        assert not table.is_active(ag.ROW) and table.refusal(ag.ROW).startswith("pending"), table.refusal(ag.ROW)
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         import transformer_engine.pytorch as te
         from transformer_engine.pytorch.module import linear

@@ -27,6 +27,11 @@ from te_passes.compat.ub.guard import UbStateChanged  # noqa: E402
 from te_passes.compat.ub.graph_guard import UbCheckSpec, UbDependence, UbGuard, make_guarded  # noqa: E402
 from te_passes.te.ub import UbConfigError, UbSnapshot  # noqa: E402
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
+from te_passes.compat import table  # noqa: E402
+from te_passes.compat.ub import rows as ub_rows  # noqa: E402
+import _rows  # noqa: E402
+
+UB_ROWS = ("ub.initialize_ub", "ub.destroy_ub", "ub.get_ub_is_fp8")
 
 pytestmark = pytest.mark.te
 
@@ -51,7 +56,7 @@ def n_compiles():
 
 
 def test_hooks_installed_in_te_modules():
-    assert guards.te_ub_hooks_installed()
+    assert [(r.name, table.is_active(r.name)) for r in ub_rows.ROWS] == [(n, True) for n in UB_ROWS]
     assert te_linear.get_ub_is_fp8 is te_base.get_ub_is_fp8
     assert te_base.get_ub_is_fp8.__te_passes_original__.__module__ == "transformer_engine.pytorch.module.base"
     assert te_base.destroy_ub.__te_passes_original__.__name__ == "destroy_ub"
@@ -65,12 +70,13 @@ def test_hooks_installed_in_te_modules():
 def test_uninstall_restores_te_functions():
     hooked = te_base.get_ub_is_fp8
     orig = hooked.__te_passes_original__
-    guards.uninstall_te_ub_hooks()
+    _rows.off(*UB_ROWS)
     try:
         assert te_base.get_ub_is_fp8 is orig and te_linear.get_ub_is_fp8 is orig
         assert getattr(orig, "_dynamo_marked_constant", False)  # TE's assume_constant_result
+        assert not hasattr(te_base.destroy_ub, "__te_passes_original__")
     finally:
-        guards.install_te_ub_hooks()
+        assert all(_rows.on(n) for n in UB_ROWS)
     assert te_linear.get_ub_is_fp8 is not orig
 
 
@@ -240,7 +246,7 @@ def test_reinitialize_ub_keeps_unrelated_graphs(monkeypatch):
             comms[("proj_fprop", m)] = C(fp8_ubuf=False, tp_size=tp_size)
         te_base._ub_communicators, te_base._ub_initialized = comms, True
 
-    monkeypatch.setattr(te_base, "initialize_ub", guards._wrap_state_change(fake_initialize_ub))
+    monkeypatch.setattr(te_base, "initialize_ub", guards.state_change_hook(fake_initialize_ub))
     with mock.patch.object(torch.compiler, "reset", wraps=torch.compiler.reset) as reset:
         snap = ub.reinitialize_ub([64, 32], 2, quantization_modes=[te_base.UserBufferQuantizationMode.FP8,
                                                                    te_base.UserBufferQuantizationMode.NONE])
@@ -381,9 +387,9 @@ def test_real_te_linear_recompiles_only_when_its_ub_answer_changes(hooked):
 
     fp8_rs = {("proj_fprop", "fp8"): C(fp8_ubuf=True), ("proj_dgrad", "fp8"): C(fp8_ubuf=True)}
     if not hooked:
-        guards.uninstall_te_ub_hooks()
+        _rows.off(*UB_ROWS)
     with contextlib.ExitStack() as restore:
-        restore.callback(guards.install_te_ub_hooks)
+        restore.callback(lambda: [_rows.on(n) for n in UB_ROWS])
         restore.enter_context(fake_gpu("fp8-cs"))
         restore.enter_context(ub_registry(fp8_rs))
         mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -28,6 +28,7 @@ from te_passes.compat.autocast import quantizer_usage
 from te_passes.testing.capture import capture_skip_reason
 
 from _overlap import b_runs_inside_a, stand_in_impls  # noqa: E402
+import _rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(capture_skip_reason() is not None, reason=str(capture_skip_reason()))
 
@@ -43,23 +44,23 @@ def group(fake_tp_group):
 def hooks():
     from te_passes.compat.autocast import amax_groups
 
-    amax_groups.install_amax_group_hooks(import_te=True)
+    _rows.on(amax_groups.ROW)
     yield amax_groups
-    amax_groups.uninstall_amax_group_hooks()
-    amax_groups.install_amax_group_hooks(import_te=True)
+    _rows.off(amax_groups.ROW)
+    _rows.on(amax_groups.ROW)
 
 
 @pytest.fixture
 def no_usage_restore(hooks, monkeypatch):
     """The hooks installed as if the usage audit had failed: groups released, flags left as is."""
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     monkeypatch.setattr(hooks, "usage_unsafe_reason", lambda mod: "test: usage restore off")
-    assert hooks.install_amax_group_hooks()
+    assert _rows.on(hooks.ROW)
     assert not hooks.usage_restore_installed()
     yield hooks
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     monkeypatch.undo()
-    hooks.install_amax_group_hooks(import_te=True)
+    _rows.on(hooks.ROW)
 
 
 def _layer(parallel_mode, group, precision="fp8-cs", sequence_parallel=True):
@@ -263,7 +264,7 @@ def stub_impls(monkeypatch):
     from te_passes.compat.autocast import amax_groups
 
     import transformer_engine.pytorch.module.linear as linear
-    amax_groups.uninstall_amax_group_hooks()
+    _rows.off(amax_groups.ROW)
     body = {}
 
     def _linear_forward_impl(args):
@@ -401,19 +402,19 @@ def test_usage_unsafe_reason_names_the_call_sites_that_changed(hooks):
 def test_install_keeps_the_group_release_but_not_the_usage_restore_when_the_audit_fails(hooks, monkeypatch, caplog):
     import transformer_engine.pytorch.module.linear as linear
 
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     audited = {k: dict(v) for k, v in quantizer_usage.AUDITED_USAGE_CALLS.items()}
     audited["_linear_backward_impl"]["set_usage"] = (*audited["_linear_backward_impl"]["set_usage"], 9999)
     monkeypatch.setattr(quantizer_usage, "AUDITED_USAGE_CALLS", audited)
     with caplog.at_level("WARNING", logger="te_passes"):
-        assert hooks.install_amax_group_hooks()
+        assert _rows.on(hooks.ROW)
     assert "_linear_backward_impl no longer has the audited usage-setting calls" in hooks.usage_refused_reason()
     assert any("not restoring TE quantizer usage flags" in r.getMessage() for r in caplog.records)
     assert getattr(linear._linear_forward_impl, "_te_passes_amax_hook", False)
     assert not hooks.usage_restore_installed()
     assert hooks.hook_stats()["usage_refused"] == hooks.usage_refused_reason()
-    hooks.uninstall_amax_group_hooks()
+    _rows.off(hooks.ROW)
     monkeypatch.undo()
-    assert hooks.install_amax_group_hooks() and hooks.usage_refused_reason() is None
+    assert _rows.on(hooks.ROW) and hooks.usage_refused_reason() is None
     assert hooks.usage_restore_installed()
 

@@ -4,7 +4,6 @@ See docs/internals.md#te_passescompatautocastamax_groupspy."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import sys
@@ -12,6 +11,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 from te_passes._logging import get_logger
+from te_passes.compat import table
 from te_passes.compat.autocast.quantizer_usage import (  # noqa: F401 - AUDITED_USAGE_CALLS: re-exported
     USAGE_IN_FLIGHT, WEIGHT_FIELD, AUDITED_USAGE_CALLS, PER_CALL_USAGE_FIELDS, impl_code, usage_targets,
     usage_unsafe_reason)
@@ -37,20 +37,17 @@ LINEAR_QUANTIZER_SLOTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-@dataclasses.dataclass
-class _HookState:
-    installed: bool = False
-    originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
-    replacements: dict[str, Callable] = dataclasses.field(default_factory=dict)
-    refused: str | None = None      # why the hooks were not installed (TE layout not understood)
-    released_at_install: int = 0    # groups the install-time sweep released
-    released_after_calls: int = 0   # groups released after wrapped impl calls (process total)
-    usage_refused: str | None = None  # why usage flags are not restored (TE code not as audited)
-    usage_restored_after_calls: int = 0  # quantizers whose usage flags a call's end put back
+#: The patch-table row that wraps the impls (:mod:`te_passes.compat.autocast.rows`).
+ROW = "autocast.linear_impls"
+#: Process totals: groups the install-time sweep released (``released_at_install``), groups released after
+#: wrapped impl calls (``released_after_calls``), quantizers whose usage flags a call's end put back
+#: (``usage_restored_after_calls``).
+stats: dict[str, int] = {"released_at_install": 0, "released_after_calls": 0, "usage_restored_after_calls": 0}
+#: Marker on the wrappers (our own functions): the usage-flag fields they restore, and why none (or ``None``).
+USAGE_FIELDS_ATTR = "_te_passes_usage_fields"
+USAGE_REFUSED_ATTR = "_te_passes_usage_refused"
 
 
-_STATE = _HookState()
-_LOCK = threading.Lock()
 #: Guards :data:`_IN_FLIGHT` and every release of a per-call group (wrappers and sweep).
 _CALLS_LOCK = threading.Lock()
 #: ``id(quantizer TE's setter writes to)`` -> ``[wrapped impl calls now running with it (all threads),
@@ -172,17 +169,17 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
                 for q, t, before in last:
                     if before is None:
                         if release_group(q):
-                            _STATE.released_after_calls += 1
+                            stats["released_after_calls"] += 1
                     elif getattr(t, "amax_reduction_group", None) is not before:
                         _setter()(q, before)
                 for t, (row, col) in last_usage:
                     if (row is not None and col is not None
                             and (t.rowwise_usage, t.columnwise_usage) != (row, col)):
                         t.set_usage(rowwise=row, columnwise=col)  # TE's Quantizer.set_usage
-                        _STATE.usage_restored_after_calls += 1
+                        stats["usage_restored_after_calls"] += 1
 
-    impl._te_passes_amax_hook = True  # type: ignore[attr-defined]
-    impl._te_passes_usage_fields = usage_fields  # type: ignore[attr-defined]
+    impl._te_passes_amax_hook = True  # type: ignore[attr-defined]  # our own function (quantizer_usage.impl_code)
+    impl._te_passes_usage_fields = usage_fields  # type: ignore[attr-defined]  # USAGE_FIELDS_ATTR
     return impl
 
 
@@ -228,84 +225,63 @@ def sweep_live_linear_modules(modules: Iterable[Any] | None = None) -> int:
     return released
 
 
-def install_amax_group_hooks(*, import_te: bool = False) -> bool:
-    """Wrap TE's Linear impls and sweep live modules (idempotent). Returns whether installed."""
-    if _STATE.installed:
-        return True
-    mod = te_module(TE_LINEAR_MODULE, import_te=import_te)
+def linear_impl_changes() -> list[table.Rebind]:
+    """The plan of row ``autocast.linear_impls``: wrap ``module/linear.py``'s :data:`PER_CALL_GROUP_FIELDS` impls
+    (:func:`_wrap_impl`), restoring usage flags too unless :func:`usage_unsafe_reason` (then with a warning).
+
+    Raises:
+        table.Refused: ``"pending: ..."`` while TE's ``module/linear.py`` is not imported; :func:`unsafe_reason`
+            (logged as a warning: an eager step before the first compile of a sequence-parallel fp8 te.Linear
+            can then make that trace fail)."""
+    mod = te_module(TE_LINEAR_MODULE)
     if mod is None:
-        return False
-    with _LOCK:
-        if _STATE.installed:
-            return True
-        reason = unsafe_reason(mod)
-        if reason is not None:
-            if _STATE.refused != reason:
-                log.warning("te_passes: not wrapping TE's Linear impls (%s); an eager step before "
-                            "the first compile of a sequence-parallel fp8 te.Linear can make that "
-                            "trace fail", reason)
-            _STATE.refused = reason
-            return False
-        usage_reason = usage_unsafe_reason(mod)
-        if usage_reason is not None and _STATE.usage_refused != usage_reason:
-            log.warning("te_passes: not restoring TE quantizer usage flags after eager Linear calls "
-                        "(%s); alternating eager and compiled steps of one module may recompile",
-                        usage_reason)
-        _STATE.usage_refused = usage_reason
-        originals = {n: getattr(mod, n) for n in PER_CALL_GROUP_FIELDS}
-        replacements = {n: _wrap_impl(f, PER_CALL_GROUP_FIELDS[n],
-                                      PER_CALL_USAGE_FIELDS[n] if usage_reason is None else (),
-                                      WEIGHT_FIELD[n])
-                        for n, f in originals.items()}
-        for n, f in replacements.items():
-            setattr(mod, n, f)
-        _STATE.originals, _STATE.replacements = originals, replacements
-        _STATE.installed, _STATE.refused = True, None
-    _STATE.released_at_install = sweep_live_linear_modules()
-    if _STATE.released_at_install:
+        raise table.Refused(f"pending: {TE_LINEAR_MODULE} is not imported yet")
+    reason = unsafe_reason(mod)
+    if reason is not None:
+        log.warning("te_passes: not wrapping TE's Linear impls (%s); an eager step before the first compile of a "
+                    "sequence-parallel fp8 te.Linear can make that trace fail", reason)
+        raise table.Refused(reason)
+    usage_reason = usage_unsafe_reason(mod)
+    if usage_reason is not None:
+        log.warning("te_passes: not restoring TE quantizer usage flags after eager Linear calls (%s); alternating "
+                    "eager and compiled steps of one module may recompile", usage_reason)
+    changes = []
+    for n, fields in PER_CALL_GROUP_FIELDS.items():
+        impl = _wrap_impl(getattr(mod, n), fields, PER_CALL_USAGE_FIELDS[n] if usage_reason is None else (),
+                          WEIGHT_FIELD[n])
+        impl._te_passes_usage_refused = usage_reason  # type: ignore[attr-defined]  # USAGE_REFUSED_ATTR (ours)
+        changes.append(table.Rebind(mod, n, impl))
+    return changes
+
+
+def release_at_install() -> None:
+    """Row ``autocast.linear_impls``' after-install step: :func:`sweep_live_linear_modules` (count in
+    :data:`stats` ``["released_at_install"]``, logged)."""
+    stats["released_at_install"] = sweep_live_linear_modules()
+    if stats["released_at_install"]:
         log.info("te_passes: released %d amax-reduction group(s) left on te.Linear quantizers by "
-                 "earlier eager steps", _STATE.released_at_install)
-    return True
+                 "earlier eager steps", stats["released_at_install"])
 
 
-def uninstall_amax_group_hooks() -> None:
-    """Restore TE's impls where :func:`install_amax_group_hooks` rebound them (tests, debugging)."""
-    with _LOCK:
-        if not _STATE.installed:
-            return
-        mod = sys.modules.get(TE_LINEAR_MODULE)
-        if mod is not None:
-            for n, orig in _STATE.originals.items():
-                if getattr(mod, n, None) is _STATE.replacements.get(n):
-                    setattr(mod, n, orig)
-        _STATE.installed = False
-        _STATE.originals, _STATE.replacements = {}, {}
-
-
-def amax_group_hooks_installed() -> bool:
-    """Whether :func:`install_amax_group_hooks` is in effect."""
-    return _STATE.installed
-
-
-def refused_reason() -> str | None:
-    """Why the last :func:`install_amax_group_hooks` refused, or ``None``."""
-    return _STATE.refused
+def _live_impls() -> list[Any]:
+    mod = sys.modules.get(TE_LINEAR_MODULE)
+    return [getattr(mod, n, None) for n in PER_CALL_USAGE_FIELDS] if mod is not None else []
 
 
 def usage_refused_reason() -> str | None:
-    """Why the installed wrappers do not restore usage flags (:func:`usage_unsafe_reason`), or ``None``."""
-    return _STATE.usage_refused
+    """Why the wrappers in place do not restore usage flags (:func:`usage_unsafe_reason` when they were built),
+    or ``None`` (also while row ``autocast.linear_impls`` is not active: ``table.refusal`` says why)."""
+    return next((r for f in _live_impls() if (r := getattr(f, USAGE_REFUSED_ATTR, None))), None)
 
 
 def usage_restore_installed() -> bool:
-    """Whether the installed wrappers put quantizer usage flags back after each eager call."""
-    mod = sys.modules.get(TE_LINEAR_MODULE)
-    return bool(_STATE.installed and mod is not None and all(
-        getattr(getattr(mod, n, None), "_te_passes_usage_fields", ()) for n in PER_CALL_USAGE_FIELDS))
+    """Whether the wrappers in place put quantizer usage flags back after each eager call."""
+    impls = _live_impls()
+    return table.is_active(ROW) and bool(impls) and all(getattr(f, USAGE_FIELDS_ATTR, ()) for f in impls)
 
 
 def hook_stats() -> dict[str, Any]:
-    """``{"installed", "refused", "released_at_install", "released_after_calls",
-    "usage_refused", "usage_restored_after_calls"}`` (process totals)."""
-    return {k: getattr(_STATE, k) for k in ("installed", "refused", "released_at_install", "released_after_calls",
-                                            "usage_refused", "usage_restored_after_calls")}
+    """:data:`stats` with ``"installed"`` (row ``autocast.linear_impls`` active), ``"refused"``
+    (``table.refusal``) and ``"usage_refused"`` (:func:`usage_refused_reason`): process totals."""
+    return {"installed": table.is_active(ROW), "refused": table.refusal(ROW), **stats,
+            "usage_refused": usage_refused_reason()}

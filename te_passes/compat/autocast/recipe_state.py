@@ -5,12 +5,12 @@ See docs/internals.md#te_passescompatautocastrecipe_statepy and docs/design.md "
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
 
 from te_passes._logging import get_logger
+from te_passes.compat import table
 from te_passes.fx.graph import op_qualname
 from te_passes.te.graph_model import TE_OP_NAMESPACE, UnknownTEOp, decode
 from te_passes.ops.te_base import DirectCallUnavailable, resolve_base_impl
@@ -21,8 +21,11 @@ log = get_logger()
 
 #: ``node.meta`` key of the :class:`TracedAutocast` recorded for a TE op node while Dynamo traced it.
 META_KEY = "te_passes_autocast"
-#: Attribute set on our fake-kernel wrappers (idempotent install, tests).
-_HOOK_ATTR = "_te_passes_autocast_hook"
+#: The patch-table row that wraps the fake kernels (:mod:`te_passes.compat.autocast.rows`).
+TRACE_HOOKS_ROW = "autocast.trace_hooks"
+#: Marker on the fake kernels of TE ops that this module wraps (:func:`te_passes.compat.table.stamp`).
+HOOK_ATTR = table.register_stamp("_te_passes_autocast_hook", "a TE op's fake kernel that records the te.autocast "
+                                 "state where Dynamo traced the op (compat.autocast.recipe_state)")
 
 
 class RecipeStateError(RuntimeError):
@@ -163,23 +166,17 @@ def _tag(qualname: str) -> None:
                                f"({type(e).__name__}: {e})")
 
 
-def _wrap_fake(opdef: Any, qualname: str) -> bool:
-    fn = opdef._abstract_fn
-    if fn is None or getattr(fn, _HOOK_ATTR, False):
-        return fn is not None
-
+def tagging_fake(fn: Callable, qualname: str) -> Callable:
+    """The fake kernel for TE op ``qualname`` that row ``autocast.trace_hooks`` puts in place of ``fn`` (the op's
+    ``CustomOpDef._abstract_fn``): records the te.autocast state on the node Dynamo is creating
+    (``node.meta[META_KEY]``), then returns ``fn(*args, **kwargs)``."""
     def fake(*args, **kwargs):
         _tag(qualname)
         return fn(*args, **kwargs)
 
-    setattr(fake, _HOOK_ATTR, True)
+    table.stamp(fake, HOOK_ATTR, True)
     fake.__wrapped__ = fn  # type: ignore[attr-defined]
-    opdef._abstract_fn = fake
-    return True
-
-
-_lock = threading.Lock()
-_refusal: list[str | None] = [None]
+    return fake
 
 
 def forward_ops() -> list[str]:
@@ -199,36 +196,52 @@ def forward_ops() -> list[str]:
     return sorted(out)
 
 
-def install_trace_hooks() -> bool:
-    """Wrap the fake kernel (``CustomOpDef._abstract_fn``, read by torch at each call) of every
-    TE family forward op defined now (idempotent; families defined later are wrapped by the next
-    call). Returns whether every such op is wrapped; ``False`` with :func:`trace_hook_refusal`
-    set when torch's ``CustomOpDef`` has no ``_abstract_fn`` or Dynamo lacks what
-    :func:`traced_autocast` reads."""
+def trace_hook_changes() -> list[table.Rebind]:
+    """The plan of row ``autocast.trace_hooks``: for every TE family forward op defined now whose fake kernel
+    (``CustomOpDef._abstract_fn``, read by torch at each call) is not wrapped yet, a :class:`table.Rebind` to
+    :func:`tagging_fake` (a sweep row: families defined later are wrapped by a later install).
+
+    Raises:
+        table.Refused: Dynamo lacks what :func:`traced_autocast` reads, or torch's ``CustomOpDef`` has no
+            ``_abstract_fn``."""
     from torch._library.custom_ops import OPDEFS
 
-    with _lock:
-        try:
-            from torch._dynamo import side_effects, symbolic_convert  # noqa: F401
-        except ImportError as e:  # pragma: no cover
-            _refusal[0] = f"torch._dynamo lacks {e.name}"
-            return False
-        if not hasattr(symbolic_convert, "tls") or not hasattr(side_effects.SideEffects, "has_pending_mutation_of_attr"):
-            _refusal[0] = "torch._dynamo has no tls.current_tx / SideEffects.has_pending_mutation_of_attr"
-            return False
-        ok = True
-        for q in forward_ops():
-            opdef = OPDEFS[q]
-            if not hasattr(opdef, "_abstract_fn"):
-                _refusal[0] = f"torch's CustomOpDef of {q} has no _abstract_fn"
-                return False
-            ok &= _wrap_fake(opdef, q)
-        return ok
+    try:
+        from torch._dynamo import side_effects, symbolic_convert  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        raise table.Refused(f"torch._dynamo lacks {e.name}") from None
+    if not hasattr(symbolic_convert, "tls") or not hasattr(side_effects.SideEffects, "has_pending_mutation_of_attr"):
+        raise table.Refused("torch._dynamo has no tls.current_tx / SideEffects.has_pending_mutation_of_attr")
+    changes = []
+    for q in forward_ops():
+        opdef = OPDEFS[q]
+        if not hasattr(opdef, "_abstract_fn"):
+            raise table.Refused(f"torch's CustomOpDef of {q} has no _abstract_fn")
+        fn = opdef._abstract_fn
+        if fn is not None and not getattr(fn, HOOK_ATTR, False):
+            changes.append(table.Rebind(opdef, "_abstract_fn", tagging_fake(fn, q)))
+    return changes
 
 
-def trace_hook_refusal() -> str | None:
-    """Why :func:`install_trace_hooks` could not wrap the fakes, or ``None``."""
-    return _refusal[0]
+#: The row (listed in :data:`te_passes.compat.autocast.rows.ROWS`; defined here, next to its plan, because
+#: :func:`install_trace_hooks` applies it and rows.py imports this module).
+TRACE_HOOKS = table.Row(
+    name=TRACE_HOOKS_ROW,
+    target="CustomOpDef._abstract_fn of every transformer_engine_compile forward op (torch._library.custom_ops)",
+    kind="rebind",
+    why="TE's impls read the te.autocast state (FP8GlobalStateManager) while they run; the fake kernel records the "
+        "state where Dynamo traced each TE op so the compiled graph runs under it",
+    drop_when="TE's compile ops take the recipe state as an argument instead of reading FP8GlobalStateManager while "
+              "they run (TE 2.20 module/linear.py), or torch offers a trace-time hook on custom ops",
+    te="==2.20.*", torch=">=2.14,<2.16", plan=trace_hook_changes, sweep=True)
+
+
+def install_trace_hooks() -> bool:
+    """Apply row ``autocast.trace_hooks`` now (``table.install``: a sweep once it is active, so TE op families
+    defined since are wrapped); returns whether it is active (``table.refusal`` says why not). For the untouched
+    polyfills, which register the fused_attn family themselves."""
+    table.install([TRACE_HOOKS])
+    return table.is_active(TRACE_HOOKS_ROW)
 
 
 # --------------------------------------------------------------------------- compile time
@@ -263,7 +276,7 @@ def graph_autocast(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
 
     Raises:
         RecipeStateError: a node that uses the state has none recorded (the trace hook was not
-            installed: :func:`trace_hook_refusal`), or such nodes were traced under different
+            in effect: ``table.refusal("autocast.trace_hooks")``), or such nodes were traced under different
             states (both named): te_inductor cannot give two TE ops of one graph different states.
     """
     nodes = te_op_nodes(gm) if nodes is None else list(nodes)
@@ -278,7 +291,8 @@ def graph_autocast(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
     missing = [n.name for n in nodes if not isinstance(n.meta.get(META_KEY), TracedAutocast)]
     if missing:
         reasons = {n.meta[META_KEY] for n in nodes if isinstance(n.meta.get(META_KEY), str)}
-        why = "; ".join(sorted(reasons)) or trace_hook_refusal() or "the trace hook was not installed when Dynamo traced it"
+        why = ("; ".join(sorted(reasons)) or table.refusal(TRACE_HOOKS_ROW)
+               or "the trace hook was not installed when Dynamo traced it")
         raise RecipeStateError(f"te_passes: TE op node(s) {', '.join(missing)}: the te.autocast state where "
                                f"Dynamo traced them is unknown ({why}); TE's impls read the recipe while they run "
                                "(docs/design.md 'TE global state read at run time'), so this graph is refused")
@@ -319,9 +333,8 @@ def run_under(compiled: Callable, state: TracedAutocast | None) -> Callable:
 
     with_autocast.te_autocast = state  # type: ignore[attr-defined]
     with_autocast.__wrapped__ = compiled  # type: ignore[attr-defined]
-    for attr in ("te_ub_guard",):
-        if hasattr(compiled, attr):
-            setattr(with_autocast, attr, getattr(compiled, attr))
+    if hasattr(compiled, "te_ub_guard"):  # our own wrappers both (compat.ub.graph_guard.make_guarded)
+        with_autocast.te_ub_guard = compiled.te_ub_guard  # type: ignore[attr-defined]
     return with_autocast
 
 

@@ -1,7 +1,22 @@
-"""The patch-table rows of this capability (:class:`te_passes.compat.table.Row`), in install order."""
+"""The patch-table rows of the autocast capability (:class:`te_passes.compat.table.Row`), in install order.
+
+See docs/internals.md#te_passescompatautocastrowspy."""
 
 from __future__ import annotations
 
+from te_passes.compat.autocast import amax_groups, recipe_state
 from te_passes.compat.table import Row
 
-ROWS: tuple[Row, ...] = ()
+ROWS: tuple[Row, ...] = (
+    Row(name=amax_groups.ROW,
+        target=f"{amax_groups.TE_LINEAR_MODULE}._linear_forward_impl / _linear_backward_impl",
+        kind="rebind",
+        why="an eager sequence-parallel te.Linear call leaves its ProcessGroup on the persistent quantizers "
+            "(set_quantizer_amax_reduction_group), which TE rejects in a later trace; the wrappers give back the "
+            "group and the usage flags the call found (compat.autocast.amax_groups / quantizer_usage)",
+        drop_when="TE sets the amax-reduction group and usage flags per call on a copy, not on the module's "
+                  "quantizers (TE 2.20 module/linear.py:448/1142/1150)",
+        te="==2.20.*", torch=">=2.14,<2.16",
+        plan=amax_groups.linear_impl_changes, after=amax_groups.release_at_install),
+    recipe_state.TRACE_HOOKS,  # defined next to its plan: recipe_state.install_trace_hooks applies it too
+)

@@ -12,8 +12,10 @@ import torch
 import torch.fx
 
 from te_passes.fx.graph import copy_graph_module
-from te_passes.compat.ub.guard import (UbFold, UbStateChanged, current_generation, guard_stats, install_te_ub_hooks,
-                                        live_snapshot, ub_global_state, ub_state_lock)
+from te_passes.compat import table
+from te_passes.compat.ub import rows as ub_rows
+from te_passes.compat.ub.guard import (UbFold, UbStateChanged, current_generation, guard_stats, live_snapshot,
+                                        ub_global_state, ub_state_lock)
 from te_passes.te import graph_model as gmod
 from te_passes.te.ub import UB_PREDICATE_METHODS, UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import ub_query_function
@@ -262,7 +264,7 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
     Raises:
         UbConfigError: TE op UB configurations the UB state cannot satisfy (all listed).
     """
-    install_te_ub_hooks()
+    table.install(ub_rows.ROWS)  # the ub.* rows bump the UB generation the guard compares
     graph_id = getattr(report, "graph_id", "g?")
     dep = ub_dependence_of(report) if dependence is None else dependence
     raise_ub_mismatches(report, report.stages[checked_stages:])

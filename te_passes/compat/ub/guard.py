@@ -14,7 +14,6 @@ import torch
 
 from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import register_ub_query_function
-from te_passes.te.version import te_module
 
 #: The UB state token Dynamo guards on (``"ub-<fingerprint[:16]>"``); renewed on every UB change.
 UB_STATE_TOKEN: str = "ub-unset"
@@ -32,9 +31,6 @@ class _UbGlobalState:
     generation: int = 0
     snapshot: UbSnapshot | None = None
     registry_key: tuple | None = None
-    hooks_installed: bool = False
-    originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
-    replacements: dict[str, Callable] = dataclasses.field(default_factory=dict)
     frame_tokens: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
@@ -75,8 +71,16 @@ def live_snapshot() -> UbSnapshot:
     return snap
 
 
+def recapture() -> UbSnapshot:
+    """Capture the live UB state again and renew :data:`UB_STATE_TOKEN`, without bumping the generation (the
+    ``ub.*`` patch-table rows run it once they are in: the state may have changed while they were not)."""
+    with _LOCK:
+        _STATE.snapshot = None
+        return _capture_locked()
+
+
 def ub_global_state() -> _UbGlobalState:
-    """The process's UB state object (``generation``, ``snapshot``, hooks) the graph guards compare against."""
+    """The process's UB state object (``generation``, ``snapshot``) the graph guards compare against."""
     return _STATE
 
 
@@ -188,14 +192,17 @@ def dynamo_stage_inputs() -> dict[str, Any]:
     return {"ub_trace_folds": folds, "ub_prev_token": prev}
 
 
-def _make_guarded_get_ub_is_fp8(orig: Callable) -> Callable:
-    """Build the drop-in for TE's ``module/base.py`` ``get_ub_is_fp8`` (see :func:`install_te_ub_hooks`)."""
+def guarded_get_ub_is_fp8(orig: Callable) -> Callable:
+    """The drop-in for TE's ``module/base.py`` ``get_ub_is_fp8(name: str, use_fp8: bool) -> bool`` (``orig``) that
+    row ``ub.get_ub_is_fp8`` (:mod:`te_passes.compat.ub.rows`) binds: while Dynamo traces, the value comes from the
+    UB snapshot through :func:`_trace_time_query` (a constant guarded by :data:`UB_STATE_TOKEN`); otherwise
+    ``orig(name, use_fp8)``, raising what it raises."""
     def get_ub_is_fp8(name: str, use_fp8: bool) -> bool:
         if torch.compiler.is_compiling() and sync_ub_state():
             return _trace_time_query(UB_STATE_TOKEN, "get_ub_is_fp8", name, use_fp8)
         return orig(name, use_fp8)
 
-    get_ub_is_fp8.__doc__ = _make_guarded_get_ub_is_fp8.__doc__
+    get_ub_is_fp8.__doc__ = guarded_get_ub_is_fp8.__doc__
     get_ub_is_fp8.__wrapped__ = orig  # type: ignore[attr-defined]
     get_ub_is_fp8.__te_passes_original__ = orig  # type: ignore[attr-defined]
     return get_ub_is_fp8
@@ -214,17 +221,11 @@ def ub_query(name: str, use_fp8: bool, method: str = "is_fp8_ubuf") -> Any:
 register_ub_query_function(ub_query, "ub_query")
 
 
-# --------------------------------------------------------------------------- TE hooks
-def _rebind(old: dict[str, Callable], new: dict[str, Callable]) -> None:
-    """In every loaded TE module, rebind each name ``n`` that is bound to ``old[n]`` to ``new[n]``."""
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is not None and mod_name.startswith("transformer_engine"):
-            for n, fn in old.items():
-                if getattr(mod, n, None) is fn:
-                    setattr(mod, n, new[n])
-
-
-def _wrap_state_change(orig: Callable) -> Callable:
+# --------------------------------------------------------------------------- TE hooks (rows: compat/ub/rows.py)
+def state_change_hook(orig: Callable) -> Callable:
+    """The drop-in for TE's ``module/base.py`` ``initialize_ub`` / ``destroy_ub`` (``orig``, same signature) that
+    rows ``ub.initialize_ub`` / ``ub.destroy_ub`` bind: calls ``orig`` and then, also when it raises,
+    :func:`on_ub_state_changed`. ``__te_passes_original__``: ``orig``."""
     @functools.wraps(orig)
     def hooked(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -234,43 +235,6 @@ def _wrap_state_change(orig: Callable) -> Callable:
 
     hooked.__te_passes_original__ = orig  # type: ignore[attr-defined]
     return hooked
-
-
-def install_te_ub_hooks(*, import_te: bool = False) -> bool:
-    """Hook TE's UB functions (idempotent). Returns whether hooks are installed."""
-    if _STATE.hooks_installed:
-        return True
-    base = te_module(TE_UB_MODULE, import_te=import_te)
-    if base is None:
-        return False
-    with _LOCK:
-        if _STATE.hooks_installed:
-            return True
-        origs = {n: getattr(base, n) for n in ("initialize_ub", "destroy_ub", "get_ub_is_fp8")}
-        repl = {"initialize_ub": _wrap_state_change(origs["initialize_ub"]),
-                "destroy_ub": _wrap_state_change(origs["destroy_ub"]),
-                "get_ub_is_fp8": _make_guarded_get_ub_is_fp8(origs["get_ub_is_fp8"])}
-        _STATE.originals, _STATE.replacements = origs, repl
-        _rebind(origs, repl)
-        _STATE.hooks_installed = True
-        _STATE.snapshot = None
-    live_snapshot()
-    return True
-
-
-def uninstall_te_ub_hooks() -> None:
-    """Restore TE's original functions everywhere :func:`install_te_ub_hooks` rebound them."""
-    with _LOCK:
-        if not _STATE.hooks_installed:
-            return
-        _rebind(_STATE.replacements, _STATE.originals)
-        _STATE.hooks_installed = False
-        _STATE.originals = {}
-
-
-def te_ub_hooks_installed() -> bool:
-    """Whether :func:`install_te_ub_hooks` is in effect."""
-    return _STATE.hooks_installed
 
 
 def note_frame_token(compile_id: Any, token: str) -> str | None:

@@ -7,9 +7,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-import torch
-
-from te_passes.compat.ub import guard as guards
+from te_passes.compat import table
+from te_passes.compat.ub import guard as guards, rows as ub_rows
 from te_passes.te.ub import UbSnapshot
 
 
@@ -19,25 +18,36 @@ def notify_ub_changed() -> None:
     guards.on_ub_state_changed()
 
 
+def _install_hooks() -> None:
+    """Apply the ``ub.*`` rows now (pending while TE's ``module/base.py`` is not imported)."""
+    table.install(ub_rows.ROWS)
+
+
 @contextlib.contextmanager
 def _no_compiler_reset() -> Iterator[None]:
-    real = torch.compiler.reset
+    """Row :data:`te_passes.compat.ub.rows.COMPILER_RESET` for the block (an enclosing block's stays).
 
-    def _skip_reset() -> None:  # TE's destroy_ub() calls torch.compiler.reset()
-        return None
-
-    torch.compiler.reset = _skip_reset
+    Raises:
+        RuntimeError: the row is refused (its reason): TE's ``destroy_ub`` would reset every compiled graph."""
+    name = ub_rows.COMPILER_RESET.name
+    if table.is_active(name):
+        yield
+        return
+    table.install([ub_rows.COMPILER_RESET])
+    if not table.is_active(name):
+        raise RuntimeError(f"te_passes: cannot keep compiled graphs over TE's destroy_ub(): patch {name} is not "
+                           f"applied ({table.refusal(name)})")
     try:
         yield
     finally:
-        torch.compiler.reset = real
+        table.revert([name])
 
 
 def destroy_ub_keep_compiled() -> None:
     """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()`` (``ImportError``: no TE)."""
     from transformer_engine.pytorch.module import base
 
-    guards.install_te_ub_hooks()
+    _install_hooks()
     with _no_compiler_reset():
         base.destroy_ub()
     guards.on_ub_state_changed()
@@ -57,8 +67,9 @@ def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
 
 @contextlib.contextmanager
 def keep_compiled_graphs() -> Iterator[None]:
-    """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()``."""
-    guards.install_te_ub_hooks()
+    """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()`` (row
+    ``ub.compiler_reset``; ``RuntimeError`` when it is refused, naming why)."""
+    _install_hooks()
     with _no_compiler_reset():
         try:
             yield
