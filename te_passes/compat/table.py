@@ -414,3 +414,13 @@ def scoped_attr(obj: Any, attr: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(obj, attr, old)
+
+
+def swap_state(obj: Any, attrs: Sequence[str], values: Sequence[Any]) -> tuple[Any, ...]:
+    """Set ``obj``'s ``attrs`` to ``values`` (run-time state of TE, as :func:`set_state`) and return their previous
+    values (call again with them to put them back); for a per-call path where a context manager costs too much
+    (the te.autocast state around a compiled call)."""
+    old = tuple(getattr(obj, a) for a in attrs)
+    for a, v in zip(attrs, values):
+        setattr(obj, a, v)
+    return old

@@ -324,12 +324,11 @@ def run_under(compiled: Callable, state: TracedAutocast | None) -> Callable:
 
     def with_autocast(*args):
         q = mgr.quantization_state
-        saved = (q.fp8_enabled, q.fp8_calibration, q.fp8_recipe, q.fp8_distributed_group)
-        q.fp8_enabled, q.fp8_calibration, q.fp8_recipe, q.fp8_distributed_group = values
+        saved = table.swap_state(q, AUTOCAST_FIELDS, values)
         try:
             return compiled(*args)
         finally:
-            q.fp8_enabled, q.fp8_calibration, q.fp8_recipe, q.fp8_distributed_group = saved
+            table.swap_state(q, AUTOCAST_FIELDS, saved)
 
     with_autocast.te_autocast = state  # type: ignore[attr-defined]
     with_autocast.__wrapped__ = compiled  # type: ignore[attr-defined]
