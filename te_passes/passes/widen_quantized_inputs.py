@@ -290,11 +290,11 @@ class WidenQuantizedInputs(TEPass):
 
     @staticmethod
     def _amax_matched(log, a32: torch.fx.Node, narrow: torch.fx.Node, lin: torch.fx.Node) -> torch.fx.Node:
-        """``where(|a32| == m, a32, clamp(f32(narrow), -m, m))`` with ``m = amax(|a32|)`` (0-dim
-        fp32), before ``lin``: the rounded values ``narrow`` as fp32, whose amax is ``m``."""
+        """``where(|a32| == m, a32, min(max(f32(narrow), -m), m))``, ``m = amax(|a32|)`` (0-dim fp32), before ``lin``."""
         mag = _add(log, _A.abs.default, (a32,), lin)
         m = _add(log, _A.amax.default, (mag,), lin)
         rounded = _f32(log, narrow, lin)
-        clamped = _add(log, _A.clamp.Tensor, (rounded, _add(log, _A.neg.default, (m,), lin), m), lin)
+        low = _add(log, _A.maximum.default, (rounded, _add(log, _A.neg.default, (m,), lin)), lin)  # not clamp.Tensor:
+        clamped = _add(log, _A.minimum.default, (low, m), lin)  # Inductor decomposes it, has no lowering
         top = _add(log, _A.eq.Tensor, (mag, m), lin)
         return _add(log, _A.where.self, (top, a32, clamped), lin)

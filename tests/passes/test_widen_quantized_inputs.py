@@ -449,20 +449,41 @@ def _fake_repropagates(gm, precision):
 
 def _check_amax_matched(value, act):
     """``value`` is ``where(|a| == m, a, clamp(f32(bf16(a)), -m, m))``, ``m = amax(|a|)``, node for
-    node, over the widened activation ``act``."""
+    node, over the widened activation ``act``; every inserted op has an Inductor lowering (a post-grad pass
+    inserts after the decompositions ran: Inductor refuses to fall back to an op it decomposes)."""
     assert value.target is A.where.self
     top, a, clamped = value.args
     assert a is act and top.target is A.eq.Tensor
     mag, m = top.args
     assert mag.target is A.abs.default and mag.args == (act,)
     assert m.target is A.amax.default and m.args == (mag,)
-    assert clamped.target is A.clamp.Tensor and clamped.args[2] is m
-    assert clamped.args[1].target is A.neg.default and clamped.args[1].args == (m,)
-    r32 = clamped.args[0]
+    # clamp(x, -m, m) as minimum(maximum(x, -m), m): ops Inductor lowers after its decompositions ran
+    assert clamped.target is A.minimum.default and clamped.args[1] is m
+    low = clamped.args[0]
+    assert low.target is A.maximum.default
+    assert low.args[1].target is A.neg.default and low.args[1].args == (m,)
+    r32 = low.args[0]
     assert r32.target is CONVERT and r32.args[1] == torch.float32
     narrow = r32.args[0]
     assert narrow.target is CONVERT and narrow.args == (act, torch.bfloat16)
     assert value.meta["val"].dtype == torch.float32 and value.meta["val"].shape == act.meta["val"].shape
+    _assert_inductor_lowers(value, stop=act)
+
+
+def _assert_inductor_lowers(node, stop):
+    """Every aten op from ``node`` back to ``stop`` has an Inductor lowering (the GPU failure of
+    aten.clamp.Tensor, H100 2026-12-07: "both a fallback and a decomp for same op")."""
+    from torch._inductor import lowering as L
+
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is stop or n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten":
+            assert n.target in L.lowerings, n.target  # else Inductor falls back, and refuses a decomposed op
+        todo += [a for a in n.all_input_nodes]
 
 
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
