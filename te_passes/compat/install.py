@@ -9,7 +9,6 @@ import torch
 from te_passes.ops import constants, direct_lowering, free as free_op, fused_attn as fused_attn_op
 from te_passes.compat.delayed_scaling import linear as delayed_linear, scaling as delayed_scaling
 from te_passes.compat.autocast import recipe_state
-from te_passes.compat.untouched import polyfills as untouched, split as untouched_split
 from te_passes.compat.autocast.amax_groups import install_amax_group_hooks
 from te_passes.compat.ub.guard import install_te_ub_hooks
 from te_passes.compat import table
@@ -26,7 +25,6 @@ def install() -> bool:
     direct_lowering.install_lowerings()  # refusals are kept: lowering_reason(); the pass then only retargets
     constants.wrap_te_constant_classes()
     recipe_state.install_trace_hooks()  # refusal kept: trace_hook_refusal(), graphs then refused
-    untouched.install_untouched_polyfills()  # refusals kept per target: polyfill_status()
     settled = install_te_ub_hooks() & install_amax_group_hooks()
     # These rebind TE names (te.autocast's check, Linear's _linear_op, a recipe-state method) that a
     # trace may have read and guarded on: never while Dynamo compiles a frame (a backend call), only
@@ -34,6 +32,6 @@ def install() -> bool:
     if torch._guards.TracingContext.try_get() is None:
         delayed_scaling.install_delayed_scaling()  # refusal kept: delayed_scaling.refused_reason()
         delayed_linear.install_delayed_linear()  # refusal kept: delayed_linear.refused_reason()
-        untouched_split.install_split_polyfill()  # refusal kept: untouched_split.refused_reason()
     return settled and all(m.installed() or m.refused_reason() is not None
-                           for m in (delayed_scaling, delayed_linear, untouched_split))
+                           for m in (delayed_scaling, delayed_linear)) \
+        and not any((s.reason or "").startswith("pending") for s in table.status())  # rows waiting for TE

@@ -15,9 +15,9 @@ import torch
 
 from te_passes.compat.delayed_scaling.scaling import mark_registered_state_static
 from te_passes.compat.delayed_scaling.state import DELAYED_ATTR, prepare_delayed_scaling
-from te_passes.compat.dynamo.callbacks import keep_start_callback
 from te_passes.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
-from te_passes.compat.untouched.gate import backend_wants_polyfills, warn_new_recipe
+from te_passes.compat import gate as frame_gate, table
+from te_passes.compat.untouched.gate import frame_untouched_options, warn_new_recipe
 from te_passes.te.module_init import forward_prepare_args
 from te_passes.te.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
 
@@ -30,17 +30,11 @@ PREPARED_KEY = "_te_passes_prepared_key"
 @torch._dynamo.assume_constant_result
 def active_frames() -> bool:
     """Trace time: whether the frame Dynamo traces now is compiled for a backend that takes the
-    polyfills (folded as a constant; the cache entry is per backend). ``False`` outside a trace."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
+    polyfills (folded as a constant; the cache entry is per backend). ``False`` outside a trace.
 
-        tx = InstructionTranslator.current_tx()
-    except Exception:  # noqa: BLE001 - not tracing
-        return False
-    on = tx is not None and backend_wants_polyfills(getattr(tx.output, "compiler_fn", None))
-    if on:
-        register_start_callback()  # torch._dynamo.reset() cleared it: the next frames get their lazy init
-    return on
+    Raises:
+        TePassesOptionError: a bad option (:func:`te_passes.compat.untouched.gate.frame_untouched_options`)."""
+    return frame_untouched_options() is not None
 
 
 @dataclasses.dataclass
@@ -120,15 +114,24 @@ def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
     return True
 
 
+#: The patch-table row of :func:`run_eager`'s write (te_passes/compat/untouched/rows.py).
+EAGER_ROW = "untouched.eager_is_compiling"
+
+
 @contextlib.contextmanager
 def run_eager() -> Any:
     """Run TE's eager code from inside a Dynamo compile session: ``torch.compiler.is_compiling()``
     answers ``False`` inside (Dynamo sets it for the whole session, and TE's eager-only paths,
-    e.g. ``get_default_fp8_recipe``, assert on it)."""
+    e.g. ``get_default_fp8_recipe``, assert on it). torch has no API for it: ``torch.compiler``'s
+    ``_is_compiling_flag`` is set for the block only while patch-table row :data:`EAGER_ROW` is active
+    (refused: the block runs with the flag as it is, and TE's assertion names the problem)."""
+    if not table.is_active(EAGER_ROW):
+        yield
+        return
     import torch.compiler as tc
 
-    old = getattr(tc, "_is_compiling_flag", False)
-    tc._is_compiling_flag = False
+    old = tc._is_compiling_flag
+    tc._is_compiling_flag = False  # the scoped write of row EAGER_ROW (the table has no scoped change kind)
     try:
         yield
     finally:
@@ -286,8 +289,9 @@ def note_recipes(code: Any, recipes: list[Any], recompile: bool = True) -> bool:
 
 
 def on_compile_start(_args: Any = None) -> None:
-    """Dynamo start callback: for a frame compiled for te_inductor, do TE's first-forward lazy
-    init before the trace reads it — prime every TE recipe the frame reaches (its cached repr and
+    """Dynamo start callback (registered once, outside traces: te_passes/compat/untouched/rows.py): for a
+    frame compiled for te_inductor (or a backend registered at :mod:`te_passes.compat.gate`) with
+    ``te_passes.untouched`` on, do TE's first-forward lazy init before the trace reads it — prime every TE recipe the frame reaches (its cached repr and
     TE's autocast key) and initialise every TE module it reaches (locals, closure cells, module
     globals; parameter dtype, the TE autocast state active now). Never raises."""
     try:
@@ -295,7 +299,8 @@ def on_compile_start(_args: Any = None) -> None:
         if found is None or "transformer_engine.pytorch" not in sys.modules:
             return
         compiler_fn, loc, closure, glob, code, recompile = found
-        if not backend_wants_polyfills(compiler_fn):
+        opts = frame_gate.options_for(compiler_fn)
+        if opts is None or not opts.untouched:
             return
         from transformer_engine.common.recipe import Recipe
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
@@ -404,9 +409,5 @@ def prepare_layernorm_linear(ctx: Any) -> None:
 
 def prepare_layernorm_mlp(ctx: Any) -> None:
     _prepare(ctx, _build_layernorm_mlp)
-
-
-def register_start_callback() -> None:
-    keep_start_callback(on_compile_start)  # kept over torch._dynamo.reset()
 
 
