@@ -74,6 +74,7 @@ def trace_te(model: str, layers: int, seq: int, batch: int, precision: str, rope
     import torch
 
     from te_passes.compat.delayed_scaling.scaling import GATE_MARK
+    from te_passes.compat.dynamo.hooks import mark_untouched_backend
     from te_passes.compat.install import install
     from te_passes.testing.dynamo_capture import first_line
     from te_passes.testing.fake_gpu import constructing
@@ -91,7 +92,7 @@ def trace_te(model: str, layers: int, seq: int, batch: int, precision: str, rope
         def never_run(*args, **kwargs):  # the graph is only recorded
             raise NeverRun()
         return never_run
-    backend._te_passes_untouched = True  # te_passes' polyfills, as te_inductor takes them
+    mark_untouched_backend(backend)  # te_passes' polyfills, as te_inductor takes them
     setattr(backend, GATE_MARK, True)  # stands in for te_inductor at te_passes' DelayedScaling gate
     with _fake(precision) as (mode, _te):
         install()  # te_inductor's process-level hooks (polyfills, GQA's SplitAlongDim), as the backend installs them

@@ -18,6 +18,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 from te_passes.examples import EXAMPLES, run_example  # noqa: E402
 from te_passes.examples.llama import LlamaConfig, capture_llama  # noqa: E402
 from te_passes.compat.dynamo import scope as dynamo_scope  # noqa: E402
+from te_passes.compat.dynamo.hooks import mark_untouched_backend  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -145,7 +146,7 @@ def _compile_count(backend_mark):
         graphs.append(gm)
         return gm.forward
     if backend_mark:
-        backend._te_passes_untouched = True
+        mark_untouched_backend(backend)
     torch._dynamo.reset()
     fn = torch.compile(_checkpointed, backend=backend)
     fn(torch.randn(4, requires_grad=True))
@@ -174,7 +175,7 @@ def test_scope_restores_after_a_failed_compile():
 
     def backend(gm, example_inputs):
         raise RuntimeError("backend failed")
-    backend._te_passes_untouched = True
+    mark_untouched_backend(backend)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="backend failed"):
         torch.compile(_checkpointed, backend=backend)(torch.randn(4, requires_grad=True))

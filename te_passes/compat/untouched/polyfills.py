@@ -10,8 +10,8 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.comptime import comptime
 
-from te_passes.compat import gate as frame_gate
 from te_passes.compat.delayed_scaling import linear as delayed_linear
+from te_passes.compat.delayed_scaling.scaling import te_inductor_tracing
 from te_passes.ops.shared_linear import owner_delayed_slots
 from te_passes.ops.te_act import te_activation
 from te_passes.ops.te_norm import te_norm
@@ -114,7 +114,7 @@ def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
     if not delayed_linear.installed():  # compat/delayed_scaling's status (its rows, once converted)
         return (f"DelayedScaling: te.Linear's DelayedScaling op pair is not installed "
                 f"({delayed_linear.refused_reason()}): {DELAYED_SCALING_FIX}")
-    if not frame_gate.te_inductor_tracing():
+    if not te_inductor_tracing():  # compat/delayed_scaling's gate: the backends that take its ops
         return f"DelayedScaling: the backend does not take te_passes' DelayedScaling ops: {DELAYED_SCALING_FIX}"
     if any(owner_delayed_slots(g, manager) is None for g in st.gemms):
         return ("its DelayedScaling state was not registered in TE's global amax buffers before the trace "
