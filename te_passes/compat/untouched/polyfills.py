@@ -4,7 +4,6 @@ See docs/internals.md#te_passescompatuntouchedpolyfillspy and docs/untouched.md.
 
 from __future__ import annotations
 
-import types
 from typing import Any, Callable
 
 import torch
@@ -21,10 +20,8 @@ from te_passes.compat.untouched.gate import (ENV, OPTION, PREPARE_FIX, Island, i
                                               clear_island_records, environment_options, island_records,
                                               norm_choice)
 from te_passes.compat.untouched.rope_norm import function_copy, named_island
-from te_passes.compat.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, active_frames,  # noqa: F401
-                                               run_eager, prepare_layernorm_linear,
-                                               prepare_layernorm_mlp, on_compile_start,
-                                               prepare_te_module, prime_recipe)
+from te_passes.compat.untouched.state import (STATE_ATTR, UntouchedState, active_frames, prepare_layernorm_linear,
+                                               prepare_layernorm_mlp, prepare_te_module, prime_recipe, run_eager)
 from te_passes.te.norm_act import activation, normalize
 from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
 

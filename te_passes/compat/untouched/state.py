@@ -22,9 +22,11 @@ from te_passes.te.module_init import forward_prepare_args
 from te_passes.te.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
 
 #: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
-STATE_ATTR = "_te_passes_untouched_state"
+STATE_ATTR = table.register_stamp("_te_passes_untouched_state", "an untouched TE module's hidden te.Linears and "
+                                  "why its configuration is not expressed (built at its first trace)")
 #: Module attribute: ``(dtype, fp8, id(recipe) or None)`` te_passes ran TE's first-forward lazy init with.
-PREPARED_KEY = "_te_passes_prepared_key"
+PREPARED_KEY = table.register_stamp("_te_passes_prepared_key", "the (dtype, fp8, recipe) te_passes ran a TE "
+                                    "module's first-forward lazy init with (not again for the same)")
 
 
 @torch._dynamo.assume_constant_result
@@ -160,7 +162,7 @@ def prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: A
             if d is None or m.__dict__.get(PREPARED_KEY) == key or skip(m):
                 continue
             if prepare_te_module(m, d, fp8, recipe, args):
-                m.__dict__[PREPARED_KEY] = key
+                table.stamp(m, PREPARED_KEY, key)
 
 
 def _already_initialised(m: Any) -> bool:
@@ -209,7 +211,7 @@ def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
             st = _built(build, mod)
         except Exception as e:  # noqa: BLE001 - a configuration the hidden te.Linear cannot take
             st = UntouchedState(f"building the hidden te.Linear failed: {type(e).__name__}: {e}")
-        mod.__dict__[STATE_ATTR] = st
+        table.stamp(mod, STATE_ATTR, st)
     inp = ctx.get_local("inp").as_fake() if _has_local(ctx, "inp") else None
     fp8 = _real(ctx, "fp8")
     recipe = _real(ctx, "recipe")
