@@ -73,7 +73,7 @@ def trace_te(model: str, layers: int, seq: int, batch: int, precision: str, rope
     """
     import torch
 
-    from te_passes.compat import gate
+    from te_passes.compat.dynamo.hooks import mark_untouched_backend
     from te_passes.compat.install import install
     from te_passes.testing.dynamo_capture import first_line
     from te_passes.testing.fake_gpu import constructing
@@ -91,8 +91,7 @@ def trace_te(model: str, layers: int, seq: int, batch: int, precision: str, rope
         def never_run(*args, **kwargs):  # the graph is only recorded
             raise NeverRun()
         return never_run
-    backend._te_passes_untouched = True  # te_passes' polyfills, as te_inductor takes them
-    gate.register_backend(backend)  # stands in for te_inductor at te_passes' frame gate
+    mark_untouched_backend(backend)  # te_passes' polyfills and frame gate, as te_inductor takes them
     with _fake(precision) as (mode, _te):
         install()  # te_inductor's process-level hooks (polyfills, GQA's SplitAlongDim), as the backend installs them
         with mode, constructing():

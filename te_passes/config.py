@@ -110,35 +110,19 @@ OPTION_SPECS: dict[str, _Spec] = {
     "pass_config": _Spec(_as_pass_config),  # per-pass constructor arguments
     "cudagraphs": _Spec(_as_choice("lean", "trees"), "TE_PASSES_CUDAGRAPHS"),  # reduce-overhead replay
     "untouched": _Spec(_as_bool, "TE_PASSES_UNTOUCHED"),  # trace TE's disabled forwards through the polyfills
+    "untouched_norm": _Spec(_as_choice("te", "torch"), "TE_PASSES_UNTOUCHED_NORM"),  # the polyfills' norm / act
+    "fused_attn": _Spec(_as_bool, "TE_PASSES_FUSED_ATTN"),  # TE's fused attention as one op in untouched graphs
 }
 
-
-#: ``TE_PASSES_UNTOUCHED_NORM``: the untouched-model polyfills' norm and activation, ``"te"`` (TE's own
-#: kernels, the default) or ``"torch"`` (torch ops); read at trace time, checked with the options.
-UNTOUCHED_NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
-UNTOUCHED_NORM_CHOICES = ("torch", "te")
 
 #: ``TE_PASSES_*`` environment variables without a ``te_passes.*`` option: read elsewhere (runtime, tests,
 #: tools). Any other ``TE_PASSES_*`` name is warned about once (:func:`check_environment`).
 OTHER_ENV_VARS: dict[str, str] = {
-    UNTOUCHED_NORM_ENV: "te (TE's norm / activation kernels, the default) or torch",
-    "TE_PASSES_FUSED_ATTN": "0 switches off te_passes' fused-attention op",
     "TE_PASSES_VENV": "the venv make setup builds",
     "TE_PASSES_COMMIT": "the commit GPU runs record",
     "TE_PASSES_GPU_OUT": "where GPU tests write graphs",
     "TE_PASSES_PROPERTY_EXAMPLES": "hypothesis examples of the property tests",
 }
-
-
-def untouched_norm(environ: Mapping[str, str] | None = None) -> str:
-    """``TE_PASSES_UNTOUCHED_NORM`` of ``environ`` (default ``os.environ``): ``"te"`` (unset or empty) or
-    ``"torch"``. Raises ``TePassesOptionError``: any other value (the message names the variable)."""
-    text = (os.environ if environ is None else environ).get(UNTOUCHED_NORM_ENV, "")
-    value = text.strip().lower() or "te"
-    if value not in UNTOUCHED_NORM_CHOICES:
-        raise TePassesOptionError(f"environment variable {UNTOUCHED_NORM_ENV}={text!r}: must be one of "
-                                  f"{list(UNTOUCHED_NORM_CHOICES)}")
-    return value
 
 
 def known_env_vars() -> list[str]:
@@ -150,11 +134,10 @@ _WARNED_ENV: set[str] = set()
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
-    """Check the ``TE_PASSES_*`` variables of ``environ`` (default ``os.environ``) that have no option:
-    ``TE_PASSES_UNTOUCHED_NORM``'s value (raises ``TePassesOptionError``), and any unknown
-    ``TE_PASSES_*`` name (a ``RuntimeWarning`` naming the closest valid name, once per name and process)."""
+    """Warn about any unknown ``TE_PASSES_*`` name of ``environ`` (default ``os.environ``): a ``RuntimeWarning``
+    naming the closest valid name, once per name and process (the values of known ones are checked by
+    :meth:`TePassesOptions.parse`)."""
     environ = os.environ if environ is None else environ
-    untouched_norm(environ)
     known = known_env_vars()
     for name in sorted(k for k in environ if k.startswith("TE_PASSES_") and k not in known):
         if name in _WARNED_ENV:
@@ -201,6 +184,8 @@ class TePassesOptions:
     pass_config: Any = None
     cudagraphs: str = "trees"
     untouched: bool = True
+    untouched_norm: str = "te"
+    fused_attn: bool = True
     #: The options whose value came from a ``TE_PASSES_*`` environment variable (not hashed).
     from_env: frozenset[str] = frozenset()
 

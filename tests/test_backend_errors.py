@@ -208,7 +208,8 @@ def test_prepare_te_state_without_a_model_is_one_clear_error():
                              "compiled), got NoneType")
 
 
-NORM_MSG = "environment variable TE_PASSES_UNTOUCHED_NORM='bogus': must be one of ['torch', 'te']"
+NORM_MSG = ("environment variable TE_PASSES_UNTOUCHED_NORM='bogus': option te_passes.untouched_norm must be one of "
+            "['te', 'torch'], got 'bogus'")
 
 
 def test_bad_untouched_norm_is_an_option_error_at_the_first_call(monkeypatch):
@@ -228,7 +229,7 @@ def test_bad_untouched_norm_is_an_option_error_at_the_first_call(monkeypatch):
 
 @pytest.mark.te
 def test_bad_untouched_norm_read_while_dynamo_traces_a_te_module_is_unwrapped(monkeypatch):
-    """The polyfill of an untouched te.LayerNormLinear reads TE_PASSES_UNTOUCHED_NORM while Dynamo traces
+    """The polyfill of an untouched te.LayerNormLinear reads the options (TE_PASSES_UNTOUCHED_NORM) while Dynamo traces
     (before te_inductor runs): ``except te_passes.TePassesOptionError`` catches it (it was an
     InternalTorchDynamoError with Dynamo's "report to PyTorch" hint)."""
     te = pytest.importorskip("transformer_engine.pytorch")
@@ -257,7 +258,7 @@ def test_bad_untouched_norm_read_while_dynamo_traces_a_te_module_is_unwrapped(mo
     import traceback
 
     # raised by the polyfill while Dynamo traced (not by te_inductor's option check after the trace)
-    assert "norm_impl" in [f.name for f in traceback.extract_tb(e.__traceback__)]
+    assert "frame_untouched_options" in [f.name for f in traceback.extract_tb(e.__traceback__)]
 
 
 def test_unknown_te_passes_variable_is_warned_about_once_with_the_closest_name(monkeypatch):

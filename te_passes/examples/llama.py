@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from te_passes.compat.dynamo.hooks import mark_untouched_backend
 from te_passes.compat.install import install as install_runtime
 from te_passes.compat.untouched.gate import clear_island_records, island_records
 from te_passes.testing.dynamo_capture import first_line
@@ -200,7 +201,7 @@ def capture_llama(config: LlamaConfig | None = None, precision: str = "bf16", *,
         graphs.append((gm, list(example_inputs)))
         return gm.forward
     if backend_mark:
-        backend._te_passes_untouched = True  # type: ignore[attr-defined]
+        mark_untouched_backend(backend)  # the polyfills (and the Dynamo scope), as te_inductor
     with capture_lock, quiet(), fake_gpu(precision):
         torch._dynamo.reset()  # the model's code objects are shared by every capture in the process
         install_runtime()

@@ -4,20 +4,15 @@ See docs/internals.md#te_passesopsfused_attnpy."""
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable
 
-from te_passes.config import ENV_BOOLS
 from te_passes.te import version as te_version_mod
 from te_passes.te.fused_attn import make_fakes
 from te_passes.te.op_families import TE_OP_NAMESPACE
 
 #: Family name: the four ops live in ``transformer_engine_compile``.
 OP_NAME = "fused_attn"
-#: Environment switch; ``0`` / ``false`` / ``off`` / ``no`` keep the op unregistered (any other
-#: value but the true spellings too, with that reason).
-ENV_SWITCH = "TE_PASSES_FUSED_ATTN"
 #: ``FusedAttnFwdArgs`` fields that receive gradients, in ``_fused_attn_backward_impl``'s order.
 GRAD_FIELDS: tuple[str, ...] = ("q", "k", "v", "attn_bias", "softmax_offset")
 
@@ -30,19 +25,10 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"forward_fn": None, "error": None}
 
 
-def _switched_off() -> str | None:
-    v = os.environ.get(ENV_SWITCH, "").strip().lower()
-    if v and v not in ENV_BOOLS:
-        return (f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is not a bool (one of {', '.join(ENV_BOOLS)}): "
-                "not registering the op until it is")
-    if v and not ENV_BOOLS[v]:
-        return f"switched off ({ENV_SWITCH}={os.environ[ENV_SWITCH]!r})"
-    return None
-
-
 def refused_reason() -> str | None:
-    """Why the op cannot be used in this process now (wrong TE version, switched off, TE's
-    registration failed), or ``None``. Checked on every call, also after registration."""
+    """Why the op cannot be used in this process now (wrong TE version, TE's registration failed), or
+    ``None``. Checked on every call, also after registration. Whether a compile uses it is the option
+    ``te_passes.fused_attn`` (``TE_PASSES_FUSED_ATTN``), read by its callers (compat/untouched)."""
     v = te_version_mod.te_version()
     if v is None:
         return "Transformer Engine is not installed"
@@ -50,9 +36,6 @@ def refused_reason() -> str | None:
         return (f"TE {v}: the fused-attention op wraps TE 2.20.x's FusedAttnFwdArgs / "
                 "_fused_attn_forward_impl layout and its fakes mirror TE 2.20's kernels; not registered "
                 "for other versions")
-    off = _switched_off()
-    if off:
-        return off
     return _state["error"]
 
 
@@ -75,7 +58,7 @@ def _te_parts() -> dict[str, Any]:
 def install_fused_attention_op(*, import_te: bool = False) -> bool:
     """Register the ``fused_attn`` family once (idempotent, thread-safe); returns whether it is
     registered and usable. A no-op returning ``False`` while TE's attention module is not imported
-    (unless ``import_te``), on another TE version or when switched off (:func:`refused_reason`)."""
+    (unless ``import_te``) and on another TE version (:func:`refused_reason`)."""
     if refused_reason() is not None:
         return False
     if _state["forward_fn"] is not None:
@@ -116,7 +99,7 @@ def fused_attention_op() -> Callable[[Any], Any]:
     """TE's ``forward_fn`` of the ``fused_attn`` family, registering it if needed (imports TE).
 
     Raises:
-        FusedAttentionOpUnavailable: :func:`refused_reason` (TE version, switch, registration).
+        FusedAttentionOpUnavailable: :func:`refused_reason` (TE version, registration).
     """
     install_fused_attention_op(import_te=True)
     reason = refused_reason()

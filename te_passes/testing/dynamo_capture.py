@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from te_passes.compat import gate as frame_gate
 from te_passes.compat.dynamo.hooks import mark_untouched_backend
 from te_passes.te.version import te_version
 from te_passes.testing.captured import CapturedGraph
@@ -156,7 +157,7 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
             def never_run(*args, **kwargs):
                 raise _NeverRun()
             return never_run
-        backend._te_passes_untouched = True  # take te_passes' polyfills, as te_inductor does
+        frame_gate.register_backend(backend)  # take te_passes' polyfills, as te_inductor does
         if model in UNTOUCHED_MODELS:
             # with every hook loading the backend installs (GQA's SplitAlongDim among them): the same
             # graph in a fresh process as after te_inductor was loaded

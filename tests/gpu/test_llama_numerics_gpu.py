@@ -89,7 +89,7 @@ def _print(tag, diffs):
 
 def _compare(layers, recipe_name, steps=2, backend="te_inductor"):
     """(compiled step-0 tensors, eager step-0 tensors, eager rerun, compile stats)."""
-    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.install import install
     from transformer_engine.pytorch import quantization as Q
 
     recipe = _recipe(recipe_name)
@@ -98,7 +98,7 @@ def _compare(layers, recipe_name, steps=2, backend="te_inductor"):
     copy_params(ref, cand)
     copy_params(ref, again)
     torch._dynamo.reset()
-    install_untouched_polyfills()
+    install()
     fn = torch.compile(cand, backend=backend)
     gen = torch.Generator(device="cuda").manual_seed(7)
     xs = [torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
@@ -136,7 +136,7 @@ def test_unfused_attention_backend(softmax_fusion, monkeypatch):
 
     from te_passes.backend import te_inductor
     from te_passes.fx.graph import op_qualname
-    from te_passes.compat.untouched.gate import BACKEND_MARK
+    from te_passes.compat.dynamo.hooks import mark_untouched_backend
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
@@ -150,7 +150,7 @@ def test_unfused_attention_backend(softmax_fusion, monkeypatch):
         graphs.append(gm)
         return te_inductor(gm, example_inputs)
 
-    setattr(recording, BACKEND_MARK, True)  # te_inductor's polyfills, as under backend="te_inductor"
+    mark_untouched_backend(recording)  # te_inductor's polyfills, as under backend="te_inductor"
     try:
         c, r, _, st = _compare(1, "bf16", backend=recording)
     finally:

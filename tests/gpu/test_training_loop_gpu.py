@@ -78,11 +78,11 @@ def _run(precision, setup, mode, init):
 
     s = SETUPS[setup]
     cfg = _config(s["checkpoint"])
-    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.install import install
 
     FP8GlobalStateManager.reset()
     torch._dynamo.reset()
-    install_untouched_polyfills()  # reset() cleared Dynamo's callbacks (the lazy-init start callback)
+    install()  # the patch table (the untouched rows); the start callback survives reset()
     model = TinyLlama(cfg, device="cuda")
     copy_params(init, model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -50,7 +50,7 @@ def _outer(precision, recipe):
 
 def _compare(build, shape, precision, mode="default", steps=3):
     """Eager twin vs ``torch.compile(model, backend="te_inductor")``; returns (stats, worst errors)."""
-    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.install import install
 
     recipe = make_recipe(precision)
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def _compare(build, shape, precision, mode="default", steps=3):
     cand = build()
     copy_params(ref, cand)
     torch._dynamo.reset()
-    install_untouched_polyfills()  # reset() cleared Dynamo's callbacks (the lazy-init start callback)
+    install()  # the patch table (the untouched rows); the start callback survives reset()
     fn = torch.compile(cand, backend="te_inductor", mode=None if mode == "default" else mode)
     gen = torch.Generator(device="cuda").manual_seed(11)
     w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -157,7 +157,9 @@ def test_untouched_multihead_attention(precision):
 
 def test_inductor_backend_keeps_te_islands():
     """backend='inductor' after te_passes was imported: TE's eager islands as before, numerics = eager."""
-    import te_passes.compat.untouched.polyfills  # noqa: F401 - imported, polyfills registered
+    from te_passes.compat.install import install
+
+    install()  # the polyfills registered (taken by te_inductor frames only)
 
     te = _te()
     torch.manual_seed(0)

@@ -37,10 +37,10 @@ def _te():
 
 
 def _compiled(fn, **kw):
-    from te_passes.compat.untouched.polyfills import install_untouched_polyfills
+    from te_passes.compat.install import install
 
     torch._dynamo.reset()
-    install_untouched_polyfills()
+    install()
     return torch.compile(fn, backend="te_inductor", **kw)
 
 

@@ -84,9 +84,9 @@ def _capture(cfg, layers, *, gated=True, calls=1, aot=True, autocast_inside=True
         if gated:
             gate.register_backend(backend)
         if not prepare:  # te_inductor's untouched-model start callback prepares instead
-            from te_passes.compat.untouched.gate import BACKEND_MARK
+            from te_passes.compat import gate as frame_gate
 
-            setattr(backend, BACKEND_MARK, True)
+            frame_gate.register_backend(backend)
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
         with CompileWatch() as watch:
             with mode, contextlib.nullcontext() if training else torch.no_grad():

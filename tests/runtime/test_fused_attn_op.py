@@ -95,14 +95,11 @@ def test_other_te_versions_are_refused(monkeypatch):
     assert fop.refused_reason() == "Transformer Engine is not installed"
 
 
-def test_switch_off(monkeypatch):
-    monkeypatch.setenv(fop.ENV_SWITCH, "0")
-    assert fop.refused_reason() == "switched off (TE_PASSES_FUSED_ATTN='0')"
-    assert fop.install_fused_attention_op(import_te=True) is False
-    with pytest.raises(fop.FusedAttentionOpUnavailable, match="switched off"):
-        fop.fused_attention_op()
-    monkeypatch.setenv(fop.ENV_SWITCH, "1")
-    assert fop.refused_reason() is None
+def test_the_switch_is_an_option_not_the_ops(monkeypatch):
+    """``TE_PASSES_FUSED_ATTN=0`` (``te_passes.fused_attn``) keeps compiles off the op (its callers read the option:
+    tests/compat/test_untouched_rows.py); the op itself stays registered and usable."""
+    monkeypatch.setenv("TE_PASSES_FUSED_ATTN", "0")
+    assert fop.install_fused_attention_op(import_te=True) and fop.refused_reason() is None
 
 
 def _flat_forward(args):
@@ -281,12 +278,14 @@ def test_runtime_install_registers_the_family_in_a_fresh_process():
         "[None, None]")
 
 
-def test_switch_that_is_not_a_bool_keeps_the_op_unregistered_with_the_reason(monkeypatch):
-    from te_passes.ops import fused_attn as fao
+def test_switch_that_is_not_a_bool_is_an_option_error(monkeypatch):
+    from te_passes.config import TePassesOptionError, TePassesOptions
 
-    monkeypatch.setenv(fao.ENV_SWITCH, "maybe")
-    assert "TE_PASSES_FUSED_ATTN='maybe' is not a bool" in fao._switched_off()
-    monkeypatch.setenv(fao.ENV_SWITCH, "On")
-    assert fao._switched_off() is None
-    monkeypatch.setenv(fao.ENV_SWITCH, "no")
-    assert fao._switched_off().startswith("switched off")
+    monkeypatch.setenv("TE_PASSES_FUSED_ATTN", "maybe")
+    with pytest.raises(TePassesOptionError, match="TE_PASSES_FUSED_ATTN='maybe': option te_passes.fused_attn must be "
+                                                  "a bool"):
+        TePassesOptions.parse(None)
+    monkeypatch.setenv("TE_PASSES_FUSED_ATTN", "On")
+    assert TePassesOptions.parse(None)[0].fused_attn
+    monkeypatch.setenv("TE_PASSES_FUSED_ATTN", "no")
+    assert not TePassesOptions.parse(None)[0].fused_attn

@@ -176,11 +176,12 @@ def test_rope_op_rejects_bad_format():
 
 
 def _te_marked_backend(graphs):
+    from te_passes.compat.dynamo.hooks import mark_untouched_backend
+
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
-    backend._te_passes_untouched = True
-    return backend
+    return mark_untouched_backend(backend)
 
 
 def test_rope_polyfill_runs_tes_fused_call_through_the_op(tex_rope):
@@ -188,9 +189,9 @@ def test_rope_polyfill_runs_tes_fused_call_through_the_op(tex_rope):
     the op (TE's arguments in TE's order) and gives TE eager's fused values and gradient (FusedRoPEFunc on the same
     stand-in kernels)."""
     from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
-    from te_passes.compat.untouched import polyfills
+    from tests.runtime.test_untouched import install_polyfills
 
-    assert polyfills.install_untouched_polyfills()
+    install_polyfills()
     freqs = torch.randn(12, 1, 1, 8)
 
     def f(t):
@@ -243,9 +244,9 @@ def test_te_ops_norm_forward_matches_te_eager(tex_norms, kind, in_dtype):
     taking the polyfills runs ``te_passes::te_ops_norm_fwd`` on TE's casts (input and weight to the weight's dtype)
     and gives TE eager's output and every gradient on the same stand-in kernels."""
     import transformer_engine.pytorch as te
-    from te_passes.compat.untouched import polyfills
+    from tests.runtime.test_untouched import install_polyfills
 
-    assert polyfills.install_untouched_polyfills()
+    install_polyfills()
     torch.manual_seed(0)
     mod = getattr(te, kind)((2, 8), params_dtype=torch.bfloat16, device="cpu", zero_centered_gamma=True)
     with torch.no_grad():
@@ -281,9 +282,9 @@ def test_l2_normalization_forward_is_tes_formulas():
     exactly (the functions TE's ``lazy_compile`` wraps, called uncompiled)."""
     from transformer_engine.pytorch import jit
     from transformer_engine.pytorch.ops import L2Normalization
-    from te_passes.compat.untouched import polyfills
+    from tests.runtime.test_untouched import install_polyfills
 
-    assert polyfills.install_untouched_polyfills()
+    install_polyfills()
     mod = L2Normalization(eps=1e-6)
     torch._dynamo.reset()
     graphs: list = []

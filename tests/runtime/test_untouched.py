@@ -20,16 +20,26 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
+from te_passes.compat import gate as frame_gate, table  # noqa: E402
+from te_passes.compat.dynamo.hooks import mark_untouched_backend  # noqa: E402
+from te_passes.compat.install import install  # noqa: E402
 from te_passes.compat.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat.untouched.rows import ROWS as UNTOUCHED_ROWS  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
+def install_polyfills() -> None:
+    """``compat.install()`` (the patch table), then every ``untouched.*`` row is active."""
+    install()
+    off = [s for s in table.status() if s.name in {r.name for r in UNTOUCHED_ROWS} and not s.active]
+    assert not off, off
+
+
 @pytest.fixture(autouse=True)
 def _polyfills():
-    assert untouched.install_untouched_polyfills(), untouched.polyfill_status()
-    assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()  # compat.install() does both
+    install_polyfills()
     untouched.clear_island_records()
     yield
 
@@ -39,8 +49,7 @@ def _te_backend(graphs):
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
-    backend._te_passes_untouched = True
-    return backend
+    return mark_untouched_backend(backend)
 
 
 def _plain_backend(graphs):
@@ -64,7 +73,7 @@ def _run(build, shape, precision="bf16", *, backend=_te_backend, calls=3, autoca
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch._dynamo.reset()
-    untouched.install_untouched_polyfills()  # re-registers the start callback reset() cleared
+    install_polyfills()
     counters.clear()
     fp8 = precision != "bf16"
     graphs: list = []
@@ -185,7 +194,7 @@ def test_gqa_split_is_torch_split_under_te_inductor_only():
 def test_graph_split_along_dim_matches_te_values_and_gradients(sections, squeeze):
     """CPU tensors: the te_inductor-traced split gives TE's SplitAlongDim forward values and input gradient
     (called with the arguments TE's callers pass: TE's backward returns as many gradients as MHA's 3 inputs)."""
-    te_split = untouched_split._STATE["te"]
+    te_split = untouched_split.TE_SPLIT[0]
     n = 4 if sections == (2, 1, 1) else (6 if sections == 3 else 2)
     x0 = torch.randn(5, 3, n, 8, dtype=torch.float64)
 
@@ -303,7 +312,7 @@ def _fake_cuda_model(build, shape, precision):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch._dynamo.reset()
-    untouched.install_untouched_polyfills()
+    install_polyfills()
     with quiet(), fake_gpu(precision):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode, constructing():
@@ -375,29 +384,38 @@ def test_backend_recognition():
 
     import te_passes.backend as backend
 
+    def takes(fn):  # what the polyfills ask the frame gate (compat/gate.py)
+        opts = frame_gate.options_for(fn)
+        return opts is not None and opts.untouched
+
     wrapper = torch._TorchCompileWrapper("te_inductor", None, None, None)
-    assert untouched.backend_wants_polyfills(wrapper)
+    assert takes(wrapper)
     off = torch._TorchCompileWrapper("te_inductor", None, {"te_passes.untouched": False}, None)
-    assert not untouched.backend_wants_polyfills(off)
-    assert untouched.backend_wants_polyfills(functools.partial(backend.te_inductor, mode=None, options=None))
-    assert not untouched.backend_wants_polyfills(torch._TorchCompileWrapper("eager", None, None, None))
+    assert not takes(off)
+    assert takes(functools.partial(backend.te_inductor, mode=None, options=None))
+    assert not takes(torch._TorchCompileWrapper("eager", None, None, None))
     from torch._dynamo.backends.registry import lookup_backend
 
-    assert not untouched.backend_wants_polyfills(lookup_backend("inductor"))
+    assert not takes(lookup_backend("inductor"))
 
 
 def test_option_and_env_switch_off(monkeypatch):
     from te_passes.config import TePassesOptionError
 
+    from te_passes.config import TePassesOptions
+
+    def enabled(options=None):
+        return TePassesOptions.parse(options)[0].untouched
+
     monkeypatch.setenv(untouched.ENV, "0")
-    assert not untouched.untouched_enabled()
-    assert untouched.untouched_enabled({"te_passes.untouched": True})  # the option wins
+    assert not enabled()
+    assert enabled({"te_passes.untouched": True})  # the option wins
     monkeypatch.setenv(untouched.ENV, "maybe")
     with pytest.raises(TePassesOptionError, match="TE_PASSES_UNTOUCHED"):
-        untouched.untouched_enabled()
+        enabled()
     monkeypatch.delenv(untouched.ENV)
     with pytest.raises(TePassesOptionError, match="must be a bool"):
-        untouched.untouched_enabled({"te_passes.untouched": "no"})
+        enabled({"te_passes.untouched": "no"})
 
 
 def test_switched_off_compile_behaves_as_before(monkeypatch):
@@ -407,10 +425,9 @@ def test_switched_off_compile_behaves_as_before(monkeypatch):
 
 
 def test_polyfills_installed_for_the_te_targets():
-    st = untouched.polyfill_status()
-    for target in ("LayerNormLinear.forward", "LayerNormMLP.forward", "FusedAttention.forward",
-                   "get_default_fp8_recipe"):
-        assert st[target].installed, st[target]
+    for row in ("untouched.layernorm_linear_forward", "untouched.layernorm_mlp_forward",
+                "untouched.fused_attention_forward", "untouched.get_default_fp8_recipe"):
+        assert table.is_active(row), table.refusal(row)
     assert isinstance(untouched.closure_layout(te.LayerNormLinear.forward), tuple)
     assert "not a closure" in untouched.closure_layout(lambda: 0) or "closes over" in untouched.closure_layout(lambda: 0)
 

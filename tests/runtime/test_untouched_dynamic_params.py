@@ -19,7 +19,8 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.compat.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat.untouched import polyfills as untouched  # noqa: E402
+from tests.runtime.test_untouched import install_polyfills  # noqa: E402
 from te_passes.compat.dynamo.hooks import mark_untouched_backend  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
@@ -28,8 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.fixture(autouse=True)
 def _polyfills():
-    assert untouched.install_untouched_polyfills(), untouched.polyfill_status()
-    assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()
+    install_polyfills()
     untouched.clear_island_records()
     yield
 
@@ -58,7 +58,7 @@ def _session(precision):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch._dynamo.reset()
-    untouched.install_untouched_polyfills()
+    install_polyfills()
     counters.clear()
     with quiet(), fake_gpu(precision):
         yield FakeTensorMode(allow_non_fake_inputs=True)

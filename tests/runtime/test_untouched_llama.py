@@ -15,9 +15,11 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.compat.untouched import polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat import table  # noqa: E402
+from te_passes.compat.untouched import polyfills as untouched  # noqa: E402
 from te_passes.compat.untouched import rope_norm  # noqa: E402
-from tests.runtime.test_untouched import _fullgraph, _one_graph, _plain_backend, _run, _te_backend  # noqa: E402
+from tests.runtime.test_untouched import (_fullgraph, _one_graph, _plain_backend, _run, _te_backend,  # noqa: E402
+                                         install_polyfills)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -27,8 +29,7 @@ HEAD_DIM = HIDDEN // HEADS
 
 @pytest.fixture(autouse=True)
 def _polyfills():
-    assert untouched.install_untouched_polyfills(), untouched.polyfill_status()
-    assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()
+    install_polyfills()
     untouched.clear_island_records()
     yield
 
@@ -133,7 +134,7 @@ def test_rope_polyfill_only_under_te_inductor():
         graphs, err = _fullgraph(lambda: _rope_fn(False), shape, backend)
         assert err is None and len(graphs) == 1, err
         assert _count([str(n.target) for n in graphs[0].graph.nodes], "te_rope") == 0
-    assert untouched.polyfill_status()["apply_rotary_pos_emb"].installed
+    assert table.is_active("untouched.apply_rotary_pos_emb"), table.refusal("untouched.apply_rotary_pos_emb")
 
 
 def test_rope_thd_is_a_named_island():
@@ -179,8 +180,8 @@ def test_te_norm_module_only_under_te_inductor():
     assert "te_passes_untouched_island" not in err and "te_norm" not in err, err
     graphs, err = _fullgraph(lambda: _norm("RMSNorm"), (SEQ, BATCH, HIDDEN), _te_backend)
     assert err is None and len(graphs) == 1, err
-    for name in ("te.RMSNorm", "te.LayerNorm", "te.ops.L2Normalization"):
-        assert untouched.polyfill_status()[name].installed, untouched.polyfill_status()[name]
+    for name in ("untouched.rmsnorm_forward", "untouched.layernorm_forward", "untouched.l2normalization_forward"):
+        assert table.is_active(name), table.refusal(name)
     assert te.RMSNorm.forward is rope_norm.te_ops_norm_forward
 
 

@@ -19,7 +19,9 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.compat.untouched import gate, polyfills as untouched, split as untouched_split  # noqa: E402
+from te_passes.compat.dynamo.hooks import mark_untouched_backend  # noqa: E402
+from te_passes.compat.untouched import gate, polyfills as untouched  # noqa: E402
+from tests.runtime.test_untouched import install_polyfills  # noqa: E402
 from te_passes.testing.fake_gpu import constructing, fake_gpu, make_recipe, quiet  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,8 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(autouse=True)
 def _polyfills():
-    assert untouched.install_untouched_polyfills(), untouched.polyfill_status()
-    assert untouched_split.install_split_polyfill(), untouched_split.refused_reason()
+    install_polyfills()
     untouched.clear_island_records()
     yield
 
@@ -37,8 +38,7 @@ def _backend(graphs):
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
-    backend._te_passes_untouched = True
-    return backend
+    return mark_untouched_backend(backend)
 
 
 def _layer(**kw):
@@ -60,7 +60,7 @@ def _run(build, step_body, outer, precision="fp8-cs", calls=4, shape=(16, 2, 64)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch._dynamo.reset()
-    untouched.install_untouched_polyfills()
+    install_polyfills()
     counters.clear()
     graphs: list = []
     with quiet(), fake_gpu(precision), warnings.catch_warnings(record=True) as caught:
@@ -189,7 +189,7 @@ def test_sliding_window_reaches_the_op_with_te_s_window():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch._dynamo.reset()
-    untouched.install_untouched_polyfills()
+    install_polyfills()
     graphs: list = []
     with quiet(), fake_gpu("bf16"):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -279,5 +279,5 @@ def test_mark_untouched_backend_refuses_what_it_cannot_mark():
 
     with pytest.raises(TypeError, match="backend callable"):
         mark_untouched_backend(42)
-    with pytest.raises(TypeError, match="cannot set _te_passes_untouched"):
+    with pytest.raises(TypeError, match="cannot register .* as a te_passes backend"):
         mark_untouched_backend(len)

@@ -97,9 +97,10 @@ def test_transformer_layer_runs_the_backend_te_selects(env, monkeypatch, fresh_s
     call (``_attention_backends``, the selection; softmax's ``_default_causal_mask``), whose guards
     the second call fails; calls 2-3 then reuse that graph."""
     from tests.runtime.test_untouched import _layer, _run
-    from te_passes.compat.untouched import polyfills as untouched, split
+    from te_passes.compat.untouched import polyfills as untouched
+    from tests.runtime.test_untouched import install_polyfills
 
-    assert untouched.install_untouched_polyfills() and split.install_split_polyfill()  # as compat.install()
+    install_polyfills()  # compat.install(): the untouched rows of the patch table
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     untouched.clear_island_records()

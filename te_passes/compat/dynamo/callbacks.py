@@ -50,11 +50,9 @@ def is_te_inductor(compiler_fn: Any) -> bool:
     """Whether Dynamo's ``compiler_fn`` is te_inductor or a backend registered at the frame gate (however
     wrapped). A bad ``te_passes.*`` option still counts (te_inductor then raises it with its message)."""
     try:
-        if gate.options_for(compiler_fn) is not None:
-            return True
+        return gate.options_for(compiler_fn) is not None
     except TePassesOptionError:
         return True
-    return any(getattr(c, "_te_passes_untouched", False) is True for c in gate.backend_chain(compiler_fn))  # MERGE: drop
 
 
 @contextlib.contextmanager

@@ -39,9 +39,5 @@ def mark_untouched_backend(fn: Any) -> Any:
     if not callable(fn):
         raise TypeError(f"mark_untouched_backend takes a backend callable, not {type(fn).__name__}")
     frame_gate.register_backend(fn)
-    try:  # the untouched polyfills' own gate, until they read compat.gate
-        fn._te_passes_untouched = True
-    except (AttributeError, TypeError):
-        pass
     register()
     return fn

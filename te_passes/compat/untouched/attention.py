@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
+from te_passes.compat.untouched.gate import fused_attn_switched_off
 from te_passes.ops.fused_attn import fused_attention_op, refused_reason
 from te_passes.te.attention_backend import backend_problem
 from te_passes.te.fused_attn import head_dim_problem
@@ -41,8 +42,8 @@ def fused_attention_call_problem(mod: Any, q: Any, k: Any, v: Any, call: dict[st
     """Why this ``FusedAttention.forward`` call is not expressed by the op (trace-time Python), or ``None``."""
     from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
 
-    reason = refused_reason()
-    if reason is not None:
+    reason = refused_reason() or fused_attn_switched_off()  # te_passes.fused_attn / TE_PASSES_FUSED_ATTN
+    if reason:
         return f"TE fused-attention op unavailable: {reason}"
     layout = call["qkv_layout"]
     if _format(layout) is None:
@@ -161,8 +162,8 @@ def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: A
          or window_call_problem(mod, fmt, q, k, kwargs))
     if p:
         return p
-    reason = refused_reason()
-    if reason is not None:
+    reason = refused_reason() or fused_attn_switched_off()  # te_passes.fused_attn / TE_PASSES_FUSED_ATTN
+    if reason:
         return f"TE fused-attention op unavailable: {reason}"
     if getattr(getattr(mod, "fused_attention", None), "use_FAv2_bwd", False):
         return "NVTE_FUSED_ATTN_USE_FAv2_BWD=1 (TE's flash-attn v2 backward): not expressed by the fused op"

@@ -1,76 +1,78 @@
-"""The backend gate of the untouched-model polyfills (:mod:`te_passes.compat.untouched.polyfills`): which
-backend Dynamo compiles a frame for (``te_inductor``, or a callable marked :data:`BACKEND_MARK`),
-the ``te_passes.untouched`` option / ``TE_PASSES_UNTOUCHED``, and the island records of the calls
-the polyfills leave to TE's eager code. Docs: docs/untouched.md."""
+"""The untouched-model polyfills' view of the frame gate (:mod:`te_passes.compat.gate`): whether the frame
+Dynamo traces now takes the polyfills (``te_inductor`` or a backend registered there, with
+``te_passes.untouched`` on) and its ``te_passes.untouched_norm`` / ``te_passes.fused_attn`` options; and the
+island records of the calls the polyfills leave to TE's eager code. Docs: docs/untouched.md."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import sys
 import threading
-import types
 import warnings
-from typing import Any
 
 import torch
 
-from te_passes.config import PREFIX, TePassesOptions
+from te_passes.compat import gate as frame_gate
+from te_passes.config import PREFIX, TePassesOptionError, TePassesOptions, unwrapped
 from te_passes.te.untouched_rules import DELAYED_SCALING_FIX
 
 #: The ``te_passes.*`` option (``torch.compile(..., options={OPTION: False})``) and its env var.
 OPTION = PREFIX + "untouched"
 ENV = "TE_PASSES_UNTOUCHED"
-#: A backend callable (or anything it wraps) with this attribute set to ``True`` takes the
-#: polyfills like ``te_inductor`` (the CPU capture's recording backends set it).
-BACKEND_MARK = "_te_passes_untouched"
 
 
-def _backend_chain(fn: Any) -> list[Any]:
-    """``fn`` and what it wraps: Dynamo's ``WrapBackendDebug``, ``torch.compile``'s
-    ``_TorchCompileWrapper`` (``compiler_fn``), ``functools.partial`` (``func``), ``__wrapped__``."""
-    out: list[Any] = []
-    while fn is not None and len(out) < 16 and all(fn is not o for o in out):
-        out.append(fn)
-        nxt = None
-        for attr in ("_torchdynamo_orig_backend", "_torchdynamo_orig_callable", "compiler_fn", "func", "__wrapped__"):
-            v = getattr(fn, attr, None) if not isinstance(fn, types.ModuleType) else None
-            if v is not None and v is not fn and callable(v):
-                nxt = v
-                break
-        fn = nxt
-    return out
-
-
-def _options_of(chain: list[Any]) -> dict[str, Any] | None:
-    for c in chain:
-        kw = getattr(c, "kwargs", None) if not isinstance(c, functools.partial) else c.keywords
-        if isinstance(kw, dict) and isinstance(kw.get("options"), dict):
-            return kw["options"]
-    return None
-
-
-def untouched_enabled(options: dict[str, Any] | None = None, environ: Any = None) -> bool:
-    """``te_passes.untouched`` from ``options`` (a ``torch.compile`` options dict), else
-    ``TE_PASSES_UNTOUCHED``, else ``True``.
+def frame_untouched_options() -> TePassesOptions | None:
+    """The parsed options of the frame Dynamo traces (or starts compiling) now when it takes the polyfills:
+    compiled for ``te_inductor`` or a backend registered at :mod:`te_passes.compat.gate`, with
+    ``te_passes.untouched`` on; ``None`` otherwise (other backends, no compile).
 
     Raises:
-        TePassesOptionError: a value that is not a bool (option) / not a bool spelling (env).
-    """
-    ours = {OPTION: options[OPTION]} if options and OPTION in options else None
-    parsed, _ = TePassesOptions.parse(ours, environ={ENV: (environ or os.environ).get(ENV, "")})
-    return parsed.untouched
+        TePassesOptionError: a bad ``te_passes.*`` option or ``TE_PASSES_*`` variable, as an instance Dynamo
+            re-raises unwrapped (:func:`te_passes.config.unwrapped`: this runs while Dynamo traces)."""
+    try:
+        opts = frame_gate.frame_options()
+    except TePassesOptionError as e:
+        raise unwrapped(e) from None
+    return opts if opts is not None and opts.untouched else None
 
 
-def backend_wants_polyfills(compiler_fn: Any) -> bool:
-    """Whether Dynamo's ``compiler_fn`` (``OutputGraph.compiler_fn``) is ``te_inductor`` (or
-    carries :data:`BACKEND_MARK`) with ``te_passes.untouched`` on."""
-    chain = _backend_chain(compiler_fn)
-    te_fn = getattr(sys.modules.get("te_passes.backend"), "te_inductor", None)
-    if not any((te_fn is not None and c is te_fn) or getattr(c, BACKEND_MARK, False) is True for c in chain):
-        return False
-    return untouched_enabled(_options_of(chain))
+def environment_options() -> TePassesOptions:
+    """The options of the environment alone (``TE_PASSES_UNTOUCHED_NORM``, ``TE_PASSES_FUSED_ATTN``, ...;
+    defaults where unset): what eager calls and other backends' frames read.
+
+    Raises:
+        TePassesOptionError: a bad ``TE_PASSES_*`` value (unwrapped, as :func:`frame_untouched_options`)."""
+    try:
+        return TePassesOptions.parse(None)[0]
+    except TePassesOptionError as e:
+        raise unwrapped(e) from None
+
+
+def options_now() -> TePassesOptions:
+    """:func:`frame_untouched_options`, else :func:`environment_options`."""
+    return frame_untouched_options() or environment_options()
+
+
+@torch._dynamo.assume_constant_result
+def norm_choice() -> str:
+    """Trace time, a constant: ``te_passes.untouched_norm`` of the frame traced now (``"te"``: TE's kernels,
+    ``"torch"``: torch ops); outside a te_inductor frame the ``TE_PASSES_UNTOUCHED_NORM`` value."""
+    return options_now().untouched_norm
+
+
+def fused_attn_off(opts: TePassesOptions) -> str:
+    """Why ``opts`` keep the untouched attention off TE's fused-attention op (``""``: they do not):
+    ``"switched off (TE_PASSES_FUSED_ATTN='0')"`` / ``"switched off (te_passes.fused_attn=False)"``."""
+    if opts.fused_attn:
+        return ""
+    env = os.environ.get("TE_PASSES_FUSED_ATTN")
+    return f"switched off ({f'TE_PASSES_FUSED_ATTN={env!r}' if 'fused_attn' in opts.from_env else PREFIX + 'fused_attn=False'})"
+
+
+@torch._dynamo.assume_constant_result
+def fused_attn_switched_off() -> str:
+    """Trace time, a constant: :func:`fused_attn_off` of the frame traced now (eagerly: of the environment)."""
+    return fused_attn_off(options_now())
 
 
 # --------------------------------------------------------------------------- islands

@@ -4,45 +4,32 @@ See docs/internals.md#te_passescompatuntouchedpolyfillspy and docs/untouched.md.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import sys
-import threading
-import types
 from typing import Any, Callable
 
 import torch
 from torch._dynamo.comptime import comptime
 
-from te_passes.config import UNTOUCHED_NORM_CHOICES, UNTOUCHED_NORM_ENV, TePassesOptionError, unwrapped, untouched_norm
 from te_passes.compat.delayed_scaling import linear as delayed_linear
-from te_passes.ops.fused_attn import install_fused_attention_op
+from te_passes.compat.delayed_scaling.scaling import te_inductor_tracing
 from te_passes.ops.shared_linear import owner_delayed_slots
 from te_passes.ops.te_act import te_activation
 from te_passes.ops.te_norm import te_norm
-from te_passes.compat.autocast import recipe_state
 from te_passes.compat.untouched.attention import (dpa_fused_forward, dpa_problem, fused_attention_call_problem,
                                                    fused_attention_forward, unpack_qkv)
-from te_passes.compat.untouched.gate import (BACKEND_MARK, ENV, OPTION, PREPARE_FIX, Island, island_fix_for, note_island,  # noqa: F401
-                                              backend_wants_polyfills, clear_island_records, island_records,
-                                              untouched_enabled)
-from te_passes.compat.untouched.rope_norm import install_rope_norm_polyfills, named_island
-from te_passes.compat.untouched.state import (BUILD_CONTEXTS, STATE_ATTR, UntouchedState, active_frames,  # noqa: F401
-                                               run_eager, prepare_layernorm_linear,
-                                               prepare_layernorm_mlp, register_start_callback, on_compile_start,
-                                               prepare_te_module, prime_recipe)
+from te_passes.compat.untouched.gate import (ENV, OPTION, PREPARE_FIX, Island, island_fix_for, note_island,  # noqa: F401
+                                              clear_island_records, environment_options, island_records,
+                                              norm_choice)
+from te_passes.compat.untouched.rope_norm import function_copy, named_island
+from te_passes.compat.untouched.state import (STATE_ATTR, UntouchedState, active_frames, prepare_layernorm_linear,
+                                               prepare_layernorm_mlp, prepare_te_module, prime_recipe, run_eager)
 from te_passes.te.norm_act import activation, normalize
-from te_passes.compat.delayed_scaling.scaling import te_inductor_tracing
 from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
 
-from te_passes.te.version import is_supported, te_version
-
-#: ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm and LayerNormMLP activation kernels as
-#: the ``te_passes::te_norm_fwd`` / ``te_act_fwd`` ops; TE eager's numerics, measured as fast as the
-#: torch-ops norm: docs/untouched.md) or ``torch`` (LayerNorm / RMSNorm and the activation in torch
+#: ``te_passes.untouched_norm`` / ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm and LayerNormMLP
+#: activation kernels as the ``te_passes::te_norm_fwd`` / ``te_act_fwd`` ops; TE eager's numerics, measured as
+#: fast as the torch-ops norm: docs/untouched.md) or ``torch`` (LayerNorm / RMSNorm and the activation in torch
 #: ops, fused by Inductor; also what CPU Inductor runs need: TE's kernels are CUDA-only).
-NORM_ENV = UNTOUCHED_NORM_ENV  # checked with the options (te_passes.config.check_environment)
-NORM_CHOICES = UNTOUCHED_NORM_CHOICES
+NORM_ENV = "TE_PASSES_UNTOUCHED_NORM"
 
 #: ``disabled_f`` targets: TE function qualname -> (attribute path under ``transformer_engine.pytorch``, TE module).
 TARGETS: dict[str, tuple[str, str, str]] = {
@@ -59,26 +46,17 @@ TARGETS: dict[str, tuple[str, str, str]] = {
 
 
 # --------------------------------------------------------------------------- shared forwards
-def norm_impl(environ: Any = None) -> str:
-    """``TE_PASSES_UNTOUCHED_NORM`` (``te`` default, or ``torch``); raises ``TePassesOptionError`` (as Dynamo
-    re-raises it unwrapped: this runs while Dynamo traces)."""
-    try:
-        return untouched_norm(environ)
-    except TePassesOptionError as e:
-        raise unwrapped(e) from None
+def te_kernels() -> bool:
+    """Whether the polyfills' norm / activation run TE's kernels: ``te_passes.untouched_norm == "te"`` of the
+    frame traced now (a constant in the trace), eagerly that of ``TE_PASSES_UNTOUCHED_NORM``.
 
-
-@torch._dynamo.assume_constant_result
-def _norm_choice() -> str:
-    return norm_impl()
-
-
-def _te_kernels() -> bool:
-    return (_norm_choice() if torch.compiler.is_compiling() else norm_impl()) == "te"
+    Raises:
+        TePassesOptionError: a bad option or ``TE_PASSES_*`` value (unwrapped: Dynamo re-raises it as is)."""
+    return (norm_choice() if torch.compiler.is_compiling() else environment_options().untouched_norm) == "te"
 
 
 def _norm(mod: Any, inp: torch.Tensor) -> torch.Tensor:
-    if _te_kernels():
+    if te_kernels():
         return te_norm(inp, mod.layer_norm_weight, mod.layer_norm_bias, mod.eps, mod.normalization,
                        mod.zero_centered_gamma)
     return normalize(inp, mod.layer_norm_weight, mod.layer_norm_bias, mod.eps, mod.normalization,
@@ -98,18 +76,28 @@ def layernorm_mlp_forward(mod: Any, fc1: torch.nn.Module, fc2: torch.nn.Module, 
     """``te.LayerNormMLP`` ``mod``'s forward as norm + ``fc1`` + activation + ``fc2``:
     ``inp`` [..., hidden] -> [..., hidden] (or ``(out, fc2_bias)`` with ``return_bias``)."""
     h = fc1(_norm(mod, inp), is_first_microbatch=is_first_microbatch)
-    act = te_activation if _te_kernels() else activation
+    act = te_activation if te_kernels() else activation
     return fc2(act(h, mod.activation, mod.activation_params), is_first_microbatch=is_first_microbatch)
 
 
 # --------------------------------------------------------------------------- the polyfills
-_lock = threading.Lock()
-_COPIES: dict[str, Callable[..., Any]] = {}   # TE's function, disabled: the other backends' path
-_ISLAND_FNS: dict[str, Callable[..., Any]] = {}  # TE's function, disabled, named: te_inductor's islands
+#: Per target: TE's own function, as the other backends' frames run it (set by the rows' plans:
+#: :func:`keep_te_function`).
+COPIES: dict[str, Callable[..., Any]] = {}
+#: Per target: TE's function under ``torch._dynamo.disable``, named: te_inductor's islands.
+ISLAND_FNS: dict[str, Callable[..., Any]] = {}
 
 
-def _disabled(f: Callable[..., Any], label: str | None) -> Callable[..., Any]:
-    return torch._dynamo.disable(f, recursive=True) if label is None else named_island(f, label)
+def keep_te_function(target: str, disabled_f: Callable[..., Any], f: Callable[..., Any]) -> None:
+    """Keep TE's function for the polyfill of ``target`` (a key of :data:`POLYFILLS` or ``"noop_cat"`` /
+    ``"get_default_fp8_recipe"``): ``disabled_f`` is what the polyfill substitutes, ``f`` TE's undisabled
+    function (:func:`closure_layout`; the same object for a conditional wrapper or a plain function, whose
+    fallback is then a copy of ``f``, else ``f`` under ``torch._dynamo.disable`` plus a named island)."""
+    if disabled_f is f:
+        COPIES[target] = function_copy(f)
+    else:
+        COPIES[target] = torch._dynamo.disable(f, recursive=True)
+        ISLAND_FNS[target] = named_island(f, target)
 
 
 def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
@@ -120,10 +108,10 @@ def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
 
     if not manager.is_fp8_enabled() or not manager.get_fp8_recipe().delayed():
         return None
-    if not delayed_linear.installed():
+    if not delayed_linear.installed():  # compat/delayed_scaling's status (its rows, once converted)
         return (f"DelayedScaling: te.Linear's DelayedScaling op pair is not installed "
                 f"({delayed_linear.refused_reason()}): {DELAYED_SCALING_FIX}")
-    if not te_inductor_tracing():
+    if not te_inductor_tracing():  # compat/delayed_scaling's gate: the backends that take its ops
         return f"DelayedScaling: the backend does not take te_passes' DelayedScaling ops: {DELAYED_SCALING_FIX}"
     if any(owner_delayed_slots(g, manager) is None for g in st.gemms):
         return ("its DelayedScaling state was not registered in TE's global amax buffers before the trace "
@@ -133,7 +121,7 @@ def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
 
 def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
     if not active_frames():
-        return _COPIES["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
+        return COPIES["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     qstate = FP8GlobalStateManager.quantization_state
@@ -143,7 +131,7 @@ def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8
     problem = st.problem or norm_call_problem(_delayed_problem(self, st))
     if problem is not None:
         note_island("te.LayerNormLinear", self.name or "", problem, island_fix_for(problem))
-        return _ISLAND_FNS["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
+        return ISLAND_FNS["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
     (gemm,) = st.gemms
     gemm.training = self.training
     return layernorm_linear_forward(self, gemm, inp, is_first_microbatch, fp8_output, fp8_grad)
@@ -151,7 +139,7 @@ def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8
 
 def _layernorm_mlp(self, inp, is_first_microbatch=None):
     if not active_frames():
-        return _COPIES["LayerNormMLP.forward"](self, inp, is_first_microbatch)
+        return COPIES["LayerNormMLP.forward"](self, inp, is_first_microbatch)
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     qstate = FP8GlobalStateManager.quantization_state
@@ -161,7 +149,7 @@ def _layernorm_mlp(self, inp, is_first_microbatch=None):
     problem = st.problem or norm_call_problem(_delayed_problem(self, st))
     if problem is not None:
         note_island("te.LayerNormMLP", self.name or "", problem, island_fix_for(problem))
-        return _ISLAND_FNS["LayerNormMLP.forward"](self, inp, is_first_microbatch)
+        return ISLAND_FNS["LayerNormMLP.forward"](self, inp, is_first_microbatch)
     fc1, fc2 = st.gemms
     fc1.training = self.training
     fc2.training = self.training
@@ -196,17 +184,17 @@ def _fused_attention(self, query_layer, key_layer, value_layer, qkv_layout="sbh3
     if fused_attention_backend is None:
         del call["fused_attention_backend"]
     if not active_frames():
-        return _COPIES["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
+        return COPIES["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
     problem = fused_attention_call_problem(self, query_layer, key_layer, value_layer, call)
     if problem is not None:
         note_island("te.FusedAttention", f"layer_number={self.layer_number}", problem, island_fix_for(problem))
-        return _ISLAND_FNS["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
+        return ISLAND_FNS["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
     return fused_attention_forward(self, query_layer, key_layer, value_layer, call)
 
 
 def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                            qkv_format=None, *args, **kwargs):
-    te_forward = _COPIES["DotProductAttention.forward"]
+    te_forward = COPIES["DotProductAttention.forward"]
     if args or not active_frames():
         return te_forward(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, *args, **kwargs)
     kw = dict(kwargs)
@@ -224,7 +212,7 @@ def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=N
 
 def _noop_cat(tensors, dim=0):
     if not active_frames():
-        return _COPIES["noop_cat"](tensors, dim)
+        return COPIES["noop_cat"](tensors, dim)
     # TE's _NoopCatFunc compares storages / data_ptrs (not traceable); torch.cat gives the same
     # values (a copy of the weight splits per call, as compile_friendly's hidden te.Linear)
     if len(tensors) == 1:
@@ -234,7 +222,7 @@ def _noop_cat(tensors, dim=0):
 
 def _default_recipe_polyfill():
     if not active_frames():
-        return _COPIES["get_default_fp8_recipe"]()
+        return COPIES["get_default_fp8_recipe"]()
     comptime(_build_default_recipe)
     return _DEFAULT_RECIPE[0]
 
@@ -248,34 +236,20 @@ def _build_default_recipe(ctx: Any) -> None:
     if _DEFAULT_RECIPE:
         return
     with run_eager():
-        r = _COPIES["get_default_fp8_recipe"]()
+        r = COPIES["get_default_fp8_recipe"]()
     prime_recipe(r)
     _DEFAULT_RECIPE.append(r)
 
 
-_POLYFILLS: dict[str, Callable[..., Any]] = {
+#: TE's disabled forward (``<class>.forward``) -> its polyfill.
+POLYFILLS: dict[str, Callable[..., Any]] = {
     "LayerNormLinear.forward": _layernorm_linear,
     "LayerNormMLP.forward": _layernorm_mlp,
     "FusedAttention.forward": _fused_attention,
     "DotProductAttention.forward": _dot_product_attention,
+    "noop_cat": _noop_cat,
+    "get_default_fp8_recipe": _default_recipe_polyfill,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class PolyfillStatus:
-    """One polyfill target: ``installed`` or not, and why not (``reason``)."""
-
-    target: str
-    installed: bool
-    reason: str | None = None
-
-
-_STATUS: dict[str, PolyfillStatus] = {}
-
-
-def polyfill_status() -> dict[str, PolyfillStatus]:
-    """What :func:`install_untouched_polyfills` did, per target (empty before it ran with TE)."""
-    return dict(_STATUS)
 
 
 def closure_layout(fn: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | str:
@@ -297,98 +271,8 @@ def closure_layout(fn: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | s
     return f"{fn.__qualname__} closes over {code.co_freevars}, not TE's no_torch_dynamo layout"
 
 
-def _copy(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``f`` with another identity (same code, globals, defaults, closure): Dynamo traces it as TE's
-    own function, never as the polyfill registered for ``f``."""
-    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    g.__kwdefaults__ = dict(f.__kwdefaults__ or {}) or None
-    g.__qualname__, g.__doc__, g.__module__ = f.__qualname__, f.__doc__, f.__module__
-    return g
-
-
-def _te_ships_op(qualname: str) -> str | None:
-    """Why TE's own compiled op makes the polyfill unnecessary (TE#3534 / TE#3472), or ``None``."""
-    from torch._library.custom_ops import OPDEFS
-
-    names = {"LayerNormLinear.forward": ("layernorm_linear",), "LayerNormMLP.forward": ("layernorm_mlp",),
-             "FusedAttention.forward": ("fused_attention", "dot_product_attention"),
-             "DotProductAttention.forward": ("fused_attention", "dot_product_attention")}[qualname]
-    for op in OPDEFS:
-        ns, _, name = op.partition("::")
-        if ns == "transformer_engine_compile" and name in names:
-            return f"TE ships its own op {op}: stepping aside"
-    return None
-
-
-def install_untouched_polyfills() -> bool:
-    """Register the polyfills once (idempotent, thread-safe); ``False`` while TE's modules are not
-    imported. Per target, :func:`polyfill_status` says whether it went in and why not (another
-    closure layout, TE ships its own op, TE < 2.20 / not supported). Never raises."""
-    if "transformer_engine.pytorch" not in sys.modules:
-        return False
-    with _lock:
-        if _STATUS:
-            register_start_callback()  # torch._dynamo.reset() clears Dynamo's callbacks
-            return any(s.installed for s in _STATUS.values())
-        for qualname, (modname, cls_name, _te_module) in TARGETS.items():
-            if not is_supported():
-                _STATUS[qualname] = PolyfillStatus(qualname, False, f"TE {te_version()} is not a version te_passes "
-                                                                    "mirrors")
-                continue
-            try:
-                cls = getattr(importlib.import_module(modname), cls_name)
-            except Exception as e:  # noqa: BLE001
-                _STATUS[qualname] = PolyfillStatus(qualname, False, f"{modname}.{cls_name}: {type(e).__name__}: {e}")
-                continue
-            why = _te_ships_op(qualname)
-            layout = closure_layout(cls.forward) if why is None else why
-            if isinstance(layout, str):
-                _STATUS[qualname] = PolyfillStatus(qualname, False, layout)
-                continue
-            disabled_f, f = layout
-            if disabled_f is f:  # conditional wrapper: TE traces f itself; the fallback is a copy of f
-                _COPIES[qualname] = _copy(f)
-            else:
-                _COPIES[qualname] = _disabled(f, None)
-                _ISLAND_FNS[qualname] = _disabled(f, qualname)
-            try:
-                torch.compiler.substitute_in_graph(disabled_f, skip_signature_check=True)(_POLYFILLS[qualname])
-            except (TypeError, ValueError) as e:  # someone else registered one
-                _STATUS[qualname] = PolyfillStatus(qualname, False, f"substitute_in_graph: {e}")
-                continue
-            _STATUS[qualname] = PolyfillStatus(qualname, True)
-        _install_default_recipe()
-        for name, why in (install_rope_norm_polyfills(_te_kernels) if is_supported() else {}).items():
-            _STATUS[name] = PolyfillStatus(name, why is None, why)  # RoPE and te.ops norms: rope_norm.py
-        install_fused_attention_op(import_te=True)  # the FusedAttention polyfill's op (refusal: refused_reason())
-        recipe_state.install_trace_hooks()  # its nodes record the te.autocast state they are traced under
-        register_start_callback()
-        return any(s.installed for s in _STATUS.values())
-
-
-def _install_default_recipe() -> None:
-    """The plain-function polyfills: ``quantization.get_default_fp8_recipe`` and
-    ``module/_common.noop_cat`` (te.Linear's weight splits, e.g. ``MultiheadAttention.qkv``)."""
-    for modname, name, poly in (("transformer_engine.pytorch.quantization", "get_default_fp8_recipe",
-                                 _default_recipe_polyfill),
-                                ("transformer_engine.pytorch.module._common", "noop_cat", _noop_cat)):
-        orig = getattr(importlib.import_module(modname), name, None)
-        if not isinstance(orig, types.FunctionType):
-            _STATUS[name] = PolyfillStatus(name, False, f"{modname} has no {name} function")
-            continue
-        # a copy with another identity: Dynamo traces it as TE's own (no re-entry into the polyfill)
-        _COPIES[name] = _copy(orig)
-        try:
-            torch.compiler.substitute_in_graph(orig, skip_signature_check=True)(poly)
-        except (TypeError, ValueError) as e:
-            _STATUS[name] = PolyfillStatus(name, False, f"substitute_in_graph: {e}")
-            continue
-        _STATUS[name] = PolyfillStatus(name, True)
-
-
 __all__ = [
-    "OPTION", "ENV", "NORM_ENV", "BACKEND_MARK", "Island", "PolyfillStatus", "UntouchedState",
-    "install_untouched_polyfills", "polyfill_status", "island_records", "clear_island_records",
-    "backend_wants_polyfills", "untouched_enabled", "layernorm_linear_forward", "layernorm_mlp_forward",
-    "closure_layout", "norm_impl", "prepare_te_module",
+    "OPTION", "ENV", "NORM_ENV", "Island", "UntouchedState", "POLYFILLS", "TARGETS", "island_records",
+    "clear_island_records", "layernorm_linear_forward", "layernorm_mlp_forward", "closure_layout", "te_kernels",
+    "keep_te_function", "prepare_te_module",
 ]

@@ -16,9 +16,7 @@ What stays eager is a named island (``island_records()``). Docs: docs/untouched.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
-import threading
 import types
 from typing import Any, Callable
 
@@ -26,7 +24,7 @@ import torch
 
 from te_passes.ops.te_ops_norm import te_ops_norm
 from te_passes.ops.te_rope import te_rope
-from te_passes.compat.untouched.gate import note_island
+from te_passes.compat.untouched.gate import norm_choice, note_island
 from te_passes.compat.untouched.state import active_frames
 from te_passes.te.norm_act import normalize
 
@@ -42,9 +40,27 @@ THD_REASON = ("tensor_format='thd' (packed sequences with cu_seqlens): left to T
               "attention after it is left to TE (runtime/untouched/attention.py)")
 THD_FIX = "none inside te_passes for THD / padded sequences yet; unpadded sbhd / bshd batches compile to one graph"
 
-_lock = threading.Lock()
-_STATE: dict[str, Any] = {"rope": None, "rope_island": None, "base_forward": None, "norm_island": None,
-                          "te_kernels": None, "kinds": []}
+#: TE's functions the replacements fall back to, set by the rows' plans (te_passes/compat/untouched/rows.py):
+#: ``"rope"`` (a copy of ``apply_rotary_pos_emb``), ``"rope_island"``, ``"base_forward"``
+#: (``BasicOperation.forward``), ``"norm_island"``; ``KINDS``: (class, TE's class name) of each rebound norm.
+TE_FUNCTIONS: dict[str, Any] = {}
+KINDS: list[tuple[type, str]] = []
+
+
+def keep_rope(orig: Callable[..., Any]) -> None:
+    """Keep TE's ``apply_rotary_pos_emb`` ``orig`` (a copy of it, and its named island) for the polyfill."""
+    TE_FUNCTIONS["rope"] = function_copy(orig)
+    TE_FUNCTIONS["rope_island"] = named_island(TE_FUNCTIONS["rope"], ROPE_TARGET)
+
+
+def keep_norm(cls: type, kind: str, base: Callable[..., Any]) -> None:
+    """Keep TE's ``BasicOperation.forward`` ``base`` for :func:`te_ops_norm_forward` on class ``cls``
+    (``kind``: ``"RMSNorm"``, ``"LayerNorm"`` or ``"L2Normalization"``)."""
+    TE_FUNCTIONS["base_forward"] = base
+    if "norm_island" not in TE_FUNCTIONS:
+        TE_FUNCTIONS["norm_island"] = named_island(base, "BasicOperation.forward")
+    if all(c is not cls for c, _ in KINDS):
+        KINDS.append((cls, kind))
 
 
 def function_copy(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,16 +95,19 @@ def rope_call_problem(tensor_format: str, cu_seqlens: Any) -> str | None:
     return None
 
 
-def _apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, fused=False,
+def rope_polyfill(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, fused=False,
                           cu_seqlens=None, cp_size=1, cp_rank=0):
-    # TE's signature (attention/rope.py, TE 2.20.2); fused=False is TE's own torch code, traced as is
-    te_fn = _STATE["rope"]
+    """TE's ``apply_rotary_pos_emb`` (``attention/rope.py``, TE 2.20.2; same signature) as Dynamo traces it:
+    ``fused=False`` or another backend's frame: TE's own function; a fused call in a te_inductor frame:
+    ``te_passes::te_rope_fwd`` (``t`` [s, b, h, d] / [b, s, h, d] -> same shape), a THD / padded call a named
+    island."""
+    te_fn = TE_FUNCTIONS["rope"]
     if not fused or not active_frames():
         return te_fn(t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens, cp_size, cp_rank)
     problem = rope_call_problem(tensor_format, cu_seqlens)
     if problem is not None:
         note_island("te.apply_rotary_pos_emb", "", problem, THD_FIX)
-        return _STATE["rope_island"](t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens,
+        return TE_FUNCTIONS["rope_island"](t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens,
                                      cp_size, cp_rank)
     return te_rope(t, freqs, tensor_format, start_positions, interleaved, None, cp_size, cp_rank)
 
@@ -143,15 +162,15 @@ def te_ops_norm_forward(self, input, *extra_inputs, **kwargs):  # noqa: A002 - T
     ``te_passes::te_ops_norm_fwd`` (TE's kernels, TE's casts: ``ops/basic/rmsnorm.py`` ``op_forward``) or the
     torch-ops norm under ``TE_PASSES_UNTOUCHED_NORM=torch``. Raises ``ValueError`` as TE does for an input
     whose trailing dims are not the weight's."""
-    base = _STATE["base_forward"]
+    base = TE_FUNCTIONS["base_forward"]
     if not torch.compiler.is_compiling() or not active_frames():
         return base(self, input, *extra_inputs, **kwargs)
     problem = te_ops_norm_problem(self, input, extra_inputs, kwargs)
-    kind = next((name for cls, name in _STATE["kinds"] if isinstance(self, cls)), None)
+    kind = next((name for cls, name in KINDS if isinstance(self, cls)), None)
     if problem is not None or kind is None:
         note_island(f"te.{type(self).__name__}", "", problem or "not a te.ops norm te_passes expresses",
                     "none inside te_passes for this call; the rest of the model still compiles")
-        return _STATE["norm_island"](self, input, *extra_inputs, **kwargs)
+        return TE_FUNCTIONS["norm_island"](self, input, *extra_inputs, **kwargs)
     if kind == "L2Normalization":
         return _L2Normalize.apply(input, self.eps)
     weight = self.weight
@@ -165,7 +184,7 @@ def te_ops_norm_forward(self, input, *extra_inputs, **kwargs):  # noqa: A002 - T
     w = weight.to(dtype).reshape(inner)
     b = self.bias.to(dtype).reshape(inner) if kind == "LayerNorm" else None
     normalization = "RMSNorm" if kind == "RMSNorm" else "LayerNorm"
-    if _STATE["te_kernels"]():
+    if norm_choice() == "te":
         grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                             or (b is not None and self.bias.requires_grad))
         margin = self._sm_margins["forward" if grad else "inference"]
@@ -173,67 +192,3 @@ def te_ops_norm_forward(self, input, *extra_inputs, **kwargs):  # noqa: A002 - T
     else:
         y = normalize(x, w, b, self.eps, normalization, self.zero_centered_gamma)
     return y.view(input.shape)
-
-
-# --------------------------------------------------------------------------- installation
-def install_rope_norm_polyfills(te_kernels: Callable[[], bool]) -> dict[str, str | None]:
-    """Register the RoPE polyfill and the ``te.ops`` norm forwards (idempotent, thread-safe; call outside
-    a Dynamo trace: traces read the class attributes). ``te_kernels()``: whether the norm runs TE's kernels
-    (``TE_PASSES_UNTOUCHED_NORM``, read at trace time). Returns, per target, ``None`` (installed) or why
-    not. Never raises."""
-    out: dict[str, str | None] = {}
-    with _lock:
-        _STATE["te_kernels"] = te_kernels
-        out[ROPE_TARGET] = _install_rope()
-        out.update(_install_norms())
-    return out
-
-
-def _install_rope() -> str | None:
-    if _STATE["rope"] is not None:
-        return None
-    try:
-        orig = getattr(importlib.import_module(ROPE_MODULE), ROPE_TARGET)
-    except Exception as e:  # noqa: BLE001
-        return f"{ROPE_MODULE}.{ROPE_TARGET}: {type(e).__name__}: {e}"
-    if not isinstance(orig, types.FunctionType):
-        return f"{ROPE_MODULE}.{ROPE_TARGET} is {orig!r}, not TE's function"
-    try:
-        torch.compiler.substitute_in_graph(orig, skip_signature_check=True)(_apply_rotary_pos_emb)
-    except (TypeError, ValueError) as e:
-        return f"substitute_in_graph: {e}"
-    _STATE["rope"] = function_copy(orig)
-    _STATE["rope_island"] = named_island(_STATE["rope"], ROPE_TARGET)
-    return None
-
-
-def _install_norms() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    try:
-        from transformer_engine.pytorch.ops.op import BasicOperation
-    except Exception as e:  # noqa: BLE001
-        return {name: f"transformer_engine.pytorch.ops.op: {type(e).__name__}: {e}" for _, _, name in NORM_CLASSES}
-    base = BasicOperation.__dict__.get("forward")
-    for modname, cls_name, te_name in NORM_CLASSES:
-        try:
-            cls = getattr(importlib.import_module(modname), cls_name)
-        except Exception as e:  # noqa: BLE001
-            out[te_name] = f"{modname}.{cls_name}: {type(e).__name__}: {e}"
-            continue
-        if any(cls is c for c, _ in _STATE["kinds"]):
-            out[te_name] = None
-            continue
-        if not isinstance(base, types.FunctionType) or cls.forward is not base:
-            out[te_name] = f"{modname}.{cls_name}.forward is not BasicOperation.forward (TE changed it)"
-            continue
-        _STATE["base_forward"] = base
-        _STATE["norm_island"] = _STATE["norm_island"] or named_island(base, "BasicOperation.forward")
-        cls.forward = te_ops_norm_forward
-        _STATE["kinds"].append((cls, cls_name))
-        out[te_name] = None
-    return out
-
-
-def installed_norm_classes() -> tuple[type, ...]:
-    """The ``te.ops`` classes whose forward :func:`install_rope_norm_polyfills` set."""
-    return tuple(c for c, _ in _STATE["kinds"])

@@ -16,30 +16,27 @@ import torch
 from te_passes.compat.delayed_scaling.scaling import mark_registered_state_static
 from te_passes.compat.delayed_scaling.state import DELAYED_ATTR, prepare_delayed_scaling
 from te_passes.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
-from te_passes.compat.untouched.gate import backend_wants_polyfills, warn_new_recipe
+from te_passes.compat import gate as frame_gate, table
+from te_passes.compat.untouched.gate import frame_untouched_options, warn_new_recipe
 from te_passes.te.module_init import forward_prepare_args
 from te_passes.te.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
 
 #: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
-STATE_ATTR = "_te_passes_untouched_state"
+STATE_ATTR = table.register_stamp("_te_passes_untouched_state", "an untouched TE module's hidden te.Linears and "
+                                  "why its configuration is not expressed (built at its first trace)")
 #: Module attribute: ``(dtype, fp8, id(recipe) or None)`` te_passes ran TE's first-forward lazy init with.
-PREPARED_KEY = "_te_passes_prepared_key"
+PREPARED_KEY = table.register_stamp("_te_passes_prepared_key", "the (dtype, fp8, recipe) te_passes ran a TE "
+                                    "module's first-forward lazy init with (not again for the same)")
 
 
 @torch._dynamo.assume_constant_result
 def active_frames() -> bool:
     """Trace time: whether the frame Dynamo traces now is compiled for a backend that takes the
-    polyfills (folded as a constant; the cache entry is per backend). ``False`` outside a trace."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
+    polyfills (folded as a constant; the cache entry is per backend). ``False`` outside a trace.
 
-        tx = InstructionTranslator.current_tx()
-    except Exception:  # noqa: BLE001 - not tracing
-        return False
-    on = tx is not None and backend_wants_polyfills(getattr(tx.output, "compiler_fn", None))
-    if on:
-        register_start_callback()  # torch._dynamo.reset() cleared it: the next frames get their lazy init
-    return on
+    Raises:
+        TePassesOptionError: a bad option (:func:`te_passes.compat.untouched.gate.frame_untouched_options`)."""
+    return frame_untouched_options() is not None
 
 
 @dataclasses.dataclass
@@ -119,19 +116,24 @@ def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
     return True
 
 
+#: The patch-table row of :func:`run_eager`'s write (te_passes/compat/untouched/rows.py).
+EAGER_ROW = "untouched.eager_is_compiling"
+
+
 @contextlib.contextmanager
 def run_eager() -> Any:
     """Run TE's eager code from inside a Dynamo compile session: ``torch.compiler.is_compiling()``
     answers ``False`` inside (Dynamo sets it for the whole session, and TE's eager-only paths,
-    e.g. ``get_default_fp8_recipe``, assert on it)."""
+    e.g. ``get_default_fp8_recipe``, assert on it). torch has no API for it: ``torch.compiler``'s
+    ``_is_compiling_flag`` is set for the block only while patch-table row :data:`EAGER_ROW` is active
+    (refused: the block runs with the flag as it is, and TE's assertion names the problem)."""
+    if not table.is_active(EAGER_ROW):
+        yield
+        return
     import torch.compiler as tc
 
-    old = getattr(tc, "_is_compiling_flag", False)
-    tc._is_compiling_flag = False
-    try:
+    with table.scoped_attr(tc, "_is_compiling_flag", False):  # the scoped write of row EAGER_ROW
         yield
-    finally:
-        tc._is_compiling_flag = old
 
 
 def prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: Any, gemms: tuple[Any, ...] = (),
@@ -156,7 +158,7 @@ def prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: A
             if d is None or m.__dict__.get(PREPARED_KEY) == key or skip(m):
                 continue
             if prepare_te_module(m, d, fp8, recipe, args):
-                m.__dict__[PREPARED_KEY] = key
+                table.stamp(m, PREPARED_KEY, key)
 
 
 def _already_initialised(m: Any) -> bool:
@@ -205,7 +207,7 @@ def _prepare(ctx: Any, build: Callable[[Any], UntouchedState]) -> None:
             st = _built(build, mod)
         except Exception as e:  # noqa: BLE001 - a configuration the hidden te.Linear cannot take
             st = UntouchedState(f"building the hidden te.Linear failed: {type(e).__name__}: {e}")
-        mod.__dict__[STATE_ATTR] = st
+        table.stamp(mod, STATE_ATTR, st)
     inp = ctx.get_local("inp").as_fake() if _has_local(ctx, "inp") else None
     fp8 = _real(ctx, "fp8")
     recipe = _real(ctx, "recipe")
@@ -285,8 +287,9 @@ def note_recipes(code: Any, recipes: list[Any], recompile: bool = True) -> bool:
 
 
 def on_compile_start(_args: Any = None) -> None:
-    """Dynamo start callback: for a frame compiled for te_inductor, do TE's first-forward lazy
-    init before the trace reads it — prime every TE recipe the frame reaches (its cached repr and
+    """Dynamo start callback (registered once, outside traces: te_passes/compat/untouched/rows.py): for a
+    frame compiled for te_inductor (or a backend registered at :mod:`te_passes.compat.gate`) with
+    ``te_passes.untouched`` on, do TE's first-forward lazy init before the trace reads it — prime every TE recipe the frame reaches (its cached repr and
     TE's autocast key) and initialise every TE module it reaches (locals, closure cells, module
     globals; parameter dtype, the TE autocast state active now). Never raises."""
     try:
@@ -294,7 +297,8 @@ def on_compile_start(_args: Any = None) -> None:
         if found is None or "transformer_engine.pytorch" not in sys.modules:
             return
         compiler_fn, loc, closure, glob, code, recompile = found
-        if not backend_wants_polyfills(compiler_fn):
+        opts = frame_gate.options_for(compiler_fn)
+        if opts is None or not opts.untouched:
             return
         from transformer_engine.common.recipe import Recipe
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
@@ -403,9 +407,5 @@ def prepare_layernorm_linear(ctx: Any) -> None:
 
 def prepare_layernorm_mlp(ctx: Any) -> None:
     _prepare(ctx, _build_layernorm_mlp)
-
-
-def register_start_callback() -> None:
-    """No-op: te_passes' one start callback (compat.dynamo.callbacks) runs :func:`on_compile_start`."""
 
 

@@ -14,6 +14,7 @@ from te_passes.compat.untouched.rewrite.refusals import attention_problem, check
 from te_passes.compat.untouched.rewrite.rewriters import rewriter_classes
 from te_passes.ops.fused_attn import FusedAttentionOpUnavailable, fused_attention_op
 from te_passes.compat.untouched.attention import dpa_fused_forward, unpack_qkv
+from te_passes.compat.untouched.gate import environment_options, fused_attn_off
 from te_passes.te.fused_attn import head_dim_problem
 
 PATH = "te_fused"
@@ -25,6 +26,8 @@ def fused_attention_problem(mod: Any) -> str | None:
         return p
     if getattr(getattr(mod, "fused_attention", None), "use_FAv2_bwd", False):
         return "NVTE_FUSED_ATTN_USE_FAv2_BWD=1 (TE's flash-attn v2 backward): not expressed by the fused op"
+    if off := fused_attn_off(environment_options()):  # TE_PASSES_FUSED_ATTN (no torch.compile options here)
+        return f"TE fused-attention op unavailable: {off}"
     try:
         fused_attention_op()
     except FusedAttentionOpUnavailable as e:
