@@ -202,7 +202,7 @@ def can_name(v: Any) -> str | None:
             if is_named_fx_repr(klass.__dict__["__fx_repr__"]):
                 return None
             return (f"{cls.__qualname__}.__fx_repr__ is not wrapped: te_passes.compat.install.install() wraps "
-                    "TE's constant classes (the backend calls it on every te_inductor call)")
+                    "TE's constant classes (the backend's import calls it)")
     return f"{cls.__qualname__} has no __fx_repr__: not a value-opaque constant"
 
 

@@ -103,7 +103,7 @@ def lowering_reason(base_op: torch._ops.OpOverload) -> str | None:
         return why
     return (f"direct-call lowering not installed: no lowering registered for {base_op} "
             "(te_passes.compat.install.install() registers one for each TE op family defined when it "
-            "runs; the backend calls it on every te_inductor call)")
+            "runs; the backend's import calls it)")
 
 
 def make_lowering(base_op: torch._ops.OpOverload, fallback: Any, constraint: Any) -> Any:

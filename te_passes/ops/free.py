@@ -126,4 +126,4 @@ def lowering_reason() -> str | None:
     if fn is not None:
         return f"the Inductor lowering of {QUALNAME} is not te_passes' (someone registered another)"
     return (f"the Inductor lowering of {QUALNAME} is not installed: te_passes.compat.install.install() "
-            "registers it (the backend calls it on every te_inductor call)")
+            "registers it (the backend's import calls it)")

@@ -196,6 +196,7 @@ def aot_cache(tmp_path, monkeypatch):
 
 
 def _training_key(variant: str) -> tuple[str, list[str | None], str]:
+    install()  # outside any trace, as the backend's import does (inside one, rows other than lowerings wait)
     with _primed_linear(variant) as (f, x, mode, lin):
         names = _module_quantizer_names(lin)
         keys, codes, _, error = _te_inductor_frame(f, x, mode, training=True)

@@ -121,7 +121,7 @@ def test_checkpoint_without_the_scope_runs_the_model_eagerly(monkeypatch):
     """What users get without te_passes' scope (``backend="inductor"`` alike): Dynamo's checkpoint op stops at
     TE's ``fast_setattr`` ("HOP: Unsafe side effect"), the whole forward is skipped (a graph break in a loop):
     no graph at all."""
-    monkeypatch.setattr(table, "apply_toggles", lambda: (lambda: None))  # no Dynamo config scope
+    monkeypatch.setattr(table, "apply_toggles", lambda *scope: (lambda: None))  # no Dynamo config scope
     cap = capture_llama(_cfg(rope=False, te_norm=False, layers=1, checkpoint=True), "bf16", steps=1)
     assert cap.graphs == []
     assert any("HOP: Unsafe side effect" in r and "DunderDictVariable" in r for r in cap.graph_breaks), cap.graph_breaks

@@ -450,7 +450,9 @@ def test_delayed_scaling_is_a_named_island_with_a_warning():
                     fn(x)
     isl = untouched.island_records()
     assert isl and isl[0].te_module == "te.LayerNormLinear" and "DelayedScaling" in isl[0].reason, isl
-    assert "Float8CurrentScaling" in isl[0].fix
+    # one frame gate: a backend registered there takes the DelayedScaling ops too, so the island names the
+    # missing registration of the module's state (was: "the backend does not take te_passes' ops")
+    assert "prepare_delayed_scaling" in isl[0].fix, isl[0]
     assert sum("DelayedScaling" in str(x.message) and "te_passes" in str(x.message) for x in w) == 1
 
 

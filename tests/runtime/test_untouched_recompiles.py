@@ -279,5 +279,11 @@ def test_mark_untouched_backend_refuses_what_it_cannot_mark():
 
     with pytest.raises(TypeError, match="backend callable"):
         mark_untouched_backend(42)
+    class NoWeakref:  # a callable that cannot be weakly referenced: the gate holds backends weakly
+        __slots__ = ()
+
+        def __call__(self, gm, example_inputs):
+            return gm
+
     with pytest.raises(TypeError, match="cannot register .* as a te_passes backend"):
-        mark_untouched_backend(len)
+        mark_untouched_backend(NoWeakref())
