@@ -17,6 +17,8 @@ import threading
 import warnings
 from typing import Any, Callable, Iterator
 
+import torch
+
 from te_passes._logging import get_logger
 from te_passes.compat import gate, table
 from te_passes.compat.untouched.state import on_compile_start as untouched_compile_start
@@ -104,8 +106,6 @@ def register_on(handler: Any) -> None:
 def clear_then_register(clear: Callable[[Any], None]) -> Callable[[Any], None]:
     """``CallbackHandler.clear`` that then registers te_passes' callbacks again on Dynamo's handler (the
     replacement of row ``dynamo.keep_callbacks``); ``clear``: the method it wraps."""
-    import torch
-
     def clear_then_restore(self: Any) -> None:
         clear(self)
         if self is torch._dynamo.callback_handler:
