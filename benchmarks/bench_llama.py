@@ -60,6 +60,11 @@ PRESETS: dict[str, list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
         (("llama8b-8192",), ("fp8",), ("torchao-rw-inductor",)),  # joins gpu1's group in --merge
         (("llama1b-x4-2048",), ("bf16",), ("eager", "te_inductor", "te_inductor-ro", "mgc")),
     ],
+    "rows": [  # issue 39 item 5: what the early frees and the lean CUDA-graph policy pay for, at Llama sizes
+        (("llama8b-8192",), ("fp8",), ("eager", "te_inductor", "te_inductor-nofree", "mgc")),
+        (("llama1b-x4-2048",), ("fp8",), ("eager", "te_inductor-ro", "te_inductor-ro-lean", "mgc")),
+        (("llama8b-8192",), ("bf16",), ("eager", "te_inductor", "te_inductor-nofree", "mgc")),
+    ],
 }
 GPU_CALL_S, GPU_BUDGET_S = 540.0, 430.0
 #: Estimated seconds on one H100, on the safe side: a worker's start (imports, CUDA init, the TE

@@ -20,9 +20,11 @@ import harness
 PRECISIONS = ("bf16", "fp8", "fp8-delayed", "fp8-block", "mxfp8")
 #: every variant (what each is: docs/benchmarks.md "Benchmark harness", Variants)
 VARIANTS = ("eager", "inductor", "inductor-ro", "te_inductor", "te_inductor-nodirect", "te_inductor-nohoist",
+            "te_inductor-nofree",
             "te_inductor-ro", "te_inductor-ro-lean", "te_inductor-ro-trees", "te_step-ro", "te_mgc", "te_mgc-noclone",
             "mgc", "mgc-noclone")
-_WITHOUT = {"te_inductor-nodirect": "call_te_impl_directly", "te_inductor-nohoist": "hoist_te_constants"}
+_WITHOUT = {"te_inductor-nodirect": "call_te_impl_directly", "te_inductor-nohoist": "hoist_te_constants",
+            "te_inductor-nofree": "insert_early_frees"}
 #: variants whose failure may leave TE in CUDA-graph capture state: a fresh worker after one fails
 ISOLATE = ("mgc", "mgc-noclone", "te_mgc", "te_mgc-noclone")
 
