@@ -21,6 +21,7 @@ class FindAutocastState(TEPass):
     stages = frozenset({Stage.DYNAMO})
     description = "find the te.autocast state TE's impls read at run time (set around the compiled call)"
     analysis_only = True
+    replayable = False  # the state is node meta Dynamo's trace recorded; a saved .tegraph does not keep it
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         try:

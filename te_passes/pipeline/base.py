@@ -141,13 +141,16 @@ class PassConfig:
 class TEPass(PassBase):
     """Base class of every pass: ``name``, ``stages``, ``description``, ``Config`` (the constructor's
     keywords), ``analysis_only``, ``source_modules`` (modules besides its own that shape its output,
-    part of :meth:`uuid`). :meth:`run` analyses first, edits last and only through ``ctx.journal``,
-    raises :class:`PassSkipped` when unsafe and leaves a graph that passes ``graph.lint()``."""
+    part of :meth:`uuid`), ``replayable`` (``False``: its records depend on what Dynamo recorded on the
+    nodes while tracing, which a saved ``.tegraph`` does not keep, so replay does not compare them).
+    :meth:`run` analyses first, edits last and only through ``ctx.journal``, raises :class:`PassSkipped`
+    when unsafe and leaves a graph that passes ``graph.lint()``."""
 
     name: ClassVar[str] = ""
     stages: ClassVar[frozenset[Stage]] = frozenset()
     description: ClassVar[str] = ""
     analysis_only: ClassVar[bool] = False
+    replayable: ClassVar[bool] = True
     Config: ClassVar[type[PassConfig]] = PassConfig
     source_modules: ClassVar[tuple[types.ModuleType, ...]] = ()
 
