@@ -5,9 +5,7 @@ docs/design.md "Stages and the driver", docs/usage.md.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import warnings
 from typing import Any, Sequence
 
 import torch
@@ -19,12 +17,11 @@ from te_passes.debug.dump_files import DumpDirError
 from te_passes.passes.order import configured_passes, pass_names
 from te_passes.pipeline.compilation import Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver, TePassError
-from te_passes.compat.delayed_scaling import linear as delayed_linear
 from te_passes.compat.dynamo import hooks as dynamo_hooks
 from te_passes.compat.dynamo.callbacks import warn_capture_state
 from te_passes.cudagraphs.stable_grads import protect_grads
 from te_passes.compat import gate as frame_gate
-from te_passes.compat.autocast.recipe_state import RecipeStateError, autocast_for_graph, run_under
+from te_passes.compat.api import RecipeStateError
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError
 
@@ -45,13 +42,16 @@ def te_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode
     """Compile a Dynamo graph with te_passes' passes, then Inductor. ``mode``: as for
     ``backend="inductor"``; ``options``: Inductor config plus ``te_passes.*`` keys (a user's
     ``joint_custom_pre_pass`` / ``post_grad_custom_pre_pass`` runs before ours). Returns Inductor's
-    callable, UB-guarded when it depends on UB state.
+    callable in ``Compilation.finish``'s one wrapper (the te.autocast state TE's impls read set around
+    the call, the UB guard) when it needs either, else Inductor's callable itself.
 
     Raises (the te_passes errors reach a ``torch.compile``'d function's caller unwrapped):
         te_passes.config.TePassesOptionError: a bad ``te_passes.*`` key/value, pass_config, pass
             name, ``ub_snapshot``, or an Inductor configuration te_inductor refuses.
         te_passes.pipeline.manager.TePassError: a pass failed under ``te_passes.strict``.
         te_passes.te.ub.UbConfigError: a TE op's UB configuration the UB state cannot satisfy.
+        te_passes.compat.api.RecipeStateError: the te.autocast state TE's impls read cannot be set
+            around the call (``Compilation.begin``).
         RuntimeError: unknown mode or Inductor option (Inductor's message).
     """
     try:
@@ -65,24 +65,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     from torch._inductor.compile_fx import compile_fx
 
     warn_capture_state("te_inductor")
-    settings = _without_cudagraphs_if_hazard(gm, settings)
-    if settings.config_patches.get("triton.cudagraphs"):
-        protect_grads(example_inputs)  # .grad outside the graph pool: accumulation across replays
     manager = PassManager(configured_passes(settings.options.pass_config), observers=_observers(settings.options))
     comp = Compilation(manager, settings, TEState.capture(ub_snapshot=settings.ub_snapshot),
-                       recompile=lambda g, args: compile_graph(g, args, settings))
-    autocast = autocast_for_graph(gm)  # the te.autocast state TE's impls read at run time (before any pass)
-    comp.begin(gm, example_inputs)
-    return run_under(comp.finish(compile_fx(gm, example_inputs, config_patches=comp.inductor_hooks())), autocast)
-
-
-def _without_cudagraphs_if_hazard(gm: torch.fx.GraphModule, settings: CompileSettings) -> CompileSettings:
-    """``settings`` with ``triton.cudagraphs`` off, and a warning naming why, for a graph unsafe to CUDA-graph."""
-    why = delayed_linear.cudagraph_hazard(gm) if settings.config_patches.get("triton.cudagraphs") else None
-    if why is None:
-        return settings
-    warnings.warn(f"te_passes: mode='reduce-overhead': {why}", RuntimeWarning, stacklevel=3)
-    return dataclasses.replace(settings, config_patches={**settings.config_patches, "triton.cudagraphs": False})
+                       recompile=lambda g, args: compile_graph(g, args, comp.settings))  # as begin left them
+    comp.begin(gm, example_inputs)  # the Dynamo stage and its facts: autocast state, cudagraph hazard, UB reads
+    if comp.settings.config_patches.get("triton.cudagraphs"):
+        protect_grads(example_inputs)  # .grad outside the graph pool: accumulation across replays
+    return comp.finish(compile_fx(gm, example_inputs, config_patches=comp.inductor_hooks()))
 
 
 def _observers(opts: TePassesOptions) -> list[PassObserver]:

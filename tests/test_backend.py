@@ -16,6 +16,7 @@ from torch._inductor.utils import fresh_cache
 from te_passes.backend import te_inductor
 from te_passes.config import TePassesOptionError
 from te_passes.passes import PassRecord, Stage, TEPass, TEPassResult
+from te_passes.passes.find_autocast_state import FindAutocastState  # te_inductor needs its fact in any pass list
 from te_passes.report import clear_compile_reports, compile_reports
 
 
@@ -138,7 +139,7 @@ class _CountAdds(TEPass):
 
 def test_user_post_grad_pass_runs_before_ours(monkeypatch):
     order = []
-    monkeypatch.setattr("te_passes.passes.order.default_passes", lambda: [_Spy(order)])
+    monkeypatch.setattr("te_passes.passes.order.default_passes", lambda: [FindAutocastState(), _Spy(order)])
 
     def user_pass(graph):
         order.append("user")
@@ -165,14 +166,15 @@ class _Spy(TEPass):
 
 
 def test_dynamo_and_post_grad_passes_see_their_graphs(monkeypatch):
-    monkeypatch.setattr("te_passes.passes.order.default_passes", lambda: [_CountAdds()])
+    monkeypatch.setattr("te_passes.passes.order.default_passes", lambda: [FindAutocastState(), _CountAdds()])
     with torch.no_grad():
         torch.compile(lambda x, y: (x + y) * 2 + 1, backend="te_inductor")(torch.ones(2), torch.ones(2))
     (rep,) = compile_reports()
     dyn, _joint, fwd = rep.stages
-    assert dyn.runs[0].records[0].data["nodes"] == ["add", "add_1"]
+    assert [r.name for r in dyn.runs] == ["find_autocast_state", "count_adds"]
+    assert dyn.runs[1].records[0].data["nodes"] == ["add", "add_1"]
     assert fwd.runs[0].records[0].data["nodes"] == ["add", "add_1"]  # aten.add.Tensor nodes
-    assert rep.uuid["passes"] == {"count_adds": _CountAdds().uuid()}
+    assert rep.uuid["passes"] == {"find_autocast_state": FindAutocastState().uuid(), "count_adds": _CountAdds().uuid()}
 
 
 def test_bad_environment_variables_are_named(monkeypatch):

@@ -31,6 +31,9 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     else:
         results = _replay(args, out, disable, None)
     from te_passes.debug.offline import compare_reports, version_differences
+    from te_passes.passes.order import pass_classes
+
+    unreplayable = {c.name for c in pass_classes() if not c.replayable}
 
     mismatches = 0
     payload = []
@@ -39,7 +42,7 @@ def cmd_replay(args: argparse.Namespace, out: Out) -> int:
         # a dump or graph directory replays every saved stage; a stage directory (g0/dynamo, holding
         # input.tegraph) or one .tegraph file only its own
         whole = os.path.isdir(args.path) and not os.path.isfile(os.path.join(args.path, "input.tegraph"))
-        diffs = compare_reports(rj, saved, require_all=whole) if saved is not None else None
+        diffs = compare_reports(rj, saved, require_all=whole, unreplayable=unreplayable) if saved is not None else None
         versions = version_differences(getattr(report, "saved_versions", None))
         payload.append({"report": rj, "differences": diffs, "versions": versions})
         if versions is not None:

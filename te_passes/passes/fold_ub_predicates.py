@@ -15,9 +15,8 @@ from torch.fx.node import map_arg
 from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
-from te_passes.compat import table
-from te_passes.compat.ub import guard as guards
-from te_passes.compat.ub import graph_guard as ub_graph_guard
+from te_passes.compat.api import (UbCheckSpec, UbDependence, UbFold, UbMismatch, pristine_copy, row_is_active,
+                                   row_refusal)
 from te_passes.te.ub import UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import describe_ub_query, find_ub_queries
 from te_passes.te.ub_rules import check_linear_ub_config, ub_flags_set
@@ -71,7 +70,7 @@ class FoldUbPredicates(TEPass):
     description = "fold Userbuffers queries to guarded constants; check TE ops' UB buffers against the UB state"
 
     def _check_te_ops(self, gm: torch.fx.GraphModule, snap: UbSnapshot, records: list[PassRecord],
-                      checks: list[ub_graph_guard.UbCheckSpec]) -> None:
+                      checks: list[UbCheckSpec]) -> None:
         unknown: list[str] = []
         for call in gmod.te_op_calls(gm.graph, unknown=unknown):
             if call.module_kind != "linear":
@@ -83,7 +82,7 @@ class FoldUbPredicates(TEPass):
             if not flags:
                 continue
             res = check_linear_ub_config(call.op, call.config, snap)
-            checks.append(ub_graph_guard.UbCheckSpec(call.op, dict(call.config), call.node.name))
+            checks.append(UbCheckSpec(call.op, dict(call.config), call.node.name))
             buffers = []
             for use in res.uses:
                 key = f"{use.buffer}[{'fp8' if use.use_fp8 else 'none'}]"
@@ -102,8 +101,8 @@ class FoldUbPredicates(TEPass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> TEPassResult:
         snap = getattr(ctx.te_state, "ub", None) or UbSnapshot(source="absent")
         records: list[PassRecord] = []
-        folds: list[guards.UbFold] = []
-        checks: list[ub_graph_guard.UbCheckSpec] = []
+        folds: list[UbFold] = []
+        checks: list[UbCheckSpec] = []
 
         # 1. folds Dynamo made while tracing this graph (TE's get_ub_is_fp8 under our hook).
         if ctx.stage is Stage.DYNAMO:
@@ -124,9 +123,9 @@ class FoldUbPredicates(TEPass):
 
         # 3. TE op UB configurations.
         self._check_te_ops(gm, snap, records, checks)
-        if checks and ctx.stage is Stage.DYNAMO and not table.is_active(UB_FP8_ROW):
+        if checks and ctx.stage is Stage.DYNAMO and not row_is_active(UB_FP8_ROW):
             reason = (f"TE's UB hooks were not installed when Dynamo traced this graph (patch {UB_FP8_ROW}: "
-                      f"{table.refusal(UB_FP8_ROW)}; e.g. transformer_engine was imported after "
+                      f"{row_refusal(UB_FP8_ROW)}; e.g. transformer_engine was imported after "
                       "torch.compile(backend='te_inductor') was called): get_ub_is_fp8 values folded by TE in "
                       "this frame are not guarded; import transformer_engine first")
             warnings.warn(f"te_passes: graph {ctx.graph_id}: {reason}", RuntimeWarning, stacklevel=2)
@@ -137,15 +136,15 @@ class FoldUbPredicates(TEPass):
             raise UbConfigError("; ".join(str(r.data["message"]) for r in mismatches))
 
         # 4. mutate: keep a pre-pass copy for recompiles, then fold.
-        pristine = ub_graph_guard.pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
+        pristine = pristine_copy(gm) if (values or checks) and ctx.stage is Stage.DYNAMO else None
         if values:
             self._fold(ctx.journal, values, records, folds)
-        facts: list[Any] = [ub_graph_guard.UbDependence(folds, checks, pristine)] if folds or checks else []
-        facts += [ub_graph_guard.UbMismatch(r.node, str(r.data["message"])) for r in mismatches]
+        facts: list[Any] = [UbDependence(folds, checks, pristine)] if folds or checks else []
+        facts += [UbMismatch(r.node, str(r.data["message"])) for r in mismatches]
         return TEPassResult(gm, bool(values), records, facts)
 
     def _record_trace_folds(self, snap: UbSnapshot, ctx: PassContext, records: list[PassRecord],
-                            folds: list[guards.UbFold]) -> None:
+                            folds: list[UbFold]) -> None:
         trace_folds = list(ctx.inputs.get("ub_trace_folds", ()))
         for f in trace_folds:
             folds.append(f)
@@ -171,10 +170,10 @@ class FoldUbPredicates(TEPass):
                             f"(token {old} -> {new}) and te_passes.ub_on_change='error'")}))
 
     def _fold(self, journal: GraphJournal, values: dict[torch.fx.Node, Any], records: list[PassRecord],
-              folds: list[guards.UbFold]) -> None:
+              folds: list[UbFold]) -> None:
         for node, value in values.items():
             api, args = describe_ub_query(node)
-            folds.append(guards.UbFold(api, args, value, node.name, "fx"))
+            folds.append(UbFold(api, args, value, node.name, "fx"))
             records.append(PassRecord("folded", node.name, {"api": api, "args": list(args), "value": value,
                                                             "source": "fx"}))
         # substitute, then propagate through pure operator nodes; then erase what became dead

@@ -4,7 +4,10 @@ and the test harness hand it to the pass manager, which imports no pass."""
 from __future__ import annotations
 
 from te_passes.passes.call_te_impl_directly import CallTEImplDirectly
+from te_passes.passes.check_cudagraph_hazard import CheckCudagraphHazard
 from te_passes.passes.check_cudagraph_pool import CheckCudagraphPool
+from te_passes.passes.find_autocast_state import FindAutocastState
+from te_passes.passes.find_ub_state_reads import FindUbStateReads
 from te_passes.passes.fold_recipe_lookups import FoldRecipeLookups
 from te_passes.passes.fold_ub_predicates import FoldUbPredicates
 from te_passes.passes.hoist_te_constants import HoistTEConstants
@@ -16,6 +19,8 @@ from te_passes.pipeline.registry import build_passes
 
 #: Every pass class, in pipeline order.
 PASSES: tuple[type[TEPass], ...] = (
+    FindAutocastState,  # analyses of the Dynamo graph as Dynamo traced it (before any rewrite)
+    CheckCudagraphHazard,
     FoldUbPredicates,
     FoldRecipeLookups,
     RemoveQuantizerSetattrs,
@@ -24,6 +29,7 @@ PASSES: tuple[type[TEPass], ...] = (
     CallTEImplDirectly,  # needs the hoisted constants; before the frees / pool check (they treat base ops alike)
     InsertEarlyFrees,
     CheckCudagraphPool,
+    FindUbStateReads,  # the Dynamo graph after the Dynamo-stage passes, with fold_ub_predicates' facts
 )
 
 

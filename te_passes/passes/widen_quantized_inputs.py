@@ -18,7 +18,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from te_passes.fx.graph import op_qualname
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.ops import te_act
-from te_passes.compat.untouched.polyfills import NORM_ENV
+from te_passes.compat.api import UNTOUCHED_NORM_ENV as NORM_ENV
 from te_passes.te.graph_model import UnknownTEOp, decode
 from te_passes.te.norm_act import CUDNN_NORM_ENV, FUSED_QUANTIZE, QUANTIZER_RECIPES, fused_quantize
 

@@ -62,7 +62,7 @@ class Stage(str, enum.Enum):
 
 class TEPassResult(PassResult):
     """``PassResult(graph_module, modified)`` plus ``records`` (:class:`PassRecord`, for people) and
-    ``facts`` (typed objects for the pipeline, e.g. ``runtime.ub.graph_guard.UbDependence``)."""
+    ``facts`` (typed objects for the pipeline, e.g. ``compat.api.UbDependence``, ``pipeline.facts.AutocastState``)."""
 
     def __new__(cls, graph_module: torch.fx.GraphModule, modified: bool,
                 records: list[PassRecord] | None = None, facts: list[Any] | None = None) -> "TEPassResult":
@@ -81,7 +81,8 @@ class PassContext:
     """What a pass may read besides the graph: ``stage``, ``options``, ``te_state`` (the compilation's
     TE snapshot), ``example_inputs`` (fake tensors / SymInts or ``None``), ``graph_id`` (``"g0.fwd"``);
     ``journal``: where it makes every edit (undone when it is skipped or fails); ``analyses``: shared in
-    a stage, emptied when a pass changes the graph; ``inputs``: facts from the driver (``"ub_trace_folds"``)."""
+    a stage, emptied when a pass changes the graph; ``inputs``: facts from the driver (``"ub_trace_folds"``);
+    ``stage_facts``: the typed facts the stage's earlier passes returned (the manager appends them)."""
 
     stage: Stage
     options: TePassesOptions
@@ -91,6 +92,7 @@ class PassContext:
     journal: GraphJournal = dataclasses.field(default_factory=GraphJournal)
     analyses: dict = dataclasses.field(default_factory=dict)
     inputs: dict = dataclasses.field(default_factory=dict)
+    stage_facts: list = dataclasses.field(default_factory=list)
 
 
 def _type_error(ann: Any, value: Any) -> str | None:
@@ -139,13 +141,16 @@ class PassConfig:
 class TEPass(PassBase):
     """Base class of every pass: ``name``, ``stages``, ``description``, ``Config`` (the constructor's
     keywords), ``analysis_only``, ``source_modules`` (modules besides its own that shape its output,
-    part of :meth:`uuid`). :meth:`run` analyses first, edits last and only through ``ctx.journal``,
-    raises :class:`PassSkipped` when unsafe and leaves a graph that passes ``graph.lint()``."""
+    part of :meth:`uuid`), ``replayable`` (``False``: its records depend on what Dynamo recorded on the
+    nodes while tracing, which a saved ``.tegraph`` does not keep, so replay does not compare them).
+    :meth:`run` analyses first, edits last and only through ``ctx.journal``, raises :class:`PassSkipped`
+    when unsafe and leaves a graph that passes ``graph.lint()``."""
 
     name: ClassVar[str] = ""
     stages: ClassVar[frozenset[Stage]] = frozenset()
     description: ClassVar[str] = ""
     analysis_only: ClassVar[bool] = False
+    replayable: ClassVar[bool] = True
     Config: ClassVar[type[PassConfig]] = PassConfig
     source_modules: ClassVar[tuple[types.ModuleType, ...]] = ()
 

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,9 +26,9 @@ from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport, StageReport, cache_hit_note, new_compile_report
 from te_passes.cudagraphs.engine import CudagraphRecorder
 from te_passes.cudagraphs.policy import LeanCUDAGraphPolicy
-from te_passes.compat.ub.graph_guard import (raise_ub_mismatches, ub_dependence_of, ub_state_reads,
-                                              wrap_with_te_state_guard)
-from te_passes.compat.ub.guard import dynamo_stage_inputs
+from te_passes.compat.api import (RecipeStateError, dynamo_stage_inputs, raise_ub_mismatches, te_state_guard,
+                                   wrap_compiled)
+from te_passes.pipeline.facts import AutocastState, CudagraphHazard, UbStateReads, single_fact
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError, UbSnapshot
 
@@ -57,7 +58,7 @@ def post_grad_stage(graph: torch.fx.Graph | torch.fx.GraphModule) -> Stage:
 def pipeline_uuid(passes: Sequence[TEPass], options: TePassesOptions, te_state: TEState,
                   ub_reads: Sequence[str] | None = None) -> dict[str, Any]:
     """The pipeline's cache identity (passes' ``uuid()``, package source, options, TE state; the UB
-    snapshot unless ``ub_reads``, from ``ub_state_reads`` or ``None`` for unknown, is empty) and its
+    snapshot unless ``ub_reads``, the :class:`UbStateReads` fact's reasons or ``None`` for unknown, is empty) and its
     sha256 under ``"uuid"``; ``"ub_reads"`` is not hashed."""
     reads_ub = ub_reads is None or bool(ub_reads)
     parts: dict[str, Any] = {"package": base.package_source_hash(base.PACKAGE_ROOT),
@@ -160,6 +161,8 @@ class Compilation:
         self._t0 = time.perf_counter()
         self._checked_stages = 0  # stage reports whose UB mismatches were raised on
         self._hits_before: dict[str, int] = {}
+        #: The Dynamo stage's :class:`AutocastState` fact (:meth:`begin`); :meth:`finish` sets its state.
+        self.autocast: AutocastState | None = None
 
     def context(self, stage: Stage | str, example_inputs: Any = None, inputs: dict | None = None) -> PassContext:
         """The :class:`PassContext` the passes of ``stage`` get."""
@@ -178,17 +181,55 @@ class Compilation:
             self.report.time_ms_passes += (time.perf_counter() - t0) * 1e3
 
     def begin(self, gm: torch.fx.GraphModule | None, example_inputs: Any = None) -> None:
-        """The Dynamo stage on ``gm`` (``None``: none, offline), then the pipeline uuid, once. Raises
-        ``UbConfigError`` (live): ``UbMismatch`` facts; ``TePassError``: a pass failed under ``strict``."""
+        """The Dynamo stage on ``gm`` (``None``: none, offline), its analyses' facts read, then the pipeline uuid,
+        once: :class:`AutocastState` (kept for :meth:`finish`), :class:`CudagraphHazard` (``triton.cudagraphs``
+        off, with a ``RuntimeWarning``), :class:`UbStateReads` (the uuid's ``ub_reads``; ``None`` without it).
+
+        Raises (live):
+            RecipeStateError: the :class:`AutocastState` refusal, or no such fact (its analysis failed or is
+                not in the pass list).
+            TePassesOptionError: ``te_passes.disable`` names ``find_autocast_state``.
+            UbConfigError: ``UbMismatch`` facts.
+            TePassError: a pass failed under ``strict``."""
         reads = None
         if gm is not None:
             inputs = dynamo_stage_inputs() if self.live else {}
-            self.run_stage(gm, Stage.DYNAMO, example_inputs, inputs)
-            reads = ub_state_reads(gm, ub_dependence_of(self.report), trace_folds=inputs.get("ub_trace_folds", ()))
+            stage = self.run_stage(gm, Stage.DYNAMO, example_inputs, inputs)
+            facts = [f for r in stage.runs for f in r.facts]
+            self.autocast = single_fact(facts, AutocastState)
+            if self.live:
+                self._check_autocast(stage)
+            self._without_cudagraphs_if(single_fact(facts, CudagraphHazard))
+            ub_reads = single_fact(facts, UbStateReads)
+            reads = None if ub_reads is None else list(ub_reads.reasons)
         self.report.uuid = pipeline_uuid(self.manager.passes, self.options, self.te_state, ub_reads=reads)
         if self.live:
             raise_ub_mismatches(self.report)
         self._checked_stages = len(self.report.stages)
+
+    def _check_autocast(self, stage: StageReport) -> None:
+        """Raise the :class:`AutocastState` refusal, or why there is no such fact (see :meth:`begin`)."""
+        if self.autocast is not None:
+            if self.autocast.refusal is not None:
+                raise RecipeStateError(self.autocast.refusal)
+            return
+        name = AutocastState.producer
+        run = next((r for r in stage.runs if r.name == name), None)
+        if run is not None and run.status == "disabled":
+            raise TePassesOptionError(f"te_passes.disable names {name}: te_inductor sets the te.autocast state it "
+                                      "finds around the compiled call (TE's impls read it while they run), so it "
+                                      "cannot be disabled")
+        why = "is not in the pass list" if run is None else f"{run.status}: {run.error or run.records}"
+        raise RecipeStateError(f"te_passes: graph {self.graph_id}: analysis {name} {why}; without the te.autocast "
+                               "state TE's impls read while they run, te_inductor refuses the graph")
+
+    def _without_cudagraphs_if(self, hazard: CudagraphHazard | None) -> None:
+        """``triton.cudagraphs`` off in :attr:`settings`, with a ``RuntimeWarning`` naming ``hazard``, when it is on."""
+        if hazard is None or not self.settings.config_patches.get("triton.cudagraphs"):
+            return
+        warnings.warn(f"te_passes: mode='reduce-overhead': {hazard.reason}", RuntimeWarning, stacklevel=4)
+        self.settings = dataclasses.replace(self.settings, config_patches={**self.settings.config_patches,
+                                                                          "triton.cudagraphs": False})
 
     def inductor_hooks(self) -> dict[str, Any]:
         """The Inductor config patches plus our two :class:`InductorStageHook`\\ s (after a user's own)
@@ -209,9 +250,10 @@ class Compilation:
         on = [_inductor_value(patches, k) for k in ("triton.cudagraphs", "triton.cudagraph_trees")]
         if self.options.cudagraphs != "lean" or not all(on) or _inductor_value(patches, "cudagraph_policy") is not None:
             return None
-        hazards, ub_reads = [], self.report.uuid.get("ub_reads")
-        if self.te_state.ub is not None and getattr(self.te_state.ub, "initialized", False) and ub_reads:
-            reads = "; ".join(map(str, ub_reads))[:200]
+        hazards, ub_reads = [], self.report.uuid.get("ub_reads", [])
+        if self.te_state.ub is not None and getattr(self.te_state.ub, "initialized", False) and ub_reads != []:
+            reads = ("; ".join(map(str, ub_reads))[:200] if ub_reads is not None
+                     else f"unknown: no {UbStateReads.producer} fact")
             hazards.append(f"graph reads Userbuffers state with UB initialised ({reads}): "
                            "UB communicators captured into a CUDA graph are left to cudagraph trees")
         refresh = self._notify_finish if self.manager.observers else None
@@ -223,8 +265,10 @@ class Compilation:
             obs.finish(self.report)
 
     def finish(self, compiled: Callable | None = None) -> Callable | None:
-        """After ``compile_fx``: note a cache hit that skipped the AOT stages, tell the observers and
-        (live) UB-guard ``compiled``. Raises ``UbConfigError``: AOT-stage mismatches."""
+        """After ``compile_fx``: note a cache hit that skipped the AOT stages, tell the observers and (live)
+        return ``compiled`` in its one wrapper (``compat.api.wrap_compiled``: the :class:`AutocastState` state
+        set around the call, the UB guard of ``compat.api.te_state_guard``), or ``compiled`` itself when it
+        needs neither. Raises ``UbConfigError``: AOT-stage mismatches."""
         if self.live and not {s.stage for s in self.report.stages} & {Stage.JOINT.value, Stage.POST_GRAD_FWD.value}:
             hit = [k for k, n in _cache_hits().items() if n > self._hits_before.get(k, 0)]
             if hit:
@@ -234,9 +278,10 @@ class Compilation:
         self._notify_finish()
         if not self.live or compiled is None:
             return compiled
-        return wrap_with_te_state_guard(compiled, self.report, self.te_state, self.options, recompile=self.recompile,
-                                        cudagraphs=bool(self.settings.config_patches.get("triton.cudagraphs")),
-                                        checked_stages=self._checked_stages)
+        guard = te_state_guard(compiled, self.report, self.te_state, self.options, recompile=self.recompile,
+                               cudagraphs=bool(self.settings.config_patches.get("triton.cudagraphs")),
+                               checked_stages=self._checked_stages)
+        return wrap_compiled(compiled, guard=guard, autocast=self.autocast.state if self.autocast else None)
 
     def facts(self, kind: type | None = None) -> list[Any]:
         """The typed facts of every stage run so far, only ``kind``'s when given."""

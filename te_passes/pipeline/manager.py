@@ -61,10 +61,12 @@ class PassManager:
         for obs in self.observers:
             obs.before_stage(gm, ctx)
         report = StageReport(graph_id=ctx.graph_id, stage=ctx.stage.value)
-        ctx.analyses.clear()  # a reused context may hold analyses of another graph
+        ctx.analyses.clear()  # a reused context may hold analyses (and facts) of another graph
+        ctx.stage_facts.clear()
         try:
             for tepass in (p for p in self.passes if ctx.stage in p.stages):
                 report.runs.append(self._run_one(gm, tepass, ctx))
+                ctx.stage_facts.extend(report.runs[-1].facts)
         finally:
             ctx.analyses.clear()
             if any(r.changed for r in report.runs):
@@ -91,6 +93,8 @@ class PassManager:
                 raise TypeError(f"pass {tepass.name} returned {type(result).__name__}, not TEPassResult")
             if result.modified and not journal:
                 raise RuntimeError(f"pass {tepass.name} reported a change but made no edit through ctx.journal")
+            if tepass.analysis_only and journal:
+                raise RuntimeError(f"analysis {tepass.name} (analysis_only) edited the graph")
             if journal:
                 ctx.analyses.clear()
                 gm.graph.lint()

@@ -57,8 +57,8 @@ def independent_run():
     from te_passes.testing.capture import capture_aot, run_pipeline
     from te_passes.testing.fake_gpu import fake_gpu
 
+    install()  # as the backend does before Dynamo traces (the autocast trace hook) and any pass runs (lowerings)
     aot = capture_aot("linear", "fp8-cs", 1, 32, 64, 128)
-    install()  # as the backend does before any pass runs (the direct-call lowerings)
     with fake_gpu("fp8-cs"):
         reports = run_pipeline(aot, graph_id="g0")
     return {r.stage: r for r in reports}
@@ -220,9 +220,13 @@ def test_replay_reproduces_the_report(fp8_dump, tmp_path):
     with open(d / "g0" / "report.json") as f:
         saved = json.load(f)
 
+    # find_autocast_state reads what Dynamo recorded on the nodes while tracing: a .tegraph does not keep it
+    unreplayable = {c.name for c in registered() if not c.replayable}
+    assert unreplayable == {"find_autocast_state"}
+
     def strip(stages):
-        return [[{k: v for k, v in r.items() if k not in ("time_ms", "dump", "changes")} for r in s["runs"]]
-                for s in stages]
+        return [[{k: v for k, v in r.items() if k not in ("time_ms", "dump", "changes")
+                  and not (k == "records" and r["name"] in unreplayable)} for r in s["runs"]] for s in stages]
 
     assert strip(res["report"]["stages"]) == strip(saved["stages"])
     assert res["report"]["uuid"] == saved["uuid"]

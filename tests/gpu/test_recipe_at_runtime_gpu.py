@@ -67,14 +67,14 @@ def _fwd(model, recipe):
 @contextlib.contextmanager
 def _without_state_wrapper():
     """te_inductor as before issue 26: the compiled graph is not wrapped (control)."""
-    from te_passes import backend
+    from te_passes.pipeline import compilation
 
-    orig = backend.run_under
-    backend.run_under = lambda compiled, state: compiled
+    orig = compilation.wrap_compiled
+    compilation.wrap_compiled = lambda compiled, *, guard, autocast: orig(compiled, guard=guard, autocast=None)
     try:
         yield
     finally:
-        backend.run_under = orig
+        compilation.wrap_compiled = orig
 
 
 def _step(fn, model, x, dy, mode):

@@ -203,7 +203,7 @@ def test_te_inductor_adds_no_recompiles_over_inductor_fp8_stack4():
     """Same model, recipe and steps: te_inductor may not recompile more often than plain Inductor
     (TE's own ``_is_fsdp2`` first-call recompile is the same for both). On failure, each registered
     pass is disabled in turn to name the one that causes the extra recompile."""
-    from te_passes.passes.order import pass_names
+    from te_passes.passes.order import pass_classes
 
     base = _recompiles_over_steps("inductor").stats
     ours = _recompiles_over_steps("te_inductor").stats
@@ -211,7 +211,7 @@ def test_te_inductor_adds_no_recompiles_over_inductor_fp8_stack4():
     print(f"te_inductor: {ours.recompiles} recompiles {ours.recompile_reasons}")
     if ours.recompiles > base.recompiles:
         culprits = {}
-        for name in pass_names():
+        for name in (c.name for c in pass_classes() if c.name != "find_autocast_state"):  # that one cannot be disabled
             st = _recompiles_over_steps("te_inductor", {"te_passes.disable": [name]}).stats
             culprits[name] = (st.recompiles, st.recompile_reasons)
             print(f"te_inductor without {name}: {st.recompiles} recompiles {st.recompile_reasons}")

@@ -83,8 +83,14 @@ def node_summary(gm):
 
 
 # --------------------------------------------------------------------------- snapshot
-def test_pass_is_registered_first():
-    assert pass_names()[0] == "fold_ub_predicates"
+def test_pass_is_the_first_rewrite():
+    """First to change the graph (its pre-pass copy is the graph Dynamo traced); only analyses run before it."""
+    from te_passes.passes.order import pass_classes
+
+    classes = list(pass_classes())
+    first = pass_names().index("fold_ub_predicates")
+    assert [c.name for c in classes if not c.analysis_only][0] == "fold_ub_predicates"
+    assert first > 0 and all(c.analysis_only for c in classes[:first])
 
 
 def test_snapshot_capture_exact(registry):

@@ -315,7 +315,7 @@ def test_trace_structured_artifact_written(tmp_path):
         import torch
         from tests.pipeline.test_manager import MulToAdd
         import te_passes.passes.order as order
-        order.default_passes = lambda: [MulToAdd()]
+        order.default_passes = lambda: [order.FindAutocastState(), MulToAdd()]  # te_inductor needs the state fact
         import te_passes.backend as b
         b.pass_names = lambda: ["mul_to_add"]
         f = torch.compile(lambda x: torch.relu(x * 2), backend=b.te_inductor)

@@ -279,9 +279,13 @@ def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs_only_on_cpu_
     off, with a warning naming the op; the same op with values on the GPU, and other graphs, keep it."""
     import warnings
 
-    from te_passes.backend import _without_cudagraphs_if_hazard
-    from te_passes.pipeline.compilation import CompileSettings
     from te_passes.compat.delayed_scaling import linear as delayed_linear
+    from te_passes.passes.check_cudagraph_hazard import CheckCudagraphHazard
+    from te_passes.pipeline.compilation import Compilation, CompileSettings
+    from te_passes.pipeline.facts import CudagraphHazard
+    from te_passes.pipeline.manager import PassManager
+    from te_passes.report import CompileReport
+    from te_passes.te.state import TEState
 
     op = torch.ops.te_passes.delayed_scaling_update.default  # our op: defined when te_passes.backend loads
 
@@ -300,9 +304,17 @@ def test_reduce_overhead_compiles_delayed_graphs_without_cudagraphs_only_on_cpu_
     assert settings.config_patches["triton.cudagraphs"] is True
     assert "te_passes::delayed_scaling_update returns a CPU tensor" in delayed_linear.cudagraph_hazard(on_cpu)
     assert delayed_linear.cudagraph_hazard(on_gpu) is None and delayed_linear.cudagraph_hazard(plain) is None
+
+    def begin(gm):  # the Dynamo stage with the hazard analysis, as te_inductor's Compilation runs it
+        comp = Compilation(PassManager([CheckCudagraphHazard()]), settings, TEState(), CompileReport("g_hz"),
+                           live=False)
+        comp.begin(gm)
+        return comp
+
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        out = _without_cudagraphs_if_hazard(on_cpu, settings)
-        same = [_without_cudagraphs_if_hazard(g, settings) for g in (on_gpu, plain)]
-    assert out.config_patches["triton.cudagraphs"] is False and all(s is settings for s in same)
+        out = begin(on_cpu)
+        same = [begin(g) for g in (on_gpu, plain)]
+    assert out.settings.config_patches["triton.cudagraphs"] is False and all(c.settings is settings for c in same)
+    assert [type(f) for f in out.facts()] == [CudagraphHazard] and [c.facts() for c in same] == [[], []]
     assert [str(x.message) for x in w if "delayed_scaling_update" in str(x.message)]

@@ -388,9 +388,11 @@ def test_without_the_state_the_impl_sees_the_default_recipe(monkeypatch):
     DelayedScaling, fprop split accumulation off), so the checks above can fail."""
     import transformer_engine.pytorch.quantization as q
 
-    from te_passes import backend
+    from te_passes.compat.api import wrap_compiled
+    from te_passes.pipeline import compilation
 
-    monkeypatch.setattr(backend, "run_under", lambda compiled, state: compiled)
+    monkeypatch.setattr(compilation, "wrap_compiled",  # Compilation.finish's one wrapper, without the state
+                        lambda compiled, *, guard, autocast: wrap_compiled(compiled, guard=guard, autocast=None))
     real = FG.fake_gpu
 
     @contextlib.contextmanager
@@ -621,4 +623,6 @@ def test_quantized_nodes_decide_when_states_differ(te_dynamo_graph):
     assert RS.reads_autocast(m)
     m.meta[RS.META_KEY] = a
     assert RS.graph_autocast(fp8.gm, [m, n]) is a
-    assert RS.run_under(len, None) is len
+    from te_passes.compat.api import wrap_compiled
+
+    assert wrap_compiled(len) is len  # no state, no UB guard: Inductor's callable itself

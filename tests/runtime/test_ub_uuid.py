@@ -184,7 +184,8 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
         (plain_rep,) = run_pipeline(capture_dynamo("linear", "fp8-cs"), [Stage.DYNAMO], options=opts,
                                     graph_id="g_plaindyn")
     assert [r.name for r in rep.runs if r.status == "ok"] == \
-        [n for n in ("fold_ub_predicates", "fold_recipe_lookups", "remove_quantizer_setattrs") if n not in disable]
+        [n for n in ("find_autocast_state", "check_cudagraph_hazard", "fold_ub_predicates", "fold_recipe_lookups",
+                     "remove_quantizer_setattrs", "find_ub_state_reads") if n not in disable]
     (call,) = gmod.te_op_calls(rep.gm.graph)
     reasons = ub_graph_guard.ub_state_reads(rep.gm, _dependence(rep))
     flags = f"TE op {call.node.name} (linear) sets ub_overlap_rs_fprop, ub_overlap_ag_dgrad"
@@ -194,6 +195,11 @@ def test_ub_reads_seen_after_the_dynamo_stage_passes(disable):
         assert reasons[-1] == flags
         assert f"fold_ub_predicates checked the UB configuration of TE ops {call.node.name}" in reasons
     assert ub_graph_guard.ub_state_reads(plain_rep.gm, _dependence(plain_rep)) == []
+    # what the pipeline reads: the find_ub_state_reads analysis' fact, the same sentences
+    from te_passes.pipeline.facts import UbStateReads
+
+    assert [f.reasons for r in rep.runs for f in r.facts if isinstance(f, UbStateReads)] == [tuple(reasons)]
+    assert [f.reasons for r in plain_rep.runs for f in r.facts if isinstance(f, UbStateReads)] == [()]
 
 
 def test_index_md_says_which_graphs_read_ub_state(tmp_path):

@@ -308,35 +308,6 @@ def graph_autocast(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node] | No
     return first
 
 
-# --------------------------------------------------------------------------- run time
-def run_under(compiled: Callable, state: TracedAutocast | None) -> Callable:
-    """``compiled`` called with TE's autocast fields (:data:`AUTOCAST_FIELDS` of
-    ``FP8GlobalStateManager.quantization_state``) set to ``state`` and restored afterwards
-    (also on error); ``compiled`` itself when ``state`` is ``None``. The object whose fields are set
-    is looked up at each call (TE's ``FP8GlobalStateManager.reset()`` replaces it).
-    The wrapper has attribute ``te_autocast`` (the state)."""
-    if state is None:
-        return compiled
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-    values = state.values()  # AUTOCAST_FIELDS order, unpacked below by name
-    mgr = FP8GlobalStateManager
-
-    def with_autocast(*args):
-        q = mgr.quantization_state
-        saved = table.swap_state(q, AUTOCAST_FIELDS, values)
-        try:
-            return compiled(*args)
-        finally:
-            table.swap_state(q, AUTOCAST_FIELDS, saved)
-
-    with_autocast.te_autocast = state  # type: ignore[attr-defined]
-    with_autocast.__wrapped__ = compiled  # type: ignore[attr-defined]
-    if hasattr(compiled, "te_ub_guard"):  # our own wrappers both (compat.ub.graph_guard.make_guarded)
-        with_autocast.te_ub_guard = compiled.te_ub_guard  # type: ignore[attr-defined]
-    return with_autocast
-
-
 def _family_impls(family: str) -> list[Any]:
     """The ``impl`` functions the family's base ops run now (:func:`resolve_base_impl`); an op
     whose kernel is not TE's ``_impl`` is left out (its reads cannot be scanned: refused)."""

@@ -240,10 +240,10 @@ def raise_ub_mismatches(report: Any, stages: Any = None) -> None:
                             + "\n  - ".join(m.message for m in mismatches))
 
 
-def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any,
-                             recompile: Callable | None = None, cudagraphs: bool = False, *,
-                             dependence: UbDependence | None = None, checked_stages: int = 0) -> Callable:
-    """Wrap a ``te_inductor``-compiled graph with a UB-state guard when it depends on UB state.
+def te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any, recompile: Callable | None = None,
+                   cudagraphs: bool = False, *, dependence: UbDependence | None = None,
+                   checked_stages: int = 0) -> UbGuard | None:
+    """The UB-state guard a ``te_inductor``-compiled graph needs, or ``None``.
 
     Args:
         compiled: Inductor's compiled callable (called ``compiled(*args)``).
@@ -257,9 +257,9 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
         checked_stages: how many leading stage reports' :class:`UbMismatch` facts were already raised.
 
     Returns:
-        ``compiled`` itself when no run-time UB guard is needed (no UB dependence, only values Dynamo
-        folded while tracing, which :data:`te_passes.compat.ub.guard.UB_STATE_TOKEN` guards, or an
-        explicit ``te_passes.ub_snapshot``), else the guarded ``fn(*args)`` (``te_ub_guard``: :class:`UbGuard`).
+        ``None`` when no run-time UB guard is needed (no UB dependence, only values Dynamo folded while
+        tracing, which :data:`te_passes.compat.ub.guard.UB_STATE_TOKEN` guards, or an explicit
+        ``te_passes.ub_snapshot``), else the :class:`UbGuard` (``compat.compiled_call.wrap_compiled`` calls it).
 
     Raises:
         UbConfigError: TE op UB configurations the UB state cannot satisfy (all listed).
@@ -269,11 +269,20 @@ def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opt
     dep = ub_dependence_of(report) if dependence is None else dependence
     raise_ub_mismatches(report, report.stages[checked_stages:])
     if getattr(opts, "ub_snapshot", None) is not None:
-        return compiled
+        return None
     if not dep.checks and all(f.source == "dynamo_trace" for f in dep.folds):
-        return compiled
+        return None
     ub = getattr(te_state, "ub", None)
     fingerprint = ub.fingerprint() if ub is not None else live_snapshot().fingerprint()
-    guard = UbGuard(graph_id, compiled, dep, fingerprint, getattr(opts, "ub_on_change", "recompile"), recompile,
-                    cudagraphs=cudagraphs)
-    return make_guarded(guard)
+    return UbGuard(graph_id, compiled, dep, fingerprint, getattr(opts, "ub_on_change", "recompile"), recompile,
+                   cudagraphs=cudagraphs)
+
+
+def wrap_with_te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any,
+                             recompile: Callable | None = None, cudagraphs: bool = False, *,
+                             dependence: UbDependence | None = None, checked_stages: int = 0) -> Callable:
+    """``compiled`` behind :func:`make_guarded` when :func:`te_state_guard` (same arguments) returns a guard,
+    else ``compiled`` itself. Raises as :func:`te_state_guard`."""
+    guard = te_state_guard(compiled, report, te_state, opts, recompile, cudagraphs, dependence=dependence,
+                           checked_stages=checked_stages)
+    return compiled if guard is None else make_guarded(guard)
