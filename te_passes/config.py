@@ -149,6 +149,14 @@ def env_option(key: str, environ: Mapping[str, str] | None = None) -> Any:
         raise TePassesOptionError(f"environment variable {spec.env}={text!r}: {e}") from None
 
 
+def env_aliases(*keys: str) -> dict[str, str]:
+    """``{variable: value}`` of the ``TE_PASSES_*`` aliases of options ``keys`` set (non-empty) in ``os.environ``:
+    the environment to parse with when only those apply (``te-passes replay``: ``TE_PASSES_DISABLE`` only).
+    Raises ``KeyError``: an unknown option key."""
+    names = {OPTION_SPECS[k].env for k in keys}
+    return {n: os.environ[n] for n in sorted(n for n in names if n) if os.environ.get(n)}
+
+
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """Warn about any unknown ``TE_PASSES_*`` name of ``environ`` (default ``os.environ``): a ``RuntimeWarning``
     naming the closest valid name, once per name and process (the values of known ones are checked by

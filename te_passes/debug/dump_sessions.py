@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from te_passes._json import read_json_file
+from te_passes._json import read_json_or_none
 from te_passes.debug.graph_breaks import current_events
 from te_passes.debug.dump_files import GRAPH_DIR_RE, atomic_write, md_table, slug, dir_lock, log
 
@@ -118,10 +118,7 @@ def read_sessions(root: str) -> list[dict[str, Any]]:
         p = os.path.join(root, name, "session.json")
         if not os.path.isfile(p):
             continue
-        try:
-            data = read_json_file(p)
-        except (OSError, UnicodeDecodeError, ValueError):  # not JSON, or over the budget
-            continue
+        data = read_json_or_none(p)
         if not isinstance(data, dict) or data.get("owner") != "backend" or data.get("session") != name:
             continue
         graphs = _graph_dir_names(os.path.join(root, name))
