@@ -66,3 +66,11 @@ def read_json_file(path: str) -> Any:
                 raise JsonBudgetError(f"nested more than {b['depth']} levels deep")
             stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
     return data
+
+
+def read_json_or_none(path: str) -> Any:
+    """:func:`read_json_file`, or ``None`` when ``path`` is unreadable, not UTF-8 JSON or over the budget."""
+    try:
+        return read_json_file(path)
+    except (OSError, UnicodeDecodeError, ValueError):  # JSONDecodeError and JsonBudgetError are ValueErrors
+        return None

@@ -130,7 +130,31 @@ def known_env_vars() -> list[str]:
     return sorted({s.env for s in OPTION_SPECS.values() if s.env} | set(OTHER_ENV_VARS))
 
 
-_WARNED_ENV: set[str] = set()
+def env_option(key: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Option ``key``'s value from its ``TE_PASSES_*`` alias in ``environ`` (default ``os.environ``), converted
+    as :meth:`TePassesOptions.parse` does (``disable``: a tuple of names); ``None`` when unset or empty.
+
+    Raises:
+        TePassesOptionError: ``key`` has no environment alias, or the variable's value is invalid.
+    """
+    spec = OPTION_SPECS.get(key)
+    if spec is None or spec.env is None:
+        raise TePassesOptionError(f"option {PREFIX}{key} has no environment variable")
+    text = (os.environ if environ is None else environ).get(spec.env)
+    if not text:
+        return None
+    try:
+        return _env_bool(key, text) if spec.convert is _as_bool else spec.convert(key, text)
+    except TePassesOptionError as e:
+        raise TePassesOptionError(f"environment variable {spec.env}={text!r}: {e}") from None
+
+
+def env_aliases(*keys: str) -> dict[str, str]:
+    """``{variable: value}`` of the ``TE_PASSES_*`` aliases of options ``keys`` set (non-empty) in ``os.environ``:
+    the environment to parse with when only those apply (``te-passes replay``: ``TE_PASSES_DISABLE`` only).
+    Raises ``KeyError``: an unknown option key."""
+    names = {OPTION_SPECS[k].env for k in keys}
+    return {n: os.environ[n] for n in sorted(n for n in names if n) if os.environ.get(n)}
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
@@ -140,14 +164,15 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     environ = os.environ if environ is None else environ
     known = known_env_vars()
     for name in sorted(k for k in environ if k.startswith("TE_PASSES_") and k not in known):
-        if name in _WARNED_ENV:
-            continue
-        _WARNED_ENV.add(name)
-        n = len("TE_PASSES_")  # compared without the shared prefix (else every name is "close")
-        close = difflib.get_close_matches(name[n:], [k[n:] for k in known], n=1)
-        hint = f"did you mean TE_PASSES_{close[0]}?" if close else f"te_passes reads {', '.join(known)}"
-        warnings.warn(f"te_passes: unknown environment variable {name} is ignored; {hint}", RuntimeWarning,
-                      stacklevel=3)
+        _warn_unknown_env(name, tuple(known))
+
+
+@functools.cache  # once per name and process
+def _warn_unknown_env(name: str, known: tuple[str, ...]) -> None:
+    n = len("TE_PASSES_")  # compared without the shared prefix (else every name is "close")
+    close = difflib.get_close_matches(name[n:], [k[n:] for k in known], n=1)
+    hint = f"did you mean TE_PASSES_{close[0]}?" if close else f"te_passes reads {', '.join(known)}"
+    warnings.warn(f"te_passes: unknown environment variable {name} is ignored; {hint}", RuntimeWarning, stacklevel=4)
 
 
 #: ``te_passes.*`` keys that are refused with a reason (not options a backend can honour).
@@ -217,14 +242,10 @@ class TePassesOptions:
                 raise TePassesOptionError(f"unknown te_inductor option {key!r}; valid te_passes options: {valid}")
             ours[short] = spec.convert(short, value)
         from_env: dict[str, tuple[str, ...]] = {}
-        for short, spec in OPTION_SPECS.items():
-            if not (spec.env and environ.get(spec.env)):
+        for short in (k for k, spec in OPTION_SPECS.items() if spec.env):
+            value = env_option(short, environ)
+            if value is None:
                 continue
-            try:
-                value = _env_bool(short, environ[spec.env]) if spec.convert is _as_bool else \
-                    spec.convert(short, environ[spec.env])
-            except TePassesOptionError as e:
-                raise TePassesOptionError(f"environment variable {spec.env}={environ[spec.env]!r}: {e}") from None
             if short == "disable" or short not in ours:
                 from_env[short] = value
                 ours[short] = tuple(ours.get(short, ())) + value if short == "disable" else value

@@ -264,7 +264,7 @@ def test_bad_untouched_norm_read_while_dynamo_traces_a_te_module_is_unwrapped(mo
 def test_unknown_te_passes_variable_is_warned_about_once_with_the_closest_name(monkeypatch):
     import te_passes.config as config
 
-    monkeypatch.setattr(config, "_WARNED_ENV", set())
+    config._warn_unknown_env.cache_clear()  # once per process: forget earlier warnings
     monkeypatch.setenv("TE_PASSES_DISABLED", "insert_early_frees")
     with pytest.warns(RuntimeWarning) as rec:
         te_passes.te_inductor_backend()

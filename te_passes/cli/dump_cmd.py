@@ -14,7 +14,7 @@ from te_passes.cli._common import (CLI_CAUSED_WARNINGS, CliError, EXIT_FAIL, EXI
 from te_passes.cli.dumpdir import staged_out
 from te_passes.cli.targets import check_target_file, run_target
 from te_passes.cli.show import print_summary
-from te_passes.config import TePassesOptionError
+from te_passes.config import TePassesOptionError, env_option
 
 
 def cmd_dump(args: argparse.Namespace, out: Out) -> int:
@@ -33,7 +33,7 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
                            "sets its own torch.compile(mode=...)")
     check_writable_dir(args.out)  # the cheap checks first: no torch import yet
     disable = check_pass_names([n.strip() for a in (args.disable or []) for n in a.split(",")], "--disable")
-    env_disable = [n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()]
+    env_disable = list(env_option("disable") or ())
     check_pass_names(env_disable, "TE_PASSES_DISABLE")
     check_mode(args.mode)
     shown, args.out = args.out, os.path.abspath(args.out)  # resolved once: the target may chdir

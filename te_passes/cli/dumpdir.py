@@ -13,7 +13,7 @@ import stat
 import sys
 from typing import Iterable, Sequence
 
-from te_passes._json import read_json_file
+from te_passes._json import read_json_file, read_json_or_none
 from te_passes.cli._common import CliError, EXIT_FAIL
 
 
@@ -63,10 +63,7 @@ def _check_old_dump(path: str) -> list[str] | None:
                            f"from a te_passes dump ({shown}); a dump goes into a new or empty folder, or one "
                            f"holding an earlier te_passes dump: choose another --out")
         return None
-    try:
-        data = read_json_file(rp)
-    except (OSError, UnicodeDecodeError, ValueError):  # not JSON, or over the budget
-        data = None
+    data = read_json_or_none(rp)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         schema = data.get("schema") if isinstance(data, dict) else None
         what = f"schema {schema!r}, this te_passes writes {SCHEMA!r}" if isinstance(schema, str) else \

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from te_passes.debug.graph_breaks import no_islands_text
 from te_passes.cli._common import CliError, EXIT_OK, Out, pass_registry, clean
+from te_passes.config import env_option
 
 
 def _fmt_bytes(v: Any) -> str:
@@ -196,7 +197,7 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
 # --------------------------------------------------------------------------- list
 def cmd_list(args: argparse.Namespace, out: Out) -> int:
     names, classes = pass_registry()
-    env_disable = {n.strip() for n in os.environ.get("TE_PASSES_DISABLE", "").split(",") if n.strip()}
+    env_disable = set(env_option("disable") or ())
     rows = []
     for cls in classes:
         order = {"dynamo": 0, "joint": 1, "post_grad_fwd": 2, "post_grad_bwd": 3}

@@ -16,7 +16,7 @@ from te_passes.debug.graph_io import save_graph
 from te_passes.debug.printer import format_graph
 from te_passes.te.graph_model import is_te_op_node
 from te_passes.debug.dump_files import slug, ensure_writable_dir, log
-from te_passes.debug.dump_sessions import (backend_session, claimed_dirs, is_claimed, note_write_error, session_id,
+from te_passes.debug.dump_sessions import (backend_session, claimed_into, note_write_error, session_id,
     write_sessions_index)
 from te_passes.debug.dump_summary import report_json, write_summary
 from te_passes.pipeline.manager import PassObserver
@@ -81,8 +81,8 @@ class DumpWriter(PassObserver):
         """
         if path is None:
             return cls.for_dir(None)
-        if is_claimed(path):
-            return cls.for_dir(claimed_dirs[os.path.realpath(os.fspath(path))])
+        if (into := claimed_into(path)) is not None:
+            return cls.for_dir(into)
         parent = ensure_writable_dir(path)
         root = os.path.join(parent, session_id())
         first = not os.path.isdir(root)
@@ -220,6 +220,6 @@ class DumpWriter(PassObserver):
             # its owner wrote.
             # te-passes dump (a claimed directory) emits the final summary artifact itself
             write_summary(self.root, backend_session(self.source) if self.sessions_dir is not None else None,
-                          emit=not is_claimed(self.root))
+                          emit=claimed_into(self.root) is None)
             if self.sessions_dir is not None:
                 write_sessions_index(self.sessions_dir)

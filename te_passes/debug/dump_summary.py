@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import torch.fx
 
 from te_passes import __version__
-from te_passes._json import read_json_file
+from te_passes._json import read_json_file, read_json_or_none
 from te_passes._logging import trace_artifact
 from te_passes.debug.graph_breaks import no_islands_text
 from te_passes.report import cache_hit_note
@@ -42,10 +42,7 @@ def read_graph_report(root: str, name: str) -> dict[str, Any] | None:
     p = os.path.join(root, name, "report.json")
     if not os.path.isfile(p):
         return None
-    try:
-        data = read_json_file(p)
-    except (OSError, UnicodeDecodeError, ValueError):  # not JSON, or over the budget
-        return None
+    data = read_json_or_none(p)
     if not isinstance(data, dict) or data.get("graph_id") != name or not isinstance(data.get("stages"), list):
         return None
     return data

@@ -18,13 +18,13 @@ from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
 from te_passes.debug.graph_safety import (BudgetError, GraphFileError, UnsafeGraphFileError, SafeUnpickler,
     import_te, check_budget, check_memo_indices, check_name, resolve_function)
-from te_passes.debug.sym_expr import check_sym_expr, parse_sym_expr
+from te_passes.debug.sym_expr import check_sym_expr, check_symbols, graph_symbols, parse_sym_expr, restore_symbols
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
     ALLOWED_GLOBALS, allowed_global, pickle_globals)
 
 
-FORMAT = "te_passes.tegraph/1"
 FORMAT_PREFIX, FORMAT_VERSION = "te_passes.tegraph/", 1
+FORMAT = f"{FORMAT_PREFIX}{FORMAT_VERSION}"
 #: The largest ``.tegraph`` file :func:`load_payload` reads.
 MAX_FILE_BYTES = 512 * 2**20
 
@@ -85,16 +85,14 @@ class TensorMeta:
 
 # --------------------------------------------------------------------------- save
 def _sym(s: Any) -> Any:
-    if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        node = s.node
+    if not isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return s
+    try:
+        hint = s.node.hint
+    except Exception:  # noqa: BLE001 - no hint (an unbacked symbol)
         hint = None
-        try:
-            hint = node.hint
-        except Exception:  # noqa: BLE001
-            pass
-        kind = "int" if isinstance(s, torch.SymInt) else "float" if isinstance(s, torch.SymFloat) else "bool"
-        return SymMeta(str(node.expr), hint, kind)
-    return s
+    kind = "int" if isinstance(s, torch.SymInt) else "float" if isinstance(s, torch.SymFloat) else "bool"
+    return SymMeta(str(s.node.expr), hint, kind)
 
 
 def encode_val(val: Any) -> Any:
@@ -167,45 +165,7 @@ def graph_payload(gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> dic
             continue
         attrs[str(n.target)] = encode_val(v) if isinstance(v, torch.Tensor) else v
     return {"format": FORMAT, "torch": str(torch.__version__), "nodes": nodes, "attrs": attrs,
-            "symbols": _symbols_of(graph), **info}
-
-
-def _symbols_of(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
-    """``{name: {"hint", "lower", "upper", "positive"}}`` of every symbol in the graph's fake
-    values, read from their ``ShapeEnv`` (``backed_var_to_val``, ``var_to_range``); ``None``
-    for an unknown hint or an unbounded range end."""
-    out: dict[str, dict[str, Any]] = {}
-
-    def visit(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            for s in (*v.shape, *v.stride()):
-                visit(s)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x)
-        elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            env = v.node.shape_env
-            for sym in getattr(v.node.expr, "free_symbols", ()):
-                if str(sym) in out:
-                    continue
-                hint = env.backed_var_to_val.get(sym) if env is not None else None
-                vr = env.var_to_range.get(sym) if env is not None else None
-
-                def bound(x: Any) -> int | None:
-                    import sympy
-
-                    if isinstance(x, (int, sympy.Integer)) and not isinstance(x, bool):
-                        return int(x)
-                    return None  # +-oo, or not an integer
-                out[str(sym)] = {"hint": bound(hint) if hint is not None else None,
-                                 "lower": bound(vr.lower) if vr is not None else None,
-                                 "upper": bound(vr.upper) if vr is not None else None,
-                                 "positive": bool(sym.is_positive)}
-
-    for n in graph.nodes:
-        visit(n.meta.get("val"))
-        visit(n.meta.get("example_value"))
-    return out
+            "symbols": graph_symbols(graph), **info}
 
 
 def save_graph(path: str | os.PathLike, gm: torch.fx.GraphModule | torch.fx.Graph, **info: Any) -> None:
@@ -287,16 +247,7 @@ def _check_payload(payload: Any, path: str) -> dict[str, Any]:
             raise GraphFileError(f"{path}: '{key}' is a {type(payload[key]).__name__}, expected {types.__name__}")
     for k in payload.get("attrs") or {}:
         check_name(k, f"{path}: attrs key", dotted=True)
-    syms = payload.get("symbols")
-    if syms is not None:
-        if not isinstance(syms, dict):
-            raise GraphFileError(f"{path}: 'symbols' is a {type(syms).__name__}, expected dict")
-        for k, v in syms.items():
-            check_name(k, f"{path}: symbols key")
-            if not isinstance(v, dict) or any(v.get(f) is not None and (not isinstance(v.get(f), int)
-                                                                         or isinstance(v.get(f), bool))
-                                              for f in ("hint", "lower", "upper")):
-                raise GraphFileError(f"{path}: symbols[{k!r}] is not {{hint, lower, upper}} of ints")
+    check_symbols(payload.get("symbols"), path)
 
     def check_vals(v: Any, where: str) -> None:
         if isinstance(v, SymMeta):
@@ -349,25 +300,7 @@ class _Builder:
 
         self.shape_env = ShapeEnv() if symbolic else None
         self.mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
-        self.symbols: dict[str, Any] = {}
-        if self.shape_env is not None:
-            self._restore_symbols(symbols or {})
-
-    def _restore_symbols(self, symbols: dict[str, dict[str, Any]]) -> None:
-        """Recreate the saved symbols in the ``ShapeEnv`` with their hints and value ranges."""
-        import sympy
-        from torch.utils._sympy.value_ranges import ValueRanges
-
-        for name, info in symbols.items():
-            positive = info.get("positive", True)
-            sym = sympy.Symbol(name, integer=True, positive=True) if positive else sympy.Symbol(name, integer=True)
-            self.symbols[name] = sym
-            if info.get("hint") is not None:
-                self.shape_env.backed_var_to_val[sym] = sympy.Integer(info["hint"])
-            lo, hi = info.get("lower"), info.get("upper")
-            if lo is not None or hi is not None:
-                self.shape_env.var_to_range[sym] = ValueRanges(sympy.Integer(lo) if lo is not None else -sympy.oo,
-                                                               sympy.Integer(hi) if hi is not None else sympy.oo)
+        self.symbols = restore_symbols(self.shape_env, symbols or {}) if self.shape_env is not None else {}
 
     def sym(self, s: Any) -> Any:
         import sympy

@@ -10,7 +10,7 @@ from typing import Any, Collection, Iterable, Sequence
 
 import torch.fx
 
-from te_passes.config import TePassesOptionError, TePassesOptions
+from te_passes.config import TePassesOptionError, TePassesOptions, env_aliases
 from te_passes.debug.dump_files import DumpFormatError, check_graph_report, read_json
 from te_passes.debug.dump import DumpWriter
 from te_passes.debug.graph_io import GraphFileError, load_graph
@@ -147,7 +147,7 @@ def replay(path: str, passes: Sequence[TEPass], *, disable: Iterable[str] | None
 
         # TE_PASSES_DISABLE applies as in the backend (added to the saved / given list, unknown
         # names refused); the other TE_PASSES_* variables do not: the saved options are replayed
-        env = {k: os.environ[k] for k in ("TE_PASSES_DISABLE",) if os.environ.get(k)}
+        env = env_aliases("disable")
         try:
             options, _ = TePassesOptions.parse({f"te_passes.{k}": v for k, v in saved_opts.items()
                                                 if k in ("disable", "strict", "ub_on_change")},

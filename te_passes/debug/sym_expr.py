@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from te_passes.debug.graph_safety import GraphFileError
+import torch
+import torch.fx
+
+from te_passes.debug.graph_safety import GraphFileError, check_name
 
 
 #: Functions a symbolic size may call: sympy's and torch's size functions
@@ -151,3 +154,75 @@ def check_sym_expr(expr: Any, where: str) -> str:
     """
     parse_sym_expr(expr, where)
     return expr
+
+
+# --------------------------------------------------------------------------- the symbols of a graph file
+def graph_symbols(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
+    """``{name: {"hint", "lower", "upper", "positive"}}`` of every symbol in the graph's fake values (``val`` /
+    ``example_value``), read from their ``ShapeEnv`` (``backed_var_to_val``, ``var_to_range``); ``None`` for an
+    unknown hint or an unbounded range end."""
+    import sympy
+
+    def bound(x: Any) -> int | None:  # None: +-oo, or not an integer
+        return int(x) if isinstance(x, (int, sympy.Integer)) and not isinstance(x, bool) else None
+
+    def sizes(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            yield from (*v.shape, *v.stride())
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                yield from sizes(x)
+        elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            yield v
+
+    out: dict[str, dict[str, Any]] = {}
+    for s in sizes([[n.meta.get("val"), n.meta.get("example_value")] for n in graph.nodes]):
+        if not isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            continue
+        env = s.node.shape_env
+        for sym in getattr(s.node.expr, "free_symbols", ()):
+            if str(sym) not in out:
+                hint = env.backed_var_to_val.get(sym) if env is not None else None
+                vr = env.var_to_range.get(sym) if env is not None else None
+                out[str(sym)] = {"hint": bound(hint) if hint is not None else None,
+                                 "lower": bound(vr.lower) if vr is not None else None,
+                                 "upper": bound(vr.upper) if vr is not None else None,
+                                 "positive": bool(sym.is_positive)}
+    return out
+
+
+def check_symbols(symbols: Any, path: str) -> None:
+    """A graph file's ``symbols`` field (``None`` or :func:`graph_symbols`' form) checked.
+
+    Raises:
+        GraphFileError: naming ``path`` and the first wrong entry.
+    """
+    if symbols is None:
+        return
+    if not isinstance(symbols, dict):
+        raise GraphFileError(f"{path}: 'symbols' is a {type(symbols).__name__}, expected dict")
+    for k, v in symbols.items():
+        check_name(k, f"{path}: symbols key")
+        if not isinstance(v, dict) or any(v.get(f) is not None and (not isinstance(v.get(f), int)
+                                                                     or isinstance(v.get(f), bool))
+                                          for f in ("hint", "lower", "upper")):
+            raise GraphFileError(f"{path}: symbols[{k!r}] is not {{hint, lower, upper}} of ints")
+
+
+def restore_symbols(shape_env: Any, symbols: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Recreate :func:`graph_symbols`' symbols in ``shape_env`` (a ``ShapeEnv``) with their hints and value
+    ranges; returns ``{name: sympy.Symbol}``."""
+    import sympy
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    out = {}
+    for name, info in symbols.items():
+        sym = out[name] = sympy.Symbol(name, integer=True, positive=True) if info.get("positive", True) \
+            else sympy.Symbol(name, integer=True)
+        if info.get("hint") is not None:
+            shape_env.backed_var_to_val[sym] = sympy.Integer(info["hint"])
+        lo, hi = info.get("lower"), info.get("upper")
+        if lo is not None or hi is not None:
+            shape_env.var_to_range[sym] = ValueRanges(sympy.Integer(lo) if lo is not None else -sympy.oo,
+                                                      sympy.Integer(hi) if hi is not None else sympy.oo)
+    return out

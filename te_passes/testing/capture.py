@@ -4,7 +4,8 @@ See docs/internals.md#te_passestestingcapturepy and docs/testing-real-graphs.md.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import functools
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -32,36 +33,38 @@ def capture_skip_reason() -> str | None:
     return reason
 
 
-_CACHE: dict[tuple, Any] = {}
-
-
-def _cached(kind: str, args: dict[str, Any], make: Callable[[], Any]) -> Any:
-    key = (kind, te_version(), torch.__version__, tuple(sorted(args.items())))
+def _captured(kind: str, args: dict[str, Any]) -> Any:
+    """A fresh copy of the ``kind`` capture of ``args``, memoised per process (:func:`_memo`); unhashable
+    arguments (e.g. a process group) are captured anew."""
+    key = tuple(sorted(args.items()))
     try:
         hash(key)
-    except TypeError:  # an unhashable argument (e.g. a process group): not cached
-        return make()
+    except TypeError:
+        return _memo.__wrapped__(kind, "", "", key)
     with capture_lock:
-        if key not in _CACHE:
-            _CACHE[key] = make()
-    return _CACHE[key].copy()
+        return _memo(kind, te_version(), torch.__version__, key).copy()
+
+
+@functools.cache
+def _memo(kind: str, _te: str, _torch: str, key: tuple) -> Any:
+    args = dict(key)
+    if kind == "dynamo":
+        return capture_dynamo(**args)
+    partitioner = args.pop("partitioner")
+    return capture_aot(partitioner=partitioner, dynamo=cached_dynamo(**args))
 
 
 def cached_dynamo(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> CapturedGraph:
     """:func:`capture_dynamo` memoised per process on its arguments; returns a fresh
     :meth:`~CapturedGraph.copy` each call, so callers may rewrite it. Unhashable arguments
     (e.g. a process group) bypass the cache."""
-    args = dict(kwargs, precision=precision, layers=layers)
-    return _cached("dynamo", args, lambda: capture_dynamo(**args))
+    return _captured("dynamo", dict(kwargs, precision=precision, layers=layers))
 
 
 def cached_aot(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> CapturedAOT:
     """:func:`capture_aot` memoised per process (it reuses :func:`cached_dynamo`'s capture);
     returns a fresh :meth:`~CapturedAOT.copy` each call."""
-    partitioner = kwargs.pop("partitioner", "min_cut")
-    args = dict(kwargs, precision=precision, layers=layers)
-    return _cached("aot", dict(args, partitioner=partitioner),
-                   lambda: capture_aot(partitioner=partitioner, dynamo=cached_dynamo(**args)))
+    return _captured("aot", {"partitioner": "min_cut", **kwargs, "precision": precision, "layers": layers})
 
 
 # --------------------------------------------------------------------------- pipeline
