@@ -1,7 +1,7 @@
 """Issue 39's counts for the compat fence, from the source: patch bookkeeping functions and their lines,
 mutable module globals, environment-only knobs, install call sites, and the patch-table rows.
 
-Usage: python3 scripts/measure_fence.py [te_passes]   (prints one line per measure; no imports of te_passes)
+Usage: python3 scripts/measure_fence.py [te_passes] [-v]   (prints one line per measure; no imports of te_passes)
 
 - bookkeeping: functions whose name says they install, uninstall, report or gate a patch
   (``install*``, ``uninstall*``, ``installed``, ``*refused_reason``, ``*refusal*``, ``*_status``, ``revert*``,
@@ -18,7 +18,8 @@ import os
 import re
 import sys
 
-ROOT = sys.argv[1] if len(sys.argv) > 1 else "te_passes"
+_ARGS = [a for a in sys.argv[1:] if not a.startswith("-")]
+ROOT = _ARGS[0] if _ARGS else "te_passes"
 BOOK = re.compile(r"^_?(install\w*|uninstall\w*|installed|\w*refused_reason|\w*refusal\w*|\w+_status|status|revert\w*|"
                   r"is_active|_apply|_?sweep|register_backend|register_stamp|stamp)$")
 MUTATORS = {"append", "add", "update", "pop", "popitem", "clear", "setdefault", "extend", "remove", "discard",
