@@ -23,7 +23,7 @@ from te_passes._logging import get_logger
 from te_passes.compat import gate, table
 from te_passes.compat.untouched.state import on_compile_start as untouched_compile_start
 from te_passes.config import TePassesOptionError
-from te_passes.te.capture_state import te_capture_state
+from te_passes.compat.te220.capture_state import te_capture_state
 
 log = get_logger()
 _LOCK = threading.Lock()

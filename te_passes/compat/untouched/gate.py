@@ -14,7 +14,7 @@ import torch
 
 from te_passes.compat import gate as frame_gate
 from te_passes.config import PREFIX, TePassesOptionError, TePassesOptions, unwrapped
-from te_passes.te.untouched_rules import DELAYED_SCALING_FIX
+from te_passes.compat.te220.untouched_rules import DELAYED_SCALING_FIX
 
 #: The ``te_passes.*`` option (``torch.compile(..., options={OPTION: False})``) and its env var.
 OPTION = PREFIX + "untouched"

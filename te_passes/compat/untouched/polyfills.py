@@ -23,7 +23,7 @@ from te_passes.compat.untouched.rope_norm import function_copy, named_island
 from te_passes.compat.untouched.state import (STATE_ATTR, UntouchedState, active_frames, prepare_layernorm_linear,
                                                prepare_layernorm_mlp, prepare_te_module, prime_recipe, run_eager)
 from te_passes.te.norm_act import activation, normalize
-from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
+from te_passes.compat.te220.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
 
 #: ``te_passes.untouched_norm`` / ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm and LayerNormMLP
 #: activation kernels as the ``te_passes::te_norm_fwd`` / ``te_act_fwd`` ops; TE eager's numerics, measured as
