@@ -28,7 +28,8 @@ MUTATORS = {"append", "add", "update", "pop", "popitem", "clear", "setdefault", 
 
 def _mutated(tree: ast.AST, names: set[str]) -> set[str]:
     """Module-level ``names`` that code in the module changes: rebinding under ``global``, item / attribute
-    assignment or deletion, or a call of a mutating method (``append``, ``add``, ``update``, ``pop``, ...)."""
+    assignment or deletion, or a call of a mutating method (``append``, ``add``, ``update``, ``pop``, ...), also
+    through attributes and items (``STATE.rows.append(r)`` changes ``STATE``: a state object counts as one)."""
     out = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Global):
@@ -43,7 +44,9 @@ def _mutated(tree: ast.AST, names: set[str]) -> set[str]:
                 if isinstance(base, ast.Name) and base.id in names:
                     out.add(base.id)
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS:
-            base = n.func.value
+            base = n.func.value  # ``NAME.append(...)``, and ``NAME.field[k].append(...)`` of a state object
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
             if isinstance(base, ast.Name) and base.id in names:
                 out.add(base.id)
     return out
