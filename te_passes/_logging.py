@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Callable
@@ -12,29 +13,31 @@ import torch._logging
 import torch._logging._internal as _internal
 
 LOG_NAME = "te_passes"
-_registered = False
 
 
 def get_logger() -> logging.Logger:
     """The ``te_passes`` logger, registered with torch._logging on first use; a ``TORCH_LOGS`` torch parsed
     before then sets only its level and a :class:`_StandInHandler` (torch's ``_init_logs`` is not rerun)."""
-    global _registered
     log = logging.getLogger(LOG_NAME)
-    if not _registered:
-        _registered = True
-        _internal.register_log(LOG_NAME, LOG_NAME)
-        setting = os.environ.get("TORCH_LOGS", "")
-        if LOG_NAME in setting:
-            try:
-                level = _internal._parse_log_settings(setting).log_qname_to_level.get(LOG_NAME)
-            except ValueError:  # torch already said what is wrong with TORCH_LOGS
-                level = None
-            if level is not None:
-                log.setLevel(level)
-                log.propagate = False
-                if not any(_internal._is_torch_handler(h) for h in log.handlers):
-                    _internal._setup_handlers(lambda: _StandInHandler(log), log)
+    _register(log)
     return log
+
+
+@functools.lru_cache(maxsize=None)
+def _register(log: logging.Logger) -> None:
+    """Register ``log`` with torch._logging (once per process: the result is cached)."""
+    _internal.register_log(LOG_NAME, LOG_NAME)
+    setting = os.environ.get("TORCH_LOGS", "")
+    if LOG_NAME in setting:
+        try:
+            level = _internal._parse_log_settings(setting).log_qname_to_level.get(LOG_NAME)
+        except ValueError:  # torch already said what is wrong with TORCH_LOGS
+            level = None
+        if level is not None:
+            log.setLevel(level)
+            log.propagate = False
+            if not any(_internal._is_torch_handler(h) for h in log.handlers):
+                _internal._setup_handlers(lambda: _StandInHandler(log), log)
 
 
 class _StandInHandler(_internal._StderrHandler):

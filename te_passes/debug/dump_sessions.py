@@ -4,13 +4,15 @@ into, the directories ``te-passes dump`` claims for its process, and the session
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import sys
 import threading
 import time
-from typing import Any
+import types
+from typing import Any, Mapping
 
 from te_passes._json import read_json_file
 from te_passes.debug.graph_breaks import current_events
@@ -22,11 +24,23 @@ SESSIONS_SCHEMA = "te_passes.dump_sessions/1"
 #: (a top-level ``index.md`` without it is someone else's and is never overwritten).
 SESSIONS_INDEX_TITLE = "# te_passes dump sessions"
 
+
+@dataclasses.dataclass
+class _SessionState:
+    """This process's dump-session state: ``session`` ``{"pid": int, "id": str, "started": str}``, ``claimed``
+    (realpath claimed by te-passes dump in this process -> where it writes), the roots whose foreign
+    ``index.md`` was warned about, ``write_errors`` (realpath of a dump folder -> its write errors)."""
+
+    session: dict[str, Any] = dataclasses.field(default_factory=dict)
+    claimed: dict[str, str] = dataclasses.field(default_factory=dict)
+    warned_foreign_index: set[str] = dataclasses.field(default_factory=set)
+    write_errors: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+
 _session_lock = threading.Lock()
-_session: dict[str, Any] = {}  # {"pid": int, "id": str, "started": str}
-claimed_dirs: dict[str, str] = {}  # realpath claimed by te-passes dump in this process -> where it writes
-_warned_foreign_index: set[str] = set()
-_write_errors: dict[str, list[str]] = {}  # realpath of a dump folder -> its write errors
+_STATE = _SessionState()
+#: Realpath claimed by te-passes dump in this process -> where it writes (read-only view; :func:`claim_dir`).
+claimed_dirs: Mapping[str, str] = types.MappingProxyType(_STATE.claimed)
 
 
 def session_id() -> str:
@@ -34,12 +48,12 @@ def session_id() -> str:
     ``"20261129T213640Z-node01-p2499"``): the folder a backend-only dump writes into under its
     dump directory. Fixed on first use; a forked child gets its own."""
     with _session_lock:
-        if _session.get("pid") != os.getpid():
+        if _STATE.session.get("pid") != os.getpid():
             now = time.gmtime()
-            _session.update(pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
+            _STATE.session.update(pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
                             id=f"{time.strftime('%Y%m%dT%H%M%SZ', now)}-{slug(socket.gethostname()) or 'host'}"
                                f"-p{os.getpid()}")
-        return _session["id"]
+        return _STATE.session["id"]
 
 
 def claim_dir(path: str | os.PathLike, into: str | os.PathLike | None = None) -> None:
@@ -48,7 +62,7 @@ def claim_dir(path: str | os.PathLike, into: str | os.PathLike | None = None) ->
     itself; the CLI gives its staging folder, moved into ``path`` only when the run succeeded),
     and the CLI writes the summary, instead of a session folder of their own
     (:meth:`DumpWriter.for_backend`)."""
-    claimed_dirs[os.path.realpath(os.fspath(path))] = os.fspath(into if into is not None else path)
+    _STATE.claimed[os.path.realpath(os.fspath(path))] = os.fspath(into if into is not None else path)
 
 
 def note_write_error(root: str | os.PathLike | None, what: str, error: BaseException) -> None:
@@ -57,18 +71,18 @@ def note_write_error(root: str | os.PathLike | None, what: str, error: BaseExcep
     (:func:`write_errors`). Other directories: the backend's warning is all (a dump never breaks
     a compilation)."""
     if root is not None and isinstance(error, OSError):
-        _write_errors.setdefault(os.path.realpath(os.fspath(root)), []).append(f"{what}: {type(error).__name__}: "
-                                                                              f"{error}")
+        _STATE.write_errors.setdefault(os.path.realpath(os.fspath(root)), []).append(
+            f"{what}: {type(error).__name__}: {error}")
 
 
 def write_errors(root: str | os.PathLike) -> list[str]:
     """The write errors :func:`note_write_error` recorded for ``root`` in this process."""
-    return list(_write_errors.get(os.path.realpath(os.fspath(root)), []))
+    return list(_STATE.write_errors.get(os.path.realpath(os.fspath(root)), []))
 
 
 def unclaim_dir(path: str | os.PathLike) -> None:
     """Undo :func:`claim_dir`."""
-    claimed_dirs.pop(os.path.realpath(os.fspath(path)), None)
+    _STATE.claimed.pop(os.path.realpath(os.fspath(path)), None)
 
 
 def is_claimed(path: str | os.PathLike) -> bool:
@@ -82,7 +96,7 @@ def backend_session(source: str | None = None) -> dict[str, Any]:
     eager islands and recompiles so far (:func:`te_passes.debug.graph_breaks.current_events`)."""
     sid = session_id()
     return {"owner": "backend", "session": sid, "pid": os.getpid(), "host": socket.gethostname(),
-            "started": _session.get("started"), "argv": list(sys.argv), "target": " ".join(sys.argv),
+            "started": _STATE.session.get("started"), "argv": list(sys.argv), "target": " ".join(sys.argv),
             "compile_path": "torch.compile(backend='te_inductor') with TE_PASSES_DUMP_DIR set" if source == "env"
                             else "torch.compile(backend='te_inductor', options={'te_passes.dump_dir': ...})",
             "note": "Graph breaks, TE eager islands and recompiles are this process's so far (Dynamo's "
@@ -159,8 +173,8 @@ def write_sessions_index(root: str) -> list[dict[str, Any]]:
                 ours = False
         if ours:
             atomic_write(index, render_sessions_index(sessions))
-        elif root not in _warned_foreign_index:
-            _warned_foreign_index.add(root)
+        elif root not in _STATE.warned_foreign_index:
+            _STATE.warned_foreign_index.add(root)
             log.warning("te_passes dump: %s already holds a te-passes dump or an index.md of its own; this "
                         "process's dump is in %s (the top-level index.md is left alone)",
                         root, os.path.join(root, session_id()))

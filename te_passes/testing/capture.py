@@ -4,7 +4,8 @@ See docs/internals.md#te_passestestingcapturepy and docs/testing-real-graphs.md.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import functools
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -32,19 +33,28 @@ def capture_skip_reason() -> str | None:
     return reason
 
 
-_CACHE: dict[tuple, Any] = {}
-
-
-def _cached(kind: str, args: dict[str, Any], make: Callable[[], Any]) -> Any:
+def _cached(kind: str, args: dict[str, Any]) -> Any:
     key = (kind, te_version(), torch.__version__, tuple(sorted(args.items())))
     try:
         hash(key)
     except TypeError:  # an unhashable argument (e.g. a process group): not cached
-        return make()
+        return _make(kind, args)
     with capture_lock:
-        if key not in _CACHE:
-            _CACHE[key] = make()
-    return _CACHE[key].copy()
+        return _memo(key).copy()
+
+
+@functools.lru_cache(maxsize=None)
+def _memo(key: tuple) -> Any:
+    """The capture for ``key`` (kind, TE and torch versions, sorted arguments), made once per process."""
+    return _make(key[0], dict(key[3]))
+
+
+def _make(kind: str, args: dict[str, Any]) -> Any:
+    if kind == "dynamo":
+        return capture_dynamo(**args)
+    args = dict(args)
+    partitioner = args.pop("partitioner")
+    return capture_aot(partitioner=partitioner, dynamo=cached_dynamo(**args))
 
 
 def cached_dynamo(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> CapturedGraph:
@@ -52,7 +62,7 @@ def cached_dynamo(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> 
     :meth:`~CapturedGraph.copy` each call, so callers may rewrite it. Unhashable arguments
     (e.g. a process group) bypass the cache."""
     args = dict(kwargs, precision=precision, layers=layers)
-    return _cached("dynamo", args, lambda: capture_dynamo(**args))
+    return _cached("dynamo", args)
 
 
 def cached_aot(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> CapturedAOT:
@@ -60,8 +70,7 @@ def cached_aot(precision: str = "fp8-cs", layers: int = 1, **kwargs: Any) -> Cap
     returns a fresh :meth:`~CapturedAOT.copy` each call."""
     partitioner = kwargs.pop("partitioner", "min_cut")
     args = dict(kwargs, precision=precision, layers=layers)
-    return _cached("aot", dict(args, partitioner=partitioner),
-                   lambda: capture_aot(partitioner=partitioner, dynamo=cached_dynamo(**args)))
+    return _cached("aot", dict(args, partitioner=partitioner))
 
 
 # --------------------------------------------------------------------------- pipeline

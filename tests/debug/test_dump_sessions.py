@@ -141,7 +141,8 @@ def test_previous_process_dump_is_kept(tmp_path):
     sessions = _load(d / "sessions.json")["sessions"]
     # oldest session start first (this process's session may have started before the subprocess,
     # in an earlier test)
-    want = sorted([(old_summary["started"], old.name, ["g0"]), (dump_sessions._session["started"], dump_sessions.session_id(), gids)])
+    want = sorted([(old_summary["started"], old.name, ["g0"]),
+                   (dump_sessions._STATE.session["started"], dump_sessions.session_id(), gids)])
     assert [(s["started"], s["session"], s["graphs"]) for s in sessions] == want
     top = (d / "index.md").read_text()
     assert top.index(want[1][1]) < top.index(want[0][1])  # newest first
@@ -161,7 +162,7 @@ def test_foreign_top_level_index_is_left_alone(tmp_path, caplog):
     d = tmp_path / "dumps"
     d.mkdir()
     (d / "index.md").write_text("# my notes\n")
-    dump_sessions._warned_foreign_index.discard(str(d))
+    dump_sessions._STATE.warned_foreign_index.discard(str(d))
     with caplog.at_level("WARNING", logger="te_passes"):
         gids = _compile_two(d)
     assert (d / "index.md").read_text() == "# my notes\n"

@@ -263,7 +263,8 @@ def runtime_state_refusal(families: Iterable[str], v: str | None = None,
     v = te_version() if v is None else v
     if not is_supported(v):
         return (f"TE {v}: the TE state its impls read at run time is inventoried for TE "
-                f"{', '.join(f'{a}.{b}.x' for a, b in sorted(SUPPORTED_TE))} only (te_passes.compat.te220.runtime_reads)")
+                f"{', '.join(f'{a}.{b}.x' for a, b in sorted(SUPPORTED_TE))} only "
+                "(te_passes.compat.te220.runtime_reads)")
     keys = [k for k, r in IMPLS.items() if r.role == "helper"]
     impls = impls or {}
     for fam in sorted(set(families)):
