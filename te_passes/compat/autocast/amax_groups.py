@@ -155,7 +155,7 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
             for _, t in held or ():  # [count, value before the first running call]
                 _CALLS.groups.setdefault(id(t), [0, getattr(t, "amax_reduction_group", None)])[0] += 1
             for t in usage or ():
-                USAGE_CALLS.groups.setdefault(id(t), [0, (getattr(t, "rowwise_usage", None),
+                _CALLS.usage.setdefault(id(t), [0, (getattr(t, "rowwise_usage", None),
                                                        getattr(t, "columnwise_usage", None))])[0] += 1
         try:
             return orig(args, *rest, **kwargs)
