@@ -52,6 +52,17 @@ def _mutated(tree: ast.AST, names: set[str]) -> set[str]:
     return out
 
 
+def mutable_globals(tree: ast.Module) -> list[str]:
+    """The module-level names (assigned at module level) that the module ``tree``'s code changes, sorted."""
+    module_names = set()
+    for n in tree.body:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                if isinstance(t, ast.Name):
+                    module_names.add(t.id)
+    return sorted(_mutated(tree, module_names))
+
+
 def main() -> None:
     funcs, lines, globs, env = [], 0, [], []
     for d, _dirs, files in os.walk(ROOT):
@@ -68,13 +79,7 @@ def main() -> None:
                 if isinstance(n, ast.Call) and "environ" in ast.unparse(n.func) and rel != "config.py":
                     if any(isinstance(a, ast.Constant) and str(a.value).startswith("TE_PASSES_") for a in n.args):
                         env.append(f"{rel}:{n.lineno}")
-            module_names = set()
-            for n in tree.body:
-                if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
-                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
-                        if isinstance(t, ast.Name):
-                            module_names.add(t.id)
-            globs += [f"{rel}:{name}" for name in sorted(_mutated(tree, module_names))]
+            globs += [f"{rel}:{name}" for name in mutable_globals(tree)]
     print(f"bookkeeping functions: {len(funcs)} ({lines} lines)")
     print(f"mutable module globals: {len(globs)}")
     print(f"environment-only knobs (TE_PASSES_* read outside config.py): {len(env)} {env}")
