@@ -18,7 +18,7 @@ from te_passes.compat import table
 from te_passes.compat.dynamo.callbacks import step_scope
 from te_passes.config import PREFIX, TePassesOptionError, parse_guards_option
 from te_passes.pipeline.compilation import inductor_config_patches
-from te_passes.te.capture_state import te_capture_state
+from te_passes.compat.te220.capture_state import te_capture_state
 
 __all__ = ["compile_step", "make_graphed", "CompiledStep", "StepCaptureError"]
 

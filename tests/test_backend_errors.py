@@ -102,7 +102,7 @@ def test_warning_when_te_is_left_in_graph_capture_state(caplog):
     import transformer_engine.pytorch.graph as te_graph
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-    from te_passes.te.capture_state import te_capture_state
+    from te_passes.compat.te220.capture_state import te_capture_state
 
     assert te_capture_state() == []
     f = torch.compile(lambda x: x + 3, backend="te_inductor")

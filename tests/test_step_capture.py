@@ -369,7 +369,7 @@ def test_make_graphed_resets_te_after_a_failed_capture(toy, monkeypatch):
     import transformer_engine.pytorch as te
 
     from te_passes import step_capture as sc
-    from te_passes.te.capture_state import te_capture_state
+    from te_passes.compat.te220.capture_state import te_capture_state
 
     monkeypatch.setattr(sc, "_check_make_graphed_args", lambda m, a, o, k: (tuple(a), dict(o or {})))
     monkeypatch.setattr(te, "make_graphed_callables", _damage_like_a_failed_mgc)

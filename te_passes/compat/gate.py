@@ -10,6 +10,7 @@ the registered callable; the ``options`` dict found on the way (``torch.compile(
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -22,10 +23,19 @@ import torch
 from te_passes.config import TePassesOptions
 
 _LOCK = threading.Lock()
-#: te_inductor and the backends marked as te_inductor (weakly held: a marked backend may be collected).
-_BACKENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
-#: id(outermost wrapper) -> (weakref to it or None, parsed options) — options parsed once per wrapper.
-_PARSED: dict[int, tuple[Any, TePassesOptions | None]] = {}
+
+
+@dataclasses.dataclass
+class _GateState:
+    """The gate's process state (under ``_LOCK``): ``backends``, te_inductor and the backends marked as
+    te_inductor (weakly held: a marked backend may be collected); ``parsed``, id(outermost wrapper) ->
+    (weakref to it or None, parsed options): options parsed once per wrapper."""
+
+    backends: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)
+    parsed: dict[int, tuple[Any, TePassesOptions | None]] = dataclasses.field(default_factory=dict)
+
+
+_GATE = _GateState()
 _WRAPPER_ATTRS = ("_torchdynamo_orig_backend", "_torchdynamo_orig_callable", "compiler_fn", "__wrapped__")
 
 
@@ -39,8 +49,8 @@ def register_backend(fn: Any) -> Any:
         raise TypeError(f"a te_passes backend must be callable, not {type(fn).__name__}")
     try:
         with _LOCK:
-            _BACKENDS.add(fn)
-            _PARSED.clear()
+            _GATE.backends.add(fn)
+            _GATE.parsed.clear()
     except TypeError as e:
         raise TypeError(f"cannot register {fn!r} as a te_passes backend ({e}); register a plain function or a "
                         "functools.partial of it") from None
@@ -64,7 +74,7 @@ def backend_chain(fn: Any) -> list[Any]:
 
 def _registered(c: Any) -> bool:
     try:
-        return c in _BACKENDS
+        return c in _GATE.backends
     except TypeError:  # unhashable callables are never registered
         return False
 
@@ -87,7 +97,7 @@ def options_for(compiler_fn: Any) -> TePassesOptions | None:
         return None
     key = id(compiler_fn)
     with _LOCK:
-        hit = _PARSED.get(key)
+        hit = _GATE.parsed.get(key)
     if hit is not None and (hit[0] is None or hit[0]() is compiler_fn):
         return hit[1]
     chain = backend_chain(compiler_fn)
@@ -97,9 +107,9 @@ def options_for(compiler_fn: Any) -> TePassesOptions | None:
     except TypeError:
         return parsed  # not cacheable by identity
     with _LOCK:
-        if len(_PARSED) > 256:
-            _PARSED.clear()
-        _PARSED[key] = (ref, parsed)
+        if len(_GATE.parsed) > 256:
+            _GATE.parsed.clear()
+        _GATE.parsed[key] = (ref, parsed)
     return parsed
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterator, Sequence, Union
+import types
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -140,15 +141,25 @@ class RowStatus:
     reason: str | None = None
 
 
-#: Marker attributes te_passes stamps on foreign objects at run time (through :func:`stamp`): name -> why.
-STAMPS: dict[str, str] = {}
+@dataclasses.dataclass
+class _TableState:
+    """The table's process state (changed under ``_LOCK``): the registered rows in order, their status, the
+    undos ((row name, undo), oldest first), each row's toggles and the keys of its changes (for sweeps), and
+    the registered stamps (name -> why)."""
+
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    status: dict[str, RowStatus] = dataclasses.field(default_factory=dict)
+    undo: list[tuple[str, Callable[[], None]]] = dataclasses.field(default_factory=list)
+    toggles: dict[str, list[Toggle]] = dataclasses.field(default_factory=dict)
+    made: dict[str, set[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
+    stamps: dict[str, str] = dataclasses.field(default_factory=dict)
+
 
 _LOCK = threading.RLock()
-_ROWS: list[Row] = []
-_STATUS: dict[str, RowStatus] = {}
-_UNDO: list[tuple[str, Callable[[], None]]] = []  # (row name, undo), oldest first
-_TOGGLES: dict[str, list[Toggle]] = {}
-_MADE: dict[str, set[tuple[Any, ...]]] = {}  # row name -> keys of the changes made (for sweeps)
+_TABLE = _TableState()
+#: Marker attributes te_passes stamps on foreign objects at run time (through :func:`stamp`): name -> why
+#: (a read-only view; :func:`register_stamp` adds).
+STAMPS: Mapping[str, str] = types.MappingProxyType(_TABLE.stamps)
 
 
 def _key(change: Change) -> tuple[Any, ...]:
@@ -164,7 +175,7 @@ def register_stamp(name: str, why: str) -> str:
         ValueError: the name does not start with ``_te_passes_`` or is registered with another reason."""
     if not name.startswith("_te_passes_"):
         raise ValueError(f"stamp {name!r}: te_passes' marker attributes start with '_te_passes_'")
-    if STAMPS.setdefault(name, why) != why:
+    if _TABLE.stamps.setdefault(name, why) != why:
         raise ValueError(f"stamp {name!r} is already registered for: {STAMPS[name]}")
     return name
 
@@ -248,9 +259,9 @@ def install(rows: Sequence[Row]) -> list[RowStatus]:
         if len(set(names)) != len(names):
             raise ValueError(f"patch table: duplicate row names {sorted({n for n in names if names.count(n) > 1})}")
         for row in rows:
-            if row.name not in {r.name for r in _ROWS}:
-                _ROWS.append(row)
-            st = _STATUS.get(row.name)
+            if row.name not in {r.name for r in _TABLE.rows}:
+                _TABLE.rows.append(row)
+            st = _TABLE.status.get(row.name)
             if st is not None and st.active and row.sweep:
                 _sweep(row)
                 continue
@@ -258,17 +269,18 @@ def install(rows: Sequence[Row]) -> list[RowStatus]:
                 continue
             why = row.version_refusal(te_version(), torch_version_string())
             if why is not None:
-                _STATUS[row.name] = RowStatus(row.name, False, reason=why)
+                _TABLE.status[row.name] = RowStatus(row.name, False, reason=why)
                 continue
             try:
                 changes = list(row.plan())
             except (Refused, ImportError, AttributeError) as e:
-                _STATUS[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}"
+                _TABLE.status[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}"
                                               if not isinstance(e, Refused) else str(e))
-                log.info("te_passes: patch %s refused: %s", row.name, _STATUS[row.name].reason)
+                log.info("te_passes: patch %s refused: %s", row.name, _TABLE.status[row.name].reason)
                 continue
             if _in_trace() and not all(isinstance(c, Lowering) for c in changes):
-                _STATUS[row.name] = RowStatus(row.name, False, reason="pending: install() was called inside a trace")
+                _TABLE.status[row.name] = RowStatus(row.name, False,
+                                                    reason="pending: install() was called inside a trace")
                 continue
             toggles = [c for c in changes if isinstance(c, Toggle)]
             done: list[Callable[[], None]] = []
@@ -279,18 +291,18 @@ def install(rows: Sequence[Row]) -> list[RowStatus]:
             except (TypeError, ValueError, AttributeError) as e:  # substitute_in_graph: someone registered one
                 for undo in reversed(done):
                     undo()
-                _STATUS[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}")
+                _TABLE.status[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}")
                 continue
-            _UNDO.extend((row.name, u) for u in done)
-            _MADE[row.name] = {_key(c) for c in changes}
-            _TOGGLES[row.name] = toggles
-            _STATUS[row.name] = RowStatus(row.name, True, len(changes))
+            _TABLE.undo.extend((row.name, u) for u in done)
+            _TABLE.made[row.name] = {_key(c) for c in changes}
+            _TABLE.toggles[row.name] = toggles
+            _TABLE.status[row.name] = RowStatus(row.name, True, len(changes))
             if row.after is not None:
                 try:
                     row.after()
                 except Exception as e:  # noqa: BLE001 - a sweep must not undo an install
                     log.warning("te_passes: patch %s: after-install step failed: %s: %s", row.name, type(e).__name__, e)
-        return [_STATUS[r.name] for r in rows]
+        return [_TABLE.status[r.name] for r in rows]
 
 
 def _sweep(row: Row) -> None:
@@ -300,29 +312,29 @@ def _sweep(row: Row) -> None:
     except (Refused, ImportError, AttributeError) as e:
         log.info("te_passes: patch %s: sweep refused: %s", row.name, e)
         return
-    made = _MADE.setdefault(row.name, set())
+    made = _TABLE.made.setdefault(row.name, set())
     trace = _in_trace()
     for c in changes:
         k = _key(c)
         if k in made or (trace and not isinstance(c, Lowering)):
             continue
         if isinstance(c, Toggle):
-            _TOGGLES.setdefault(row.name, []).append(c)
+            _TABLE.toggles.setdefault(row.name, []).append(c)
         else:
             try:
-                _UNDO.append((row.name, _apply(c)))
+                _TABLE.undo.append((row.name, _apply(c)))
             except (TypeError, ValueError, AttributeError) as e:
                 log.warning("te_passes: patch %s: sweep change %r failed: %s", row.name, c, e)
                 continue
         made.add(k)
-    _STATUS[row.name] = RowStatus(row.name, True, len(made))
+    _TABLE.status[row.name] = RowStatus(row.name, True, len(made))
 
 
 def sweep() -> None:
     """Make the new changes of every active sweep row (:attr:`Row.sweep`); rows that are not active stay so
     (a reverted row is applied again only by :func:`install`)."""
     with _LOCK:
-        for row in _ROWS:
+        for row in _TABLE.rows:
             if row.sweep and is_active(row.name):
                 _sweep(row)
 
@@ -332,48 +344,49 @@ def revert(names: Sequence[str] | None = None) -> None:
     ``"reverted"`` in :func:`status` and :func:`install` applies them again."""
     with _LOCK:
         keep = []
-        for name, undo in reversed(_UNDO):
+        for name, undo in reversed(_TABLE.undo):
             if names is None or name in names:
                 undo()
             else:
                 keep.append((name, undo))
-        _UNDO[:] = list(reversed(keep))
-        for row in _ROWS:
+        _TABLE.undo[:] = list(reversed(keep))
+        for row in _TABLE.rows:
             if names is None or row.name in names:
-                _STATUS[row.name] = RowStatus(row.name, False, reason="pending: reverted")
-                _TOGGLES.pop(row.name, None)
-                _MADE.pop(row.name, None)
+                _TABLE.status[row.name] = RowStatus(row.name, False, reason="pending: reverted")
+                _TABLE.toggles.pop(row.name, None)
+                _TABLE.made.pop(row.name, None)
 
 
 def status() -> list[RowStatus]:
     """Every known row, in registry order: active, or why not."""
     with _LOCK:
-        return [_STATUS.get(r.name, RowStatus(r.name, False, reason="pending: not installed yet")) for r in _ROWS]
+        return [_TABLE.status.get(r.name, RowStatus(r.name, False, reason="pending: not installed yet"))
+                for r in _TABLE.rows]
 
 
 def is_active(name: str) -> bool:
     """Whether row ``name`` is in effect."""
-    st = _STATUS.get(name)
+    st = _TABLE.status.get(name)
     return bool(st and st.active)
 
 
 def refusal(name: str) -> str | None:
     """Why row ``name`` is not active (``None`` when it is)."""
-    st = _STATUS.get(name)
+    st = _TABLE.status.get(name)
     return None if st and st.active else (st.reason if st else "pending: not installed yet")
 
 
 def rows() -> list[Row]:
     """The rows :func:`install` has seen, in registry order."""
     with _LOCK:
-        return list(_ROWS)
+        return list(_TABLE.rows)
 
 
 def toggles(scope: str = "te_inductor") -> Iterator[Toggle]:
     """The :class:`Toggle` changes of ``scope`` of every active row (applied by :func:`apply_toggles`)."""
     with _LOCK:
-        for row in _ROWS:
-            yield from (t for t in _TOGGLES.get(row.name, ()) if t.scope == scope)
+        for row in _TABLE.rows:
+            yield from (t for t in _TABLE.toggles.get(row.name, ()) if t.scope == scope)
 
 
 def apply_toggles(scope: str = "te_inductor") -> Callable[[], None]:

@@ -9,7 +9,7 @@ import warnings
 from typing import Any
 
 from te_passes.compat.untouched.gate import island_records
-from te_passes.te.fallbacks import classify_graph_break, fallback_reason_from_warning
+from te_passes.compat.te220.fallbacks import classify_graph_break, fallback_reason_from_warning
 
 
 def _short_reason(reason: str) -> str:

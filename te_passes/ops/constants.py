@@ -67,28 +67,29 @@ def is_liftable_constant(v: Any) -> bool:
     ``torch._library.opaque_object`` constant type) that Inductor would rebuild per call."""
     if isinstance(v, (torch.fx.Node, enum.Enum, type, list, tuple, dict)) or isinstance(v, _PLAIN_TYPES):
         return False
-    t = type(v)
-    hit = _LIFTABLE_TYPES.get(id(t))
-    if hit is not None and hit[0] is t:
-        return hit[1]
-    ok = _liftable_type(t, v)
-    if ok:  # only positives: a class may still be registered as value-opaque later
-        _LIFTABLE_TYPES[id(t)] = (t, ok)
-    return ok
-
-
-def _liftable_type(t: type, v: Any) -> bool:
     if te_const_kind(v) not in (TEConstKind.BUNDLE, TEConstKind.QUANTIZER):
         return False
+    try:
+        return _liftable_class(type(v))
+    except _NotLiftableYet:
+        return False
+
+
+class _NotLiftableYet(Exception):
+    """A class :func:`_liftable_class` does not accept (now: it may still be registered as value-opaque later)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _liftable_class(t: type) -> bool:
+    """``True`` for a TE bundle / quantizer class registered as a value-opaque constant type whose instances
+    take weak references (name_constant keeps names by weak reference); raises :class:`_NotLiftableYet`
+    otherwise, so that only positives are cached (past the plain-type and kind checks of
+    :func:`is_liftable_constant` the answer depends only on the class)."""
     from torch._library.opaque_object import is_opaque_constant_type
 
-    # Names are kept by weak reference (name_constant): the object must support one.
-    return is_opaque_constant_type(t) and t.__weakrefoffset__ != 0
-
-
-#: ``id(class) -> (class, True)`` for the classes :func:`is_liftable_constant` accepted (past the
-#: plain-type checks the answer depends only on the class; the class is kept so its id stays valid).
-_LIFTABLE_TYPES: dict[int, tuple[type, bool]] = {}
+    if is_opaque_constant_type(t) and t.__weakrefoffset__ != 0:
+        return True
+    raise _NotLiftableYet(t.__qualname__)
 
 
 #: ``owner.meta`` key of the :class:`NamedConstants` table of a post-grad ``GraphModule``.

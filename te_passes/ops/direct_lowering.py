@@ -5,6 +5,7 @@ See docs/internals.md#te_passesopsdirect_loweringpy."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -18,7 +19,6 @@ log = get_logger()
 
 
 # --------------------------------------------------------------------------- Inductor lowering
-_FEATURE_ERROR: list[str | None] = []  # memo of feature_error() (a fact about this torch)
 #: Attribute marking te_passes' direct-call lowering functions: how a pass tells the lowering in place is ours.
 LOWERING_MARK = "_te_passes_direct"
 
@@ -36,10 +36,10 @@ def _stored_names(fn: Any) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.lru_cache(maxsize=None)
 def feature_error() -> str | None:
-    """Why this torch's Inductor cannot take the direct-call lowering (``None``: it can)."""
-    if _FEATURE_ERROR:
-        return _FEATURE_ERROR[0]
+    """Why this torch's Inductor cannot take the direct-call lowering (``None``: it can); a fact about this
+    torch, computed once."""
     reason = None
     try:
         from torch._inductor import graph as G, ir, lowering as L
@@ -61,7 +61,6 @@ def feature_error() -> str | None:
             raise AttributeError("ir.FallbackKernel.python_kernel_name")
     except Exception as e:  # noqa: BLE001 - any API drift means "not available"
         reason = f"this torch's Inductor lacks what the direct-call lowering needs ({type(e).__name__}: {e})"
-    _FEATURE_ERROR.append(reason)
     return reason
 
 

@@ -5,9 +5,12 @@ Docs: docs/untouched.md."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=None)  # one class per process (built on first use: TE imported)
 def _split_cat_linear_cls():
     import transformer_engine.pytorch as te
 
@@ -83,8 +86,6 @@ def _split_cat_linear_cls():
     return _SharedLinear
 
 
-_SHARED_LINEAR: list[type] = []
-
 #: Hidden-``te.Linear`` attribute: ``(owner, forward slot, backward slot)`` of its GEMM in the
 #: owner's fp8 meta (``te.LayerNormMLP``'s fc2: forward slots 3-5, backward 2-3; TE's
 #: ``FP8FwdTensorIdx`` / ``FP8BwdTensorIdx``).
@@ -130,10 +131,8 @@ def shared_linear(owner: torch.nn.Module, *, in_features: int, out_features: int
     registers no ``Parameter`` of its own, so a swapped owner parameter is never ignored) and, under
     DelayedScaling, whose quantizers are ``owner``'s at ``slots`` (forward, backward:
     :func:`owner_delayed_slots`)."""
-    if not _SHARED_LINEAR:
-        _SHARED_LINEAR.append(_split_cat_linear_cls())
-    lin = _SHARED_LINEAR[0](in_features, out_features, bias=use_bias, return_bias=return_bias,
-                            params_dtype=dtype, parallel_mode=parallel_mode, device="meta", name=name)
+    lin = _split_cat_linear_cls()(in_features, out_features, bias=use_bias, return_bias=return_bias,
+                                  params_dtype=dtype, parallel_mode=parallel_mode, device="meta", name=name)
     for n in ("weight", "bias", *weight_names, *bias_names):
         lin._parameters.pop(n, None)
         lin.__dict__.pop(n, None)

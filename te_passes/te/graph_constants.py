@@ -5,6 +5,7 @@ See docs/internals.md#te_passestegraph_constantspy."""
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, Iterator
 
 import torch.fx
@@ -35,24 +36,17 @@ class TEConstKind(str, enum.Enum):
     OTHER = "other"
 
 
-#: ``(class, is-a-class flag) -> kind``: the kind depends only on these, so it is computed once.
-_KIND_CACHE: dict[tuple[type, bool], TEConstKind | None] = {}
-_MISS: Any = object()
-
-
 def te_const_kind(obj: Any) -> TEConstKind | None:
     """Classify a graph constant as a TE object kind, or ``None`` if it is not TE's."""
-    key = (obj, True) if isinstance(obj, type) else (type(obj), False)
-    kind = _KIND_CACHE.get(key, _MISS)
-    if kind is _MISS:
-        kind = _KIND_CACHE[key] = _te_const_kind(obj)
-    return kind
+    return _class_kind(obj, True) if isinstance(obj, type) else _class_kind(type(obj), False)
 
 
-def _te_const_kind(obj: Any) -> TEConstKind | None:
-    if not is_te_object(obj):
+@functools.lru_cache(maxsize=None)
+def _class_kind(cls: type, is_class: bool) -> TEConstKind | None:
+    """The kind of the class ``cls`` itself (``is_class``) or of its instances: it depends only on these."""
+    if not is_te_object(cls):
         return None
-    names = mro_names(obj)
+    names = mro_names(cls)
     if "OpaqueValueBundle" in names:
         return TEConstKind.BUNDLE
     if "Quantizer" in names:
@@ -61,7 +55,7 @@ def _te_const_kind(obj: Any) -> TEConstKind | None:
         return TEConstKind.STORAGE
     if "Recipe" in names:
         return TEConstKind.RECIPE
-    if isinstance(obj, enum.Enum):
+    if not is_class and issubclass(cls, enum.Enum):
         return TEConstKind.ENUM
     return TEConstKind.OTHER
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 from typing import Any
 
@@ -195,17 +196,10 @@ class TEOpCall:
         return any(bool(self.config.get(k)) for k in UB_CONFIG_KEYS)
 
 
-#: ``id(schema) -> (schema, ((name, SlotKind, torch._C.Argument), ...))``, derived once per schema.
-_SLOTS_CACHE: dict[int, tuple[Any, tuple[tuple[str, "SlotKind", Any], ...]]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _schema_slots(schema: torch._C.FunctionSchema) -> tuple[tuple[str, "SlotKind", Any], ...]:
-    hit = _SLOTS_CACHE.get(id(schema))
-    if hit is not None and hit[0] is schema:
-        return hit[1]
-    slots = tuple((a.name, _slot_kind(a), a) for a in schema.arguments)
-    _SLOTS_CACHE[id(schema)] = (schema, slots)
-    return slots
+    """``((name, SlotKind, torch._C.Argument), ...)`` of ``schema``, derived once per schema."""
+    return tuple((a.name, _slot_kind(a), a) for a in schema.arguments)
 
 
 def _slot_kind(arg: torch._C.Argument) -> SlotKind:

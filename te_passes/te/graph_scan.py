@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import enum
+import functools
 import operator
 from typing import Any, Iterator
 
@@ -20,6 +21,7 @@ from te_passes.fx.graph import UNKNOWN, get_attr_path  # noqa: F401 - re-exporte
 from te_passes.te import recipes
 from te_passes.te.graph_model import is_te_op_node
 from te_passes.te.graph_constants import TEConstKind, bundle_dict, leaf_values, quantizer_fields  # noqa: F401
+from te_passes.te.graph_constants import is_te_object, mro_names
 from te_passes.te.graph_constants import te_const_kind as const_kind
 
 #: ``call_function`` targets that can be part of a recipe lookup (besides TE's own functions).
@@ -99,19 +101,20 @@ def find_recipe_and_pg_objects(gm: torch.fx.GraphModule) -> list[tuple[str, str,
     return out
 
 
-#: ``class -> answer`` of :func:`_is_recipe_or_pg` for instances (it reads only the class).
-_RECIPE_OR_PG_TYPES: dict[type, bool] = {}
-
-
 def _is_recipe_or_pg(v: Any) -> bool:
     if isinstance(v, _PLAIN_TYPES) or isinstance(v, torch.fx.Node):
         return False
-    ans = None if isinstance(v, type) else _RECIPE_OR_PG_TYPES.get(type(v))
-    if ans is None:
-        ans = recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
-        if not isinstance(v, type):
-            _RECIPE_OR_PG_TYPES[type(v)] = ans
-    return ans
+    if isinstance(v, type):
+        return recipes.is_recipe(v) or recipes.is_recipe_part(v) or recipes.is_process_group(v)
+    return _instances_are_recipe_or_pg(type(v))
+
+
+@functools.lru_cache(maxsize=None)
+def _instances_are_recipe_or_pg(cls: type) -> bool:
+    """Whether instances of ``cls`` are recipes, recipe parts or process groups (the answer reads only the class)."""
+    names = mro_names(cls)
+    # recipes.is_recipe / is_process_group of an instance, recipes.is_recipe_part (which reads the class)
+    return (is_te_object(cls) and "Recipe" in names) or recipes.is_recipe_part(cls) or "ProcessGroup" in names
 
 
 def may_be_te_lookup(target: Any) -> bool:

@@ -5,6 +5,7 @@ See docs/internals.md#te_passestequantizedpy."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any
 
@@ -47,18 +48,18 @@ def _dtype(node: torch.fx.Node) -> torch.dtype | None:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-_TARGET_KIND: dict[int, tuple[Any, str | None]] = {}
-
-
 def _target_kind(target: Any) -> str | None:
-    """``"te"`` for ``transformer_engine_compile`` ops, ``"cast"`` for dtype casts, else None (cached by id)."""
-    hit = _TARGET_KIND.get(id(target))
-    if hit is not None and hit[0] is target:
-        return hit[1]
+    """``"te"`` for ``transformer_engine_compile`` ops, ``"cast"`` for dtype casts, else None (cached per target)."""
+    try:
+        return _hashable_target_kind(target)
+    except TypeError:  # an unhashable call target: not cached
+        return _hashable_target_kind.__wrapped__(target)
+
+
+@functools.lru_cache(maxsize=None)
+def _hashable_target_kind(target: Any) -> str | None:
     name = op_qualname(target) or ""
-    kind = "te" if name.startswith(TE_OP_NAMESPACE + "::") else "cast" if name in _CAST_TARGETS else None
-    _TARGET_KIND[id(target)] = (target, kind)
-    return kind
+    return "te" if name.startswith(TE_OP_NAMESPACE + "::") else "cast" if name in _CAST_TARGETS else None
 
 
 def forward_saved_outputs(node: torch.fx.Node) -> dict[int, torch.fx.Node]:

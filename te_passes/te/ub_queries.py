@@ -21,15 +21,19 @@ _SIGNATURES = {
 }
 
 
-#: Functions recognised by identity as UB queries (the runtime's), ``{id(fn): (fn, name)}``.
-_REGISTERED: dict[int, tuple[Any, str]] = {}
+#: Marker attribute of a runtime function that is a UB query; its value is the query's name. The runtime stamps
+#: its own functions with it (``compat.table.stamp``; ``compat/ub/guard.py`` for ``ub_query``).
+UB_QUERY_ATTR = "_te_passes_ub_query"
 
 
-def register_ub_query_function(fn: Any, name: str) -> None:
-    """Make :func:`ub_query_function` answer ``name`` for ``fn`` (``ValueError`` unless a key of ``_SIGNATURES``)."""
+def ub_query_name(name: str) -> str:
+    """``name``, checked as the name of a UB query a function may be stamped with (:data:`UB_QUERY_ATTR`).
+
+    Raises:
+        ValueError: ``name`` is not one of the known queries (``get_ub_is_fp8``, ``get_ub``, ``ub_query``, ...)."""
     if name not in _SIGNATURES:
         raise ValueError(f"unknown UB query {name!r}; known: {sorted(_SIGNATURES)}")
-    _REGISTERED[id(fn)] = (fn, name)
+    return name
 
 
 class UbQueryNotConstant(Exception):
@@ -44,8 +48,9 @@ def ub_query_function(target: Any) -> str | None:
     mod, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
     if mod == TE_UB_MODULE and name in (*UB_QUERY_FUNCTIONS, "get_ub"):
         return name
-    registered = _REGISTERED.get(id(fn))
-    return registered[1] if registered is not None and registered[0] is fn else None
+    own = getattr(fn, "__dict__", None)  # the function's own stamp, never an attribute lookup on an op
+    stamped = own.get(UB_QUERY_ATTR) if isinstance(own, dict) else None
+    return stamped if stamped in _SIGNATURES else None
 
 
 def bind_ub_query(node: torch.fx.Node, fn_name: str) -> tuple:

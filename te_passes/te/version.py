@@ -9,9 +9,6 @@ import functools
 import importlib
 import importlib.metadata
 import sys
-from typing import Any, Iterable, Mapping, Sequence
-
-from te_passes.te import runtime_reads
 
 #: TE release series (major, minor) whose op layout te_passes decodes.
 SUPPORTED_TE: frozenset[tuple[int, int]] = frozenset({(2, 20)})
@@ -94,39 +91,3 @@ def te_module(name: str, *, import_te: bool = False):
 
         mod = importlib.import_module(name)
     return mod
-
-
-def runtime_state_refusal(families: Iterable[str], v: str | None = None,
-                          impls: Mapping[str, Sequence[Any]] | None = None) -> str | None:
-    """Why compiled calls of these TE op families (``"linear"``, ``"fused_attn"``, ...) cannot be
-    given the user's ``te.autocast`` state on TE ``v`` (default: installed), or ``None``."""
-    v = te_version() if v is None else v
-    if not is_supported(v):
-        return (f"TE {v}: the TE state its impls read at run time is inventoried for TE "
-                f"{', '.join(f'{a}.{b}.x' for a, b in sorted(SUPPORTED_TE))} only (te_passes.te.runtime_reads)")
-    keys = [k for k, r in runtime_reads.IMPLS.items() if r.role == "helper"]
-    impls = impls or {}
-    for fam in sorted(set(families)):
-        if fam in runtime_reads.FAMILY_IMPLS:
-            keys.extend(runtime_reads.FAMILY_IMPLS[fam])
-            continue
-        if fam not in impls:
-            return (f"TE op family {fam!r}: the TE state its impls read at run time is not inventoried "
-                    "(te_passes.te.runtime_reads.FAMILY_IMPLS) and its impls are unknown")
-        for fn in impls[fam]:
-            try:
-                found = runtime_reads.scan_reads(fn)
-            except TypeError as e:
-                return f"TE op family {fam!r}: {e}"
-            if found:
-                return (f"TE op family {fam!r}: its impl {getattr(fn, '__qualname__', fn)} reads TE state "
-                        f"({', '.join(sorted(found))}) and is not inventoried (te_passes.te.runtime_reads)")
-    problems = [p for k in keys for p in _unknown_reads(k)]
-    if problems:
-        return f"TE {v}: its impls read TE state the inventory does not list: " + "; ".join(problems)
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _unknown_reads(key: str) -> tuple[str, ...]:
-    return tuple(runtime_reads.unknown_reads(key))

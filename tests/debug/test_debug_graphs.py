@@ -15,7 +15,7 @@ from te_passes.debug.graph_io import GraphFileError, load_graph, save_graph
 from te_passes.debug.printer import format_graph, node_fields
 from te_passes.te import graph_model as gmod
 from te_passes.te import graph_constants as gconst
-from te_passes.te.fallbacks import classify_graph_break, fallback_reason_from_warning
+from te_passes.compat.te220.fallbacks import classify_graph_break, fallback_reason_from_warning
 
 
 def _te_node(gm):

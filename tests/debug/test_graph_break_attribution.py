@@ -13,7 +13,7 @@ import collections
 import traceback
 
 from te_passes.debug.graph_breaks import CompileEvents, graph_break_entry
-from te_passes.te.fallbacks import classify_graph_break
+from te_passes.compat.te220.fallbacks import classify_graph_break
 
 DPA = "/root/tek/site/transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py"
 Break = collections.namedtuple("Break", "reason user_stack")

@@ -18,7 +18,7 @@ def main(case: str, name: str) -> dict:
     import torch
 
     import te_passes
-    from te_passes.te.capture_state import te_capture_state
+    from te_passes.compat.te220.capture_state import te_capture_state
     from te_passes.testing.gpu import build_stack, copy_params, ensure_te_inductor_backend, rel_err
 
     ensure_te_inductor_backend()

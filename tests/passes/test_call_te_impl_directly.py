@@ -416,7 +416,7 @@ def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
     table.revert(["lowering.direct_call"])
     try:
         with monkeypatch.context() as m:
-            m.setattr(dl, "_FEATURE_ERROR", ["this torch's Inductor lacks X"])
+            m.setattr(dl, "feature_error", lambda: "this torch's Inductor lacks X")
             install()
             assert table.refusal("lowering.direct_call") == "this torch's Inductor lacks X"
             gm, run = _run(te_aot_graphs("fp8-cs", 1), "post_grad_bwd")
@@ -457,7 +457,7 @@ def test_feature_error_reads_no_source(toy, monkeypatch):
     from torch._inductor import graph as G, ir
 
     monkeypatch.setattr(inspect, "getsource", lambda *a, **k: pytest.fail("feature_error read source"))
-    monkeypatch.setattr(dl, "_FEATURE_ERROR", [])
+    monkeypatch.setattr(dl, "feature_error", dl.feature_error.__wrapped__)  # uncached for this test
     assert dl.feature_error() is None
 
     def no_stores(self, *a, **k):
@@ -465,19 +465,16 @@ def test_feature_error_reads_no_source(toy, monkeypatch):
 
     for cls, attr in ((G.GraphLowering, "opaque_value_type_classes"), (ir.FallbackKernel, "unflatten_args")):
         with monkeypatch.context() as m:
-            m.setattr(dl, "_FEATURE_ERROR", [])
             m.setattr(cls, "__init__", no_stores)
             why = dl.feature_error()
             assert why is not None and cls.__name__ in why and attr in why, why
     with monkeypatch.context() as m:
-        m.setattr(dl, "_FEATURE_ERROR", [])
         m.delattr(ir.ExternKernel, "python_kernel_name")
         why = dl.feature_error()
         assert why is not None and "python_kernel_name" in why, why
     with monkeypatch.context() as m:
         from torch._inductor import lowering as L
 
-        m.setattr(dl, "_FEATURE_ERROR", [])
         m.delattr(L, "tag_to_layout_constraint")
         why = dl.feature_error()
         assert why is not None and "tag_to_layout_constraint" in why, why
@@ -488,7 +485,7 @@ def test_feature_error_reads_no_source(toy, monkeypatch):
     table.revert(["lowering.direct_call"])
     try:
         with monkeypatch.context() as m:
-            m.setattr(dl, "_FEATURE_ERROR", ["this torch's Inductor lacks what the direct-call lowering needs (X)"])
+            m.setattr(dl, "feature_error", lambda: "this torch's Inductor lacks what the direct-call lowering needs (X)")
             install()
             assert "lacks" in table.refusal("lowering.direct_call")
             assert "lacks" in dl.lowering_reason(overload(f"{NS}::{toy.OP_NAME}_base"))

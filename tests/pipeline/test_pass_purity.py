@@ -19,6 +19,7 @@ why and registers no Inductor lowering (it used to register it while it ran).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import sys
 import weakref
 
@@ -44,13 +45,9 @@ TE_FUNCTIONS = (("transformer_engine.pytorch.module.base", ("initialize_ub", "de
 
 
 #: Module-level containers passes may fill: memos of pure functions of a class or a source text,
-#: holding no pass result. ``(module, name)``.
+#: holding no pass result. ``(module, name)``. (The memos of ``te/`` and ``ops/constants`` are
+#: ``functools.lru_cache``\ s of pure functions, not module containers.)
 MEMO_CACHES = {
-    ("te_passes.ops.constants", "_LIFTABLE_TYPES"),  # id(class) -> is a liftable TE constant class
-    ("te_passes.te.graph_constants", "_KIND_CACHE"),  # (class, is a class) -> TEConstKind
-    ("te_passes.te.graph_model", "_SLOTS_CACHE"),  # id(schema) -> its slot layout
-    ("te_passes.te.quantized", "_TARGET_KIND"),  # id(op target) -> its quantized-op kind
-    ("te_passes.te.graph_scan", "_RECIPE_OR_PG_TYPES"),  # class -> is a recipe / process group class
     ("te_passes.analyses.alias_rules", "_RULES"),  # id(OpOverload) -> its alias rule (from the schema)
 }
 _CONTAINERS = (dict, list, set, collections.deque, weakref.WeakKeyDictionary, weakref.WeakValueDictionary,
@@ -64,7 +61,11 @@ def _module_containers() -> dict:
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not (mod_name == "te_passes" or mod_name.startswith("te_passes.")):
             continue
-        for name, v in list(vars(mod).items()):
+        values = list(vars(mod).items())
+        for name, v in list(values):  # a module's state object (a dataclass instance): its container fields
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                values += [(f"{name}.{f.name}", getattr(v, f.name)) for f in dataclasses.fields(v)]
+        for name, v in values:
             if not isinstance(v, _CONTAINERS) or (mod_name, name) in MEMO_CACHES:
                 continue
             if isinstance(v, (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)):
@@ -82,11 +83,11 @@ def _process_state() -> dict:
 
     st = ub_guard._STATE
     return {
-        "ub_token": ub_guard.UB_STATE_TOKEN,
+        "ub_token": st.token,
         "ub_generation": st.generation,
         "patch_table": [(s.name, s.active, s.changes, s.reason) for s in table.status()],
         "ub_frame_tokens": dict(st.frame_tokens),
-        "ub_pending_trace_folds": {k: list(v) for k, v in ub_guard._PENDING_TRACE_FOLDS.items()},
+        "ub_pending_trace_folds": {k: list(v) for k, v in st.pending_folds.items()},
         "ub_guard_stats": dict(ub_guard.guard_stats),
         "te_functions": {(m, n): getattr(sys.modules.get(m), n, None) for m, ns in TE_FUNCTIONS for n in ns},
         "fx_repr": {c: c.__dict__.get("__fx_repr__") for c in constants.te_constant_classes()},

@@ -348,7 +348,7 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
     fakes = []
     real_fake = lin._linear_forward_fake
     monkeypatch.setattr(lin, "_linear_forward_fake", lambda args: fakes.append(1) or real_fake(args))
-    monkeypatch.setattr(A, "_PLANS", {})
+    monkeypatch.setattr(A._ARGS, "plans", {})
 
     def state(n):
         return torch.rand(n) + 0.5, torch.rand(16, n)
@@ -359,7 +359,7 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
     def released():
         A.release_call_state()
         return all(spec.quantizer.scale is None and spec.quantizer.amax is None
-                   for _, _, specs in A._PLANS.values() for spec, *_ in specs)
+                   for _, _, specs in A._ARGS.plans.values() for spec, *_ in specs)
 
     def plain(b):
         return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)
@@ -372,17 +372,17 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
         fakes.clear()
         b0 = call(w, x, s0, state(2), flat)
         b0.inputmat._quantizer.set_usage(rowwise=True, columnwise=True)  # as a TE impl might
-        assert A._PLANS and released()
+        assert A._ARGS.plans and released()
         bwd1 = state(2)
         b1 = call(w, x, s1, bwd1, flat)
-        assert len(fakes) == 1 and len(A._PLANS) == 1
+        assert len(fakes) == 1 and len(A._ARGS.plans) == 1
         for saved, i in ((b1.inputmat, 0), (b1.weight_fp8, 1)):
             q = saved._quantizer
             assert q.scale.data_ptr() == s1[0][i:].data_ptr() and q.amax.data_ptr() == s1[1][0][i:].data_ptr()
         assert b1.grad_output_quantizer.scale.data_ptr() == bwd1[0].data_ptr()
         usage = [(t._quantizer.rowwise_usage, t._quantizer.columnwise_usage) for t in (b1.inputmat, b1.weight_fp8)]
         assert released()
-        monkeypatch.setattr(A, "_PLANS", {})
+        monkeypatch.setattr(A._ARGS, "plans", {})
         fresh = call(w, x, s1, bwd1, flat)  # derived again, nothing cached
         assert len(fakes) == 2
         assert usage == [(t._quantizer.rowwise_usage, t._quantizer.columnwise_usage)
@@ -393,7 +393,7 @@ def test_backward_plan_cached_per_geometry_and_repointed_per_call(monkeypatch):
         x2 = torch.randn(16, 64, dtype=torch.bfloat16)  # another geometry: a plan of its own
         flat2 = [torch.zeros(sh, dtype=dt) for sh, dt in A.expected_layout(A.decode(config), w, x2, None, *s0, config)]
         call(w, x2, s0, state(2), flat2)
-        assert len(A._PLANS) == 2 and released()
+        assert len(A._ARGS.plans) == 2 and released()
 
 
 def test_refusal_names_the_reason():

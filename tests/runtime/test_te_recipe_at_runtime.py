@@ -5,7 +5,7 @@ runs (``module/linear.py:611``: ``recipe.fp8_gemm_fprop.use_split_accumulator``;
 ``save_original_input``). Compiled code runs the op after Dynamo traced the ``te.autocast`` away;
 te_inductor sets the state in effect where Dynamo traced the op around the compiled call
 (``te_passes.compat.autocast.recipe_state``). The inventory of such reads is
-``te_passes.te.runtime_reads``.
+``te_passes.compat.te220.runtime_reads``.
 
 How the values are seen (CPU, TE's device checks faked): TE's impls (the ``impl`` in the base
 ops' ``_impl`` closure, which the dispatcher and a direct call both run, and the module globals
@@ -30,7 +30,7 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.te import runtime_reads as RR  # noqa: E402
+from te_passes.compat.te220 import runtime_reads as RR  # noqa: E402
 from te_passes.testing import fake_gpu as FG  # noqa: E402
 
 NS = "transformer_engine_compile"
@@ -275,15 +275,11 @@ def test_installed_te_reads_only_inventoried_state():
 
     for key in RR.IMPLS:
         assert RR.unknown_reads(key) == [], key
-    from te_passes.te.version import runtime_state_refusal
-
-    assert runtime_state_refusal({"linear", "fused_attn"}) is None
+    assert RR.runtime_state_refusal({"linear", "fused_attn"}) is None
 
 
 def test_an_impl_reading_more_state_is_refused(monkeypatch):
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: F401
-
-    import te_passes.te.version as V
 
     def impl(args):  # one more recipe read than TE 2.20.2's _linear_backward_impl
         return FP8GlobalStateManager.get_fp8_recipe()
@@ -292,17 +288,17 @@ def test_an_impl_reading_more_state_is_refused(monkeypatch):
     problems = RR.unknown_reads("linear.backward", impl)
     assert any("FP8GlobalStateManager 1 time(s), the inventory lists 0" in p for p in problems), problems
     assert any("get_ub 0 time(s), the inventory lists 5" in p for p in problems), problems
-    V._unknown_reads.cache_clear()
+    RR._unknown_reads.cache_clear()
     monkeypatch.setattr(RR, "unknown_reads", lambda key, fn=None: problems if key == "linear.backward" else [])
-    reason = V.runtime_state_refusal({"linear"})
-    V._unknown_reads.cache_clear()
+    reason = RR.runtime_state_refusal({"linear"})
+    RR._unknown_reads.cache_clear()
     assert reason is not None and "inventory does not list" in reason and "FP8GlobalStateManager" in reason
-    assert "not inventoried" in V.runtime_state_refusal({"layernorm_linear"})
+    assert "not inventoried" in RR.runtime_state_refusal({"layernorm_linear"})
     # a family without an inventory: its impls are scanned; any TE state read refuses it
-    assert V.runtime_state_refusal({"toy"}, impls={"toy": [lambda a: a]}) is None
-    reason = V.runtime_state_refusal({"toy"}, impls={"toy": [impl]})
+    assert RR.runtime_state_refusal({"toy"}, impls={"toy": [lambda a: a]}) is None
+    reason = RR.runtime_state_refusal({"toy"}, impls={"toy": [impl]})
     assert "reads TE state (FP8GlobalStateManager)" in reason and "not inventoried" in reason
-    assert "2.20.x only" in V.runtime_state_refusal({"linear"}, v="2.21.0")
+    assert "2.20.x only" in RR.runtime_state_refusal({"linear"}, v="2.21.0")
 
 
 def test_design_doc_lists_every_read():

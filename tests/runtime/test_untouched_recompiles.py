@@ -208,7 +208,7 @@ def test_sliding_window_reaches_the_op_with_te_s_window():
 
 
 def test_window_rules():
-    from te_passes.te.untouched_rules import FUSED_OP_PATH, window_problem
+    from te_passes.compat.te220.untouched_rules import FUSED_OP_PATH, window_problem
 
     assert window_problem(None, "causal", "SDPA") is None and window_problem((-1, 0), "causal", "SDPA") is None
     assert "SDPA path" in window_problem((4, 0), "causal", "SDPA")

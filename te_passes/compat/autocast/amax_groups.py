@@ -4,6 +4,7 @@ See docs/internals.md#te_passescompatautocastamax_groupspy."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import sys
@@ -13,7 +14,7 @@ from typing import Any, Callable, Iterable
 from te_passes._logging import get_logger
 from te_passes.compat import table
 from te_passes.compat.autocast.quantizer_usage import (  # noqa: F401 - AUDITED_USAGE_CALLS: re-exported
-    USAGE_IN_FLIGHT, WEIGHT_FIELD, AUDITED_USAGE_CALLS, PER_CALL_USAGE_FIELDS, impl_code, usage_targets,
+    WEIGHT_FIELD, AUDITED_USAGE_CALLS, PER_CALL_USAGE_FIELDS, impl_code, usage_targets,
     usage_unsafe_reason)
 from te_passes.te.version import te_module
 
@@ -39,50 +40,57 @@ LINEAR_QUANTIZER_SLOTS: tuple[tuple[str, str, str], ...] = (
 
 #: The patch-table row that wraps the impls (:mod:`te_passes.compat.autocast.rows`).
 ROW = "autocast.linear_impls"
-#: Process totals: groups the install-time sweep released (``released_at_install``), groups released after
-#: wrapped impl calls (``released_after_calls``), quantizers whose usage flags a call's end put back
-#: (``usage_restored_after_calls``).
-stats: dict[str, int] = {"released_at_install": 0, "released_after_calls": 0, "usage_restored_after_calls": 0}
 #: Marker on the wrappers (our own functions): the usage-flag fields they restore, and why none (or ``None``).
 USAGE_FIELDS_ATTR = "_te_passes_usage_fields"
 USAGE_REFUSED_ATTR = "_te_passes_usage_refused"
 
 
-#: Guards :data:`_IN_FLIGHT` and every release of a per-call group (wrappers and sweep).
+#: Guards :data:`_CALLS` and every release of a per-call group (wrappers and sweep).
 _CALLS_LOCK = threading.Lock()
-#: ``id(quantizer TE's setter writes to)`` -> ``[wrapped impl calls now running with it (all threads),
-#: its amax_reduction_group before the first of them began]``. Only the *last* running call puts back
-#: what was there before: overlapping calls (nested, or a backward on the autograd thread) rely on the
-#: group staying set until they have quantized, and a group set before the call is never dropped.
-_IN_FLIGHT: dict[int, list] = {}
-_UNSET = object()
-_PG_TYPE: Any = _UNSET   # torch.distributed.ProcessGroup, or None without torch.distributed
-_SETTER: Any = None      # TE's set_quantizer_amax_reduction_group, once imported
 
 
+@dataclasses.dataclass
+class _CallState:
+    """The process state of the wrapped impl calls (changed under ``_CALLS_LOCK``).
+
+    ``groups``: ``id(quantizer TE's setter writes to)`` -> ``[wrapped impl calls now running with it (all
+    threads), its amax_reduction_group before the first of them began]``. Only the *last* running call puts
+    back what was there before: overlapping calls (nested, or a backward on the autograd thread) rely on the
+    group staying set until they have quantized, and a group set before the call is never dropped.
+    ``usage``: the same for ``id(quantizer TE's set_usage writes to)`` and its ``(rowwise_usage,
+    columnwise_usage)``. ``stats``: process totals: groups the install-time sweep released
+    (``released_at_install``), groups released after wrapped impl calls (``released_after_calls``),
+    quantizers whose usage flags a call's end put back (``usage_restored_after_calls``)."""
+
+    groups: dict[int, list] = dataclasses.field(default_factory=dict)
+    usage: dict[int, list] = dataclasses.field(default_factory=dict)
+    stats: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(
+        ("released_at_install", "released_after_calls", "usage_restored_after_calls"), 0))
+
+
+_CALLS = _CallState()
+
+
+@functools.lru_cache(maxsize=None)  # this runs for every quantizer of every wrapped eager call
 def _dist_group_type() -> type | None:
-    global _PG_TYPE  # cached: this runs for every quantizer of every wrapped eager call
-    if _PG_TYPE is _UNSET:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch without distributed
-            dist = None
-        if dist is None or not dist.is_available():
-            _PG_TYPE = None
-        else:
-            from torch._C._distributed_c10d import ProcessGroup
+    """``torch.distributed.ProcessGroup``, or ``None`` without torch.distributed."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        dist = None
+    if dist is None or not dist.is_available():
+        return None
+    from torch._C._distributed_c10d import ProcessGroup
 
-            _PG_TYPE = ProcessGroup
-    return _PG_TYPE
+    return ProcessGroup
 
 
+@functools.lru_cache(maxsize=None)
 def _setter() -> Callable:
-    global _SETTER
-    if _SETTER is None:
-        from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
+    """TE's ``set_quantizer_amax_reduction_group``, imported once."""
+    from transformer_engine.pytorch.module._common import set_quantizer_amax_reduction_group
 
-        _SETTER = set_quantizer_amax_reduction_group
-    return _SETTER
+    return set_quantizer_amax_reduction_group
 
 
 def _group_key(quantizer: Any) -> int:
@@ -131,7 +139,7 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
                weight_field: str | None = None) -> Callable:
     """``orig`` (a TE impl taking the args dataclass first) that, when the last call running on a quantizer
     in ``fields`` ends, gives it back the amax-reduction group it had before the first of those calls
-    (:data:`_IN_FLIGHT`), and each quantizer in ``usage_fields`` its usage flags (:data:`USAGE_IN_FLIGHT`)."""
+    (``_CALLS.groups``), and each quantizer in ``usage_fields`` its usage flags (``_CALLS.usage``)."""
     @functools.wraps(orig)
     def impl(args, *rest, **kwargs):
         held = None  # [(quantizer, object TE's setter writes to)]; kept lean: runs per eager call
@@ -145,9 +153,9 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
             return orig(args, *rest, **kwargs)
         with _CALLS_LOCK:
             for _, t in held or ():  # [count, value before the first running call]
-                _IN_FLIGHT.setdefault(id(t), [0, getattr(t, "amax_reduction_group", None)])[0] += 1
+                _CALLS.groups.setdefault(id(t), [0, getattr(t, "amax_reduction_group", None)])[0] += 1
             for t in usage or ():
-                USAGE_IN_FLIGHT.setdefault(id(t), [0, (getattr(t, "rowwise_usage", None),
+                _CALLS.usage.setdefault(id(t), [0, (getattr(t, "rowwise_usage", None),
                                                        getattr(t, "columnwise_usage", None))])[0] += 1
         try:
             return orig(args, *rest, **kwargs)
@@ -155,28 +163,28 @@ def _wrap_impl(orig: Callable, fields: tuple[str, ...], usage_fields: tuple[str,
             with _CALLS_LOCK:  # restored under the lock: no call can start (and set it) meanwhile
                 last, last_usage = [], []
                 for q, t in held or ():  # every count first, so a failing restore cannot leak one
-                    entry = _IN_FLIGHT[id(t)]
+                    entry = _CALLS.groups[id(t)]
                     entry[0] -= 1
                     if not entry[0]:
-                        del _IN_FLIGHT[id(t)]
+                        del _CALLS.groups[id(t)]
                         last.append((q, t, entry[1]))
                 for t in usage or ():
-                    entry = USAGE_IN_FLIGHT[id(t)]
+                    entry = _CALLS.usage[id(t)]
                     entry[0] -= 1
                     if not entry[0]:
-                        del USAGE_IN_FLIGHT[id(t)]
+                        del _CALLS.usage[id(t)]
                         last_usage.append((t, entry[1]))
                 for q, t, before in last:
                     if before is None:
                         if release_group(q):
-                            stats["released_after_calls"] += 1
+                            _CALLS.stats["released_after_calls"] += 1
                     elif getattr(t, "amax_reduction_group", None) is not before:
                         _setter()(q, before)
                 for t, (row, col) in last_usage:
                     if (row is not None and col is not None
                             and (t.rowwise_usage, t.columnwise_usage) != (row, col)):
                         t.set_usage(rowwise=row, columnwise=col)  # TE's Quantizer.set_usage
-                        stats["usage_restored_after_calls"] += 1
+                        _CALLS.stats["usage_restored_after_calls"] += 1
 
     impl._te_passes_amax_hook = True  # type: ignore[attr-defined]  # our own function (quantizer_usage.impl_code)
     impl._te_passes_usage_fields = usage_fields  # type: ignore[attr-defined]  # USAGE_FIELDS_ATTR
@@ -220,7 +228,7 @@ def sweep_live_linear_modules(modules: Iterable[Any] | None = None) -> int:
     released = 0
     with _CALLS_LOCK:  # skip quantizers a wrapped call (another thread) is running with
         for q in linear_quantizers_with_groups(modules):
-            if _group_key(q) not in _IN_FLIGHT:
+            if _group_key(q) not in _CALLS.groups:
                 released += release_group(q)
     return released
 
@@ -256,11 +264,11 @@ def linear_impl_changes() -> list[table.Rebind]:
 
 def release_at_install() -> None:
     """Row ``autocast.linear_impls``' after-install step: :func:`sweep_live_linear_modules` (count in
-    :data:`stats` ``["released_at_install"]``, logged)."""
-    stats["released_at_install"] = sweep_live_linear_modules()
-    if stats["released_at_install"]:
+    ``_CALLS.stats["released_at_install"]``, logged)."""
+    _CALLS.stats["released_at_install"] = sweep_live_linear_modules()
+    if _CALLS.stats["released_at_install"]:
         log.info("te_passes: released %d amax-reduction group(s) left on te.Linear quantizers by "
-                 "earlier eager steps", stats["released_at_install"])
+                 "earlier eager steps", _CALLS.stats["released_at_install"])
 
 
 def _live_impls() -> list[Any]:
@@ -281,7 +289,7 @@ def usage_restore_installed() -> bool:
 
 
 def hook_stats() -> dict[str, Any]:
-    """:data:`stats` with ``"installed"`` (row ``autocast.linear_impls`` active), ``"refused"``
-    (``table.refusal``) and ``"usage_refused"`` (:func:`usage_refused_reason`): process totals."""
-    return {"installed": table.is_active(ROW), "refused": table.refusal(ROW), **stats,
+    """The process totals (:class:`_CallState` ``stats``) with ``"installed"`` (row ``autocast.linear_impls``
+    active), ``"refused"`` (``table.refusal``) and ``"usage_refused"`` (:func:`usage_refused_reason`)."""
+    return {"installed": table.is_active(ROW), "refused": table.refusal(ROW), **_CALLS.stats,
             "usage_refused": usage_refused_reason()}

@@ -6,6 +6,7 @@ See docs/internals.md#te_passescompatautocastquantizer_usagepy."""
 from __future__ import annotations
 
 import dis
+import functools
 from typing import Any, Iterable
 
 #: impl function name -> the args-dataclass fields whose quantizer's usage flags the impl writes
@@ -28,12 +29,6 @@ AUDITED_USAGE_CALLS: dict[str, dict[str, tuple[int, ...]]] = {
         "set_quantizer_usage_for_wgrad_all_gather": (1321, 1494),
     },
 }
-
-#: ``id(quantizer TE's set_usage writes to)`` -> ``[wrapped calls now running with it, its (rowwise_usage,
-#: columnwise_usage) before the first of them began]``: amax_groups' ``_IN_FLIGHT`` rule and lock.
-USAGE_IN_FLIGHT: dict[int, list] = {}
-_UNSET = object()
-
 
 def impl_code(linear_module: Any, name: str) -> Any:
     fn = getattr(linear_module, name, None)
@@ -100,15 +95,11 @@ def _weight_not_plain(args: Any, weight_field: str) -> bool:
     return storage is not None and isinstance(w, storage)
 
 
-_STORAGE_TYPE: Any = _UNSET
-
-
+@functools.lru_cache(maxsize=None)
 def _quantized_storage_type() -> type | None:
-    global _STORAGE_TYPE
-    if _STORAGE_TYPE is _UNSET:
-        try:
-            from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
-        except ImportError:  # pragma: no cover - TE layout changed; then nothing is restored
-            QuantizedTensorStorage = None  # noqa: N806
-        _STORAGE_TYPE = QuantizedTensorStorage
-    return _STORAGE_TYPE
+    """TE's ``QuantizedTensorStorage``, imported once (``None`` where TE's layout changed: then nothing is restored)."""
+    try:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
+    except ImportError:  # pragma: no cover - TE layout changed
+        return None
+    return QuantizedTensorStorage

@@ -14,8 +14,7 @@ from te_passes.compat import table
 from te_passes.fx.graph import op_qualname
 from te_passes.te.graph_model import TE_OP_NAMESPACE, UnknownTEOp, decode
 from te_passes.ops.te_base import DirectCallUnavailable, resolve_base_impl
-from te_passes.te.runtime_reads import AUTOCAST_FIELDS, FAMILY_IMPLS
-from te_passes.te.version import runtime_state_refusal
+from te_passes.compat.te220.runtime_reads import AUTOCAST_FIELDS, FAMILY_IMPLS, runtime_state_refusal
 
 log = get_logger()
 
@@ -45,7 +44,7 @@ class TracedAutocast:
     guard: str | None = None
 
     def values(self) -> tuple:
-        """The four fields, in :data:`te_passes.te.runtime_reads.AUTOCAST_FIELDS` order."""
+        """The four fields, in :data:`te_passes.compat.te220.runtime_reads.AUTOCAST_FIELDS` order."""
         return tuple(getattr(self, f) for f in AUTOCAST_FIELDS)
 
     def same(self, other: "TracedAutocast") -> bool:
@@ -254,11 +253,11 @@ def te_op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def reads_autocast(node: torch.fx.Node) -> bool:
     """Whether the TE op ``node`` calls an impl that uses an autocast-delivered read
-    (:func:`te_passes.te.runtime_reads.autocast_reads`): every one of them is used only when the
+    (:func:`te_passes.compat.te220.runtime_reads.autocast_reads`): every one of them is used only when the
     op runs quantized (linear.py:414/568/611 and backends.py:1606 sit under ``fp8`` or need a
     quantizer), so ``config["fp8"]`` (the args bundle, :func:`te_passes.te.graph_model.decode`)
     decides; a node that cannot be decoded counts as reading it. A family with no inventory
-    (:data:`~te_passes.te.runtime_reads.FAMILY_IMPLS`) reads none: :func:`autocast_for_graph`
+    (:data:`~te_passes.compat.te220.runtime_reads.FAMILY_IMPLS`) reads none: :func:`autocast_for_graph`
     refuses it first when its impls read any TE state (bytecode scan)."""
     if family_of(op_qualname(node.target) or "") not in FAMILY_IMPLS:
         return False
@@ -337,7 +336,7 @@ def family_of(qualname: str) -> str:
 
 def autocast_for_graph(gm: torch.fx.GraphModule) -> TracedAutocast | None:
     """:func:`graph_autocast` of ``gm`` after checking that the installed TE's impls read only inventoried
-    state (:func:`te_passes.te.version.runtime_state_refusal`); ``None`` when the graph calls no TE op.
+    state (:func:`te_passes.compat.te220.runtime_reads.runtime_state_refusal`); ``None`` when the graph calls no TE op.
 
     Raises:
         RecipeStateError: the refusal's reason, or :func:`graph_autocast`'s.

@@ -5,6 +5,7 @@ See docs/internals.md#te_passescompatdelayed_scalinglinearpy and docs/design.md 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -126,27 +127,35 @@ def _layout(fake_result: tuple) -> list[tuple]:
     return out
 
 
-_LAYOUTS: dict = {}
+@dataclasses.dataclass
+class _ArgsState:
+    """The process caches of this module: ``layouts``, the fake's payload layout per ``(config, input shape,
+    weight shape, no bias)`` (:func:`expected_layout`); ``plans``, the backward's output plan per forward call
+    geometry: ``key -> (plan, usage of the input / weight quantizers after TE's fake forward, (spec, fwd
+    quantizer index, rowwise, columnwise) per quantized spec)`` (:func:`_output_plan`); ``in_use``, the cached
+    specs the running backward call re-pointed (under :data:`PLAN_LOCK`, until :func:`release_call_state`)."""
+
+    layouts: dict = dataclasses.field(default_factory=dict)
+    plans: dict = dataclasses.field(default_factory=dict)
+    in_use: list = dataclasses.field(default_factory=list)
+
+
+_ARGS = _ArgsState()
 
 
 def expected_layout(cfg: dict, weight, inp, bias, scale, history, config: str) -> list[tuple]:
     """The fake's payload layout for this call (cached per config and shapes), from quantizers
     of its own, built before the real impl changes any usage flag."""
     key = (config, tuple(inp.shape), tuple(weight.shape), bias is None)
-    want = _LAYOUTS.get(key)
+    want = _ARGS.layouts.get(key)
     if want is None:
         args = fwd_args(cfg, weight, inp, bias, scale, history.clone(), None, None)
-        want = _LAYOUTS[key] = _layout(fake_forward(args))
+        want = _ARGS.layouts[key] = _layout(fake_forward(args))
     return want
 
 
-#: The backward's output plan per forward call geometry: ``key -> (plan, usage of the input / weight
-#: quantizers after TE's fake forward, (spec, fwd quantizer index, rowwise, columnwise) per quantized spec)``.
-_PLANS: dict = {}
 #: Held from the re-pointing of a cached plan to :func:`release_call_state` (a backward call).
 PLAN_LOCK = threading.RLock()
-#: The cached specs the running backward call re-pointed (under :data:`PLAN_LOCK`).
-_IN_USE: list = []
 
 
 def _plan_key(config: str, weight, inp, bias) -> tuple:
@@ -165,7 +174,7 @@ def _output_plan(args: Any, key: tuple) -> Any:
     scale / amax with the usage it had. ``key`` ``None`` (fake tensors, symbolic shapes): not
     cached. Called under :data:`PLAN_LOCK`."""
     qs = (args.input_quantizer, args.weight_quantizer)
-    entry = _PLANS.get(key) if key is not None else None
+    entry = _ARGS.plans.get(key) if key is not None else None
     if entry is None:
         plan = te_custom_op()._OutputPlan.parse(fake_forward(args))
         specs = []
@@ -179,14 +188,14 @@ def _output_plan(args: Any, key: tuple) -> Any:
             specs.append((spec, i, sq.rowwise_usage, sq.columnwise_usage))
         if key is None:  # fake tensors (tracing, symbolic shapes): never cached
             return plan
-        _PLANS[key] = (plan, tuple((q.rowwise_usage, q.columnwise_usage) for q in qs), tuple(specs))
-        _IN_USE.extend(s[0] for s in specs)
+        _ARGS.plans[key] = (plan, tuple((q.rowwise_usage, q.columnwise_usage) for q in qs), tuple(specs))
+        _ARGS.in_use.extend(s[0] for s in specs)
         return plan
     plan, usage, specs = entry
     for q, (row, col) in zip(qs, usage):
         q.rowwise_usage, q.columnwise_usage = row, col
     for spec, i, row, col in specs:
-        _IN_USE.append(spec)  # first: released even if the re-pointing stopped half-way
+        _ARGS.in_use.append(spec)  # first: released even if the re-pointing stopped half-way
         sq = spec.quantizer
         sq.scale, sq.amax, sq.rowwise_usage, sq.columnwise_usage = qs[i].scale, qs[i].amax, row, col
     return plan
@@ -199,10 +208,10 @@ def release_call_state() -> None:
     graph's pool (``Detected 1 tensor(s) in the cudagraph pool not tracked as outputs``, H200
     2026-12-03). Called under :data:`PLAN_LOCK` after TE's backward impl."""
     try:
-        for spec in _IN_USE:
+        for spec in _ARGS.in_use:
             spec.quantizer.scale = spec.quantizer.amax = None
     finally:
-        _IN_USE.clear()
+        _ARGS.in_use.clear()
 
 
 def bwd_args(grad_output, weight, inp, bias, scale_f, hist_f, scale_b, hist_b, fwd_flat, config, fake):

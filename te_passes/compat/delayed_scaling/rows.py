@@ -3,7 +3,7 @@
 The in-graph scale update (``scaling``: ``reduce_and_update``, ``check_recipe_support``) and te.Linear's op pair
 (``linear``: the other four; all six or none — they share their preconditions, :func:`_linear_parts`). Every plan
 waits (``"pending: ..."``, retried at the next install) while TE's module is not imported yet, and refuses a TE
-whose delayed-scaling layout was not checked (``te.delayed_scaling.layout_unchecked_reason``).
+whose delayed-scaling layout was not checked (``compat.te220.delayed_scaling.layout_unchecked_reason``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from te_passes.compat.delayed_scaling import linear, scaling
 from te_passes.compat.delayed_scaling.state import make_quantizers_tagged
 from te_passes.compat.table import Change, Rebind, Refused, Row, Substitute
-from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, layout_unchecked_reason
+from te_passes.compat.te220.delayed_scaling import TE_QUANTIZATION_MODULE, layout_unchecked_reason
 from te_passes.te.version import te_module
 
 _TE = "==2.20.*"

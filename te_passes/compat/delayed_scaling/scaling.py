@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from te_passes.compat.gate import te_inductor_tracing  # noqa: F401  (the one frame gate; re-exported)
-from te_passes.te.delayed_scaling import (
+from te_passes.compat.te220.delayed_scaling import (
     TE_QUANTIZATION_MODULE, module_delayed_state, unfused_requested, update_refused_reason)
 from te_passes.te.version import te_module
 
@@ -81,7 +81,7 @@ def reduce_and_update_in_graph(manager: Any, forward: bool) -> None:
 
 
 def _all_updates_compile(manager: Any, forward: bool) -> str | None:
-    """The refusal (:func:`te_passes.te.delayed_scaling.update_refused_reason`) of the first
+    """The refusal (:func:`te_passes.compat.te220.delayed_scaling.update_refused_reason`) of the first
     recipe with state of this direction whose update cannot go into a graph, or ``None``."""
     qstate = manager.quantization_state
     for buffer_key, amax_buffer in qstate.global_amax_buffer.items():

@@ -10,8 +10,8 @@ import torch
 
 from te_passes.compat import table
 from te_passes.compat.delayed_scaling import scaling as delayed_scaling
-from te_passes.te.delayed_scaling import TE_QUANTIZATION_MODULE, module_delayed_state
-from te_passes.te.module_init import forward_prepare_args
+from te_passes.compat.te220.delayed_scaling import TE_QUANTIZATION_MODULE, module_delayed_state
+from te_passes.compat.te220.module_init import forward_prepare_args
 from te_passes.te.version import te_module
 
 

@@ -13,6 +13,7 @@ row ``dynamo.keep_callbacks`` registers these two again after each clear.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -23,14 +24,24 @@ from te_passes._logging import get_logger
 from te_passes.compat import gate, table
 from te_passes.compat.untouched.state import on_compile_start as untouched_compile_start
 from te_passes.config import TePassesOptionError
-from te_passes.te.capture_state import te_capture_state
+from te_passes.compat.te220.capture_state import te_capture_state
 
 log = get_logger()
 _LOCK = threading.Lock()
-#: The restore function of the toggles set for the te_inductor compile in progress, and whether the
-#: capture-state warning was given in the current capture episode.
-_SCOPE: dict[str, Any] = {"restore": None, "capture_warned": False}
-_STEP = threading.local()  # .depth: compile_step steps running in this thread
+
+
+@dataclasses.dataclass
+class _CallbackState:
+    """``restore``: the restore function of the toggles set for the te_inductor compile in progress (under
+    ``_LOCK``); ``capture_warned``: whether the capture-state warning was given in the current capture
+    episode; ``step.depth``: ``compile_step`` steps running in this thread (a ``threading.local``)."""
+
+    restore: Callable[[], Any] | None = None
+    capture_warned: bool = False
+    step: threading.local = dataclasses.field(default_factory=threading.local)
+
+
+_SCOPE = _CallbackState()
 
 
 def warn_capture_state(where: str) -> bool:
@@ -61,26 +72,26 @@ def is_te_inductor(compiler_fn: Any) -> bool:
 def step_scope() -> Iterator[None]:
     """Frames Dynamo compiles in this thread inside the ``with`` block get the ``"step"`` toggles of the patch
     table (``te_passes.compile_step`` runs each step in one)."""
-    _STEP.depth = getattr(_STEP, "depth", 0) + 1
+    _SCOPE.step.depth = getattr(_SCOPE.step, "depth", 0) + 1
     try:
         yield
     finally:
-        _STEP.depth -= 1
+        _SCOPE.step.depth -= 1
 
 
 def on_compile_start(args: Any = None) -> None:
     """Dynamo start callback (every compile, any backend); see the module docstring. Never raises for a
     frame that is not te_inductor's."""
     if not te_capture_state():
-        _SCOPE["capture_warned"] = False
-    elif not _SCOPE["capture_warned"]:
-        _SCOPE["capture_warned"] = warn_capture_state("the start of a Dynamo compile")
+        _SCOPE.capture_warned = False
+    elif not _SCOPE.capture_warned:
+        _SCOPE.capture_warned = warn_capture_state("the start of a Dynamo compile")
     ours = is_te_inductor(gate.tracing_backend())
-    scopes = (["te_inductor"] if ours else []) + (["step"] if getattr(_STEP, "depth", 0) else [])
+    scopes = (["te_inductor"] if ours else []) + (["step"] if getattr(_SCOPE.step, "depth", 0) else [])
     with _LOCK:
-        if _SCOPE["restore"] is None and scopes:
+        if _SCOPE.restore is None and scopes:
             restores = [table.apply_toggles(sc) for sc in scopes]
-            _SCOPE["restore"] = lambda: [r() for r in reversed(restores)]
+            _SCOPE.restore = lambda: [r() for r in reversed(restores)]
     if not ours:
         return
     table.sweep()  # TE objects defined since the last install
@@ -90,7 +101,7 @@ def on_compile_start(args: Any = None) -> None:
 def on_compile_end(_args: Any = None) -> None:
     """Dynamo end callback: put back the Dynamo config values :func:`on_compile_start` changed."""
     with _LOCK:
-        restore, _SCOPE["restore"] = _SCOPE["restore"], None
+        restore, _SCOPE.restore = _SCOPE.restore, None
     if restore is not None:
         restore()
 

@@ -13,10 +13,9 @@ from typing import Any, Callable
 import torch
 
 from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot
-from te_passes.te.ub_queries import register_ub_query_function
+from te_passes.compat import table
+from te_passes.te.ub_queries import UB_QUERY_ATTR, ub_query_name
 
-#: The UB state token Dynamo guards on (``"ub-<fingerprint[:16]>"``); renewed on every UB change.
-UB_STATE_TOKEN: str = "ub-unset"
 
 
 class UbStateChanged(RuntimeError):
@@ -28,19 +27,28 @@ class UbStateChanged(RuntimeError):
 # --------------------------------------------------------------------------- global UB state
 @dataclasses.dataclass(slots=True)
 class _UbGlobalState:
+    """The process's UB state: the generation, the live snapshot (``None``: capture again), the registry key
+    it was taken at, the frame tokens, the trace-time folds pending, ``token`` (the UB state token Dynamo
+    guards on, ``"ub-<fingerprint[:16]>"``, renewed on every UB change: traced code reads ``_STATE.token``) and
+    ``stats`` (the guard counters, :data:`guard_stats`)."""
+
     generation: int = 0
     snapshot: UbSnapshot | None = None
     registry_key: tuple | None = None
     frame_tokens: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: Folds made while Dynamo traced, keyed by ``str(CompileId)`` of the trace (:func:`drain_trace_folds`).
+    pending_folds: dict[str, list["UbFold"]] = dataclasses.field(default_factory=dict)
+    token: str = "ub-unset"
+    stats: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(
+        ("generation_changes", "slow_checks", "kept", "recompiles", "errors"), 0))
 
 
 _STATE = _UbGlobalState()
 _LOCK = threading.RLock()
 
-#: Counters: ``generation_changes``, ``slow_checks`` (generation mismatches examined),
-#: ``kept`` (change did not affect the graph), ``recompiles``, ``errors``.
-guard_stats: dict[str, int] = {"generation_changes": 0, "slow_checks": 0, "kept": 0,
-                               "recompiles": 0, "errors": 0}
+#: Counters (the state's ``stats``, by its public name): ``generation_changes``, ``slow_checks`` (generation
+#: mismatches examined), ``kept`` (change did not affect the graph), ``recompiles``, ``errors``.
+guard_stats: dict[str, int] = _STATE.stats
 
 
 def _registry_key() -> tuple | None:
@@ -54,11 +62,10 @@ def _registry_key() -> tuple | None:
 
 
 def _capture_locked() -> UbSnapshot:
-    """Capture the live UB state and renew :data:`UB_STATE_TOKEN` (``_LOCK`` held)."""
-    global UB_STATE_TOKEN
+    """Capture the live UB state and renew the UB state token (``_LOCK`` held)."""
     _STATE.registry_key = _registry_key()
     snap = _STATE.snapshot = UbSnapshot.capture()
-    UB_STATE_TOKEN = "ub-" + snap.fingerprint()[:16]
+    _STATE.token = "ub-" + snap.fingerprint()[:16]
     return snap
 
 
@@ -72,7 +79,7 @@ def live_snapshot() -> UbSnapshot:
 
 
 def recapture() -> UbSnapshot:
-    """Capture the live UB state again and renew :data:`UB_STATE_TOKEN`, without bumping the generation (the
+    """Capture the live UB state again and renew the UB state token, without bumping the generation (the
     ``ub.*`` patch-table rows run it once they are in: the state may have changed while they were not)."""
     with _LOCK:
         _STATE.snapshot = None
@@ -99,15 +106,16 @@ def on_ub_state_changed() -> None:
     with _LOCK:
         _STATE.generation += 1
         _STATE.snapshot = None
-        guard_stats["generation_changes"] += 1
+        _STATE.stats["generation_changes"] += 1
         _capture_locked()
 
 
 @torch.compiler.assume_constant_result
 def sync_ub_state() -> bool:
     """Re-capture when TE's registry was replaced or resized behind te_passes' back (``module/base.py``'s
-    ``_ub_communicators`` assigned directly). Called while Dynamo traces, *before* :data:`UB_STATE_TOKEN`
-    is read, so the guard is installed on the current token. Returns ``True`` (a trace-time constant)."""
+    ``_ub_communicators`` assigned directly). Called while Dynamo traces, *before* the UB state token
+    (``_STATE.token``) is read, so the guard is installed on the current token. Returns ``True`` (a trace-time
+    constant)."""
     if _STATE.snapshot is None or _registry_key() != _STATE.registry_key:
         on_ub_state_changed()
     return True
@@ -125,10 +133,6 @@ class UbFold:
     value: Any
     node: str | None = None
     source: str = "fx"
-
-
-#: Folds made while Dynamo traced, keyed by ``str(CompileId)`` of the trace.
-_PENDING_TRACE_FOLDS: dict[str, list[UbFold]] = {}
 
 
 def _compile_key() -> str:
@@ -150,7 +154,7 @@ def _trace_time_query(token: str, api: str, name: str, use_fp8: bool) -> Any:
         on_ub_state_changed()
     fold = UbFold(api, (name, bool(use_fp8)), value, None, "dynamo_trace")
     with _LOCK:
-        pending = _PENDING_TRACE_FOLDS.setdefault(_compile_key(), [])
+        pending = _STATE.pending_folds.setdefault(_compile_key(), [])
         if fold not in pending:
             pending.append(fold)
     return value
@@ -173,8 +177,8 @@ def drain_trace_folds() -> list[UbFold]:
     ``CompileId``); folds left over from other traces (a backend that never ran passes) are
     dropped."""
     with _LOCK:
-        out = _PENDING_TRACE_FOLDS.pop(_compile_key(), [])
-        _PENDING_TRACE_FOLDS.clear()
+        out = _STATE.pending_folds.pop(_compile_key(), [])
+        _STATE.pending_folds.clear()
     return list(out)
 
 
@@ -187,19 +191,19 @@ def dynamo_stage_inputs() -> dict[str, Any]:
         from torch._guards import CompileContext  # noqa: PLC0415 - torch._guards: only while compiling
 
         compile_id = CompileContext.current_compile_id()
-        old = note_frame_token(compile_id, UB_STATE_TOKEN)
-        prev = (compile_id, old, UB_STATE_TOKEN) if old is not None else None
+        old = note_frame_token(compile_id, _STATE.token)
+        prev = (compile_id, old, _STATE.token) if old is not None else None
     return {"ub_trace_folds": folds, "ub_prev_token": prev}
 
 
 def guarded_get_ub_is_fp8(orig: Callable) -> Callable:
     """The drop-in for TE's ``module/base.py`` ``get_ub_is_fp8(name: str, use_fp8: bool) -> bool`` (``orig``) that
     row ``ub.get_ub_is_fp8`` (:mod:`te_passes.compat.ub.rows`) binds: while Dynamo traces, the value comes from the
-    UB snapshot through :func:`_trace_time_query` (a constant guarded by :data:`UB_STATE_TOKEN`); otherwise
-    ``orig(name, use_fp8)``, raising what it raises."""
+    UB snapshot through :func:`_trace_time_query` (a constant guarded by the UB state token, ``_STATE.token``);
+    otherwise ``orig(name, use_fp8)``, raising what it raises."""
     def get_ub_is_fp8(name: str, use_fp8: bool) -> bool:
         if torch.compiler.is_compiling() and sync_ub_state():
-            return _trace_time_query(UB_STATE_TOKEN, "get_ub_is_fp8", name, use_fp8)
+            return _trace_time_query(_STATE.token, "get_ub_is_fp8", name, use_fp8)
         return orig(name, use_fp8)
 
     get_ub_is_fp8.__doc__ = guarded_get_ub_is_fp8.__doc__
@@ -212,13 +216,14 @@ def ub_query(name: str, use_fp8: bool, method: str = "is_fp8_ubuf") -> Any:
     """``get_ub(name, use_fp8).<method>()`` (``method``: one of :data:`te_passes.te.ub.UB_PREDICATE_METHODS`)
     that Dynamo folds to a guarded constant, for user code (the pybind call is a graph break)."""
     if torch.compiler.is_compiling() and sync_ub_state():
-        return _trace_time_query(UB_STATE_TOKEN, f"get_ub.{method}", name, use_fp8)
+        return _trace_time_query(_STATE.token, f"get_ub.{method}", name, use_fp8)
     from transformer_engine.pytorch.module import base
 
     return getattr(base.get_ub(name, use_fp8), method)()
 
 
-register_ub_query_function(ub_query, "ub_query")
+table.stamp(ub_query, table.register_stamp(UB_QUERY_ATTR, "a te_passes function te.ub_queries takes for a UB query "
+                                          "(the value: the query's name)"), ub_query_name("ub_query"))
 
 
 # --------------------------------------------------------------------------- TE hooks (rows: compat/ub/rows.py)

@@ -65,7 +65,7 @@ ROWS: tuple[Row, ...] = (
     Row(name="ub.get_ub_is_fp8",
         target=f"{TE_UB_MODULE}.get_ub_is_fp8 (and linear / layernorm_linear / layernorm_mlp, which import it)",
         why="TE marks get_ub_is_fp8 assume_constant_result without a guard: Dynamo would keep a folded value after "
-            "UB is re-initialised; te_passes answers from its UB snapshot, guarded by UB_STATE_TOKEN",
+            "UB is re-initialised; te_passes answers from its UB snapshot, guarded by the UB state token",
         drop_when="TE guards the folded get_ub_is_fp8 value on its UB state (TE module/base.py)",
         plan=lambda: rebind_everywhere("get_ub_is_fp8", guard.guarded_get_ub_is_fp8), **_COMMON),
 )

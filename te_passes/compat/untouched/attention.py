@@ -15,9 +15,9 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from te_passes.compat.untouched.gate import fused_attn_switched_off
 from te_passes.ops.fused_attn import fused_attention_op, refused_reason
-from te_passes.te.attention_backend import backend_problem
+from te_passes.compat.te220.attention_backend import backend_problem
 from te_passes.te.fused_attn import head_dim_problem
-from te_passes.te.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask, window_call_problem
+from te_passes.compat.te220.untouched_rules import dpa_call_problem, dpa_config_problem, resolve_mask, window_call_problem
 
 #: Mask types the op path expresses (``causal_bottom_right`` as TE resolves it: DPA passes the diagonal).
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
@@ -135,7 +135,7 @@ def fused_attention_forward(mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch
 def dpa_fused_forward(mod: Any, fmt: str, mask: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kwargs: dict[str, Any]) -> torch.Tensor:
     """``DotProductAttention`` ``mod``'s core attention through the ``fused_attn`` op for a call
-    :func:`te_passes.te.untouched_rules.dpa_call_problem` accepts (q/k/v already unpacked, bf16 /
+    :func:`te_passes.compat.te220.untouched_rules.dpa_call_problem` accepts (q/k/v already unpacked, bf16 /
     fp16 on CUDA): q [s_q, b, h, d] (``sbhd``) / [b, s_q, h, d] (``bshd``), k / v [s_kv, b, g, d]
     -> [s_q, b, h * d_v] / [b, s_q, h * d_v]. The one implementation behind the untouched-model
     polyfill and ``compile_friendly(attention="te_fused")``. Mirrors TE's
@@ -153,9 +153,9 @@ def dpa_fused_forward(mod: Any, fmt: str, mask: str, q: torch.Tensor, k: torch.T
 def dpa_problem(mod: Any, fmt: str, mask: str, attention_mask: Any, q: Any, k: Any, v: Any,
                 kwargs: dict[str, Any]) -> str | None:
     """Why this untouched ``DotProductAttention`` call does not take the fused op (trace time), or
-    ``None``: the configuration (:func:`te_passes.te.untouched_rules.dpa_config_problem`), cuDNN's
+    ``None``: the configuration (:func:`te_passes.compat.te220.untouched_rules.dpa_config_problem`), cuDNN's
     head-dim range, TE's FAv2 backward, the op's availability, the call's arguments, the dtypes, and
-    the backend TE's own selection picks (:func:`te_passes.te.attention_backend.backend_problem`)."""
+    the backend TE's own selection picks (:func:`te_passes.compat.te220.attention_backend.backend_problem`)."""
     from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
 
     p = (dpa_config_problem(mod, "fused-op") or dpa_call_problem(fmt, mask, attention_mask, kwargs, "fused-op")

@@ -14,7 +14,7 @@ import torch
 
 from te_passes.compat import gate as frame_gate
 from te_passes.config import PREFIX, TePassesOptionError, TePassesOptions, unwrapped
-from te_passes.te.untouched_rules import DELAYED_SCALING_FIX
+from te_passes.compat.te220.untouched_rules import DELAYED_SCALING_FIX
 
 #: The ``te_passes.*`` option (``torch.compile(..., options={OPTION: False})``) and its env var.
 OPTION = PREFIX + "untouched"
@@ -92,7 +92,16 @@ class Island:
         return f"{who} runs eagerly (graph break): {self.reason}. Fix: {self.fix}"
 
 
-_ISLANDS: dict[tuple[str, str, str], Island] = {}
+@dataclasses.dataclass
+class _IslandLog:
+    """The islands recorded in this process (``(te_module, name, reason)`` -> :class:`Island`, at most
+    ``_ISLAND_LIMIT``) and the one-time warnings given (``"DelayedScaling"``, ``"new recipe"``); under ``_lock``."""
+
+    islands: dict[tuple[str, str, str], Island] = dataclasses.field(default_factory=dict)
+    warned: set[str] = dataclasses.field(default_factory=set)
+
+
+_LOG = _IslandLog()
 _ISLAND_LIMIT = 256
 _lock = threading.Lock()
 
@@ -100,17 +109,14 @@ _lock = threading.Lock()
 def island_records() -> list[Island]:
     """The islands the polyfills left in this process (deduplicated, in order; at most 256)."""
     with _lock:
-        return list(_ISLANDS.values())
+        return list(_LOG.islands.values())
 
 
 def clear_island_records() -> None:
     """Forget :func:`island_records` (and re-arm the one-time DelayedScaling warning)."""
     with _lock:
-        _ISLANDS.clear()
-        _WARNED.clear()
-
-
-_WARNED: set[str] = set()
+        _LOG.islands.clear()
+        _LOG.warned.clear()
 
 
 @torch._dynamo.assume_constant_result
@@ -118,11 +124,11 @@ def note_island(te_module: str, name: str, reason: str, fix: str) -> bool:
     """Trace time: record an island (and warn once for DelayedScaling). Returns ``True``."""
     with _lock:
         key = (te_module, name, reason)
-        if key not in _ISLANDS and len(_ISLANDS) < _ISLAND_LIMIT:
-            _ISLANDS[key] = Island(te_module, name, reason, fix)
-        warn = "DelayedScaling" in reason and "DelayedScaling" not in _WARNED
+        if key not in _LOG.islands and len(_LOG.islands) < _ISLAND_LIMIT:
+            _LOG.islands[key] = Island(te_module, name, reason, fix)
+        warn = "DelayedScaling" in reason and "DelayedScaling" not in _LOG.warned
         if warn:
-            _WARNED.add("DelayedScaling")
+            _LOG.warned.add("DelayedScaling")
     if warn:
         warnings.warn(f"te_passes: {Island(te_module, name, reason, fix)}", RuntimeWarning, stacklevel=2)
     return True
@@ -140,9 +146,9 @@ def warn_new_recipe(recipe_cls: str, where: str) -> bool:
     compile of it ran under: each new object recompiles, and past ``torch._dynamo.config.recompile_limit``
     Dynamo runs the frame eagerly for good. Returns whether it warned now."""
     with _lock:
-        if "new recipe" in _WARNED:
+        if "new recipe" in _LOG.warned:
             return False
-        _WARNED.add("new recipe")
+        _LOG.warned.add("new recipe")
     warnings.warn(f"te_passes: {where} is compiled again because te.autocast got a new {recipe_cls} object equal "
                   f"to the one an earlier compile ran under; te_inductor's graphs are guarded on the recipe object "
                   f"(TE's ops read it at run time), so every new recipe object recompiles, and after "

@@ -4,6 +4,7 @@ See docs/internals.md#te_passescompatuntouchedpolyfillspy and docs/untouched.md.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,7 @@ from te_passes.compat.untouched.rope_norm import function_copy, named_island
 from te_passes.compat.untouched.state import (STATE_ATTR, UntouchedState, active_frames, prepare_layernorm_linear,
                                                prepare_layernorm_mlp, prepare_te_module, prime_recipe, run_eager)
 from te_passes.te.norm_act import activation, normalize
-from te_passes.te.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
+from te_passes.compat.te220.untouched_rules import DELAYED_SCALING_FIX, norm_call_problem
 
 #: ``te_passes.untouched_norm`` / ``TE_PASSES_UNTOUCHED_NORM``: ``te`` (default: TE's own norm and LayerNormMLP
 #: activation kernels as the ``te_passes::te_norm_fwd`` / ``te_act_fwd`` ops; TE eager's numerics, measured as
@@ -81,11 +82,19 @@ def layernorm_mlp_forward(mod: Any, fc1: torch.nn.Module, fc2: torch.nn.Module, 
 
 
 # --------------------------------------------------------------------------- the polyfills
-#: Per target: TE's own function, as the other backends' frames run it (set by the rows' plans:
-#: :func:`keep_te_function`).
-COPIES: dict[str, Callable[..., Any]] = {}
-#: Per target: TE's function under ``torch._dynamo.disable``, named: te_inductor's islands.
-ISLAND_FNS: dict[str, Callable[..., Any]] = {}
+@dataclasses.dataclass
+class _KeptTE:
+    """TE's functions the polyfills run, set by the rows' plans (:func:`keep_te_function`): ``copies``, per
+    target TE's own function, as the other backends' frames run it; ``islands``, per target TE's function
+    under ``torch._dynamo.disable``, named: te_inductor's islands; ``default_recipe``, TE's default recipe,
+    built once eagerly (:func:`_build_default_recipe`)."""
+
+    copies: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    islands: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    default_recipe: list[Any] = dataclasses.field(default_factory=list)
+
+
+_KEPT = _KeptTE()
 
 
 def keep_te_function(target: str, disabled_f: Callable[..., Any], f: Callable[..., Any]) -> None:
@@ -94,10 +103,10 @@ def keep_te_function(target: str, disabled_f: Callable[..., Any], f: Callable[..
     function (:func:`closure_layout`; the same object for a conditional wrapper or a plain function, whose
     fallback is then a copy of ``f``, else ``f`` under ``torch._dynamo.disable`` plus a named island)."""
     if disabled_f is f:
-        COPIES[target] = function_copy(f)
+        _KEPT.copies[target] = function_copy(f)
     else:
-        COPIES[target] = torch._dynamo.disable(f, recursive=True)
-        ISLAND_FNS[target] = named_island(f, target)
+        _KEPT.copies[target] = torch._dynamo.disable(f, recursive=True)
+        _KEPT.islands[target] = named_island(f, target)
 
 
 def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
@@ -121,7 +130,7 @@ def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
 
 def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
     if not active_frames():
-        return COPIES["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
+        return _KEPT.copies["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     qstate = FP8GlobalStateManager.quantization_state
@@ -131,7 +140,7 @@ def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8
     problem = st.problem or norm_call_problem(_delayed_problem(self, st))
     if problem is not None:
         note_island("te.LayerNormLinear", self.name or "", problem, island_fix_for(problem))
-        return ISLAND_FNS["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
+        return _KEPT.islands["LayerNormLinear.forward"](self, inp, is_first_microbatch, fp8_output, fp8_grad)
     (gemm,) = st.gemms
     gemm.training = self.training
     return layernorm_linear_forward(self, gemm, inp, is_first_microbatch, fp8_output, fp8_grad)
@@ -139,7 +148,7 @@ def _layernorm_linear(self, inp, is_first_microbatch=None, fp8_output=False, fp8
 
 def _layernorm_mlp(self, inp, is_first_microbatch=None):
     if not active_frames():
-        return COPIES["LayerNormMLP.forward"](self, inp, is_first_microbatch)
+        return _KEPT.copies["LayerNormMLP.forward"](self, inp, is_first_microbatch)
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     qstate = FP8GlobalStateManager.quantization_state
@@ -149,7 +158,7 @@ def _layernorm_mlp(self, inp, is_first_microbatch=None):
     problem = st.problem or norm_call_problem(_delayed_problem(self, st))
     if problem is not None:
         note_island("te.LayerNormMLP", self.name or "", problem, island_fix_for(problem))
-        return ISLAND_FNS["LayerNormMLP.forward"](self, inp, is_first_microbatch)
+        return _KEPT.islands["LayerNormMLP.forward"](self, inp, is_first_microbatch)
     fc1, fc2 = st.gemms
     fc1.training = self.training
     fc2.training = self.training
@@ -184,17 +193,17 @@ def _fused_attention(self, query_layer, key_layer, value_layer, qkv_layout="sbh3
     if fused_attention_backend is None:
         del call["fused_attention_backend"]
     if not active_frames():
-        return COPIES["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
+        return _KEPT.copies["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
     problem = fused_attention_call_problem(self, query_layer, key_layer, value_layer, call)
     if problem is not None:
         note_island("te.FusedAttention", f"layer_number={self.layer_number}", problem, island_fix_for(problem))
-        return ISLAND_FNS["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
+        return _KEPT.islands["FusedAttention.forward"](self, query_layer, key_layer, value_layer, **call)
     return fused_attention_forward(self, query_layer, key_layer, value_layer, call)
 
 
 def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
                            qkv_format=None, *args, **kwargs):
-    te_forward = COPIES["DotProductAttention.forward"]
+    te_forward = _KEPT.copies["DotProductAttention.forward"]
     if args or not active_frames():
         return te_forward(self, query_layer, key_layer, value_layer, attention_mask, qkv_format, *args, **kwargs)
     kw = dict(kwargs)
@@ -212,7 +221,7 @@ def _dot_product_attention(self, query_layer=None, key_layer=None, value_layer=N
 
 def _noop_cat(tensors, dim=0):
     if not active_frames():
-        return COPIES["noop_cat"](tensors, dim)
+        return _KEPT.copies["noop_cat"](tensors, dim)
     # TE's _NoopCatFunc compares storages / data_ptrs (not traceable); torch.cat gives the same
     # values (a copy of the weight splits per call, as compile_friendly's hidden te.Linear)
     if len(tensors) == 1:
@@ -222,23 +231,20 @@ def _noop_cat(tensors, dim=0):
 
 def _default_recipe_polyfill():
     if not active_frames():
-        return COPIES["get_default_fp8_recipe"]()
+        return _KEPT.copies["get_default_fp8_recipe"]()
     comptime(_build_default_recipe)
-    return _DEFAULT_RECIPE[0]
-
-
-_DEFAULT_RECIPE: list[Any] = []
+    return _KEPT.default_recipe[0]
 
 
 def _build_default_recipe(ctx: Any) -> None:
     """Comptime: TE's default recipe, built once eagerly (TE asserts it is not built while compiling)
     and primed (cached repr, autocast key)."""
-    if _DEFAULT_RECIPE:
+    if _KEPT.default_recipe:
         return
     with run_eager():
-        r = COPIES["get_default_fp8_recipe"]()
+        r = _KEPT.copies["get_default_fp8_recipe"]()
     prime_recipe(r)
-    _DEFAULT_RECIPE.append(r)
+    _KEPT.default_recipe.append(r)
 
 
 #: TE's disabled forward (``<class>.forward``) -> its polyfill.

@@ -15,6 +15,7 @@ What stays eager is a named island (``island_records()``). Docs: docs/untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import types
@@ -40,27 +41,36 @@ THD_REASON = ("tensor_format='thd' (packed sequences with cu_seqlens): left to T
               "attention after it is left to TE (runtime/untouched/attention.py)")
 THD_FIX = "none inside te_passes for THD / padded sequences yet; unpadded sbhd / bshd batches compile to one graph"
 
-#: TE's functions the replacements fall back to, set by the rows' plans (te_passes/compat/untouched/rows.py):
-#: ``"rope"`` (a copy of ``apply_rotary_pos_emb``), ``"rope_island"``, ``"base_forward"``
-#: (``BasicOperation.forward``), ``"norm_island"``; ``KINDS``: (class, TE's class name) of each rebound norm.
-TE_FUNCTIONS: dict[str, Any] = {}
-KINDS: list[tuple[type, str]] = []
+
+
+@dataclasses.dataclass
+class _KeptTE:
+    """What the replacements fall back to, set by the rows' plans (te_passes/compat/untouched/rows.py):
+    ``functions``, TE's functions: ``"rope"`` (a copy of ``apply_rotary_pos_emb``), ``"rope_island"``,
+    ``"base_forward"`` (``BasicOperation.forward``), ``"norm_island"``; ``kinds``, (class, TE's class name) of
+    each rebound norm."""
+
+    functions: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kinds: list[tuple[type, str]] = dataclasses.field(default_factory=list)
+
+
+_KEPT = _KeptTE()
 
 
 def keep_rope(orig: Callable[..., Any]) -> None:
     """Keep TE's ``apply_rotary_pos_emb`` ``orig`` (a copy of it, and its named island) for the polyfill."""
-    TE_FUNCTIONS["rope"] = function_copy(orig)
-    TE_FUNCTIONS["rope_island"] = named_island(TE_FUNCTIONS["rope"], ROPE_TARGET)
+    _KEPT.functions["rope"] = function_copy(orig)
+    _KEPT.functions["rope_island"] = named_island(_KEPT.functions["rope"], ROPE_TARGET)
 
 
 def keep_norm(cls: type, kind: str, base: Callable[..., Any]) -> None:
     """Keep TE's ``BasicOperation.forward`` ``base`` for :func:`te_ops_norm_forward` on class ``cls``
     (``kind``: ``"RMSNorm"``, ``"LayerNorm"`` or ``"L2Normalization"``)."""
-    TE_FUNCTIONS["base_forward"] = base
-    if "norm_island" not in TE_FUNCTIONS:
-        TE_FUNCTIONS["norm_island"] = named_island(base, "BasicOperation.forward")
-    if all(c is not cls for c, _ in KINDS):
-        KINDS.append((cls, kind))
+    _KEPT.functions["base_forward"] = base
+    if "norm_island" not in _KEPT.functions:
+        _KEPT.functions["norm_island"] = named_island(base, "BasicOperation.forward")
+    if all(c is not cls for c, _ in _KEPT.kinds):
+        _KEPT.kinds.append((cls, kind))
 
 
 def function_copy(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -101,14 +111,14 @@ def rope_polyfill(t, freqs, tensor_format="sbhd", start_positions=None, interlea
     ``fused=False`` or another backend's frame: TE's own function; a fused call in a te_inductor frame:
     ``te_passes::te_rope_fwd`` (``t`` [s, b, h, d] / [b, s, h, d] -> same shape), a THD / padded call a named
     island."""
-    te_fn = TE_FUNCTIONS["rope"]
+    te_fn = _KEPT.functions["rope"]
     if not fused or not active_frames():
         return te_fn(t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens, cp_size, cp_rank)
     problem = rope_call_problem(tensor_format, cu_seqlens)
     if problem is not None:
         note_island("te.apply_rotary_pos_emb", "", problem, THD_FIX)
-        return TE_FUNCTIONS["rope_island"](t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens,
-                                     cp_size, cp_rank)
+        return _KEPT.functions["rope_island"](t, freqs, tensor_format, start_positions, interleaved, fused,
+                                              cu_seqlens, cp_size, cp_rank)
     return te_rope(t, freqs, tensor_format, start_positions, interleaved, None, cp_size, cp_rank)
 
 
@@ -162,15 +172,15 @@ def te_ops_norm_forward(self, input, *extra_inputs, **kwargs):  # noqa: A002 - T
     ``te_passes::te_ops_norm_fwd`` (TE's kernels, TE's casts: ``ops/basic/rmsnorm.py`` ``op_forward``) or the
     torch-ops norm under ``TE_PASSES_UNTOUCHED_NORM=torch``. Raises ``ValueError`` as TE does for an input
     whose trailing dims are not the weight's."""
-    base = TE_FUNCTIONS["base_forward"]
+    base = _KEPT.functions["base_forward"]
     if not torch.compiler.is_compiling() or not active_frames():
         return base(self, input, *extra_inputs, **kwargs)
     problem = te_ops_norm_problem(self, input, extra_inputs, kwargs)
-    kind = next((name for cls, name in KINDS if isinstance(self, cls)), None)
+    kind = next((name for cls, name in _KEPT.kinds if isinstance(self, cls)), None)
     if problem is not None or kind is None:
         note_island(f"te.{type(self).__name__}", "", problem or "not a te.ops norm te_passes expresses",
                     "none inside te_passes for this call; the rest of the model still compiles")
-        return TE_FUNCTIONS["norm_island"](self, input, *extra_inputs, **kwargs)
+        return _KEPT.functions["norm_island"](self, input, *extra_inputs, **kwargs)
     if kind == "L2Normalization":
         return _L2Normalize.apply(input, self.eps)
     weight = self.weight

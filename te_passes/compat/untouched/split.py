@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from te_passes.compat.untouched.state import active_frames
-from te_passes.te.untouched_rules import SPLIT_ALONG_DIM_MODULE as TE_MHA_MODULE
+from te_passes.compat.te220.untouched_rules import SPLIT_ALONG_DIM_MODULE as TE_MHA_MODULE
 
 #: TE's ``SplitAlongDim`` (``[cls]``), kept by the row that rebinds it (te_passes/compat/untouched/rows.py).
 TE_SPLIT: list[Any] = []

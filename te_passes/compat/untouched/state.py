@@ -18,8 +18,8 @@ from te_passes.compat.delayed_scaling.state import DELAYED_ATTR, prepare_delayed
 from te_passes.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
 from te_passes.compat import gate as frame_gate, table
 from te_passes.compat.untouched.gate import frame_untouched_options, warn_new_recipe
-from te_passes.te.module_init import forward_prepare_args
-from te_passes.te.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
+from te_passes.compat.te220.module_init import forward_prepare_args
+from te_passes.compat.te220.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
 
 #: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
 STATE_ATTR = table.register_stamp("_te_passes_untouched_state", "an untouched TE module's hidden te.Linears and "
@@ -98,7 +98,7 @@ def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
     """Run TE's first-forward lazy initialisation of ``m`` eagerly (what ``prepare_forward`` does on the first
     call: ``is_fsdp2``, ``activation_dtype``, ``init_fp8_metadata`` with the ``num_gemms`` of its class)
     inside ``te.autocast(enabled=fp8, recipe=recipe)``; returns whether ``m`` is a TE module of a known
-    class (see ``te.module_init.forward_prepare_args``). A module whose parameters are not ``dtype`` is
+    class (see ``compat.te220.module_init.forward_prepare_args``). A module whose parameters are not ``dtype`` is
     left alone (TE raises on its first forward). ``args``: ``(num_gemms,
     allow_different_data_and_param_types)`` for a class not in that table (a hidden ``te.Linear``: ``(1,
     False)``)."""

@@ -9,9 +9,9 @@ from typing import Any, Callable
 import torch
 
 from te_passes.compat.untouched.rewrite.module_state import STATE_ATTR, CompileFriendlyError, state_of, te_module
-from te_passes.te.untouched_rules import (NEUTRAL_KWARGS, dpa_call_problem, dpa_config_problem,
-                                          layernorm_linear_config_problem, layernorm_mlp_config_problem,
-                                          norm_call_problem)
+from te_passes.compat.te220.untouched_rules import (NEUTRAL_KWARGS, dpa_call_problem, dpa_config_problem,
+                                                    layernorm_linear_config_problem, layernorm_mlp_config_problem,
+                                                    norm_call_problem)
 
 
 def _module_problem(mod: Any, cls: type, label: str) -> str | None:

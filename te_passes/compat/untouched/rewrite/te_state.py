@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from te_passes.compat.untouched.rewrite.module_state import is_rewritten, state_of
-from te_passes.te.module_init import forward_prepare_args
+from te_passes.compat.te220.module_init import forward_prepare_args
 
 
 def te_modules_to_prepare(model: torch.nn.Module) -> tuple[list[tuple[str, Any, tuple[int, bool]]], list[str]]:

@@ -1,6 +1,6 @@
 """Where and why Transformer Engine runs eagerly under torch.compile (TE 2.20.2).
 
-See docs/internals.md#te_passestefallbackspy."""
+See docs/internals.md#te_passescompatte220fallbackspy."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Whether Transformer Engine believes a CUDA graph capture is under way.
 
-See docs/internals.md#te_passestecapture_statepy."""
+See docs/internals.md#te_passescompatte220capture_statepy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""te/attention_backend.py: the untouched-model ``DotProductAttention`` polyfill takes TE's fused op only
+"""compat/te220/attention_backend.py: the untouched-model ``DotProductAttention`` polyfill takes TE's fused op only
 where TE's own backend selection (``get_attention_backend``, asked eagerly at trace time) picks
 FusedAttention with the op's sub-backend; otherwise TE's own (traced) forward runs the backend TE
 picked. CPU with a fake Hopper GPU (TE's selection reads the patched device capability and cuDNN's
@@ -12,7 +12,7 @@ import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
 
-from te_passes.te import attention_backend as ab  # noqa: E402
+from te_passes.compat.te220 import attention_backend as ab  # noqa: E402
 from te_passes.testing.fake_gpu import fake_gpu, quiet  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

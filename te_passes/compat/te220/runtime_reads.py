@@ -1,6 +1,6 @@
 """What TE's op impls read from TE's process state while they run: the inventory, what compiled
 code gives each read, and the bytecode check that an installed TE's impls read nothing else
-(:func:`te_passes.te.version.runtime_state_refusal`). Docs: docs/design.md "TE global state read at run time".
+(:func:`runtime_state_refusal`). Docs: docs/design.md "TE global state read at run time".
 """
 
 from __future__ import annotations
@@ -8,8 +8,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import dis
+import functools
 import types
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from te_passes.te.version import SUPPORTED_TE, is_supported, te_version
 
 #: How compiled code gets the value a read would see under the user's ``te.autocast``: ``"autocast"``
 #: (set around the compiled call, ``runtime.te_patches.recipe_state``), ``"process"`` (a process-wide
@@ -251,3 +254,40 @@ def unknown_reads(impl: str, fn: Any = None) -> list[str]:
             out.append(f"{ref.module}.{ref.qualname} loads {name} {got[name]} time(s), the inventory "
                        f"lists {want[name]}")
     return out
+
+
+def runtime_state_refusal(families: Iterable[str], v: str | None = None,
+                          impls: Mapping[str, Sequence[Any]] | None = None) -> str | None:
+    """Why compiled calls of these TE op families (``"linear"``, ``"fused_attn"``, ...) cannot be
+    given the user's ``te.autocast`` state on TE ``v`` (default: installed), or ``None``."""
+    v = te_version() if v is None else v
+    if not is_supported(v):
+        return (f"TE {v}: the TE state its impls read at run time is inventoried for TE "
+                f"{', '.join(f'{a}.{b}.x' for a, b in sorted(SUPPORTED_TE))} only "
+                "(te_passes.compat.te220.runtime_reads)")
+    keys = [k for k, r in IMPLS.items() if r.role == "helper"]
+    impls = impls or {}
+    for fam in sorted(set(families)):
+        if fam in FAMILY_IMPLS:
+            keys.extend(FAMILY_IMPLS[fam])
+            continue
+        if fam not in impls:
+            return (f"TE op family {fam!r}: the TE state its impls read at run time is not inventoried "
+                    "(te_passes.compat.te220.runtime_reads.FAMILY_IMPLS) and its impls are unknown")
+        for fn in impls[fam]:
+            try:
+                found = scan_reads(fn)
+            except TypeError as e:
+                return f"TE op family {fam!r}: {e}"
+            if found:
+                return (f"TE op family {fam!r}: its impl {getattr(fn, '__qualname__', fn)} reads TE state "
+                        f"({', '.join(sorted(found))}) and is not inventoried (te_passes.compat.te220.runtime_reads)")
+    problems = [p for k in keys for p in _unknown_reads(k)]
+    if problems:
+        return f"TE {v}: its impls read TE state the inventory does not list: " + "; ".join(problems)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _unknown_reads(key: str) -> tuple[str, ...]:
+    return tuple(unknown_reads(key))
