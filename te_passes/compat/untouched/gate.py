@@ -6,14 +6,13 @@ island records of the calls the polyfills leave to TE's eager code. Docs: docs/u
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 
 import torch
 
 from te_passes.compat import gate as frame_gate
-from te_passes.config import PREFIX, TePassesOptionError, TePassesOptions, unwrapped
+from te_passes.config import PREFIX, TePassesOptionError, TePassesOptions, env_aliases, unwrapped
 from te_passes.compat.te220.untouched_rules import DELAYED_SCALING_FIX
 
 #: The ``te_passes.*`` option (``torch.compile(..., options={OPTION: False})``) and its env var.
@@ -65,8 +64,9 @@ def fused_attn_off(opts: TePassesOptions) -> str:
     ``"switched off (TE_PASSES_FUSED_ATTN='0')"`` / ``"switched off (te_passes.fused_attn=False)"``."""
     if opts.fused_attn:
         return ""
-    env = os.environ.get("TE_PASSES_FUSED_ATTN")
-    return f"switched off ({f'TE_PASSES_FUSED_ATTN={env!r}' if 'fused_attn' in opts.from_env else PREFIX + 'fused_attn=False'})"
+    if "fused_attn" in opts.from_env:
+        return "switched off ({0}={1!r})".format(*next(iter(env_aliases("fused_attn").items()), ("TE_PASSES_FUSED_ATTN", "")))
+    return f"switched off ({PREFIX}fused_attn=False)"
 
 
 @torch._dynamo.assume_constant_result
