@@ -258,7 +258,7 @@ def te_state_guard(compiled: Callable, report: Any, te_state: Any, opts: Any, re
 
     Returns:
         ``None`` when no run-time UB guard is needed (no UB dependence, only values Dynamo folded while
-        tracing, which :data:`te_passes.compat.ub.guard.UB_STATE_TOKEN` guards, or an explicit
+        tracing, which `te_passes.compat.ub.guard._STATE.token` guards, or an explicit
         ``te_passes.ub_snapshot``), else the :class:`UbGuard` (``compat.compiled_call.wrap_compiled`` calls it).
 
     Raises:
