@@ -83,6 +83,35 @@ def reset_te_fp8_state():
     delayed_state.TRACE_COUNTS.clear()
 
 
+#: TE's process-global DelayedScaling buffers (``FP8GlobalState``, TE 2.20.2 quantization.py).
+DELAYED_SCALING_BUFFERS = ("global_amax_buffer", "global_amax_history_buffer", "global_scale_buffer")
+
+
+@pytest.fixture(autouse=True)
+def te_delayed_scaling_buffers_left_empty(request):
+    """Fail (at teardown) a test that leaves DelayedScaling amax / scale tensors registered in TE's
+    global ``FP8GlobalStateManager``, and reset TE's fp8 state so later tests start clean.
+
+    Why: every later ``te.autocast`` exit runs TE's ``reduce_and_update_fp8_tensors`` on them — in
+    eager a CUDA kernel (``CUDA driver version is insufficient`` on this machine), under Dynamo two
+    more graph inputs (the [history, n] / [n] buffers). Issue 40: one capture through
+    ``tests/runtime/test_delayed_linear.py::_capture`` without ``reset_te_fp8_state`` made 13 later
+    tests fail in suite order. A test that registers them on purpose requests ``reset_te_fp8_state``
+    (torn down before this check: autouse fixtures are set up first). Looks only at a TE already
+    imported (``sys.modules``); never imports it."""
+    yield
+    Q = sys.modules.get("transformer_engine.pytorch.quantization")
+    if Q is None:
+        return
+    qstate = Q.FP8GlobalStateManager.quantization_state
+    left = sorted({k for name in DELAYED_SCALING_BUFFERS for k, v in getattr(qstate, name).items() if v})
+    if left:
+        Q.FP8GlobalStateManager.reset()
+        pytest.fail(f"{request.node.nodeid} left DelayedScaling tensors registered in TE's FP8GlobalStateManager "
+                    f"(keys {left}): later te.autocast exits would update them; request the reset_te_fp8_state "
+                    "fixture (tests/conftest.py)", pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def toy():
     """The toy TE op family of ``_helpers/_toy_te_op.py`` (registered through TE's own

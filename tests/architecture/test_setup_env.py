@@ -133,10 +133,11 @@ def test_ci_lints_first_then_tests_both_torch_versions_and_fails_when_either_fai
     calls = (tmp_path / "make.log").read_text().splitlines()
     assert calls[0] == "lint" and calls[1].startswith("test PYTEST_ARGS=-p no:cacheprovider"), calls
     assert calls[2].startswith("test TORCH=2.14.1 PYTEST_ARGS=-p no:cacheprovider tests/"), calls
-    # the listed torch-2.15-only failures: deselected from the default run, run on torch 2.14.1
+    # the listed torch-2.15-only failures (none now): deselected from the default run, run on torch 2.14.1
     with open(os.path.join(ROOT, ".ci", "known-failures-torch2.15.txt")) as f:
         known = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
-    assert known and all(f"--deselect {t} " in calls[1] + " " and t in calls[2].split() for t in known), calls
+    assert all(f"--deselect {t} " in calls[1] + " " and t in calls[2].split() for t in known), calls
+    assert calls[1].count("--deselect") == len(known), calls
     assert "tests/runtime/test_untouched.py" in calls[2] and "tests/cli/test_cli.py" in calls[2], calls
     assert len(calls) == 3
     if fail is None:
@@ -144,3 +145,27 @@ def test_ci_lints_first_then_tests_both_torch_versions_and_fails_when_either_fai
     else:
         failed = "torch 2.14.1" if "TORCH=2.14.1" in fail else "torch 2.15.0 (default)"
         assert proc.returncode == 1 and f"CI: {failed}: failed" in proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("known", [[], ["tests/a.py::t", "tests/b.py::t2[x-y]"]], ids=["empty", "two"])
+def test_ci_deselects_each_known_torch215_failure_and_runs_it_on_214(tmp_path, known):
+    """.ci/run with a known-failures list of its own (stub ``make`` as above): each node id (``[params]``
+    not globbed) is deselected from the torch 2.15 run and added to the 2.14.1 run; a list of comments only
+    deselects nothing and CI still passes."""
+    import shutil
+
+    shutil.copytree(os.path.join(ROOT, ".ci"), tmp_path / "repo" / ".ci")
+    (tmp_path / "repo" / ".ci" / "known-failures-torch2.15.txt").write_text(
+        "# comment\n" + "".join(t + "\n" for t in known))
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "make"
+    stub.write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path}/make.log\nexit 0\n")
+    stub.chmod(0o755)
+    e = {k: v for k, v in os.environ.items() if k != "CI_OTHER_TESTS"}
+    e["PATH"] = f"{tmp_path / 'bin'}:{e['PATH']}"
+    proc = subprocess.run(["bash", str(tmp_path / "repo" / ".ci" / "run")], env=e, capture_output=True, text=True,
+                          timeout=60)
+    calls = (tmp_path / "make.log").read_text().splitlines()
+    assert len(calls) == 3 and proc.returncode == 0, (calls, proc.stdout + proc.stderr)
+    assert calls[1].split()[3:] == [w for t in known for w in ("--deselect", t)], calls
+    assert all(t in calls[2].split() for t in known) and "comment" not in calls[1] + calls[2], calls

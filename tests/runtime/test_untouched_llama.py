@@ -214,6 +214,7 @@ def test_qk_norm_is_one_graph(qk_norm_type, before_rope, precision):
     assert _count(r["targets"], "te_ops_norm_fwd") == (0 if qk_norm_type == "L2Normalization" else 2)  # q, k
 
 
+@pytest.mark.usefixtures("reset_te_fp8_state")  # _capture leaves the DelayedScaling buffers registered
 def test_te_ops_norm_output_is_quantized_rounded_under_delayed_scaling():
     """A DelayedScaling te.Linear after a standalone te.RMSNorm quantizes the norm's bf16 output, as TE eager does
     (the one-op fuser has no next op to fuse the cast with): ``widen_quantized_inputs`` feeds fp32 only from
