@@ -12,7 +12,7 @@ from te_passes.compat import table
 from te_passes.compat.autocast.recipe_state import TracedAutocast
 from te_passes.compat.ub.graph_guard import UbGuard, make_guarded
 from te_passes.compat.ub.guard import ub_global_state
-from te_passes.te.runtime_reads import AUTOCAST_FIELDS
+from te_passes.compat.te220.runtime_reads import AUTOCAST_FIELDS
 
 
 def wrap_compiled(compiled: Callable, *, guard: UbGuard | None = None,
@@ -20,7 +20,7 @@ def wrap_compiled(compiled: Callable, *, guard: UbGuard | None = None,
     """``compiled`` (Inductor's callable, called ``fn(*args)`` as Dynamo calls a backend's output) in one
     wrapper, or itself when ``guard`` and ``autocast`` are both ``None``.
 
-    The wrapper sets TE's autocast fields (:data:`~te_passes.te.runtime_reads.AUTOCAST_FIELDS` of
+    The wrapper sets TE's autocast fields (:data:`~te_passes.compat.te220.runtime_reads.AUTOCAST_FIELDS` of
     ``FP8GlobalStateManager.quantization_state``, looked up at each call: TE's ``FP8GlobalStateManager.reset()``
     replaces it) to ``autocast`` and restores them afterwards, also on error; inside that scope, when the UB
     generation moved since ``guard`` was valid, ``guard.revalidate(args)`` (may raise ``UbConfigError`` /
