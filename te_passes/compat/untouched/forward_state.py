@@ -1,5 +1,6 @@
-"""TE's first-forward lazy state of a module, done with the state the trace runs it under: the polyfill of
-``TransformerEngineBaseModule.prepare_forward`` (TE 2.20.2 ``pytorch/module/base.py``) for te_inductor frames.
+"""TE's first-forward lazy state of a module, done with the state the trace runs it under: the replacement of
+``TransformerEngineBaseModule.prepare_forward`` (TE 2.20.2 ``pytorch/module/base.py``; a class rebind, row
+``untouched.prepare_forward``) for te_inductor frames.
 
 TE's ``prepare_forward`` reads ``self.fp8`` (``if self.fp8 and in_fp8_activation_recompute_phase()``) and
 ``init_fp8_metadata`` reads ``fp8_initialized`` and ``fp8_meta["recipe"]`` (``set_activation_dtype``:
@@ -8,10 +9,11 @@ values the module held before the frame; when those come from another state (a `
 compiled function, where the compile-start callback saw none; a nested ``te.autocast(enabled=False)`` LM head
 prepared with the outer fp8 state) the second step fails the guards: one recompile (issue 38). The polyfill's
 ``comptime`` body runs TE's lazy init eagerly with the traced call's state (dtype, fp8, recipe) *before* TE's
-``prepare_forward`` reads it — only while the trace has read none of that state of the module (else it stays
-TE's traced init and its recompile: changing a value the trace already read would leave guards that disagree
-with the graph) — then TE's own ``prepare_forward`` is traced (its writes are then no-ops). Not in TE's
-activation-recompute phase (TE needs the previous ``fp8`` there) nor under fp8 calibration. Docs:
+``prepare_forward`` reads it, then TE's own ``prepare_forward`` is traced (its writes are then no-ops). When the
+trace already read some of that state (TE's ``MultiheadAttention`` sets ``proj``'s quantizer roles first, and
+Dynamo caches the values of ``proj.__dict__``), changing it would leave guards that disagree with the graph: the
+analysis is restarted after preparing, once per module and state. Not in TE's activation-recompute phase (TE
+needs the previous ``fp8`` there) nor under fp8 calibration. Docs:
 docs/untouched.md "Recompiles"."""
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from te_passes.compat import table
 from te_passes.compat.delayed_scaling.state import DELAYED_ATTR
 from te_passes.compat.untouched.state import PREPARED_KEY, active_frames, prepare_all
 
-#: TE's class and method the polyfill substitutes (``transformer_engine/pytorch/module/base.py``).
+#: TE's class and method the row rebinds (``transformer_engine/pytorch/module/base.py``).
 TE_BASE_MODULE = "transformer_engine.pytorch.module.base"
 TARGET = "TransformerEngineBaseModule.prepare_forward"
 #: The module attributes TE's first forward reads before it writes them (``prepare_forward``,
-#: ``set_activation_dtype``, ``init_fp8_metadata``) or that :func:`prepare_te_module` writes: once the trace has
-#: read one of them (or the module's ``__dict__`` itself) the module is left to TE's traced init.
+#: ``set_activation_dtype``, ``init_fp8_metadata``) or that ``state.prepare_te_module`` writes: once the trace
+#: has read one of them (or the module's ``__dict__`` itself) preparing the module restarts the analysis.
 STATE_ATTRS: tuple[str, ...] = ("fp8", "fp8_initialized", "fp8_meta", "fp8_parameters", "fp8_calibration",
                                 "activation_dtype", "allow_different_data_and_param_types", "quantizers",
                                 "_is_fsdp2")
@@ -41,6 +43,15 @@ RESTARTED_KEY = table.register_stamp("_te_passes_restarted_for", "the (dtype, fp
 TE_FUNCTION: list[Callable[..., Any]] = []
 
 
+def _object_of(vt: Any) -> Any:
+    """The object variable tracker ``vt`` stands for, without realising a lazy one (realising installs guards)."""
+    if type(vt).__name__ in ("LazyVariableTracker", "LazyConstantVariable"):
+        if not vt.is_realized():
+            return vt.peek_value()
+        vt = vt.unwrap()
+    return vt.__dict__.get("value")
+
+
 def _state_read(tx: Any, vt: Any, mod: torch.nn.Module) -> bool:
     """Whether the trace of ``tx`` already read (or wrote) any of :data:`STATE_ATTRS` of ``mod`` (``vt``: its
     variable tracker), under any source it reached ``mod`` by. Unknown (another Dynamo): ``True``."""
@@ -48,7 +59,7 @@ def _state_read(tx: Any, vt: Any, mod: torch.nn.Module) -> bool:
         if tx.output.side_effects.has_pending_mutation(vt):
             return True
         cache = tx.output.variable_tracker_cache
-        bases = {src.name for src, v in list(cache.items()) if getattr(v, "value", None) is mod}
+        bases = {src.name for src, v in list(cache.items()) if _object_of(v) is mod}
         if vt.source is not None:
             bases.add(vt.source.name)
         prefixes = tuple(p for b in bases for a in STATE_ATTRS for p in (f"{b}.{a}", f"{b}.__dict__['{a}']"))
