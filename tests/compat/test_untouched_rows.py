@@ -17,7 +17,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 from te_passes.compat import table  # noqa: E402
 from te_passes.compat.dynamo.hooks import mark_untouched_backend  # noqa: E402
 from te_passes.compat.install import install  # noqa: E402
-from te_passes.compat.untouched import gate, polyfills, rope_norm, split, state  # noqa: E402
+from te_passes.compat.untouched import forward_state, gate, polyfills, rope_norm, split, state  # noqa: E402
 from te_passes.compat.untouched.rows import ROWS  # noqa: E402
 from te_passes.config import TePassesOptionError, TePassesOptions  # noqa: E402
 
@@ -39,7 +39,7 @@ def _installed():
 
 def test_every_row_is_active_with_the_change_it_names():
     by = {s.name: s for s in table.status()}
-    assert len(NAMES) == len(set(NAMES)) == 12 and all(n.startswith("untouched.") for n in NAMES)
+    assert len(NAMES) == len(set(NAMES)) == 13 and all(n.startswith("untouched.") for n in NAMES)
     for row in ROWS:
         assert by[row.name].active, by[row.name]
         assert by[row.name].changes == (0 if row.kind == "toggle" else 1), by[row.name]
@@ -51,6 +51,9 @@ def test_every_row_is_active_with_the_change_it_names():
     assert te.RMSNorm.forward is rope_norm.te_ops_norm_forward
     assert sys.modules[split.TE_MHA_MODULE].SplitAlongDim is split.GraphSplitAlongDim
     assert split.TE_SPLIT[0].__name__ == "SplitAlongDim" and issubclass(split.TE_SPLIT[0], torch.autograd.Function)
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    assert TransformerEngineBaseModule.__dict__["prepare_forward"] is forward_state.prepare_forward
 
 
 def test_revert_puts_tes_objects_back_and_install_makes_them_again():

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from te_passes.compat.table import Change, Rebind, Refused, Row, Substitute
-from te_passes.compat.untouched import polyfills, rope_norm, split
+from te_passes.compat.untouched import forward_state, polyfills, rope_norm, split
 from te_passes.compat.untouched.state import EAGER_ROW
 from te_passes.ops.fused_attn import install_fused_attention_op
 
@@ -108,6 +108,16 @@ def _split_plan() -> Sequence[Change]:
     return [Rebind(mha, "SplitAlongDim", split.GraphSplitAlongDim)]
 
 
+def _prepare_forward_plan() -> Sequence[Change]:
+    base = _te_module(forward_state.TE_BASE_MODULE)
+    cls = getattr(base, "TransformerEngineBaseModule", None)
+    orig = cls.__dict__.get("prepare_forward") if isinstance(cls, type) else None
+    if not isinstance(orig, types.FunctionType):
+        raise Refused(f"{forward_state.TE_BASE_MODULE}.{forward_state.TARGET} is {orig!r}, not TE's function")
+    forward_state.keep_te_function(orig)
+    return [Rebind(cls, "prepare_forward", forward_state.prepare_forward)]
+
+
 def _eager_flag_plan() -> Sequence[Change]:
     import torch.compiler as tc
 
@@ -163,6 +173,15 @@ ROWS: tuple[Row, ...] = (
          "an autograd.Function whose backward compares data_ptrs (a graph break) and whose strided outputs send "
          "DotProductAttention to its eager island: torch.split in te_inductor frames",
          "TE's SplitAlongDim is traceable", _split_plan),
+    _row("untouched.prepare_forward", f"{forward_state.TE_BASE_MODULE}.{forward_state.TARGET}", "rebind",
+         "TE reads self.fp8 / fp8_initialized / fp8_meta['recipe'] / activation_dtype before prepare_forward writes "
+         "the te.autocast state of the call: Dynamo guards on the values of the state before the frame (prepared "
+         "at compile start with the te.autocast active then), a recompile on step 2 when the frame runs the module "
+         "under another state (te.autocast inside the compiled function, a nested enabled=False LM head): in "
+         "te_inductor frames TE's lazy init runs eagerly with the traced state first (issue 38); a rebind: Dynamo "
+         "inlines a method found on the class, substitute_in_graph is never consulted",
+         "TE's prepare_forward writes the te.autocast state before reading it (or Dynamo stops guarding on values "
+         "the frame overwrites)", _prepare_forward_plan, after=None),
     _row(EAGER_ROW, "torch.compiler._is_compiling_flag (scoped: state.run_eager)", "toggle",
          "TE's first-forward lazy init (and get_default_fp8_recipe) asserts not is_compiling(); run from a "
          "compile-start callback / comptime body inside Dynamo's compile session, it needs False for the block",

@@ -137,9 +137,10 @@ def run_eager() -> Any:
 
 
 def prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: Any, gemms: tuple[Any, ...] = (),
-                 skip: Callable[[Any], bool] = lambda m: False) -> None:
-    """``prepare_te_module`` on ``gemms`` and every TE module under ``mods`` (but those ``skip``
-    names), once per (dtype, fp8, recipe) and module; ``dtype`` ``None``: each module's parameter dtype."""
+                skip: Callable[[Any], bool] = lambda m: False, gemm_args: tuple[int, bool] = (1, False)) -> None:
+    """``prepare_te_module`` on ``gemms`` (with ``gemm_args``: ``(num_gemms, allow_different_data_and_param_types)``)
+    and every TE module under ``mods`` (but those ``skip`` names), once per (dtype, fp8, recipe) and module;
+    ``dtype`` ``None``: each module's parameter dtype."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import Recipe
 
@@ -147,7 +148,7 @@ def prepare_all(mods: list[Any], dtype: torch.dtype | None, fp8: bool, recipe: A
         return  # a recipe built inside the traced function: TE's own first forward initialises
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-    todo = [(g, (1, False)) for g in gemms] + [(m, None) for root in mods for m in root.modules()]
+    todo = [(g, gemm_args) for g in gemms] + [(m, None) for root in mods for m in root.modules()]
     live = FP8GlobalStateManager.quantization_state.autocast_depth > 0  # fp8 off: not the live te.autocast's state
     # no_grad: an outermost te.autocast exit with grad enabled would run TE's DelayedScaling update
     with run_eager(), torch.no_grad(), (te.autocast(enabled=fp8, recipe=recipe) if recipe is not None or live
