@@ -180,14 +180,21 @@ def cpu_inputs_allowed():
     ``False`` (``FP8GlobalStateManager.fp8_graph_capturing``)."""
     import transformer_engine.pytorch.module.base as base
 
+    from te_passes.compat import table
+    from te_passes.compat.untouched import forward_state
+
     cls = base.TransformerEngineBaseModule
-    orig = cls.prepare_forward
+    # with the untouched.prepare_forward row active the class holds te_passes' rebind, which calls TE's function
+    # through forward_state.TE_FUNCTION: fake that one, so the row stays in place
+    row = table.is_active("untouched.prepare_forward") and bool(forward_state.TE_FUNCTION)
+    orig = forward_state.TE_FUNCTION[0] if row else cls.prepare_forward
     src = textwrap.dedent(inspect.getsource(orig))
     assert src.count("if not inp.is_cuda:") == 1, "TE's prepare_forward changed: update the device-check fake"
     ns: dict = {}
     exec(compile(src.replace("if not inp.is_cuda:", "if False:"), inspect.getsourcefile(orig), "exec"),  # noqa: S102
          base.__dict__, ns)
-    with mock.patch.object(cls, "prepare_forward", ns[orig.__name__]), \
+    fake = ns[orig.__name__]
+    with (mock.patch.object(forward_state, "TE_FUNCTION", [fake]) if row else mock.patch.object(cls, "prepare_forward", fake)), \
             mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False):
         yield
 
