@@ -13,7 +13,6 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from te_passes.compat import gate as frame_gate
 from te_passes.compat.dynamo.hooks import mark_untouched_backend
 from te_passes.te.version import te_version
 from te_passes.testing.captured import CapturedGraph
@@ -157,11 +156,10 @@ def capture_dynamo(model: str | None = "linear", precision: str = "fp8-cs", laye
             def never_run(*args, **kwargs):
                 raise _NeverRun()
             return never_run
-        frame_gate.register_backend(backend)  # take te_passes' polyfills, as te_inductor does
-        if model in UNTOUCHED_MODELS:
-            # with every hook loading the backend installs (GQA's SplitAlongDim among them): the same
-            # graph in a fresh process as after te_inductor was loaded
-            mark_untouched_backend(backend)
+        # te_passes' frame gate and every hook loading the backend installs (the patch table, GQA's SplitAlongDim,
+        # the Dynamo start callback's TE lazy init): the same graph in a fresh process as after te_inductor
+        # was loaded, for every model
+        mark_untouched_backend(backend)
 
         fn = torch.compile(fresh_function(step), backend=backend, fullgraph=True, dynamic=False)
         try:

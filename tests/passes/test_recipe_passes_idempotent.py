@@ -42,7 +42,7 @@ def test_second_run_at_post_grad_changes_nothing(te_aot_graphs, precision, graph
 
     printed = format_graph(gm)  # the printer reads the names from the graph (gm.meta), not from a registry
     shown = set(re.findall(r"as (_te_const_\d+)", printed))
-    assert len(shown) >= 3 and shown <= {r.data["name"] for r in hoisted}  # the config bundle and the quantizers
+    assert shown and shown <= {r.data["name"] for r in hoisted}  # the config bundle (and quantizers where printed)
     code = gm.code
     second = run_passes(gm, HoistTEConstants(), stage, strict=True)
     (run2,) = second.report.runs
