@@ -56,6 +56,41 @@ def _f32(log, x, before):
     return _add(log, _CONVERT, (x, torch.float32), before)
 
 
+_I32 = torch.int32
+#: fp16 (IEEE binary16): mantissa bits dropped from fp32, smallest normal, largest finite.
+_FP16 = (13, 2.0 ** -14, 65504.0)
+
+
+def rounded_like(log, x32: torch.fx.Node, dtype: torch.dtype, before: torch.fx.Node) -> torch.fx.Node:
+    """``x32`` (fp32) rounded to ``dtype`` (bf16 / fp16; round to nearest even, as a store of TE's kernel
+    does) and held as fp32 values, in integer and float ops, before ``before``.
+
+    Not ``convert(convert(x32, dtype), fp32)``: inside a fused kernel Inductor keeps a bf16 / fp16
+    intermediate in fp32 (``triton_compute_type``; the C++ backend alike, unless
+    ``emulate_precision_casts``), so that pair is no rounding at all. bf16: the fp32 bits plus
+    ``0x7FFF + lsb`` with the low 16 bits cleared; fp16: the same at bit 13 for normal values,
+    ``round(x * 2**24) * 2**-24`` below the smallest normal, infinity past 65504; NaN kept. Raises
+    ``ValueError`` for another dtype."""
+    if dtype not in NARROW:
+        raise ValueError(f"no exact rounding to {dtype} (bf16 / fp16 only)")
+    low = 16 if dtype is torch.bfloat16 else _FP16[0]
+    bits = _add(log, _A.view.dtype, (x32, _I32), before)
+    lsb = _add(log, _A.bitwise_and.Scalar, (_add(log, _A.bitwise_right_shift.Tensor_Scalar, (bits, low), before), 1),
+               before)
+    up = _add(log, _A.add.Tensor, (_add(log, _A.add.Tensor, (bits, (1 << (low - 1)) - 1), before), lsb), before)
+    r = _add(log, _A.view.dtype, (_add(log, _A.bitwise_and.Scalar, (up, -(1 << low)), before), torch.float32), before)
+    if dtype is torch.float16:
+        _, tiny, big = _FP16
+        mag = _add(log, _A.abs.default, (x32,), before)
+        sub = _add(log, _A.mul.Tensor, (_add(log, _A.round.default, (_add(log, _A.mul.Tensor, (x32, 2.0 ** 24),
+                                                                              before),), before), 2.0 ** -24), before)
+        r = _add(log, _A.where.self, (_add(log, _A.lt.Scalar, (mag, tiny), before), sub, r), before)
+        inf = _add(log, _A.mul.Tensor, (_add(log, _A.sign.default, (x32,), before), float("inf")), before)
+        r = _add(log, _A.where.self, (_add(log, _A.gt.Scalar, (_add(log, _A.abs.default, (r,), before), big), before),
+                                      inf, r), before)
+    return _add(log, _A.where.self, (_add(log, _A.ne.Tensor, (x32, x32), before), x32, r), before)
+
+
 def _dtype(node) -> torch.dtype | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val.dtype if isinstance(val, torch.Tensor) else None
@@ -117,9 +152,10 @@ class WidenQuantizedInputs(TEPass):
       ``te_act_fwd`` / ``te_act_bwd`` run on fp32 copies of their inputs (other users get their
       output converted back);
     * rule ``"amax"`` (Float8CurrentScaling, the activation: TE's kernel writes bf16 and the amax of
-      its fp32 values, which the cast uses): ``te_act_fwd`` runs on an fp32 copy, ``a = bf16(a32)``,
-      ``m = amax(|a32|)``, and the linear takes ``where(|a32| == m, a32, clamp(f32(a), -m, m))``:
-      the bf16 values, whose own amax is ``m`` (the top elements cast to the FP8 maximum either way).
+      its fp32 values, which the cast uses): ``te_act_fwd`` runs on an fp32 copy, ``m = amax(|a32|)``,
+      ``r`` = ``a32`` rounded to bf16 in integer ops (:func:`rounded_like`: Inductor would elide a
+      bf16 round trip), and the linear takes ``where(|a32| == m, a32, clamp(r, -m, m))``: the bf16
+      values, whose own amax is ``m`` (the top elements cast to the FP8 maximum either way).
 
     The bf16 / fp16 values the graph returns are unchanged, so the other graph is untouched. A rounding
     from fp32 by torch ops (a user's activation; the torch-ops polyfills of ``TE_PASSES_UNTOUCHED_NORM=
@@ -171,7 +207,8 @@ class WidenQuantizedInputs(TEPass):
             if source == NORM_OP:
                 value = self._rebuild(log, v, lin)
             else:
-                value, narrow = self._widen(log, v, ok, records, keep_narrow=rule == "amax")
+                narrow = _dtype(v)
+                value = self._widen(log, v, ok, records)
                 if rule == "amax":
                     value = self._amax_matched(log, v, narrow, lin)
             for u in ok:
@@ -267,11 +304,10 @@ class WidenQuantizedInputs(TEPass):
         return y32
 
     @staticmethod
-    def _widen(log, v: torch.fx.Node, takers: list[torch.fx.Node], records: list[PassRecord],
-               keep_narrow: bool = False) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    def _widen(log, v: torch.fx.Node, takers: list[torch.fx.Node], records: list[PassRecord]) -> torch.fx.Node:
         """``v`` (a ``te_act_fwd`` / ``te_act_bwd`` node) on fp32 copies of its tensor inputs, its
         value fp32; its users other than ``takers`` get a copy in its former dtype, made right after
-        ``v`` (also without such users with ``keep_narrow``). Returns ``(v, the copy or None)``."""
+        ``v``. Returns ``v``."""
         dtype = _dtype(v)
         n = 1 if op_qualname(v.target) == ACT_OP else 2
         log.set_args(v, (*[_f32(log, a, v) for a in v.args[:n]], *v.args[n:]))
@@ -279,21 +315,22 @@ class WidenQuantizedInputs(TEPass):
         log.set_meta(v, "val", val)
         if "tensor_meta" in v.meta:
             log.set_meta(v, "tensor_meta", _extract_tensor_metadata(val))
-        others, narrow = [u for u in v.users if u not in takers], None
-        if others or keep_narrow:
+        others = [u for u in v.users if u not in takers]
+        if others:
             narrow = _add(log, _CONVERT, (v, dtype), after=v)
             for user in others:
                 log.set_args(user, map_arg(user.args, lambda a: narrow if a is v else a),
                              map_arg(user.kwargs, lambda a: narrow if a is v else a))
         records.append(PassRecord("widened", v.name, {"dtype": str(dtype).removeprefix("torch.")}))
-        return v, narrow
+        return v
 
     @staticmethod
-    def _amax_matched(log, a32: torch.fx.Node, narrow: torch.fx.Node, lin: torch.fx.Node) -> torch.fx.Node:
-        """``where(|a32| == m, a32, min(max(f32(narrow), -m), m))``, ``m = amax(|a32|)`` (0-dim fp32), before ``lin``."""
+    def _amax_matched(log, a32: torch.fx.Node, narrow: torch.dtype, lin: torch.fx.Node) -> torch.fx.Node:
+        """``where(|a32| == m, a32, min(max(r, -m), m))``, ``m = amax(|a32|)`` (0-dim fp32), ``r`` the
+        rounding of ``a32`` to ``narrow`` (bf16 / fp16) as fp32 values (:func:`rounded_like`), before ``lin``."""
         mag = _add(log, _A.abs.default, (a32,), lin)
         m = _add(log, _A.amax.default, (mag,), lin)
-        rounded = _f32(log, narrow, lin)
+        rounded = rounded_like(log, a32, narrow, lin)
         low = _add(log, _A.maximum.default, (rounded, _add(log, _A.neg.default, (m,), lin)), lin)  # not clamp.Tensor:
         clamped = _add(log, _A.minimum.default, (low, m), lin)  # Inductor decomposes it, has no lowering
         top = _add(log, _A.eq.Tensor, (mag, m), lin)

@@ -448,7 +448,8 @@ def _fake_repropagates(gm, precision):
 
 
 def _check_amax_matched(value, act):
-    """``value`` is ``where(|a| == m, a, clamp(f32(bf16(a)), -m, m))``, ``m = amax(|a|)``, node for
+    """``value`` is ``where(|a| == m, a, clamp(r, -m, m))``, ``m = amax(|a|)``, ``r`` the bf16 rounding
+    of ``a`` in integer ops (``passes.widen_quantized_inputs.rounded_like``), node for
     node, over the widened activation ``act``; every inserted op has an Inductor lowering (a post-grad pass
     inserts after the decompositions ran: Inductor refuses to fall back to an op it decomposes)."""
     assert value.target is A.where.self
@@ -462,10 +463,18 @@ def _check_amax_matched(value, act):
     low = clamped.args[0]
     assert low.target is A.maximum.default
     assert low.args[1].target is A.neg.default and low.args[1].args == (m,)
-    r32 = low.args[0]
-    assert r32.target is CONVERT and r32.args[1] == torch.float32
-    narrow = r32.args[0]
-    assert narrow.target is CONVERT and narrow.args == (act, torch.bfloat16)
+    r32 = low.args[0]  # where(act != act, act, view(bits rounded, fp32)): no convert pair (Inductor elides one)
+    assert r32.target is A.where.self and r32.args[1] is act
+    assert r32.args[0].target is A.ne.Tensor and r32.args[0].args == (act, act)
+    back = r32.args[2]
+    assert back.target is A.view.dtype and back.args[1] == torch.float32
+    masked = back.args[0]
+    assert masked.target is A.bitwise_and.Scalar and masked.args[1] == -(1 << 16)
+    up = masked.args[0]
+    assert up.target is A.add.Tensor and up.args[0].target is A.add.Tensor and up.args[0].args[1] == 0x7FFF
+    bits = up.args[0].args[0]
+    assert bits.target is A.view.dtype and bits.args == (act, torch.int32)
+    assert not any(n.target is CONVERT and n.args[0] is act for n in act.users)
     assert value.meta["val"].dtype == torch.float32 and value.meta["val"].shape == act.meta["val"].shape
     _assert_inductor_lowers(value, stop=act)
 
@@ -540,6 +549,68 @@ def test_current_scaling_value_casts_like_te():
 
     assert torch.equal(fp8(got, got.abs().amax()), fp8(a16, m))  # TE eager: bf16 values, fp32 amax
     assert not torch.equal(fp8(a16, a16.abs().amax()), fp8(a16, m))  # the split without the rule
+
+
+def _subgraph(out, leaf, example):
+    """A GraphModule computing ``out`` from one placeholder standing for ``leaf`` (``example``: its value)."""
+    g, env = torch.fx.Graph(), {}
+    env[leaf] = g.placeholder("a")
+    env[leaf].meta["val"] = example
+
+    def copy(n):
+        if n not in env:
+            for a in n.all_input_nodes:
+                copy(a)
+            env[n] = g.node_copy(n, lambda a: env[a])
+        return env[n]
+
+    g.output(copy(out))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_current_scaling_value_compiled_by_inductor_casts_like_te():
+    """The same value compiled by Inductor (CPU): Inductor keeps a bf16 intermediate of a fused kernel in
+    fp32, so a ``convert`` pair would be no rounding at all (the GPU failure of session 19: fc2's FP8
+    input was the fp32 activation's; fc2_weight's gradient 2.4e-2 from TE eager); the integer rounding
+    gives TE eager's FP8 bytes."""
+    aot = _aot_te("layernorm_mlp", "fp8-cs", activation="gelu", bias=False)
+    gm, _ = _run(aot)
+    (a,) = _named(gm, ACT)
+    value = _te_linears(gm)[1].args[3]
+    gen = torch.Generator().manual_seed(4)
+    a32 = torch.randn(tuple(a.meta["val"].shape), generator=gen) * 3
+    a32.view(-1)[7] = 9.0234375  # the amax, not a bf16 value
+    sub = _subgraph(value, a, a32)
+    got = torch.compile(sub, backend="inductor", fullgraph=True)(a32)
+    m = a32.abs().amax()
+    want = torch.where(a32.abs() == m, a32, a32.bfloat16().float().clamp(-m, m))
+    assert torch.equal(got, want), (got != want).sum()
+    assert not torch.equal(got, a32)  # rounded (the convert pair compiled to a32 itself)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounded_like_is_a_store_under_inductor(dtype):
+    """``rounded_like`` compiled by Inductor equals ``x.to(dtype).float()`` bit for bit: ties to even,
+    fp16 subnormals and overflow to infinity, infinities and NaN kept; a convert pair would not."""
+    from te_passes.fx.journal import GraphJournal
+    from te_passes.passes.widen_quantized_inputs import rounded_like
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(4096, generator=gen) * s for s in (1e-6, 1e-3, 1.0, 300.0, 7e4)])
+    one = 1.0 + 2.0 ** -8 if dtype is torch.bfloat16 else 1.0 + 2.0 ** -11  # ties: 1 + half an ulp
+    x = torch.cat([x, torch.tensor([one, -one, 3 * one - 2, 65519.0, 65520.0, -65520.0, 2.0 ** -25, 3 * 2.0 ** -25,
+                                    float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 3.4e38])])
+    g = torch.fx.Graph()
+    p = g.placeholder("x")
+    p.meta["val"] = torch._subclasses.FakeTensorMode().from_tensor(x)
+    out = g.output(None)
+    r = rounded_like(GraphJournal(), p, dtype, out)
+    out.args = (r,)
+    got = torch.compile(torch.fx.GraphModule(torch.nn.Module(), g), backend="inductor", fullgraph=True)(x)
+    want = x.to(dtype).float()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+    with pytest.raises(ValueError, match="bf16 / fp16 only"):
+        rounded_like(GraphJournal(), p, torch.float32, out)
 
 
 def test_current_scaling_layernorm_linear_untouched():
