@@ -9,7 +9,6 @@ from __future__ import annotations
 from te_passes.compat.autocast.recipe_state import RecipeStateError, TracedAutocast, autocast_for_graph
 from te_passes.compat.compiled_call import wrap_compiled
 from te_passes.compat.delayed_scaling.linear import cudagraph_hazard
-from te_passes.compat.table import is_active as row_is_active
 from te_passes.compat.table import refusal as row_refusal
 from te_passes.compat.ub.graph_guard import (UbCheckSpec, UbDependence, UbMismatch, pristine_copy, raise_ub_mismatches,
                                               te_state_guard, ub_dependence_of, ub_state_reads)
@@ -27,5 +26,5 @@ __all__ = [
     # the compiled callable's one wrapper (compat.compiled_call)
     "wrap_compiled",
     # the patch table's status (compat.table), the untouched polyfills' norm switch
-    "row_is_active", "row_refusal", "UNTOUCHED_NORM_ENV",
+    "row_refusal", "UNTOUCHED_NORM_ENV",
 ]

@@ -92,7 +92,7 @@ def install_fused_attention_op(*, import_te: bool = False) -> bool:
                                "transformer_engine.pytorch.utils record_compile_disabled)")
             return False
         _state["forward_fn"] = fn
-    return True  # its nodes record their te.autocast state once recipe_state.install_trace_hooks() ran
+    return True  # its nodes record their te.autocast state (row autocast.trace_hooks, a sweep row)
 
 
 def fused_attention_op() -> Callable[[Any], Any]:

@@ -428,7 +428,7 @@ def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
     assert dc.META_KEY not in n.meta
     assert [(r.kind, r.data.get("reason")) for r in run.records] == [
         ("kept", "this torch's Inductor lacks X"), ("retargeted", None)]
-    assert table.is_active("lowering.direct_call") and dl.lowering_reason(n.target) is None
+    assert table.refusal("lowering.direct_call") is None and dl.lowering_reason(n.target) is None
 
 
 def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):

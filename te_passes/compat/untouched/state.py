@@ -127,7 +127,7 @@ def run_eager() -> Any:
     e.g. ``get_default_fp8_recipe``, assert on it). torch has no API for it: ``torch.compiler``'s
     ``_is_compiling_flag`` is set for the block only while patch-table row :data:`EAGER_ROW` is active
     (refused: the block runs with the flag as it is, and TE's assertion names the problem)."""
-    if not table.is_active(EAGER_ROW):
+    if table.refusal(EAGER_ROW) is not None:
         yield
         return
     import torch.compiler as tc
