@@ -8,6 +8,7 @@ import contextlib
 from typing import Any, Iterator
 
 from te_passes.compat import table
+from te_passes.compat.live_state import capture_ub
 from te_passes.compat.ub import guard as guards, rows as ub_rows
 from te_passes.te.ub import UbSnapshot
 
@@ -57,7 +58,7 @@ def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
     destroy_ub_keep_compiled()
     base.initialize_ub(*args, **kwargs)
     guards.on_ub_state_changed()
-    return UbSnapshot.capture()
+    return capture_ub()
 
 
 @contextlib.contextmanager
