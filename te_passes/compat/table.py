@@ -352,17 +352,13 @@ def rows() -> list[Row]:
         return list(_TABLE.rows)
 
 
-def toggles(scope: str = "te_inductor") -> Iterator[Toggle]:
-    """The :class:`Toggle` changes of ``scope`` of every active row (applied by :func:`apply_toggles`)."""
-    with _LOCK:
-        for row in _TABLE.rows:
-            yield from (t for t in _TABLE.toggles.get(row.name, ()) if t.scope == scope)
-
-
 def apply_toggles(scope: str = "te_inductor") -> Callable[[], None]:
-    """Set every active toggle of ``scope``; returns the function that puts the previous values back."""
+    """Set the :class:`Toggle` changes of ``scope`` of every active row; returns the function that puts the previous
+    values back."""
+    with _LOCK:
+        toggles = [t for row in _TABLE.rows for t in _TABLE.toggles.get(row.name, ()) if t.scope == scope]
     old = []
-    for t in list(toggles(scope)):
+    for t in toggles:
         old.append((t, getattr(t.config, t.attr)))
         setattr(t.config, t.attr, t.value)
 

@@ -231,13 +231,12 @@ def te_op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def reads_autocast(node: torch.fx.Node) -> bool:
-    """Whether the TE op ``node`` calls an impl that uses an autocast-delivered read
-    (:func:`te_passes.compat.te220.runtime_reads.autocast_reads`): every one of them is used only when the
-    op runs quantized (linear.py:414/568/611 and backends.py:1606 sit under ``fp8`` or need a
-    quantizer), so ``config["fp8"]`` (the args bundle, :func:`te_passes.te.graph_model.decode`)
-    decides; a node that cannot be decoded counts as reading it. A family with no inventory
-    (:data:`~te_passes.compat.te220.runtime_reads.FAMILY_IMPLS`) reads none: :func:`autocast_for_graph`
-    refuses it first when its impls read any TE state (bytecode scan)."""
+    """Whether the TE op ``node`` calls an impl that uses an autocast-delivered read (``delivery == "autocast"``
+    in :data:`te_passes.compat.te220.runtime_reads.READS`): every one of them is used only when the op runs quantized
+    (linear.py:414/568/611 and backends.py:1606 sit under ``fp8`` or need a quantizer), so ``config["fp8"]`` (the
+    args bundle, :func:`te_passes.te.graph_model.decode`) decides; a node that cannot be decoded counts as reading
+    it. A family with no inventory (:data:`~te_passes.compat.te220.runtime_reads.FAMILY_IMPLS`) reads none:
+    :func:`autocast_for_graph` refuses it first when its impls read any TE state (bytecode scan)."""
     if family_of(op_qualname(node.target) or "") not in FAMILY_IMPLS:
         return False
     try:
