@@ -77,8 +77,12 @@ def install_fused_attention_op(*, import_te: bool = False) -> bool:
     :func:`refused_reason`); returns whether it is registered and usable. A no-op returning ``False`` while TE's
     attention module is not imported (unless ``import_te``) and on another TE version (:func:`refused_reason`).
     Its nodes record their te.autocast state through row ``autocast.trace_hooks`` (a sweep row)."""
-    name = "transformer_engine.pytorch.attention.dot_product_attention.backends"
-    if refused_reason() is not None or te_version_mod.te_module(name, import_te=import_te) is None:
+    if refused_reason() is not None:
+        return False
+    if _state["forward_fn"] is not None:  # registered: no lock (Dynamo traces this through the polyfills)
+        return True
+    if te_version_mod.te_module("transformer_engine.pytorch.attention.dot_product_attention.backends",
+                                import_te=import_te) is None:
         return False
     with _lock:
         if _state["forward_fn"] is None and _state["error"] is None:
