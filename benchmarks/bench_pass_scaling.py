@@ -43,7 +43,7 @@ from te_passes.pipeline.base import PassContext, Stage
 from te_passes.fx.graph import copy_graph
 from te_passes.passes.order import default_passes
 from te_passes.pipeline.manager import PassManager
-from te_passes.te.state import TEState
+from te_passes.compat.api import capture_te_state
 
 
 def replicate(gm: torch.fx.GraphModule, copies: int) -> torch.fx.GraphModule:
@@ -83,7 +83,7 @@ def time_stage(gm: torch.fx.GraphModule, stage: Stage, repeat: int,
         # left pending would be charged to whichever pass allocates first (measured: 0.2 s of
         # fold_ub_predicates' 1.5 s at 83k nodes was its own work; the rest a full collection).
         gc.collect()
-        ctx = PassContext(stage, TePassesOptions(), TEState.capture())
+        ctx = PassContext(stage, TePassesOptions(), capture_te_state())
         t0 = time.perf_counter()
         rep = PassManager(default_passes()).run(work, ctx)
         total_ms.append((time.perf_counter() - t0) * 1e3)

@@ -153,9 +153,9 @@ def main() -> None:
     from te_passes.config import TePassesOptions
     from te_passes.pipeline.base import PassContext, Stage
     from te_passes.passes.fold_ub_predicates import FoldUbPredicates
-    from te_passes.te.state import TEState
+    from te_passes.compat.api import capture_te_state
 
-    ctx = PassContext(Stage.DYNAMO, TePassesOptions(), TEState.capture(), None, "gbench")
+    ctx = PassContext(Stage.DYNAMO, TePassesOptions(), capture_te_state(), None, "gbench")
     base_ms = None
     pass_rows: list[tuple[int, float, str]] = []
     for n in (1_000, 10_000, 100_000):

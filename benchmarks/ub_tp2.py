@@ -352,6 +352,7 @@ def main() -> int:
     from te_passes.report import compile_reports
     from te_passes.compat.ub import guard as guards
     from te_passes.te.ub import UbSnapshot
+    from te_passes.compat.api import capture_ub
     from te_passes.testing.gpu import CompileWatch, ensure_te_inductor_backend, rel_err
 
     out_dir = Path(args.out)
@@ -460,7 +461,7 @@ def main() -> int:
 
     # Phase 2: re-initialise UB with another FP8-mode config; eager first, then the compiled step.
     cfgs = [None, json.loads(args.reinit_cfgs)]
-    before = UbSnapshot.capture().to_json()
+    before = capture_ub().to_json()
     n_reports = len(compile_reports())
     metrics1 = {id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
     stats0 = dict(guards.guard_stats)
@@ -469,7 +470,7 @@ def main() -> int:
     with count_calls(torch.compiler, "reset") as compiler_resets, count_calls(torch._dynamo, "reset") as dynamo_resets:
         t_reinit = time.time()
         p2["reinit_api"] = _reinit_ub(te_base, args.tokens, args.hidden, cfgs)
-        after = UbSnapshot.capture().to_json()
+        after = capture_ub().to_json()
         p2["ub_snapshot_before"], p2["ub_snapshot_after"] = before, after
         p2["changed_buffers"] = changed_buffers(before, after)
         expect = phase2_expectations(reads, before, after, cudagraphs=ro)

@@ -21,8 +21,7 @@ from te_passes.compat.dynamo import hooks as dynamo_hooks
 from te_passes.compat.dynamo.callbacks import warn_capture_state
 from te_passes.cudagraphs.stable_grads import protect_grads
 from te_passes.compat import gate as frame_gate
-from te_passes.compat.api import RecipeStateError
-from te_passes.te.state import TEState
+from te_passes.compat.api import RecipeStateError, capture_te_state
 from te_passes.te.ub import UbConfigError
 
 #: The errors that reach a ``torch.compile``'d call's caller as themselves (:func:`te_passes.config.unwrapped`).
@@ -66,7 +65,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
     warn_capture_state("te_inductor")
     manager = PassManager(configured_passes(settings.options.pass_config), observers=_observers(settings.options))
-    comp = Compilation(manager, settings, TEState.capture(ub_snapshot=settings.ub_snapshot),
+    comp = Compilation(manager, settings, capture_te_state(ub_snapshot=settings.ub_snapshot),
                        recompile=lambda g, args: compile_graph(g, args, comp.settings))  # as begin left them
     comp.begin(gm, example_inputs)  # the Dynamo stage and its facts: autocast state, cudagraph hazard, UB reads
     if comp.settings.config_patches.get("triton.cudagraphs"):

@@ -116,17 +116,12 @@ class Row:
     def version_refusal(self, te: str | None, torch_v: str) -> str | None:
         """Why this row does not apply to TE ``te`` / torch ``torch_v`` (``None``: it does)."""
         for what, spec, have in (("torch", self.torch, torch_v), ("TE", self.te, te)):
-            if not spec:
-                continue
-            if have is None:
-                return f"{what} is not importable"
             try:
-                ok = Version(have).release[:3] and SpecifierSet(spec).contains(
-                    ".".join(map(str, Version(have).release[:3])), prereleases=True)
+                if spec and (have is None or not SpecifierSet(spec).contains(Version(have).base_version,
+                                                                             prereleases=True)):
+                    return f"checked against {what} {spec}, installed {what} is {have or 'not importable'}"
             except (InvalidSpecifier, ValueError) as e:
                 return f"bad version range {spec!r} / {have!r}: {e}"
-            if not ok:
-                return f"checked against {what} {spec}, installed {what} is {have}"
         return None
 
 
@@ -191,22 +186,16 @@ def stamp(obj: Any, name: str, value: Any) -> None:
 
 
 def _apply(change: Change) -> Callable[[], None]:
-    """Make one change; return its undo."""
+    """Make one change; return its undo (which leaves a name someone else changed after us alone)."""
     if isinstance(change, Rebind):
-        missing = object()
-        old = change.owner.__dict__.get(change.attr, missing) if isinstance(change.owner, type) else \
-            getattr(change.owner, change.attr, missing)
-        setattr(change.owner, change.attr, change.new)
+        o, a = change.owner, change.attr  # a class: its own __dict__ (an inherited value is not ours to put back)
+        read = (lambda: o.__dict__.get(a, MISSING)) if isinstance(o, type) else (lambda: getattr(o, a, MISSING))
+        old = read()
+        setattr(o, a, change.new)
 
         def undo() -> None:
-            now = change.owner.__dict__.get(change.attr) if isinstance(change.owner, type) else \
-                getattr(change.owner, change.attr, None)
-            if now is not change.new:
-                return  # someone rebound it after us: leave theirs
-            if old is missing:
-                delattr(change.owner, change.attr)
-            else:
-                setattr(change.owner, change.attr, old)
+            if read() is change.new:
+                set_state(o, a, old)
         return undo
     if isinstance(change, Substitute):
         torch.compiler.substitute_in_graph(change.original, skip_signature_check=True)(change.polyfill)
@@ -215,28 +204,27 @@ def _apply(change: Change) -> Callable[[], None]:
     if isinstance(change, Lowering):
         from torch._inductor import lowering as L
 
-        had = change.op in L.lowerings
-        old = L.lowerings.get(change.op)
-        added_realized = change.realized_inputs and change.op not in L.needs_realized_inputs
+        op, old = change.op, L.lowerings.get(change.op, MISSING)
+        added_realized = change.realized_inputs and op not in L.needs_realized_inputs
         constraints = getattr(L, "_maybe_layout_constraints", {})
-        added_constraint = change.layout_constraint is not None and change.op not in constraints
+        added_constraint = change.layout_constraint is not None and op not in constraints
         if added_realized:
-            L.add_needs_realized_inputs(change.op)
+            L.add_needs_realized_inputs(op)
         if added_constraint:
-            L.add_layout_constraint(change.op, change.layout_constraint)
-        L.lowerings[change.op] = change.fn
+            L.add_layout_constraint(op, change.layout_constraint)
+        L.lowerings[op] = change.fn
 
         def undo_lowering() -> None:
-            if L.lowerings.get(change.op) is not change.fn:
+            if L.lowerings.get(op) is not change.fn:
                 return
-            if had:
-                L.lowerings[change.op] = old
+            if old is MISSING:
+                del L.lowerings[op]
             else:
-                del L.lowerings[change.op]
+                L.lowerings[op] = old
             if added_realized:
-                L.needs_realized_inputs.discard(change.op)
+                L.needs_realized_inputs.discard(op)
             if added_constraint:
-                constraints.pop(change.op, None)
+                constraints.pop(op, None)
         return undo_lowering
     raise TypeError(f"not a patch-table change: {change!r}")
 
@@ -246,9 +234,9 @@ def _in_trace() -> bool:
 
 
 def install(rows: Sequence[Row]) -> list[RowStatus]:
-    """Apply every row not yet active whose versions match (idempotent, thread-safe); refused rows keep
-    their reason. ``rows``: the registry (:data:`te_passes.compat.rows.ROWS`, through
-    :func:`te_passes.compat.install.install`). While Dynamo compiles
+    """Apply every row not yet active whose versions match (idempotent, thread-safe), and make the new changes of
+    the active sweep rows (:func:`sweep`); refused rows keep their reason. ``rows``: the registry
+    (:data:`te_passes.compat.rows.ROWS`, through :func:`te_passes.compat.install.install`). While Dynamo compiles
     a frame (a trace may have read and guarded on the names) only Inductor lowerings are registered; the
     other rows wait ("pending") for the next call outside a trace. Returns the status of ``rows``.
 
@@ -258,85 +246,73 @@ def install(rows: Sequence[Row]) -> list[RowStatus]:
         names = [r.name for r in rows]
         if len(set(names)) != len(names):
             raise ValueError(f"patch table: duplicate row names {sorted({n for n in names if names.count(n) > 1})}")
+        known = {r.name for r in _TABLE.rows}
+        _TABLE.rows.extend(r for r in rows if r.name not in known)
+        active_sweeps = [r for r in rows if r.sweep and refusal(r.name) is None]
         for row in rows:
-            if row.name not in {r.name for r in _TABLE.rows}:
-                _TABLE.rows.append(row)
             st = _TABLE.status.get(row.name)
-            if st is not None and st.active and row.sweep:
-                _sweep(row)
-                continue
             if st is not None and (st.active or not st.reason.startswith("pending")):
                 continue
-            why = row.version_refusal(te_version(), torch_version_string())
-            if why is not None:
-                _TABLE.status[row.name] = RowStatus(row.name, False, reason=why)
-                continue
+            why, changes = row.version_refusal(te_version(), torch_version_string()), []
             try:
-                changes = list(row.plan())
+                changes = [] if why else list(row.plan())
             except (Refused, ImportError, AttributeError) as e:
-                _TABLE.status[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}"
-                                              if not isinstance(e, Refused) else str(e))
-                log.info("te_passes: patch %s refused: %s", row.name, _TABLE.status[row.name].reason)
-                continue
-            if _in_trace() and not all(isinstance(c, Lowering) for c in changes):
-                _TABLE.status[row.name] = RowStatus(row.name, False,
-                                                    reason="pending: install() was called inside a trace")
-                continue
-            toggles = [c for c in changes if isinstance(c, Toggle)]
+                why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
+                log.info("te_passes: patch %s refused: %s", row.name, why)
+            if not why and _in_trace() and not all(isinstance(c, Lowering) for c in changes):
+                why = "pending: install() was called inside a trace"
             done: list[Callable[[], None]] = []
             try:
-                for c in changes:
+                for c in [] if why else changes:
                     if not isinstance(c, Toggle):
                         done.append(_apply(c))
             except (TypeError, ValueError, AttributeError) as e:  # substitute_in_graph: someone registered one
                 for undo in reversed(done):
                     undo()
-                _TABLE.status[row.name] = RowStatus(row.name, False, reason=f"{type(e).__name__}: {e}")
+                why = f"{type(e).__name__}: {e}"
+            if why:
+                _TABLE.status[row.name] = RowStatus(row.name, False, reason=why)
                 continue
             _TABLE.undo.extend((row.name, u) for u in done)
             _TABLE.made[row.name] = {_key(c) for c in changes}
-            _TABLE.toggles[row.name] = toggles
+            _TABLE.toggles[row.name] = [c for c in changes if isinstance(c, Toggle)]
             _TABLE.status[row.name] = RowStatus(row.name, True, len(changes))
             if row.after is not None:
                 try:
                     row.after()
                 except Exception as e:  # noqa: BLE001 - a sweep must not undo an install
                     log.warning("te_passes: patch %s: after-install step failed: %s: %s", row.name, type(e).__name__, e)
+        sweep(active_sweeps)
         return [_TABLE.status[r.name] for r in rows]
 
 
-def _sweep(row: Row) -> None:
-    """Make the changes of active sweep row ``row`` that are not made yet (see :attr:`Row.sweep`)."""
-    try:
-        changes = list(row.plan())
-    except (Refused, ImportError, AttributeError) as e:
-        log.info("te_passes: patch %s: sweep refused: %s", row.name, e)
-        return
-    made = _TABLE.made.setdefault(row.name, set())
-    trace = _in_trace()
-    for c in changes:
-        k = _key(c)
-        if k in made or (trace and not isinstance(c, Lowering)):
-            continue
-        if isinstance(c, Toggle):
-            _TABLE.toggles.setdefault(row.name, []).append(c)
-        else:
-            try:
-                _TABLE.undo.append((row.name, _apply(c)))
-            except (TypeError, ValueError, AttributeError) as e:
-                log.warning("te_passes: patch %s: sweep change %r failed: %s", row.name, c, e)
-                continue
-        made.add(k)
-    _TABLE.status[row.name] = RowStatus(row.name, True, len(made))
-
-
-def sweep() -> None:
-    """Make the new changes of every active sweep row (:attr:`Row.sweep`); rows that are not active stay so
-    (a reverted row is applied again only by :func:`install`)."""
+def sweep(rows: Sequence[Row] | None = None) -> None:
+    """Make the changes not made yet of every active sweep row of ``rows`` (default: every known row; see
+    :attr:`Row.sweep`); rows that are not active stay so (a reverted row is applied again only by
+    :func:`install`). A failing ``plan`` or change is logged, the rest is made."""
     with _LOCK:
-        for row in _TABLE.rows:
-            if row.sweep and is_active(row.name):
-                _sweep(row)
+        for row in _TABLE.rows if rows is None else rows:
+            if not (row.sweep and refusal(row.name) is None):
+                continue
+            try:
+                changes = list(row.plan())
+            except (Refused, ImportError, AttributeError) as e:
+                log.info("te_passes: patch %s: sweep refused: %s", row.name, e)
+                continue
+            made = _TABLE.made.setdefault(row.name, set())
+            for c in changes:
+                if _key(c) in made or (_in_trace() and not isinstance(c, Lowering)):
+                    continue
+                try:
+                    if isinstance(c, Toggle):
+                        _TABLE.toggles.setdefault(row.name, []).append(c)
+                    else:
+                        _TABLE.undo.append((row.name, _apply(c)))
+                except (TypeError, ValueError, AttributeError) as e:
+                    log.warning("te_passes: patch %s: sweep change %r failed: %s", row.name, c, e)
+                    continue
+                made.add(_key(c))
+            _TABLE.status[row.name] = RowStatus(row.name, True, len(made))
 
 
 def revert(names: Sequence[str] | None = None) -> None:
@@ -364,14 +340,8 @@ def status() -> list[RowStatus]:
                 for r in _TABLE.rows]
 
 
-def is_active(name: str) -> bool:
-    """Whether row ``name`` is in effect."""
-    st = _TABLE.status.get(name)
-    return bool(st and st.active)
-
-
 def refusal(name: str) -> str | None:
-    """Why row ``name`` is not active (``None`` when it is)."""
+    """Why row ``name`` is not active (``None``: it is in effect)."""
     st = _TABLE.status.get(name)
     return None if st and st.active else (st.reason if st else "pending: not installed yet")
 
@@ -382,17 +352,13 @@ def rows() -> list[Row]:
         return list(_TABLE.rows)
 
 
-def toggles(scope: str = "te_inductor") -> Iterator[Toggle]:
-    """The :class:`Toggle` changes of ``scope`` of every active row (applied by :func:`apply_toggles`)."""
-    with _LOCK:
-        for row in _TABLE.rows:
-            yield from (t for t in _TABLE.toggles.get(row.name, ()) if t.scope == scope)
-
-
 def apply_toggles(scope: str = "te_inductor") -> Callable[[], None]:
-    """Set every active toggle of ``scope``; returns the function that puts the previous values back."""
+    """Set the :class:`Toggle` changes of ``scope`` of every active row; returns the function that puts the previous
+    values back."""
+    with _LOCK:
+        toggles = [t for row in _TABLE.rows for t in _TABLE.toggles.get(row.name, ()) if t.scope == scope]
     old = []
-    for t in list(toggles(scope)):
+    for t in toggles:
         old.append((t, getattr(t.config, t.attr)))
         setattr(t.config, t.attr, t.value)
 

@@ -18,6 +18,7 @@ from te_passes.pipeline.base import Stage, TEPass
 from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, CompileSettings
 from te_passes.pipeline.manager import PassManager, PassObserver
 from te_passes.report import CompileReport
+from te_passes.compat.api import capture_te_state
 from te_passes.compat.install import install as install_runtime
 from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
@@ -56,7 +57,7 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], passes: 
 
     Args:
         options: parsed options (default ``TePassesOptions()``); ``options.disable`` applies.
-        te_state: the TE state (default ``TEState.capture()``).
+        te_state: the TE state (default ``te_passes.compat.api.capture_te_state()``).
         mode: recorded in the report only.
         dump_dir: write a dump there (:class:`~te_passes.debug.dump.DumpWriter`); ``observers``: more.
         graph_id: force the report's graph id (replay uses the saved one); default ``g<N>``.
@@ -69,7 +70,7 @@ def run_stages(jobs: Sequence[tuple[Stage, torch.fx.GraphModule, Any]], passes: 
     options = options or TePassesOptions()
     observers = [*observers, *([DumpWriter.for_dir(dump_dir)] if dump_dir is not None else [])]
     comp = Compilation(PassManager(passes, observers), CompileSettings(mode, options, {}),
-                       te_state or TEState.capture(), graph_id=graph_id, live=False)
+                       te_state or capture_te_state(), graph_id=graph_id, live=False)
     jobs = sorted(jobs, key=lambda j: STAGE_ORDER.index(j[0]))
     dynamo = [j for j in jobs if j[0] is Stage.DYNAMO]
     comp.begin(dynamo[0][1] if dynamo else None, dynamo[0][2] if dynamo else None)

@@ -39,60 +39,58 @@ def refused_reason() -> str | None:
     return _state["error"]
 
 
-def _te_parts() -> dict[str, Any]:
-    """TE's pieces, checked; raises ``FusedAttentionOpUnavailable`` naming a missing one."""
-    import torch  # noqa: F401  (TE needs torch first)
-    from transformer_engine.pytorch import dynamo as te_dynamo
-    from transformer_engine.pytorch.attention.dot_product_attention import backends
+def _register() -> Callable[[Any], Any]:
+    """Define the ``fused_attn`` family through TE's ``register_custom_op`` (TE's FusedAttn args types and impls,
+    our data-free fakes); returns its ``forward_fn``.
 
+    Raises:
+        FusedAttentionOpUnavailable: the op is already defined by someone else, TE lacks a piece
+            (attention/dot_product_attention/backends.py, pytorch/dynamo), or TE's registration refused it."""
+    import torch  # noqa: F401  (TE needs torch first)
+    from torch._library.custom_ops import OPDEFS
+    from transformer_engine.pytorch import dynamo as te_dynamo
+    from transformer_engine.pytorch.attention.dot_product_attention import backends as b
+
+    if f"{TE_OP_NAMESPACE}::{OP_NAME}" in OPDEFS:
+        raise FusedAttentionOpUnavailable(f"{TE_OP_NAMESPACE}::{OP_NAME} is already defined by someone else; "
+                                          "te_passes does not replace it")
     names = ("FusedAttnFwdArgs", "FusedAttnBwdArgs", "_fused_attn_forward_impl", "_fused_attn_setup_ctx",
              "_fused_attn_backward_impl")
-    missing = [n for n in names if not hasattr(backends, n)]
+    missing = [n for n in names if not hasattr(b, n)]
     if missing or not hasattr(te_dynamo, "register_custom_op"):
         raise FusedAttentionOpUnavailable(
             f"TE {te_version_mod.te_version()} lacks {missing or ['dynamo.register_custom_op']} "
             "(attention/dot_product_attention/backends.py, pytorch/dynamo)")
-    return {n: getattr(backends, n) for n in names} | {"register_custom_op": te_dynamo.register_custom_op}
+    fwd_fake, bwd_fake = make_fakes()
+    fn = te_dynamo.register_custom_op(
+        op_name=OP_NAME, input_tensors_for_grad=list(GRAD_FIELDS), fwd_arg_type=b.FusedAttnFwdArgs,
+        fwd_impl=b._fused_attn_forward_impl, fwd_fake_impl=fwd_fake, setup_context=b._fused_attn_setup_ctx,
+        bwd_arg_type=b.FusedAttnBwdArgs, bwd_impl=b._fused_attn_backward_impl, bwd_fake_impl=bwd_fake)
+    if fn is None:
+        raise FusedAttentionOpUnavailable("TE's register_custom_op refused the fused_attn family (see "
+                                          "transformer_engine.pytorch.utils record_compile_disabled)")
+    return fn
 
 
 def install_fused_attention_op(*, import_te: bool = False) -> bool:
-    """Register the ``fused_attn`` family once (idempotent, thread-safe); returns whether it is
-    registered and usable. A no-op returning ``False`` while TE's attention module is not imported
-    (unless ``import_te``) and on another TE version (:func:`refused_reason`)."""
+    """Register the ``fused_attn`` family once (idempotent, thread-safe; a failure is kept as
+    :func:`refused_reason`); returns whether it is registered and usable. A no-op returning ``False`` while TE's
+    attention module is not imported (unless ``import_te``) and on another TE version (:func:`refused_reason`).
+    Its nodes record their te.autocast state through row ``autocast.trace_hooks`` (a sweep row)."""
     if refused_reason() is not None:
         return False
-    if _state["forward_fn"] is not None:
+    if _state["forward_fn"] is not None:  # registered: no lock (Dynamo traces this through the polyfills)
         return True
-    name = "transformer_engine.pytorch.attention.dot_product_attention.backends"
-    if te_version_mod.te_module(name, import_te=import_te) is None:
+    if te_version_mod.te_module("transformer_engine.pytorch.attention.dot_product_attention.backends",
+                                import_te=import_te) is None:
         return False
     with _lock:
-        if _state["forward_fn"] is not None or _state["error"] is not None:
-            return _state["forward_fn"] is not None
-        from torch._library.custom_ops import OPDEFS
-
-        if f"{TE_OP_NAMESPACE}::{OP_NAME}" in OPDEFS:
-            _state["error"] = (f"{TE_OP_NAMESPACE}::{OP_NAME} is already defined by someone else; "
-                               "te_passes does not replace it")
-            return False
-        try:
-            parts = _te_parts()
-        except FusedAttentionOpUnavailable as e:
-            _state["error"] = str(e)
-            return False
-        fwd_fake, bwd_fake = make_fakes()
-        fn = parts["register_custom_op"](
-            op_name=OP_NAME, input_tensors_for_grad=list(GRAD_FIELDS),
-            fwd_arg_type=parts["FusedAttnFwdArgs"], fwd_impl=parts["_fused_attn_forward_impl"],
-            fwd_fake_impl=fwd_fake, setup_context=parts["_fused_attn_setup_ctx"],
-            bwd_arg_type=parts["FusedAttnBwdArgs"], bwd_impl=parts["_fused_attn_backward_impl"],
-            bwd_fake_impl=bwd_fake)
-        if fn is None:
-            _state["error"] = ("TE's register_custom_op refused the fused_attn family (see "
-                               "transformer_engine.pytorch.utils record_compile_disabled)")
-            return False
-        _state["forward_fn"] = fn
-    return True  # its nodes record their te.autocast state once recipe_state.install_trace_hooks() ran
+        if _state["forward_fn"] is None and _state["error"] is None:
+            try:
+                _state["forward_fn"] = _register()
+            except FusedAttentionOpUnavailable as e:
+                _state["error"] = str(e)
+    return _state["forward_fn"] is not None
 
 
 def fused_attention_op() -> Callable[[Any], Any]:

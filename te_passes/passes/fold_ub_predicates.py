@@ -15,7 +15,7 @@ from torch.fx.node import map_arg
 from te_passes.fx.journal import GraphJournal
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.te import graph_model as gmod
-from te_passes.compat.api import (UbCheckSpec, UbDependence, UbFold, UbMismatch, pristine_copy, row_is_active,
+from te_passes.compat.api import (UbCheckSpec, UbDependence, UbFold, UbMismatch, pristine_copy,
                                    row_refusal)
 from te_passes.te.ub import UbConfigError, UbSnapshot
 from te_passes.te.ub_queries import describe_ub_query, find_ub_queries
@@ -123,7 +123,7 @@ class FoldUbPredicates(TEPass):
 
         # 3. TE op UB configurations.
         self._check_te_ops(gm, snap, records, checks)
-        if checks and ctx.stage is Stage.DYNAMO and not row_is_active(UB_FP8_ROW):
+        if checks and ctx.stage is Stage.DYNAMO and row_refusal(UB_FP8_ROW) is not None:
             reason = (f"TE's UB hooks were not installed when Dynamo traced this graph (patch {UB_FP8_ROW}: "
                       f"{row_refusal(UB_FP8_ROW)}; e.g. transformer_engine was imported after "
                       "torch.compile(backend='te_inductor') was called): get_ub_is_fp8 values folded by TE in "

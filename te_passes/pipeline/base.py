@@ -20,6 +20,7 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from te_passes._json import jsonable
+from te_passes.compat.api import capture_te_state
 from te_passes.config import TePassesOptions
 from te_passes.fx.journal import GraphJournal
 from te_passes.report import PassRecord
@@ -168,7 +169,7 @@ class TEPass(PassBase):
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         """torch's ``PassBase`` protocol: run at the pass's first stage with TE state taken live."""
         stage = next(iter(sorted(self.stages, key=lambda s: s.value)), Stage.DYNAMO)
-        return self.run(graph_module, PassContext(stage, TePassesOptions(), TEState.capture()))
+        return self.run(graph_module, PassContext(stage, TePassesOptions(), capture_te_state()))
 
     @classmethod
     def source_hash(cls) -> str:

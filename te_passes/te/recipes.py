@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import sys
 from typing import Any, Callable, Mapping
 
 import torch
@@ -149,7 +148,8 @@ FP8_STATE_MODULE = "transformer_engine.pytorch.quantization"
 
 @dataclasses.dataclass(frozen=True)
 class Fp8State:
-    """The TE autocast state a graph is compiled under (``FP8GlobalStateManager``)."""
+    """The TE autocast state a graph is compiled under (``FP8GlobalStateManager``; taken from a running TE by
+    :func:`te_passes.compat.live_state.capture_fp8`)."""
 
     fp8_enabled: bool = False
     fp8_calibration: bool = False
@@ -162,30 +162,6 @@ class Fp8State:
     def lookup(self, name: str) -> Any:
         """The value of ``FP8GlobalStateManager.<name>()`` (a key of :data:`STATE_LOOKUPS`, else ``KeyError``)."""
         return getattr(self, STATE_LOOKUPS[name])
-
-    @classmethod
-    def capture(cls) -> "Fp8State":
-        """Read TE's live ``FP8GlobalStateManager`` state (``ImportError`` without TE)."""
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
-
-        recipe = M.quantization_state.fp8_recipe
-        if recipe is None and not torch.compiler.is_compiling():
-            # TE's default recipe queries the GPU, and ``Recipe.__post_init__`` refuses to build it
-            # inside a compilation: where it cannot be had the recipe stays unknown (not folded).
-            try:
-                recipe = M.get_fp8_recipe()
-            except RuntimeError:
-                recipe = None
-        return cls(fp8_enabled=bool(M.is_fp8_enabled()), fp8_calibration=bool(M.is_fp8_calibration()),
-                   fp8_parameters=bool(M.with_fp8_parameters()), recipe=recipe,
-                   fp8_group=M.get_fp8_group())
-
-    @classmethod
-    def capture_if_loaded(cls) -> "Fp8State | None":
-        """:meth:`capture` when TE's :data:`FP8_STATE_MODULE` is already imported, else ``None``."""
-        if FP8_STATE_MODULE not in sys.modules:
-            return None
-        return cls.capture()
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form (part of ``TEState.fingerprint``): the flags, the recipe's ``repr`` (a

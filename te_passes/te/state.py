@@ -10,27 +10,19 @@ import json
 from typing import Any
 
 from te_passes.te.recipes import Fp8State
-from te_passes.te.ub import UbSnapshot
-from te_passes.te.version import te_version
 
 
 @dataclasses.dataclass(frozen=True)
 class TEState:
     """Snapshot of TE state relevant to the passes: the installed TE version, the Userbuffers
     :class:`~te_passes.te.ub.UbSnapshot`, ``extra`` JSON-able facts a pass recorded, and the fp8
-    autocast :class:`~te_passes.te.recipes.Fp8State` (each ``None`` when absent / not captured)."""
+    autocast :class:`~te_passes.te.recipes.Fp8State` (each ``None`` when absent / not captured). Taken from the
+    live TE process by :func:`te_passes.compat.live_state.capture_te_state`."""
 
     te_version: str | None = None
     ub: Any = None
     extra: tuple[tuple[str, Any], ...] = ()
     fp8: Fp8State | None = None
-
-    @classmethod
-    def capture(cls, *, ub_snapshot: Any = None, fp8: Fp8State | None = None) -> "TEState":
-        """Take the state from the live TE process, or from ``ub_snapshot`` (a ``UbSnapshot``, dict
-        or JSON path) / ``fp8`` when given; without TE: ``te_version=None``, no fp8 state."""
-        ub = UbSnapshot.load(ub_snapshot) if ub_snapshot is not None else UbSnapshot.capture()
-        return cls(te_version=te_version(), ub=ub, fp8=fp8 if fp8 is not None else Fp8State.capture_if_loaded())
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form (used in reports and in :meth:`fingerprint`)."""

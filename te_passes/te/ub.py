@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 from typing import Any, Mapping
 
 #: Module holding TE's UB registry.
@@ -26,8 +25,8 @@ UB_QUERY_FUNCTIONS: tuple[str, ...] = ("get_ub_is_fp8", "is_ub_initialized", "us
 #: ``UserBufferQuantizationMode`` values (``module/base.py``).
 MODE_NONE = "none"
 MODE_FP8 = "fp8"
-#: Snapshot field of a query method whose name differs.
-_METHOD_FIELD = {"get_tp_size": "tp_size"}
+#: Snapshot field of a query method whose name differs (:class:`UbBufferState`).
+METHOD_FIELD = {"get_tp_size": "tp_size"}
 
 
 class UbConfigError(RuntimeError):
@@ -41,7 +40,7 @@ def ub_mode(use_fp8: bool) -> str:
     return MODE_FP8 if use_fp8 else MODE_NONE
 
 
-def _mode_value(mode: Any) -> str:
+def mode_value(mode: Any) -> str:
     """``UserBufferQuantizationMode.FP8`` / ``"fp8"`` / ``"FP8"`` -> ``"fp8"``."""
     v = str(getattr(mode, "value", mode)).lower()
     if v not in (MODE_NONE, MODE_FP8):
@@ -67,7 +66,7 @@ class UbBufferState:
         if method not in UB_PREDICATE_METHODS:
             raise UbConfigError(f"UB communicator query {method!r} is not one te_passes folds "
                                 f"(known: {list(UB_PREDICATE_METHODS)})")
-        value = getattr(self, _METHOD_FIELD.get(method, method))
+        value = getattr(self, METHOD_FIELD.get(method, method))
         if value is None:
             raise UbConfigError(f"UB buffer {self.name!r} (mode {self.mode}) has no recorded "
                                 f"{method}() result in the snapshot")
@@ -82,37 +81,13 @@ class UbSnapshot:
     """TE's Userbuffers registry as data, taken at one instant (``module/base.py``):
     ``initialized`` (``_ub_initialized``), ``with_cublasmp`` (``_ub_with_cublasmp``), one
     :class:`UbBufferState` per ``(name, mode)`` key of ``_ub_communicators`` (sorted), and
-    ``source`` (``"live"``, ``"dict"``, ``"file:<path>"``, ``"absent"``: not in :meth:`fingerprint`)."""
+    ``source`` (``"live"``, ``"dict"``, ``"file:<path>"``, ``"absent"``: not in :meth:`fingerprint`). Taken from
+    a running TE by :func:`te_passes.compat.live_state.capture_ub`."""
 
     initialized: bool = False
     with_cublasmp: bool = False
     buffers: tuple[UbBufferState, ...] = ()
     source: str = "live"
-
-    @classmethod
-    def capture(cls) -> "UbSnapshot":
-        """Read TE's live UB registry; raises :class:`UbConfigError` for a registry key that is not
-        ``(str, UserBufferQuantizationMode)``."""
-        base = sys.modules.get(TE_UB_MODULE)
-        if base is None:
-            return cls(source="absent")
-        comms = getattr(base, "_ub_communicators", None) or {}
-        bufs = []
-        for key, comm in comms.items():
-            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)):
-                raise UbConfigError(f"unexpected key {key!r} in {TE_UB_MODULE}._ub_communicators "
-                                    "(expected (name, UserBufferQuantizationMode))")
-            vals: dict[str, Any] = {}
-            for m in UB_PREDICATE_METHODS:
-                fn = getattr(comm, m, None)
-                v = fn() if callable(fn) else None
-                field = _METHOD_FIELD.get(m, m)
-                vals[field] = (int(v) if field == "tp_size" else bool(v)) if v is not None else None
-            bufs.append(UbBufferState(key[0], _mode_value(key[1]), **vals))
-        bufs.sort(key=lambda b: (b.name, b.mode))
-        return cls(initialized=bool(getattr(base, "_ub_initialized", False)),
-                   with_cublasmp=bool(getattr(base, "_ub_with_cublasmp", False)),
-                   buffers=tuple(bufs), source="live")
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, source: str = "dict") -> "UbSnapshot":
@@ -134,7 +109,7 @@ class UbSnapshot:
                 raise UbConfigError(f"UB snapshot buffers[{i}] ({b.get('name')!r}) has unknown keys {sorted(bad)}; "
                                     f"expected {sorted(fields)}")
             try:
-                mode = _mode_value(b["mode"])
+                mode = mode_value(b["mode"])
             except ValueError as e:
                 raise UbConfigError(f"UB snapshot buffers[{i}] ({b['name']!r}): {e}") from None
             bufs.append(UbBufferState(**{**b, "mode": mode}))

@@ -63,19 +63,6 @@ def torch_at_least(major: int, minor: int, v: str | None = None) -> bool:
     return torch_series(v) >= (major, minor)
 
 
-def torch_support_refusal(v: str | None = None) -> str | None:
-    """Why te_passes does not support torch ``v`` (default: the imported one), or ``None`` when it does
-    (:data:`SUPPORTED_TORCH`)."""
-    try:
-        series = torch_series(v)
-    except ValueError as e:
-        return str(e)
-    if series in SUPPORTED_TORCH:
-        return None
-    names = ", ".join(f"{a}.{b}" for a, b in sorted(SUPPORTED_TORCH))
-    return f"torch {v or torch_version_string()}: te_passes supports torch {names} (te_passes.te.version.SUPPORTED_TORCH)"
-
-
 def torch_version_string() -> str:
     """The imported torch's ``torch.__version__`` as a ``str`` (e.g. ``"2.15.0+cu132"``)."""
     import torch

@@ -17,6 +17,7 @@ from te_passes.pipeline.compilation import Compilation
 from te_passes.pipeline.manager import PassManager
 from te_passes.report import CompileReport
 from te_passes.te.state import TEState
+from te_passes.compat.api import capture_te_state
 from te_passes.te.version import is_supported, te_version
 from te_passes.testing.aot_capture import capture_aot
 from te_passes.testing.captured import CapturedAOT, CapturedGraph
@@ -80,7 +81,7 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
             default all.
         passes: pass instances (default ``configured_passes()``; ``[]``: reports with no runs).
         options: ``TePassesOptions`` (default ``TePassesOptions()``).
-        te_state: ``TEState`` (default ``TEState.capture()``).
+        te_state: ``TEState`` (default ``capture_te_state()``).
         relower: (``CapturedAOT`` only) re-lower the rewritten Dynamo graph with the later
             stages' passes at Inductor's hooks; unselected stages' graphs are still produced.
         copy: rewrite copies (default) so ``captured`` stays intact; ``False`` rewrites
@@ -97,7 +98,7 @@ def run_pipeline(captured: CapturedGraph | CapturedAOT, stages: Iterable[Any] | 
     if not isinstance(captured, (CapturedGraph, CapturedAOT)):
         raise TypeError(f"run_pipeline takes a CapturedGraph or CapturedAOT, not {type(captured).__name__}")
     options = TePassesOptions() if options is None else options
-    te_state = TEState.capture() if te_state is None else te_state
+    te_state = capture_te_state() if te_state is None else te_state
     # The backend's driver, on an unregistered report (not in te_passes.report.compile_reports()).
     compilation = Compilation(PassManager(configured_passes() if passes is None else passes), options, te_state,
                               CompileReport(graph_id=graph_id), live=False)

@@ -22,7 +22,7 @@ from te_passes.passes.hoist_te_constants import HoistTEConstants  # noqa: E402
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs  # noqa: E402
 from te_passes.pipeline.base import TEPassResult  # noqa: E402
 from te_passes.compat.install import install  # noqa: E402
-from te_passes.te.state import TEState  # noqa: E402
+from te_passes.compat.api import capture_te_state
 from te_passes.testing.harness import pass_context  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def use_quantizer(x, q):
 def ctx(stage=Stage.DYNAMO):
     """The pass reads TE's autocast state from the compilation's TE snapshot, taken here (as
     ``te_inductor`` takes it when a compilation begins)."""
-    return pass_context(stage, te_state=TEState.capture(), strict=True)
+    return pass_context(stage, te_state=capture_te_state(), strict=True)
 
 
 @pytest.fixture(autouse=True)

@@ -18,10 +18,10 @@ def on(name: str) -> bool:
     not active); returns whether it is active."""
     import transformer_engine.pytorch  # noqa: F401  (the rows need TE's modules)
 
-    if not table.is_active(name):
+    if table.refusal(name) is not None:
         table.revert([name])
         table.install([r for r in rows_of(name.split(".", 1)[0]) if r.name == name])
-    return table.is_active(name)
+    return table.refusal(name) is None
 
 
 def off(*names: str) -> None:

@@ -11,6 +11,8 @@ import os
 import shutil
 import tomllib
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -101,16 +103,15 @@ def test_set_up_torch_versions_agree_with_the_pin_the_script_and_the_docs():
 
 
 def test_installed_torch_is_supported():
-    from te_passes.te.version import torch_support_refusal
+    from te_passes.te.version import SUPPORTED_TORCH, torch_series
 
-    assert torch_support_refusal() is None
+    assert torch_series() in SUPPORTED_TORCH
 
 
 def test_torch_version_gate_parses_what_torch_reports():
-    from te_passes.te.version import torch_at_least, torch_series, torch_support_refusal
+    from te_passes.te.version import torch_at_least, torch_series
 
     assert torch_series("2.15.0+cu132") == (2, 15) and torch_series("2.16.0a0+git1234") == (2, 16)
     assert torch_at_least(2, 15, "2.15.0+cu132") and not torch_at_least(2, 15, "2.14.1+cu130")
-    assert torch_support_refusal("2.14.1") is None and torch_support_refusal("2.15.0+cu132") is None
-    assert "te_passes supports torch 2.14, 2.15" in torch_support_refusal("2.16.0")
-    assert "not of the form major.minor" in torch_support_refusal("nightly")
+    with pytest.raises(ValueError, match="not of the form major.minor"):
+        torch_series("nightly")

@@ -87,9 +87,9 @@ def _init(te_base, cfgs):
 
 
 def _snapshot():
-    from te_passes.te.ub import UbSnapshot
+    from te_passes.compat.api import capture_ub
 
-    return UbSnapshot.capture().to_json()
+    return capture_ub().to_json()
 
 
 def test_te_accepts_the_phase2_config_and_it_changes_only_the_row_layers_reduce_scatter_buffer(ub_tp2, world):

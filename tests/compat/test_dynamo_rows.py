@@ -66,7 +66,7 @@ def test_rows_refuse_outside_their_torch_range(monkeypatch):
         monkeypatch.undo()
         table.revert(["dynamo.specialize_float"])
         table.install(ROWS)
-    assert table.is_active("dynamo.specialize_float")
+    assert table.refusal("dynamo.specialize_float") is None
 
 
 def test_install_inside_a_compile_does_not_rebind_te_names():
@@ -99,5 +99,5 @@ def test_install_inside_a_compile_does_not_rebind_te_names():
         settled = install()  # outside a compile they apply
     assert seen["in_compile"] is False and seen["op_in_compile"] is te_op, seen
     assert set(seen["refusals"].values()) == {"pending: install() was called inside a trace"}
-    assert settled and all(table.is_active(n) for n in rows) and te_linear._linear_op is not te_op
+    assert settled and all(table.refusal(n) is None for n in rows) and te_linear._linear_op is not te_op
     assert te_linear._linear_op.__wrapped__ is te_op

@@ -37,7 +37,7 @@ def reinstalled():
     yield
     table.revert(NAMES)
     table.install(ALL)
-    assert all(table.is_active(n) for n in NAMES), [(s.name, s.reason) for s in table.status()]
+    assert all(table.refusal(n) is None for n in NAMES), [(s.name, s.reason) for s in table.status()]
 
 
 def test_rows_are_named_and_active_on_te_2_20_torch_2_15_or_2_14():
@@ -87,7 +87,7 @@ def test_revert_puts_te_objects_back_and_install_applies_again(reinstalled):
     assert [o._abstract_fn for o in opdefs] == [getattr(f, "__wrapped__", f) for f in fakes]
     assert all(table.refusal(n) == "pending: reverted" for n in NAMES)
     table.install(ALL)
-    assert all(table.is_active(n) for n in NAMES)
+    assert all(table.refusal(n) is None for n in NAMES)
     assert _original(te_base.destroy_ub) is hooked["destroy_ub"].__te_passes_original__
 
 
@@ -143,7 +143,7 @@ def test_pending_rows_wait_for_te_modules(reinstalled, monkeypatch):
     assert table.refusal("ub.get_ub_is_fp8") == "pending: transformer_engine.pytorch.module.base is not imported yet"
     assert table.refusal(amax_groups.ROW) == "pending: transformer_engine.pytorch.module.linear is not imported yet"
     monkeypatch.undo()
-    assert compat_install.install() is True and table.is_active("ub.get_ub_is_fp8") and table.is_active(amax_groups.ROW)
+    assert compat_install.install() is True and table.refusal("ub.get_ub_is_fp8") is None and table.refusal(amax_groups.ROW) is None
 
 
 def test_compiler_reset_row_is_applied_only_inside_keep_compiled_graphs(monkeypatch):
@@ -151,10 +151,10 @@ def test_compiler_reset_row_is_applied_only_inside_keep_compiled_graphs(monkeypa
     calls = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("dynamo"))
     with reinit.keep_compiled_graphs():
-        assert table.is_active("ub.compiler_reset") and torch.compiler.reset is not real
+        assert table.refusal("ub.compiler_reset") is None and torch.compiler.reset is not real
         with reinit.keep_compiled_graphs():  # nested: the outer block's row stays
             torch.compiler.reset()
-        assert table.is_active("ub.compiler_reset")
+        assert table.refusal("ub.compiler_reset") is None
         torch.compiler.reset()
     assert torch.compiler.reset is real and table.refusal("ub.compiler_reset") == "pending: reverted"
     assert calls == []
@@ -171,4 +171,4 @@ def test_keep_compiled_graphs_says_why_when_its_row_is_refused(reinstalled, monk
     table.revert(["ub.compiler_reset"])
     monkeypatch.undo()
     with reinit.keep_compiled_graphs():
-        assert table.is_active("ub.compiler_reset")
+        assert table.refusal("ub.compiler_reset") is None

@@ -318,7 +318,7 @@ def test_rollback_restores_targets_and_meta(te_aot_graphs, monkeypatch):
     the plans through the manager's undo of the pass's edit journal."""
     from te_passes.passes import Stage, TEPass
     from te_passes.passes.hoist_te_constants import HoistTEConstants
-    from te_passes.te.state import TEState
+    from te_passes.compat.api import capture_te_state
     from te_passes.testing.harness import run_passes
 
     rewritten = []
@@ -332,11 +332,11 @@ def test_rollback_restores_targets_and_meta(te_aot_graphs, monkeypatch):
             raise RuntimeError("boom after rewriting")
 
     gm = te_aot_graphs("fp8-cs", 2, model="stack").forward
-    hoist = run_passes(gm, HoistTEConstants(), Stage.POST_GRAD_FWD, te_state=TEState.capture())
+    hoist = run_passes(gm, HoistTEConstants(), Stage.POST_GRAD_FWD, te_state=capture_te_state())
     assert hoist.report.runs[0].changed  # the direct call needs the hoisted constants
     before = [(n.name, n.target, sorted(n.meta)) for n in gm.graph.nodes]
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
-        run = run_passes(gm, FailAfter(), Stage.POST_GRAD_FWD, te_state=TEState.capture())
+        run = run_passes(gm, FailAfter(), Stage.POST_GRAD_FWD, te_state=capture_te_state())
     assert run.report.runs[0].status == "failed"
     (after_rewrite,) = rewritten
     assert sum(t is not u for (_, t, _), (_, u, _) in zip(before, after_rewrite)) == 2  # two ops retargeted
@@ -428,7 +428,7 @@ def test_lowering_unavailable_only_retargets(te_aot_graphs, monkeypatch):
     assert dc.META_KEY not in n.meta
     assert [(r.kind, r.data.get("reason")) for r in run.records] == [
         ("kept", "this torch's Inductor lacks X"), ("retargeted", None)]
-    assert table.is_active("lowering.direct_call") and dl.lowering_reason(n.target) is None
+    assert table.refusal("lowering.direct_call") is None and dl.lowering_reason(n.target) is None
 
 
 def test_base_op_without_plan_lowers_as_a_fallback(toy, monkeypatch):

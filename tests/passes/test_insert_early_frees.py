@@ -204,7 +204,7 @@ def test_skips_when_the_inductor_lowering_is_unavailable(monkeypatch):
     finally:
         table.revert(["lowering.free_storage"])
         install()
-    assert table.is_active("lowering.free_storage") and free_op.lowering_reason() is None
+    assert table.refusal("lowering.free_storage") is None and free_op.lowering_reason() is None
 
 
 # --------------------------------------------------------------------------- Inductor

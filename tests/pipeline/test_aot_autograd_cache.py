@@ -76,12 +76,12 @@ def _standin_compiled_forward(gm, example_inputs):
     The graphs it hoisted into are kept in :data:`_PRIMED` (names are kept per graph)."""
     from te_passes.fx.graph import copy_graph_module
     from te_passes.pipeline.base import Stage
-    from te_passes.te.state import TEState
+    from te_passes.compat.api import capture_te_state
     from te_passes.testing.harness import run_passes
 
     g = torch.fx.GraphModule(gm, copy_graph_module(gm).graph)
     run = run_passes(g, HoistTEConstants(), Stage.POST_GRAD_FWD, example_inputs=example_inputs,
-                     te_state=TEState.capture(), graph_id="primer")
+                     te_state=capture_te_state(), graph_id="primer")
     assert run.report.graph_id == "primer.fwd"
     assert run.report.runs[0].status == "ok" and run.report.runs[0].changed
     assert run.records("hoisted_constant") and run.diff() == {}

@@ -33,6 +33,7 @@ from te_passes.passes.order import default_passes
 from te_passes.te import recipes
 from te_passes.te import recipe_table
 from te_passes.te.state import TEState
+from te_passes.compat.api import capture_te_state
 from te_passes.testing.harness import run_passes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,11 +96,11 @@ def test_te_snapshot_captures_the_autocast_state():
     te = pytest.importorskip("transformer_engine.pytorch")
     from te_passes.testing.fake_gpu import fake_gpu
 
-    outside = TEState.capture()
+    outside = capture_te_state()
     assert outside.fp8 is not None and outside.fp8.fp8_enabled is False
     recipe = recipe_table.default_recipe("Float8CurrentScaling")
     with fake_gpu("fp8-cs"), te.autocast(enabled=True, recipe=recipe):
-        inside = TEState.capture()
+        inside = capture_te_state()
     assert inside.fp8.fp8_enabled is True and inside.fp8.recipe is recipe
     assert inside.to_json()["fp8"]["recipe"] == repr(recipe)
     assert inside.fingerprint() != outside.fingerprint()

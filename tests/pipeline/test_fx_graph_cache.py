@@ -78,7 +78,7 @@ def test_cache_misses_when_te_state_changes(monkeypatch, cache):
     _compile_once(monkeypatch)
     assert _hits_misses() == (1, 1)
     changed = TEState(te_version="9.99.0")
-    monkeypatch.setattr("te_passes.backend.TEState.capture", classmethod(lambda cls, **kw: changed))
+    monkeypatch.setattr("te_passes.backend.capture_te_state", lambda **kw: changed)
     _compile_once(monkeypatch)
     assert _hits_misses() == (1, 2)
     assert compile_reports()[2].uuid["te_state"] == changed.fingerprint()

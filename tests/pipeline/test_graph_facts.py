@@ -22,7 +22,7 @@ from te_passes.pipeline.compilation import Compilation, CompileSettings  # noqa:
 from te_passes.pipeline.facts import AutocastState, UbStateReads  # noqa: E402
 from te_passes.pipeline.manager import PassManager, PassObserver  # noqa: E402
 from te_passes.report import CompileReport  # noqa: E402
-from te_passes.te.state import TEState  # noqa: E402
+from te_passes.compat.api import capture_te_state
 from te_passes.testing.fake_gpu import fake_gpu, quiet  # noqa: E402
 
 ANALYSES = ("find_autocast_state", "check_cudagraph_hazard", "find_ub_state_reads")
@@ -45,7 +45,7 @@ class _Seen(PassObserver):
 def _live(options: TePassesOptions | None = None, observers=()) -> Compilation:
     """A live Compilation as te_inductor builds it (the configured passes), on an unregistered report."""
     settings = CompileSettings(None, options or TePassesOptions(), {})
-    return Compilation(PassManager(configured_passes(), observers), settings, TEState.capture(),
+    return Compilation(PassManager(configured_passes(), observers), settings, capture_te_state(),
                        CompileReport(graph_id="g_facts"))
 
 

@@ -14,7 +14,7 @@ import torch.fx
 from te_passes.passes import Stage, TEPass, TEPassResult
 from te_passes.passes.hoist_te_constants import HoistTEConstants
 from te_passes.passes.remove_quantizer_setattrs import RemoveQuantizerSetattrs
-from te_passes.te.state import TEState
+from te_passes.compat.api import capture_te_state
 from te_passes.testing.harness import run_passes
 
 
@@ -56,7 +56,7 @@ def _run_failing(gm, stage, inner, monkeypatch):
     copies, copy = [], fx_graph.copy_graph
     monkeypatch.setattr(fx_graph, "copy_graph", lambda g: copies.append(g) or copy(g))
     with pytest.warns(RuntimeWarning, match="boom after rewriting"):
-        run = run_passes(gm, _FailAfter(inner), stage, te_state=TEState.capture())
+        run = run_passes(gm, _FailAfter(inner), stage, te_state=capture_te_state())
     # undo-based rollback copies nothing; only fold_ub_predicates keeps its pristine Dynamo graph (UB recompiles)
     assert len(copies) == (1 if inner.name == "fold_ub_predicates" and stage is Stage.DYNAMO else 0)
     assert run.report.runs[0].status == "failed"
@@ -113,7 +113,7 @@ def test_liveness_shared_within_stage(te_aot_graphs, monkeypatch):
     real = liveness.analyze
     monkeypatch.setattr(liveness, "analyze", lambda *a, **k: calls.append(1) or real(*a, **k))
     aot = te_aot_graphs(precision="fp8-cs")
-    run = run_passes(aot.forward, None, Stage.POST_GRAD_FWD, te_state=TEState.capture())  # the configured pipeline
+    run = run_passes(aot.forward, None, Stage.POST_GRAD_FWD, te_state=capture_te_state())  # the configured pipeline
     by = {r.name: r for r in run.report.runs}
     assert {"insert_early_frees", "check_cudagraph_pool"} <= set(by)
     assert by["insert_early_frees"].status == by["check_cudagraph_pool"].status == "ok"

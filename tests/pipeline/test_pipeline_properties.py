@@ -43,6 +43,7 @@ from te_passes.pipeline.manager import PassManager  # noqa: E402
 from te_passes.passes.order import configured_passes  # noqa: E402
 from te_passes.ops import free as free_op  # noqa: E402
 from te_passes.te.state import TEState  # noqa: E402
+from te_passes.compat.api import capture_te_state
 from te_passes.testing.harness import run_passes  # noqa: E402
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
@@ -366,13 +367,13 @@ def test_mutated_real_te_graphs_through_their_stage(m):
     with fake_gpu(precision):
         done = mutate(gm, muts)
         where = f"{precision} x{layers} {which} {done} policy={policy}"
-        report = _run(gm, stage, inputs, policy, te=TEState.capture())
+        report = _run(gm, stage, inputs, policy, te=capture_te_state())
         check_report(report, where)
         gm.graph.lint()
         gm.recompile()
         check_no_use_after_free(gm, where)
         code = gm.code
-        again = _run(gm, stage, inputs, policy, te=TEState.capture())
+        again = _run(gm, stage, inputs, policy, te=capture_te_state())
         check_report(again, where + " (second run)")
         assert not any(r.changed for r in again.runs), \
             f"{where}: not idempotent: {[(r.name, r.records[:3]) for r in again.runs if r.changed]}"

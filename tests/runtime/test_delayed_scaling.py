@@ -40,7 +40,7 @@ def te_mods():
 
     install()
     for name in ("delayed_scaling.reduce_and_update", "delayed_scaling.check_recipe_support"):
-        assert table.is_active(name), f"the DelayedScaling row {name} refused to install: {table.refusal(name)}"
+        assert table.refusal(name) is None, f"the DelayedScaling row {name} refused to install: {table.refusal(name)}"
     return te, R, Q
 
 

@@ -25,7 +25,8 @@ from te_passes.compat.ub import reinit as ub, guard as guards  # noqa: E402
 from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
 from te_passes.compat.ub.guard import UbStateChanged  # noqa: E402
 from te_passes.compat.ub.graph_guard import UbCheckSpec, UbDependence, UbGuard, make_guarded  # noqa: E402
-from te_passes.te.ub import UbConfigError, UbSnapshot  # noqa: E402
+from te_passes.te.ub import UbConfigError
+from te_passes.compat.api import capture_te_state, capture_ub
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
 from te_passes.compat import table  # noqa: E402
 from te_passes.compat.ub import rows as ub_rows  # noqa: E402
@@ -56,7 +57,7 @@ def n_compiles():
 
 
 def test_hooks_installed_in_te_modules():
-    assert [(r.name, table.is_active(r.name)) for r in ub_rows.ROWS] == [(n, True) for n in UB_ROWS]
+    assert [(r.name, table.refusal(r.name) is None) for r in ub_rows.ROWS] == [(n, True) for n in UB_ROWS]
     assert te_linear.get_ub_is_fp8 is te_base.get_ub_is_fp8
     assert te_base.get_ub_is_fp8.__te_passes_original__.__module__ == "transformer_engine.pytorch.module.base"
     assert te_base.destroy_ub.__te_passes_original__.__name__ == "destroy_ub"
@@ -64,7 +65,7 @@ def test_hooks_installed_in_te_modules():
     with mock.patch.object(torch.compiler, "reset") as reset:
         te_base.destroy_ub()  # TE's own destroy_ub: still resets everything, but now also bumps the generation
     assert reset.call_count == 1 and guards.current_generation() == gen + 1
-    assert UbSnapshot.capture().initialized is False
+    assert capture_ub().initialized is False
 
 
 def test_uninstall_restores_te_functions():
@@ -202,7 +203,7 @@ def test_a_folded_query_te_would_raise_for_is_a_ub_config_error():
     """A folded query whose buffer is gone after a UB change: TE's own query would raise, so the
     guard raises UbConfigError naming the query (it is not a changed value to recompile for)."""
     fold = guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, "q", "fx")
-    guard = UbGuard("gQ", lambda *a: "ran", UbDependence(folds=[fold]), UbSnapshot.capture().fingerprint(),
+    guard = UbGuard("gQ", lambda *a: "ran", UbDependence(folds=[fold]), capture_ub().fingerprint(),
                     "recompile", None)
     fn = make_guarded(guard)
     assert fn(1) == "ran"
@@ -219,7 +220,7 @@ def test_te_op_check_is_revalidated():
                is_grad_enabled=False, fp8_output=False, output_quantizer=None)
     calls = []
     guard = UbGuard("gX", lambda *a: calls.append(a) or "ran", UbDependence(checks=[UbCheckSpec("linear", cfg, "linear")]),
-                    UbSnapshot.capture().fingerprint(), "recompile", None)
+                    capture_ub().fingerprint(), "recompile", None)
     fn = make_guarded(guard)
     assert fn(1) == "ran"
     set_ub_registry({**FP8_RS, ("qkv_fprop", "fp8"): C()})
@@ -267,7 +268,7 @@ def test_te_destroy_ub_resets_everything_but_keep_compiled_graphs_does_not():
     with ub.keep_compiled_graphs():
         te_base.destroy_ub()
     cp(x)
-    assert n_compiles() == 1 and UbSnapshot.capture().initialized is False
+    assert n_compiles() == 1 and capture_ub().initialized is False
     set_ub_registry(FP8_RS)
     te_base.destroy_ub()  # TE's own: torch.compiler.reset() -> the unrelated graph recompiles
     cp(x)
@@ -301,23 +302,22 @@ def _report(graph_id, *facts):
 def test_trace_time_folds_only_need_no_runtime_wrapper():
     """Dynamo's token guard covers values folded while tracing: the compiled graph is returned as is."""
     from te_passes.config import TePassesOptions
-    from te_passes.te.state import TEState
 
     def compiled(*a):
         return a
 
     trace_only = UbDependence(folds=[guards.UbFold("get_ub_is_fp8", ("proj_fprop", True), True, None, "dynamo_trace")])
-    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g900"), TEState.capture(), TePassesOptions(),
+    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g900"), capture_te_state(), TePassesOptions(),
                                            dependence=trace_only) is compiled
     checked = UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")])
-    wrapped = ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g901"), TEState.capture(), TePassesOptions(),
+    wrapped = ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g901"), capture_te_state(), TePassesOptions(),
                                               dependence=checked)
     assert wrapped is not compiled and wrapped.te_ub_guard.dependence.checks[0].config == LINEAR_CFG
     # the dependence comes from the report's facts by default
-    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g903", checked), TEState.capture(),
+    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g903", checked), capture_te_state(),
                                            TePassesOptions()).te_ub_guard.dependence.checks == checked.checks
     # an explicit offline snapshot is not guarded against the live registry
-    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g902"), TEState.capture(),
+    assert ub_graph_guard.wrap_with_te_state_guard(compiled, _report("g902"), capture_te_state(),
                                            TePassesOptions(ub_snapshot={"initialized": False}),
                                            dependence=checked) is compiled
 
@@ -336,7 +336,7 @@ def test_ub_op_graph_rerecords_under_cudagraphs(cudagraphs):
 
     guard = UbGuard("gY", lambda *a: "old", UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
                                                           pristine=pristine),
-                    UbSnapshot.capture().fingerprint(), "recompile", recompile, cudagraphs=cudagraphs)
+                    capture_ub().fingerprint(), "recompile", recompile, cudagraphs=cudagraphs)
     fn = make_guarded(guard)
     assert fn(1) == "old"
     set_ub_registry(dict(FP8_RS))  # new communicator objects, same answers, same fingerprint
@@ -344,7 +344,7 @@ def test_ub_op_graph_rerecords_under_cudagraphs(cudagraphs):
     assert recompiled == ([(["placeholder", "call_function", "output"], [2])] if cudagraphs else [])
     err = UbGuard("gZ", lambda *a: "old", UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
                                                         pristine=pristine),
-                  UbSnapshot.capture().fingerprint(), "error", recompile, cudagraphs=cudagraphs)
+                  capture_ub().fingerprint(), "error", recompile, cudagraphs=cudagraphs)
     fn = make_guarded(err)
     set_ub_registry(dict(FP8_RS))
     if cudagraphs:
@@ -500,10 +500,9 @@ def test_gpu_graph_guard_recompiles_under_cudagraph_trees():
     dep = UbDependence(checks=[UbCheckSpec("linear", LINEAR_CFG, "linear")],
                        pristine=ub_graph_guard.pristine_copy(plain_graph()))
     from te_passes.config import TePassesOptions
-    from te_passes.te.state import TEState
 
     inner = te_inductor(plain_graph(), [x], mode="reduce-overhead")
-    fn = ub_graph_guard.wrap_with_te_state_guard(inner, _report("g_cg", dep), TEState.capture(), TePassesOptions(),
+    fn = ub_graph_guard.wrap_with_te_state_guard(inner, _report("g_cg", dep), capture_te_state(), TePassesOptions(),
                                          recompile=lambda g, a: te_inductor(g, a, mode="reduce-overhead"),
                                          cudagraphs=True)
     for _ in range(3):

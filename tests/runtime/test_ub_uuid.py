@@ -27,7 +27,7 @@ from te_passes.report import compile_reports  # noqa: E402
 from te_passes.te import graph_model as gmod  # noqa: E402
 from te_passes.compat.ub import guard as guards  # noqa: E402
 from te_passes.compat.ub import graph_guard as ub_graph_guard  # noqa: E402
-from te_passes.te.state import TEState  # noqa: E402
+from te_passes.compat.api import capture_te_state
 from te_passes.testing.ub import StandInCommunicator as C, set_ub_registry, ub_registry  # noqa: E402
 
 pytestmark = pytest.mark.te
@@ -55,7 +55,7 @@ def test_non_ub_graph_keeps_its_uuid_across_a_ub_change_ub_graph_does_not():
     assert plain_a["reads_ub"] is False and plain_a["ub_reads"] == []
     assert ub_a["reads_ub"] is True
     assert ub_a["ub_reads"] == ["fold_ub_predicates folded UB queries: get_ub.is_fp8_ubuf('proj_fprop', True)"]
-    state = TEState.capture()
+    state = capture_te_state()
     assert plain_a["te_state"] == state.fingerprint(include_ub=False) != state.fingerprint()
     assert ub_a["te_state"] == state.fingerprint()
 
@@ -64,7 +64,7 @@ def test_non_ub_graph_keeps_its_uuid_across_a_ub_change_ub_graph_does_not():
         plain_b, ub_b = _uuid(plain_graph), _uuid(ub_graph)
         assert plain_b["uuid"] == plain_a["uuid"]
         assert ub_b["uuid"] != ub_a["uuid"]  # safe: any UB change re-keys a graph that reads UB state
-        assert ub_b["te_state"] == TEState.capture().fingerprint()
+        assert ub_b["te_state"] == capture_te_state().fingerprint()
 
 
 def test_unknown_ub_use_keeps_the_ub_snapshot_in_the_uuid():
@@ -74,12 +74,12 @@ def test_unknown_ub_use_keeps_the_ub_snapshot_in_the_uuid():
     from te_passes.passes.order import default_passes
 
     m, opts = default_passes(), TePassesOptions()
-    a = pipeline_uuid(m, opts, TEState.capture())
+    a = pipeline_uuid(m, opts, capture_te_state())
     set_ub_registry(BF16_RS)
-    b = pipeline_uuid(m, opts, TEState.capture())
+    b = pipeline_uuid(m, opts, capture_te_state())
     assert a["reads_ub"] is True and a["ub_reads"] is None and a["uuid"] != b["uuid"]
-    assert pipeline_uuid(m, opts, TEState.capture(), ub_reads=[])["uuid"] == \
-        pipeline_uuid(m, opts, TEState.capture(), ub_reads=[])["uuid"]
+    assert pipeline_uuid(m, opts, capture_te_state(), ub_reads=[])["uuid"] == \
+        pipeline_uuid(m, opts, capture_te_state(), ub_reads=[])["uuid"]
 
 
 def _hits_misses():

@@ -424,7 +424,7 @@ def test_switched_off_compile_behaves_as_before(monkeypatch):
 def test_polyfills_installed_for_the_te_targets():
     for row in ("untouched.layernorm_linear_forward", "untouched.layernorm_mlp_forward",
                 "untouched.fused_attention_forward", "untouched.get_default_fp8_recipe"):
-        assert table.is_active(row), table.refusal(row)
+        assert table.refusal(row) is None
     assert isinstance(untouched.closure_layout(te.LayerNormLinear.forward), tuple)
     assert "not a closure" in untouched.closure_layout(lambda: 0) or "closes over" in untouched.closure_layout(lambda: 0)
 

@@ -309,14 +309,16 @@ def test_state_lookup_names_and_live_state():
     assert recipes.state_lookup_name(len) is None
     from transformer_engine.pytorch import quantization
 
+    from te_passes.compat.api import capture_fp8  # the live read is in the fence; its data type is te/'s
+
     r = te_recipe.Float8CurrentScaling()
     # No GPU here: preset TE's cached device-support answers (the only CUDA queries autocast makes).
     ok = (True, "")
     with mock.patch.multiple(quantization, _FP8_SUPPORT=ok, _MXFP8_SUPPORT=ok, _NVFP4_SUPPORT=ok,
                              _FP8_BLOCK_SCALING_SUPPORT=ok), te.autocast(enabled=True, recipe=r):
-        st = recipes.Fp8State.capture()
+        st = capture_fp8()
     assert st.fp8_enabled is True and st.recipe is r and st.fp8_group is None
-    assert recipes.Fp8State.capture().fp8_enabled is False
+    assert capture_fp8().fp8_enabled is False
 
 
 def test_docs_page_table_is_current():

@@ -276,20 +276,16 @@ def _live_impls() -> list[Any]:
     return [getattr(mod, n, None) for n in PER_CALL_USAGE_FIELDS] if mod is not None else []
 
 
-def usage_refused_reason() -> str | None:
-    """Why the wrappers in place do not restore usage flags (:func:`usage_unsafe_reason` when they were built),
-    or ``None`` (also while row ``autocast.linear_impls`` is not active: ``table.refusal`` says why)."""
-    return next((r for f in _live_impls() if (r := getattr(f, USAGE_REFUSED_ATTR, None))), None)
-
-
 def usage_restore_installed() -> bool:
     """Whether the wrappers in place put quantizer usage flags back after each eager call."""
     impls = _live_impls()
-    return table.is_active(ROW) and bool(impls) and all(getattr(f, USAGE_FIELDS_ATTR, ()) for f in impls)
+    return table.refusal(ROW) is None and bool(impls) and all(getattr(f, USAGE_FIELDS_ATTR, ()) for f in impls)
 
 
 def hook_stats() -> dict[str, Any]:
     """The process totals (:class:`_CallState` ``stats``) with ``"installed"`` (row ``autocast.linear_impls``
-    active), ``"refused"`` (``table.refusal``) and ``"usage_refused"`` (:func:`usage_refused_reason`)."""
-    return {"installed": table.is_active(ROW), "refused": table.refusal(ROW), **_CALLS.stats,
-            "usage_refused": usage_refused_reason()}
+    active), ``"refused"`` (``table.refusal``) and ``"usage_refused"``: why the wrappers in place do not restore
+    usage flags (:func:`usage_unsafe_reason` when they were built), or ``None`` (also while the row is not
+    active: ``"refused"`` says why)."""
+    return {"installed": table.refusal(ROW) is None, "refused": table.refusal(ROW), **_CALLS.stats,
+            "usage_refused": next((r for f in _live_impls() if (r := getattr(f, USAGE_REFUSED_ATTR, None))), None)}

@@ -222,27 +222,6 @@ def trace_hook_changes() -> list[table.Rebind]:
     return changes
 
 
-#: The row (listed in :data:`te_passes.compat.autocast.rows.ROWS`; defined here, next to its plan, because
-#: :func:`install_trace_hooks` applies it and rows.py imports this module).
-TRACE_HOOKS = table.Row(
-    name=TRACE_HOOKS_ROW,
-    target="CustomOpDef._abstract_fn of every transformer_engine_compile forward op (torch._library.custom_ops)",
-    kind="rebind",
-    why="TE's impls read the te.autocast state (FP8GlobalStateManager) while they run; the fake kernel records the "
-        "state where Dynamo traced each TE op so the compiled graph runs under it",
-    drop_when="TE's compile ops take the recipe state as an argument instead of reading FP8GlobalStateManager while "
-              "they run (TE 2.20 module/linear.py), or torch offers a trace-time hook on custom ops",
-    te="==2.20.*", torch=">=2.14,<2.16", plan=trace_hook_changes, sweep=True)
-
-
-def install_trace_hooks() -> bool:
-    """Apply row ``autocast.trace_hooks`` now (``table.install``: a sweep once it is active, so TE op families
-    defined since are wrapped); returns whether it is active (``table.refusal`` says why not). For the untouched
-    polyfills, which register the fused_attn family themselves."""
-    table.install([TRACE_HOOKS])
-    return table.is_active(TRACE_HOOKS_ROW)
-
-
 # --------------------------------------------------------------------------- compile time
 def te_op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Every node (also in subgraph modules) calling a TE family forward op (wrapper or base)."""
@@ -252,13 +231,12 @@ def te_op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def reads_autocast(node: torch.fx.Node) -> bool:
-    """Whether the TE op ``node`` calls an impl that uses an autocast-delivered read
-    (:func:`te_passes.compat.te220.runtime_reads.autocast_reads`): every one of them is used only when the
-    op runs quantized (linear.py:414/568/611 and backends.py:1606 sit under ``fp8`` or need a
-    quantizer), so ``config["fp8"]`` (the args bundle, :func:`te_passes.te.graph_model.decode`)
-    decides; a node that cannot be decoded counts as reading it. A family with no inventory
-    (:data:`~te_passes.compat.te220.runtime_reads.FAMILY_IMPLS`) reads none: :func:`autocast_for_graph`
-    refuses it first when its impls read any TE state (bytecode scan)."""
+    """Whether the TE op ``node`` calls an impl that uses an autocast-delivered read (``delivery == "autocast"``
+    in :data:`te_passes.compat.te220.runtime_reads.READS`): every one of them is used only when the op runs quantized
+    (linear.py:414/568/611 and backends.py:1606 sit under ``fp8`` or need a quantizer), so ``config["fp8"]`` (the
+    args bundle, :func:`te_passes.te.graph_model.decode`) decides; a node that cannot be decoded counts as reading
+    it. A family with no inventory (:data:`~te_passes.compat.te220.runtime_reads.FAMILY_IMPLS`) reads none:
+    :func:`autocast_for_graph` refuses it first when its impls read any TE state (bytecode scan)."""
     if family_of(op_qualname(node.target) or "") not in FAMILY_IMPLS:
         return False
     try:

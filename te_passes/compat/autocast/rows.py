@@ -18,5 +18,12 @@ ROWS: tuple[Row, ...] = (
                   "quantizers (TE 2.20 module/linear.py:448/1142/1150)",
         te="==2.20.*", torch=">=2.14,<2.16",
         plan=amax_groups.linear_impl_changes, after=amax_groups.release_at_install),
-    recipe_state.TRACE_HOOKS,  # defined next to its plan: recipe_state.install_trace_hooks applies it too
+    Row(name=recipe_state.TRACE_HOOKS_ROW,
+        target="CustomOpDef._abstract_fn of every transformer_engine_compile forward op (torch._library.custom_ops)",
+        kind="rebind",
+        why="TE's impls read the te.autocast state (FP8GlobalStateManager) while they run; the fake kernel records "
+            "the state where Dynamo traced each TE op so the compiled graph runs under it",
+        drop_when="TE's compile ops take the recipe state as an argument instead of reading FP8GlobalStateManager "
+                  "while they run (TE 2.20 module/linear.py), or torch offers a trace-time hook on custom ops",
+        te="==2.20.*", torch=">=2.14,<2.16", plan=recipe_state.trace_hook_changes, sweep=True),
 )

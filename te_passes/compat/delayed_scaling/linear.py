@@ -311,17 +311,11 @@ def cudagraph_hazard(gm: torch.fx.GraphModule) -> str | None:
 
 
 @torch._dynamo.assume_constant_result
-def installed() -> bool:
-    """Whether every row of :data:`ROW_NAMES` is active (``te_passes.compat.table``); a trace-time constant
-    (read while Dynamo traces the untouched-model polyfills: no guard on the table)."""
-    return all(table.is_active(n) for n in ROW_NAMES)
-
-
-@torch._dynamo.assume_constant_result
 def refused_reason() -> str | None:
     """Why te.Linear's op pair is not in place: the first row of :data:`ROW_NAMES` not active, with its
-    ``table.refusal`` (``None`` when all are)."""
-    return next((f"{n}: {table.refusal(n)}" for n in ROW_NAMES if not table.is_active(n)), None)
+    ``table.refusal`` (``None``: every row is active). A trace-time constant (read while Dynamo traces the
+    untouched-model polyfills: no guard on the table)."""
+    return next((f"{n}: {table.refusal(n)}" for n in ROW_NAMES if table.refusal(n) is not None), None)
 
 
 def unavailable_reason(lin: Any, cd: Any) -> str | None:

@@ -177,11 +177,6 @@ STATE_NAMES: frozenset[str] = frozenset({
 })
 
 
-def autocast_reads() -> tuple[StateRead, ...]:
-    """The reads compiled code must be given the user's ``te.autocast`` state for."""
-    return tuple(r for r in READS if r.delivery == "autocast")
-
-
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
     yield code
     for c in code.co_consts:

@@ -14,6 +14,7 @@ import torch
 
 from te_passes.te.ub import TE_UB_MODULE, UbConfigError, UbSnapshot
 from te_passes.compat import table
+from te_passes.compat.live_state import capture_ub
 from te_passes.te.ub_queries import UB_QUERY_ATTR, ub_query_name
 
 
@@ -64,7 +65,7 @@ def _registry_key() -> tuple | None:
 def _capture_locked() -> UbSnapshot:
     """Capture the live UB state and renew the UB state token (``_LOCK`` held)."""
     _STATE.registry_key = _registry_key()
-    snap = _STATE.snapshot = UbSnapshot.capture()
+    snap = _STATE.snapshot = capture_ub()
     _STATE.token = "ub-" + snap.fingerprint()[:16]
     return snap
 

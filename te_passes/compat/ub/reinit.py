@@ -8,6 +8,7 @@ import contextlib
 from typing import Any, Iterator
 
 from te_passes.compat import table
+from te_passes.compat.live_state import capture_ub
 from te_passes.compat.ub import guard as guards, rows as ub_rows
 from te_passes.te.ub import UbSnapshot
 
@@ -18,11 +19,6 @@ def notify_ub_changed() -> None:
     guards.on_ub_state_changed()
 
 
-def _install_hooks() -> None:
-    """Apply the ``ub.*`` rows now (pending while TE's ``module/base.py`` is not imported)."""
-    table.install(ub_rows.ROWS)
-
-
 @contextlib.contextmanager
 def _no_compiler_reset() -> Iterator[None]:
     """Row :data:`te_passes.compat.ub.rows.COMPILER_RESET` for the block (an enclosing block's stays).
@@ -30,11 +26,11 @@ def _no_compiler_reset() -> Iterator[None]:
     Raises:
         RuntimeError: the row is refused (its reason): TE's ``destroy_ub`` would reset every compiled graph."""
     name = ub_rows.COMPILER_RESET.name
-    if table.is_active(name):
+    if table.refusal(name) is None:
         yield
         return
     table.install([ub_rows.COMPILER_RESET])
-    if not table.is_active(name):
+    if table.refusal(name) is not None:
         raise RuntimeError(f"te_passes: cannot keep compiled graphs over TE's destroy_ub(): patch {name} is not "
                            f"applied ({table.refusal(name)})")
     try:
@@ -47,7 +43,7 @@ def destroy_ub_keep_compiled() -> None:
     """TE's ``destroy_ub()`` without its process-wide ``torch.compiler.reset()`` (``ImportError``: no TE)."""
     from transformer_engine.pytorch.module import base
 
-    _install_hooks()
+    table.install(ub_rows.ROWS)  # the ub.* rows (pending until TE's module/base.py is imported)
     with _no_compiler_reset():
         base.destroy_ub()
     guards.on_ub_state_changed()
@@ -62,14 +58,14 @@ def reinitialize_ub(*args: Any, **kwargs: Any) -> UbSnapshot:
     destroy_ub_keep_compiled()
     base.initialize_ub(*args, **kwargs)
     guards.on_ub_state_changed()
-    return UbSnapshot.capture()
+    return capture_ub()
 
 
 @contextlib.contextmanager
 def keep_compiled_graphs() -> Iterator[None]:
     """Context manager: inside it, TE's ``destroy_ub()`` does not call ``torch.compiler.reset()`` (row
     ``ub.compiler_reset``; ``RuntimeError`` when it is refused, naming why)."""
-    _install_hooks()
+    table.install(ub_rows.ROWS)
     with _no_compiler_reset():
         try:
             yield

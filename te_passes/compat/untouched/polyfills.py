@@ -117,9 +117,8 @@ def _delayed_problem(mod: Any, st: UntouchedState) -> str | None:
 
     if not manager.is_fp8_enabled() or not manager.get_fp8_recipe().delayed():
         return None
-    if not delayed_linear.installed():  # compat/delayed_scaling's status (its rows, once converted)
-        return (f"DelayedScaling: te.Linear's DelayedScaling op pair is not installed "
-                f"({delayed_linear.refused_reason()}): {DELAYED_SCALING_FIX}")
+    if (refused := delayed_linear.refused_reason()) is not None:  # compat/delayed_scaling's rows
+        return f"DelayedScaling: te.Linear's DelayedScaling op pair is not installed ({refused}): {DELAYED_SCALING_FIX}"
     if not te_inductor_tracing():  # compat/delayed_scaling's gate: the backends that take its ops
         return f"DelayedScaling: the backend does not take te_passes' DelayedScaling ops: {DELAYED_SCALING_FIX}"
     if any(owner_delayed_slots(g, manager) is None for g in st.gemms):

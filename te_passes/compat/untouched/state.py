@@ -19,6 +19,7 @@ from te_passes.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gem
 from te_passes.compat import gate as frame_gate, table
 from te_passes.compat.untouched.gate import frame_untouched_options, warn_new_recipe
 from te_passes.compat.te220.module_init import forward_prepare_args
+from te_passes.compat.untouched.rewrite.te_state import prime_recipe as prime_te_recipe
 from te_passes.compat.te220.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
 
 #: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
@@ -127,7 +128,7 @@ def run_eager() -> Any:
     e.g. ``get_default_fp8_recipe``, assert on it). torch has no API for it: ``torch.compiler``'s
     ``_is_compiling_flag`` is set for the block only while patch-table row :data:`EAGER_ROW` is active
     (refused: the block runs with the flag as it is, and TE's assertion names the problem)."""
-    if not table.is_active(EAGER_ROW):
+    if table.refusal(EAGER_ROW) is not None:
         yield
         return
     import torch.compiler as tc
@@ -374,14 +375,10 @@ def _cell_values(closure: Any, depth: int = 3) -> list[Any]:
 
 
 def prime_recipe(recipe: Any) -> None:
-    """What TE's first ``te.autocast(recipe=recipe)`` caches: ``Recipe.__repr__``'s
-    ``_cached_repr`` and the ``autocast_arguments`` entry keyed by it (``pytorch/quantization.py``)."""
-    import transformer_engine.pytorch as te
-
+    """:func:`te_passes.compat.untouched.rewrite.te_state.prime_recipe` (``Recipe.__repr__``'s ``_cached_repr`` and
+    the ``autocast_arguments`` entry keyed by it, ``pytorch/quantization.py``) under :func:`run_eager`."""
     with run_eager():
-        str(recipe)
-        with te.autocast(enabled=False, recipe=recipe):
-            pass
+        prime_te_recipe(recipe)
 
 
 def _has_local(ctx: Any, name: str) -> bool:
