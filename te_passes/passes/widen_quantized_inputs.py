@@ -11,11 +11,11 @@ import os
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
+from te_passes.fx.rounding import NARROW as ROUNDABLE, add_node as _add, rounded_like
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.ops import te_act
 from te_passes.compat.api import UNTOUCHED_NORM_ENV as NORM_ENV
@@ -35,60 +35,14 @@ TE_LINEAR_OPS = {"transformer_engine_compile::linear": False, "transformer_engin
                  "transformer_engine_compile::linear_backward": True,
                  "transformer_engine_compile::linear_backward_base": True}
 #: Activation dtypes the pass widens (TE's kernels compute in fp32 and round on the way out).
-NARROW = (torch.bfloat16, torch.float16)
+NARROW = ROUNDABLE
 _SOURCES = {NORM_OP: "norm", ACT_OP: "act", ACT_BWD_OP: "dact"}
 _A = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
 
 
-def _add(log, target, args: tuple, before: torch.fx.Node | None = None, after: torch.fx.Node | None = None
-         ) -> torch.fx.Node:
-    """A new ``target(*args)`` node before ``before`` (or after ``after``), its fake ``meta["val"]``
-    (and ``tensor_meta``) computed by running ``target`` on the arguments' fake values."""
-    vals = map_arg(args, lambda a: a.meta["val"])
-    with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
-        val = target(*vals)
-    return log.call_function(target, args, meta={"val": val, "tensor_meta": _extract_tensor_metadata(val)},
-                             before=before, after=after)
-
-
 def _f32(log, x, before):
     return _add(log, _CONVERT, (x, torch.float32), before)
-
-
-_I32 = torch.int32
-#: fp16 (IEEE binary16): mantissa bits dropped from fp32, smallest normal, largest finite.
-_FP16 = (13, 2.0 ** -14, 65504.0)
-
-
-def rounded_like(log, x32: torch.fx.Node, dtype: torch.dtype, before: torch.fx.Node) -> torch.fx.Node:
-    """``x32`` (fp32) rounded to ``dtype`` (bf16 / fp16; round to nearest even, as a store of TE's kernel
-    does) and held as fp32 values, in integer and float ops, before ``before``.
-
-    Not ``convert(convert(x32, dtype), fp32)``: inside a fused kernel Inductor keeps a bf16 / fp16
-    intermediate in fp32 (``triton_compute_type``; the C++ backend alike, unless
-    ``emulate_precision_casts``), so that pair is no rounding at all. bf16: the fp32 bits plus
-    ``0x7FFF + lsb`` with the low 16 bits cleared; fp16: the same at bit 13 for normal values,
-    ``round(x * 2**24) * 2**-24`` below the smallest normal, infinity past 65504; NaN kept. Raises
-    ``ValueError`` for another dtype."""
-    if dtype not in NARROW:
-        raise ValueError(f"no exact rounding to {dtype} (bf16 / fp16 only)")
-    low = 16 if dtype is torch.bfloat16 else _FP16[0]
-    bits = _add(log, _A.view.dtype, (x32, _I32), before)
-    lsb = _add(log, _A.bitwise_and.Scalar, (_add(log, _A.bitwise_right_shift.Tensor_Scalar, (bits, low), before), 1),
-               before)
-    up = _add(log, _A.add.Tensor, (_add(log, _A.add.Tensor, (bits, (1 << (low - 1)) - 1), before), lsb), before)
-    r = _add(log, _A.view.dtype, (_add(log, _A.bitwise_and.Scalar, (up, -(1 << low)), before), torch.float32), before)
-    if dtype is torch.float16:
-        _, tiny, big = _FP16
-        mag = _add(log, _A.abs.default, (x32,), before)
-        sub = _add(log, _A.mul.Tensor, (_add(log, _A.round.default, (_add(log, _A.mul.Tensor, (x32, 2.0 ** 24),
-                                                                              before),), before), 2.0 ** -24), before)
-        r = _add(log, _A.where.self, (_add(log, _A.lt.Scalar, (mag, tiny), before), sub, r), before)
-        inf = _add(log, _A.mul.Tensor, (_add(log, _A.sign.default, (x32,), before), float("inf")), before)
-        r = _add(log, _A.where.self, (_add(log, _A.gt.Scalar, (_add(log, _A.abs.default, (r,), before), big), before),
-                                      inf, r), before)
-    return _add(log, _A.where.self, (_add(log, _A.ne.Tensor, (x32, x32), before), x32, r), before)
 
 
 def _dtype(node) -> torch.dtype | None:

@@ -449,7 +449,7 @@ def _fake_repropagates(gm, precision):
 
 def _check_amax_matched(value, act):
     """``value`` is ``where(|a| == m, a, clamp(r, -m, m))``, ``m = amax(|a|)``, ``r`` the bf16 rounding
-    of ``a`` in integer ops (``passes.widen_quantized_inputs.rounded_like``), node for
+    of ``a`` in integer ops (``fx.rounding.rounded_like``), node for
     node, over the widened activation ``act``; every inserted op has an Inductor lowering (a post-grad pass
     inserts after the decompositions ran: Inductor refuses to fall back to an op it decomposes)."""
     assert value.target is A.where.self
@@ -593,7 +593,7 @@ def test_rounded_like_is_a_store_under_inductor(dtype):
     """``rounded_like`` compiled by Inductor equals ``x.to(dtype).float()`` bit for bit: ties to even,
     fp16 subnormals and overflow to infinity, infinities and NaN kept; a convert pair would not."""
     from te_passes.fx.journal import GraphJournal
-    from te_passes.passes.widen_quantized_inputs import rounded_like
+    from te_passes.fx.rounding import rounded_like
 
     gen = torch.Generator().manual_seed(5)
     x = torch.cat([torch.randn(4096, generator=gen) * s for s in (1e-6, 1e-3, 1.0, 300.0, 7e4)])
