@@ -7,7 +7,7 @@ attention op holds ``max_seqlen`` as a constant: one graph per sequence length, 
 parameter tests record the tensors each compiled graph is called with: after a swap, the new
 ``Parameter`` object must be among them and the old one must not (the hidden ``te.Linear`` of
 LayerNormLinear / LayerNormMLP kept the Parameter of its first trace before; numerics on the GPU:
-tests/gpu/test_untouched_gpu.py).
+tests/gpu/test_swapped_params_gpu.py, not yet run).
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def fused_attention_call_problem(mod: Any, q: Any, k: Any, v: Any, call: dict[st
         (bool(call["pad_between_seqs"]), "pad_between_seqs"),
         (call["cu_seqlens_q_padded"] is not None or call["cu_seqlens_kv_padded"] is not None, "padded cu_seqlens"),
         (bool(mod.attention_dropout) and mod.training,
-         f"attention_dropout={mod.attention_dropout} in training: the op's philox rng state under CUDA-graph "
-         "replay is not verified against TE eager"),
+         f"attention_dropout={mod.attention_dropout} in training (the op's philox rng state under CUDA-graph "
+         "replay is not verified against TE eager)"),
         (bool(mod.return_max_logit), "return_max_logit"),
         (bool(mod.use_FAv2_bwd), "NVTE_FUSED_ATTN_USE_FAv2_BWD=1 (TE's flash-attn v2 backward)"),
     )
