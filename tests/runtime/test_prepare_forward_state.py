@@ -61,13 +61,16 @@ def test_delayed_scaling_inside_registers_every_module_at_compile_start_in_the_m
     ``_disable_current_modes()`` (the caller's FakeTensorMode popped); ``prepare_delayed_scaling`` makes TE's
     state in the model's fake mode, so TE's global buffers hold each TE module's own state before the first
     trace reads them (was: TE's ``torch.ones(device="cuda")`` raised "Found no NVIDIA driver", the callback
-    swallowed it, the trace registered the state itself and guarded on the empty buffer: a step-2 recompile)."""
+    swallowed it, the trace registered the state itself and guarded on the empty buffer: a step-2 recompile).
+    The fp8 state it made is recorded, so proj is not prepared again in the trace (no restart of the analysis)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     holder = {}
     r = _run(_kept(_llama, holder), _inside, lambda recipe: contextlib.nullcontext(), precision="fp8-ds")
     _no_recompile(r)
+    # the callback records the fp8 state it made (PREPARED_KEY): TE's traced prepare_forward finds it, no restart
+    assert not [x for x in r["restarts"] if x.startswith("te_passes:")], r["restarts"]
     m = holder["m"]
     mods = [x for x in m.modules() if isinstance(getattr(x, "fp8_meta", None), dict) and "scaling_fwd" in x.fp8_meta]
     assert len(mods) == 4, [type(x).__name__ for x in mods]  # layernorm_qkv, proj, layernorm_mlp, core_attention

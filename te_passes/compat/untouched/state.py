@@ -363,6 +363,8 @@ def _prepare_delayed(mods: list[torch.nn.Module], recipes: list[Any], q: Any) ->
         for m in mods:
             if m.__dict__.get(DELAYED_ATTR) != id(recipe):
                 prepare_delayed_scaling(m, recipe)
+    if q.autocast_depth == 0:  # prepare_all above ran with fp8 off; the modules now hold the fp8 state: record it
+        prepare_all(mods, None, True, recipe)  # (else forward_state restarts the trace to prepare them again)
 
 
 def _cell_values(closure: Any, depth: int = 3) -> list[Any]:
