@@ -2,7 +2,9 @@
 bwd, 20 steps) under a ``te.autocast`` whose state does not change between steps — bf16 under
 ``te.autocast(enabled=False)`` (TE builds a new default recipe per call), an fp8 layer with its LM head
 kept in bf16 by a nested ``te.autocast(enabled=False)``, and an fp8 layer (and a bare te.Linear) whose fp8
-``te.autocast`` is inside the compiled function (issue 38: the patch-table row ``untouched.prepare_forward``) — is
+``te.autocast`` is inside the compiled function (issue 38: the patch-table row ``untouched.prepare_forward``), with
+Float8CurrentScaling and with DelayedScaling (``fp8-ds-*``: te_inductor's compile-start callback registers TE's
+state; on the CPU's fake GPU that registration failed until session 20, a step-2 recompile) — is
 1 graph with 0 recompiles and 0 graph breaks
 (the H100 run of 2026-12-07 measured 12 graphs and 8 recompiles for the bf16 case, then Dynamo's limit; 2 graphs,
 1 recompile ``proj.fp8 == False`` for the fp8-inside Llama layer, docs/benchmarks/h100_2026-12-07_s19). The
@@ -64,9 +66,21 @@ def _llama_layer(te):
                                params_dtype=torch.bfloat16, device="cuda")
 
 
-@pytest.mark.parametrize("case", ["bf16-autocast-off", "fp8-nested-off-head", "fp8-inside-llama", "fp8-inside-linear"])
+def _recipe(case):
+    """Float8CurrentScaling, or TE's default DelayedScaling() for the ``fp8-ds-*`` cases."""
+    if case.startswith("fp8-ds"):
+        from transformer_engine.common.recipe import DelayedScaling
+
+        return DelayedScaling()
+    return make_recipe("fp8")
+
+
+@pytest.mark.usefixtures("reset_te_fp8_state")  # the fp8-ds cases leave their state in TE's global buffers
+@pytest.mark.parametrize("case", ["bf16-autocast-off", "fp8-nested-off-head", "fp8-inside-llama", "fp8-inside-linear",
+                                  "fp8-ds-inside-llama", "fp8-ds-inside-linear"])
 def test_te_autocast_same_state_never_recompiles(case):
     import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     torch.manual_seed(0)
     if case.startswith("bf16"):
@@ -82,7 +96,7 @@ def test_te_autocast_same_state_never_recompiles(case):
         def outer():
             return te.autocast(enabled=True, recipe=recipe)
     else:
-        recipe = make_recipe("fp8")
+        recipe = _recipe(case)
 
         def build():
             torch.manual_seed(0)
@@ -94,14 +108,15 @@ def test_te_autocast_same_state_never_recompiles(case):
         def outer():
             return contextlib.nullcontext()
     reference = None
-    if case.startswith("fp8-inside"):  # TE eager's output on a twin (same seed: same weights; TE's own lazy init)
+    if "-inside-" in case:  # TE eager's output on a twin (same seed: same weights; TE's own lazy init)
         twin = build()
         xr = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16,
                          generator=torch.Generator(device="cuda").manual_seed(3))
-        with torch.no_grad():
+        with torch.no_grad():  # DelayedScaling: step 0 quantizes with the initial scales (1), no update at exit
             reference = twin(xr).float()
         assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), model.parameters()))
         del twin
+        FP8GlobalStateManager.reset()  # the twin's DelayedScaling state out of TE's global buffers
     fn = torch.compile(model, backend="te_inductor")
     params = list(model.parameters())
     gen = torch.Generator(device="cuda").manual_seed(3)

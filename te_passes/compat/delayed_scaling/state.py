@@ -4,6 +4,7 @@ TE's global amax buffers, and which calls may take the pair. docs/design.md "Del
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -133,10 +134,12 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
     """What the first forward under ``te.autocast(recipe=recipe)`` sets up, done eagerly before the first
     compiled step: every TE module's fp8 metadata (``init_fp8_metadata``, TE's), its registration in TE's
     global amax buffers, the quantizer tags, and (``static``) the state tensors marked static
-    (:func:`te_passes.compat.delayed_scaling.scaling.mark_delayed_state_static`, for CUDA graphs).
+    (:func:`te_passes.compat.delayed_scaling.scaling.mark_delayed_state_static`, for CUDA graphs). A model on
+    fake tensors gets its state in their ``FakeTensorMode`` (:func:`model_fake_mode`).
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module`` or ``recipe`` is not a TE ``DelayedScaling``.
+        ValueError: ``model``'s fake tensors belong to more than one ``FakeTensorMode``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"prepare_delayed_scaling: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -145,9 +148,11 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
         raise TypeError(f"prepare_delayed_scaling: expected a DelayedScaling recipe, got {type(recipe).__name__}")
     te = te_module("transformer_engine.pytorch", import_te=True)
     base = te_module("transformer_engine.pytorch.module.base", import_te=True)
+    mode = model_fake_mode(model)
     # no_grad: the outermost te.autocast's exit with grad enabled runs TE's post-forward update
     # (quantization.py autocast_exit) on every state already registered: a scale update no eager step makes
-    with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), \
+            te.autocast(enabled=True, recipe=recipe):
         for m in model.modules():
             if isinstance(m, base.TransformerEngineBaseModule):
                 args = forward_prepare_args(m)  # a fresh LayerNormMLP has no num_gemms yet: 2, not 1
@@ -158,6 +163,25 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
     if static:
         delayed_scaling.mark_delayed_state_static(model)
     return n
+
+
+def model_fake_mode(model: torch.nn.Module) -> Any:
+    """The ``FakeTensorMode`` of ``model``'s parameters and buffers when they are fake tensors (a model built
+    under ``FakeTensorMode``, as the CPU captures on a fake GPU build it), else ``None``. TE's
+    ``DelayedScalingRecipeState`` allocates its ``scale`` / ``amax_history`` with ``torch.ones`` / ``torch.zeros``
+    on the module's device (TE 2.20.2 ``quantization.py``); outside that mode (Dynamo runs its compile-start
+    callbacks under ``torch.utils._python_dispatch._disable_current_modes``, torch/_dynamo/convert_frame.py) they
+    would be real CUDA tensors of a fake model, or with no GPU a CUDA-init error.
+
+    Raises:
+        ValueError: the fake tensors belong to more than one ``FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    modes = {id(t.fake_mode): t.fake_mode for t in (*model.parameters(), *model.buffers()) if isinstance(t, FakeTensor)}
+    if len(modes) > 1:
+        raise ValueError(f"prepare_delayed_scaling: {type(model).__name__}'s fake tensors belong to {len(modes)} "
+                         "FakeTensorModes; build the model under one")
+    return next(iter(modes.values()), None)
 
 
 def tag_module(m: Any) -> None:

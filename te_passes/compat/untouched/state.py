@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from te_passes.compat.delayed_scaling.scaling import mark_registered_state_static
-from te_passes.compat.delayed_scaling.state import DELAYED_ATTR, prepare_delayed_scaling
+from te_passes.compat.delayed_scaling.state import DELAYED_ATTR, model_fake_mode, prepare_delayed_scaling
 from te_passes.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
 from te_passes.compat import gate as frame_gate, table
 from te_passes.compat.untouched.gate import frame_untouched_options, warn_new_recipe
@@ -316,15 +316,30 @@ def on_compile_start(_args: Any = None) -> None:
         note_recipes(code, [r for r in in_effect if isinstance(r, Recipe)], recompile)
         if mods:
             active = q.autocast_depth > 0
-            # No te.autocast active now: the fp8 state inside the trace is unknown (te.autocast may be
-            # inside the compiled function), so a module TE already initialised (an eager step ran)
-            # keeps its state — re-initialising it with fp8 off made the trace guard on the wrong value.
-            prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None,
-                         skip=(lambda m: False) if active else _already_initialised)
-            _prepare_delayed(mods, recipes, q)
+            # Dynamo pops the caller's dispatch modes around a compile: TE's lazy init allocates its state in
+            # the fake mode of a model on fake tensors (else real CUDA tensors, or with no GPU an error)
+            with _fake_mode(mods):
+                # No te.autocast active now: the fp8 state inside the trace is unknown (te.autocast may be
+                # inside the compiled function), so a module TE already initialised (an eager step ran)
+                # keeps its state — re-initialising it with fp8 off made the trace guard on the wrong value.
+                prepare_all(mods, None, bool(q.fp8_enabled) if active else False, q.fp8_recipe if active else None,
+                            skip=(lambda m: False) if active else _already_initialised)
+                _prepare_delayed(mods, recipes, q)
         mark_registered_state_static()  # the compiled update writes every registered module's state
     except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
         return
+
+
+def _fake_mode(mods: list[torch.nn.Module]) -> Any:
+    """The one ``FakeTensorMode`` of the fake tensors of ``mods``
+    (:func:`te_passes.compat.delayed_scaling.state.model_fake_mode`) to enter, or a null context.
+
+    Raises:
+        ValueError: they belong to more than one mode."""
+    modes = {id(m): m for m in (model_fake_mode(x) for x in mods) if m is not None}
+    if len(modes) > 1:
+        raise ValueError(f"the compiled frame's modules are fake tensors of {len(modes)} FakeTensorModes")
+    return next(iter(modes.values()), None) or _null()
 
 
 def _prepare_delayed(mods: list[torch.nn.Module], recipes: list[Any], q: Any) -> None:
@@ -349,6 +364,8 @@ def _prepare_delayed(mods: list[torch.nn.Module], recipes: list[Any], q: Any) ->
         for m in mods:
             if m.__dict__.get(DELAYED_ATTR) != id(recipe):
                 prepare_delayed_scaling(m, recipe)
+    if q.autocast_depth == 0:  # prepare_all above ran with fp8 off; the modules now hold the fp8 state: record it
+        prepare_all(mods, None, True, recipe)  # (else forward_state restarts the trace to prepare them again)
 
 
 def _cell_values(closure: Any, depth: int = 3) -> list[Any]:
