@@ -42,7 +42,7 @@ def reinstalled():
 
 def test_rows_are_named_and_active_on_te_2_20_torch_2_15_or_2_14():
     assert NAMES == ["ub.initialize_ub", "ub.destroy_ub", "ub.get_ub_is_fp8", "autocast.linear_impls",
-                     "autocast.trace_hooks"]
+                     "autocast.traced_quantizer_copies", "autocast.trace_hooks"]
     assert {r.kind for r in ALL} == {"rebind"} and all(r.why and r.drop_when and r.target for r in ALL)
     st = {s.name: s for s in table.status()}
     assert all(st[n].active for n in NAMES), [(n, st[n].reason) for n in NAMES]
@@ -76,6 +76,7 @@ def test_rows_refuse_outside_their_version_range_and_leave_te_alone(reinstalled,
 def test_revert_puts_te_objects_back_and_install_applies_again(reinstalled):
     hooked = {n: getattr(te_base, n) for n in UB_FUNCTIONS}
     impls = {n: getattr(te_linear, n) for n in amax_groups.PER_CALL_GROUP_FIELDS}
+    copies = te_linear.Linear.__dict__["_get_quantizers"]
     opdefs = [torch._library.custom_ops.OPDEFS[q] for q in recipe_state.forward_ops()]
     fakes = [o._abstract_fn for o in opdefs]
     table.revert(NAMES)
@@ -84,6 +85,7 @@ def test_revert_puts_te_objects_back_and_install_applies_again(reinstalled):
     assert te_linear.get_ub_is_fp8 is hooked["get_ub_is_fp8"].__te_passes_original__
     for n, fn in impls.items():
         assert getattr(te_linear, n) is fn.__wrapped__
+    assert te_linear.Linear.__dict__["_get_quantizers"] is copies.__wrapped__
     assert [o._abstract_fn for o in opdefs] == [getattr(f, "__wrapped__", f) for f in fakes]
     assert all(table.refusal(n) == "pending: reverted" for n in NAMES)
     table.install(ALL)
