@@ -87,8 +87,9 @@ def linear(precision: str = "fp8-cs", *, marked: bool = True, row: bool = True):
     with capture_lock, quiet(), fake_gpu(precision):
         torch._dynamo.reset()
         install()
+        stack = contextlib.ExitStack()
         if not row:
-            _rows.off(traced_quantizers.ROW)
+            stack.enter_context(without_copies())
         recipe = make_recipe(precision)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode, constructing():
@@ -101,11 +102,19 @@ def linear(precision: str = "fp8-cs", *, marked: bool = True, row: bool = True):
             with mode, (contextlib.nullcontext() if grad else torch.no_grad()), \
                     te.autocast(enabled=True, recipe=recipe):
                 fn(x)
-        try:
+        with stack:
             yield lin, run, compiled
-        finally:
-            if not row:
-                assert _rows.on(traced_quantizers.ROW), table.refusal(traced_quantizers.ROW)
+
+
+@contextlib.contextmanager
+def without_copies():
+    """TE's own ``_linear_op`` call while inside: row ``autocast.traced_quantizer_copies`` reverted (its wrapper, when
+    ``delayed_scaling.linear_op`` wraps it, stays in the chain and passes TE's call through), applied again after."""
+    _rows.off(traced_quantizers.ROW)
+    try:
+        yield
+    finally:
+        assert _rows.on(traced_quantizers.ROW), table.refusal(traced_quantizers.ROW)
 
 
 def _alternate(run, steps: int = 3) -> None:
@@ -196,17 +205,25 @@ def test_other_backends_frames_keep_te_behaviour():
 
 
 def test_row_refuses_a_te_without_copy(monkeypatch):
-    """A value-opaque quantizer class without ``copy()`` (a TE change): refused with the class named, TE's own
-    ``_get_quantizers`` left in place."""
-    import transformer_engine.pytorch.module.linear as te_linear
-
-    monkeypatch.setattr(traced_quantizers, "_has_copy", lambda q: q != "Float8CurrentScalingQuantizer")
-    _rows.off(traced_quantizers.ROW)
-    try:
+    """A value-opaque quantizer class without ``copy()`` (a TE change): refused with the class named; the wrapper
+    passes TE's call through (``active()``)."""
+    with without_copies():
+        monkeypatch.setattr(traced_quantizers, "_has_copy", lambda q: q != "Float8CurrentScalingQuantizer")
         assert not _rows.on(traced_quantizers.ROW)
         assert "['Float8CurrentScalingQuantizer'] have no copy()" in table.refusal(traced_quantizers.ROW)
-        assert not hasattr(te_linear.Linear.__dict__["_get_quantizers"], "__wrapped__")
-    finally:
+        assert not traced_quantizers.active()
         monkeypatch.undo()
         _rows.off(traced_quantizers.ROW)
-        assert _rows.on(traced_quantizers.ROW)
+    assert traced_quantizers.active()
+
+
+def test_reapplied_row_does_not_wrap_twice():
+    """Reverted and applied again while ``delayed_scaling.linear_op`` wraps it: one wrapper of ours in TE's
+    ``_linear_op`` chain, active again."""
+    import transformer_engine.pytorch.module.linear as te_linear
+
+    def ours():
+        return traced_quantizers.wrappers_in(te_linear._linear_op)
+    with without_copies():
+        assert ours() == 1 and not traced_quantizers.active()
+    assert ours() == 1 and traced_quantizers.active()

@@ -165,14 +165,11 @@ def test_column_sp_fp8_alternation_compiles_once_and_eager_leaves_flags_as_found
 def test_without_usage_restore_each_alternation_recompiles_on_the_usage_guard(layer, no_usage_restore):
     """The failure the restore removes (what the 2-GPU run measured: one recompile per alternation), with TE's own
     trace (row ``autocast.traced_quantizer_copies`` off: the trace sets the module's flag back to ``True``)."""
-    from te_passes.compat.autocast import traced_quantizers
+    from test_traced_quantizer_copies import without_copies
 
     m = layer("column")
-    _rows.off(traced_quantizers.ROW)
-    try:
+    with without_copies():
         seen, reasons, around = _alternate(m, 3)
-    finally:
-        assert _rows.on(traced_quantizers.ROW)
     assert len(seen) == 1 + 3, reasons
     assert reasons and all("['scaling_fwd'][0].columnwise_usage == True" in r for r in reasons), reasons
     assert all(before["scaling_fwd[0]"] == (True, True) and after["scaling_fwd[0]"] == (True, False)

@@ -24,8 +24,8 @@ ROWS: tuple[Row, ...] = (
         why="TE's compiled te.Linear path sets the usage flags of the module's value-opaque quantizers by grad mode "
             "at trace time and Dynamo guards on them: every train <-> no_grad switch recompiled (issue 42); in "
             "te_inductor traces the op gets per-call copies (compat.autocast.traced_quantizers)",
-        drop_when="TE's Linear.forward hands its compiled op per-call quantizer copies (TE 2.20 module/linear.py:2412 "
-                  "passes the module's own objects)",
+        drop_when="TE's compiled te.Linear op works on per-call quantizer copies (TE 2.20 module/linear.py:2559 "
+                  "hands _linear_op the module's own objects)",
         te="==2.20.*", torch=">=2.14,<2.16", plan=traced_quantizers.plan),
     recipe_state.TRACE_HOOKS,  # defined next to its plan: recipe_state.install_trace_hooks applies it too
 )
