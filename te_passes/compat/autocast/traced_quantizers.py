@@ -36,8 +36,9 @@ TE_OPAQUE_MODULE = "transformer_engine.pytorch.dynamo.quantizer_opaque"
 #: The ``LinearFwdArgs`` fields holding quantizers (linear.py:2520-2525).
 QUANTIZER_FIELDS: tuple[str, ...] = ("input_quantizer", "weight_quantizer", "output_quantizer",
                                      "grad_input_quantizer", "grad_weight_quantizer", "grad_output_quantizer")
-#: The wrappers :func:`op_wrapper` made (the row's plan finds one already in TE's ``_linear_op`` chain).
-_MADE: list[Callable[[Any], Any]] = []
+#: Attribute set on the wrappers :func:`op_wrapper` makes (the row's plan finds one already in TE's ``_linear_op``
+#: chain).
+MARK = "traced_quantizer_copies"
 
 
 @torch._dynamo.assume_constant_result
@@ -65,7 +66,7 @@ def op_wrapper(te_op: Callable[[Any], Any], is_value_opaque: Callable[[Any], boo
                 fwd_args = dataclasses.replace(fwd_args, **copies)
         return te_op(fwd_args)
 
-    _MADE.append(linear_op)
+    setattr(linear_op, MARK, True)
     return linear_op
 
 
@@ -102,7 +103,7 @@ def wrappers_in(fn: Any) -> int:
     """How many wrappers of :func:`op_wrapper` are in ``fn``'s ``__wrapped__`` chain (``fn`` included)."""
     n = 0
     while fn is not None:
-        n += any(fn is w for w in _MADE)
+        n += getattr(fn, MARK, False) is True
         fn = getattr(fn, "__wrapped__", None)
     return n
 
@@ -119,4 +120,4 @@ def _has_copy(qualname: str) -> bool:
     return False
 
 
-__all__ = ["QUANTIZER_FIELDS", "ROW", "TARGET", "active", "op_wrapper", "plan", "wrappers_in"]
+__all__ = ["MARK", "QUANTIZER_FIELDS", "ROW", "TARGET", "active", "op_wrapper", "plan", "wrappers_in"]
