@@ -9,7 +9,7 @@ quantizers keep their values, and that the graph constants are not changed by a 
 
 No GPU: a te.Linear on fake CUDA tensors (te_passes.testing.fake_gpu), compiled with a recording backend marked as
 te_inductor (its polyfills and rows: ``mark_untouched_backend``) that snapshots each graph's TE op calls when it
-is compiled and runs the graph on the fake tensors (TE's fake impls). tests/gpu/test_fsdp2_gpu.py checks the
+is compiled and runs the graph on the fake tensors (TE's fake impls). tests/gpu/test_training_loop_gpu.py checks the
 inference graph's values against TE eager under ``no_grad`` on a GPU.
 """
 
