@@ -17,7 +17,7 @@ import transformer_engine.pytorch.module.linear as te_linear  # noqa: E402
 
 import te_passes.backend  # noqa: E402,F401  (installs the table, as loading te_inductor does)
 from te_passes.compat import table  # noqa: E402
-from te_passes.compat.autocast import amax_groups, recipe_state, rows as autocast_rows  # noqa: E402
+from te_passes.compat.autocast import amax_groups, recipe_state, rows as autocast_rows, traced_quantizers  # noqa: E402
 from te_passes.compat.ub import reinit, rows as ub_rows  # noqa: E402
 from te_passes.te.op_families import TE_OP_NAMESPACE  # noqa: E402
 
@@ -42,7 +42,7 @@ def reinstalled():
 
 def test_rows_are_named_and_active_on_te_2_20_torch_2_15_or_2_14():
     assert NAMES == ["ub.initialize_ub", "ub.destroy_ub", "ub.get_ub_is_fp8", "autocast.linear_impls",
-                     "autocast.trace_hooks"]
+                     "autocast.traced_quantizer_copies", "autocast.trace_hooks"]
     assert {r.kind for r in ALL} == {"rebind"} and all(r.why and r.drop_when and r.target for r in ALL)
     st = {s.name: s for s in table.status()}
     assert all(st[n].active for n in NAMES), [(n, st[n].reason) for n in NAMES]
@@ -84,6 +84,7 @@ def test_revert_puts_te_objects_back_and_install_applies_again(reinstalled):
     assert te_linear.get_ub_is_fp8 is hooked["get_ub_is_fp8"].__te_passes_original__
     for n, fn in impls.items():
         assert getattr(te_linear, n) is fn.__wrapped__
+    assert not traced_quantizers.active()  # its wrapper, under delayed_scaling.linear_op's, passes TE's call through
     assert [o._abstract_fn for o in opdefs] == [getattr(f, "__wrapped__", f) for f in fakes]
     assert all(table.refusal(n) == "pending: reverted" for n in NAMES)
     table.install(ALL)

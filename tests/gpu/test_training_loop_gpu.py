@@ -142,3 +142,51 @@ def test_training_loop_matches_te_eager(precision, setup, table):
         if mode == "reduce-overhead" and st.cudagraph_skips:
             failures.append(f"{mode}: {st.cudagraph_skips} cudagraph skip(s)")
     assert not failures, failures
+
+
+def test_fp8_eval_between_steps_matches_te_eager_without_recompiles():
+    """``model.eval()`` + ``torch.no_grad()`` evaluation after each Float8CurrentScaling step (3 steps, no
+    checkpointing): the compiled inference graph's logits against TE eager's under ``no_grad`` on the same weights
+    (a second model with the parameters copied, its own TE quantizers), within ``REL_TOL["fp8"]``; one training and
+    one inference graph compiled in step 1, no recompile after (row ``autocast.traced_quantizer_copies``)."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    from te_passes.compat.install import install
+    from te_passes.examples.llama import TinyLlama, train_step
+
+    FP8GlobalStateManager.reset()
+    torch._dynamo.reset()
+    install()
+    torch.manual_seed(0)
+    cfg = _config(False)
+    model = TinyLlama(cfg, device="cuda")
+    ref = TinyLlama(cfg, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fn = torch.compile(model, backend="te_inductor")
+    recipe = _recipe("fp8-cs")
+    data = _data(cfg, 1)[:3]
+    errs, same = [], []
+    with CompileWatch() as watch:
+        for step, batches in enumerate(data):
+            train_step(fn, opt, batches, recipe=recipe)
+            tokens = batches[0][0]
+            model.eval()
+            with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+                got = fn(tokens)
+            model.train()
+            copy_params(model, ref)
+            ref.eval()
+            with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+                want = ref(tokens)
+            errs.append(rel_err(got, want))
+            same.append(bool(torch.equal(got, want)))
+            if step == 0:
+                first = watch.snapshot()
+    st = watch.stats
+    print(f"\nfp8 eval between steps: graphs {st.graphs}, breaks {st.graph_breaks}, recompiles {st.recompiles} "
+          f"(after step 1: {st.recompiles - first.recompiles}); eval logits rel err per step {errs}, "
+          f"bit-identical {same}")
+    assert st.recompiles == first.recompiles, st.recompile_reasons
+    assert first.graphs >= 2 and st.graph_breaks == 0, st.break_reasons
+    assert max(errs) <= REL_TOL["fp8"], errs

@@ -163,13 +163,26 @@ def test_column_sp_fp8_alternation_compiles_once_and_eager_leaves_flags_as_found
 
 
 def test_without_usage_restore_each_alternation_recompiles_on_the_usage_guard(layer, no_usage_restore):
-    """The failure the restore removes (what the 2-GPU run measured: one recompile per alternation)."""
+    """The failure the restore removes (what the 2-GPU run measured: one recompile per alternation), with TE's own
+    trace (row ``autocast.traced_quantizer_copies`` off: the trace sets the module's flag back to ``True``)."""
+    from test_traced_quantizer_copies import without_copies
+
     m = layer("column")
-    seen, reasons, around = _alternate(m, 3)
+    with without_copies():
+        seen, reasons, around = _alternate(m, 3)
     assert len(seen) == 1 + 3, reasons
     assert reasons and all("['scaling_fwd'][0].columnwise_usage == True" in r for r in reasons), reasons
     assert all(before["scaling_fwd[0]"] == (True, True) and after["scaling_fwd[0]"] == (True, False)
                for before, after in around), around
+
+
+def test_traced_copies_alone_keep_the_alternation_at_one_graph(layer, no_usage_restore):
+    """Without the restore but with row ``autocast.traced_quantizer_copies``: the trace no longer writes the module's
+    flag, so the value each eager step leaves is the one the graph guarded on: one graph."""
+    m = layer("column")
+    seen, reasons, around = _alternate(m, 3)
+    assert len(seen) == 1 and reasons == [], reasons
+    assert all(after["scaling_fwd[0]"] == (True, False) for _, after in around), around
 
 
 @pytest.mark.parametrize("case", ["row-sp-fp8", "column-no-sp-fp8", "plain-fp8", "column-sp-bf16", "plain-bf16"])

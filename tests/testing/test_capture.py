@@ -76,7 +76,8 @@ FWD_OUTPUTS = {
 #: (traced after TE's lazy init at compile start, as under te_inductor: the capture loads what the backend loads;
 #: the reference fp8-cs graph, traced without it, has 23; AOT graphs drop them). The forward then hands no
 #: quantizer object to the backward (it did, 5 per layer, without the lazy init); the saved tensors are the same.
-DYNAMO_SETATTRS = {"bf16": 0, "fp8-cs": 17, "mxfp8": 17}
+#: after TE's lazy init: 17 on the module's quantizers + 6 on the op's per-call copies (autocast.traced_quantizer_copies)
+DYNAMO_SETATTRS = {"bf16": 0, "fp8-cs": 23, "mxfp8": 23}
 
 
 def _desc(v):

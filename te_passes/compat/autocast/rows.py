@@ -4,7 +4,7 @@ See docs/internals.md#te_passescompatautocastrowspy."""
 
 from __future__ import annotations
 
-from te_passes.compat.autocast import amax_groups, recipe_state
+from te_passes.compat.autocast import amax_groups, recipe_state, traced_quantizers
 from te_passes.compat.table import Row
 
 ROWS: tuple[Row, ...] = (
@@ -18,6 +18,15 @@ ROWS: tuple[Row, ...] = (
                   "quantizers (TE 2.20 module/linear.py:448/1142/1150)",
         te="==2.20.*", torch=">=2.14,<2.16",
         plan=amax_groups.linear_impl_changes, after=amax_groups.release_at_install),
+    Row(name=traced_quantizers.ROW,
+        target=f"{traced_quantizers.TE_LINEAR_MODULE}.{traced_quantizers.TARGET}",
+        kind="rebind",
+        why="TE's compiled te.Linear path sets the usage flags of the module's value-opaque quantizers by grad mode "
+            "at trace time and Dynamo guards on them: every train <-> no_grad switch recompiled (issue 42); in "
+            "te_inductor traces the op gets per-call copies (compat.autocast.traced_quantizers)",
+        drop_when="TE's compiled te.Linear op works on per-call quantizer copies (TE 2.20 module/linear.py:2559 "
+                  "hands _linear_op the module's own objects)",
+        te="==2.20.*", torch=">=2.14,<2.16", plan=traced_quantizers.plan),
     Row(name=recipe_state.TRACE_HOOKS_ROW,
         target="CustomOpDef._abstract_fn of every transformer_engine_compile forward op (torch._library.custom_ops)",
         kind="rebind",
