@@ -64,7 +64,7 @@ def measure(calls: int, rounds: int) -> list[list[str]]:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     install()
-    if not table.is_active("untouched.prepare_forward"):
+    if table.refusal("untouched.prepare_forward") is not None:
         raise SystemExit(f"row untouched.prepare_forward is not active: {table.refusal('untouched.prepare_forward')}")
     assert TransformerEngineBaseModule.__dict__["prepare_forward"] is forward_state.prepare_forward
     te_fn, row_fn = forward_state.TE_FUNCTION[0], forward_state.prepare_forward

@@ -128,7 +128,7 @@ def test_train_eval_alternation_compiles_two_graphs_and_leaves_the_quantizers_al
     """3 x (training forward, no_grad forward): one graph per grad mode, both reused; the module's quantizers keep
     the values they had after TE's lazy init (the traces wrote to copies)."""
     with linear(precision) as (lin, run, compiled):
-        assert table.is_active(traced_quantizers.ROW), table.refusal(traced_quantizers.ROW)
+        assert table.refusal(traced_quantizers.ROW) is None, table.refusal(traced_quantizers.ROW)
         run(True)
         before = flags(lin)
         assert before and all(f == (True, True) for f in before.values()), before  # TE's defaults

@@ -46,7 +46,7 @@ def active() -> bool:
     """Whether row :data:`ROW` is active; a trace-time constant (no guard on the table). A wrapper that a later row
     wrapped stays in TE's ``_linear_op`` chain when this row alone is reverted (``table.revert`` leaves a rebinding
     replaced after it alone): it then passes TE's call through."""
-    return table.is_active(ROW)
+    return table.refusal(ROW) is None
 
 
 def op_wrapper(te_op: Callable[[Any], Any], is_value_opaque: Callable[[Any], bool]) -> Callable[[Any], Any]:
