@@ -169,7 +169,7 @@ def resolve_function(module: str, qualname: str) -> Any:
     if obj is None and len(parts) > 1:
         obj = walk(parts[-1:])
     if obj is None:
-        raise GraphFileError(f"function {module_name}.{qualname} does not exist in this process")
+        raise GraphFileError(f"function {module}.{qualname} does not exist in this process")
     owner = _owner_module(obj)
     owner = "operator" if owner == "_operator" else owner
     if not callable(obj) or owner is None or not allowed_target_module(owner) \

@@ -97,6 +97,12 @@ def test_function_targets_outside_the_allowed_modules_are_refused(tmp_path):
             load_graph(p)
 
 
+def test_missing_function_target_is_named():
+    """A target in an allowed module that does not exist there is a GraphFileError naming it."""
+    with pytest.raises(GraphFileError, match=r"function torch\.no_such_fn does not exist in this process"):
+        _FnRef("torch", "no_such_fn").resolve()
+
+
 def test_newer_format_is_named(tmp_path):
     p = tmp_path / "new.tegraph"
     p.write_bytes(pickle.dumps({"format": "te_passes.tegraph/2", "nodes": []}))
