@@ -32,7 +32,7 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
             raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
                            "sets its own torch.compile(mode=...)")
     check_writable_dir(args.out)  # the cheap checks first: no torch import yet
-    disable = check_pass_names([n.strip() for a in (args.disable or []) for n in a.split(",")], "--disable")
+    disable = check_pass_names(args.disable or [], "--disable")
     env_disable = list(env_option("disable") or ())
     check_pass_names(env_disable, "TE_PASSES_DISABLE")
     check_mode(args.mode)

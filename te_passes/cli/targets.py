@@ -80,10 +80,7 @@ def _first_on_sys_path(target: str):
 def _call_target(fn: Callable[..., Any] | None, mode: str | None, precision: str | None, target: str) -> None:
     import runpy
 
-    if fn is None:
-        if mode is not None or precision is not None:
-            raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
-                           "sets its own torch.compile(mode=...)")
+    if fn is None:  # a plain FILE.py: cmd_dump refused --mode / --precision for it
         argv = sys.argv
         sys.argv = [target]
         try:

@@ -16,7 +16,8 @@ import pytest
 
 from te_passes.debug import graph_io
 from te_passes.debug.graph_io import (FORMAT, GraphFileError, SymMeta, TensorMeta, UnsafeGraphFileError,
-                                      _FnRef, _NodeRef, allowed_global, load_graph, load_payload, pickle_globals)
+                                      _FnRef, _NodeRef, allowed_global, load_graph, load_payload)
+from _pickle_scan import pickle_globals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
