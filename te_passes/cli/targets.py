@@ -9,6 +9,7 @@ import os
 import sys
 import traceback
 from typing import Any, Callable
+from unittest import mock
 
 from te_passes.cli._common import CliError, EXIT_FAIL
 
@@ -81,12 +82,8 @@ def _call_target(fn: Callable[..., Any] | None, mode: str | None, precision: str
     import runpy
 
     if fn is None:  # a plain FILE.py: cmd_dump refused --mode / --precision for it
-        argv = sys.argv
-        sys.argv = [target]
-        try:
+        with mock.patch.object(sys, "argv", [target]):
             runpy.run_path(target, run_name="__main__")
-        finally:
-            sys.argv = argv
         return
     kwargs: dict[str, Any] = {}
     try:
