@@ -145,8 +145,9 @@ def pass_registry() -> tuple[list[str], list[Any]]:
 
 
 def check_pass_names(names: Iterable[str], where: str) -> list[str]:
+    """The pass names of ``names`` (each may be a comma-separated list, as ``--disable a,b``), checked."""
     known, _ = pass_registry()
-    names = [n for n in names if n]
+    names = [n.strip() for a in names for n in a.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise CliError(f"unknown pass name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "

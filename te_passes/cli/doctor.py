@@ -34,18 +34,15 @@ def markdown(data: list[dict]) -> str:
 
 def cmd_doctor(args: argparse.Namespace, out: Out) -> int:
     """Load the backend (the one install moment), then print the versions and the patch table. Exit 0."""
-    import torch
-
     import te_passes.backend  # noqa: F401 - installs the patch table, as backend="te_inductor" does
-    from te_passes import __version__
     from te_passes.compat import table
-    from te_passes.te.version import te_version
+    from te_passes.debug.dump_summary import versions as installed
 
     status = {s.name: s for s in table.status()}
     data = [{**d, "state": _state(status[d["name"]].active, status[d["name"]].reason),
              "changes": status[d["name"]].changes, "reason": status[d["name"]].reason}
             for d in row_dicts(table.rows())]
-    versions = {"te_passes": __version__, "torch": torch.__version__, "transformer_engine": te_version()}
+    versions = installed()
     if args.json:
         print(json.dumps({"versions": versions, "rows": data}, indent=2))
         return EXIT_OK

@@ -8,6 +8,7 @@ import json
 import os
 import traceback
 from typing import Any, Sequence
+from unittest import mock
 
 from te_passes.cli._common import (CLI_CAUSED_WARNINGS, CliError, EXIT_FAIL, EXIT_OK, EXIT_USAGE, Out,
     check_mode, check_pass_names, check_writable_dir)
@@ -32,7 +33,7 @@ def cmd_dump(args: argparse.Namespace, out: Out) -> int:
             raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
                            "sets its own torch.compile(mode=...)")
     check_writable_dir(args.out)  # the cheap checks first: no torch import yet
-    disable = check_pass_names([n.strip() for a in (args.disable or []) for n in a.split(",")], "--disable")
+    disable = check_pass_names(args.disable or [], "--disable")
     env_disable = list(env_option("disable") or ())
     check_pass_names(env_disable, "TE_PASSES_DISABLE")
     check_mode(args.mode)
@@ -88,17 +89,8 @@ def _dump_into(args: argparse.Namespace, out: Out, root: str, disable: list[str]
             env = {"TE_PASSES_DUMP_DIR": args.out}
             if disable:
                 env["TE_PASSES_DISABLE"] = ",".join(disable + env_disable)
-            saved_env = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                with out.status(f"running {args.target}"), events:
-                    run_target(args.target, args.mode, args.precision, args.verbose)
-            finally:
-                for k, v in saved_env.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            with mock.patch.dict(os.environ, env), out.status(f"running {args.target}"), events:
+                run_target(args.target, args.mode, args.precision, args.verbose)
         new_reports = compile_reports()[n_before:]
         if not new_reports:
             raise CliError(f"{extra['target']} compiled nothing with backend 'te_inductor' (no te_inductor call: "

@@ -160,19 +160,11 @@ def _files_under(top: str) -> list[str]:
 
 
 def _write_json_atomic(path: str, data: dict) -> None:
-    """``data`` as JSON at ``path``: a fresh file (``O_EXCL | O_NOFOLLOW``) fsynced, then renamed."""
-    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    """``data`` as JSON at ``path`` (:func:`te_passes.debug.dump_files.atomic_write`: a fresh file fsynced, then
+    renamed), its folder fsynced."""
+    from te_passes.debug.dump_files import atomic_write
+
+    atomic_write(path, json.dumps(data, indent=1))
     _fsync_dir(os.path.dirname(path))
 
 

@@ -17,8 +17,7 @@ from te_passes.cli.show import newest_session
 def cmd_replay(args: argparse.Namespace, out: Out) -> int:
     if not os.path.exists(args.path):
         raise CliError(f"no such graph file or dump directory: {args.path}")
-    disable = check_pass_names([n.strip() for a in args.disable for n in a.split(",")], "--disable") \
-        if args.disable is not None else None
+    disable = check_pass_names(args.disable, "--disable") if args.disable is not None else None
     source = args.path
     args.path = newest_session(args.path, out, "replaying", to_stderr=args.json)
     settle_for_reading(args.path)

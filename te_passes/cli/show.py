@@ -21,7 +21,6 @@ def _fmt_bytes(v: Any) -> str:
         if abs(v) < 1024 or unit == "GiB":
             return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
         v /= 1024
-    return str(v)
 
 
 def _short(v: Any, n: int = 70) -> str:

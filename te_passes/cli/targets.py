@@ -9,6 +9,7 @@ import os
 import sys
 import traceback
 from typing import Any, Callable
+from unittest import mock
 
 from te_passes.cli._common import CliError, EXIT_FAIL
 
@@ -80,16 +81,9 @@ def _first_on_sys_path(target: str):
 def _call_target(fn: Callable[..., Any] | None, mode: str | None, precision: str | None, target: str) -> None:
     import runpy
 
-    if fn is None:
-        if mode is not None or precision is not None:
-            raise CliError("--mode/--precision apply to module:function targets and --example; a file target "
-                           "sets its own torch.compile(mode=...)")
-        argv = sys.argv
-        sys.argv = [target]
-        try:
+    if fn is None:  # a plain FILE.py: cmd_dump refused --mode / --precision for it
+        with mock.patch.object(sys, "argv", [target]):
             runpy.run_path(target, run_name="__main__")
-        finally:
-            sys.argv = argv
         return
     kwargs: dict[str, Any] = {}
     try:

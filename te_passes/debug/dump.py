@@ -187,8 +187,7 @@ class DumpWriter(PassObserver):
                       f"({len(changes['added'])} added, {len(changes['removed'])} removed, "
                       f"{len(changes['changed'])} fields changed)\n")
             self._write(os.path.join(pdir, "changes.txt"), header + format_changes(changes), None)
-            run_changes = {k: len(v) for k, v in changes.items()}
-            run.dump_changes = run_changes
+            run.dump_changes = {k: len(v) for k, v in changes.items()}
         self._snapshot = None
 
     def after_stage(self, gm: torch.fx.GraphModule, ctx: Any, stage_report: Any = None) -> None:

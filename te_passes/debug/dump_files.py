@@ -66,11 +66,13 @@ def slug(s: str) -> str:
 
 def atomic_write(path: str, text: str) -> None:
     """``text`` at ``path``: written to a fresh file (``O_EXCL | O_NOFOLLOW``: never through a
-    planted link), then renamed over ``path`` (a link there is replaced, not followed)."""
+    planted link) and fsynced, then renamed over ``path`` (a link there is replaced, not followed)."""
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any, Iterable
 
-import torch.fx
+import torch
 
 from te_passes import __version__
 from te_passes._json import read_json_file, read_json_or_none
@@ -81,7 +81,7 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
     """The top-level ``report.json``: flat, per-kind views over every graph's pass records."""
     graphs = list(graphs)
     s: dict[str, Any] = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                         "versions": _versions(), "graphs": [], "passes": [], "folded": [], "frees": [],
+                         "versions": versions(), "graphs": [], "passes": [], "folded": [], "frees": [],
                          "pool_check": [], "skipped": [], "failed": [], "other_records": [],
                          "memory": {"stages": [], "peak_before": None, "peak_after": None},
                          "graph_breaks": [], "eager_fallbacks": [], "recompiles": [], "frames": [],
@@ -143,10 +143,9 @@ def build_summary(graphs: Iterable[dict[str, Any]], extra: dict[str, Any] | None
     return s
 
 
-def _versions() -> dict[str, Any]:
-    import torch
-
-    return {"te_passes": __version__, "torch": torch.__version__, "transformer_engine": te_version()}
+def versions() -> dict[str, Any]:
+    """``{"te_passes", "torch", "transformer_engine"}`` versions installed here (TE: ``None`` when absent)."""
+    return {"te_passes": __version__, "torch": str(torch.__version__), "transformer_engine": te_version()}
 
 
 def write_summary(root: str, extra: dict[str, Any] | None = None, *, emit: bool = True) -> dict[str, Any]:

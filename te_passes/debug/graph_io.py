@@ -20,7 +20,7 @@ from te_passes.debug.graph_safety import (BudgetError, GraphFileError, UnsafeGra
     import_te, check_budget, check_memo_indices, check_name, resolve_function)
 from te_passes.debug.sym_expr import check_sym_expr, check_symbols, graph_symbols, parse_sym_expr, restore_symbols
 from te_passes.debug.graph_safety import (  # noqa: F401 re-exported: part of graph_io's interface
-    ALLOWED_GLOBALS, allowed_global, pickle_globals)
+    ALLOWED_GLOBALS, allowed_global)
 
 
 FORMAT_PREFIX, FORMAT_VERSION = "te_passes.tegraph/", 1
@@ -250,23 +250,19 @@ def _check_payload(payload: Any, path: str) -> dict[str, Any]:
     check_symbols(payload.get("symbols"), path)
 
     def check_vals(v: Any, where: str) -> None:
-        if isinstance(v, SymMeta):
-            if v.kind not in ("int", "float", "bool"):
-                raise GraphFileError(f"{path}: {where}: symbolic kind {v.kind!r} is not int/float/bool")
-            check_sym_expr(v.expr, f"{path}: {where}")
-        elif isinstance(v, TensorMeta):
-            if not isinstance(v.dtype, torch.dtype) or not isinstance(v.device, str) \
-                    or not isinstance(v.shape, tuple) or not isinstance(v.stride, tuple) \
-                    or len(v.shape) != len(v.stride):
-                raise GraphFileError(f"{path}: {where}: tensor description is malformed ({v!r:.120})")
-            for x in (*v.shape, *v.stride):
+        for m in _metas(v):
+            if isinstance(m, TensorMeta) and (
+                    not isinstance(m.dtype, torch.dtype) or not isinstance(m.device, str)
+                    or not isinstance(m.shape, tuple) or not isinstance(m.stride, tuple)
+                    or len(m.shape) != len(m.stride)):
+                raise GraphFileError(f"{path}: {where}: tensor description is malformed ({m!r:.120})")
+            for x in (*m.shape, *m.stride) if isinstance(m, TensorMeta) else (m,):
                 if isinstance(x, SymMeta):
-                    check_vals(x, where)
+                    if x.kind not in ("int", "float", "bool"):
+                        raise GraphFileError(f"{path}: {where}: symbolic kind {x.kind!r} is not int/float/bool")
+                    check_sym_expr(x.expr, f"{path}: {where}")
                 elif not isinstance(x, int) or isinstance(x, bool) or x < 0:
                     raise GraphFileError(f"{path}: {where}: tensor size/stride {x!r} is not a non-negative int")
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                check_vals(x, where)
 
     for i, rec in enumerate(nodes):
         for key in ("val", "example_value"):
@@ -278,16 +274,18 @@ def _check_payload(payload: Any, path: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- load
+def _metas(v: Any) -> Any:
+    """The :class:`TensorMeta` / :class:`SymMeta` in ``v`` (nested in lists, tuples and dict values)."""
+    if isinstance(v, (SymMeta, TensorMeta)):
+        yield v
+    elif isinstance(v, (list, tuple, dict)):
+        for x in v.values() if isinstance(v, dict) else v:
+            yield from _metas(x)
+
+
 def _has_sym(v: Any) -> bool:
-    if isinstance(v, SymMeta):
-        return True
-    if isinstance(v, TensorMeta):
-        return any(isinstance(x, SymMeta) for x in (*v.shape, *v.stride))
-    if isinstance(v, (list, tuple)):
-        return any(_has_sym(x) for x in v)
-    if isinstance(v, dict):
-        return any(_has_sym(x) for x in v.values())
-    return False
+    return any(isinstance(x, SymMeta) for m in _metas(v) for x in ((*m.shape, *m.stride)
+                                                                   if isinstance(m, TensorMeta) else (m,)))
 
 
 class _Builder:

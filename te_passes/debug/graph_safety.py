@@ -1,8 +1,8 @@
 """What a ``.tegraph`` file (:mod:`te_passes.debug.graph_io`) may hold, checked before anything in
 it is built: the restricted unpickler (:class:`SafeUnpickler`, :func:`allowed_global`), identifier
 names (:func:`check_name`), node targets resolved by their own ``__module__``
-(:func:`resolve_function`), the budgeted walk of a loaded structure (:func:`check_budget`) and a
-static list of a pickle's globals (:func:`pickle_globals`). See docs/cli.md, "Guarantees"."""
+(:func:`resolve_function`) and the budgeted walk of a loaded structure (:func:`check_budget`). See
+docs/cli.md, "Guarantees"."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def resolve_function(module: str, qualname: str) -> Any:
     if obj is None and len(parts) > 1:
         obj = walk(parts[-1:])
     if obj is None:
-        raise GraphFileError(f"function {module_name}.{qualname} does not exist in this process")
+        raise GraphFileError(f"function {module}.{qualname} does not exist in this process")
     owner = _owner_module(obj)
     owner = "operator" if owner == "_operator" else owner
     if not callable(obj) or owner is None or not allowed_target_module(owner) \
@@ -315,37 +315,3 @@ def check_memo_indices(data: bytes, path: str) -> None:
         if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) > len(data):
             raise BudgetError(f"{path}: a pickle memo index of {int(arg)} at byte {pos}, past the file's "
                               f"{len(data)} bytes; the file is damaged or crafted")
-
-
-def pickle_globals(data: bytes) -> list[tuple[str, str]]:
-    """Every ``(module, name)`` global a pickle references (read with :mod:`pickletools`,
-    nothing is built), in first-seen order."""
-    import pickletools
-
-    out: list[tuple[str, str]] = []
-    pushed: list[Any] = []  # the last values pushed (strings, or None for anything else)
-    memo: dict[int, Any] = {}
-    for op, arg, _ in pickletools.genops(data):
-        name = op.name
-        if name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING",
-                    "BINSTRING", "STRING"):
-            pushed.append(arg)
-        elif name == "MEMOIZE":
-            memo[len(memo)] = pushed[-1] if pushed else None
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[int(arg)] = pushed[-1] if pushed else None
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            pushed.append(memo.get(int(arg)))
-        elif name in ("GLOBAL", "INST"):
-            mod, gname = arg.split(" ", 1)
-            out.append((mod, gname))
-            pushed.append(None)
-        elif name == "STACK_GLOBAL":
-            if len(pushed) >= 2 and isinstance(pushed[-2], str) and isinstance(pushed[-1], str):
-                out.append((pushed[-2], pushed[-1]))
-            else:
-                out.append(("?", "?"))  # not statically known: never allowed
-            pushed.append(None)
-        elif op.stack_after:
-            pushed.append(None)
-    return list(dict.fromkeys(out))

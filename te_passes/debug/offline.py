@@ -13,6 +13,7 @@ import torch.fx
 from te_passes.config import TePassesOptionError, TePassesOptions, env_aliases
 from te_passes.debug.dump_files import DumpFormatError, check_graph_report, read_json
 from te_passes.debug.dump import DumpWriter
+from te_passes.debug.dump_summary import versions
 from te_passes.debug.graph_io import GraphFileError, load_graph
 from te_passes.pipeline.base import Stage, TEPass
 from te_passes.pipeline.compilation import STAGE_ORDER, Compilation, CompileSettings
@@ -23,7 +24,6 @@ from te_passes.compat.install import install as install_runtime
 from te_passes.te.recipes import Fp8State
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbSnapshot
-from te_passes.te.version import te_version
 
 __all__ = ["STAGE_ORDER", "ReplayError", "compare_reports", "find_graph_files", "installed_versions", "replay",
            "run_stages", "te_state_from_json", "version_differences"]
@@ -108,12 +108,9 @@ def find_graph_files(path: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for f in files:
         out.setdefault(os.path.dirname(os.path.dirname(os.path.abspath(f))), []).append(f)
-
-    def order(gdir: str) -> tuple[int, str]:  # g2 before g10: the order the graphs were compiled in
-        digits = "".join(ch for ch in os.path.basename(gdir) if ch.isdigit())
-        return (int(digits) if digits else -1, gdir)
-
-    return {k: out[k] for k in sorted(out, key=order)}
+    digits = {g: "".join(ch for ch in os.path.basename(g) if ch.isdigit()) for g in out}
+    # g2 before g10: the order the graphs were compiled in
+    return {k: out[k] for k in sorted(out, key=lambda g: (int(digits[g]) if digits[g] else -1, g))}
 
 
 def replay(path: str, passes: Sequence[TEPass], *, disable: Iterable[str] | None = None,
@@ -172,8 +169,8 @@ def replay(path: str, passes: Sequence[TEPass], *, disable: Iterable[str] | None
 
 
 def installed_versions() -> dict[str, Any]:
-    """``{"torch", "transformer_engine"}`` versions installed here (TE: ``None`` when absent)."""
-    return {"torch": str(torch.__version__), "transformer_engine": te_version()}
+    """``{"torch", "transformer_engine"}`` versions installed here (:func:`~te_passes.debug.dump_summary.versions`)."""
+    return {k: v for k, v in versions().items() if k != "te_passes"}
 
 
 def version_differences(saved: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -279,13 +279,9 @@ def format_node(node: torch.fx.Node, notes: Iterable[str] = ()) -> list[str]:
         comment = format_value(value) if gconst.te_const_kind(value) is not None else None
         lines.append(_with_comment(f"{_lhs(node)} = self.{node.target}", comment, 0))
         return lines
-    call = _try_decode(node) if node.op == "call_function" else None
-    if call is not None:
-        lines.extend(_format_te_call(node, call))
-        return lines
     if gmod.is_te_op_node(node):
         try:
-            gmod.decode(node)
+            return lines + _format_te_call(node, gmod.decode(node))
         except gmod.UnknownTEOp as e:
             lines.append(f"# te_passes: not decoded ({e})")
     args = [format_value(a) for a in node.args]
@@ -367,20 +363,3 @@ def format_graph(gm: torch.fx.GraphModule | torch.fx.Graph, *, name: str = "Grap
             out.append(INDENT * 2 + line)
     return "\n".join(out) + "\n"
 
-
-def summarize_te_ops(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[dict[str, Any]]:
-    """One row per TE op node: ``node``, ``op``, ``module``, ``quantized`` (``{field:
-    storage class}``), ``quantizers`` (``{config key: class}``), ``ub`` (set UB flags)."""
-    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
-    rows = []
-    for node in graph.nodes:
-        call = _try_decode(node)
-        if call is None:
-            continue
-        rows.append({
-            "node": node.name, "op": call.op, "module": gmod.te_op_module(call.op),
-            "quantized": {f: t.storage_cls for f, t in call.tq_fields.items() if t.kind == "storage"},
-            "quantizers": {k: type(q).__name__ for k, q in call.quantizers().items()},
-            "ub": {k: v for k, v in call.ub_config().items() if v},
-        })
-    return rows

@@ -43,6 +43,7 @@ def parse_sym_expr(expr: Any, where: str, symbols: dict[str, Any] | None = None)
     """
     import ast
     import math
+    import operator
 
     import sympy
 
@@ -63,6 +64,9 @@ def parse_sym_expr(expr: Any, where: str, symbols: dict[str, Any] | None = None)
                 raise bad(f"nested more than {_SYM_LIMITS['depth']} levels")
     funcs = _sym_funcs()
     syms = dict(symbols or {})
+    binops = {ast.Pow: operator.pow, ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv, ast.FloorDiv: funcs["FloorDiv"], ast.Mod: sympy.Mod, ast.BitAnd: sympy.And,
+              ast.BitOr: sympy.Or}
 
     def big(v: Any) -> bool:
         return isinstance(v, sympy.Integer) and abs(int(v)).bit_length() > _SYM_LIMITS["result_digits"] * 3.33
@@ -99,25 +103,9 @@ def parse_sym_expr(expr: Any, where: str, symbols: dict[str, Any] | None = None)
                 if isinstance(a, sympy.Number) and abs(float(a)) > 1 \
                         and int(b) * math.log10(abs(float(a))) > _SYM_LIMITS["result_digits"]:
                     raise bad(f"a number of more than {_SYM_LIMITS['result_digits']} digits")
-                out = a ** b
-            elif op is ast.Add:
-                out = a + b
-            elif op is ast.Sub:
-                out = a - b
-            elif op is ast.Mult:
-                out = a * b
-            elif op is ast.Div:
-                out = a / b
-            elif op is ast.FloorDiv:
-                out = funcs["FloorDiv"](a, b)
-            elif op is ast.Mod:
-                out = sympy.Mod(a, b)
-            elif op is ast.BitAnd:
-                out = sympy.And(a, b)
-            elif op is ast.BitOr:
-                out = sympy.Or(a, b)
-            else:
+            if op not in binops:
                 raise bad(f"operator {op.__name__}")
+            out = binops[op](a, b)
             if big(out):
                 raise bad(f"a number of more than {_SYM_LIMITS['result_digits']} digits")
             return out

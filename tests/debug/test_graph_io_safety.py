@@ -16,7 +16,8 @@ import pytest
 
 from te_passes.debug import graph_io
 from te_passes.debug.graph_io import (FORMAT, GraphFileError, SymMeta, TensorMeta, UnsafeGraphFileError,
-                                      _FnRef, _NodeRef, allowed_global, load_graph, load_payload, pickle_globals)
+                                      _FnRef, _NodeRef, allowed_global, load_graph, load_payload)
+from _pickle_scan import pickle_globals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,6 +96,12 @@ def test_function_targets_outside_the_allowed_modules_are_refused(tmp_path):
         p.write_bytes(pickle.dumps({"format": FORMAT, "nodes": [node, out]}))
         with pytest.raises(UnsafeGraphFileError, match="outside what a te_passes graph may call"):
             load_graph(p)
+
+
+def test_missing_function_target_is_named():
+    """A target in an allowed module that does not exist there is a GraphFileError naming it."""
+    with pytest.raises(GraphFileError, match=r"function torch\.no_such_fn does not exist in this process"):
+        _FnRef("torch", "no_such_fn").resolve()
 
 
 def test_newer_format_is_named(tmp_path):
