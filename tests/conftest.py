@@ -58,12 +58,23 @@ def fake_tp_group():
     """A tensor-parallel group of size 2 without GPUs: the default ``torch.distributed`` process
     group on the ``fake`` backend (``FakeStore``, rank 0 of 2), for one test module; destroyed
     after it. Skips when a default group already exists in the process."""
+    yield from _fake_default_group(2)
+
+
+@pytest.fixture(scope="module")
+def fake_world_of_one():
+    """The default process group on torch's ``fake`` backend, rank 0 of 1 (FSDP2 on one rank without a
+    GPU), for one test module; destroyed after it. Skips when a default group already exists."""
+    yield from _fake_default_group(1)
+
+
+def _fake_default_group(world_size: int):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         pytest.skip("a default process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield dist.group.WORLD
     finally:

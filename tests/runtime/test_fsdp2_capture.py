@@ -72,18 +72,9 @@ def _no_cuda_streams():
 
 
 @pytest.fixture(scope="module")
-def world_of_one():
-    """The default process group on torch's ``fake`` backend, rank 0 of 1; destroyed after the module."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+def world_of_one(fake_world_of_one):
+    """The default process group on torch's ``fake`` backend, rank 0 of 1 (tests/conftest.py)."""
+    return fake_world_of_one
 
 
 def _capture(precision: str, steps: int = 3, eval_between: bool = False) -> dict[str, Any]:
