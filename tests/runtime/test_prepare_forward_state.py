@@ -144,3 +144,22 @@ def test_the_row_is_reverted_and_installed_again():
 
         install()
     assert TransformerEngineBaseModule.__dict__["prepare_forward"] is forward_state.prepare_forward
+
+
+def test_a_failed_compile_start_preparation_is_logged(monkeypatch, caplog):
+    """The compile-start callback never raises, but says why it did not prepare (the session-20 DelayedScaling
+    recompile hid behind a silent ``except``)."""
+    import logging
+
+    from te_passes.compat.untouched import state
+
+    def boom():
+        raise RuntimeError("no frame for you")
+
+    monkeypatch.setattr(state, "_compile_frame", boom)
+    logger = logging.getLogger("te_passes")
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger="te_passes"):
+        state.on_compile_start()
+    assert any("compile-start preparation of TE modules failed (RuntimeError: no frame for you)" in r.getMessage()
+               for r in caplog.records), caplog.records

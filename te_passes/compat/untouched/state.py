@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from te_passes._logging import get_logger
 from te_passes.compat.delayed_scaling.scaling import mark_registered_state_static
 from te_passes.compat.delayed_scaling.state import DELAYED_ATTR, model_fake_mode, prepare_delayed_scaling
 from te_passes.ops.shared_linear import layernorm_linear_gemm, layernorm_mlp_gemms
@@ -21,6 +22,8 @@ from te_passes.compat.untouched.gate import frame_untouched_options, warn_new_re
 from te_passes.compat.te220.module_init import forward_prepare_args
 from te_passes.compat.untouched.rewrite.te_state import prime_recipe as prime_te_recipe
 from te_passes.compat.te220.untouched_rules import layernorm_linear_config_problem, layernorm_mlp_config_problem
+
+log = get_logger()
 
 #: Module attribute holding a module's :class:`UntouchedState` (built during the first trace).
 STATE_ATTR = table.register_stamp("_te_passes_untouched_state", "an untouched TE module's hidden te.Linears and "
@@ -326,7 +329,10 @@ def on_compile_start(_args: Any = None) -> None:
                             skip=(lambda m: False) if active else _already_initialised)
                 _prepare_delayed(mods, recipes, q)
         mark_registered_state_static()  # the compiled update writes every registered module's state
-    except Exception:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
+    except Exception as e:  # noqa: BLE001 - a missed preparation costs one recompile, never the compile
+        # said, not swallowed: session 20's DelayedScaling recompile hid here (TE's init raised outside the fake mode)
+        log.info("te_passes: compile-start preparation of TE modules failed (%s: %s); the trace prepares them "
+                 "itself, which may cost a recompile", type(e).__name__, e)
         return
 
 
