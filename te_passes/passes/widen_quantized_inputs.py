@@ -15,7 +15,7 @@ from torch.fx.node import map_arg
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from te_passes.fx.graph import op_qualname
-from te_passes.fx.rounding import NARROW as ROUNDABLE, add_node as _add, rounded_like
+from te_passes.fx.rounding import NARROW, add_node as _add, rounded_like
 from te_passes.pipeline.base import PassContext, PassRecord, Stage, TEPass, TEPassResult
 from te_passes.ops import te_act
 from te_passes.compat.api import UNTOUCHED_NORM_ENV as NORM_ENV
@@ -34,8 +34,6 @@ LINEAR_BWD_OP = "te_passes::delayed_linear_bwd"
 TE_LINEAR_OPS = {"transformer_engine_compile::linear": False, "transformer_engine_compile::linear_base": False,
                  "transformer_engine_compile::linear_backward": True,
                  "transformer_engine_compile::linear_backward_base": True}
-#: Activation dtypes the pass widens (TE's kernels compute in fp32 and round on the way out).
-NARROW = ROUNDABLE
 _SOURCES = {NORM_OP: "norm", ACT_OP: "act", ACT_BWD_OP: "dact"}
 _A = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default

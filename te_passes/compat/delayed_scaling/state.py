@@ -165,9 +165,9 @@ def prepare_delayed_scaling(model: torch.nn.Module, recipe: Any, *, static: bool
     return n
 
 
-def model_fake_mode(model: torch.nn.Module) -> Any:
-    """The ``FakeTensorMode`` of ``model``'s parameters and buffers when they are fake tensors (a model built
-    under ``FakeTensorMode``, as the CPU captures on a fake GPU build it), else ``None``. TE's
+def model_fake_mode(*models: torch.nn.Module) -> Any:
+    """The one ``FakeTensorMode`` of the parameters and buffers of ``models`` when they are fake tensors (models
+    built under ``FakeTensorMode``, as the CPU captures on a fake GPU build them), else ``None``. TE's
     ``DelayedScalingRecipeState`` allocates its ``scale`` / ``amax_history`` with ``torch.ones`` / ``torch.zeros``
     on the module's device (TE 2.20.2 ``quantization.py``); outside that mode (Dynamo runs its compile-start
     callbacks under ``torch.utils._python_dispatch._disable_current_modes``, torch/_dynamo/convert_frame.py) they
@@ -177,10 +177,11 @@ def model_fake_mode(model: torch.nn.Module) -> Any:
         ValueError: the fake tensors belong to more than one ``FakeTensorMode``."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    modes = {id(t.fake_mode): t.fake_mode for t in (*model.parameters(), *model.buffers()) if isinstance(t, FakeTensor)}
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
     if len(modes) > 1:
-        raise ValueError(f"prepare_delayed_scaling: {type(model).__name__}'s fake tensors belong to {len(modes)} "
-                         "FakeTensorModes; build the model under one")
+        raise ValueError(f"{', '.join(sorted({type(m).__name__ for m in models}))}: the fake tensors belong to "
+                         f"{len(modes)} FakeTensorModes; build the model under one")
     return next(iter(modes.values()), None)
 
 

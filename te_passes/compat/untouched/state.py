@@ -321,7 +321,7 @@ def on_compile_start(_args: Any = None) -> None:
             active = q.autocast_depth > 0
             # Dynamo pops the caller's dispatch modes around a compile: TE's lazy init allocates its state in
             # the fake mode of a model on fake tensors (else real CUDA tensors, or with no GPU an error)
-            with _fake_mode(mods):
+            with model_fake_mode(*mods) or _null():
                 # No te.autocast active now: the fp8 state inside the trace is unknown (te.autocast may be
                 # inside the compiled function), so a module TE already initialised (an eager step ran)
                 # keeps its state — re-initialising it with fp8 off made the trace guard on the wrong value.
@@ -334,18 +334,6 @@ def on_compile_start(_args: Any = None) -> None:
         log.info("te_passes: compile-start preparation of TE modules failed (%s: %s); the trace prepares them "
                  "itself, which may cost a recompile", type(e).__name__, e)
         return
-
-
-def _fake_mode(mods: list[torch.nn.Module]) -> Any:
-    """The one ``FakeTensorMode`` of the fake tensors of ``mods``
-    (:func:`te_passes.compat.delayed_scaling.state.model_fake_mode`) to enter, or a null context.
-
-    Raises:
-        ValueError: they belong to more than one mode."""
-    modes = {id(m): m for m in (model_fake_mode(x) for x in mods) if m is not None}
-    if len(modes) > 1:
-        raise ValueError(f"the compiled frame's modules are fake tensors of {len(modes)} FakeTensorModes")
-    return next(iter(modes.values()), None) or _null()
 
 
 def _prepare_delayed(mods: list[torch.nn.Module], recipes: list[Any], q: Any) -> None:
