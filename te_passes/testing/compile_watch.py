@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 from typing import Any, Iterator
 
@@ -29,6 +30,10 @@ class CompileStats:
     compile_ids: list[str] = dataclasses.field(default_factory=list)
     #: ``"<compile id> <function>: <failed guard>"`` per recompile (Dynamo's ``CompilationMetrics``).
     recompile_reasons: list[str] = dataclasses.field(default_factory=list)
+    #: ``"<compile id> <function> (<file>:<line>) ops <n>"`` per frame Dynamo compiled in the region (its
+    #: ``CompilationMetrics``; ``ops`` is the graph's op count, ``-`` for a frame that gave no graph): which
+    #: frames make up ``graphs``.
+    frames: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,9 +86,12 @@ class CompileWatch:
                 st.cudagraph_recordings += 1
             elif trigger == "LAZY_BACKWARD":
                 st.lazy_backward_compiles += 1
-        st.recompile_reasons = [f"{m.compile_id} {m.co_name}: {m.recompile_reason}"
-                                for m in torch._dynamo.utils.get_compilation_metrics()
-                                if id(m) not in getattr(self, "_seen_metrics", ()) and m.recompile_reason]
+        metrics = [m for m in torch._dynamo.utils.get_compilation_metrics()
+                   if id(m) not in getattr(self, "_seen_metrics", ())]
+        st.recompile_reasons = [f"{m.compile_id} {m.co_name}: {m.recompile_reason}" for m in metrics
+                                if m.recompile_reason]
+        st.frames = [f"{m.compile_id} {m.co_name} ({os.path.basename(m.co_filename or '?')}:{m.co_firstlineno}) "
+                     f"ops {'-' if m.graph_op_count is None else m.graph_op_count}" for m in metrics]
         return st
 
     def __exit__(self, *exc) -> None:

@@ -40,6 +40,12 @@ def test_compile_watch_counts_graphs_breaks_and_recompiles():
         w.stats.recompile_reasons
     assert all("graph_break()" in k for k in w.stats.break_reasons)
     assert w.stats.cudagraph_skips == 0
+    # which frames the graphs are: _f and the resume function after its break, each compiled twice
+    line = _f.__code__.co_firstlineno
+    first, resume = f"_f (test_gpu_harness_cpu.py:{line}) ops 1", f"(test_gpu_harness_cpu.py:{line + 3}) ops 2"
+    assert [f.split(" ", 1)[1] for f in w.stats.frames[::2]] == [first, first], w.stats.frames
+    assert all(f.startswith(f"1/{i} torch_dynamo_resume_in__f") and f.endswith(resume)
+               for i, f in enumerate(w.stats.frames[1::2])), w.stats.frames
 
 
 def test_compile_watch_survives_dynamo_reset_inside_region():
