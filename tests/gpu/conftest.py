@@ -37,7 +37,8 @@ def _skip_reason() -> str | None:
 @pytest.fixture(autouse=True)
 def _require_te_on_gpu():
     """Skip when TE cannot be compiled on a GPU here; otherwise give each test a fresh Dynamo /
-    cudagraph-tree state and an empty te_passes compile-report list."""
+    cudagraph-tree state and an empty te_passes compile-report list, and leave TE's global fp8 state
+    as a fresh process has it."""
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -47,3 +48,12 @@ def _require_te_on_gpu():
     clear_compile_reports()
     with gpu_harness.fresh_compile_state():
         yield
+    # GPU tests run DelayedScaling for real and leave its amax / scale buffers in TE's global
+    # FP8GlobalStateManager, which tests/conftest.py's te_delayed_scaling_buffers_left_empty (torn down after
+    # this fixture) would report: reset them here, as the reset_te_fp8_state fixture does
+    from transformer_engine.pytorch import quantization as Q
+
+    from te_passes.compat.delayed_scaling import state as delayed_state
+
+    Q.FP8GlobalStateManager.reset()
+    delayed_state.TRACE_COUNTS.clear()

@@ -123,11 +123,14 @@ def test_stack4_wrappers_construct_no_te_object_per_call(hoist):
     bundles = sum(b.count("OpaqueValueBundle(") for b in bodies)
     if hoist:
         assert (rebuilds, bundles) == (0, 0)
-        # per wrapper: forward 3 bundles + 5 output quantizers per layer, backward 4 bundles
+        # distinct hoisted constants per wrapper: 3 and 4 per layer (H200, session 21; 4 and 8 before row
+        # autocast.traced_quantizer_copies gave te.Linear's op per-call quantizer copies, session 20)
         per_body = sorted(len(set(re.findall(r"_te_const_\d+", b))) for b in bodies)
-        assert per_body == [LAYERS * 4, LAYERS * 8], per_body
+        assert per_body == [LAYERS * 3, LAYERS * 4], per_body
     else:
-        assert rebuilds == 52, rebuilds  # GOALS.md: 52 quantizer rebuilds per fp8 stack4 step
+        # 32 quantizer rebuilds per fp8 stack4 step (H200, session 21); 52 before the traced quantizer copies
+        # (GOALS.md's figure)
+        assert rebuilds == 32, rebuilds
 
 
 @pytest.mark.parametrize("hoist", [True, False], ids=["hoisted", "pass-disabled"])

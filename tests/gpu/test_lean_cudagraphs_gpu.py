@@ -196,6 +196,7 @@ def test_transformer_layer_step_correct_whatever_the_policy_decides(precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_peak_memory_not_above_inductor_ro(precision):
+    from te_passes.cudagraphs.stable_grads import copies_made
     from te_passes.testing.gpu import ensure_te_inductor_backend
 
     ensure_te_inductor_backend()
@@ -203,6 +204,7 @@ def test_peak_memory_not_above_inductor_ro(precision):
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     dy = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
     excess = {}
+    copies = {}
     saved_mib = None
     for variant in ("inductor-ro", "te_inductor-ro-trees", "te_inductor-ro-lean"):
         with fresh_compile_state():
@@ -214,11 +216,13 @@ def test_peak_memory_not_above_inductor_ro(precision):
             params = list(model.parameters())
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
+            start, copied = torch.cuda.memory_allocated(), copies_made()
             for _ in range(20):
                 train_step(fn, x, dy, params, mark_step=True)
             torch.cuda.synchronize()
             excess[variant] = (torch.cuda.max_memory_allocated() - start) / 2**20
+            copies[variant] = copies_made() - copied
+            largest_grad_mib = max(p.numel() * p.element_size() for p in params) / 2**20
             if variant.endswith("lean"):
                 fwd = [r for r in _runners() if r.name.endswith(".fwd") and r.captured]
                 assert fwd, "lean captured no forward graph"
@@ -226,7 +230,11 @@ def test_peak_memory_not_above_inductor_ro(precision):
             x.grad = None
             del fn, base, model, params
     print(f"peak memory over start, {precision} stack4 {TOKENS} tokens (MiB): {excess}; "
-          f"lean forwards hold {saved_mib:.1f} MiB")
-    assert excess["te_inductor-ro-trees"] <= excess["inductor-ro"] * 1.05 + 8, excess
+          f"lean forwards hold {saved_mib:.1f} MiB; stable .grad copies {copies}")
+    # te_inductor's reduce-overhead copies a .grad the CUDA-graph pool owns out of the pool (cudagraphs/stable_grads.py,
+    # issue 42) while the pool's tensor is still alive: up to one parameter's gradient more at the peak (bf16 stack4,
+    # H200 session 21: +28 MiB over inductor-ro, the largest gradient 32 MiB; fp8: +0)
+    stable_copy_mib = largest_grad_mib if copies["te_inductor-ro-trees"] else 0.0
+    assert excess["te_inductor-ro-trees"] <= excess["inductor-ro"] * 1.05 + 8 + stable_copy_mib, (excess, copies)
     bound = excess["te_inductor-ro-trees"] * 1.05 + saved_mib + 8
     assert excess["te_inductor-ro-lean"] <= bound, (excess, saved_mib, bound)
