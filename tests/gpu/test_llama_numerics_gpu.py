@@ -21,6 +21,9 @@ determinism on this data).
   the measured differences (report them). ``current-x4`` is the configuration of the open failure
   ``test_untouched_transformer_layer[x4-fp8-*]`` (4 layers, Float8CurrentScaling) in this layer's
   Llama form.
+* ``test_rope_two_sequence_lengths[current / delayed / bf16]``: the layer with RoPE (``rotary_pos_emb`` from TE's
+  ``RotaryPositionEmbedding``) at sequence length 128, then 200, each step against TE eager's same step:
+  bit-identical for both fp8 recipes, TE's bf16 tolerances for bf16.
 * ``test_unfused_attention_backend``: ``NVTE_FUSED_ATTN=0 NVTE_FLASH_ATTN=0`` (TE selects
   ``UnfusedDotProductAttention``), bf16: the compiled graph holds no ``fused_attn`` op (TE's torch-ops
   attention traced into it, compiled by Inductor) and matches TE eager within TE's own bf16 attention
@@ -52,8 +55,28 @@ def _layer(layer_number=1):
                                device="cuda", layer_number=layer_number)
 
 
-def _build(layers):
+class _RopeLayers(torch.nn.Module):
+    """``layers`` Llama layers called with TE's ``RotaryPositionEmbedding`` for the input's sequence length
+    (``rotary_pos_emb``), as users write it: x [s, b, HIDDEN] bf16 -> [s, b, HIDDEN]."""
+
+    def __init__(self, layers):
+        super().__init__()
+        from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding
+
+        self.layers = torch.nn.ModuleList([_layer(i + 1) for i in range(layers)])
+        self.rope = RotaryPositionEmbedding(HIDDEN // HEADS)
+
+    def forward(self, x):
+        freqs = self.rope(x.shape[0])
+        for layer in self.layers:
+            x = layer(x, rotary_pos_emb=freqs)
+        return x
+
+
+def _build(layers, rope=False):
     torch.manual_seed(0)
+    if rope:
+        return _RopeLayers(layers)
     return _layer() if layers == 1 else torch.nn.Sequential(*[_layer(i + 1) for i in range(layers)])
 
 
@@ -85,6 +108,34 @@ def _print(tag, diffs):
     print(f"{tag}:")
     for k, (mx, fro) in sorted(diffs.items(), key=lambda kv: -kv[1][0]):
         print(f"    {k:60s} max rel {mx:.3e}  fro {fro:.3e}")
+
+
+def _compare_lengths(layers, recipe_name, seqs):
+    """One step per sequence length of ``seqs`` (RoPE layers), TE eager, its rerun and te_inductor each from fresh
+    TE global state: (per step: compiled tensors, eager tensors, eager rerun tensors; compile stats)."""
+    from te_passes.compat.install import install
+    from transformer_engine.pytorch import quantization as Q
+
+    recipe = _recipe(recipe_name)
+    ref, again, cand = _build(layers, rope=True), _build(layers, rope=True), _build(layers, rope=True)
+    copy_params(ref, cand)
+    copy_params(ref, again)
+    torch._dynamo.reset()
+    install()
+    fn = torch.compile(cand, backend="te_inductor")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    xs = [torch.randn(s, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+          for s in seqs]
+    dys = [torch.randn(s, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) for s in seqs]
+    out = []
+    for model, call in ((ref, ref), (again, again)):
+        Q.FP8GlobalStateManager.reset()  # each run's first step on fresh TE global state (DelayedScaling's buffers)
+        out.append([_step(call, model, recipe, x, dy) for x, dy in zip(xs, dys)])
+    Q.FP8GlobalStateManager.reset()
+    with CompileWatch() as watch:
+        c = [_step(fn, cand, recipe, x, dy) for x, dy in zip(xs, dys)]
+        st = watch.snapshot()
+    return list(zip(c, out[0], out[1])), st
 
 
 def _compare(layers, recipe_name, steps=2, backend="te_inductor"):
@@ -128,6 +179,28 @@ def test_first_step(recipe_name, layers):
     assert all(v == (0.0, 0.0) for v in det.values()), "TE eager is not deterministic on this data"
     differing = {k: v for k, v in diffs.items() if v != (0.0, 0.0)}
     assert not differing, f"not bit-identical to TE eager: {differing}"
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed", "bf16"])
+def test_rope_two_sequence_lengths(recipe_name):
+    """Issue 38's GPU item: the Llama layer with RoPE (``rotary_pos_emb``) at two sequence lengths (128, then 200: a
+    new length, so Dynamo's automatic dynamic shapes retrace and the attention op specialises the length), each
+    step against TE eager on the same step: bit-identical for Float8CurrentScaling and DelayedScaling (whose second
+    step quantizes with the scales the first step's amax gave), within TE's bf16 tolerances for bf16. 0 graph
+    breaks; at most one graph per length."""
+    seqs = (SEQ, 200)
+    steps, st = _compare_lengths(1, recipe_name, seqs)
+    print(f"\nllama x1 rope {recipe_name}, lengths {seqs}: {st.to_json()}")
+    for s, (c, r, r2) in zip(seqs, steps):
+        _print(f"llama x1 rope {recipe_name} seq {s}: te_inductor vs TE eager", _diffs(c, r))
+        assert all(v == (0.0, 0.0) for v in _diffs(r2, r).values()), f"TE eager is not deterministic at {s}"
+        if recipe_name == "bf16":
+            for k in r:
+                torch.testing.assert_close(c[k], r[k], atol=2.5e-2, rtol=2.5e-2, msg=lambda m, k=k: f"{s} {k}: {m}")
+        else:
+            differing = {k: v for k, v in _diffs(c, r).items() if v != (0.0, 0.0)}
+            assert not differing, f"seq {s}: not bit-identical to TE eager: {differing}"
+    assert st.graph_breaks == 0 and st.graphs <= len(seqs), st.to_json()
 
 
 @pytest.mark.parametrize("softmax_fusion", ["1", "0"], ids=["te-softmax-kernel", "torch-softmax"])
