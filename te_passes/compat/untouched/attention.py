@@ -80,8 +80,10 @@ def fused_attention_call_problem(mod: Any, q: Any, k: Any, v: Any, call: dict[st
 
 
 def _constant(v: Any) -> Any:
-    """``v`` with a symbolic scalar (``SymInt`` / ``SymFloat`` / ``SymBool``) specialised under a
-    guard (Dynamo's ``guard_scalar``); anything else as it is."""
+    """``v`` with every symbolic scalar (``SymInt`` / ``SymFloat`` / ``SymBool``), also inside a tuple or
+    list (``window_size``), specialised under a guard (Dynamo's ``guard_scalar``); anything else as it is."""
+    if isinstance(v, (tuple, list)):
+        return type(v)(_constant(x) for x in v)
     # Dynamo answers type(v) / isinstance for an unspecialised scalar with its Python type (float, int)
     symbolic = type(v) in (int, float, bool) or isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
     return guard_scalar(v) if symbolic else v
@@ -101,8 +103,11 @@ def _fused_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str, cu_q:
     # sequence length (automatic dynamic shapes, dynamic=True) is specialised here with a guard
     # (Dynamo's guard_scalar): one graph per sequence length, the batch dimension stays dynamic
     batch, s_q, s_kv = q.shape[1 - seq_dim], guard_scalar(q.shape[seq_dim]), guard_scalar(k.shape[seq_dim])
-    # likewise every other scalar of the bundle (dynamic=True makes module floats symbolic: softmax_scale)
-    attn_scale = _constant(attn_scale)
+    # likewise every other scalar of the bundle: dynamic=True makes module floats symbolic (softmax_scale), and
+    # Dynamo's automatic dynamic makes an int attribute of an FSDP2-managed module that differs between the
+    # layers of one compiled frame symbolic on its recompile (layer_number 1, 2, ...)
+    attn_scale, layer_number = _constant(attn_scale), _constant(layer_number)
+    is_training, deterministic = _constant(is_training), _constant(deterministic)
     call = {f: _constant(v) for f, v in call.items()}
     cu_q = dpa_utils.get_full_cu_seqlens(batch, s_q, q.device) if cu_q is None else cu_q[: batch + 1]
     cu_kv = dpa_utils.get_full_cu_seqlens(batch, s_kv, k.device) if cu_kv is None else cu_kv[: batch + 1]
