@@ -110,61 +110,38 @@ def _print(tag, diffs):
         print(f"    {k:60s} max rel {mx:.3e}  fro {fro:.3e}")
 
 
-def _compare_lengths(layers, recipe_name, seqs):
-    """One step per sequence length of ``seqs`` (RoPE layers), TE eager, its rerun and te_inductor each from fresh
-    TE global state: (per step: compiled tensors, eager tensors, eager rerun tensors; compile stats)."""
+def _compare_steps(layers, recipe_name, seqs, *, rope=False, backend="te_inductor"):
+    """One step per sequence length of ``seqs``, TE eager, its rerun and ``backend`` each from fresh TE global
+    state: (per step: compiled tensors, eager tensors, eager rerun tensors; compile stats)."""
     from te_passes.compat.install import install
     from transformer_engine.pytorch import quantization as Q
 
     recipe = _recipe(recipe_name)
-    ref, again, cand = _build(layers, rope=True), _build(layers, rope=True), _build(layers, rope=True)
-    copy_params(ref, cand)
-    copy_params(ref, again)
-    torch._dynamo.reset()
-    install()
-    fn = torch.compile(cand, backend="te_inductor")
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    xs = [torch.randn(s, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
-          for s in seqs]
-    dys = [torch.randn(s, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) for s in seqs]
-    out = []
-    for model, call in ((ref, ref), (again, again)):
-        Q.FP8GlobalStateManager.reset()  # each run's first step on fresh TE global state (DelayedScaling's buffers)
-        out.append([_step(call, model, recipe, x, dy) for x, dy in zip(xs, dys)])
-    Q.FP8GlobalStateManager.reset()
-    with CompileWatch() as watch:
-        c = [_step(fn, cand, recipe, x, dy) for x, dy in zip(xs, dys)]
-        st = watch.snapshot()
-    return list(zip(c, out[0], out[1])), st
-
-
-def _compare(layers, recipe_name, steps=2, backend="te_inductor"):
-    """(compiled step-0 tensors, eager step-0 tensors, eager rerun, compile stats)."""
-    from te_passes.compat.install import install
-    from transformer_engine.pytorch import quantization as Q
-
-    recipe = _recipe(recipe_name)
-    Q.FP8GlobalStateManager.reset()
-    ref, again, cand = _build(layers), _build(layers), _build(layers)
+    ref, again, cand = (_build(layers, rope=rope) for _ in range(3))
     copy_params(ref, cand)
     copy_params(ref, again)
     torch._dynamo.reset()
     install()
     fn = torch.compile(cand, backend=backend)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    xs = [torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
-          for _ in range(steps)]
-    dys = [torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(steps)]
-    r = _step(ref, ref, recipe, xs[0], dys[0])
-    Q.FP8GlobalStateManager.reset()  # each model's first step on fresh TE global state (DelayedScaling's buffers)
-    r2 = _step(again, again, recipe, xs[0], dys[0])
+    xs = [torch.randn(s, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+          for s in seqs]
+    dys = [torch.randn(s, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) for s in seqs]
+    eager = []
+    for model in (ref, again):
+        Q.FP8GlobalStateManager.reset()  # each run's first step on fresh TE global state (DelayedScaling's buffers)
+        eager.append([_step(model, model, recipe, x, dy) for x, dy in zip(xs, dys)])
     Q.FP8GlobalStateManager.reset()
     with CompileWatch() as watch:
-        c = _step(fn, cand, recipe, xs[0], dys[0])
-        for x, dy in zip(xs[1:], dys[1:]):
-            _step(fn, cand, recipe, x, dy)
+        c = [_step(fn, cand, recipe, x, dy) for x, dy in zip(xs, dys)]
         st = watch.snapshot()
-    return c, r, r2, st
+    return list(zip(c, *eager)), st
+
+
+def _compare(layers, recipe_name, steps=2, backend="te_inductor"):
+    """(compiled step-0 tensors, eager step-0 tensors, eager rerun, compile stats) over ``steps`` steps at ``SEQ``."""
+    per_step, st = _compare_steps(layers, recipe_name, (SEQ,) * steps, backend=backend)
+    return (*per_step[0], st)
 
 
 @pytest.mark.parametrize("recipe_name,layers", [("current", 1), ("current", 4), ("delayed", 1)],
@@ -189,7 +166,7 @@ def test_rope_two_sequence_lengths(recipe_name):
     step quantizes with the scales the first step's amax gave), within TE's bf16 tolerances for bf16. 0 graph
     breaks; at most one graph per length."""
     seqs = (SEQ, 200)
-    steps, st = _compare_lengths(1, recipe_name, seqs)
+    steps, st = _compare_steps(1, recipe_name, seqs, rope=True)
     print(f"\nllama x1 rope {recipe_name}, lengths {seqs}: {st.to_json()}")
     for s, (c, r, r2) in zip(seqs, steps):
         _print(f"llama x1 rope {recipe_name} seq {s}: te_inductor vs TE eager", _diffs(c, r))
