@@ -1,6 +1,7 @@
 #!/bin/bash
 # Run the GPU suite / benchmark on the device machine, after the ../shared/gpu-kit bring-up
-# (which leaves torch 2.14.1 + TE 2.20.2 in /root/tek; `.gpu/s` must be carried).
+# (which leaves torch 2.14.1 + TE 2.20.2 in $TEK, default /root/tek; the kit's `s` folder must be carried:
+# `.gpu/s`, or `.gpu15/s` with GPU_DIR=.gpu15 for the torch 2.15.0 kit).
 #   bash tests/gpu/run_on_device.sh suite   # pytest -m gpu tests/  (every gpu-marked test of the repo)
 #   bash tests/gpu/run_on_device.sh pytest FILE[::TEST]... # chosen gpu-marked tests
 #   bash tests/gpu/run_on_device.sh bench   # benchmarks/bench_gpu.py (extra args are passed on)
@@ -14,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:?usage: run_on_device.sh suite|pytest|bench|hostprof|chunk|ub|sp [args...]}; shift
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-source .gpu/s/env.sh
+source "${GPU_DIR:-.gpu}/s/env.sh"
 export TE_PASSES_COMMIT=${TE_PASSES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 if ! python3 -c "import importlib.metadata as m; m.distribution('te-passes')" 2>/dev/null; then
