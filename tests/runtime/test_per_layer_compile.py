@@ -19,10 +19,18 @@ te = pytest.importorskip("transformer_engine.pytorch")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _per_layer(layers: int, rounds: int) -> list[tuple[list[str], list[str]]]:
+def _per_layer(layers: int, rounds: int, precision: str = "bf16",
+               alike: bool = False) -> list[tuple[list[str], list[str]]]:
     """Compile each of ``layers`` Llama layers separately, run 2 steps per round (``torch._dynamo.reset()`` between
-    rounds; the modules keep their state): per round, the compile ids and the recompile reasons in order."""
+    rounds; the modules keep their state): per round, the compile ids and the recompile reasons in order.
+    ``precision``: ``"bf16"`` or ``"fp8-cs"`` (one Float8CurrentScaling recipe object, te.autocast around each
+    step); ``alike``: before compiling, give every layer the same TE module names and ``layer_number`` (what
+    a fix would have to stop the trace from specialising on)."""
+    import contextlib
+    import re
+
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformer_engine.common.recipe import Float8CurrentScaling
 
     from te_passes.compat.dynamo.hooks import mark_untouched_backend
     from te_passes.compat.install import install
@@ -34,19 +42,26 @@ def _per_layer(layers: int, rounds: int) -> list[tuple[list[str], list[str]]]:
         return gm.forward
     mark_untouched_backend(backend)
     out = []
-    with capture_lock, quiet(), fake_gpu("bf16"), torch._dynamo.config.patch(recompile_limit=64):
+    recipe = Float8CurrentScaling() if precision == "fp8-cs" else None
+    with capture_lock, quiet(), fake_gpu(precision), torch._dynamo.config.patch(recompile_limit=64):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         cfg = LlamaConfig(layers=layers, rope=False, te_norm=False)
         with mode, constructing():
             model = TinyLlama(cfg, device="cuda")
             data = [torch.randn(16, 2, cfg.hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        if alike:
+            for m in model.modules():
+                if isinstance(getattr(m, "name", None), str):
+                    m.name = re.sub(r"Layer_\d+", "Layer_0", m.name)
+                if isinstance(getattr(m, "layer_number", None), int):
+                    m.layer_number = 1
         for _ in range(rounds):
             torch._dynamo.reset()
             install()
             compiled = [torch.compile(layer, backend=backend) for layer in model.layers]
             with CompileWatch() as watch:  # Dynamo keeps its last 64 compilation metrics: read them in the region
                 for x in data:
-                    with mode:
+                    with mode, (te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()):
                         for layer in compiled:
                             x = layer(x)
             out.append((watch.stats.compile_ids, watch.stats.recompile_reasons))
@@ -63,3 +78,17 @@ def test_every_layer_compiles_its_own_graph_for_te_and_te_passes_per_module_valu
     assert all("_te_passes_untouched_state" in r for r in first[1:]), first
     # with every module's state built (a second round), TE's module names still tell the layers apart
     assert all(".name == 'Layer_" in r for r in again[1:]), again
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-cs"])
+def test_names_layer_number_and_first_trace_state_are_all_that_tell_layers_apart(precision):
+    """The groundwork for one shared graph: with the layers' TE names and ``layer_number`` made equal, the only
+    per-layer difference left is te_passes' per-module state, built at each module's first trace (round 1: the
+    layers' cache entries are missing it, so each still compiles); once every module has it (round 2), the layers
+    run two graphs, whatever their number: the first layer's (its input needs no grad) and one for all the others
+    (bf16 and Float8CurrentScaling alike). A new per-layer value in TE or te_passes fails this."""
+    (ids, first), (ids_again, again) = _per_layer(4, rounds=2, precision=precision, alike=True)
+    assert ids == ["0/0", "0/1", "0/2", "0/3"], (ids, first)
+    assert "requires_grad mismatch" in first[0] and all("_te_passes_untouched_state" in r for r in first[1:]), first
+    assert ids_again == ["0/0", "0/1"], (ids_again, again)
+    assert len(again) == 1 and "requires_grad mismatch" in again[0], again
