@@ -38,11 +38,13 @@ case "$what" in
   suite)
     # every gpu-marked test (tests/gpu/conftest.py runs test_te_inductor_gpu.py first);
     # SIGINT before the device call's limit lets pytest print its summary and write the JUnit XML.
-    timeout -s INT "${SUITE_TIMEOUT_S:-560}" python3 -m pytest -m gpu tests/ \
+    # -o log_level=INFO: torch's structured-trace logger (torch.__trace) logs empty DEBUG records on every compile,
+    # ~25,000 lines per call under -rA
+    timeout -s INT "${SUITE_TIMEOUT_S:-560}" python3 -m pytest -m gpu tests/ -o log_level=INFO \
       -v -rA -p no:cacheprovider --timeout 400 --junitxml="$OUT/gpu_suite.xml" "$@" 2>&1 | tee "$OUT/gpu_suite.log"
     exit "${PIPESTATUS[0]}" ;;
   pytest)  # chosen gpu-marked tests: run_on_device.sh pytest tests/gpu/test_x.py::test_y ...
-    timeout -s INT "${SUITE_TIMEOUT_S:-560}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider --timeout 400 \
+    timeout -s INT "${SUITE_TIMEOUT_S:-560}" python3 -m pytest -m gpu -v -rA -o log_level=INFO -p no:cacheprovider --timeout 400 \
       --junitxml="$OUT/gpu_pytest.xml" "$@" 2>&1 | tee "$OUT/gpu_pytest.log"
     exit "${PIPESTATUS[0]}" ;;
   bench)
