@@ -165,6 +165,57 @@ def test_nested_te_autocast_disabled_lm_head_never_recompiles(where):
     _no_recompile(r)
 
 
+def _alternating(bf16):
+    """``outer`` for :func:`_run`: fp8 (``te.autocast(recipe=...)``) on even calls, bf16 on odd ones (``bf16``:
+    ``"disabled"`` te.autocast(enabled=False), ``"disabled-recipe"`` the same with the fp8 recipe, ``"none"`` no
+    te.autocast)."""
+    calls = iter(range(10**6))
+
+    def outer(recipe):
+        if next(calls) % 2 == 0:
+            return te.autocast(enabled=True, recipe=recipe)
+        if bf16 == "none":
+            return contextlib.nullcontext()
+        return te.autocast(enabled=False, recipe=recipe if bf16 == "disabled-recipe" else None)
+    return outer
+
+
+def _linear():
+    return te.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("bf16", ["disabled", "disabled-recipe", "none"])
+@pytest.mark.parametrize("build", [_linear, _layer, _llama], ids=["linear", "layer", "llama"])
+def test_fp8_and_bf16_calls_alternating_compile_two_graphs(build, bf16):
+    """A bf16 evaluation between fp8 training steps (user trial, session 22): every call recompiled until Dynamo's
+    recompile limit, then the frame ran eagerly. TE's prepare_forward reads the fp8 flag the previous call left, and
+    a call without fp8 resets fp8_initialized, which the fp8 graph guards on (compat/untouched/forward_state.py).
+    Now: one graph per state, both reused; the one recompile is the state change."""
+    r = _run(build, _plain, _alternating(bf16), calls=6)
+    assert r["breaks"] == {}, r["breaks"]
+    assert r["graphs"] == 2 and len(r["recompiles"]) == 1, r
+
+
+@pytest.mark.usefixtures("reset_te_fp8_state")  # DelayedScaling registers the modules in TE's global buffers
+@pytest.mark.parametrize("precision", ["fp8-cs", "fp8-ds"])
+def test_te_autocast_inside_switching_fp8_on_and_off_compiles_two_graphs(precision):
+    """The same with te.autocast inside the compiled function, its ``enabled`` read from a flag the loop flips
+    (DelayedScaling needs te.autocast inside on the fake GPU: its exit's amax update runs in the graph)."""
+    flag = {"fp8": True}
+
+    def body(model, recipe, x):
+        with te.autocast(enabled=flag["fp8"], recipe=recipe):
+            return model(x)
+
+    @contextlib.contextmanager
+    def flip(recipe):
+        yield
+        flag["fp8"] = not flag["fp8"]
+    r = _run(_llama, body, flip, precision=precision, calls=6)
+    assert r["breaks"] == {}, r["breaks"]
+    assert r["graphs"] == 2 and len(r["recompiles"]) == 1, r
+
+
 # --------------------------------------------------------------------------- item 4: a new recipe per step
 def test_new_recipe_object_per_step_warns_once_naming_the_fix():
     """A new (equal) recipe object per step: Dynamo's guard on the recipe object recompiles each step (te_passes

@@ -121,6 +121,19 @@ def prepare_forward(self, inp, num_gemms=1, allow_non_contiguous=False, allow_di
         if not qstate.fp8_calibration and not in_fp8_activation_recompute_phase():
             fp8, recipe = qstate.fp8_enabled, qstate.fp8_recipe  # noqa: F841 - read by prepare_traced_state
             comptime(prepare_traced_state)
+            # TE's `if self.fp8 and in_fp8_activation_recompute_phase()` reads the fp8 flag the previous call left
+            # (init_fp8_metadata writes this call's below): write this call's first, as a traced side effect, so
+            # the graph guards on the te.autocast state, not on the previous call's (fp8 <-> bf16 calls alternating)
+            self.fast_setattr("fp8", fp8)
+            if not fp8:
+                # TE's init_fp8_metadata resets fp8_initialized on a call without fp8, so that the next fp8 call
+                # builds the module's recipe state again and the fp8 graph's guard on it fails: every fp8 <-> bf16
+                # switch recompiled. Keep the value the call found (TE's rebuild for the same recipe is a no-op:
+                # stateless quantizers, DelayedScaling's scale / amax history inherited)
+                initialised = self.fp8_initialized
+                out = TE_FUNCTION[0](self, inp, num_gemms, allow_non_contiguous, allow_different_data_and_param_types)
+                self.fast_setattr("fp8_initialized", initialised)
+                return out
     return TE_FUNCTION[0](self, inp, num_gemms, allow_non_contiguous, allow_different_data_and_param_types)
 
 

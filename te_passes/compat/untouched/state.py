@@ -114,7 +114,10 @@ def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
         _ = m.is_fsdp2
         m.fast_setattr("allow_different_data_and_param_types", allow_mixed)
         m.set_activation_dtype(torch.empty(0, dtype=dtype))
+        initialised = m.__dict__.get("fp8_initialized")
         m.init_fp8_metadata(num_gemms=num_gemms)
+        if not fp8 and initialised is not None:  # as the prepare_forward polyfill: a call without fp8 keeps it
+            m.fast_setattr("fp8_initialized", initialised)
     except TypeError:  # TE: parameters of another dtype than the activations
         return False
     return True
