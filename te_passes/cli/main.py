@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "per-graph, per-stage, per-pass TE-aware graphs, diffs, report.json and index.md.")
     d.add_argument("target", nargs="?", help="FILE.py, module:function or FILE.py:function")
     d.add_argument("--example", metavar="NAME", help="a built-in example: linear-fp8, linear-bf16, linear-mxfp8, "
-                                                   "stack-fp8, transformer-layer-bf16, transformer-layer-fp8")
+                                                   "stack-fp8, transformer-layer-bf16, transformer-layer-fp8, "
+                                                   "llama-bf16, llama-fp8")
     d.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"dump directory (default {DEFAULT_OUT})")
     d.add_argument("--mode", help="torch.compile mode (default, reduce-overhead, max-autotune, ...)")
     d.add_argument("--precision", help="bf16, fp8-cs or mxfp8 (examples; callables taking precision=)")

@@ -34,3 +34,18 @@ def test_the_replay_example_lists_the_dynamo_passes_in_order():
     block = text[text.index("$ te-passes replay te_passes_dump --check"):]
     rows = re.findall(r"^(dynamo)\s+(\w+)\s", block[:block.index("\n```")], flags=re.M)
     assert [name for _, name in rows] == [cls.name for cls in PASSES if Stage.DYNAMO in cls.stages]
+
+
+def test_every_built_in_example_is_in_the_help_and_in_cli_md():
+    """Session 22's user trial: ``dump --help`` and docs/cli.md listed 6 of the 8 examples (not the Llama ones)."""
+    from te_passes.cli.main import build_parser
+    from te_passes.examples import EXAMPLES
+
+    text = CLI_MD.read_text()
+    table = text[text.index("## Built-in examples"):]
+    dump = next(a for a in build_parser()._subparsers._group_actions[0].choices["dump"]._actions
+                if "--example" in a.option_strings)
+    for name in EXAMPLES:
+        assert f"| `{name}` |" in table, f"docs/cli.md's examples table lacks {name}"
+        assert name in dump.help, f"te-passes dump --example's help lacks {name}"
+    assert "examples: " + ", ".join(EXAMPLES) + "`" in text, "docs/cli.md's 'unknown example' line"

@@ -206,6 +206,10 @@ def test_fused_attn_switched_off_leaves_the_attention_to_te_with_the_reason(how,
     assert err is not None and "te_passes_untouched_island[FusedAttention.forward]" in err, err
     want = "switched off (te_passes.fused_attn=False)" if how == "option" else "switched off (TE_PASSES_FUSED_ATTN='off')"
     assert [i.reason for i in polyfills.island_records()] == [f"TE fused-attention op unavailable: {want}"]
+    # the fix names the user's own switch (session 22's user trial: it said "none inside te_passes")
+    switch = "te_passes.fused_attn=False" if how == "option" else "TE_PASSES_FUSED_ATTN='off'"
+    assert [i.fix for i in polyfills.island_records()] == [
+        f"drop {switch}: it switches TE's fused-attention op off in te_inductor frames"]
     monkeypatch.delenv("TE_PASSES_FUSED_ATTN", raising=False)
     targets, err = _compile_layer(_layer, None, fullgraph=True)
     assert err is None and any("fused_attn" in t for t in targets), err

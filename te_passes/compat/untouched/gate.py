@@ -162,6 +162,10 @@ PREPARE_FIX = "call te_passes.prepare_delayed_scaling(model, recipe) before the 
 
 
 def island_fix_for(reason: str) -> str:
+    """The fix named beside an island's ``reason`` (``island_records()``, the dump report, the warning)."""
+    if "switched off (" in reason:  # fused_attn_off: the user's own switch
+        switch = reason[reason.index("switched off (") + len("switched off ("):].split(")")[0]
+        return f"drop {switch}: it switches TE's fused-attention op off in te_inductor frames"
     if "prepare_delayed_scaling" in reason:
         return PREPARE_FIX
     if "DelayedScaling" in reason:
