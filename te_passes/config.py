@@ -219,8 +219,8 @@ class TePassesOptions:
               environ: Mapping[str, str] | None = None) -> tuple["TePassesOptions", dict[str, Any]]:
         """``(TePassesOptions, inductor_options)`` from ``torch.compile``'s ``options`` and ``environ``
         (default ``os.environ``); ``known_passes``: the valid ``disable`` names. Raises
-        ``TePassesOptionError``: ``options`` not a mapping, an unknown ``te_passes.*`` key, a bad value, an
-        unknown pass name, a bad ``TE_PASSES_*`` value (:func:`check_environment`, which also warns
+        ``TePassesOptionError``: ``options`` not a mapping, a key that is not a string, an unknown ``te_passes.*``
+        key, a bad value, an unknown pass name, a bad ``TE_PASSES_*`` value (:func:`check_environment`, which also warns
         about unknown ``TE_PASSES_*`` names)."""
         environ = os.environ if environ is None else environ
         if options is not None and not isinstance(options, Mapping):
@@ -230,7 +230,10 @@ class TePassesOptions:
         ours: dict[str, Any] = {}
         inductor: dict[str, Any] = {}
         for key, value in (options or {}).items():
-            if not isinstance(key, str) or not key.startswith(PREFIX):
+            if not isinstance(key, str):
+                raise TePassesOptionError(f"option names are strings ('{PREFIX}strict', 'triton.cudagraphs', ...); "
+                                          f"got {key!r} ({type(key).__name__})")
+            if not key.startswith(PREFIX):
                 inductor[key] = value
                 continue
             short = key[len(PREFIX):]

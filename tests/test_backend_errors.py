@@ -310,3 +310,22 @@ def test_every_te_passes_variable_the_sources_read_is_known():
     used = {m for p in files for m in re.findall(r"\bTE_PASSES_[A-Z][A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
     used -= {"TE_PASSES_DISABLED", "TE_PASSES_ZZZ"}  # this file's unknown names
     assert used and used <= set(known_env_vars()), sorted(used - set(known_env_vars()))
+
+
+# --------------------------------------------------------------------------- session 22's user trial
+@pytest.mark.parametrize("via", ["option", "env"])
+def test_disabling_a_required_pass_is_refused_when_the_backend_is_built(via, monkeypatch):
+    """find_autocast_state's fact is what te_inductor sets around the compiled call: refused by
+    ``te_inductor_backend`` at once (was: accepted, refused at the first call)."""
+    options = {"te_passes.disable": ["find_autocast_state"]} if via == "option" else None
+    if via == "env":
+        monkeypatch.setenv("TE_PASSES_DISABLE", "find_autocast_state")
+    with pytest.raises(te_passes.TePassesOptionError, match="names find_autocast_state: te_inductor sets the "
+                                                            "te.autocast state it finds around the compiled call"):
+        te_passes.te_inductor_backend(options=options)
+
+
+def test_an_option_name_that_is_not_a_string_is_an_option_error():
+    with pytest.raises(te_passes.TePassesOptionError) as ei:
+        te_passes.te_inductor_backend(options={1: True})
+    assert str(ei.value) == "option names are strings ('te_passes.strict', 'triton.cudagraphs', ...); got 1 (int)"

@@ -152,6 +152,11 @@ def check_pass_names(names: Iterable[str], where: str) -> list[str]:
     if unknown:
         raise CliError(f"unknown pass name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {where}; "
                        f"known passes: {', '.join(known) or '(none registered)'}")
+    from te_passes.pipeline.facts import required_pass_refusal
+
+    refused = required_pass_refusal(names, where)  # the backend refuses these: so do dump and replay
+    if refused is not None:
+        raise CliError(refused)
     return names
 
 

@@ -10,7 +10,7 @@ import sys
 from typing import Any, Callable
 
 from te_passes.debug.graph_breaks import no_islands_text
-from te_passes.cli._common import CliError, EXIT_OK, Out, pass_registry, clean
+from te_passes.cli._common import CliError, EXIT_OK, Out, check_pass_names, pass_registry, clean
 from te_passes.config import env_option
 
 
@@ -197,6 +197,7 @@ def cmd_show(args: argparse.Namespace, out: Out) -> int:
 def cmd_list(args: argparse.Namespace, out: Out) -> int:
     names, classes = pass_registry()
     env_disable = set(env_option("disable") or ())
+    check_pass_names(sorted(env_disable & set(names)), "TE_PASSES_DISABLE")  # refused as the backend refuses it
     rows = []
     for cls in classes:
         order = {"dynamo": 0, "joint": 1, "post_grad_fwd": 2, "post_grad_bwd": 3}

@@ -28,7 +28,7 @@ from te_passes.cudagraphs.engine import CudagraphRecorder
 from te_passes.cudagraphs.policy import LeanCUDAGraphPolicy
 from te_passes.compat.api import (RecipeStateError, dynamo_stage_inputs, raise_ub_mismatches, te_state_guard,
                                    wrap_compiled)
-from te_passes.pipeline.facts import AutocastState, CudagraphHazard, UbStateReads, single_fact
+from te_passes.pipeline.facts import AutocastState, CudagraphHazard, UbStateReads, required_pass_refusal, single_fact
 from te_passes.te.state import TEState
 from te_passes.te.ub import UbConfigError, UbSnapshot
 
@@ -104,6 +104,9 @@ class CompileSettings:
         """Raises ``TePassesOptionError``: a bad ``te_passes.*`` key/value, pass name or ``ub_snapshot``,
         or non-tree cudagraphs; ``RuntimeError``: unknown mode or Inductor option (Inductor's message)."""
         opts, inductor_options = TePassesOptions.parse(options, known_passes=known_passes)
+        refused = required_pass_refusal(opts.disable, "te_passes.disable" + " / TE_PASSES_DISABLE" * ("disable" in opts.from_env))
+        if refused is not None:
+            raise TePassesOptionError(refused)
         patches = inductor_config_patches(mode, inductor_options)
         if _inductor_value(patches, "triton.cudagraphs") and not _inductor_value(patches, "triton.cudagraph_trees"):
             raise TePassesOptionError(_NON_TREE_CUDAGRAPHS)
@@ -216,9 +219,7 @@ class Compilation:
         name = AutocastState.producer
         run = next((r for r in stage.runs if r.name == name), None)
         if run is not None and run.status == "disabled":
-            raise TePassesOptionError(f"te_passes.disable names {name}: te_inductor sets the te.autocast state it "
-                                      "finds around the compiled call (TE's impls read it while they run), so it "
-                                      "cannot be disabled")
+            raise TePassesOptionError(required_pass_refusal([name], "te_passes.disable"))
         why = "is not in the pass list" if run is None else f"{run.status}: {run.error or run.records}"
         raise RecipeStateError(f"te_passes: graph {self.graph_id}: analysis {name} {why}; without the te.autocast "
                                "state TE's impls read while they run, te_inductor refuses the graph")

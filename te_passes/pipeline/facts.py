@@ -6,7 +6,7 @@ Dynamo-stage analyses, one type per analysis (``te_passes.passes``: ``find_autoc
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 from te_passes.compat.api import TracedAutocast
 
@@ -21,6 +21,23 @@ class AutocastState:
     producer: ClassVar[str] = "find_autocast_state"
     state: TracedAutocast | None = None
     refusal: str | None = None
+
+
+#: Passes ``te_passes.disable`` / ``TE_PASSES_DISABLE`` / ``--disable`` may not name: the pipeline needs their fact
+#: (pass name -> why). Checked when the backend is built (``te_inductor_backend``), at the first compile and by the CLI.
+REQUIRED_PASSES: dict[str, str] = {
+    AutocastState.producer: "te_inductor sets the te.autocast state it finds around the compiled call (TE's impls "
+                            "read it while they run), so it cannot be disabled",
+}
+
+
+def required_pass_refusal(disabled: Iterable[str], where: str) -> str | None:
+    """The refusal message when ``disabled`` (pass names, from ``where``: an option or variable name) names a
+    pass of :data:`REQUIRED_PASSES`, else ``None``."""
+    named = [n for n in disabled if n in REQUIRED_PASSES]
+    if not named:
+        return None
+    return f"{where} names {named[0]}: {REQUIRED_PASSES[named[0]]}"
 
 
 @dataclasses.dataclass(frozen=True)

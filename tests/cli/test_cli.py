@@ -326,9 +326,12 @@ def test_list_shows_the_registry_and_te_passes_disable(tmp_path):
     assert [r["name"] for r in rows] == [c.name for c in classes]
     assert [r["description"] for r in rows] == [c.description for c in classes]
     assert all(r["enabled"] is True for r in rows)
-    if classes:
-        proc = run_cli("list", cwd=str(tmp_path), env={"TE_PASSES_DISABLE": classes[0].name})
-        assert re.search(rf"{classes[0].name}\s.*no \(TE_PASSES_DISABLE\)", proc.stdout)
+    from te_passes.pipeline.facts import REQUIRED_PASSES
+
+    optional = [c.name for c in classes if c.name not in REQUIRED_PASSES]  # a required one: refused (bad input)
+    if optional:
+        proc = run_cli("list", cwd=str(tmp_path), env={"TE_PASSES_DISABLE": optional[0]})
+        assert re.search(rf"{optional[0]}\s.*no \(TE_PASSES_DISABLE\)", proc.stdout)
 
 
 def test_help(tmp_path):
@@ -341,7 +344,8 @@ def test_help(tmp_path):
 # --------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("case", ["missing_file", "raises", "compiles_nothing", "unknown_pass", "unknown_pass_env",
                                   "out_is_a_file", "out_under_a_file", "unknown_example", "replay_missing",
-                                  "replay_not_a_graph", "show_missing", "show_pass_name", "file_with_mode"])
+                                  "replay_not_a_graph", "show_missing", "show_pass_name", "file_with_mode",
+                                  "required_pass", "required_pass_env", "required_pass_list", "required_pass_replay"])
 def test_bad_input_gets_one_clear_line(case, tmp_path):
     (tmp_path / "raises.py").write_text("def main():\n    raise ValueError('boom: bad config')\n")
     (tmp_path / "nothing.py").write_text("import torch\n\ndef main():\n    return torch.ones(2) + 1\n")
@@ -367,6 +371,15 @@ def test_bad_input_gets_one_clear_line(case, tmp_path):
                            "fold_ub_predicates is a pass name: te-passes show takes a dump directory"),
         "file_with_mode": (["dump", "nothing.py", "--mode", "reduce-overhead"], {}, 2,
                            "--mode/--precision apply to module:function targets"),
+        # the backend refuses these (session 22's user trial: the CLI showed a pipeline the backend refuses)
+        "required_pass": (["dump", "--example", "linear-fp8", "--disable", "find_autocast_state"], {}, 2,
+                          "--disable names find_autocast_state: te_inductor sets the te.autocast state"),
+        "required_pass_env": (["dump", "--example", "linear-fp8"], {"TE_PASSES_DISABLE": "find_autocast_state"}, 2,
+                              "TE_PASSES_DISABLE names find_autocast_state"),
+        "required_pass_list": (["list"], {"TE_PASSES_DISABLE": "find_autocast_state"}, 2,
+                               "TE_PASSES_DISABLE names find_autocast_state"),
+        "required_pass_replay": (["replay", "junk.tegraph", "--disable", "find_autocast_state"], {}, 2,
+                                 "--disable names find_autocast_state"),
     }[case]
     proc = run_cli(*args, cwd=str(tmp_path), env=env)
     assert proc.returncode == code, (proc.returncode, proc.stderr)
