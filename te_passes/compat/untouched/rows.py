@@ -178,8 +178,10 @@ ROWS: tuple[Row, ...] = (
          "the te.autocast state of the call: Dynamo guards on the values of the state before the frame (prepared "
          "at compile start with the te.autocast active then), a recompile on step 2 when the frame runs the module "
          "under another state (te.autocast inside the compiled function, a nested enabled=False LM head): in "
-         "te_inductor frames TE's lazy init runs eagerly with the traced state first (issue 38); a rebind: Dynamo "
-         "inlines a method found on the class, substitute_in_graph is never consulted",
+         "te_inductor frames TE's lazy init runs eagerly with the traced state first (issue 38), the call's fp8 flag "
+         "is written before TE reads the previous call's, and a call without fp8 keeps fp8_initialized (fp8 and "
+         "bf16 calls alternating recompiled every call); a rebind: Dynamo inlines a method found on the class, "
+         "substitute_in_graph is never consulted",
          "TE's prepare_forward writes the te.autocast state before reading it (or Dynamo stops guarding on values "
          "the frame overwrites)", _prepare_forward_plan, after=None),
     _row(EAGER_ROW, "torch.compiler._is_compiling_flag (scoped: state.run_eager)", "toggle",
