@@ -101,14 +101,14 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
                                   L2_cache_size=50 * 2**20, warp_size=32)
     with contextlib.ExitStack() as stack:
         stack.callback(clear_system_info)  # runs last: after the patches are undone
-        for flag in _TE_SUPPORT_FLAGS:
-            if hasattr(te_quant, flag):
-                stack.enter_context(mock.patch.object(te_quant, flag, (True, "")))
         stack.enter_context(mock.patch.object(te_utils, "_get_device_compute_capability",
                                               lambda device=None: cap))
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: cap))
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: props))
+        for flag in _TE_SUPPORT_FLAGS:
+            if hasattr(te_quant, flag):  # TE's own answer for the faked capability (Hopper: no MXFP8 / NVFP4)
+                stack.enter_context(mock.patch.object(te_quant, flag, _support(te_quant, flag)))
         if fake_ub:
             stack.enter_context(mock.patch.object(te_base, "_ub_communicators", _FakeUbTable(ub_fp8)))
             stack.enter_context(mock.patch.object(te_base, "_ub_initialized", True))
@@ -123,6 +123,18 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
                                               [*untouched_state.BUILD_CONTEXTS, constructing]))
         clear_system_info()
         yield
+
+
+def _support(te_quant: Any, flag: str) -> tuple[bool, str]:
+    """TE's ``_compute_<x>_support()`` for support flag ``_<X>_SUPPORT`` (``quantization.py``), under the faked
+    capability: so the fake Hopper picks TE's default recipe as a real one does (``get_default_fp8_recipe``:
+    DelayedScaling, not MXFP8) and refuses MXFP8 / NVFP4 with TE's message. ``(True, "")`` when TE has no
+    such function or it needs a GPU for its answer (the CUDA / cuBLASLt version checks below sm_89)."""
+    compute = getattr(te_quant, "_compute" + flag.lower().removesuffix("_support") + "_support", None)
+    try:
+        return compute() if compute is not None else (True, "")
+    except Exception:  # noqa: BLE001 - a check that asks the driver
+        return True, ""
 
 
 def _fake_fused_attn_backend(**_kwargs: Any) -> tuple[int, str]:
