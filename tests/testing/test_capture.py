@@ -391,3 +391,22 @@ def test_run_pipeline_strict_failure_propagates(te_aot_graphs):
         reports = run_pipeline(te_aot_graphs("bf16", 1), passes=[Boom()])
     assert [(r.stage, [run.status for run in r.runs]) for r in reports] == [
         ("dynamo", []), ("joint", []), ("post_grad_fwd", []), ("post_grad_bwd", ["failed"])]
+
+
+@pytest.mark.parametrize("precision,default,mxfp8", [("bf16", "DelayedScaling", False),
+                                                     ("fp8-cs", "DelayedScaling", False),
+                                                     ("mxfp8", "MXFP8BlockScaling", True)])
+def test_the_fake_gpu_answers_te_s_support_checks_as_its_capability(precision, default, mxfp8):
+    """The fake Hopper (sm_90) is TE's Hopper: DelayedScaling is TE's default recipe, MXFP8 / NVFP4 are refused with
+    TE's message; the fake Blackwell (sm_100) has both (session 22's user trial: every fake GPU reported MXFP8)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import transformer_engine.pytorch.quantization as q
+
+    from te_passes.testing.fake_gpu import fake_gpu
+
+    with fake_gpu(precision):
+        assert type(q.get_default_fp8_recipe()).__name__ == default
+        assert q.check_mxfp8_support()[0] is mxfp8 and q.check_nvfp4_support()[0] is mxfp8
+        assert q.check_fp8_support() == (True, "")
+        if not mxfp8:
+            assert q.check_nvfp4_support()[1] == "Device compute capability 10.0 or higher required for NVFP4 execution."
