@@ -104,7 +104,8 @@ class CompileSettings:
         """Raises ``TePassesOptionError``: a bad ``te_passes.*`` key/value, pass name or ``ub_snapshot``,
         or non-tree cudagraphs; ``RuntimeError``: unknown mode or Inductor option (Inductor's message)."""
         opts, inductor_options = TePassesOptions.parse(options, known_passes=known_passes)
-        refused = required_pass_refusal(opts.disable, "te_passes.disable" + " / TE_PASSES_DISABLE" * ("disable" in opts.from_env))
+        where = "te_passes.disable / TE_PASSES_DISABLE" if "disable" in opts.from_env else "te_passes.disable"
+        refused = required_pass_refusal(opts.disable, where)
         if refused is not None:
             raise TePassesOptionError(refused)
         patches = inductor_config_patches(mode, inductor_options)

@@ -11,7 +11,7 @@ import contextlib
 import threading
 import types
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from unittest import mock
 
 import torch
@@ -27,7 +27,10 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp8-cs", "mxfp8")
 #: Device capability each precision is captured under (Hopper for bf16/FP8, Blackwell for MXFP8).
 DEVICE_CAPABILITY: dict[str, tuple[int, int]] = {"bf16": (9, 0), "fp8-cs": (9, 0), "mxfp8": (10, 0)}
 
-_TE_SUPPORT_FLAGS = ("_FP8_SUPPORT", "_MXFP8_SUPPORT", "_NVFP4_SUPPORT", "_FP8_BLOCK_SCALING_SUPPORT")
+#: TE's cached support flags (``transformer_engine/pytorch/quantization.py``) -> the function that computes each.
+_TE_SUPPORT_FLAGS = {"_FP8_SUPPORT": "_compute_fp8_support", "_MXFP8_SUPPORT": "_compute_mxfp8_support",
+                     "_NVFP4_SUPPORT": "_compute_nvfp4_support",
+                     "_FP8_BLOCK_SCALING_SUPPORT": "_compute_fp8_block_scaling_support"}
 
 #: ``is_fp8_ubuf()`` of TE 2.20.2's default Userbuffers config in FP8 mode (``initialize_ub(...,
 #: quantization_modes=[NONE, FP8])``): the reduce-scatter ``*_fprop`` and bulk ``*_wgrad`` buffers
@@ -106,9 +109,9 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: cap))
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: props))
-        for flag in _TE_SUPPORT_FLAGS:
+        for flag, compute in _TE_SUPPORT_FLAGS.items():
             if hasattr(te_quant, flag):  # TE's own answer for the faked capability (Hopper: no MXFP8 / NVFP4)
-                stack.enter_context(mock.patch.object(te_quant, flag, _support(te_quant, flag)))
+                stack.enter_context(mock.patch.object(te_quant, flag, _support(getattr(te_quant, compute, None))))
         if fake_ub:
             stack.enter_context(mock.patch.object(te_base, "_ub_communicators", _FakeUbTable(ub_fp8)))
             stack.enter_context(mock.patch.object(te_base, "_ub_initialized", True))
@@ -125,12 +128,11 @@ def fake_gpu(precision: str = "fp8-cs", *, fake_ub: bool = False, ub_fp8: Any = 
         yield
 
 
-def _support(te_quant: Any, flag: str) -> tuple[bool, str]:
-    """TE's ``_compute_<x>_support()`` for support flag ``_<X>_SUPPORT`` (``quantization.py``), under the faked
-    capability: so the fake Hopper picks TE's default recipe as a real one does (``get_default_fp8_recipe``:
-    DelayedScaling, not MXFP8) and refuses MXFP8 / NVFP4 with TE's message. ``(True, "")`` when TE has no
-    such function or it needs a GPU for its answer (the CUDA / cuBLASLt version checks below sm_89)."""
-    compute = getattr(te_quant, "_compute" + flag.lower().removesuffix("_support") + "_support", None)
+def _support(compute: Callable[[], tuple[bool, str]] | None) -> tuple[bool, str]:
+    """TE's ``compute()`` (a ``_compute_*_support`` of :data:`_TE_SUPPORT_FLAGS`) under the faked capability: so
+    the fake Hopper picks TE's default recipe as a real one does (``get_default_fp8_recipe``: DelayedScaling, not
+    MXFP8) and refuses MXFP8 / NVFP4 with TE's message. ``(True, "")`` when TE has no such function or it needs a
+    GPU for its answer (the CUDA / cuBLASLt version checks below sm_89)."""
     try:
         return compute() if compute is not None else (True, "")
     except Exception:  # noqa: BLE001 - a check that asks the driver

@@ -25,7 +25,7 @@ from torch._dynamo.comptime import comptime
 
 from te_passes.compat import table
 from te_passes.compat.delayed_scaling.state import DELAYED_ATTR
-from te_passes.compat.untouched.state import PREPARED_KEY, active_frames, prepare_all
+from te_passes.compat.untouched.state import PREPARED_KEY, active_frames, keeping_fp8_initialized, prepare_all
 
 #: TE's class and method the row rebinds (``transformer_engine/pytorch/module/base.py``).
 TE_BASE_MODULE = "transformer_engine.pytorch.module.base"
@@ -125,15 +125,8 @@ def prepare_forward(self, inp, num_gemms=1, allow_non_contiguous=False, allow_di
             # (init_fp8_metadata writes this call's below): write this call's first, as a traced side effect, so
             # the graph guards on the te.autocast state, not on the previous call's (fp8 <-> bf16 calls alternating)
             self.fast_setattr("fp8", fp8)
-            if not fp8:
-                # TE's init_fp8_metadata resets fp8_initialized on a call without fp8, so that the next fp8 call
-                # builds the module's recipe state again and the fp8 graph's guard on it fails: every fp8 <-> bf16
-                # switch recompiled. Keep the value the call found (TE's rebuild for the same recipe is a no-op:
-                # stateless quantizers, DelayedScaling's scale / amax history inherited)
-                initialised = self.fp8_initialized
-                out = TE_FUNCTION[0](self, inp, num_gemms, allow_non_contiguous, allow_different_data_and_param_types)
-                self.fast_setattr("fp8_initialized", initialised)
-                return out
+            return keeping_fp8_initialized(self, fp8, lambda: TE_FUNCTION[0](
+                self, inp, num_gemms, allow_non_contiguous, allow_different_data_and_param_types))
     return TE_FUNCTION[0](self, inp, num_gemms, allow_non_contiguous, allow_different_data_and_param_types)
 
 

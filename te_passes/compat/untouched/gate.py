@@ -59,14 +59,18 @@ def norm_choice() -> str:
     return options_now().untouched_norm
 
 
+#: How :func:`fused_attn_off`'s reason names the user's switch (``island_fix_for`` reads the switch back).
+_SWITCHED_OFF = "switched off ("
+
+
 def fused_attn_off(opts: TePassesOptions) -> str:
     """Why ``opts`` keep the untouched attention off TE's fused-attention op (``""``: they do not):
     ``"switched off (TE_PASSES_FUSED_ATTN='0')"`` / ``"switched off (te_passes.fused_attn=False)"``."""
     if opts.fused_attn:
         return ""
     if "fused_attn" in opts.from_env:
-        return "switched off ({0}={1!r})".format(*next(iter(env_aliases("fused_attn").items()), ("TE_PASSES_FUSED_ATTN", "")))
-    return f"switched off ({PREFIX}fused_attn=False)"
+        return _SWITCHED_OFF + "{0}={1!r})".format(*next(iter(env_aliases("fused_attn").items()), ("TE_PASSES_FUSED_ATTN", "")))
+    return f"{_SWITCHED_OFF}{PREFIX}fused_attn=False)"
 
 
 @torch._dynamo.assume_constant_result
@@ -163,8 +167,8 @@ PREPARE_FIX = "call te_passes.prepare_delayed_scaling(model, recipe) before the 
 
 def island_fix_for(reason: str) -> str:
     """The fix named beside an island's ``reason`` (``island_records()``, the dump report, the warning)."""
-    if "switched off (" in reason:  # fused_attn_off: the user's own switch
-        switch = reason[reason.index("switched off (") + len("switched off ("):].split(")")[0]
+    if _SWITCHED_OFF in reason:  # fused_attn_off: the user's own switch
+        switch = reason.split(_SWITCHED_OFF, 1)[1].split(")")[0]
         return f"drop {switch}: it switches TE's fused-attention op off in te_inductor frames"
     if "prepare_delayed_scaling" in reason:
         return PREPARE_FIX

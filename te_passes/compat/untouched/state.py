@@ -97,6 +97,21 @@ def _frame_modules(ctx: Any) -> list[torch.nn.Module]:
     return out
 
 
+def keeping_fp8_initialized(m: Any, fp8: bool, init: Callable[[], Any]) -> Any:
+    """``init()`` (TE code that runs ``m.init_fp8_metadata``), with ``m.fp8_initialized`` kept as it was when ``fp8``
+    is off; returns what ``init`` returns. TE 2.20.2's ``init_fp8_metadata`` resets ``fp8_initialized`` on a call
+    without fp8 so that the next fp8 call builds the recipe state again, which for the same recipe changes nothing
+    (stateless quantizers; DelayedScaling's scale and amax history inherited), while a compiled fp8 graph guards
+    on the flag: with the reset, fp8 and bf16 calls alternating recompiled every call. Used eagerly
+    (:func:`prepare_te_module`) and traced (the ``prepare_forward`` polyfill)."""
+    if fp8:
+        return init()
+    initialised = m.fp8_initialized
+    out = init()
+    m.fast_setattr("fp8_initialized", initialised)
+    return out
+
+
 def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
                       args: tuple[int, bool] | None = None) -> bool:
     """Run TE's first-forward lazy initialisation of ``m`` eagerly (what ``prepare_forward`` does on the first
@@ -114,10 +129,7 @@ def prepare_te_module(m: Any, dtype: torch.dtype, fp8: bool, recipe: Any,
         _ = m.is_fsdp2
         m.fast_setattr("allow_different_data_and_param_types", allow_mixed)
         m.set_activation_dtype(torch.empty(0, dtype=dtype))
-        initialised = m.__dict__.get("fp8_initialized")
-        m.init_fp8_metadata(num_gemms=num_gemms)
-        if not fp8 and initialised is not None:  # as the prepare_forward polyfill: a call without fp8 keeps it
-            m.fast_setattr("fp8_initialized", initialised)
+        keeping_fp8_initialized(m, fp8, lambda: m.init_fp8_metadata(num_gemms=num_gemms))
     except TypeError:  # TE: parameters of another dtype than the activations
         return False
     return True
